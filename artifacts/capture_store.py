@@ -1,0 +1,436 @@
+"""The capture store: indexer keys, sampled queries and head weights of model runs, in a zarr v3 group.
+
+Layout (``L`` = a layer id that runs an indexer)::
+
+    <store>/                         group; attributes hold {"dsaindex": {"manifest": ..., "committed": ...}}
+      sequence_tokens    [S]         int32 tokens per captured sequence
+      sequence_keys      [S]         int32 keys per sequence (tokens, or V4 compressed entries)
+      sequence_queries   [S]         int32 sampled queries per sequence
+      tokens             [N_tok]     int32 token ids, sequences back to back
+      query_position     [M]         int32 token position of each sampled query in its sequence
+      query_sequence     [M]         int32 sequence index of each sampled query
+      query_window       [M]         int32 decode-window id of the query, -1 for a scattered one
+      layers/L/keys      [N_keys, D] keys as scored (after norm + RoPE), in the manifest's basis
+      layers/L/queries   [M, H, D]   queries at the sampled positions (same positions in every layer)
+      layers/L/head_weights [M, H]   float32 effective head weights (see dsaindex.score)
+
+bfloat16 arrays are stored as their uint16 bit patterns; the manifest names the logical dtype.
+
+Crash safety: data is appended first, then ``committed`` (the row counts of every array) is advanced
+in the group attributes. Zarr replaces each chunk file atomically, so committed rows are never torn; on
+reopening, rows past ``committed`` (a write the crash interrupted) are cut away and the capture resumes
+from ``committed.sequences``. A lock file keeps to one writer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dsaindex._version import __version__
+from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError
+
+SCHEMA_ID = "dsaindex.capture-store"
+SCHEMA_VERSION = 1
+ATTR_KEY = "dsaindex"
+KEY_DTYPES = ("bfloat16", "float32")
+
+SEQUENCE_ARRAYS = ("sequence_tokens", "sequence_keys", "sequence_queries")
+QUERY_ARRAYS = ("query_position", "query_sequence", "query_window")
+
+
+class ModelFingerprint(BaseModel):
+    """Identifies the model a store (or artifact) belongs to."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    family: str
+    geometry: dict[str, Any]
+    config_digest: str
+    weights_digest: str
+    dtype: str
+
+
+class QuerySampling(BaseModel):
+    """Which positions of each sequence get their queries and head weights recorded.
+
+    ``scattered`` positions are drawn uniformly over the sequence; ``windows`` runs of ``window_len``
+    consecutive positions (decode-like steps) start in the second half of it. The draw depends only on
+    the seed and the sequence index, so every layer sees the same positions.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    scattered: int = 32
+    windows: int = 2
+    window_len: int = 16
+    seed: int = 0
+
+
+class CaptureSettings(BaseModel):
+    """Settings that shape what a capture writes; a resume must use the same ones."""
+
+    model_config = ConfigDict(extra="forbid")
+    seq_len: int = 4096
+    chunk_len: int = 2048
+    basis: Literal["raw", "hadamard"] = "hadamard"
+    key_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    sampling: QuerySampling = QuerySampling()
+
+
+class CaptureManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_id: Literal["dsaindex.capture-store"] = SCHEMA_ID
+    schema_version: int = SCHEMA_VERSION
+    store_id: str
+    created_at: str
+    dsaindex_version: str
+    model: ModelFingerprint
+    settings: CaptureSettings
+    corpus: dict[str, Any]
+    tokenizer: str
+
+
+class Committed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sequences: int = 0
+    tokens: int = 0
+    keys: int = 0
+    queries: int = 0
+
+
+class SequenceBatch(BaseModel):
+    """Captured data of whole sequences, ready to append (numpy arrays, host memory)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    sequence_tokens: list[int] = []
+    sequence_keys: list[int] = []
+    sequence_queries: list[int] = []
+    tokens: list[np.ndarray] = []
+    query_position: list[np.ndarray] = []
+    query_sequence: list[np.ndarray] = []
+    query_window: list[np.ndarray] = []
+    keys: dict[int, list[np.ndarray]] = {}
+    queries: dict[int, list[np.ndarray]] = {}
+    head_weights: dict[int, list[np.ndarray]] = {}
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequence_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.sequence_tokens)
+
+
+def _storage_dtype(logical: str) -> str:
+    return {"bfloat16": "uint16", "float32": "float32"}[logical]
+
+
+def _compressors():
+    import zarr
+
+    return [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle=zarr.codecs.BloscShuffle.bitshuffle)]
+
+
+class CaptureStore:
+    """A capture store on disk. Use :meth:`create`, :meth:`open` or :meth:`open_for_append`."""
+
+    def __init__(self, path: Path, group, manifest: CaptureManifest, committed: Committed):
+        self.path = path
+        self.group = group
+        self.manifest = manifest
+        self.committed = committed
+        self._lock_fd: int | None = None
+
+    # ---- opening -------------------------------------------------------------------------------
+    @staticmethod
+    def exists(path: str | Path) -> bool:
+        return (Path(path) / "zarr.json").is_file()
+
+    @classmethod
+    def open(cls, path: str | Path) -> CaptureStore:
+        """Open an existing store read-only (sees only committed rows)."""
+        import zarr
+
+        path = Path(path)
+        if not path.exists():
+            raise CorruptStoreError(f"No capture store at {path}.", "check the path, or create one with `dsaindex capture`.")
+        try:
+            group = zarr.open_group(str(path), mode="r")
+        except Exception as err:  # noqa: BLE001 - zarr raises several kinds for foreign folders
+            raise CorruptStoreError(
+                f"{path} is not a zarr v3 group ({type(err).__name__}: {err}).",
+                "point at a store written by `dsaindex capture`, or capture into a new path.",
+            ) from None
+        attrs = dict(group.attrs).get(ATTR_KEY)
+        if not isinstance(attrs, dict) or "manifest" not in attrs:
+            raise CorruptStoreError(
+                f"{path} is a zarr group but not a dsaindex capture store (no '{ATTR_KEY}' manifest).",
+                "capture into a new path; this one belongs to something else.",
+            )
+        try:
+            manifest = CaptureManifest.model_validate(attrs["manifest"])
+            committed = Committed.model_validate(attrs.get("committed", {}))
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise CorruptStoreError(
+                f"{path} has an invalid capture manifest ({'.'.join(map(str, first['loc']))}: {first['msg']}).",
+                "the store was written by an incompatible version or edited by hand; capture into a new path.",
+            ) from None
+        store = cls(path, group, manifest, committed)
+        store._check_arrays()
+        return store
+
+    @classmethod
+    def create(cls, path: str | Path, manifest: CaptureManifest) -> CaptureStore:
+        import zarr
+
+        path = Path(path)
+        if path.exists() and any(path.iterdir()):
+            raise DsaIndexError(f"{path} exists and is not empty.", "capture into a new path, or resume an existing store.")
+        group = zarr.open_group(str(path), mode="w", zarr_format=3)
+        geometry = manifest.model.geometry
+        heads, dim = geometry["n_heads"], geometry["head_dim"]
+        key_dtype = _storage_dtype(manifest.settings.key_dtype)
+        comp = _compressors()
+        for name in SEQUENCE_ARRAYS:
+            group.create_array(name, shape=(0,), chunks=(4096,), dtype="int32", compressors=comp)
+        group.create_array("tokens", shape=(0,), chunks=(1 << 18,), dtype="int32", compressors=comp)
+        for name in QUERY_ARRAYS:
+            group.create_array(name, shape=(0,), chunks=(8192,), dtype="int32", compressors=comp)
+        key_rows = max(1024, (4 << 20) // (dim * 2))  # ~4 MiB chunks
+        query_rows = max(16, (4 << 20) // (heads * dim * 2))
+        for layer in geometry["indexer_layers"]:
+            sub = group.require_group(f"layers/{layer}")
+            sub.create_array("keys", shape=(0, dim), chunks=(key_rows, dim), dtype=key_dtype, compressors=comp)
+            sub.create_array(
+                "queries", shape=(0, heads, dim), chunks=(query_rows, heads, dim), dtype=key_dtype, compressors=comp
+            )
+            sub.create_array("head_weights", shape=(0, heads), chunks=(8192, heads), dtype="float32", compressors=comp)
+        store = cls(path, group, manifest, Committed())
+        store._write_attrs()
+        return store
+
+    @classmethod
+    def open_for_append(cls, path: str | Path, expected: CaptureManifest | None = None) -> CaptureStore:
+        """Open a store for writing: take the writer lock, check it matches ``expected`` (model and
+        settings), and cut away rows past the committed counts."""
+        import zarr
+
+        store = cls.open(path)
+        store._lock()
+        if expected is not None:
+            store._check_matches(expected)
+        store.group = zarr.open_group(str(store.path), mode="r+")
+        store._truncate_to_committed()
+        for stray in store.path.rglob("*.partial"):
+            stray.unlink(missing_ok=True)
+        return store
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> CaptureStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- checks --------------------------------------------------------------------------------
+    def _lock(self) -> None:
+        fd = os.open(self.path / ".writer.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DsaIndexError(
+                f"Another process is writing to {self.path}.", "wait for it to finish, or capture into another path."
+            ) from None
+        self._lock_fd = fd
+
+    def _check_matches(self, expected: CaptureManifest) -> None:
+        have, want = self.manifest, expected
+        for label, a, b in (
+            ("model", have.model.model_dump(), want.model.model_dump()),
+            ("settings", have.settings.model_dump(), want.settings.model_dump()),
+            ("corpus", have.corpus, want.corpus),
+            ("tokenizer", have.tokenizer, want.tokenizer),
+        ):
+            if a != b:
+                diffs = _diff(a, b)
+                raise StoreMismatchError(
+                    f"{self.path} was captured with another {label} ({diffs}).",
+                    "resume with the store's own model and settings (`dsaindex store info` shows them), "
+                    "or capture into a new path.",
+                )
+
+    def _arrays(self) -> dict[str, tuple[Any, str]]:
+        """name -> (array, which committed count its rows follow)."""
+        g = self.group
+        out = {name: (g[name], "sequences") for name in SEQUENCE_ARRAYS}
+        out["tokens"] = (g["tokens"], "tokens")
+        out.update({name: (g[name], "queries") for name in QUERY_ARRAYS})
+        for layer in self.layers:
+            out[f"layers/{layer}/keys"] = (g[f"layers/{layer}/keys"], "keys")
+            out[f"layers/{layer}/queries"] = (g[f"layers/{layer}/queries"], "queries")
+            out[f"layers/{layer}/head_weights"] = (g[f"layers/{layer}/head_weights"], "queries")
+        return out
+
+    def _check_arrays(self) -> None:
+        counts = self.committed.model_dump()
+        try:
+            arrays = self._arrays()
+        except KeyError as err:
+            raise CorruptStoreError(
+                f"{self.path} lacks the array {err.args[0]!r}.", "the store is damaged; capture into a new path."
+            ) from None
+        for name, (arr, which) in arrays.items():
+            if arr.shape[0] < counts[which]:
+                raise CorruptStoreError(
+                    f"{self.path}: array {name} has {arr.shape[0]} rows but {counts[which]} are committed.",
+                    "the store is damaged; capture into a new path.",
+                )
+
+    def _truncate_to_committed(self) -> None:
+        counts = self.committed.model_dump()
+        for _name, (arr, which) in self._arrays().items():
+            if arr.shape[0] != counts[which]:
+                arr.resize((counts[which], *arr.shape[1:]))
+
+    # ---- writing -------------------------------------------------------------------------------
+    def _write_attrs(self) -> None:
+        self.group.attrs.update(
+            {ATTR_KEY: {"manifest": self.manifest.model_dump(mode="json"), "committed": self.committed.model_dump()}}
+        )
+
+    def append(self, batch: SequenceBatch) -> None:
+        """Append whole sequences, then advance ``committed``. A crash in between loses only this batch."""
+        if batch.num_sequences == 0:
+            return
+        arrays = self._arrays()
+        columns: dict[str, np.ndarray] = {
+            "sequence_tokens": np.asarray(batch.sequence_tokens, dtype=np.int32),
+            "sequence_keys": np.asarray(batch.sequence_keys, dtype=np.int32),
+            "sequence_queries": np.asarray(batch.sequence_queries, dtype=np.int32),
+            "tokens": np.concatenate(batch.tokens).astype(np.int32),
+            "query_position": np.concatenate(batch.query_position).astype(np.int32),
+            "query_sequence": np.concatenate(batch.query_sequence).astype(np.int32),
+            "query_window": np.concatenate(batch.query_window).astype(np.int32),
+        }
+        for layer in self.layers:
+            columns[f"layers/{layer}/keys"] = np.concatenate(batch.keys[layer])
+            columns[f"layers/{layer}/queries"] = np.concatenate(batch.queries[layer])
+            columns[f"layers/{layer}/head_weights"] = np.concatenate(batch.head_weights[layer]).astype(np.float32)
+        counts = self.committed.model_dump()
+        for name, values in columns.items():
+            arr, which = arrays[name]
+            start = counts[which]
+            arr.resize((start + len(values), *arr.shape[1:]))
+            arr[start : start + len(values)] = values
+        self.committed = Committed(
+            sequences=self.committed.sequences + batch.num_sequences,
+            tokens=self.committed.tokens + len(columns["tokens"]),
+            keys=self.committed.keys + sum(batch.sequence_keys),
+            queries=self.committed.queries + len(columns["query_position"]),
+        )
+        self._write_attrs()
+
+    # ---- reading -------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[int]:
+        return [int(i) for i in self.manifest.model.geometry["indexer_layers"]]
+
+    def _read(self, name: str, which: str) -> np.ndarray:
+        n = getattr(self.committed, which)
+        return self.group[name][:n]
+
+    def keys(self, layer: int) -> np.ndarray:
+        """[N_keys, D] keys of a layer in storage form (uint16 bf16 bits or float32)."""
+        return self._read(f"layers/{layer}/keys", "keys")
+
+    def queries(self, layer: int) -> np.ndarray:
+        return self._read(f"layers/{layer}/queries", "queries")
+
+    def head_weights(self, layer: int) -> np.ndarray:
+        return self._read(f"layers/{layer}/head_weights", "queries")
+
+    def array(self, name: str) -> np.ndarray:
+        which = "sequences" if name in SEQUENCE_ARRAYS else "queries" if name in QUERY_ARRAYS else "tokens"
+        return self._read(name, which)
+
+    def as_float(self, values: np.ndarray):
+        """Storage form -> torch float32 tensor (decodes bf16 bits)."""
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(values))
+        if self.manifest.settings.key_dtype == "bfloat16":
+            return t.view(torch.bfloat16).float()
+        return t.float()
+
+    def nbytes_stored(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+    def info(self) -> dict[str, Any]:
+        m = self.manifest
+        g = m.model.geometry
+        return {
+            "path": str(self.path),
+            "store_id": m.store_id,
+            "schema": f"{m.schema_id}/{m.schema_version}",
+            "created_at": m.created_at,
+            "model": {"name": m.model.name, "family": m.model.family, "dtype": m.model.dtype,
+                      "config_digest": m.model.config_digest, "weights_digest": m.model.weights_digest},
+            "layers": self.layers,
+            "n_heads": g["n_heads"],
+            "head_dim": g["head_dim"],
+            "topk": g["topk"],
+            "key_stride": g["key_stride"],
+            "basis": m.settings.basis,
+            "key_dtype": m.settings.key_dtype,
+            "settings": m.settings.model_dump(),
+            "corpus": m.corpus,
+            "tokenizer": m.tokenizer,
+            "committed": self.committed.model_dump(),
+            "keys_per_layer": self.committed.keys,
+            "queries_per_layer": self.committed.queries,
+            "bytes_on_disk": self.nbytes_stored(),
+        }
+
+
+def new_manifest(model: ModelFingerprint, settings: CaptureSettings, corpus: dict, tokenizer: str) -> CaptureManifest:
+    return CaptureManifest(
+        store_id=uuid.uuid4().hex[:12],
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        dsaindex_version=__version__,
+        model=model,
+        settings=settings,
+        corpus=corpus,
+        tokenizer=tokenizer,
+    )
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> str:
+    """Short description of where two nested dicts differ: 'x.y: store=1 vs now=2'."""
+    parts: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{path}.{k}" if path else str(k))
+        elif x != y:
+            parts.append(f"{path}: store={x!r} vs now={y!r}")
+
+    walk(a, b, prefix)
+    return "; ".join(parts[:3]) + (" ..." if len(parts) > 3 else "")
+
+

@@ -1,0 +1,3 @@
+from dsaindex.cli import main
+
+main()

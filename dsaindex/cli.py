@@ -1,0 +1,63 @@
+"""The ``dsaindex`` command: composes the sub-apps of the subpackages.
+
+Heavy libraries (torch, zarr, transformers) are imported inside commands so ``dsaindex --help`` is
+instant. Errors on bad input (:class:`dsaindex.errors.DsaIndexError`) print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dsaindex._version import __version__
+from dsaindex.artifacts.cli import store_app
+from dsaindex.errors import DsaIndexError
+from dsaindex.pipelines.cli import register as register_pipelines
+
+app = typer.Typer(
+    name="dsaindex",
+    help="Index building and artifact loading for DeepSeek Sparse Attention models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+register_pipelines(app)
+app.add_typer(store_app, name="store", help="Inspect capture stores.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Index building and artifact loading for DeepSeek Sparse Attention models."""
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except DsaIndexError as err:
+        typer.secho(f"error: {err.problem} Fix: {err.fix}", err=True, fg="red")
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Errors a user can act on.
+
+Every error raised on bad input is a :class:`DsaIndexError`: it names the problem and the fix. The CLI
+prints it on one line and exits with code 2; library callers can catch it.
+"""
+
+
+class DsaIndexError(Exception):
+    """An error caused by input the user controls, with the fix to apply."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem} Fix: {fix}")
+
+
+class UnsupportedModelError(DsaIndexError):
+    """The model has no DSA indexer, or belongs to a family this project does not know."""
+
+
+class StoreMismatchError(DsaIndexError):
+    """A store was made with another model or other settings than the ones given now."""
+
+
+class CorruptStoreError(DsaIndexError):
+    """A store is damaged, or is not a store of this project."""
+
+
+class EmptyCorpusError(DsaIndexError):
+    """The corpus holds no usable text."""
+
+
+class ModelNotFoundError(DsaIndexError):
+    """A model reference points at nothing that can be loaded offline."""

@@ -1,0 +1,1 @@
+"""Pipelines: running models and flows (capture, corpus readers, the demo)."""

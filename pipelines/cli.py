@@ -1,0 +1,120 @@
+"""``dsaindex capture`` and ``dsaindex demo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def capture_cmd(
+    store: Path = typer.Argument(..., help="Capture store to create, or to resume if it exists."),
+    model: str = typer.Option(
+        None, "--model", "-m", help="Checkpoint directory, `reference`, or `preset:tiny-v32|tiny-glm5|tiny-v4`. "
+        "Default: the reference checkpoint if installed, else preset:tiny-v32."
+    ),
+    corpus: list[str] = typer.Option(
+        None, "--corpus", "-c", help="Text/JSONL files or folders (repeatable). Default: the Python stdlib sources."
+    ),
+    text_field: str = typer.Option("text", help="Field holding the text in JSONL corpus files."),
+    sequences: int = typer.Option(8, "--sequences", "-n", help="Sequences the store should hold when done."),
+    seq_len: int = typer.Option(4096, help="Tokens per sequence."),
+    chunk_len: int = typer.Option(2048, help="Tokens per forward call (bounds the indexer's [S,H,T] scores)."),
+    basis: str = typer.Option("hadamard", help="Key basis to store: hadamard (as engines rotate keys) or raw."),
+    key_dtype: str = typer.Option("bfloat16", help="Storage dtype of keys and queries: bfloat16 or float32."),
+    queries: int = typer.Option(32, help="Scattered query positions sampled per sequence."),
+    windows: int = typer.Option(2, help="Decode-like windows of consecutive query positions per sequence."),
+    window_len: int = typer.Option(16, help="Positions per decode-like window."),
+    seed: int = typer.Option(0, help="Seed of the query sampling."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16."),
+    flush_tokens: int = typer.Option(65536, help="Commit to the store every this many tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Run a DSA model over a corpus and record its indexer keys, sampled queries and head weights."""
+    from dsaindex.artifacts.capture_store import CaptureSettings, QuerySampling
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.capture import capture
+    from dsaindex.pipelines.corpus import CorpusSpec
+    from dsaindex.pipelines.models import default_model_ref
+
+    if basis not in ("hadamard", "raw"):
+        raise DsaIndexError(f"Unknown basis {basis!r}.", "use --basis hadamard or --basis raw.")
+    if key_dtype not in ("bfloat16", "float32"):
+        raise DsaIndexError(f"Unknown key dtype {key_dtype!r}.", "use --key-dtype bfloat16 or float32.")
+    settings = CaptureSettings(
+        seq_len=seq_len,
+        chunk_len=chunk_len,
+        basis=basis,
+        key_dtype=key_dtype,
+        sampling=QuerySampling(scattered=queries, windows=windows, window_len=window_len, seed=seed),
+    )
+    spec = CorpusSpec(sources=tuple(corpus) if corpus else ("stdlib",), text_field=text_field)
+    run_capture_and_report(store, model or default_model_ref(), spec, settings, sequences, _device(device), dtype,
+                           flush_tokens, as_json, progress)
+
+
+def run_capture_and_report(store, model, spec, settings, sequences, device, dtype, flush_tokens, as_json, progress):
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.artifacts.cli import print_store_summary
+    from dsaindex.console import print_json, progress_bar
+    from dsaindex.pipelines.capture import capture
+
+    with progress_bar(f"capture {model}", enabled=progress and not as_json) as update:
+        result = capture(store, model, spec, settings, sequences, device=device, dtype=dtype,
+                         flush_tokens=flush_tokens, progress=update)
+    summary = CaptureStore.open(store).info()
+    run = {
+        "sequences_added": result.sequences_added,
+        "resumed_from": result.resumed_from,
+        "tokens_added": result.tokens_added,
+        "seconds": round(result.seconds, 3),
+        "tokens_per_s": round(result.tokens_per_second, 1),
+        "keys_per_s_all_layers": round(result.keys_added * len(summary["layers"]) / max(result.seconds, 1e-9), 1),
+        "device": device,
+    }
+    if as_json:
+        print_json({"capture": run, "store": summary})
+        return
+    if result.resumed_from:
+        typer.echo(f"resumed after {result.resumed_from} committed sequences")
+    typer.echo(
+        f"captured {result.sequences_added} sequences, {result.tokens_added:,} tokens in {result.seconds:.1f} s "
+        f"({run['tokens_per_s']:,.0f} tokens/s, {run['keys_per_s_all_layers']:,.0f} keys/s written) on {device}"
+    )
+    print_store_summary(summary)
+
+
+def demo_cmd(
+    out: Path = typer.Option(Path("runs/demo"), help="Folder for the demo's outputs."),
+    model: str = typer.Option(None, "--model", "-m", help="Model reference (default: reference or tiny preset)."),
+    sequences: int = typer.Option(4, help="Sequences to capture."),
+    seq_len: int = typer.Option(2048, help="Tokens per sequence."),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+) -> None:
+    """The main job on embedded defaults: capture from the default model on the stdlib corpus, print the store."""
+    import time
+
+    from dsaindex.artifacts.capture_store import CaptureSettings
+    from dsaindex.pipelines.corpus import CorpusSpec
+    from dsaindex.pipelines.models import default_model_ref
+
+    store = out / time.strftime("capture-%Y%m%d-%H%M%S")
+    typer.echo(f"demo: capturing into {store}")
+    settings = CaptureSettings(seq_len=seq_len, chunk_len=min(1024, seq_len))
+    run_capture_and_report(store, model or default_model_ref(), CorpusSpec(), settings, sequences, _device(device),
+                           "auto", 65536, False, True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("capture")(capture_cmd)
+    app.command("demo")(demo_cmd)

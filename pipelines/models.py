@@ -1,0 +1,253 @@
+"""Models to capture from: built-in tiny presets, the reference checkpoint, or a local checkpoint.
+
+Model references:
+
+* ``preset:tiny-v32`` / ``preset:tiny-glm5`` / ``preset:tiny-v4``: small random-weight configs of the
+  real transformers classes (fixed seed), for fast tests. Their indexers have production key dims
+  (128) but few heads.
+* ``reference``: the project's own trained DeepSeek-V3.2-class checkpoint, when it is present.
+* a local directory holding ``config.json`` and weights (``from_pretrained`` with no network).
+
+Text is tokenized with the checkpoint's tokenizer where it ships one, else as UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsaindex.errors import ModelNotFoundError
+
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference_model"
+BYTE_VOCAB = 256
+BOS_ID, EOS_ID = 256, 257
+
+_TINY_MLA = dict(
+    vocab_size=260,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    index_n_heads=8,
+    index_head_dim=128,
+    index_topk=32,
+    max_position_embeddings=65536,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=EOS_ID,
+)
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-v32": ("deepseek_v32", dict(_TINY_MLA)),
+    "tiny-glm5": ("glm_moe_dsa", dict(_TINY_MLA, indexer_types=["full", "full", "shared", "full"])),
+    "tiny-v4": (
+        "deepseek_v4",
+        dict(
+            vocab_size=260,
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            head_dim=64,
+            q_lora_rank=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            index_n_heads=8,
+            index_head_dim=128,
+            index_topk=16,
+            o_groups=2,
+            o_lora_rank=32,
+            sliding_window=32,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            max_position_embeddings=65536,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=EOS_ID,
+        ),
+    ),
+}
+
+
+def default_model_ref() -> str:
+    """The reference checkpoint where it exists, else the tiny V3.2 preset."""
+    return "reference" if (REFERENCE_DIR / "config.json").is_file() else "preset:tiny-v32"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; 256 = begin, 257 = end of document."""
+
+    name = "bytes"
+    bos_id, eos_id = BOS_ID, EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer, loaded from its directory."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.name = f"hf:{type(self.tok).__name__}"
+        self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class LoadedModel:
+    ref: str
+    name: str
+    model: Any
+    tokenizer: Any
+    config_digest: str
+    weights_digest: str
+
+
+def config_class(family: str):
+    import transformers
+
+    return {
+        "deepseek_v32": transformers.DeepseekV32Config,
+        "glm_moe_dsa": transformers.GlmMoeDsaConfig,
+        "deepseek_v4": transformers.DeepseekV4Config,
+    }[family]
+
+
+def model_class(family: str):
+    import transformers
+
+    return {
+        "deepseek_v32": transformers.DeepseekV32ForCausalLM,
+        "glm_moe_dsa": transformers.GlmMoeDsaForCausalLM,
+        "deepseek_v4": transformers.DeepseekV4ForCausalLM,
+    }[family]
+
+
+def preset_config(name: str):
+    if name not in PRESETS:
+        raise ModelNotFoundError(
+            f"Unknown preset {name!r}.", f"use one of: {', '.join('preset:' + p for p in PRESETS)}."
+        )
+    family, kwargs = PRESETS[name]
+    return config_class(family)(**kwargs)
+
+
+def _digest_config(config) -> str:
+    d = config.to_dict()
+    for k in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_attn_implementation"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resolve_model_dir(ref: str) -> Path:
+    if ref == "reference":
+        if not (REFERENCE_DIR / "config.json").is_file():
+            raise ModelNotFoundError(
+                "The reference checkpoint is not present in this installation.",
+                "use `--model preset:tiny-v32`, or a local checkpoint directory.",
+            )
+        return REFERENCE_DIR
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{path} has no config.json.", "point --model at a transformers checkpoint directory."
+            )
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file, not a checkpoint directory.", "pass the checkpoint's folder.")
+    looks_like_hub_id = ref.count("/") == 1 and not ref.startswith((".", "/", "~"))
+    hint = (
+        "this machine has no network: download the checkpoint elsewhere, copy it here and pass its directory"
+        if looks_like_hub_id
+        else "pass an existing checkpoint directory, `reference`, or a preset such as `preset:tiny-v32`"
+    )
+    raise ModelNotFoundError(f"No local checkpoint at {ref!r}.", hint + ".")
+
+
+def load_model(ref: str, device: str = "cpu", dtype: str = "auto", seed: int = 0) -> LoadedModel:
+    """Load a model reference (see module docstring) for capture: eval mode, on ``device``."""
+    import torch
+
+    from dsaindex.geometry import geometry_from_config
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if torch_dtype is None:
+        raise ModelNotFoundError(f"Unknown dtype {dtype!r}.", "use auto, float32 or bfloat16.")
+
+    if ref.startswith("preset:"):
+        name = ref.split(":", 1)[1]
+        config = preset_config(name)
+        geometry = geometry_from_config(config)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = model_class(geometry.family)(config)
+        model = model.to(torch_dtype)
+        tokenizer: Any = ByteTokenizer()
+    else:
+        path = resolve_model_dir(ref)
+        raw = json.loads((path / "config.json").read_text())
+        geometry_from_config(raw)  # refuses non-DSA models before any weights load
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+        model = model.to(device)
+        name = path.name if ref != "reference" else "reference"
+        has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        tokenizer = HFTokenizer(path) if has_tok else ByteTokenizer()
+    model.eval()
+    try:
+        model.config._attn_implementation = "sdpa"
+    except Exception:  # noqa: BLE001 - older configs may refuse; eager is then used
+        pass
+    geometry = geometry_from_config(model.config)
+    return LoadedModel(
+        ref=ref,
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        config_digest=_digest_config(model.config),
+        weights_digest=indexer_weights_digest(model, geometry),
+    )
+
+
+def indexer_weights_digest(model, geometry) -> str:
+    """sha256 (16 hex) of every indexer parameter: identifies the weights that produce the keys."""
+    from dsaindex.pipelines.hooks import find_indexers
+
+    h = hashlib.sha256()
+    for layer, module in find_indexers(model, geometry).items():
+        for name, p in sorted(module.state_dict().items()):
+            t = p.detach().float().cpu().contiguous()
+            h.update(f"{layer}.{name}:{tuple(t.shape)}".encode())
+            h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
