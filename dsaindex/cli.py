@@ -14,6 +14,7 @@ from dsaindex._version import __version__
 from dsaindex.artifacts.cli import store_app
 from dsaindex.errors import DsaIndexError
 from dsaindex.pipelines.cli import register as register_pipelines
+from dsaindex.pipelines.reference_cli import reference_app
 
 app = typer.Typer(
     name="dsaindex",
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 register_pipelines(app)
 app.add_typer(store_app, name="store", help="Inspect capture stores.")
+app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 
 
 def _version(value: bool) -> None:
