@@ -225,11 +225,8 @@ def load_model(ref: str, device: str = "cpu", dtype: str = "auto", seed: int = 0
         has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         tokenizer = HFTokenizer(path) if has_tok else ByteTokenizer()
     model.eval()
-    try:
-        model.config._attn_implementation = "sdpa"
-    except Exception:  # noqa: BLE001 - older configs may refuse; eager is then used
-        pass
     geometry = geometry_from_config(model.config)
+    set_attention(model, geometry.family)
     return LoadedModel(
         ref=ref,
         name=name,
@@ -238,6 +235,17 @@ def load_model(ref: str, device: str = "cpu", dtype: str = "auto", seed: int = 0
         config_digest=_digest_config(model.config),
         weights_digest=indexer_weights_digest(model, geometry),
     )
+
+
+def set_attention(model, family: str) -> None:
+    """SDPA where it is exact; eager for V4, whose compressed-entry causality (``block_bias``) is only
+    applied when the attention mask is a tensor: with SDPA and no mask, a single uncached pass lets
+    queries see compressed entries of their own future (seen with transformers 5.24)."""
+    impl = "eager" if family == "deepseek_v4" else "sdpa"
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:
+        model.config._attn_implementation = impl
 
 
 def indexer_weights_digest(model, geometry) -> str:

@@ -1,0 +1,211 @@
+"""Evaluation of the reference DSA checkpoint on held-out text, through the transformers forward itself.
+
+Two measurements:
+
+* **bits per byte**, dense (every indexer keeps ``index_topk >= context`` keys, i.e. dense attention) vs
+  sparse (``index_topk`` = the checkpoint's top-k): the mean next-token cross-entropy in bits over every
+  predicted token of consecutive held-out windows (BOS, then ``seq_len - 1`` bytes; the EOS separators
+  between files count as tokens too).
+* **attention-mass coverage** at several context lengths ``L``: run the model dense on windows of ``L``
+  tokens; in every layer, for the last ``query_count`` queries of each window, the main attention
+  distribution (probabilities summed over heads, L1-normalized) is compared with the indexer's top-k
+  over the causal prefix, both recomputed from the layer's own inputs (captured with forward
+  pre-hooks). Coverage is the attention mass inside the indexer's top-k. For context, the same mass
+  is given for the best possible k keys (``oracle``) and for the most recent k keys (``window``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dsaindex.pipelines.reference_train import (
+    ROPE_LAYOUT,
+    _chunk_index_scores,
+    heldout_windows,
+    mla_qkv,
+    set_index_topk,
+)
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu"):
+    """``DeepseekV32ForCausalLM.from_pretrained(path, local_files_only=True)`` in fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def _autocast(device_type: str):
+    import torch
+
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda")
+
+
+def bits_per_byte(model, input_ids, labels, index_topk: int, batch: int = 2) -> float:
+    """Mean next-token loss in bits of ``model(input_ids)`` with every indexer keeping ``index_topk`` keys.
+
+    input_ids, labels : [N, S] int64 on the model's device. The model's previous top-k is restored.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    previous = model.config.index_topk
+    set_index_topk(model, index_topk)
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad(), _autocast(input_ids.device.type):
+            for start in range(0, input_ids.shape[0], batch):
+                ids, lab = input_ids[start : start + batch], labels[start : start + batch]
+                logits = model(input_ids=ids, use_cache=False).logits.float()
+                nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="sum")
+                total += float(nll)
+                count += lab.numel()
+    finally:
+        set_index_topk(model, previous)
+    return total / count / math.log(2)
+
+
+def _bound_arguments(module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by parameter name of ``module.forward`` (positional or keyword)."""
+    return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
+
+
+def attention_coverage(
+    model, input_ids, topk: int, query_count: int = 256, batch: int = 2, query_block: int = 64
+) -> dict[str, Any]:
+    """Main-attention mass covered by each layer's indexer top-``topk``, on dense forwards.
+
+    Parameters
+    ----------
+    input_ids : [N, L] int64 windows on the model's device
+    query_count : the last ``query_count`` query positions of every window are measured
+
+    Returns
+    -------
+    ``{"coverage", "oracle", "window", "per_layer": {"coverage": [...], ...}, "context", "queries"}``
+    with means over windows, queries and layers (per layer: means over windows and queries).
+    """
+    import torch
+
+    n, seq_len = input_ids.shape
+    layers = model.model.layers
+    captured: dict[tuple[str, int], dict[str, Any]] = {}
+    handles = []
+
+    def make_hook(kind: str, i: int):
+        def hook(module, args, kwargs):
+            captured[(kind, i)] = _bound_arguments(module, args, kwargs)
+
+        return hook
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(make_hook("attn", i), with_kwargs=True))
+        handles.append(layer.self_attn.indexer.register_forward_pre_hook(make_hook("index", i), with_kwargs=True))
+
+    sums = {key: [0.0] * len(layers) for key in ("coverage", "oracle", "window")}
+    measured = 0
+    nq = min(query_count, seq_len)
+    rows = torch.arange(seq_len - nq, seq_len, device=input_ids.device)
+    previous = model.config.index_topk
+    set_index_topk(model, seq_len)  # dense forward
+    try:
+        for start in range(0, n, batch):
+            ids = input_ids[start : start + batch]
+            captured.clear()
+            with torch.no_grad(), _autocast(ids.device.type):
+                model(input_ids=ids, use_cache=False)
+            with torch.no_grad():
+                for i, layer in enumerate(layers):
+                    attn = layer.self_attn
+                    a = captured[("attn", i)]
+                    x = a["hidden_states"].float()
+                    cos, sin = (t.float() for t in a["position_embeddings"])
+                    q, k, _, _ = mla_qkv(attn, x, cos, sin)
+                    ix = captured[("index", i)]
+                    icos, isin = (t.float() for t in ix["position_embeddings"])
+                    from dsaindex.indexer import mla_indexer_tensors
+
+                    keys, queries, weights = mla_indexer_tensors(
+                        attn.indexer,
+                        ROPE_LAYOUT,
+                        ix["hidden_states"].float(),
+                        ix["q_resid"].float(),
+                        icos,
+                        isin,
+                        query_rows=rows,
+                    )
+                    for r0 in range(0, nq, query_block):
+                        r = rows[r0 : r0 + query_block]
+                        causal = torch.arange(seq_len, device=ids.device)[None, :] <= r[:, None]  # [c, L]
+                        logits = torch.matmul(q[:, :, r], k.transpose(-1, -2)) * attn.scaling
+                        p = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1).mean(1)  # [B, c, L]
+                        scores = _chunk_index_scores(queries[:, r0 : r0 + query_block], keys, weights[:, r0 : r0 + query_block])
+                        kk = min(topk, seq_len)
+                        vals, idx = scores.masked_fill(~causal, -math.inf).topk(kk, dim=-1)
+                        cover = p.gather(-1, idx).masked_fill(~torch.isfinite(vals), 0.0).sum(-1)
+                        oracle = p.topk(kk, dim=-1).values.sum(-1)
+                        recent = (torch.arange(seq_len, device=ids.device)[None, :] > (r[:, None] - kk)) & causal
+                        window = (p * recent).sum(-1)
+                        sums["coverage"][i] += float(cover.sum())
+                        sums["oracle"][i] += float(oracle.sum())
+                        sums["window"][i] += float(window.sum())
+            measured += ids.shape[0] * nq
+    finally:
+        set_index_topk(model, previous)
+        for h in handles:
+            h.remove()
+    per_layer = {key: [v / measured for v in vals] for key, vals in sums.items()}
+    out: dict[str, Any] = {key: sum(v) / len(v) for key, v in per_layer.items()}
+    out.update({"per_layer": per_layer, "context": seq_len, "queries": measured, "topk": topk})
+    return out
+
+
+def evaluate(
+    model,
+    heldout_stream,
+    seq_len: int = 4096,
+    topk: int = 256,
+    bpb_windows: int = 32,
+    coverage_windows: int = 8,
+    contexts: Sequence[int] = (1024, 2048, 4096),
+    query_count: int = 256,
+    batch: int = 2,
+) -> dict[str, Any]:
+    """Held-out bits per byte dense vs sparse and attention-mass coverage at each of ``contexts``.
+
+    heldout_stream : 1-D int tensor of held-out tokens on the model's device.
+    """
+    input_ids, labels = heldout_windows(heldout_stream, seq_len, bpb_windows)
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"held-out stream of {heldout_stream.numel()} tokens is shorter than one window of {seq_len}")
+    dense = bits_per_byte(model, input_ids, labels, index_topk=seq_len, batch=batch)
+    sparse = bits_per_byte(model, input_ids, labels, index_topk=topk, batch=batch)
+    result: dict[str, Any] = {
+        "seq_len": seq_len,
+        "topk": topk,
+        "windows": int(input_ids.shape[0]),
+        "tokens": int(labels.numel()),
+        "bits_per_byte": {"dense": dense, "sparse": sparse, "sparse_over_dense": sparse / dense},
+        "coverage": {},
+    }
+    cov_ids, _ = heldout_windows(heldout_stream, seq_len, coverage_windows)
+    for ctx in contexts:
+        if ctx > seq_len:
+            continue
+        result["coverage"][str(ctx)] = attention_coverage(
+            model, cov_ids[:, :ctx].contiguous(), topk, query_count=query_count, batch=batch
+        )
+    longest = str(max(int(c) for c in result["coverage"])) if result["coverage"] else None
+    result["checks"] = {
+        "sparse_within_5pct_of_dense": sparse <= dense * 1.05,
+        "coverage_at_longest_context": None if longest is None else result["coverage"][longest]["coverage"],
+        "coverage_at_longest_context_ge_0.9": None
+        if longest is None
+        else result["coverage"][longest]["coverage"] >= 0.9,
+    }
+    return result

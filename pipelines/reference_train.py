@@ -1,0 +1,671 @@
+"""Training of the reference DSA checkpoint: a small ``DeepseekV32ForCausalLM`` trained from scratch
+with DeepSeek-V3.2's indexer recipe.
+
+Data
+----
+Real text present on any machine with Python: the standard library's ``.py`` sources plus the ``.py``
+files of the installed packages (the running interpreter's site-packages). Tokens are raw bytes
+(0..255); documents are joined with EOS (257); every training / evaluation window starts with BOS (256)
+followed by ``seq_len - 1`` bytes of the stream. Whole files are held out for evaluation: a file is
+held out when the hash of its path relative to its root (``stdlib/...`` or ``site-packages/...``) falls
+below ``heldout_percent``, so the split is the same on every machine that has the same file.
+
+Recipe (three stages, each a function below)
+--------------------------------------------
+1. ``dense``: ordinary language-model pre-training with dense causal attention (index_topk >= context,
+   so the indexer selects every key; its parameters are not trained).
+2. ``warmup``: everything but the indexers is frozen. Per layer, the indexer's distribution
+   ``softmax_t(score[s, t])`` over the causal prefix is fitted to the main attention distribution
+   (attention probabilities summed over heads, L1-normalized per query) with KL divergence. The
+   indexer's inputs are detached from the main model's graph.
+3. ``sparse``: the main model trains with top-k sparse attention (the indexer's top ``index_topk``
+   keys per query, causal prefix only); the indexer keeps its KL loss, restricted to the selected set
+   (target and indexer distributions both renormalized over the set). The top-k is not
+   differentiable and the indexer inputs are detached, so the LM loss reaches only the main model
+   and the KL loss only the indexers.
+
+The training forward below runs the model's own submodules (projections, norms, MLPs, rotary
+embedding) in the same order as ``DeepseekV32Attention.forward``, but calls fused attention kernels
+and a chunked, differentiable indexer score. Tests check that it reproduces the transformers forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsaindex.pipelines.models import BOS_ID, EOS_ID
+
+PAD_ID = 259  # unused byte-vocabulary slot; keeps the EOS embedding trainable
+ROPE_LAYOUT = "half_split_head"
+
+# The reference geometry: production V3.2 indexer (64 heads x 128, RoPE on 64 dims, top-256 at 4K).
+REFERENCE_CONFIG: dict[str, Any] = dict(
+    vocab_size=260,
+    hidden_size=256,
+    intermediate_size=640,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    first_k_dense_replace=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=96,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=256,
+    max_position_embeddings=16384,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+)
+
+# A very small variant of the same class for CPU tests (seconds per step).
+TINY_CONFIG: dict[str, Any] = dict(
+    REFERENCE_CONFIG,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    first_k_dense_replace=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=8,
+    max_position_embeddings=1024,
+)
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def python_source_roots() -> list[tuple[str, Path]]:
+    """``(label, folder)`` of the text sources: the stdlib and the running interpreter's site-packages."""
+    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    seen = {roots[0][1].resolve()}
+    for key in ("purelib", "platlib"):
+        p = Path(sysconfig.get_paths()[key])
+        if p.is_dir() and p.resolve() not in seen:
+            seen.add(p.resolve())
+            roots.append(("site-packages", p))
+    return roots
+
+
+def list_python_files(max_file_bytes: int = 400_000) -> list[tuple[str, Path]]:
+    """Every non-empty ``.py`` file under :func:`python_source_roots`, as ``(key, path)`` with ``key`` =
+    ``label/relative/path`` (the split key). The stdlib walk skips its site-packages (read as its own
+    root). Files above ``max_file_bytes`` (generated tables) are left out."""
+    out: list[tuple[str, Path]] = []
+    for label, root in python_source_roots():
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(
+                d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith(".")
+            )
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                p = Path(dirpath) / name
+                try:
+                    size = p.stat().st_size
+                except OSError:
+                    continue
+                if 0 < size <= max_file_bytes:
+                    out.append((f"{label}/{p.relative_to(root).as_posix()}", p))
+    return out
+
+
+def path_hash(key: str) -> float:
+    """Deterministic value in [0, 100) from a path key (sha256), used for the split and the order."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 * 100.0
+
+
+def is_heldout(key: str, heldout_percent: float) -> bool:
+    """Whole-file split: ``key`` is held out when its hash falls below ``heldout_percent``."""
+    return path_hash(key) < heldout_percent
+
+
+@dataclass
+class TokenStreams:
+    """Byte-token streams: ``train`` / ``heldout`` are 1-D int16 numpy arrays (documents joined with EOS)."""
+
+    train: Any
+    heldout: Any
+    info: dict = field(default_factory=dict)
+
+
+def build_token_streams(
+    max_train_bytes: int = 160_000_000,
+    max_heldout_bytes: int = 8_000_000,
+    heldout_percent: float = 2.0,
+    files: list[tuple[str, Path]] | None = None,
+) -> TokenStreams:
+    """Read the corpus into train / held-out token streams.
+
+    Files are taken in the order of a second hash of their key (so a byte budget samples every package
+    rather than the alphabetically first ones) until each budget is reached. Raw file bytes are the
+    tokens (UTF-8 sources); each document is followed by EOS.
+    """
+    import numpy as np
+
+    files = list_python_files() if files is None else files
+    order = sorted(files, key=lambda kp: path_hash("order:" + kp[0]))
+    parts: dict[str, list[Any]] = {"train": [], "heldout": []}
+    used = {"train": 0, "heldout": 0}
+    counts = {"train": 0, "heldout": 0}
+    budget = {"train": max_train_bytes, "heldout": max_heldout_bytes}
+    eos = np.array([EOS_ID], dtype=np.int16)
+    for key, path in order:
+        split = "heldout" if is_heldout(key, heldout_percent) else "train"
+        if used[split] >= budget[split]:
+            if all(used[s] >= budget[s] for s in used):
+                break
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if not data:
+            continue
+        parts[split] += [np.frombuffer(data, dtype=np.uint8).astype(np.int16), eos]
+        used[split] += len(data) + 1
+        counts[split] += 1
+    streams = {s: (np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype=np.int16)) for s in parts}
+    info = {
+        "roots": [f"{label}: {root}" for label, root in python_source_roots()],
+        "files_available": len(files),
+        "train_files": counts["train"],
+        "heldout_files": counts["heldout"],
+        "train_tokens": int(streams["train"].size),
+        "heldout_tokens": int(streams["heldout"].size),
+        "heldout_percent": heldout_percent,
+        "split": "whole files; held out when sha256(label/relative_path) maps below heldout_percent of 100",
+    }
+    return TokenStreams(streams["train"], streams["heldout"], info)
+
+
+def sample_windows(stream, batch: int, seq_len: int, generator) -> tuple[Any, Any]:
+    """Random training windows.
+
+    Parameters
+    ----------
+    stream : 1-D int tensor of tokens (on the training device)
+    generator : ``torch.Generator`` on the stream's device
+
+    Returns
+    -------
+    input_ids [batch, seq_len] int64 (BOS, then ``seq_len - 1`` stream tokens) and labels
+    [batch, seq_len] int64 (the next token at every position).
+    """
+    import torch
+
+    starts = torch.randint(0, stream.numel() - seq_len, (batch,), device=stream.device, generator=generator)
+    idx = starts[:, None] + torch.arange(seq_len, device=stream.device)[None, :]
+    chunk = stream[idx].long()  # [B, S]
+    bos = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=stream.device)
+    return torch.cat([bos, chunk[:, :-1]], dim=1), chunk
+
+
+def heldout_windows(stream, seq_len: int, max_windows: int) -> tuple[Any, Any]:
+    """Consecutive non-overlapping held-out windows, same layout as :func:`sample_windows`.
+
+    Returns input_ids [N, seq_len] and labels [N, seq_len] (int64, on the stream's device).
+    """
+    import torch
+
+    n = min(max_windows, stream.numel() // seq_len)
+    chunk = stream[: n * seq_len].view(n, seq_len).long()
+    bos = torch.full((n, 1), BOS_ID, dtype=torch.long, device=stream.device)
+    return torch.cat([bos, chunk[:, :-1]], dim=1), chunk
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def make_config(base: dict[str, Any] | None = None, **overrides):
+    """``DeepseekV32Config`` of the reference geometry (or ``base``), with ``overrides``."""
+    from transformers import DeepseekV32Config
+
+    kwargs = dict(REFERENCE_CONFIG if base is None else base, **overrides)
+    rope_theta = kwargs.pop("rope_theta", 10000.0)
+    kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
+    return DeepseekV32Config(**kwargs)
+
+
+def build_model(config, seed: int = 0, device: str = "cpu"):
+    """A freshly initialized ``DeepseekV32ForCausalLM`` (fp32) for ``config``."""
+    import torch
+    from transformers import DeepseekV32ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = DeepseekV32ForCausalLM(config)
+    return model.float()
+
+
+def set_index_topk(model, k: int) -> None:
+    """Keys each indexer keeps: the config value and every indexer module's cached copy."""
+    model.config.index_topk = int(k)
+    for layer in model.model.layers:
+        layer.self_attn.indexer.index_topk = int(k)
+
+
+def is_indexer_param(name: str) -> bool:
+    return ".self_attn.indexer." in name
+
+
+def indexer_parameters(model) -> list:
+    """Parameters of every layer's ``self_attn.indexer`` (wq_b, wk, k_norm, weights_proj)."""
+    return [p for n, p in model.named_parameters() if is_indexer_param(n)]
+
+
+def main_parameters(model) -> list:
+    """Every parameter that is not an indexer's."""
+    return [p for n, p in model.named_parameters() if not is_indexer_param(n)]
+
+
+# ------------------------------------------------------------------------------------ training forward
+
+
+def rope_interleave(x, cos, sin):
+    """MLA RoPE as in ``apply_rotary_pos_emb_interleave``: pairs ``(2i, 2i+1)`` rotated, output in
+    half-split order. ``x`` [B, heads, S, r]; ``cos``/``sin`` [B, S, r] (angles repeated twice)."""
+    import torch
+
+    c = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    s = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def mla_qkv(attn, x, cos, sin):
+    """Main-attention tensors of one ``DeepseekV32Attention`` for its (normed) input.
+
+    Parameters
+    ----------
+    x : [B, S, hidden] (the layer's ``input_layernorm`` output); cos, sin : [B, S, qk_rope_head_dim]
+
+    Returns
+    -------
+    q [B, nh, S, qk_head_dim], k [B, nh, S, qk_head_dim], v [B, nh, S, v_head_dim],
+    q_resid [B, S, q_lora_rank] (the indexer's query input).
+    """
+    import torch
+
+    b, s, _ = x.shape
+    nope, rope_d, vd = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q = attn.q_b_proj(q_resid).view(b, s, -1, nope + rope_d).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope_d], dim=-1)
+    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, rope_d], dim=-1)
+    kv = attn.kv_b_proj(attn.kv_a_layernorm(kv_pass)).view(b, s, -1, nope + vd).transpose(1, 2)
+    k_nope, v = torch.split(kv, [nope, vd], dim=-1)
+    q_rot = rope_interleave(q_rot, cos, sin)
+    k_rot = rope_interleave(k_rot.view(b, 1, s, rope_d), cos, sin)
+    q = torch.cat([q_pass, q_rot], dim=-1)
+    k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    return q, k, v, q_resid
+
+
+def _chunk_index_scores(queries, keys, weights):
+    """Indexer scores of a query chunk: ``sum_h w[h] * relu(q[h] . k)``.
+
+    queries [B, c, H, D], keys [B, T, D], weights [B, c, H] (effective) -> [B, c, T] float32.
+    """
+    import torch
+
+    logits = torch.matmul(queries, keys.transpose(1, 2).unsqueeze(1))  # [B, c, H, T]
+    out = torch.matmul(weights.unsqueeze(2).to(logits.dtype), torch.relu(logits))  # [B, c, 1, T]
+    return out.squeeze(2).float()
+
+
+def indexer_kl_layer(
+    indexer, x, q_resid, cos, sin, q, k, scaling: float, topk: int | None, query_chunk: int = 256
+):
+    """KL loss of one layer's indexer against its main attention, and the top-k selection mask.
+
+    Parameters
+    ----------
+    indexer : the layer's ``DeepseekV32Indexer``
+    x : [B, S, hidden] indexer hidden-state input; q_resid : [B, S, q_lora_rank]; both are detached here
+    cos, sin : [B, S, rope_dim]
+    q, k : [B, nh, S, qk_head_dim] main-attention queries / keys (used without gradient)
+    topk : ``None`` for the dense warm-up (KL over the whole causal prefix), else the number of keys
+        kept per query (KL over the selected set; the set is returned as the attention mask)
+    query_chunk : queries per step (bounds the [B, chunk, H, T] intermediate; each chunk is
+        recomputed in backward)
+
+    Returns
+    -------
+    (kl: scalar tensor, mean over queries of KL(p_main || softmax(score)); allowed: [B, S, S] bool
+    mask of the keys each query may attend (top-k within its causal prefix), or ``None`` when dense).
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from dsaindex.indexer import mla_indexer_tensors
+
+    b, s, _ = x.shape
+    keys, queries, weights = mla_indexer_tensors(indexer, ROPE_LAYOUT, x.detach(), q_resid.detach(), cos, sin)
+    allowed_full = torch.zeros(b, s, s, dtype=torch.bool, device=x.device) if topk is not None else None
+    kl_sum = x.new_zeros((), dtype=torch.float32)
+    q_det, k_det = q.detach(), k.detach()
+    positions = torch.arange(s, device=x.device)
+    for s0 in range(0, s, query_chunk):
+        s1 = min(s, s0 + query_chunk)
+        t = s1  # keys beyond the chunk's last query are never visible
+        if torch.is_grad_enabled():
+            scores = checkpoint(
+                _chunk_index_scores, queries[:, s0:s1], keys[:, :t], weights[:, s0:s1], use_reentrant=False
+            )
+        else:
+            scores = _chunk_index_scores(queries[:, s0:s1], keys[:, :t], weights[:, s0:s1])  # [B, c, t]
+        causal = positions[:t][None, :] <= positions[s0:s1][:, None]  # [c, t]
+        with torch.no_grad():
+            if topk is None:
+                allowed = causal.expand(b, -1, -1)
+            else:
+                kk = min(topk, t)
+                idx = scores.detach().masked_fill(~causal, -math.inf).topk(kk, dim=-1).indices
+                allowed = torch.zeros(b, s1 - s0, t, dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
+                allowed &= causal
+                allowed_full[:, s0:s1, :t] = allowed
+            logits = torch.matmul(q_det[:, :, s0:s1].float(), k_det[:, :, :t].float().transpose(-1, -2)) * scaling
+            p = torch.softmax(logits.masked_fill(~allowed[:, None], -math.inf), dim=-1).mean(1)  # [B, c, t]
+            log_p = torch.log(p.clamp_min(1e-30))
+        log_q = F.log_softmax(scores.masked_fill(~allowed, -math.inf), dim=-1).masked_fill(~allowed, 0.0)
+        kl = (p * (log_p - log_q)).masked_fill(~allowed, 0.0).sum(-1)  # [B, c]
+        kl_sum = kl_sum + kl.sum()
+    return kl_sum / (b * s), allowed_full
+
+
+@dataclass
+class ForwardResult:
+    """Losses of one training forward: ``lm`` (mean next-token cross-entropy, nats) and ``kl`` (mean over
+    layers of the per-query indexer KL); each ``None`` when the mode does not compute it."""
+
+    lm: Any = None
+    kl: Any = None
+
+
+def training_forward(model, input_ids, labels, mode: str, topk: int | None = None, query_chunk: int = 256):
+    """One forward pass of the recipe.
+
+    Parameters
+    ----------
+    model : ``DeepseekV32ForCausalLM``
+    input_ids, labels : [B, S] int64
+    mode : ``dense`` (LM loss, dense causal attention), ``warmup`` (indexer KL over the causal prefix; the
+        main model's output and LM loss are not computed), ``sparse`` (LM loss with top-``topk`` sparse
+        attention + indexer KL over the selected set)
+    """
+    import torch
+    import torch.nn.functional as F
+
+    assert mode in ("dense", "warmup", "sparse"), mode
+    if mode == "sparse":
+        assert topk is not None
+    core = model.model
+    b, s = input_ids.shape
+    h = core.embed_tokens(input_ids)
+    position_ids = torch.arange(s, device=input_ids.device)[None, :].expand(b, -1)
+    cos, sin = core.rotary_emb(h, position_ids)
+    kls = []
+    n_layers = len(core.layers)
+    for i, layer in enumerate(core.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
+        if mode == "dense":
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+        elif mode == "warmup":
+            kl, _ = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk)
+            kls.append(kl)
+            if i == n_layers - 1:
+                break
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+        else:
+            kl, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk)
+            kls.append(kl)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    result = ForwardResult(kl=torch.stack(kls).mean() if kls else None)
+    if mode != "warmup":
+        logits = model.lm_head(core.norm(h)).float()
+        result.lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+    return result
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+@dataclass
+class StageConfig:
+    """One stage: ``mode`` (dense / warmup / sparse), its limits (``max_steps`` and/or ``seconds``;
+    the first reached ends it; the learning-rate schedule follows whichever is closer to its end),
+    batch shape and optimizer settings."""
+
+    name: str
+    mode: str
+    batch: int
+    seq_len: int
+    lr: float
+    max_steps: int | None = None
+    seconds: float | None = None
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    indexer_lr: float | None = None  # sparse stage: learning rate of the indexer parameters
+    topk: int | None = None
+    query_chunk: int = 256
+
+
+@dataclass
+class StageResult:
+    name: str
+    mode: str
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    final_lm_loss: float | None = None
+    final_kl: float | None = None
+    config: dict = field(default_factory=dict)
+
+
+def configure_trainable(model, mode: str) -> tuple[list, list]:
+    """Set ``requires_grad`` for a stage; returns ``(main params trained, indexer params trained)``.
+
+    dense: main only; warmup: indexers only (main frozen); sparse: both (their losses are separate).
+    """
+    train_main = mode in ("dense", "sparse")
+    train_idx = mode in ("warmup", "sparse")
+    for n, p in model.named_parameters():
+        p.requires_grad_(train_idx if is_indexer_param(n) else train_main)
+    return (main_parameters(model) if train_main else []), (indexer_parameters(model) if train_idx else [])
+
+
+def make_optimizer(model, cfg: StageConfig):
+    """AdamW over the stage's trainable parameters (fused on CUDA); norms and 1-D params get no decay."""
+    import torch
+
+    main, idx = configure_trainable(model, cfg.mode)
+    groups = []
+    for params, lr in ((main, cfg.lr), (idx, cfg.indexer_lr if cfg.indexer_lr is not None else cfg.lr)):
+        if not params:
+            continue
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups.append({"params": decay, "weight_decay": cfg.weight_decay, "lr": lr, "base_lr": lr})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "lr": lr, "base_lr": lr})
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def lr_factor(cfg: StageConfig, step: int, elapsed: float) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` over the stage."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = 0.0
+    if cfg.max_steps:
+        progress = max(progress, step / cfg.max_steps)
+    if cfg.seconds:
+        progress = max(progress, elapsed / cfg.seconds)
+    progress = min(1.0, progress)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_step(model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False) -> ForwardResult:
+    """One optimizer step of a stage; returns the (detached) losses."""
+    import torch
+
+    device_type = input_ids.device.type
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=autocast):
+        res = training_forward(model, input_ids, labels, cfg.mode, cfg.topk, cfg.query_chunk)
+    loss = sum(x for x in (res.lm, res.kl) if x is not None)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return ForwardResult(
+        lm=None if res.lm is None else res.lm.detach(), kl=None if res.kl is None else res.kl.detach()
+    )
+
+
+def run_stage(
+    model,
+    stream,
+    cfg: StageConfig,
+    generator,
+    history: list[dict],
+    step_offset: int = 0,
+    autocast: bool = False,
+    log: Callable[[str], None] | None = None,
+    log_every: int = 25,
+) -> StageResult:
+    """Train one stage until ``max_steps`` or ``seconds``; appends ``{step, stage, lm, kl, time}`` rows to
+    ``history`` (losses synchronized every ``log_every`` steps, to keep the GPU busy in between)."""
+    import torch
+
+    optimizer = make_optimizer(model, cfg)
+    model.train()
+    result = StageResult(cfg.name, cfg.mode, config=asdict(cfg))
+    start = time.perf_counter()
+    step = 0
+    pending: list[tuple[int, ForwardResult, float]] = []
+
+    def flush():
+        for st, res, el in pending:
+            row = {"step": step_offset + st, "stage": cfg.name, "time": el}
+            row["lm"] = None if res.lm is None else float(res.lm)
+            row["kl"] = None if res.kl is None else float(res.kl)
+            history.append(row)
+            result.final_lm_loss, result.final_kl = row["lm"], row["kl"]
+        if pending and log:
+            r = history[-1]
+            lm = "-" if r["lm"] is None else f"{r['lm'] / math.log(2):.4f} bits"
+            kl = "-" if r["kl"] is None else f"{r['kl']:.4f}"
+            log(f"[{cfg.name}] step {r['step'] - step_offset} t={r['time']:.0f}s lm={lm} kl={kl}")
+        pending.clear()
+
+    while True:
+        elapsed = time.perf_counter() - start
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            break
+        if cfg.seconds is not None and elapsed >= cfg.seconds:
+            break
+        factor = lr_factor(cfg, step, elapsed)
+        for g in optimizer.param_groups:
+            g["lr"] = g["base_lr"] * factor
+        input_ids, labels = sample_windows(stream, cfg.batch, cfg.seq_len, generator)
+        res = train_step(model, optimizer, input_ids, labels, cfg, autocast)
+        pending.append((step, res, elapsed))
+        step += 1
+        if step % log_every == 0:
+            flush()
+    flush()
+    if stream.is_cuda:
+        torch.cuda.synchronize()
+    result.steps = step
+    result.tokens = step * cfg.batch * cfg.seq_len
+    result.seconds = time.perf_counter() - start
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return result
+
+
+# ------------------------------------------------------------------------------------------- saving
+
+
+def save_checkpoint(model, out_dir: Path, index_topk: int) -> dict:
+    """``config.json`` + ``model.safetensors`` (bf16; indexer ``weights_proj`` kept fp32 as the class
+    loads it), with ``index_topk`` in the config. Returns ``{"params", "safetensors_bytes"}``."""
+    import copy
+
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clone = copy.deepcopy(model).cpu()
+    clone.to(torch.bfloat16)
+    for layer in clone.model.layers:
+        layer.self_attn.indexer.weights_proj.float()
+    set_index_topk(clone, index_topk)
+    clone.config.use_cache = True
+    clone.save_pretrained(str(out_dir), safe_serialization=True)
+    st = out_dir / "model.safetensors"
+    return {"params": sum(p.numel() for p in model.parameters()), "safetensors_bytes": st.stat().st_size}
+
+
+def plot_loss_curve(history: list[dict], path: Path) -> None:
+    """Loss curve: LM loss in bits per byte (dense and sparse stages) and indexer KL (warm-up, sparse)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    colors = {"dense": "tab:blue", "warmup": "tab:orange", "sparse": "tab:green"}
+    for stage in ("dense", "warmup", "sparse"):
+        rows = [r for r in history if r["stage"] == stage]
+        lm = [(r["step"], r["lm"] / math.log(2)) for r in rows if r["lm"] is not None]
+        kl = [(r["step"], r["kl"]) for r in rows if r["kl"] is not None]
+        if lm:
+            ax1.plot(*zip(*lm, strict=True), color=colors[stage], label=f"{stage}: train LM loss", lw=0.8)
+        if kl:
+            ax2.plot(*zip(*kl, strict=True), color=colors[stage], label=f"{stage}: indexer KL", lw=0.8)
+    ax1.set_ylabel("bits per byte (train batch)")
+    ax1.set_ylim(bottom=0)
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.set_ylabel("KL (nats per query, mean over layers)")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("optimizer step")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.suptitle("Reference DSA checkpoint: dense pre-training -> indexer warm-up -> sparse training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
