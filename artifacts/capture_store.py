@@ -27,7 +27,6 @@ from __future__ import annotations
 import fcntl
 import os
 import uuid
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -377,8 +376,10 @@ class CaptureStore:
             return t.view(torch.bfloat16).float()
         return t.float()
 
-    def nbytes_stored(self) -> int:
-        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+    def nbytes_stored(self, under: str = "") -> int:
+        """Bytes on disk of the whole store, or of the arrays whose path matches ``under`` (a glob)."""
+        roots = list(self.path.glob(under)) if under else [self.path]
+        return sum(f.stat().st_size for root in roots for f in root.rglob("*") if f.is_file())
 
     def info(self) -> dict[str, Any]:
         m = self.manifest
@@ -404,6 +405,7 @@ class CaptureStore:
             "keys_per_layer": self.committed.keys,
             "queries_per_layer": self.committed.queries,
             "bytes_on_disk": self.nbytes_stored(),
+            "key_bytes_on_disk": self.nbytes_stored("layers/*/keys"),
         }
 
 

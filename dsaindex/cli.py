@@ -13,6 +13,7 @@ import typer
 from dsaindex._version import __version__
 from dsaindex.artifacts.cli import store_app
 from dsaindex.errors import DsaIndexError
+from dsaindex.pipelines.bench import bench_app
 from dsaindex.pipelines.cli import register as register_pipelines
 from dsaindex.pipelines.reference_cli import reference_app
 
@@ -25,6 +26,7 @@ app = typer.Typer(
 )
 register_pipelines(app)
 app.add_typer(store_app, name="store", help="Inspect capture stores.")
+app.add_typer(bench_app, name="bench", help="Measure speed and size, JSON out.")
 app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 
 

@@ -8,6 +8,7 @@ appended to the store every ``flush_tokens`` tokens; each append is a commit poi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ class SequenceCapturer:
                 self.tap.query_rows = torch.as_tensor(in_chunk, dtype=torch.long)
                 self._records.clear()
                 out = base(input_ids=ids[:, start:end], use_cache=True, **{cache_kw: cache})
-                cache = out.past_key_values
+                cache = getattr(out, cache_kw) if cache_kw == "cache" else out.past_key_values
                 for rec in self._records:
                     keys[rec.layer].append(rec.keys[0])
                     queries[rec.layer].append(rec.queries[0])
@@ -189,6 +190,15 @@ def capture(
     corpus_info = corpus.describe()
     tokenizer = loaded.tokenizer
     expected = new_manifest(fingerprint(loaded), settings, corpus_info, tokenizer.name)
+    sequences = pack_sequences(iter_documents(corpus), tokenizer.encode, settings.seq_len, [tokenizer.eos_id])
+    first = next(sequences, None)
+    if first is None:  # checked before any store is created
+        raise EmptyCorpusError(
+            "The corpus yields no sequence (fewer than 16 tokens of text; JSONL records need the "
+            f"{corpus.text_field!r} field).",
+            "add text to the corpus, set --text-field, or leave --corpus out to use the built-in stdlib corpus.",
+        )
+    sequences = itertools.chain([first], sequences)
     if CaptureStore.exists(store_path):
         store = CaptureStore.open_for_append(store_path, expected)
     else:
@@ -198,15 +208,12 @@ def capture(
     resumed_from = store.committed.sequences
     added_seq = added_tok = added_keys = 0
     with store:
-        sequences = pack_sequences(iter_documents(corpus), tokenizer.encode, settings.seq_len, [tokenizer.eos_id])
         todo = max(0, max_sequences - resumed_from)
         total_tokens = todo * settings.seq_len
         done_tokens = 0
         batch = SequenceBatch()
-        any_sequence = False
         with SequenceCapturer(loaded, settings, device) as capturer:
             for seq_index, tokens in enumerate(sequences):
-                any_sequence = True
                 if seq_index < resumed_from:
                     continue
                 if seq_index >= max_sequences:
@@ -229,9 +236,4 @@ def capture(
             added_seq += batch.num_sequences
             added_tok += batch.num_tokens
             store.append(batch)
-        if not any_sequence:
-            raise EmptyCorpusError(
-                "The corpus yields no sequence (fewer than 16 tokens of text).",
-                "add text to the corpus, or leave --corpus out to use the built-in stdlib corpus.",
-            )
     return CaptureResult(store_path, added_seq, added_tok, added_keys, time.perf_counter() - t0, resumed_from)

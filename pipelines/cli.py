@@ -43,7 +43,6 @@ def capture_cmd(
     """Run a DSA model over a corpus and record its indexer keys, sampled queries and head weights."""
     from dsaindex.artifacts.capture_store import CaptureSettings, QuerySampling
     from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.capture import capture
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref
 

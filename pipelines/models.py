@@ -5,6 +5,8 @@ Model references:
 * ``preset:tiny-v32`` / ``preset:tiny-glm5`` / ``preset:tiny-v4``: small random-weight configs of the
   real transformers classes (fixed seed), for fast tests. Their indexers have production key dims
   (128) but few heads.
+* ``preset:bench-v32``: random weights with the production V3.2 indexer (64 x 128, top-2048), to
+  measure capture cost on a GPU.
 * ``reference``: the project's own trained DeepSeek-V3.2-class checkpoint, when it is present.
 * a local directory holding ``config.json`` and weights (``from_pretrained`` with no network).
 
@@ -53,7 +55,30 @@ _TINY_MLA = dict(
     pad_token_id=EOS_ID,
 )
 
+# Random weights around the production V3.2 indexer (64 heads x 128 dims, top-2048, q_lora_rank 1536), with
+# a narrow trunk: for measuring capture at production indexer cost, not for realistic keys.
+_BENCH_V32 = dict(
+    _TINY_MLA,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=8,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=2048,
+    max_position_embeddings=163840,
+)
+
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bench-v32": ("deepseek_v32", _BENCH_V32),
     "tiny-v32": ("deepseek_v32", dict(_TINY_MLA)),
     "tiny-glm5": ("glm_moe_dsa", dict(_TINY_MLA, indexer_types=["full", "full", "shared", "full"])),
     "tiny-v4": (

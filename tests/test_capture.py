@@ -17,7 +17,6 @@ from dsaindex.pipelines.capture import SequenceCapturer, capture, sample_query_p
 from dsaindex.pipelines.corpus import CorpusSpec
 from dsaindex.quant import hadamard_matrix
 from dsaindex.score import indexer_scores
-
 from helpers import PRESETS
 
 

@@ -11,7 +11,6 @@ import torch
 from dsaindex.geometry import geometry_from_config
 from dsaindex.pipelines.hooks import IndexerTap
 from dsaindex.score import causal_topk, indexer_scores, topk_agree, visible_key_counts
-
 from helpers import PRESETS
 
 
