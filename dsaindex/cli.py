@@ -11,11 +11,12 @@ import sys
 import typer
 
 from dsaindex._version import __version__
-from dsaindex.artifacts.cli import store_app
+from dsaindex.artifacts.cli import registry_app, store_app
 from dsaindex.errors import DsaIndexError
 from dsaindex.pipelines.bench import bench_app
 from dsaindex.pipelines.cli import register as register_pipelines
 from dsaindex.pipelines.reference_cli import reference_app
+from dsaindex.train.cli import eval_app, train_app
 
 app = typer.Typer(
     name="dsaindex",
@@ -26,6 +27,9 @@ app = typer.Typer(
 )
 register_pipelines(app)
 app.add_typer(store_app, name="store", help="Inspect capture stores.")
+app.add_typer(registry_app, name="registry", help="Browse, compare, promote and pull registered artifacts.")
+app.add_typer(train_app, name="train", help="Train artifacts on capture stores.")
+app.add_typer(eval_app, name="eval", help="Evaluate artifacts on held-out captures.")
 app.add_typer(bench_app, name="bench", help="Measure speed and size, JSON out.")
 app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 

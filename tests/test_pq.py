@@ -1,0 +1,124 @@
+"""PQ training (faiss and torch trainers, score-aware metric) and the held-out recall evaluation."""
+
+import numpy as np
+import pytest
+import torch
+
+from dsaindex.errors import DsaIndexError
+from dsaindex.score import indexer_scores
+from dsaindex.train.pq import (
+    PQSpec,
+    decode,
+    encode,
+    quantization_mse,
+    relative_mse,
+    score_gradient_metric,
+    train_codebooks,
+)
+from dsaindex.train.recall import HeldOut, evaluate_selection, split_sequences
+
+
+def clustered_keys(n=4096, dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(40, dim, generator=g) * 2
+    return centers[torch.randint(0, 40, (n,), generator=g)] + 0.3 * torch.randn(n, dim, generator=g)
+
+
+def test_spec_refuses_bad_shapes():
+    with pytest.raises(DsaIndexError, match="not divisible by 48"):
+        PQSpec(dim=128, subspaces=48)
+    with pytest.raises(DsaIndexError, match="8-bit"):
+        PQSpec(dim=128, subspaces=32, centroids=512)
+    assert PQSpec(128, 32).bytes_per_key == 32 and PQSpec(128, 16).sub_dim == 8
+
+
+def test_trainer_refuses_bad_keys():
+    spec = PQSpec(dim=64, subspaces=16, centroids=32)
+    keys = clustered_keys()
+    keys[17, 3] = float("nan")
+    with pytest.raises(DsaIndexError, match="NaN or inf .*row 17"):
+        train_codebooks(keys, spec, "torch")
+    with pytest.raises(DsaIndexError, match="at least 128 needed"):
+        train_codebooks(clustered_keys(n=100), spec, "torch")
+    with pytest.raises(DsaIndexError, match="Unknown PQ trainer"):
+        train_codebooks(clustered_keys(), spec, "sklearn")
+
+
+def test_faiss_and_torch_trainers_agree():
+    keys = clustered_keys()
+    spec = PQSpec(dim=64, subspaces=16, centroids=32)
+    errors = {t: relative_mse(keys, train_codebooks(keys, spec, t, iterations=15)) for t in ("faiss", "torch")}
+    assert errors["faiss"] < 0.2 and errors["torch"] < 0.2
+    assert abs(errors["faiss"] - errors["torch"]) / errors["faiss"] < 0.05, errors
+
+
+def test_encode_decode():
+    keys = clustered_keys(n=2048)
+    spec = PQSpec(dim=64, subspaces=8, centroids=64)
+    cb = train_codebooks(keys, spec, "torch", iterations=10)
+    codes = encode(keys, cb)
+    assert codes.dtype == torch.uint8 and codes.shape == (2048, 8)
+    # a decoded key re-encodes to itself; decoding is the nearest-centroid reconstruction
+    assert torch.equal(encode(decode(codes, cb), cb), codes)
+    assert quantization_mse(keys, cb, codes) < float((keys - keys.mean(0)).pow(2).sum(-1).mean())
+    # more centroids -> smaller error
+    cb_small = train_codebooks(keys, PQSpec(dim=64, subspaces=8, centroids=8), "torch", iterations=10)
+    assert relative_mse(keys, cb) < relative_mse(keys, cb_small)
+
+
+def test_score_aware_metric_cuts_score_error():
+    """When queries only read some directions, the score-aware metric spends resolution there."""
+    g = torch.Generator().manual_seed(4)
+    dim, heads = 32, 4
+    keys = torch.randn(4096, dim, generator=g)
+    queries = torch.randn(64, heads, dim, generator=g) * 0.05
+    queries[..., ::4] *= 40  # queries lean on every 4th dim
+    weights = torch.rand(64, heads, generator=g)
+    spec = PQSpec(dim=dim, subspaces=8, centroids=16)
+    metric = score_gradient_metric(queries, weights, [keys[i * 64 : (i + 1) * 64] for i in range(64)], spec)
+    assert metric.shape == (8, 4, 4)
+    assert bool((metric[:, 0, 0] > 10 * metric[:, 1, 1]).all())
+    plain = train_codebooks(keys, spec, "torch", 15)
+    aware = train_codebooks(keys, spec, "torch", 15, metric=metric)
+
+    def score_error(cb, m):
+        approx = decode(encode(keys, cb, m), cb)
+        return float((indexer_scores(queries, approx, weights) - indexer_scores(queries, keys, weights)).abs().mean())
+
+    assert score_error(aware, metric) < 0.8 * score_error(plain, None)
+    assert relative_mse(keys, aware) > relative_mse(keys, plain)  # it trades key error for score error
+
+
+def heldout(n_keys=600, n_queries=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return HeldOut(
+        queries=torch.randn(n_queries, 4, 32, generator=g),
+        head_weights=torch.rand(n_queries, 4, generator=g),
+        visible=torch.full((n_queries,), n_keys),
+        key_start=torch.zeros(n_queries, dtype=torch.long),
+        keys=torch.randn(n_keys, 32, generator=g),
+    )
+
+
+def test_recall_evaluation_bounds():
+    data = heldout()
+    perfect = evaluate_selection(data, data.keys, ks=(16, 200), candidates=(64, 128))
+    assert perfect["k16/direct"] == 1.0 and perfect["k16/rerank@64"] == 1.0 and perfect["k16/filter@64"] == 1.0
+    assert perfect["k16/queries"] == 12 and perfect["k200/queries"] == 0  # 600 keys < 4 * 200
+    noise = torch.randn_like(data.keys)
+    bad = evaluate_selection(data, noise, ks=(16,), candidates=(64, 128))
+    assert bad["k16/direct"] < 0.3
+    assert bad["k16/rerank@64"] <= bad["k16/rerank@128"]  # more candidates, more recall
+    assert 0 < bad["k16/fetch@64"] <= 1 and bad["k16/filter@64"] <= bad["k16/rerank@64"] + 1e-9
+    near = evaluate_selection(data, data.keys + 0.05 * noise, ks=(16,), candidates=(64, 128))
+    assert near["k16/rerank@64"] > 0.95 and near["k16/direct"] > bad["k16/direct"]
+    # C at or above the prefix is exhaustive, not reported
+    assert "k16/rerank@600" not in evaluate_selection(data, data.keys, ks=(16,), candidates=(600,))
+
+
+def test_split_sequences():
+    assert split_sequences(10) == (list(range(8)), [8, 9])
+    assert split_sequences(2) == ([0], [1])
+    with pytest.raises(DsaIndexError, match="at least 2"):
+        split_sequences(1)
+    assert split_sequences(7)[1] == [6] and split_sequences(13)[1] == [10, 11, 12]

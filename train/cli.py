@@ -1,0 +1,194 @@
+"""``dsaindex train pq`` and ``dsaindex eval pq`` / ``dsaindex eval pq-compare``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+train_app = typer.Typer(no_args_is_help=True)
+eval_app = typer.Typer(no_args_is_help=True)
+
+
+def _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device):
+    from dsaindex.train.pq_job import PQOptions
+
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
+                     max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=device)
+
+
+def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4096), title: str = ""):
+    from rich.table import Table
+
+    table = Table(title=title or f"recall of the exact top-{k} (held-out queries)", title_justify="left")
+    for col in ["", "direct PQ", *[f"rerank C={c}" for c in candidates], "+filter C=2048", "fetch C=2048", "rel. MSE"]:
+        table.add_column(col, justify="right" if col else "left")
+    for name, m in rows:
+        if f"k{k}/direct" not in m:
+            table.add_row(name, "n/a (no query with a prefix of 4k keys)")
+            continue
+        table.add_row(
+            name,
+            f"{m[f'k{k}/direct']:.2%}",
+            *[f"{m.get(f'k{k}/rerank@{c}', float('nan')):.2%}" for c in candidates],
+            f"{m.get(f'k{k}/filter@2048', float('nan')):.2%}",
+            f"{m.get(f'k{k}/fetch@2048', float('nan')):.1%}",
+            f"{m.get('relative_mse', float('nan')):.4f}",
+        )
+    return table
+
+
+@train_app.command("pq")
+def train_pq_cmd(
+    store: Path = typer.Argument(..., help="Capture store to train on."),
+    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write (default: runs/bundles/<store>-pq<M>)."),
+    subspaces: int = typer.Option(32, help="PQ subspaces (bytes per key): 16, 32 or 64 for 128-d keys."),
+    trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
+    iterations: int = typer.Option(20, help="k-means iterations."),
+    score_aware: bool = typer.Option(False, "--score-aware/--plain", help="Weight subspaces by the score gradient."),
+    max_train_keys: int = typer.Option(262144, help="Keys per layer to train on (deterministic subsample)."),
+    eval_queries: int = typer.Option(128, help="Held-out queries per layer for the recall evaluation."),
+    device: str = typer.Option("auto", help="Device of the torch trainer and the evaluation."),
+    register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./runs/mlflow)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Train per-layer PQ codebooks, evaluate recall on held-out sequences, write and register a bundle."""
+    from rich.console import Console
+
+    from dsaindex.console import print_json
+    from dsaindex.train.pq_job import recall_plot, train_pq, write_pq_bundle
+
+    opts = _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device)
+    console = Console(stderr=True, quiet=as_json)
+    with console.status("training") as status:
+        report = train_pq(store, opts, progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"))
+    name = f"{Path(store).name}-pq{subspaces}{'-sa' if score_aware else ''}"
+    out = out or Path("runs/bundles") / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    topk = int(report["store"].manifest.model.geometry["topk"])
+    plots = []
+    for k in sorted({512, topk}):
+        p = recall_plot(report["per_layer"], out.parent / f"{out.name}-recall-k{k}.png",
+                        f"PQ{subspaces}{' score-aware' if score_aware else ''} on {Path(store).name}", k)
+        if p:
+            plots.append(p)
+    manifest = write_pq_bundle(report, opts, out, plots)
+    registered = None
+    if register:
+        from dsaindex.artifacts.registry import register_bundle
+
+        params = opts.params() | {"store": str(store), "layers": len(report["per_layer"])}
+        registered = register_bundle(out, params, manifest.metrics, plots, tracking_uri=tracking_uri)
+    result = {
+        "bundle": str(out),
+        "registered": registered,
+        "plots": [str(p) for p in plots],
+        "train_seconds": {str(layer): round(r.train_seconds, 3) for layer, r in report["results"].items()},
+        "mean": report["mean"],
+        "per_layer": {str(k): v for k, v in report["per_layer"].items()},
+    }
+    if as_json:
+        print_json(result)
+        return
+    out_console = Console()
+    for k in sorted({512, topk}):
+        rows = [(f"layer {layer}", m) for layer, m in sorted(report["per_layer"].items())] + [("mean", report["mean"])]
+        out_console.print(recall_table(rows, k, opts.candidates, f"PQ{subspaces} recall of the exact top-{k}"))
+    out_console.print(f"bundle: {out}" + (f"  registered: {registered['name']} v{registered['version']} "
+                                          f"@{registered.get('alias', 'candidate')}" if registered else ""))
+    for p in plots:
+        out_console.print(f"plot: {p}")
+
+
+@eval_app.command("pq")
+def eval_pq_cmd(
+    bundle: str = typer.Argument(..., help="Bundle path or models:/<name>@<alias>."),
+    store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to evaluate on."),
+    eval_queries: int = typer.Option(128, help="Held-out queries per layer."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
+    import torch
+    from rich.console import Console
+
+    from dsaindex.artifacts.bundle import read_bundle
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.artifacts.registry import load_uri
+    from dsaindex.console import print_json
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.train.pq_job import PQOptions, evaluate_layer, mean_metrics
+    from dsaindex.train.recall import split_sequences
+
+    manifest, arrays = read_bundle(load_uri(bundle))
+    cs = CaptureStore.open(store)
+    if cs.manifest.model.model_dump() != manifest.model.model_dump() or cs.manifest.settings.basis != manifest.basis:
+        raise DsaIndexError(
+            f"The bundle was trained for {manifest.model.name} ({manifest.basis} basis) but the store holds "
+            f"{cs.manifest.model.name} ({cs.manifest.settings.basis} basis).",
+            "evaluate on a store captured from the bundle's model with the same basis.",
+        )
+    opts = PQOptions(max_eval_queries=eval_queries)
+    _, eval_seq = split_sequences(cs.committed.sequences)
+    topk = int(manifest.model.geometry["topk"])
+    per_layer = {}
+    for layer_id in manifest.layers:
+        layer = int(layer_id)
+        metric = arrays[layer].get("metric")
+        per_layer[layer] = evaluate_layer(cs, layer, eval_seq, torch.from_numpy(arrays[layer]["codebooks"]),
+                                          None if metric is None else torch.from_numpy(metric), opts,
+                                          manifest.key_format, topk)
+    mean = mean_metrics(per_layer)
+    if as_json:
+        print_json({"per_layer": {str(k): v for k, v in per_layer.items()}, "mean": mean})
+        return
+    console = Console()
+    for k in sorted({512, topk}):
+        rows = [(f"layer {layer}", m) for layer, m in sorted(per_layer.items())] + [("mean", mean)]
+        console.print(recall_table(rows, k))
+
+
+@eval_app.command("pq-compare")
+def eval_pq_compare_cmd(
+    store: Path = typer.Argument(..., help="Capture store."),
+    subspaces: str = typer.Option("16,32,64", help="Comma-separated subspace counts."),
+    variants: str = typer.Option("plain,score-aware", help="plain and/or score-aware."),
+    trainer: str = typer.Option("faiss", help="faiss or torch."),
+    iterations: int = typer.Option(20),
+    max_train_keys: int = typer.Option(262144),
+    eval_queries: int = typer.Option(128),
+    device: str = typer.Option("auto"),
+    out: Path = typer.Option(None, help="Write the JSON result here too."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Train PQ variants side by side on the same split (nothing registered) and print one recall table."""
+    import json
+
+    from rich.console import Console
+
+    from dsaindex.train.pq_job import train_pq
+
+    results = {}
+    for m in [int(s) for s in subspaces.split(",") if s]:
+        for variant in [v.strip() for v in variants.split(",") if v.strip()]:
+            opts = _options(m, trainer, iterations, variant == "score-aware", max_train_keys, eval_queries, device)
+            report = train_pq(store, opts)
+            results[f"PQ{m} {variant}"] = report["mean"] | {
+                "train_seconds_per_layer": float(sum(r.train_seconds for r in report["results"].values())
+                                                 / len(report["results"]))}
+    text = json.dumps(results, indent=2)
+    if out:
+        out.write_text(text)
+    if as_json:
+        print(text)
+        return
+    from dsaindex.artifacts.capture_store import CaptureStore
+
+    topk = int(CaptureStore.open(store).manifest.model.geometry["topk"])
+    console = Console()
+    for k in sorted({512, topk}):
+        console.print(recall_table(list(results.items()), k, title=f"mean recall of the exact top-{k}"))

@@ -1,0 +1,231 @@
+"""Per-layer product quantization of indexer keys.
+
+A key of D dims is cut into M subspaces of D/M dims; each subspace has K = 256 centroids, so a key
+becomes M one-byte codes (PQ32 on 128-d keys: 32 bytes instead of 132). The coarse score of a key is
+the exact score of its decoded key (LeanSparse Eq. 6)::
+
+    coarse[s, i] = sum_h w[s, h] * relu(sum_j q[s, h, j] . C_j[code[i, j]])
+
+Two trainers behind :func:`train_codebooks`:
+
+* ``faiss``: faiss-cpu's k-means per subspace (the reference trainer);
+* ``torch``: batched Lloyd iterations over all subspaces at once (runs on the GPU; the H200 machine
+  has no faiss GPU build).
+
+Score-aware codebooks (``metric`` given): k-means under a per-subspace Mahalanobis metric
+``A_j = E[g_j g_j^T]``, where ``g = sum_h w_h 1[q_h . k > 0] q_h`` is the gradient of the score with
+respect to the key. A first-order score error is ``g . (k - k_hat)``, so this spends the codebook's
+resolution on the directions queries actually read. Implemented by whitening each subspace with the
+Cholesky factor of ``A_j``, running plain k-means, and mapping centroids back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsaindex.errors import DsaIndexError
+
+TRAINERS = ("faiss", "torch")
+
+
+@dataclass(frozen=True)
+class PQSpec:
+    """Shape of a product quantizer: ``subspaces`` x ``centroids`` over keys of ``dim`` dims."""
+
+    dim: int
+    subspaces: int = 32
+    centroids: int = 256
+
+    def __post_init__(self):
+        if self.subspaces <= 0 or self.dim % self.subspaces:
+            raise DsaIndexError(
+                f"Key dim {self.dim} is not divisible by {self.subspaces} subspaces.",
+                f"pick --subspaces among the divisors of {self.dim} (e.g. 16, 32, 64 for 128-d keys).",
+            )
+        if not 2 <= self.centroids <= 256:
+            raise DsaIndexError(f"{self.centroids} centroids do not fit 8-bit codes.", "use at most 256 centroids.")
+
+    @property
+    def sub_dim(self) -> int:
+        return self.dim // self.subspaces
+
+    @property
+    def bytes_per_key(self) -> int:
+        return self.subspaces  # one uint8 code per subspace
+
+
+def check_keys(keys: torch.Tensor, spec: PQSpec, what: str = "keys") -> None:
+    """Refuse inputs the trainers cannot use, with the fix."""
+    if keys.dim() != 2 or keys.shape[1] != spec.dim:
+        raise DsaIndexError(f"{what} have shape {tuple(keys.shape)}, expected [N, {spec.dim}].",
+                            "train on keys of the store's own layers.")
+    bad = ~torch.isfinite(keys).all(dim=1)
+    if bool(bad.any()):
+        raise DsaIndexError(
+            f"{int(bad.sum())} of {keys.shape[0]} {what} hold NaN or inf (first at row {int(bad.nonzero()[0])}).",
+            "recapture from a model whose indexer produces finite keys (check the dtype: fp16 overflows), "
+            "or drop those sequences.",
+        )
+    need = spec.centroids * 4
+    if keys.shape[0] < need:
+        raise DsaIndexError(
+            f"Only {keys.shape[0]} {what} to train {spec.centroids} centroids per subspace; at least {need} needed.",
+            "capture more sequences (`dsaindex capture STORE --sequences N` resumes and extends the store).",
+        )
+
+
+def split_subspaces(x: torch.Tensor, spec: PQSpec) -> torch.Tensor:
+    """[N, D] -> [M, N, D/M] (a copy in fp32)."""
+    return x.float().reshape(x.shape[0], spec.subspaces, spec.sub_dim).transpose(0, 1).contiguous()
+
+
+def whitening(metric: torch.Tensor | None, spec: PQSpec, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-subspace (L^T, L^-T) with ``A_j + eps I = L L^T``; None for the plain (Euclidean) metric."""
+    if metric is None:
+        return None
+    a = metric.double().to(device)
+    eye = torch.eye(spec.sub_dim, dtype=torch.float64, device=device)
+    scale = a.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)
+    a = a / scale[:, None, None] + 1e-3 * eye  # normalize each block; regularize rank-deficient ones
+    chol = torch.linalg.cholesky(a)  # [M, d, d]
+    lt = chol.transpose(1, 2)
+    return lt.float(), torch.linalg.inv(lt).float()
+
+
+def _lloyd_torch(x: torch.Tensor, k: int, iterations: int, seed: int) -> torch.Tensor:
+    """Batched k-means: x [M, N, d] -> centroids [M, k, d]. Init from distinct random rows."""
+    m, n, d = x.shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    init = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(m)]).to(x.device)
+    cent = torch.gather(x, 1, init.unsqueeze(-1).expand(m, k, d)).clone()
+    x_sq = (x * x).sum(-1, keepdim=True)
+    for _ in range(iterations):
+        dist = x_sq - 2 * torch.bmm(x, cent.transpose(1, 2)) + (cent * cent).sum(-1).unsqueeze(1)
+        assign = dist.argmin(-1)  # [M, N]
+        sums = torch.zeros_like(cent).scatter_add_(1, assign.unsqueeze(-1).expand(m, n, d), x)
+        counts = torch.zeros(m, k, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float32))
+        empty = counts == 0
+        cent = torch.where(empty.unsqueeze(-1), cent, sums / counts.clamp_min(1).unsqueeze(-1))
+        if bool(empty.any()):  # re-seed empty clusters on random rows
+            rows = torch.randint(0, n, (int(empty.sum()),), generator=g).to(x.device)
+            sub = empty.nonzero()[:, 0]
+            cent[empty] = x[sub, rows]
+    return cent
+
+
+def _kmeans_faiss(x: torch.Tensor, k: int, iterations: int, seed: int) -> torch.Tensor:
+    import faiss
+    import numpy as np
+
+    out = []
+    for j in range(x.shape[0]):
+        km = faiss.Kmeans(x.shape[2], k, niter=iterations, seed=seed + j, verbose=False, max_points_per_centroid=1 << 30)
+        km.train(np.ascontiguousarray(x[j].cpu().numpy(), dtype=np.float32))
+        out.append(torch.from_numpy(km.centroids.copy()))
+    return torch.stack(out)
+
+
+def train_codebooks(
+    keys: torch.Tensor,
+    spec: PQSpec,
+    trainer: str = "faiss",
+    iterations: int = 20,
+    seed: int = 0,
+    metric: torch.Tensor | None = None,
+    device: str = "cpu",
+) -> torch.Tensor:
+    """Train PQ codebooks.
+
+    Parameters
+    ----------
+    keys : [N, D] float keys (in the basis and precision the engine stores)
+    metric : optional [M, d, d] per-subspace PSD matrices for score-aware training
+    trainer : ``faiss`` (CPU) or ``torch`` (any device)
+
+    Returns
+    -------
+    codebooks [M, K, D/M] float32 on CPU
+    """
+    check_keys(keys, spec)
+    if trainer not in TRAINERS:
+        raise DsaIndexError(f"Unknown PQ trainer {trainer!r}.", f"use one of {', '.join(TRAINERS)}.")
+    dev = torch.device(device if trainer == "torch" else "cpu")
+    x = split_subspaces(keys.to(dev), spec)
+    white = whitening(metric, spec, dev)
+    if white is not None:
+        x = torch.bmm(x, white[0].transpose(1, 2))  # rows x -> L^T x
+    cent = (_lloyd_torch if trainer == "torch" else _kmeans_faiss)(x, spec.centroids, iterations, seed).to(dev)
+    if white is not None:
+        cent = torch.bmm(cent, white[1].transpose(1, 2))  # c' -> L^-T c'
+    return cent.float().cpu()
+
+
+def encode(
+    keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None, block: int = 65536
+) -> torch.Tensor:
+    """Nearest centroid per subspace (under ``metric`` if given). keys [N, D] -> codes [N, M] uint8."""
+    m, k, d = codebooks.shape
+    spec = PQSpec(dim=m * d, subspaces=m, centroids=k)
+    white = whitening(metric, spec, keys.device)
+    cb = codebooks.to(keys.device)
+    if white is not None:
+        cb = torch.bmm(cb, white[0].transpose(1, 2))
+    cb_sq = (cb * cb).sum(-1).unsqueeze(1)  # [M, 1, K]
+    codes = torch.empty(keys.shape[0], m, dtype=torch.uint8, device=keys.device)
+    for start in range(0, keys.shape[0], block):
+        x = split_subspaces(keys[start : start + block], spec)
+        if white is not None:
+            x = torch.bmm(x, white[0].transpose(1, 2))
+        dist = cb_sq - 2 * torch.bmm(x, cb.transpose(1, 2))
+        codes[start : start + block] = dist.argmin(-1).t().to(torch.uint8)
+    return codes
+
+
+def decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """codes [N, M] uint8 -> reconstructed keys [N, D] float32."""
+    m, _, d = codebooks.shape
+    cb = codebooks.to(codes.device)
+    idx = codes.long()  # [N, M]
+    parts = cb[torch.arange(m, device=codes.device).unsqueeze(0), idx]  # [N, M, d]
+    return parts.reshape(codes.shape[0], m * d)
+
+
+def score_gradient_metric(
+    queries: torch.Tensor, head_weights: torch.Tensor, keys_per_query: list[torch.Tensor], spec: PQSpec
+) -> torch.Tensor:
+    """Per-subspace ``E[g_j g_j^T]`` over (query, key) pairs, ``g = sum_h w_h 1[q_h . k > 0] q_h``.
+
+    Parameters
+    ----------
+    queries : [S, H, D]; head_weights : [S, H]
+    keys_per_query : S tensors [n_s, D]: the keys each query's score error matters for (for example its
+        exact top candidates)
+
+    Returns
+    -------
+    [M, D/M, D/M] float64
+    """
+    acc = torch.zeros(spec.subspaces, spec.sub_dim, spec.sub_dim, dtype=torch.float64)
+    pairs = 0
+    for s, keys in enumerate(keys_per_query):
+        q = queries[s].float()  # [H, D]
+        active = (keys.float() @ q.t() > 0).float()  # [n, H]
+        g = (active * head_weights[s].float()) @ q  # [n, D]
+        gs = g.reshape(g.shape[0], spec.subspaces, spec.sub_dim).transpose(0, 1).double()  # [M, n, d]
+        acc += torch.bmm(gs.transpose(1, 2), gs)
+        pairs += g.shape[0]
+    return acc / max(1, pairs)
+
+
+def quantization_mse(keys: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor | None = None) -> float:
+    """Mean squared reconstruction error per key (sum over dims), fp32."""
+    codes = encode(keys, codebooks) if codes is None else codes
+    return float(((decode(codes, codebooks) - keys.float()) ** 2).sum(-1).mean())
+
+
+def relative_mse(keys: torch.Tensor, codebooks: torch.Tensor) -> float:
+    """Reconstruction MSE over the keys' mean squared norm (0 = perfect)."""
+    return quantization_mse(keys, codebooks) / max(float((keys.float() ** 2).sum(-1).mean()), math.ulp(1.0))

@@ -1,0 +1,218 @@
+"""Train per-layer PQ codebooks on a capture store, evaluate them on held-out sequences, write a bundle.
+
+Keys are trained in the store's basis and in the precision the engine stores (FP8 e4m3 + ue8m0,
+dequantized). The last fifth of the store's sequences is held out: neither codebooks nor score-aware
+metrics see them; every reported recall comes from them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsaindex.train.pq import PQSpec, decode, encode, relative_mse, score_gradient_metric, train_codebooks
+from dsaindex.train.recall import (
+    CANDIDATES,
+    PAPER_K,
+    evaluate_selection,
+    held_out,
+    layer_keys,
+    sequence_key_offsets,
+    split_sequences,
+)
+
+
+@dataclass
+class PQOptions:
+    subspaces: int = 32
+    centroids: int = 256
+    trainer: str = "faiss"
+    iterations: int = 20
+    score_aware: bool = False
+    max_train_keys: int = 262144
+    metric_queries: int = 256
+    eval_fraction: float = 0.2
+    max_eval_queries: int = 128
+    candidates: tuple[int, ...] = CANDIDATES
+    seed: int = 0
+    device: str = "cpu"
+
+    def params(self) -> dict:
+        d = asdict(self)
+        d["candidates"] = list(self.candidates)
+        d.pop("device")
+        return d
+
+
+@dataclass
+class LayerResult:
+    layer: int
+    codebooks: torch.Tensor
+    metric: torch.Tensor | None
+    train_keys: int
+    train_seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
+    if keys.shape[0] <= limit:
+        return keys
+    g = torch.Generator().manual_seed(seed)
+    return keys[torch.randperm(keys.shape[0], generator=g)[:limit].sort().values]
+
+
+def metric_for_layer(store, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
+                     max_queries: int, topk: int) -> torch.Tensor:
+    """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys."""
+    from dsaindex.score import indexer_scores
+    from dsaindex.train.recall import engine_keys
+
+    positions = store.array("query_position").astype(np.int64)
+    seq_of = store.array("query_sequence").astype(np.int64)
+    stride = int(store.manifest.model.geometry["key_stride"])
+    offsets = sequence_key_offsets(store)
+    rows = np.nonzero(np.isin(seq_of, train_sequences))[0]
+    if len(rows) > max_queries:
+        rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
+    queries = store.as_float(store.queries(layer)[rows])
+    weights = torch.from_numpy(store.head_weights(layer)[rows])
+    raw = store.keys(layer)
+    chosen = []
+    for i, r in enumerate(rows):
+        visible = (positions[r] + 1) if stride == 1 else (positions[r] + 1) // stride
+        start = offsets[seq_of[r]]
+        visible = min(int(visible), int(offsets[seq_of[r] + 1] - start))
+        if visible <= 0:
+            chosen.append(torch.zeros(0, spec.dim))
+            continue
+        keys = engine_keys(store.as_float(raw[start : start + visible]), key_format)
+        scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
+        chosen.append(keys[scores.topk(min(2 * topk, visible)).indices])
+    return score_gradient_metric(queries, weights, chosen, spec)
+
+
+def train_layer(store, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
+                topk: int) -> LayerResult:
+    train_seq, eval_seq = split
+    geometry = store.manifest.model.geometry
+    spec = PQSpec(dim=int(geometry["head_dim"]), subspaces=opts.subspaces, centroids=opts.centroids)
+    keys = _subsample(layer_keys(store, layer, train_seq, key_format), opts.max_train_keys, opts.seed + layer)
+    metric = None
+    if opts.score_aware:
+        metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk)
+    t0 = time.perf_counter()
+    codebooks = train_codebooks(keys, spec, opts.trainer, opts.iterations, opts.seed + layer, metric, opts.device)
+    seconds = time.perf_counter() - t0
+    result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds)
+    result.metrics = evaluate_layer(store, layer, eval_seq, codebooks, metric, opts, key_format, topk)
+    return result
+
+
+def evaluate_layer(store, layer: int, eval_seq: list[int], codebooks: torch.Tensor, metric, opts: PQOptions,
+                   key_format: str, topk: int) -> dict[str, float]:
+    ks = tuple(sorted({PAPER_K, topk}))
+    data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries)
+    codes = encode(data.keys, codebooks, metric)
+    metrics = evaluate_selection(data, decode(codes, codebooks), ks, opts.candidates)
+    metrics["relative_mse"] = relative_mse(data.keys, codebooks)
+    return metrics
+
+
+def mean_metrics(per_layer: dict[int, dict[str, float]]) -> dict[str, float]:
+    names = sorted({n for m in per_layer.values() for n in m})
+    return {n: float(np.mean([m[n] for m in per_layer.values() if n in m])) for n in names}
+
+
+def recall_plot(per_layer: dict[int, dict[str, float]], path: Path, title: str, k: int) -> Path | None:
+    """PNG: recall of the exact top-k vs candidate count C, one line per layer (rerank, and filter dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    plotted = False
+    for layer, m in sorted(per_layer.items()):
+        cs = sorted(int(n.split("@")[1]) for n in m if n.startswith(f"k{k}/rerank@"))
+        if not cs:
+            continue
+        line = ax.plot(cs, [m[f"k{k}/rerank@{c}"] for c in cs], marker="o", label=f"layer {layer}")[0]
+        ax.plot(cs, [m[f"k{k}/filter@{c}"] for c in cs], ls="--", color=line.get_color(), alpha=0.6)
+        ax.axhline(m[f"k{k}/direct"], color=line.get_color(), ls=":", alpha=0.5)
+        plotted = True
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("PQ candidates C (then exact rerank)")
+    ax.set_ylabel(f"recall of exact top-{k}")
+    ax.set_title(title + "\nsolid: rerank, dashed: + miss filter, dotted: direct PQ top-k")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def train_pq(store_path: str | Path, opts: PQOptions, progress: Callable[[str], None] | None = None) -> dict:
+    """Train and evaluate every layer of a store. Returns a report with results per layer."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+
+    store = CaptureStore.open(store_path)
+    geometry = store.manifest.model.geometry
+    key_format = geometry["key_format"]
+    split = split_sequences(store.committed.sequences, opts.eval_fraction)
+    results = {}
+    for layer in store.layers:
+        if progress:
+            progress(f"layer {layer}")
+        results[layer] = train_layer(store, layer, split, opts, key_format, int(geometry["topk"]))
+    per_layer = {layer: r.metrics for layer, r in results.items()}
+    return {
+        "store": store,
+        "split": split,
+        "results": results,
+        "per_layer": per_layer,
+        "mean": mean_metrics(per_layer),
+        "key_format": key_format,
+    }
+
+
+def write_pq_bundle(report: dict, opts: PQOptions, out: Path, plots: list[Path]) -> object:
+    """Write the trained codebooks (and score-aware metrics) as an artifact bundle; returns its manifest."""
+    from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, store_digest, write_bundle
+
+    store = report["store"]
+    layers, arrays = {}, {}
+    for layer, r in report["results"].items():
+        params = {"subspaces": opts.subspaces, "centroids": opts.centroids, "score_aware": opts.score_aware,
+                  "trainer": opts.trainer, "train_keys": r.train_keys, "train_seconds": round(r.train_seconds, 3)}
+        layers[str(layer)] = LayerArtifact(kind="pq", params=params)
+        arrays[layer] = {"codebooks": r.codebooks.numpy().astype(np.float32)}
+        if r.metric is not None:
+            arrays[layer]["metric"] = r.metric.float().numpy()
+    metrics = {f"layer{layer}/{name}": float(v) for layer, m in report["per_layer"].items() for name, v in m.items()}
+    metrics.update({f"mean/{name}": float(v) for name, v in report["mean"].items()})
+    lineage = Lineage(
+        capture_store_id=store.manifest.store_id,
+        capture_store_path=str(Path(store.path).resolve()),
+        capture_store_digest=store_digest(store),
+        train_sequences=report["split"][0],
+        eval_sequences=report["split"][1],
+    )
+    manifest = new_bundle_manifest(
+        model=store.manifest.model,
+        basis=store.manifest.settings.basis,
+        key_format=report["key_format"],
+        layers=layers,
+        lineage=lineage,
+        metrics=metrics,
+        params=opts.params(),
+    )
+    return write_bundle(out, manifest, arrays)

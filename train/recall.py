@@ -1,0 +1,160 @@
+"""Held-out recall of PQ coarse-to-fine selection against the exact indexer top-k.
+
+For each held-out query whose causal prefix holds at least ``4 * k`` keys:
+
+* exact scores use the keys as the engine stores them (FP8 e4m3 + ue8m0 scale, dequantized), the
+  reference every selection is judged against;
+* (a) ``direct``: top-k straight from the PQ coarse scores;
+* (b) ``rerank@C``: top-C by coarse score, exact rescoring of those C, top-k;
+* (c) ``filter@C``: (b) after LeanSparse's miss filter with a cold cache: candidates whose coarse
+  score is below (the k-th largest candidate coarse score - one sample std of the candidates' coarse
+  scores) are dropped before the exact rescore; ``fetch@C`` is the share of candidates kept (what a
+  cold cache would read from host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dsaindex.quant import fp8_dequantize, fp8_quantize
+from dsaindex.score import indexer_scores
+
+CANDIDATES = (1024, 2048, 4096)
+PAPER_K = 512
+
+
+def engine_keys(keys: torch.Tensor, key_format: str) -> torch.Tensor:
+    """Keys as the engine holds them: FP8 e4m3 + ue8m0 round trip for ``fp8_e4m3_ue8m0``, else as is."""
+    if key_format == "fp8_e4m3_ue8m0":
+        return fp8_dequantize(*fp8_quantize(keys))
+    return keys.float()
+
+
+@dataclass
+class HeldOut:
+    """Held-out queries of one layer with what is needed to score them.
+
+    queries [Q, H, D], head_weights [Q, H], visible [Q] (prefix length in keys), key_start [Q] (row of the
+    query's sequence start in ``keys``), keys [N, D] float32 engine keys of the held-out sequences.
+    """
+
+    queries: torch.Tensor
+    head_weights: torch.Tensor
+    visible: torch.Tensor
+    key_start: torch.Tensor
+    keys: torch.Tensor
+
+
+def split_sequences(num_sequences: int, eval_fraction: float = 0.2) -> tuple[list[int], list[int]]:
+    """Deterministic split: the last ``eval_fraction`` of sequences (at least one) are held out."""
+    if num_sequences < 2:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(
+            f"The store holds {num_sequences} sequence(s); training needs at least 2 (one is held out).",
+            "capture more sequences (`dsaindex capture STORE --sequences N` extends the store).",
+        )
+    n_eval = max(1, int(round(num_sequences * eval_fraction)))
+    return list(range(num_sequences - n_eval)), list(range(num_sequences - n_eval, num_sequences))
+
+
+def sequence_key_offsets(store) -> np.ndarray:
+    counts = store.array("sequence_keys").astype(np.int64)
+    return np.concatenate([[0], np.cumsum(counts)])
+
+
+def layer_keys(store, layer: int, sequences: list[int], key_format: str) -> torch.Tensor:
+    """Engine-form keys [N, D] of the given sequences of one layer, concatenated in order."""
+    offsets = sequence_key_offsets(store)
+    raw = store.keys(layer)
+    parts = [raw[offsets[s] : offsets[s + 1]] for s in sequences]
+    return engine_keys(store.as_float(np.concatenate(parts)), key_format)
+
+
+def held_out(store, layer: int, eval_sequences: list[int], min_prefix: int, key_format: str,
+             max_queries: int = 256) -> HeldOut:
+    """Held-out queries with a causal prefix of at least ``min_prefix`` keys (at most ``max_queries``)."""
+    stride = int(store.manifest.model.geometry["key_stride"])
+    positions = store.array("query_position").astype(np.int64)
+    seq_of = store.array("query_sequence").astype(np.int64)
+    visible = (positions + 1) if stride == 1 else (positions + 1) // stride
+    seq_keys = store.array("sequence_keys").astype(np.int64)
+    visible = np.minimum(visible, seq_keys[seq_of])
+    rows = np.nonzero(np.isin(seq_of, eval_sequences) & (visible >= min_prefix))[0]
+    if len(rows) > max_queries:
+        rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
+    local_start = np.zeros(len(sequence_key_offsets(store)) - 1, dtype=np.int64)
+    acc = 0
+    for s in eval_sequences:
+        local_start[s] = acc
+        acc += seq_keys[s]
+    return HeldOut(
+        queries=store.as_float(store.queries(layer)[rows]) if len(rows) else torch.zeros(0),
+        head_weights=torch.from_numpy(store.head_weights(layer)[rows]) if len(rows) else torch.zeros(0),
+        visible=torch.from_numpy(visible[rows]),
+        key_start=torch.from_numpy(local_start[seq_of[rows]]),
+        keys=layer_keys(store, layer, eval_sequences, key_format),
+    )
+
+
+def _recall(chosen: torch.Tensor, truth: torch.Tensor) -> float:
+    return float(np.intersect1d(chosen.cpu().numpy(), truth.cpu().numpy()).size) / truth.numel()
+
+
+def evaluate_selection(
+    data: HeldOut,
+    coarse_keys: torch.Tensor,
+    ks: tuple[int, ...],
+    candidates: tuple[int, ...] = CANDIDATES,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Recall of coarse-to-fine selection for each k in ``ks``.
+
+    Parameters
+    ----------
+    data : held-out queries and engine keys; coarse_keys : [N, D] the keys the coarse stage sees (PQ
+        decoded), row-aligned with ``data.keys``
+
+    Returns
+    -------
+    {"k512/direct": r, "k512/rerank@2048": r, "k512/filter@2048": r, "k512/fetch@2048": share,
+     "k512/queries": n, ...} (means over queries whose prefix holds at least 4k keys)
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def add(name: str, value: float) -> None:
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+
+    keys, coarse_all = data.keys.to(device), coarse_keys.to(device)
+    for i in range(data.queries.shape[0]):
+        start, n = int(data.key_start[i]), int(data.visible[i])
+        q, w = data.queries[i : i + 1].to(device), data.head_weights[i : i + 1].to(device)
+        exact = indexer_scores(q, keys[start : start + n], w)[0]
+        coarse = indexer_scores(q, coarse_all[start : start + n], w)[0]
+        for k in ks:
+            if n < 4 * k:
+                continue
+            truth = exact.topk(k).indices
+            tag = f"k{k}"
+            add(f"{tag}/direct", _recall(coarse.topk(k).indices, truth))
+            for c in candidates:
+                if c >= n:  # the whole prefix would be reranked: exhaustive, not a coarse-to-fine figure
+                    continue
+                cand = coarse.topk(c).indices
+                rerank = cand[exact[cand].topk(min(k, cand.numel())).indices]
+                add(f"{tag}/rerank@{c}", _recall(rerank, truth))
+                cand_scores = coarse[cand]
+                kth = cand_scores.topk(min(k, cand.numel())).values[-1]
+                kept = cand[cand_scores >= kth - cand_scores.std()]
+                filtered = kept[exact[kept].topk(min(k, kept.numel())).indices]
+                add(f"{tag}/filter@{c}", _recall(filtered, truth))
+                add(f"{tag}/fetch@{c}", kept.numel() / cand.numel())
+    out = {name: sums[name] / counts[name] for name in sums}
+    for k in ks:
+        out[f"k{k}/queries"] = float(counts.get(f"k{k}/direct", 0))
+    return out
