@@ -32,3 +32,7 @@ class EmptyCorpusError(DsaIndexError):
 
 class ModelNotFoundError(DsaIndexError):
     """A model reference points at nothing that can be loaded offline."""
+
+
+class CorruptBundleError(DsaIndexError):
+    """An artifact bundle is missing, damaged, or is not a bundle of this project."""

@@ -69,3 +69,65 @@ def bench_capture(
     if out:
         out.write_text(text)
     print(text)
+
+
+@bench_app.command("pq-train")
+def bench_pq_train(
+    store: Path = typer.Option(None, "--store", "-s", help="Capture store whose keys to train on (tiled up to --keys)."),
+    layer: int = typer.Option(None, help="Layer of the store (default: its first indexer layer)."),
+    keys: int = typer.Option(1_000_000, help="Keys to train on."),
+    subspaces: int = typer.Option(32, help="PQ subspaces."),
+    iterations: int = typer.Option(20, help="k-means iterations."),
+    trainers: str = typer.Option("faiss,torch", help="Comma-separated trainers to time side by side."),
+    device: str = typer.Option("auto", help="Device of the torch trainer."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+) -> None:
+    """Time of one layer's PQ training for N keys, per trainer, and the quantization error each reaches."""
+    import os
+    import time
+
+    import torch
+
+    from dsaindex.pipelines.cli import _device
+    from dsaindex.train.pq import PQSpec, relative_mse, train_codebooks
+
+    device = _device(device)
+    if store is not None:
+        from dsaindex.artifacts.capture_store import CaptureStore
+        from dsaindex.train.recall import engine_keys
+
+        cs = CaptureStore.open(store)
+        layer = cs.layers[0] if layer is None else layer
+        base = engine_keys(cs.as_float(cs.keys(layer)), cs.manifest.model.geometry["key_format"])
+        reps = -(-keys // base.shape[0])
+        g = torch.Generator().manual_seed(0)
+        data = base.repeat(reps, 1)[:keys]
+        data = data + 0.01 * data.std() * torch.randn(data.shape, generator=g)  # tiled copies are not identical
+        source = f"{store} layer {layer} ({base.shape[0]} keys tiled)"
+    else:
+        g = torch.Generator().manual_seed(0)
+        centers = torch.randn(4096, 128, generator=g)
+        data = centers[torch.randint(0, 4096, (keys,), generator=g)] + 0.5 * torch.randn(keys, 128, generator=g)
+        source = "synthetic clustered keys"
+    spec = PQSpec(dim=data.shape[1], subspaces=subspaces)
+    report = {"source": source, "keys": keys, "subspaces": subspaces, "iterations": iterations,
+              "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+              "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None, "trainers": {}}
+    for trainer in [t for t in trainers.split(",") if t]:
+        if trainer == "torch" and device.startswith("cuda"):
+            train_codebooks(data[:65536], spec, "torch", 2, device=device)  # warm-up (CUDA init, kernels)
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cb = train_codebooks(data, spec, trainer, iterations, device=device if trainer == "torch" else "cpu")
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        report["trainers"][trainer] = {
+            "device": device if trainer == "torch" else "cpu",
+            "seconds": round(seconds, 3),
+            "relative_mse": round(relative_mse(data[:200_000], cb), 5),
+        }
+    text = json.dumps(report, indent=2)
+    if out:
+        out.write_text(text)
+    print(text)

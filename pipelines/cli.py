@@ -96,22 +96,52 @@ def run_capture_and_report(store, model, spec, settings, sequences, device, dtyp
 def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), help="Folder for the demo's outputs."),
     model: str = typer.Option(None, "--model", "-m", help="Model reference (default: reference or tiny preset)."),
-    sequences: int = typer.Option(4, help="Sequences to capture."),
+    sequences: int = typer.Option(6, help="Sequences to capture (the last one is held out for evaluation)."),
     seq_len: int = typer.Option(2048, help="Tokens per sequence."),
+    subspaces: int = typer.Option(32, help="PQ subspaces."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./runs/mlflow)."),
 ) -> None:
-    """The main job on embedded defaults: capture from the default model on the stdlib corpus, print the store."""
+    """The main job on embedded defaults: capture, train PQ codebooks, register them, print the recall table."""
     import time
 
+    from rich.console import Console
+
     from dsaindex.artifacts.capture_store import CaptureSettings
+    from dsaindex.artifacts.registry import register_bundle
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref
+    from dsaindex.train.cli import recall_table
+    from dsaindex.train.pq_job import PQOptions, recall_plot, train_pq, write_pq_bundle
 
-    store = out / time.strftime("capture-%Y%m%d-%H%M%S")
-    typer.echo(f"demo: capturing into {store}")
+    console = Console()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    store = out / f"capture-{stamp}"
+    ref = model or default_model_ref()
+    device = _device(device)
+    console.rule(f"1/3 capture: {ref} on the Python stdlib sources -> {store}")
     settings = CaptureSettings(seq_len=seq_len, chunk_len=min(1024, seq_len))
-    run_capture_and_report(store, model or default_model_ref(), CorpusSpec(), settings, sequences, _device(device),
-                           "auto", 65536, False, True)
+    run_capture_and_report(store, ref, CorpusSpec(), settings, sequences, device, "auto", 65536, False, True)
+
+    console.rule(f"2/3 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence")
+    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64)
+    with console.status("training") as status:
+        report = train_pq(store, opts, progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"))
+    bundle = out / f"pq{subspaces}-{stamp}"
+    topk = int(report["store"].manifest.model.geometry["topk"])
+    plot = recall_plot(report["per_layer"], out / f"pq{subspaces}-{stamp}-recall-k{topk}.png",
+                       f"PQ{subspaces} on {ref}", topk)
+    manifest = write_pq_bundle(report, opts, bundle, [])
+
+    console.rule("3/3 register in the MLflow model registry")
+    registered = register_bundle(bundle, opts.params(), manifest.metrics, [plot] if plot else [],
+                                 tracking_uri=tracking_uri)
+    rows = [(f"layer {layer}", m) for layer, m in sorted(report["per_layer"].items())] + [("mean", report["mean"])]
+    for k in sorted({512, topk}):
+        console.print(recall_table(rows, k, opts.candidates, f"PQ{subspaces} recall of the exact top-{k} (held out)"))
+    console.print(f"bundle {bundle}; registered {registered['name']} version {registered['version']} "
+                  f"@{registered.get('alias', 'candidate')}" + (f"; plot {plot}" if plot else ""))
+    console.print(f"browse: dsaindex registry list; dsaindex registry show {registered['name']} @candidate")
 
 
 def register(app: typer.Typer) -> None:

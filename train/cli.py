@@ -42,9 +42,28 @@ def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4
     return table
 
 
+def check_store_model(store: Path, model_ref: str) -> None:
+    """Refuse a store captured from another model than ``model_ref`` (names both fingerprints)."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.errors import StoreMismatchError
+    from dsaindex.pipelines.capture import fingerprint
+    from dsaindex.pipelines.models import load_model
+
+    have = CaptureStore.open(store).manifest.model
+    want = fingerprint(load_model(model_ref))
+    if (have.family, have.config_digest, have.weights_digest) != (want.family, want.config_digest, want.weights_digest):
+        raise StoreMismatchError(
+            f"{store} was captured from {have.name} ({have.family}, weights {have.weights_digest}), not from "
+            f"{model_ref} ({want.family}, weights {want.weights_digest}).",
+            f"capture from {model_ref} first (`dsaindex capture NEW_STORE --model {model_ref}`), or train for "
+            f"the store's own model.",
+        )
+
+
 @train_app.command("pq")
 def train_pq_cmd(
     store: Path = typer.Argument(..., help="Capture store to train on."),
+    model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
     out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write (default: runs/bundles/<store>-pq<M>)."),
     subspaces: int = typer.Option(32, help="PQ subspaces (bytes per key): 16, 32 or 64 for 128-d keys."),
     trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
@@ -64,6 +83,8 @@ def train_pq_cmd(
     from dsaindex.train.pq_job import recall_plot, train_pq, write_pq_bundle
 
     opts = _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device)
+    if model is not None:
+        check_store_model(store, model)
     console = Console(stderr=True, quiet=as_json)
     with console.status("training") as status:
         report = train_pq(store, opts, progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"))

@@ -95,18 +95,24 @@ def whitening(metric: torch.Tensor | None, spec: PQSpec, device) -> tuple[torch.
     return lt.float(), torch.linalg.inv(lt).float()
 
 
-def _lloyd_torch(x: torch.Tensor, k: int, iterations: int, seed: int) -> torch.Tensor:
-    """Batched k-means: x [M, N, d] -> centroids [M, k, d]. Init from distinct random rows."""
+def _lloyd_torch(x: torch.Tensor, k: int, iterations: int, seed: int, block: int = 1 << 17) -> torch.Tensor:
+    """Batched k-means: x [M, N, d] -> centroids [M, k, d]. Init from distinct random rows.
+
+    Assignment runs in blocks of rows so the [M, block, k] distance tensor stays bounded.
+    """
     m, n, d = x.shape
     g = torch.Generator(device="cpu").manual_seed(seed)
     init = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(m)]).to(x.device)
     cent = torch.gather(x, 1, init.unsqueeze(-1).expand(m, k, d)).clone()
-    x_sq = (x * x).sum(-1, keepdim=True)
     for _ in range(iterations):
-        dist = x_sq - 2 * torch.bmm(x, cent.transpose(1, 2)) + (cent * cent).sum(-1).unsqueeze(1)
-        assign = dist.argmin(-1)  # [M, N]
-        sums = torch.zeros_like(cent).scatter_add_(1, assign.unsqueeze(-1).expand(m, n, d), x)
-        counts = torch.zeros(m, k, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float32))
+        sums = torch.zeros_like(cent)
+        counts = torch.zeros(m, k, device=x.device)
+        c_sq = (cent * cent).sum(-1).unsqueeze(1)  # [M, 1, k]
+        for start in range(0, n, block):
+            xb = x[:, start : start + block]
+            assign = (c_sq - 2 * torch.bmm(xb, cent.transpose(1, 2))).argmin(-1)  # [M, b]
+            sums.scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), xb)
+            counts.scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float32))
         empty = counts == 0
         cent = torch.where(empty.unsqueeze(-1), cent, sums / counts.clamp_min(1).unsqueeze(-1))
         if bool(empty.any()):  # re-seed empty clusters on random rows

@@ -1,0 +1,318 @@
+"""The artifact bundle: trained index parameters for one target model, in a zarr v3 group.
+
+Layout (``L`` = a layer id, ``NAME`` = an array name of that layer's artifact)::
+
+    <bundle>/                  group; attributes hold {"dsaindex": <BundleManifest as JSON>}
+      layers/L/NAME            any shape and numeric dtype (codebooks, encoder weights, plans)
+
+The manifest carries its own ``schema_version`` (not the library version), the fingerprint of the
+model the bundle was trained for, one :class:`LayerArtifact` per layer (its kind, its parameters and a
+shape/dtype/sha256 record of each array), the training lineage (which capture store, by digest; which
+sequences trained and which evaluated) and the metrics of the training.
+
+A bundle is written into a hidden sibling folder and renamed into place at the end, so ``path`` holds
+either a whole bundle or nothing. Reading verifies every array against its checksum. Nothing is ever
+pickled, and no string of a manifest is ever turned into code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dsaindex._version import __version__
+from dsaindex.artifacts.capture_store import ModelFingerprint
+from dsaindex.errors import CorruptBundleError, DsaIndexError
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureStore
+
+SCHEMA_ID = "dsaindex.artifact-bundle"
+SCHEMA_VERSION = 1
+ATTR_KEY = "dsaindex"
+CHUNK_BYTES = 16 << 20
+_ARRAY_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_REWRITE_FIX = "train again to write a fresh bundle, or pull it again from the registry."
+
+
+class ArrayRecord(BaseModel):
+    """Shape, numpy dtype name and content checksum (see :func:`array_sha256`) of one array."""
+
+    model_config = ConfigDict(extra="forbid")
+    shape: list[int]
+    dtype: str
+    sha256: str
+
+
+class LayerArtifact(BaseModel):
+    """What one layer's index is: its kind, its parameters, and its arrays (filled by :func:`write_bundle`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["pq", "ivf"]
+    params: dict[str, Any]
+    arrays: dict[str, ArrayRecord] = {}
+
+
+class Lineage(BaseModel):
+    """Where the training data came from: the capture store (id, path, content digest) and the split."""
+
+    model_config = ConfigDict(extra="forbid")
+    capture_store_id: str
+    capture_store_path: str
+    capture_store_digest: str
+    train_sequences: list[int]
+    eval_sequences: list[int]
+
+
+class BundleManifest(BaseModel):
+    """The manifest of an artifact bundle; ``layers`` is keyed by ``str(layer id)``."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_id: Literal["dsaindex.artifact-bundle"] = SCHEMA_ID
+    schema_version: int = SCHEMA_VERSION
+    bundle_id: str
+    created_at: str
+    dsaindex_version: str
+    model: ModelFingerprint
+    basis: str
+    key_format: str
+    layers: dict[str, LayerArtifact]
+    lineage: Lineage
+    metrics: dict[str, float] = {}
+    params: dict[str, Any] = {}
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(int(k) for k in self.layers)
+
+
+def new_bundle_manifest(
+    model: ModelFingerprint,
+    basis: str,
+    key_format: str,
+    layers: dict[str, LayerArtifact] | dict[int, LayerArtifact],
+    lineage: Lineage,
+    metrics: dict[str, float] | None = None,
+    params: dict[str, Any] | None = None,
+) -> BundleManifest:
+    """A manifest with a fresh ``bundle_id``, the current UTC time and this library's version.
+
+    ``layers`` may be keyed by int or str layer ids; the manifest keys them by ``str(layer id)``.
+    """
+    return BundleManifest(
+        bundle_id=uuid.uuid4().hex[:12],
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        dsaindex_version=__version__,
+        model=model,
+        basis=basis,
+        key_format=key_format,
+        layers={str(k): v for k, v in layers.items()},
+        lineage=lineage,
+        metrics=dict(metrics or {}),
+        params=dict(params or {}),
+    )
+
+
+def array_sha256(values: np.ndarray) -> str:
+    """sha256 (hex) over the dtype name, the shape and the little-endian C-order bytes of ``values``."""
+    values = np.asarray(values)
+    h = hashlib.sha256()
+    h.update(f"{values.dtype.name}|{list(values.shape)}|".encode())
+    h.update(np.asarray(values, dtype=values.dtype.newbyteorder("<"), order="C").tobytes())
+    return h.hexdigest()
+
+
+# ---- writing ---------------------------------------------------------------------------------------
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | str:
+    """Whole array in one chunk, or row blocks of about CHUNK_BYTES for big ones."""
+    if not shape:
+        return "auto"  # zarr mishandles an explicit () for 0-d arrays
+    row_bytes = itemsize * int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else itemsize
+    rows = max(1, min(shape[0], CHUNK_BYTES // max(1, row_bytes)))
+    return (rows, *(max(1, s) for s in shape[1:]))
+
+
+def _check_arrays(manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarray]]) -> None:
+    for layer, named in arrays.items():
+        if str(layer) not in manifest.layers:
+            raise DsaIndexError(
+                f"Arrays were given for layer {layer}, which the manifest does not list "
+                f"(it lists {', '.join(manifest.layers) or 'none'}).",
+                "add a LayerArtifact for that layer to the manifest, or drop its arrays.",
+            )
+        for name, values in named.items():
+            if not _ARRAY_NAME.match(name):
+                raise DsaIndexError(
+                    f"Array name {name!r} of layer {layer} is not a plain name.",
+                    "use letters, digits, '_', '.' or '-' only.",
+                )
+            kind = np.asarray(values).dtype.kind
+            if kind not in "biuf":
+                raise DsaIndexError(
+                    f"Array {name!r} of layer {layer} has dtype {np.asarray(values).dtype}; bundles hold "
+                    "bool, integer and float arrays only.",
+                    "convert it to a numeric dtype (bfloat16 as its uint16 bits).",
+                )
+
+
+def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarray]]) -> BundleManifest:
+    """Write a bundle at ``path`` and return its manifest with ``layers[..].arrays`` filled in.
+
+    Parameters
+    ----------
+    path : folder to create; must not exist, or be empty.
+    manifest : from :func:`new_bundle_manifest`; its ``layers[..].arrays`` are replaced.
+    arrays : ``{layer id: {array name: numpy array}}``; any shape, bool/int/float dtypes. Every layer
+        must appear in ``manifest.layers``.
+
+    Everything is written into a hidden sibling folder first and renamed onto ``path`` at the end, so a
+    crash leaves no half bundle at ``path``.
+    """
+    import zarr
+
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise DsaIndexError(f"{path} exists and is not empty.", "write the bundle to a new path, or delete the old one.")
+    _check_arrays(manifest, arrays)
+    layers = {key: art.model_copy(update={"arrays": {}}) for key, art in manifest.layers.items()}
+    for layer, named in arrays.items():
+        layers[str(layer)].arrays = {
+            name: ArrayRecord(shape=list(np.shape(v)), dtype=np.asarray(v).dtype.name, sha256=array_sha256(v))
+            for name, v in named.items()
+        }
+    manifest = manifest.model_copy(update={"layers": layers})
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+        compressors = [zarr.codecs.ZstdCodec(level=3)]
+        for layer, named in arrays.items():
+            sub = group.require_group(f"layers/{layer}")
+            for name, values in named.items():
+                values = np.asarray(values, order="C")
+                arr = sub.create_array(
+                    name, shape=values.shape, chunks=_chunks(values.shape, values.dtype.itemsize),
+                    dtype=values.dtype, compressors=compressors, fill_value=0,
+                )
+                arr[...] = values
+        group.attrs.update({ATTR_KEY: manifest.model_dump(mode="json")})
+        if path.exists():
+            path.rmdir()  # empty (checked above); rename needs the name free
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+def _open(path: Path):
+    import zarr
+
+    if not path.is_dir():
+        raise CorruptBundleError(f"No artifact bundle at {path}.", "check the path, or pull the bundle from the registry.")
+    try:
+        return zarr.open_group(str(path), mode="r")
+    except Exception as err:  # noqa: BLE001 - zarr raises several kinds for foreign folders
+        raise CorruptBundleError(
+            f"{path} is not a zarr v3 group ({type(err).__name__}: {err}).",
+            "point at a bundle written by dsaindex training, or pull it again from the registry.",
+        ) from None
+
+
+def _manifest_of(path: Path, group) -> BundleManifest:
+    attrs = dict(group.attrs).get(ATTR_KEY)
+    if not isinstance(attrs, dict) or attrs.get("schema_id") != SCHEMA_ID:
+        raise CorruptBundleError(
+            f"{path} is a zarr group but not a dsaindex artifact bundle (no '{ATTR_KEY}' bundle manifest).",
+            "point at a bundle written by dsaindex training; a capture store is not a bundle.",
+        )
+    version = attrs.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise CorruptBundleError(
+            f"{path} has bundle schema version {version}; this dsaindex {__version__} reads up to {SCHEMA_VERSION}.",
+            "upgrade dsaindex, or train the bundle again with this version.",
+        )
+    try:
+        return BundleManifest.model_validate(attrs)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise CorruptBundleError(
+            f"{path} has an invalid bundle manifest ({'.'.join(map(str, first['loc']))}: {first['msg']}).",
+            "the bundle was written by an incompatible version or edited by hand; " + _REWRITE_FIX,
+        ) from None
+
+
+def read_manifest(path: str | Path) -> BundleManifest:
+    """The validated manifest of the bundle at ``path`` (arrays are not read)."""
+    path = Path(path)
+    return _manifest_of(path, _open(path))
+
+
+def read_bundle(path: str | Path, verify: bool = True) -> tuple[BundleManifest, dict[int, dict[str, np.ndarray]]]:
+    """Read a bundle: its manifest and ``{layer id: {array name: numpy array}}``.
+
+    Every array the manifest records must be present with its recorded shape and dtype; with
+    ``verify`` its sha256 must match too. Any failure raises :class:`CorruptBundleError` naming the
+    layer and array.
+    """
+    path = Path(path)
+    group = _open(path)
+    manifest = _manifest_of(path, group)
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for key in sorted(manifest.layers, key=int):
+        layer = int(key)
+        named: dict[str, np.ndarray] = {}
+        for name, record in manifest.layers[key].arrays.items():
+            where = f"{path}: layer {layer} array {name!r}"
+            try:
+                values = np.asarray(group[f"layers/{key}/{name}"][...])
+            except KeyError:
+                raise CorruptBundleError(f"{where} is missing.", _REWRITE_FIX) from None
+            except Exception as err:  # noqa: BLE001 - a damaged chunk fails to decode in several ways
+                raise CorruptBundleError(f"{where} cannot be decoded ({type(err).__name__}: {err}).", _REWRITE_FIX) from None
+            if list(values.shape) != record.shape or values.dtype.name != record.dtype:
+                raise CorruptBundleError(
+                    f"{where} is {values.dtype.name}{list(values.shape)}, the manifest says "
+                    f"{record.dtype}{record.shape}.",
+                    _REWRITE_FIX,
+                )
+            if verify and array_sha256(values) != record.sha256:
+                raise CorruptBundleError(f"{where} fails its sha256 checksum (the data changed on disk).", _REWRITE_FIX)
+            named[name] = values
+        out[layer] = named
+    return manifest, out
+
+
+# ---- lineage ---------------------------------------------------------------------------------------
+def store_digest(store: CaptureStore) -> str:
+    """16 hex chars identifying a capture store's content.
+
+    sha256 over the manifest JSON, the committed counts and, for every chunk file of its arrays
+    (sorted by path), its relative path and the sha256 of its bytes. Metadata files, lock files and
+    interrupted ``.partial`` writes are left out.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(store.manifest.model_dump(mode="json"), sort_keys=True).encode())
+    h.update(json.dumps(store.committed.model_dump(), sort_keys=True).encode())
+    root = Path(store.path)
+    for file in sorted(root.rglob("*")):
+        rel = file.relative_to(root)
+        if not file.is_file() or file.name == "zarr.json" or file.suffix == ".partial":
+            continue
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        h.update(rel.as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(file.read_bytes()).digest())
+    return h.hexdigest()[:16]
