@@ -96,7 +96,7 @@ def run_capture_and_report(store, model, spec, settings, sequences, device, dtyp
 def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), help="Folder for the demo's outputs."),
     model: str = typer.Option(None, "--model", "-m", help="Model reference (default: reference or tiny preset)."),
-    sequences: int = typer.Option(6, help="Sequences to capture (the last one is held out for evaluation)."),
+    sequences: int = typer.Option(4, help="Sequences to capture (the last one is held out for evaluation)."),
     seq_len: int = typer.Option(2048, help="Tokens per sequence."),
     subspaces: int = typer.Option(32, help="PQ subspaces."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),

@@ -33,7 +33,7 @@ class PQOptions:
     centroids: int = 256
     trainer: str = "faiss"
     iterations: int = 20
-    score_aware: bool = False
+    score_aware: bool = True
     max_train_keys: int = 262144
     metric_queries: int = 256
     eval_fraction: float = 0.2
