@@ -105,7 +105,9 @@ def attention_coverage(
 
     for i, layer in enumerate(layers):
         handles.append(layer.self_attn.register_forward_pre_hook(make_hook("attn", i), with_kwargs=True))
-        handles.append(layer.self_attn.indexer.register_forward_pre_hook(make_hook("index", i), with_kwargs=True))
+        handles.append(
+            layer.self_attn.indexer.register_forward_pre_hook(make_hook("index", i), with_kwargs=True)
+        )
 
     sums = {key: [0.0] * len(layers) for key in ("coverage", "oracle", "window")}
     measured = 0
@@ -144,12 +146,16 @@ def attention_coverage(
                         causal = torch.arange(seq_len, device=ids.device)[None, :] <= r[:, None]  # [c, L]
                         logits = torch.matmul(q[:, :, r], k.transpose(-1, -2)) * attn.scaling
                         p = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1).mean(1)  # [B, c, L]
-                        scores = _chunk_index_scores(queries[:, r0 : r0 + query_block], keys, weights[:, r0 : r0 + query_block])
+                        scores = _chunk_index_scores(
+                            queries[:, r0 : r0 + query_block], keys, weights[:, r0 : r0 + query_block]
+                        )
                         kk = min(topk, seq_len)
                         vals, idx = scores.masked_fill(~causal, -math.inf).topk(kk, dim=-1)
                         cover = p.gather(-1, idx).masked_fill(~torch.isfinite(vals), 0.0).sum(-1)
                         oracle = p.topk(kk, dim=-1).values.sum(-1)
-                        recent = (torch.arange(seq_len, device=ids.device)[None, :] > (r[:, None] - kk)) & causal
+                        recent = (
+                            torch.arange(seq_len, device=ids.device)[None, :] > (r[:, None] - kk)
+                        ) & causal
                         window = (p * recent).sum(-1)
                         sums["coverage"][i] += float(cover.sum())
                         sums["oracle"][i] += float(oracle.sum())
@@ -182,7 +188,9 @@ def evaluate(
     """
     input_ids, labels = heldout_windows(heldout_stream, seq_len, bpb_windows)
     if input_ids.shape[0] == 0:
-        raise ValueError(f"held-out stream of {heldout_stream.numel()} tokens is shorter than one window of {seq_len}")
+        raise ValueError(
+            f"held-out stream of {heldout_stream.numel()} tokens is shorter than one window of {seq_len}"
+        )
     dense = bits_per_byte(model, input_ids, labels, index_topk=seq_len, batch=batch)
     sparse = bits_per_byte(model, input_ids, labels, index_topk=topk, batch=batch)
     result: dict[str, Any] = {

@@ -121,7 +121,9 @@ def list_python_files(max_file_bytes: int = 400_000) -> list[tuple[str, Path]]:
     for label, root in python_source_roots():
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(
-                d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith(".")
+                d
+                for d in dirnames
+                if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith(".")
             )
             for name in sorted(filenames):
                 if not name.endswith(".py"):
@@ -332,12 +334,16 @@ def _chunk_index_scores(queries, keys, weights):
     """Indexer scores of a query chunk: ``sum_h w[h] * relu(q[h] . k)``.
 
     queries [B, c, H, D], keys [B, T, D], weights [B, c, H] (effective) -> [B, c, T] float32.
+    One [B, c*H, D] x [B, D, T] product, then a per-query [1, H] x [H, T] weighted sum over heads.
     """
     import torch
 
-    logits = torch.matmul(queries, keys.transpose(1, 2).unsqueeze(1))  # [B, c, H, T]
-    out = torch.matmul(weights.unsqueeze(2).to(logits.dtype), torch.relu(logits))  # [B, c, 1, T]
-    return out.squeeze(2).float()
+    b, c, h, d = queries.shape
+    t = keys.shape[1]
+    logits = torch.bmm(queries.reshape(b, c * h, d), keys.transpose(1, 2))  # [B, c*H, T]
+    relu = torch.relu(logits).view(b * c, h, t)
+    out = torch.bmm(weights.reshape(b * c, 1, h).to(relu.dtype), relu)  # [B*c, 1, T]
+    return out.view(b, c, t).float()
 
 
 def indexer_kl_layer(
@@ -389,10 +395,14 @@ def indexer_kl_layer(
             else:
                 kk = min(topk, t)
                 idx = scores.detach().masked_fill(~causal, -math.inf).topk(kk, dim=-1).indices
-                allowed = torch.zeros(b, s1 - s0, t, dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
+                allowed = torch.zeros(b, s1 - s0, t, dtype=torch.bool, device=x.device).scatter_(
+                    -1, idx, True
+                )
                 allowed &= causal
                 allowed_full[:, s0:s1, :t] = allowed
-            logits = torch.matmul(q_det[:, :, s0:s1].float(), k_det[:, :, :t].float().transpose(-1, -2)) * scaling
+            logits = (
+                torch.matmul(q_det[:, :, s0:s1].float(), k_det[:, :, :t].float().transpose(-1, -2)) * scaling
+            )
             p = torch.softmax(logits.masked_fill(~allowed[:, None], -math.inf), dim=-1).mean(1)  # [B, c, t]
             log_p = torch.log(p.clamp_min(1e-30))
         log_q = F.log_softmax(scores.masked_fill(~allowed, -math.inf), dim=-1).masked_fill(~allowed, 0.0)
@@ -441,13 +451,17 @@ def training_forward(model, input_ids, labels, mode: str, topk: int | None = Non
         if mode == "dense":
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
         elif mode == "warmup":
-            kl, _ = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk)
+            kl, _ = indexer_kl_layer(
+                attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk
+            )
             kls.append(kl)
             if i == n_layers - 1:
                 break
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
         else:
-            kl, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk)
+            kl, allowed = indexer_kl_layer(
+                attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk
+            )
             kls.append(kl)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
@@ -492,6 +506,7 @@ class StageResult:
     seconds: float = 0.0
     final_lm_loss: float | None = None
     final_kl: float | None = None
+    peak_memory_gb: float | None = None
     config: dict = field(default_factory=dict)
 
 
@@ -537,7 +552,9 @@ def lr_factor(cfg: StageConfig, step: int, elapsed: float) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_step(model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False) -> ForwardResult:
+def train_step(
+    model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False
+) -> ForwardResult:
     """One optimizer step of a stage; returns the (detached) losses."""
     import torch
 
@@ -572,6 +589,8 @@ def run_stage(
 
     optimizer = make_optimizer(model, cfg)
     model.train()
+    if stream.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
     result = StageResult(cfg.name, cfg.mode, config=asdict(cfg))
     start = time.perf_counter()
     step = 0
@@ -609,6 +628,7 @@ def run_stage(
     flush()
     if stream.is_cuda:
         torch.cuda.synchronize()
+        result.peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30
     result.steps = step
     result.tokens = step * cfg.batch * cfg.seq_len
     result.seconds = time.perf_counter() - start

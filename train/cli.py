@@ -10,15 +10,21 @@ train_app = typer.Typer(no_args_is_help=True)
 eval_app = typer.Typer(no_args_is_help=True)
 
 
-def _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device):
+def _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates="1024,2048,4096"):
+    from dsaindex.errors import DsaIndexError
     from dsaindex.train.pq_job import PQOptions
+
+    try:
+        cands = tuple(sorted({int(c) for c in str(candidates).split(",") if c.strip()}))
+    except ValueError:
+        raise DsaIndexError(f"--candidates {candidates!r} is not a list of integers.", "pass e.g. --candidates 1024,2048,4096.") from None
 
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
-                     max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=device)
+                     max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=device, candidates=cands)
 
 
 def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4096), title: str = ""):
@@ -75,6 +81,7 @@ def train_pq_cmd(
         "at equal bytes) or plain k-means on keys."),
     max_train_keys: int = typer.Option(262144, help="Keys per layer to train on (deterministic subsample)."),
     eval_queries: int = typer.Option(128, help="Held-out queries per layer for the recall evaluation."),
+    candidates: str = typer.Option("1024,2048,4096", help="Candidate counts C of the coarse stage to evaluate."),
     device: str = typer.Option("auto", help="Device of the torch trainer and the evaluation."),
     register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
     tracking_uri: str = typer.Option(None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./runs/mlflow)."),
@@ -86,7 +93,7 @@ def train_pq_cmd(
     from dsaindex.console import print_json
     from dsaindex.train.pq_job import recall_plot, train_pq, write_pq_bundle
 
-    opts = _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device)
+    opts = _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates)
     if model is not None:
         check_store_model(store, model)
     console = Console(stderr=True, quiet=as_json)
@@ -135,6 +142,7 @@ def eval_pq_cmd(
     bundle: str = typer.Argument(..., help="Bundle path or models:/<name>@<alias>."),
     store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to evaluate on."),
     eval_queries: int = typer.Option(128, help="Held-out queries per layer."),
+    candidates: str = typer.Option("1024,2048,4096", help="Candidate counts C of the coarse stage to evaluate."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
@@ -146,7 +154,7 @@ def eval_pq_cmd(
     from dsaindex.artifacts.registry import load_uri
     from dsaindex.console import print_json
     from dsaindex.errors import DsaIndexError
-    from dsaindex.train.pq_job import PQOptions, evaluate_layer, mean_metrics
+    from dsaindex.train.pq_job import evaluate_layer, mean_metrics
     from dsaindex.train.recall import split_sequences
 
     manifest, arrays = read_bundle(load_uri(bundle))
@@ -157,7 +165,7 @@ def eval_pq_cmd(
             f"{cs.manifest.model.name} ({cs.manifest.settings.basis} basis).",
             "evaluate on a store captured from the bundle's model with the same basis.",
         )
-    opts = PQOptions(max_eval_queries=eval_queries)
+    opts = _options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)
     _, eval_seq = split_sequences(cs.committed.sequences)
     topk = int(manifest.model.geometry["topk"])
     per_layer = {}
@@ -174,7 +182,7 @@ def eval_pq_cmd(
     console = Console()
     for k in sorted({512, topk}):
         rows = [(f"layer {layer}", m) for layer, m in sorted(per_layer.items())] + [("mean", mean)]
-        console.print(recall_table(rows, k))
+        console.print(recall_table(rows, k, opts.candidates))
 
 
 @eval_app.command("pq-compare")

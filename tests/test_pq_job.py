@@ -1,0 +1,69 @@
+"""End to end: a capture store -> `dsaindex train pq` -> bundle + registered version -> `dsaindex eval pq`."""
+
+import json
+
+import pytest
+
+from dsaindex.artifacts.bundle import read_bundle
+
+from helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pqjob")
+    store = root / "store"
+    proc = run_cli("capture", str(store), "-m", "preset:tiny-v32", "-n", "5", "--seq-len", "640",
+                   "--chunk-len", "320", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    uri = f"sqlite:///{root}/mlflow.db"
+    bundle = root / "bundle"
+    proc = run_cli("train", "pq", str(store), "--out", str(bundle), "--subspaces", "32", "--iterations", "8",
+                   "--eval-queries", "24", "--candidates", "64,128", "--tracking-uri", uri, "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return root, store, bundle, uri, json.loads(proc.stdout)
+
+
+def test_bundle_holds_codebooks_lineage_and_metrics(trained):
+    root, store, bundle, uri, result = trained
+    manifest, arrays = read_bundle(bundle)  # verifies every checksum
+    assert sorted(manifest.layer_ids) == [0, 1, 2, 3]
+    for layer in manifest.layer_ids:
+        assert arrays[layer]["codebooks"].shape == (32, 256, 4)
+        assert arrays[layer]["metric"].shape == (32, 4, 4)  # score-aware by default
+        assert manifest.layers[str(layer)].params["score_aware"] is True
+    train_seq, eval_seq = manifest.lineage.train_sequences, manifest.lineage.eval_sequences
+    assert train_seq == [0, 1, 2, 3] and eval_seq == [4]
+    assert manifest.basis == "hadamard" and manifest.key_format == "fp8_e4m3_ue8m0"
+    # top-32 of the tiny preset: 128 reranked candidates recover nearly all of the exact top-32
+    assert manifest.metrics["mean/k32/rerank@128"] == pytest.approx(result["mean"]["k32/rerank@128"])
+    assert 0.9 <= manifest.metrics["mean/k32/rerank@128"] <= 1.0
+    assert manifest.metrics["mean/k32/direct"] < manifest.metrics["mean/k32/rerank@128"] + 1e-9
+    assert all(p.endswith(".png") for p in result["plots"]) and result["plots"]
+    assert result["registered"]["version"] in (1, "1") and result["registered"]["alias"] == "candidate"
+
+
+def test_eval_reproduces_training_metrics(trained):
+    root, store, bundle, uri, result = trained
+    proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "24", "--candidates", "64,128", "--json")
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads(proc.stdout)
+    assert again["mean"]["k32/direct"] == pytest.approx(result["mean"]["k32/direct"])
+    assert again["mean"]["relative_mse"] == pytest.approx(result["mean"]["relative_mse"], rel=1e-4)
+
+
+def test_registry_lists_the_trained_version(trained):
+    root, store, bundle, uri, result = trained
+    proc = run_cli("registry", "list", "--tracking-uri", uri, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert any(r["name"] == result["registered"]["name"] and "candidate" in r["aliases"] for r in rows)
+
+
+def test_store_of_another_model_is_refused(trained):
+    root, store, bundle, uri, result = trained
+    proc = run_cli("train", "pq", str(store), "--model", "preset:tiny-glm5", "--no-register", "--out",
+                   str(root / "never"))
+    assert proc.returncode == 2
+    assert "not from preset:tiny-glm5" in proc.stderr and "Fix:" in proc.stderr
+    assert not (root / "never").exists()
