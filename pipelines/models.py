@@ -155,24 +155,24 @@ class LoadedModel:
     weights_digest: str
 
 
+# family -> (config class, causal-LM class) in transformers
+_FAMILY_CLASSES = {
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
+}
+
+
 def config_class(family: str):
     import transformers
 
-    return {
-        "deepseek_v32": transformers.DeepseekV32Config,
-        "glm_moe_dsa": transformers.GlmMoeDsaConfig,
-        "deepseek_v4": transformers.DeepseekV4Config,
-    }[family]
+    return getattr(transformers, _FAMILY_CLASSES[family][0])
 
 
 def model_class(family: str):
     import transformers
 
-    return {
-        "deepseek_v32": transformers.DeepseekV32ForCausalLM,
-        "glm_moe_dsa": transformers.GlmMoeDsaForCausalLM,
-        "deepseek_v4": transformers.DeepseekV4ForCausalLM,
-    }[family]
+    return getattr(transformers, _FAMILY_CLASSES[family][1])
 
 
 def preset_config(name: str):
