@@ -96,7 +96,7 @@ def run_capture_and_report(store, model, spec, settings, sequences, device, dtyp
 def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), help="Folder for the demo's outputs."),
     model: str = typer.Option(None, "--model", "-m", help="Model reference (default: reference or tiny preset)."),
-    sequences: int = typer.Option(4, help="Sequences to capture (the last one is held out for evaluation)."),
+    sequences: int = typer.Option(6, help="Sequences to capture (the last one is held out for evaluation)."),
     seq_len: int = typer.Option(2048, help="Tokens per sequence."),
     subspaces: int = typer.Option(32, help="PQ subspaces."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
@@ -124,7 +124,8 @@ def demo_cmd(
     run_capture_and_report(store, ref, CorpusSpec(), settings, sequences, device, "auto", 65536, False, True)
 
     console.rule(f"2/3 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence")
-    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64)
+    # C well below the demo's 2K context, so the coarse stage really prunes
+    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64, candidates=(512, 1024))
     with console.status("training") as status:
         report = train_pq(store, opts, progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"))
     bundle = out / f"pq{subspaces}-{stamp}"

@@ -1,6 +1,5 @@
 """PQ training (faiss and torch trainers, score-aware metric) and the held-out recall evaluation."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -5,7 +5,6 @@ import json
 import pytest
 
 from dsaindex.artifacts.bundle import read_bundle
-
 from helpers import run_cli
 
 

@@ -30,8 +30,9 @@ def _options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_q
 def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4096), title: str = ""):
     from rich.table import Table
 
+    fc = 2048 if 2048 in candidates else max(candidates)  # C of the miss-filter columns
     table = Table(title=title or f"recall of the exact top-{k} (held-out queries)", title_justify="left")
-    for col in ["", "direct PQ", *[f"rerank C={c}" for c in candidates], "+filter C=2048", "fetch C=2048", "rel. MSE"]:
+    for col in ["", "direct PQ", *[f"rerank C={c}" for c in candidates], f"+filter C={fc}", f"fetch C={fc}", "rel. MSE"]:
         table.add_column(col, justify="right" if col else "left")
     rows = [(name, m) for name, m in rows if f"k{k}/direct" in m]
     if not rows:
@@ -42,8 +43,8 @@ def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4
             name,
             f"{m[f'k{k}/direct']:.2%}",
             *[f"{m[f'k{k}/rerank@{c}']:.2%}" if f"k{k}/rerank@{c}" in m else "-" for c in candidates],
-            f"{m[f'k{k}/filter@2048']:.2%}" if f"k{k}/filter@2048" in m else "-",
-            f"{m[f'k{k}/fetch@2048']:.1%}" if f"k{k}/fetch@2048" in m else "-",
+            f"{m[f'k{k}/filter@{fc}']:.2%}" if f"k{k}/filter@{fc}" in m else "-",
+            f"{m[f'k{k}/fetch@{fc}']:.1%}" if f"k{k}/fetch@{fc}" in m else "-",
             f"{m.get('relative_mse', float('nan')):.4f}",
         )
     return table

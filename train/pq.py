@@ -128,7 +128,8 @@ def _kmeans_faiss(x: torch.Tensor, k: int, iterations: int, seed: int) -> torch.
 
     out = []
     for j in range(x.shape[0]):
-        km = faiss.Kmeans(x.shape[2], k, niter=iterations, seed=seed + j, verbose=False, max_points_per_centroid=1 << 30)
+        km = faiss.Kmeans(x.shape[2], k, niter=iterations, seed=seed + j, verbose=False,
+                          max_points_per_centroid=1 << 30, min_points_per_centroid=1)
         km.train(np.ascontiguousarray(x[j].cpu().numpy(), dtype=np.float32))
         out.append(torch.from_numpy(km.centroids.copy()))
     return torch.stack(out)

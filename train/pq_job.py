@@ -186,7 +186,13 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Callable[[str], 
 
 def write_pq_bundle(report: dict, opts: PQOptions, out: Path, plots: list[Path]) -> object:
     """Write the trained codebooks (and score-aware metrics) as an artifact bundle; returns its manifest."""
-    from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, store_digest, write_bundle
+    from dsaindex.artifacts.bundle import (
+        LayerArtifact,
+        Lineage,
+        new_bundle_manifest,
+        store_digest,
+        write_bundle,
+    )
 
     store = report["store"]
     layers, arrays = {}, {}
