@@ -32,7 +32,8 @@ def print_store_summary(s: dict) -> None:
     from dsaindex.console import human_bytes
 
     c = s["committed"]
-    per_mkeys = s["bytes_on_disk"] / max(1, c["keys"] * len(s["layers"])) * 1e6
+    n_keys = max(1, c["keys"] * len(s["layers"]))
+    key_bytes = s.get("key_bytes_on_disk", s["bytes_on_disk"])
     table = Table(title=f"capture store {s['path']}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -44,7 +45,8 @@ def print_store_summary(s: dict) -> None:
         ("sequences", f"{c['sequences']} ({c['tokens']:,} tokens, seq_len {s['settings']['seq_len']})"),
         ("keys per layer", f"{c['keys']:,}"),
         ("queries per layer", f"{c['queries']:,} sampled"),
-        ("on disk", f"{human_bytes(s['bytes_on_disk'])} ({human_bytes(per_mkeys)} per million keys incl. queries)"),
+        ("on disk", f"{human_bytes(s['bytes_on_disk'])} in all; keys {human_bytes(key_bytes)} "
+                    f"({key_bytes / n_keys:.0f} bytes per key)"),
         ("corpus", f"{', '.join(s['corpus']['sources'])}: {s['corpus']['files']} files, {human_bytes(s['corpus']['bytes'])}"),
         ("tokenizer", s["tokenizer"]),
         ("store id", f"{s['store_id']} ({s['schema']}, created {s['created_at']})"),

@@ -82,15 +82,14 @@ class CaptureResult:
         return self.tokens_added / self.seconds if self.seconds > 0 else 0.0
 
 
-def _encode_keys(keys, basis: str, key_dtype: str) -> np.ndarray:
-    import torch
-
+def _encode_keys(vectors, basis: str, key_dtype: str) -> np.ndarray:
+    """[..., D] float tensor -> numpy in the store's basis and storage dtype (bf16 as uint16 bits)."""
     from dsaindex.quant import bf16_to_bits, to_basis
 
-    keys = to_basis(keys, basis)
+    vectors = to_basis(vectors, basis)
     if key_dtype == "bfloat16":
-        return bf16_to_bits(keys).cpu().numpy().view(np.uint16)
-    return keys.float().cpu().numpy().astype(np.float32, copy=False) if isinstance(keys, torch.Tensor) else keys
+        return bf16_to_bits(vectors).cpu().numpy().view(np.uint16)
+    return vectors.float().cpu().numpy()
 
 
 def _cache_kwarg(module) -> str:

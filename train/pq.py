@@ -122,13 +122,14 @@ def _lloyd_torch(x: torch.Tensor, k: int, iterations: int, seed: int, block: int
     return cent
 
 
-def _kmeans_faiss(x: torch.Tensor, k: int, iterations: int, seed: int) -> torch.Tensor:
+def _kmeans_faiss(x: torch.Tensor, k: int, iterations: int, seed: int, gpu: bool = False) -> torch.Tensor:
     import faiss
     import numpy as np
 
+    gpu = gpu and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
     out = []
     for j in range(x.shape[0]):
-        km = faiss.Kmeans(x.shape[2], k, niter=iterations, seed=seed + j, verbose=False,
+        km = faiss.Kmeans(x.shape[2], k, niter=iterations, seed=seed + j, verbose=False, gpu=gpu,
                           max_points_per_centroid=1 << 30, min_points_per_centroid=1)
         km.train(np.ascontiguousarray(x[j].cpu().numpy(), dtype=np.float32))
         out.append(torch.from_numpy(km.centroids.copy()))
@@ -150,7 +151,7 @@ def train_codebooks(
     ----------
     keys : [N, D] float keys (in the basis and precision the engine stores)
     metric : optional [M, d, d] per-subspace PSD matrices for score-aware training
-    trainer : ``faiss`` (CPU) or ``torch`` (any device)
+    trainer : ``faiss`` (CPU; its GPU build when ``device`` is CUDA and one imports) or ``torch`` (any device)
 
     Returns
     -------
@@ -164,7 +165,10 @@ def train_codebooks(
     white = whitening(metric, spec, dev)
     if white is not None:
         x = torch.bmm(x, white[0].transpose(1, 2))  # rows x -> L^T x
-    cent = (_lloyd_torch if trainer == "torch" else _kmeans_faiss)(x, spec.centroids, iterations, seed).to(dev)
+    if trainer == "torch":
+        cent = _lloyd_torch(x, spec.centroids, iterations, seed)
+    else:  # faiss on the CPU, or on the GPU where a faiss GPU build imports and a CUDA device was asked for
+        cent = _kmeans_faiss(x, spec.centroids, iterations, seed, gpu=str(device).startswith("cuda")).to(dev)
     if white is not None:
         cent = torch.bmm(cent, white[1].transpose(1, 2))  # c' -> L^-T c'
     return cent.float().cpu()
