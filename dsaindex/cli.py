@@ -16,6 +16,7 @@ from dsaindex.errors import DsaIndexError
 from dsaindex.pipelines.bench import bench_app
 from dsaindex.pipelines.cli import register as register_pipelines
 from dsaindex.pipelines.reference_cli import reference_app
+from dsaindex.runtime.cli import runtime_app
 from dsaindex.train.cli import eval_app, train_app
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.add_typer(store_app, name="store", help="Inspect capture stores.")
 app.add_typer(registry_app, name="registry", help="Browse, compare, promote and pull registered artifacts.")
 app.add_typer(train_app, name="train", help="Train artifacts on capture stores.")
 app.add_typer(eval_app, name="eval", help="Evaluate artifacts on held-out captures.")
+app.add_typer(runtime_app, name="runtime", help="Load and validate artifacts as a server would.")
 app.add_typer(bench_app, name="bench", help="Measure speed and size, JSON out.")
 app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 

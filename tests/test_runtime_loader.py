@@ -1,0 +1,122 @@
+"""Server-side loading: resolve a bundle, verify it, validate it against the served model, place it."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
+from dsaindex.artifacts.capture_store import ModelFingerprint
+from dsaindex.errors import CorruptBundleError
+from dsaindex.geometry import geometry_from_config
+from dsaindex.pipelines.models import preset_config
+from dsaindex.runtime import check_compatible, load
+from dsaindex.runtime.loader import ArtifactMismatchError
+from helpers import run_cli
+
+
+def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0):
+    """A PQ bundle for a preset's geometry, with random codebooks."""
+    geometry = geometry_from_config(preset_config(preset))
+    model = ModelFingerprint(name=preset, family=geometry.family, geometry=geometry.to_dict(),
+                             config_digest="c" * 16, weights_digest="w" * 16, dtype="float32")
+    layer_ids = geometry.indexer_layers if layers is None else layers
+    rng = np.random.default_rng(seed)
+    sub = geometry.head_dim // subspaces
+    arrays = {i: {"codebooks": rng.standard_normal((subspaces, 256, sub)).astype(np.float32),
+                  "metric": np.tile(np.eye(sub, dtype=np.float32), (subspaces, 1, 1))} for i in layer_ids}
+    manifest = new_bundle_manifest(
+        model, basis, geometry.key_format,
+        {str(i): LayerArtifact(kind="pq", params={"subspaces": subspaces, "score_aware": True}) for i in layer_ids},
+        Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
+                train_sequences=[0], eval_sequences=[1]),
+    )
+    write_bundle(path, manifest, arrays)
+    return arrays
+
+
+def test_load_places_codebooks_and_reports_startup(tmp_path):
+    arrays = pq_bundle(tmp_path / "b")
+    loaded = load(tmp_path / "b", preset_config("tiny-v32"))
+    assert sorted(loaded.layers) == [0, 1, 2, 3]
+    for i, layer in loaded.layers.items():
+        assert layer.codebooks.dtype == torch.float32 and layer.codebooks.shape == (32, 256, 4)
+        np.testing.assert_array_equal(layer.codebooks.numpy(), arrays[i]["codebooks"])
+        assert layer.metric is not None and layer.subspaces == 32
+    assert loaded.device_bytes == 4 * (32 * 256 * 4 + 32 * 16) * 4
+    assert 0 < loaded.startup_seconds < 30
+    assert loaded.summary()["layers"]["3"]["score_aware"] is True
+
+
+def test_loading_a_local_bundle_does_not_import_mlflow(tmp_path):
+    pq_bundle(tmp_path / "b")
+    code = ("import sys, json; from dsaindex.runtime import load; from dsaindex.pipelines.models import preset_config; "
+            f"load({str(tmp_path / 'b')!r}, preset_config('tiny-v32')); "
+            "print(json.dumps([m for m in ('mlflow', 'faiss') if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("preset,needle", [("tiny-glm5", "family"), ("tiny-v4", "family")])
+def test_artifacts_of_another_family_are_refused(tmp_path, preset, needle):
+    pq_bundle(tmp_path / "b")
+    with pytest.raises(ArtifactMismatchError, match=needle) as err:
+        load(tmp_path / "b", preset_config(preset))
+    assert "deepseek_v32" in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_missing_layers_and_basis_are_refused(tmp_path):
+    pq_bundle(tmp_path / "partial", layers=(0, 1, 2))
+    with pytest.raises(ArtifactMismatchError, match=r"missing \[3\]"):
+        load(tmp_path / "partial", preset_config("tiny-v32"))
+    pq_bundle(tmp_path / "raw", basis="raw")
+    with pytest.raises(ArtifactMismatchError, match="basis"):
+        load(tmp_path / "raw", preset_config("tiny-v32"))
+    assert load(tmp_path / "raw", preset_config("tiny-v32"), basis="raw").manifest.basis == "raw"
+
+
+def test_dims_and_schema_version_are_checked(tmp_path):
+    pq_bundle(tmp_path / "b")
+    from dsaindex.artifacts.bundle import read_manifest
+
+    manifest = read_manifest(tmp_path / "b")
+    config = preset_config("tiny-v32")
+    config.index_n_heads = 16
+    with pytest.raises(ArtifactMismatchError, match="heads is 8"):
+        check_compatible(manifest, config)
+    with pytest.raises(ArtifactMismatchError, match="schema version 2"):
+        check_compatible(manifest.model_copy(update={"schema_version": 2}), preset_config("tiny-v32"))
+
+
+def test_corrupt_bundle_is_refused(tmp_path):
+    pq_bundle(tmp_path / "b")
+    chunk = next(p for p in (tmp_path / "b").rglob("*") if p.is_file() and "codebooks" in str(p) and "zarr.json" not in p.name)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptBundleError):
+        load(tmp_path / "b", preset_config("tiny-v32"))
+
+
+def test_runtime_check_cli(tmp_path):
+    pq_bundle(tmp_path / "b")
+    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["family"] == "deepseek_v32"
+    bad = run_cli("runtime", "check", "-m", "preset:tiny-v4", "-a", str(tmp_path / "b"))
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Fix:" in bad.stderr
+
+
+def test_load_from_the_registry(tmp_path):
+    from dsaindex.artifacts.registry import promote, register_bundle
+
+    pq_bundle(tmp_path / "b")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    reg = register_bundle(tmp_path / "b", {"subspaces": 32}, {"mean/recall": 0.9}, [], tracking_uri=uri)
+    promote(reg["name"], reg["version"], tracking_uri=uri)
+    loaded = load(f"models:/{reg['name']}@production", preset_config("tiny-v32"), cache_dir=tmp_path / "cache",
+                  tracking_uri=uri)
+    assert sorted(loaded.layers) == [0, 1, 2, 3] and str(tmp_path / "cache") in str(loaded.path)
