@@ -131,3 +131,45 @@ def bench_pq_train(
     if out:
         out.write_text(text)
     print(text)
+
+
+@bench_app.command("pq-score")
+def bench_pq_score(
+    keys: str = typer.Option("65536,262144,1048576", help="Comma-separated key counts."),
+    heads: int = typer.Option(64, help="Indexer heads."),
+    subspaces: int = typer.Option(32, help="PQ subspaces (128-d keys)."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+) -> None:
+    """Median time of one query's coarse scores over N PQ codes: Triton kernel vs the torch reference,
+    beside torch exact scoring of bf16 keys (matmul, relu, weighted sum). Needs a CUDA device."""
+    import torch
+    import triton.testing
+
+    from dsaindex.kernels.pq_score import pq_coarse_scores_triton
+    from dsaindex.runtime.pq_decode import pq_coarse_scores
+    from dsaindex.score import indexer_scores
+
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("bench pq-score needs a CUDA device")
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for n in [int(x) for x in keys.split(",") if x]:
+        q = torch.randn(heads, 128, device=dev, generator=g)
+        w = torch.rand(heads, device=dev, generator=g)
+        codes = torch.randint(0, 256, (n, subspaces), device=dev, generator=g, dtype=torch.int32).to(torch.uint8)
+        cb = torch.randn(subspaces, 256, 128 // subspaces, device=dev, generator=g)
+        exact_keys = torch.randn(n, 128, device=dev, generator=g).to(torch.bfloat16)
+        ms = {
+            "triton_pq": triton.testing.do_bench(lambda: pq_coarse_scores_triton(q, w, codes, cb), return_mode="median"),
+            "torch_pq_reference": triton.testing.do_bench(lambda: pq_coarse_scores(q, w, codes, cb), return_mode="median"),
+            "torch_exact_bf16": triton.testing.do_bench(
+                lambda: indexer_scores(q.unsqueeze(0).to(torch.bfloat16), exact_keys, w.unsqueeze(0)), return_mode="median"),
+        }
+        rows.append({"keys": n, "median_ms": {k: round(v, 4) for k, v in ms.items()},
+                     "gkeys_per_s": {k: round(n / v / 1e6, 2) for k, v in ms.items()}})
+    report = {"device": torch.cuda.get_device_name(), "heads": heads, "subspaces": subspaces, "rows": rows}
+    text = json.dumps(report, indent=2)
+    if out:
+        out.write_text(text)
+    print(text)
