@@ -133,6 +133,13 @@ def bench_pq_train(
     print(text)
 
 
+def _median_ms(fn, *args) -> float:
+    """Median milliseconds of ``fn(*args)`` on the GPU (triton.testing.do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(lambda: fn(*args), return_mode="median")
+
+
 @bench_app.command("pq-score")
 def bench_pq_score(
     keys: str = typer.Option("65536,262144,1048576", help="Comma-separated key counts."),
@@ -143,7 +150,6 @@ def bench_pq_score(
     """Median time of one query's coarse scores over N PQ codes: Triton kernel vs the torch reference,
     beside torch exact scoring of bf16 keys (matmul, relu, weighted sum). Needs a CUDA device."""
     import torch
-    import triton.testing
 
     from dsaindex.kernels.pq_score import pq_coarse_scores_triton
     from dsaindex.runtime.pq_decode import pq_coarse_scores
@@ -161,10 +167,9 @@ def bench_pq_score(
         cb = torch.randn(subspaces, 256, 128 // subspaces, device=dev, generator=g)
         exact_keys = torch.randn(n, 128, device=dev, generator=g).to(torch.bfloat16)
         ms = {
-            "triton_pq": triton.testing.do_bench(lambda: pq_coarse_scores_triton(q, w, codes, cb), return_mode="median"),
-            "torch_pq_reference": triton.testing.do_bench(lambda: pq_coarse_scores(q, w, codes, cb), return_mode="median"),
-            "torch_exact_bf16": triton.testing.do_bench(
-                lambda: indexer_scores(q.unsqueeze(0).to(torch.bfloat16), exact_keys, w.unsqueeze(0)), return_mode="median"),
+            "triton_pq": _median_ms(pq_coarse_scores_triton, q, w, codes, cb),
+            "torch_pq_reference": _median_ms(pq_coarse_scores, q, w, codes, cb),
+            "torch_exact_bf16": _median_ms(indexer_scores, q.unsqueeze(0).to(torch.bfloat16), exact_keys, w.unsqueeze(0)),
         }
         rows.append({"keys": n, "median_ms": {k: round(v, 4) for k, v in ms.items()},
                      "gkeys_per_s": {k: round(n / v / 1e6, 2) for k, v in ms.items()}})
