@@ -151,8 +151,7 @@ def bench_pq_score(
     beside torch exact scoring of bf16 keys (matmul, relu, weighted sum). Needs a CUDA device."""
     import torch
 
-    from dsaindex.kernels.pq_score import pq_coarse_scores_triton
-    from dsaindex.runtime.pq_decode import pq_coarse_scores
+    from dsaindex.kernels.pq_score import pq_coarse_scores, pq_coarse_scores_triton
     from dsaindex.score import indexer_scores
 
     if not torch.cuda.is_available():

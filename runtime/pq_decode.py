@@ -21,35 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from dsaindex.errors import DsaIndexError
+from dsaindex.kernels.pq_score import pq_coarse_scores
 from dsaindex.quant import fp8_dequantize, fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.loader import PQLayer
 from dsaindex.score import indexer_scores
 from dsaindex.train.pq import encode
-
-
-def pq_coarse_scores(queries: torch.Tensor, head_weights: torch.Tensor, codes: torch.Tensor,
-                     codebooks: torch.Tensor, block: int = 16384) -> torch.Tensor:
-    """Coarse scores of PQ-coded keys for one query.
-
-    Parameters
-    ----------
-    queries : [H, D]; head_weights : [H] effective weights; codes : [N, M] uint8; codebooks : [M, K, D/M]
-
-    Returns
-    -------
-    [N] float32, equal to the exact score of the decoded keys
-    """
-    n_heads = queries.shape[0]
-    m, k, d = codebooks.shape
-    lut = torch.einsum("hmd,mkd->hmk", queries.float().view(n_heads, m, d), codebooks.float()).reshape(n_heads, m * k)
-    offsets = torch.arange(m, device=codes.device) * k
-    out = torch.empty(codes.shape[0], dtype=torch.float32, device=codes.device)
-    for start in range(0, codes.shape[0], block):
-        idx = codes[start : start + block].long() + offsets  # [n, M] rows of the flattened table
-        dots = lut[:, idx].sum(-1)  # [H, n]
-        out[start : start + block] = head_weights.float() @ torch.relu(dots)
-    return out
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dsaindex.runtime.pq_decode import pq_coarse_scores  # noqa: E402  (the reference)
+from dsaindex.kernels.pq_score import pq_coarse_scores  # noqa: E402  (the reference)
 
 CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from dsaindex.errors import DsaIndexError
+from dsaindex.kernels.pq_score import pq_coarse_scores
 from dsaindex.quant import fp8_dequantize, fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError
 from dsaindex.runtime.loader import PQLayer
-from dsaindex.runtime.pq_decode import PQDecodeIndexer, pq_coarse_scores
+from dsaindex.runtime.pq_decode import PQDecodeIndexer
 from dsaindex.score import indexer_scores
 from dsaindex.train.pq import PQSpec, decode, encode, train_codebooks
 
