@@ -80,6 +80,11 @@ def train_cmd(
     seed: int = typer.Option(0),
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
     evaluate_after: bool = typer.Option(True, "--eval/--no-eval", help="Evaluate the saved checkpoint."),
+    init_from: Path = typer.Option(
+        None, help="Continue from a saved checkpoint folder instead of a fresh model (longer trainings "
+        "spread over several runs; optimizer state starts afresh)."
+    ),
+    stages: str = typer.Option("dense,warmup,sparse", help="Stages to run, in order (comma-separated)."),
 ) -> None:
     """Train the reference checkpoint with the DSA recipe and write it with its reports to OUT."""
     import torch
@@ -104,13 +109,26 @@ def train_cmd(
     config = rt.make_config(
         base, index_topk=topk, max_position_embeddings=max(base["max_position_embeddings"], seq_len)
     )
-    model = rt.build_model(config, seed=seed, device=dev)
+    run_stages = [x.strip() for x in stages.split(",") if x.strip()]
+    unknown = sorted(set(run_stages) - {"dense", "warmup", "sparse"})
+    if unknown or not run_stages:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"Unknown stages {unknown or stages!r}.", "pass --stages with dense, warmup and/or sparse.")
+    if init_from is not None:
+        from dsaindex.pipelines.reference_eval import load_checkpoint
+
+        model = load_checkpoint(init_from, dev).train()
+        rt.set_index_topk(model, topk)
+        _echo(f"continuing from {init_from}")
+    else:
+        model = rt.build_model(config, seed=seed, device=dev)
     n_params = sum(p.numel() for p in model.parameters())
     n_index = sum(p.numel() for p in rt.indexer_parameters(model))
     _echo(f"model: {n_params / 1e6:.2f}M parameters ({n_index / 1e6:.2f}M in indexers), device {dev}")
 
     budget = minutes * 60.0
-    stages = [
+    stage_configs = [
         rt.StageConfig(
             "dense",
             "dense",
@@ -153,7 +171,7 @@ def train_cmd(
     history: list[dict[str, Any]] = []
     results = []
     offset = 0
-    for cfg in stages:
+    for cfg in [c for c in stage_configs if c.name in run_stages]:
         res = rt.run_stage(
             model,
             train_stream,

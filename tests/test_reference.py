@@ -249,6 +249,39 @@ def test_cli_train_and_eval_tiny(tmp_path, monkeypatch):
     assert set(data["coverage"]) == {"64"}
 
 
+def test_cli_continues_a_saved_checkpoint(tmp_path, monkeypatch):
+    """A longer training spread over runs: dense in one, warm-up + sparse continuing from its output."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from dsaindex.pipelines.reference_cli import reference_app
+
+    src = [(k, p) for k, p in rt.list_python_files() if k.startswith("stdlib/")][:200]
+    monkeypatch.setattr(rt, "list_python_files", lambda: src)
+    common = ("--tiny --device cpu --seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 2 --sparse-steps 1 "
+              "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --max-train-mb 0.2 --max-heldout-mb 0.05 "
+              "--query-chunk 32 --no-eval").split()
+    first, second = tmp_path / "first", tmp_path / "second"
+    result = CliRunner().invoke(reference_app, ["train", *common, "--stages", "dense", "--out", str(first)])
+    assert result.exit_code == 0, result.output
+    assert [s["name"] for s in json.loads((first / "metrics.json").read_text())["training"]["stages"]] == ["dense"]
+    result = CliRunner().invoke(reference_app, ["train", *common, "--stages", "warmup,sparse", "--init-from",
+                                                str(first), "--out", str(second)])
+    assert result.exit_code == 0, result.output
+    assert "continuing from" in result.output
+    stages = json.loads((second / "metrics.json").read_text())["training"]["stages"]
+    assert [s["name"] for s in stages] == ["warmup", "sparse"]
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    emb = next(k for k in a if "embed_tokens" in k)
+    idx = next(k for k in a if ".indexer.wk." in k)
+    # warm-up and sparse steps started from the first run's weights: the embedding moved only a little
+    # (sparse step), the indexer was trained
+    assert torch.allclose(a[emb].float(), b[emb].float(), atol=0.05) and not torch.equal(a[idx], b[idx])
+    bad = CliRunner().invoke(reference_app, ["train", *common, "--stages", "dense,pretrain", "--out",
+                                             str(tmp_path / "never")])
+    assert bad.exit_code != 0 and not (tmp_path / "never").exists()
+
+
 needs_reference = pytest.mark.skipif(
     not (REFERENCE_DIR / "config.json").is_file(), reason="the reference checkpoint is not committed"
 )
