@@ -120,9 +120,17 @@ def train_cmd(
 
         model = load_checkpoint(init_from, dev).train()
         rt.set_index_topk(model, topk)
+        earlier = init_from / "metrics.json"
+        if earlier.is_file():  # keep the lineage: the card lists every stage the weights went through
+            prior = json.loads(earlier.read_text())
+            prior_training = prior.get("training", {})
+            prior_stages = prior_training.get("earlier_stages", []) + prior_training.get("stages", [])
+            prior_runs = prior.get("earlier_runs", []) + [prior.get("command", "")]
         _echo(f"continuing from {init_from}")
     else:
         model = rt.build_model(config, seed=seed, device=dev)
+    if init_from is None or not (init_from / "metrics.json").is_file():
+        prior_stages, prior_runs = [], []
     n_params = sum(p.numel() for p in model.parameters())
     n_index = sum(p.numel() for p in rt.indexer_parameters(model))
     _echo(f"model: {n_params / 1e6:.2f}M parameters ({n_index / 1e6:.2f}M in indexers), device {dev}")
@@ -206,12 +214,14 @@ def train_cmd(
             "seq_len": seq_len,
             "seed": seed,
             "stages": [vars(r) for r in results],
-            "tokens_total": sum(r.tokens for r in results),
+            "earlier_stages": prior_stages,
+            "tokens_total": sum(r.tokens for r in results) + sum(x["tokens"] for x in prior_stages),
             "history_every": 10,
             "history": [r for j, r in enumerate(history) if j % 10 == 0 or j == len(history) - 1],
         },
         "machine": _machine(dev),
         "command": command,
+        "earlier_runs": prior_runs,
     }
     if evaluate_after:
         from dsaindex.pipelines.reference_eval import evaluate, load_checkpoint
@@ -341,8 +351,10 @@ def model_card(metrics: dict[str, Any]) -> str:
         "warmup": ("dense", "indexers only (KL, causal prefix)"),
         "sparse": (f"top-{cfg['index_topk']}", "main (LM loss) + indexers (KL on the top-k set)"),
     }
-    for s in t["stages"]:
+    for s in t.get("earlier_stages", []) + t["stages"]:
         att, trained = what[s["mode"]]
+        if s in t.get("earlier_stages", []) and s["mode"] == "sparse":
+            att = f"top-{s['config']['topk']}"
         losses = []
         if s["final_lm_loss"] is not None:
             losses.append(f"{s['final_lm_loss'] / 0.6931471805599453:.3f} bits/byte")
@@ -391,10 +403,12 @@ def model_card(metrics: dict[str, Any]) -> str:
         f"Machine: {metrics['machine']}.",
         "",
         "```",
+        *[f"{c}  # earlier run" for c in metrics.get("earlier_runs", []) if c],
         metrics["command"],
         "```",
         "",
-        "(`dsaindex reference train ...` is the same command through the main CLI.) Evaluate with",
+        "(`dsaindex reference train ...` is the same command through the main CLI; a later run continues from",
+        "the checkpoint the earlier one wrote, through `--init-from`.) Evaluate with",
         "`dsaindex reference eval --json` (defaults to this checkpoint). Training time is budgeted by wall",
         "clock, so step counts on another machine differ; pass `--dense-steps/--warmup-steps/--sparse-steps`",
         "(and a large `--minutes`) to fix them.",

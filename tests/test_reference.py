@@ -271,6 +271,11 @@ def test_cli_continues_a_saved_checkpoint(tmp_path, monkeypatch):
     assert "continuing from" in result.output
     stages = json.loads((second / "metrics.json").read_text())["training"]["stages"]
     assert [s["name"] for s in stages] == ["warmup", "sparse"]
+    second_metrics = json.loads((second / "metrics.json").read_text())
+    assert [s["name"] for s in second_metrics["training"]["earlier_stages"]] == ["dense"], "lineage lost"
+    assert len(second_metrics["earlier_runs"]) == 1
+    card = (second / "MODEL_CARD.md").read_text()
+    assert "| dense |" in card and "| sparse |" in card and "# earlier run" in card
     a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
     emb = next(k for k in a if "embed_tokens" in k)
     idx = next(k for k in a if ".indexer.wk." in k)
