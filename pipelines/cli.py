@@ -96,8 +96,8 @@ def run_capture_and_report(store, model, spec, settings, sequences, device, dtyp
 def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), help="Folder for the demo's outputs."),
     model: str = typer.Option(None, "--model", "-m", help="Model reference (default: reference or tiny preset)."),
-    sequences: int = typer.Option(6, help="Sequences to capture (the last one is held out for evaluation)."),
-    seq_len: int = typer.Option(2048, help="Tokens per sequence."),
+    sequences: int = typer.Option(4, help="Sequences to capture (the last one is held out for evaluation)."),
+    seq_len: int = typer.Option(4096, help="Tokens per sequence (the recall of the top-512 needs 2048+ keys of prefix)."),
     subspaces: int = typer.Option(32, help="PQ subspaces."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     tracking_uri: str = typer.Option(None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./runs/mlflow)."),

@@ -257,7 +257,7 @@ def eval_cmd(
     seq_len: int = typer.Option(
         4096, help="Context of the bits-per-byte windows (and the longest coverage context)."
     ),
-    topk: int = typer.Option(256, help="index_topk of the sparse measurement and of coverage."),
+    topk: int = typer.Option(None, help="index_topk of the sparse measurement and of coverage (default: the checkpoint's)."),
     windows: int = typer.Option(8, help="Held-out windows for bits per byte."),
     coverage_windows: int = typer.Option(2, help="Held-out windows per context length for coverage."),
     max_heldout_mb: float = typer.Option(2.0, help="Held-out text to read (MB)."),
@@ -280,6 +280,7 @@ def eval_cmd(
     streams = build_token_streams(0, int(max_heldout_mb * 1e6), heldout_percent=heldout_percent)
     heldout = torch.from_numpy(streams.heldout).to(dev)
     net = load_checkpoint(path, dev)
+    topk = int(net.config.index_topk) if topk is None else topk
     contexts = [c for c in (1024, 2048, 4096) if c <= seq_len] or [seq_len]
     result = evaluate(
         net,
@@ -397,6 +398,21 @@ def model_card(metrics: dict[str, Any]) -> str:
             per = ", ".join(f"{v:.3f}" for v in c["per_layer"]["coverage"])
             lines.append(f"| {ctx} | {c['coverage']:.4f} | {c['oracle']:.4f} | {c['window']:.4f} | {per} |")
         lines.append("")
+    for extra in metrics.get("extra_evals", []):
+        r = extra["result"]
+        b = r["bits_per_byte"]
+        lines += [
+            f"### Also measured: top-{r['topk']}",
+            "",
+            f"`{extra['command']}` ({r['windows']} windows for bits per byte): dense {b['dense']:.4f}, "
+            f"sparse {b['sparse']:.4f} (ratio {b['sparse_over_dense']:.4f}); coverage of the main attention by the "
+            f"indexer's top-{r['topk']}:",
+            "",
+            "| context | indexer top-k | oracle top-k | recent-k window |",
+            "| --- | --- | --- | --- |",
+            *[f"| {ctx} | {c['coverage']:.4f} | {c['oracle']:.4f} | {c['window']:.4f} |" for ctx, c in r["coverage"].items()],
+            "",
+        ]
     lines += [
         "## Reproduce",
         "",

@@ -306,7 +306,7 @@ def test_committed_checkpoint_loads_offline_with_production_geometry():
     )
     assert isinstance(model, DeepseekV32ForCausalLM)
     geometry = geometry_from_config(model.config)
-    assert (geometry.n_heads, geometry.head_dim, geometry.topk) == (64, 128, 256)
+    assert (geometry.n_heads, geometry.head_dim, geometry.topk) == (64, 128, 512)
     assert (
         model.config.vocab_size == 260
         and model.config.bos_token_id == 256
@@ -327,7 +327,7 @@ def test_committed_checkpoint_loads_offline_with_production_geometry():
 def test_committed_reports_hold_the_measured_results():
     metrics = json.loads((REFERENCE_DIR / "metrics.json").read_text())
     ev = metrics["eval"]
-    assert ev["seq_len"] >= 4096 and ev["topk"] == 256
+    assert ev["seq_len"] >= 4096 and ev["topk"] == model_topk()
     assert ev["bits_per_byte"]["sparse"] <= 1.05 * ev["bits_per_byte"]["dense"]
     assert set(ev["coverage"]) >= {"1024", "2048", "4096"}
     for cov in ev["coverage"].values():
@@ -335,17 +335,21 @@ def test_committed_reports_hold_the_measured_results():
         assert cov["oracle"] - 0.02 <= cov["coverage"] <= cov["oracle"] + 1e-6
         assert cov["coverage"] > cov["window"]  # better than keeping the most recent k keys
     assert metrics["training"]["seq_len"] >= 4096
-    assert [s["name"] for s in metrics["training"]["stages"]] == ["dense", "warmup", "sparse"]
-    assert all(s["steps"] > 0 for s in metrics["training"]["stages"])
+    stages = metrics["training"].get("earlier_stages", []) + metrics["training"]["stages"]
+    assert [s["name"] for s in stages][:3] == ["dense", "warmup", "sparse"] and stages[-1]["name"] == "sparse"
+    assert stages[-1]["config"]["topk"] == model_topk(), "the last sparse stage trained the shipped top-k"
+    assert all(s["steps"] > 0 for s in stages)
+    assert sum(s["seconds"] for s in stages) <= 30 * 60, "the issue's GPU training budget"
     assert (REFERENCE_DIR / "MODEL_CARD.md").is_file() and (REFERENCE_DIR / "loss_curve.png").is_file()
 
 
 @needs_reference
-@pytest.mark.xfail(
-    strict=False,
-    reason="the committed checkpoint's dense attention is too diffuse in layer 0: even the best possible "
-    "top-256 (oracle) holds < 90% of the mass at 4K (see MODEL_CARD.md)",
-)
 def test_committed_checkpoint_coverage_target_at_4k():
-    ev = json.loads((REFERENCE_DIR / "metrics.json").read_text())["eval"]
-    assert ev["coverage"]["4096"]["coverage"] >= 0.9
+    metrics = json.loads((REFERENCE_DIR / "metrics.json").read_text())
+    assert metrics["eval"]["coverage"]["4096"]["coverage"] >= 0.9
+    for extra in metrics.get("extra_evals", []):  # the smaller top-k measured beside it
+        assert extra["result"]["coverage"]["4096"]["coverage"] >= 0.9
+
+
+def model_topk() -> int:
+    return json.loads((REFERENCE_DIR / "config.json").read_text())["index_topk"]
