@@ -8,7 +8,10 @@ from pathlib import Path
 
 import typer
 
+from dsaindex.pipelines.bench_decode import bench_decode
+
 bench_app = typer.Typer(no_args_is_help=True)
+bench_app.command("decode")(bench_decode)
 
 
 @bench_app.command("capture")

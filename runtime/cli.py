@@ -37,3 +37,47 @@ def check_cmd(
     typer.echo(f"ok: {summary['bundle']} fits {model}: {summary['family']}, {summary['basis']} basis, "
                f"{summary['key_format']}; layers {layers}; {summary['device_bytes']:,} bytes on {device}; "
                f"loaded in {summary['startup_seconds'] * 1000:.1f} ms")
+
+
+@runtime_app.command("generate")
+def generate_cmd(
+    artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
+    model: str = typer.Option("reference", "--model", "-m", help="`reference` or a checkpoint directory."),
+    prompt_tokens: int = typer.Option(3072, help="Prompt bytes, from a held-out file of the reference corpus."),
+    new_tokens: int = typer.Option(300, help="Tokens generated greedily."),
+    candidates: int = typer.Option(1024, help="C: keys reranked exactly per step and layer."),
+    prefilter: int = typer.Option(2, help="Stage 1 keeps prefilter x C keys."),
+    topk: int = typer.Option(None, help="Keys selected per step (default: the model's index_topk)."),
+    device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    basis: str = typer.Option("hadamard", help="Key basis the artifacts were trained in."),
+    out: str = typer.Option(None, help="Also write the JSON result to this file."),
+) -> None:
+    """Greedy generation with the runtime choosing every layer's decode-time top-k, against the model's
+    own exhaustive selection: token agreement (free running and teacher forced) and per-layer recall."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from dsaindex.pipelines.cli import _device
+    from dsaindex.pipelines.models import BOS_ID, load_model
+    from dsaindex.pipelines.reference_train import build_token_streams, set_index_topk
+    from dsaindex.runtime.loader import load
+    from dsaindex.runtime.transformers_adapter import greedy_agreement
+
+    dev = _device(device)
+    loaded_model = load_model(model, device=dev, dtype="float32")
+    net = loaded_model.model
+    if topk is not None:
+        set_index_topk(net, topk)
+    loaded = load(artifacts, net.config, device=dev, basis=basis)
+    heldout = build_token_streams(0, max(200_000, 4 * prompt_tokens)).heldout
+    prompt = torch.tensor([BOS_ID] + [int(t) for t in heldout[: prompt_tokens - 1]], dtype=torch.long)
+    result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
+                              prefilter=prefilter, device=dev)
+    result["model"] = model
+    result["artifacts"] = artifacts
+    text = json.dumps(result, indent=2)
+    if out:
+        Path(out).write_text(text)
+    print(text)

@@ -52,6 +52,15 @@ class HostKeyStore:
             )
         return self._free.pop()
 
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` pages at once, or none (a :class:`HostMemoryError` leaves the pool unchanged)."""
+        if n > len(self._free):
+            raise HostMemoryError(
+                f"The host key store has {len(self._free)} free pages of {self.page_size} keys; {n} are needed.",
+                "admit the request later, free finished requests, or start the server with a larger host pool.",
+            )
+        return [self._free.pop() for _ in range(n)]
+
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
@@ -61,6 +70,13 @@ class HostKeyStore:
         codes, scales = fp8_quantize(keys)
         self.fp8[page].copy_(codes.view(torch.uint8).cpu())
         self.scales[page].copy_(scales.squeeze(-1).cpu())
+
+    def write_fp8_pages(self, pages: list[int], fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store already quantized pages: ``fp8`` [n, page_size, D] uint8 bits, ``scales`` [n, page_size]."""
+        assert fp8.shape == (len(pages), self.page_size, self.head_dim), f"bad page block {tuple(fp8.shape)}"
+        index = torch.tensor(pages, dtype=torch.long)
+        self.fp8[index] = fp8.cpu()
+        self.scales[index] = scales.float().cpu()
 
     def read(self, pages: torch.Tensor, slots: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dequantized keys [n, D] float32 at (page, slot) pairs, moved to ``device``."""

@@ -136,14 +136,24 @@ def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "
     manifest, arrays = read_bundle(path, verify=True)
     check_compatible(manifest, model_config, basis)
     loaded = LoadedArtifacts(manifest=manifest, path=Path(path))
+    loaded.layers = place_layers(manifest, arrays, device)
+    loaded.device_bytes = sum(v.codebooks.numel() * 4 + (0 if v.metric is None else v.metric.numel() * 4)
+                              for v in loaded.layers.values())
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    loaded.startup_seconds = time.perf_counter() - t0
+    return loaded
+
+
+def place_layers(manifest, arrays: dict, device: str = "cpu") -> dict[int, PQLayer]:
+    """Per-layer PQ parameters of a read bundle (``read_bundle``'s arrays) as float32 tensors on ``device``."""
+    import torch
+
+    layers = {}
     for layer_id in manifest.layers:
         layer = int(layer_id)
         cb = torch.from_numpy(arrays[layer]["codebooks"]).to(device=device, dtype=torch.float32)
         metric = arrays[layer].get("metric")
         metric_t = None if metric is None else torch.from_numpy(metric).to(device=device, dtype=torch.float32)
-        loaded.layers[layer] = PQLayer(cb, metric_t)
-        loaded.device_bytes += cb.numel() * 4 + (0 if metric_t is None else metric_t.numel() * 4)
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-    loaded.startup_seconds = time.perf_counter() - t0
-    return loaded
+        layers[layer] = PQLayer(cb, metric_t)
+    return layers

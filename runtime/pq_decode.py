@@ -155,7 +155,9 @@ class PQDecodeIndexer:
             stats.fetched = int(miss_kept.sum())
             stats.dropped = c - int(keep.sum())
             fetched_pos = cand[miss_kept]
-            fetched = self.host.read(fetched_pos // self.host.page_size, fetched_pos % self.host.page_size, self.device) \
+            page_ids = torch.tensor(req.pages, dtype=torch.long, device=fetched_pos.device)
+            size = self.host.page_size
+            fetched = self.host.read(page_ids[fetched_pos // size], fetched_pos % size, self.device) \
                 if stats.fetched else torch.empty(0, self.dim, device=self.device)
             stats.host_bytes = stats.fetched * self.host.bytes_per_key
             hit_slots = slot[hit]

@@ -98,3 +98,15 @@ def test_gpu_bytes_per_key_is_a_quarter_of_exact_at_pq32():
     idx.append("r", torch.randn(64 * 40, 128))
     per_key = idx.gpu_bytes("r") / (64 * 40)
     assert per_key == 32 and per_key <= 132 / 4
+
+
+def test_second_request_reads_its_own_host_pages(setup):
+    """Positions index a request's own page list: a later request never reads an earlier one's keys."""
+    keys, layer, q, w = setup
+    idx = PQDecodeIndexer(layer, HostKeyStore(40, D, pin=False), topk=10, candidates=10_000, miss_filter=False)
+    idx.admit("first")
+    idx.append("first", keys[500:1000])
+    idx.admit("second")
+    idx.append("second", keys[:448])  # 7 pages, allocated after the first request's 7
+    got, _ = idx.select("second", q, w)
+    assert set(got.tolist()) == exact_topk(keys[:448], q, w, 10)

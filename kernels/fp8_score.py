@@ -1,0 +1,133 @@
+"""Exact indexer scores of FP8 keys on Triton, batched over requests.
+
+* :func:`fp8_topk` is what a server runs without an index: exact scores of every key of every request
+  with the top-k selection fused (sampled threshold + append, :mod:`dsaindex.kernels.select`); it is
+  the baseline of ``dsaindex bench decode``.
+* :func:`fp8_gather_scores` rescores gathered rows (the candidates of the coarse stage) exactly.
+
+:func:`fp8_scores_reference` is the spec both are checked against. Keys are the engines' layout: FP8
+e4m3 bits as uint8 [.., D] and one ue8m0 scale per key; queries are bf16 (the kernels multiply bf16
+on tensor cores; the reference does the same products in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaindex.kernels import select
+
+
+def fp8_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, queries: torch.Tensor,
+                         head_weights: torch.Tensor) -> torch.Tensor:
+    """Exact scores [B, N] float32 of ``keys_fp8`` [B, N, D] uint8 with ``scales`` [B, N], for
+    ``queries`` [B, H, D] and ``head_weights`` [B, H]."""
+    keys = keys_fp8.view(torch.float8_e4m3fn).float() * scales.float().unsqueeze(-1)
+    q = queries.to(torch.bfloat16).float()
+    dots = torch.einsum("bnd,bhd->bnh", keys, q)
+    return (torch.relu(dots) * head_weights.float().unsqueeze(1)).sum(-1)
+
+
+def fp8_topk_reference(keys_fp8, scales, lengths, queries, head_weights, k: int):
+    """Per request, the top ``k`` rows among its first ``lengths[b]`` keys: (scores [B, k], rows [B, k]
+    int64; -inf / -1 past a short request's end)."""
+    scores = fp8_scores_reference(keys_fp8, scales, queries, head_weights)
+    n = scores.shape[1]
+    scores = scores.masked_fill(torch.arange(n, device=scores.device)[None, :] >= lengths[:, None], float("-inf"))
+    values, rows = scores.topk(min(k, n), dim=1)
+    return values, torch.where(torch.isfinite(values), rows, torch.full_like(rows, -1))
+
+
+def fp8_gather_scores_reference(keys_fp8, scales, rows, queries, head_weights) -> torch.Tensor:
+    """Exact scores [B, R] of the pool rows ``rows`` [B, R] (-1 = none: -inf): the spec of
+    :func:`fp8_gather_scores`."""
+    b, r = rows.shape
+    safe = rows.clamp_min(0).long()
+    picked = keys_fp8.gather(1, safe.unsqueeze(-1).expand(b, r, keys_fp8.shape[2]))
+    scores = fp8_scores_reference(picked, scales.gather(1, safe), queries, head_weights)
+    return scores.masked_fill(rows < 0, float("-inf"))
+
+
+def _check(keys_fp8, scales, queries, head_weights):
+    b, n, d = keys_fp8.shape
+    assert keys_fp8.dtype == torch.uint8, f"keys must be FP8 bits as uint8, got {keys_fp8.dtype}"
+    assert scales.shape == (b, n), f"scales {tuple(scales.shape)} vs keys {(b, n)}"
+    assert queries.dim() == 3 and queries.shape[0] == b and queries.shape[2] == d, \
+        f"queries {tuple(queries.shape)} vs keys {(b, n, d)}"
+    assert head_weights.shape == queries.shape[:2], f"head weights {tuple(head_weights.shape)} vs {tuple(queries.shape[:2])}"
+    assert d >= 16 and d & (d - 1) == 0, f"key dim {d} must be a power of two >= 16"
+    assert keys_fp8.device == scales.device == queries.device == head_weights.device, "tensors on different devices"
+
+
+def _launch(mode, keys_fp8, scales, lengths, queries, head_weights, rows=None, thr=None, out_score=None,
+            out_pos=None, counts=None, n_out=0, stride=1, capacity=1, block_n=64, iters=4, num_warps=4):
+    import triton
+
+    from dsaindex.kernels.fp8_score_kernel import fp8_score_kernel
+
+    b, n, d = keys_fp8.shape
+    h = queries.shape[1]
+    dummy_i = torch.empty(1, dtype=torch.int32, device=keys_fp8.device)
+    dummy_f = torch.empty(1, dtype=torch.float32, device=keys_fp8.device)
+    work = n if mode == 1 else n_out
+    grid = (max(1, triton.cdiv(work, block_n * iters)), b)
+    fp8_score_kernel[grid](
+        keys_fp8, scales.float().contiguous(), lengths if lengths is not None else dummy_i,
+        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(),
+        rows if rows is not None else dummy_i, thr if thr is not None else dummy_f,
+        out_score, out_pos if out_pos is not None else dummy_i, counts if counts is not None else dummy_i,
+        n, n_out, stride,
+        N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=d, BLOCK_N=block_n, ITERS=iters,
+        CAPACITY=capacity, MODE=mode, F32=select.interpreted(), num_warps=num_warps,
+    )
+
+
+def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+             head_weights: torch.Tensor, k: int, capacity: int = 16384, target: int = 8192,
+             block_n: int = 64, iters: int = 4, num_warps: int = 4, return_counts: bool = False):
+    """Exact top-k per request with the selection fused into the scoring pass.
+
+    Parameters
+    ----------
+    keys_fp8 : [B, N, D] uint8 FP8 e4m3 bits (contiguous); scales : [B, N] float32; lengths : [B] int32
+        valid keys per request; queries : [B, H, D]; head_weights : [B, H] effective weights
+    k : keys selected; capacity : candidate-buffer slots per request; target : keys the threshold aims
+        to pass (at least ``k``); block_n, iters, num_warps : launch shape (keys per tile, tiles per
+        program, warps per program)
+
+    Returns
+    -------
+    (scores [B, k] float32, rows [B, k] int64), like :func:`fp8_topk_reference`; with
+    ``return_counts`` also the appended counts [B] (a count outside [min(k, length), capacity] means
+    that request's buffer was not exact: :func:`dsaindex.kernels.select.check_counts`).
+    """
+    _check(keys_fp8, scales, queries, head_weights)
+    b, n, _ = keys_fp8.shape
+    target = max(target, k)
+    assert capacity >= 2 * target, f"capacity {capacity} should be at least twice the target {target}"
+    keys_fp8 = keys_fp8.contiguous()
+    lengths = lengths.to(device=keys_fp8.device, dtype=torch.int32)
+    stride = select.sample_stride(n)
+    n_samples = -(-n // stride)
+    samples = torch.empty(b, n_samples, dtype=torch.float32, device=keys_fp8.device)
+    _launch(0, keys_fp8, scales, lengths, queries, head_weights, out_score=samples, n_out=n_samples,
+            stride=stride, block_n=block_n, iters=iters, num_warps=num_warps)
+    thr = select.thresholds_from_samples(samples, lengths, stride, target, capacity)
+    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, keys_fp8.device)
+    _launch(1, keys_fp8, scales, lengths, queries, head_weights, thr=thr, out_score=buf_scores, out_pos=buf_pos,
+            counts=counts, capacity=capacity, block_n=block_n, iters=iters, num_warps=num_warps)
+    values, rows = select.top_of_buffer(buf_scores, buf_pos, k)
+    return (values, rows, counts) if return_counts else (values, rows)
+
+
+def fp8_gather_scores(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor,
+                      head_weights: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """Exact scores [B, R] float32 of the rows ``rows`` [B, R] (int32, -1 = none: -inf) of each request's
+    key pool ``keys_fp8`` [B, P, D] uint8 / ``scales`` [B, P]."""
+    _check(keys_fp8, scales, queries, head_weights)
+    b, r = rows.shape
+    out = torch.empty(b, r, dtype=torch.float32, device=keys_fp8.device)
+    if r == 0:
+        return out
+    _launch(2, keys_fp8.contiguous(), scales, None, queries, head_weights, rows=rows.to(torch.int32).contiguous(),
+            out_score=out, n_out=r, block_n=block_n, iters=1)
+    return out

@@ -1,0 +1,68 @@
+"""Triton kernel: exact indexer scores of FP8 e4m3 + ue8m0 keys (jit code only).
+
+Three modes share one body (``MODE``):
+0 ``sample``: rows ``i * stride`` of each request, every score written to ``out_score[b, i]``;
+1 ``select``: every row of each request, rows scoring at least ``thr[b]`` appended to the buffer;
+2 ``gather``: rows ``rows[b, i]`` (-1 = none) of a per-request key pool, scores written to ``out_score[b, i]``.
+"""
+
+import triton
+import triton.language as tl
+
+from dsaindex.kernels.select_kernel import append_above, load_queries, weighted_relu_heads
+
+
+@triton.jit
+def fp8_score_kernel(
+    keys_ptr,  # [B, n_rows, D] uint8: FP8 e4m3 bits of the keys
+    scales_ptr,  # [B, n_rows] float32: ue8m0 (power-of-two) scale per key
+    lengths_ptr,  # [B] int32: valid rows per request (modes 0 and 1)
+    q_ptr,  # [B, N_HEADS, D] bf16 queries
+    w_ptr,  # [B, N_HEADS] float32 effective head weights
+    rows_ptr,  # [B, n_out] int32 rows to score (mode 2)
+    thr_ptr,  # [B] float32 thresholds (mode 1)
+    out_score_ptr,  # [B, n_out] float32 (modes 0, 2) or [B, CAPACITY] buffer (mode 1)
+    out_pos_ptr,  # [B, CAPACITY] int32 buffer positions (mode 1)
+    count_ptr,  # [B] int32 appended counts (mode 1)
+    n_rows,
+    n_out,
+    stride,
+    N_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ITERS: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    MODE: tl.constexpr,
+    F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
+    length = tl.load(lengths_ptr + b)
+    dims = tl.arange(0, D)
+    thr = 0.0
+    if MODE == 1:
+        thr = tl.load(thr_ptr + b)
+    for it in range(ITERS):
+        idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if MODE == 0:
+            rows = idx * stride
+            valid = (idx < n_out) & (rows < length)
+        elif MODE == 1:
+            rows = idx
+            valid = rows < length
+        else:
+            rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_out, other=-1)
+            valid = rows >= 0
+        flat = b * n_rows + rows.to(tl.int64)
+        raw = tl.load(keys_ptr + flat[:, None] * D + dims[None, :], mask=valid[:, None], other=0)
+        keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        scale = tl.load(scales_ptr + flat, mask=valid, other=0.0)
+        # relu(s * x) = s * relu(x) for the positive ue8m0 scale: apply it after the head sum
+        score = weighted_relu_heads(keys, q_t, w, F32) * scale
+        if MODE == 1:
+            append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
+                         count_ptr + b, CAPACITY)
+        else:
+            tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)

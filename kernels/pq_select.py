@@ -1,0 +1,177 @@
+"""PQ coarse selection on Triton, batched over requests: the two coarse stages of the decode path and
+page encoding, each beside its torch reference.
+
+Stage 1, :func:`pq_linear_topc`: the head-folded score ``(sum_h w_h q_h) . k`` of every PQ-coded key,
+one [M, K] lookup table per request (32 lookups per key for PQ32, against 2048 for the 64-head score),
+with the top-C1 selection fused (sampled threshold + append, :mod:`dsaindex.kernels.select`). The fold
+drops the ReLU, so it is only a pre-filter: C1 is a few times C.
+
+Stage 2, :func:`pq_candidate_scores`: the full coarse score ``sum_h w_h relu(q_h . k_hat)`` of the
+C1 survivors, their keys decoded from the codes into a bf16 tile and scored on tensor cores; the
+caller keeps the top C for the exact rerank.
+
+:func:`pq_encode_triton`: nearest centroid per subspace for newly completed pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaindex.kernels import select
+
+
+def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """[B, H, D] queries, [B, H] weights, [M, K, D/M] codebooks -> [B, M, K] float32 tables of the
+    folded query ``sum_h w_h q_h`` against every centroid."""
+    m, _, d = codebooks.shape
+    folded = torch.einsum("bh,bhd->bd", head_weights.float(), queries.float())
+    return torch.einsum("bmd,mkd->bmk", folded.view(folded.shape[0], m, d), codebooks.float()).contiguous()
+
+
+def pq_linear_topc_reference(codes, lengths, queries, head_weights, codebooks, c: int):
+    """Top ``c`` rows per request by the stage-1 score: (scores [B, c], rows [B, c] int64; -inf / -1 past
+    a short request's end)."""
+    scores = pq_linear_scores_reference(codes, queries, head_weights, codebooks)
+    n = scores.shape[1]
+    scores = scores.masked_fill(torch.arange(n, device=scores.device)[None, :] >= lengths[:, None], float("-inf"))
+    values, rows = scores.topk(min(c, n), dim=1)
+    return values, torch.where(torch.isfinite(values), rows, torch.full_like(rows, -1))
+
+
+def pq_linear_scores_reference(codes: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                               codebooks: torch.Tensor) -> torch.Tensor:
+    """Stage-1 scores [B, N] float32 of ``codes`` [B, N, M] uint8 (the spec)."""
+    lut = folded_lookup_tables(queries, head_weights, codebooks)  # [B, M, K]
+    b, n, m = codes.shape
+    gathered = lut.unsqueeze(1).expand(b, n, m, lut.shape[2]).gather(3, codes.long().unsqueeze(-1)).squeeze(-1)
+    return gathered.sum(-1)
+
+
+def pq_candidate_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor,
+                                  head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """Stage-2 scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none: -inf); keys decoded in
+    bf16 as the kernel does, products in float32."""
+    m, k, d = codebooks.shape
+    b, r = rows.shape
+    safe = rows.clamp_min(0).long()
+    cand_codes = codes.gather(1, safe.unsqueeze(-1).expand(b, r, m)).long()  # [B, R, M]
+    cb = codebooks.to(torch.bfloat16).float()
+    keys = cb[torch.arange(m, device=codes.device), cand_codes].reshape(b, r, m * d)
+    dots = torch.einsum("brd,bhd->brh", keys, queries.to(torch.bfloat16).float())
+    scores = (torch.relu(dots) * head_weights.float().unsqueeze(1)).sum(-1)
+    return scores.masked_fill(rows < 0, float("-inf"))
+
+
+def _check_codes(codes, codebooks):
+    m, k, d = codebooks.shape
+    assert codes.dtype == torch.uint8, f"codes must be uint8, got {codes.dtype}"
+    assert codes.dim() == 3 and codes.shape[2] == m, f"codes {tuple(codes.shape)} vs {m} subspaces"
+    assert m & (m - 1) == 0 and k & (k - 1) == 0, f"subspaces {m} and centroids {k} must be powers of two"
+    assert codes.device == codebooks.device, "codes and codebooks on different devices"
+
+
+def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                   codebooks: torch.Tensor, c: int, capacity: int | None = None, max_len: int | None = None,
+                   block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
+                   keep_all: bool = False):
+    """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
+
+    Parameters
+    ----------
+    codes : [B, N, M] uint8 (contiguous); lengths : [B] valid rows per request; queries : [B, H, D];
+    head_weights : [B, H]; codebooks : [M, K, D/M] float32; c : candidates kept; capacity : buffer
+    slots per request (default 3c); max_len : the longest request (default N; a smaller value, known
+    on the host, shortens the scan of a preallocated code array)
+
+    Returns
+    -------
+    (scores [B, c] float32, rows [B, c] int64; -inf / -1 where a request has fewer keys), and with
+    ``return_counts`` the appended counts [B] (see :func:`dsaindex.kernels.select.check_counts`).
+    ``keep_all`` returns the whole buffer instead ([B, capacity]: every key above the threshold, about
+    1.5 c, in no order; -inf / -1 in the empty slots), saving the top-c sort when the next stage
+    rescores them anyway.
+    """
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import pq_linear_kernel
+
+    _check_codes(codes, codebooks)
+    b, n_rows, m = codes.shape
+    n = n_rows if max_len is None else min(max_len, n_rows)
+    k = codebooks.shape[1]
+    capacity = 3 * c if capacity is None else capacity
+    codes = codes.contiguous()
+    lengths = lengths.to(device=codes.device, dtype=torch.int32)
+    lut = folded_lookup_tables(queries, head_weights, codebooks)
+    stride = select.sample_stride(n)
+    n_samples = -(-n // stride)
+    samples = torch.empty(b, n_samples, dtype=torch.float32, device=codes.device)
+    dummy_i = torch.empty(1, dtype=torch.int32, device=codes.device)
+    dummy_f = torch.empty(1, dtype=torch.float32, device=codes.device)
+    pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n * iters)), b)](
+        codes, lengths, lut, dummy_f, samples, dummy_i, dummy_i, n_rows, n_samples, stride,
+        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=1, SAMPLE=True, num_warps=num_warps)
+    thr = select.thresholds_from_samples(samples, lengths, stride, c, capacity)
+    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device)
+    pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
+        codes, lengths, lut, thr, buf_scores, buf_pos, counts, n_rows, 0, 1,
+        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, num_warps=num_warps)
+    if keep_all:
+        values, rows = buf_scores, buf_pos.long()
+    else:
+        values, rows = select.top_of_buffer(buf_scores, buf_pos, c)
+    return (values, rows, counts) if return_counts else (values, rows)
+
+
+def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                        codebooks: torch.Tensor, counts: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """Stage 2 on Triton: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
+    :func:`pq_candidate_scores_reference`. ``codebooks`` may be given in bf16 already (cast once at load).
+    ``counts`` [B] int32 (optional): only the first ``counts[b]`` rows of a request can be filled (a
+    stage-1 buffer), so tiles past it are skipped."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
+
+    _check_codes(codes, codebooks)
+    b, n, m = codes.shape
+    _, k, d = codebooks.shape
+    h, dim = queries.shape[1], queries.shape[2]
+    assert dim == m * d and dim & (dim - 1) == 0, f"key dim {dim} vs codebooks {tuple(codebooks.shape)}"
+    r = rows.shape[1]
+    out = torch.empty(b, r, dtype=torch.float32, device=codes.device)
+    if r == 0:
+        return out
+    pq_candidate_kernel[(triton.cdiv(r, block_n), b)](
+        codes.contiguous(), rows.to(torch.int32).contiguous(), codebooks.to(torch.bfloat16).contiguous(),
+        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out,
+        counts if counts is not None else out, n, r,
+        N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
+        F32=select.interpreted(), HAS_COUNTS=counts is not None)
+    return out
+
+
+def pq_encode_triton(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
+                     block_n: int = 64) -> torch.Tensor:
+    """Codes [N, M] uint8 of ``keys`` [N, D]: nearest centroid per subspace under ``metric`` (as
+    :func:`dsaindex.train.pq.encode`, the reference). The whitening is a small batched matmul in torch;
+    the kernel does the distance and argmin."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import pq_encode_kernel
+    from dsaindex.train.pq import PQSpec, split_subspaces, whitening
+
+    m, k, d = codebooks.shape
+    spec = PQSpec(dim=m * d, subspaces=m, centroids=k)
+    white = whitening(metric, spec, keys.device)
+    cb = codebooks.to(keys.device).float()
+    x = split_subspaces(keys.float(), spec)  # [M, N, d]
+    if white is not None:
+        cb = torch.bmm(cb, white[0].transpose(1, 2))
+        x = torch.bmm(x, white[0].transpose(1, 2))
+    x = x.transpose(0, 1).contiguous()  # [N, M, d]
+    codes = torch.empty(keys.shape[0], m, dtype=torch.uint8, device=keys.device)
+    if keys.shape[0]:
+        pq_encode_kernel[(triton.cdiv(keys.shape[0], block_n), m)](
+            x, cb.contiguous(), codes, keys.shape[0], M=m, K=k, DSUB=d, BLOCK_N=block_n)
+    return codes

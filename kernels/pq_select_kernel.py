@@ -1,0 +1,126 @@
+"""Triton kernels of the PQ coarse stages (jit code only).
+
+``pq_linear_kernel``: one lookup table per request (the head-folded query against every centroid), 32
+lookups per key; sampling or threshold-append mode like :mod:`fp8_score_kernel`.
+``pq_candidate_kernel``: candidates' keys decoded from their codes into a bf16 tile, then every head
+on tensor cores (``sum_h w_h relu(q_h . k)``); scores written per candidate.
+``pq_encode_kernel``: nearest centroid per subspace (page encoding).
+"""
+
+import triton
+import triton.language as tl
+
+from dsaindex.kernels.select_kernel import append_above, load_queries, weighted_relu_heads
+
+
+@triton.jit
+def pq_linear_kernel(
+    codes_ptr,  # [B, n_rows, M] uint8 PQ codes
+    lengths_ptr,  # [B] int32 valid rows per request
+    lut_ptr,  # [B, M, K] float32: lut[b, m, c] = folded query's m-th part . codebook[m, c]
+    thr_ptr,  # [B] float32 thresholds (select mode)
+    out_score_ptr,  # [B, n_out] float32 (sample mode) or [B, CAPACITY] buffer (select mode)
+    out_pos_ptr,  # [B, CAPACITY] int32 buffer positions (select mode)
+    count_ptr,  # [B] int32 appended counts (select mode)
+    n_rows,
+    n_out,
+    stride,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ITERS: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    SAMPLE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    length = tl.load(lengths_ptr + b)
+    sub = tl.arange(0, M)
+    lut = lut_ptr + b * M * K + sub[None, :] * K
+    thr = 0.0
+    if not SAMPLE:
+        thr = tl.load(thr_ptr + b)
+    for it in range(ITERS):
+        idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SAMPLE:
+            rows = idx * stride
+            valid = (idx < n_out) & (rows < length)
+        else:
+            rows = idx
+            valid = rows < length
+        flat = b * n_rows + rows.to(tl.int64)
+        codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        score = tl.sum(tl.load(lut + codes), axis=1)
+        if SAMPLE:
+            tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
+        else:
+            append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
+                         count_ptr + b, CAPACITY)
+
+
+@triton.jit
+def pq_candidate_kernel(
+    codes_ptr,  # [B, n_rows, M] uint8 PQ codes
+    rows_ptr,  # [B, n_out] int32 candidate rows (-1 = none)
+    codebook_ptr,  # [M, K, D // M] bf16 codebooks
+    q_ptr,  # [B, N_HEADS, D] bf16 queries
+    w_ptr,  # [B, N_HEADS] float32 effective head weights
+    out_ptr,  # [B, n_out] float32 scores (-inf for none)
+    count_ptr,  # [B] int32 filled rows of each request's list (HAS_COUNTS; rows past it are -1)
+    n_rows,
+    n_out,
+    N_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D: tl.constexpr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F32: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n_live = n_out
+    if HAS_COUNTS:  # rows past the request's count are empty: their tiles only write -inf
+        n_live = tl.minimum(tl.load(count_ptr + b), n_out)
+    idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    if pid * BLOCK_N < n_live:
+        q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
+        rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_live, other=-1)
+        valid = rows >= 0
+        flat = b * n_rows + rows.to(tl.int64)
+        dims = tl.arange(0, D)
+        sub_of_dim = dims // (D // M)
+        # column j of the decoded key reads code byte j // (D/M) (repeated loads hit L1)
+        codes = tl.load(codes_ptr + flat[:, None] * M + sub_of_dim[None, :], mask=valid[:, None], other=0)
+        keys = tl.load(codebook_ptr + (sub_of_dim[None, :] * K + codes.to(tl.int32)) * (D // M)
+                       + (dims % (D // M))[None, :])
+        score = tl.where(valid, weighted_relu_heads(keys, q_t, w, F32), float("-inf"))
+    tl.store(out_ptr + b * n_out + idx, score, mask=idx < n_out)
+
+
+@triton.jit
+def pq_encode_kernel(
+    keys_ptr,  # [N, M, DSUB] float32 keys, already in the codebook's (whitened) metric
+    codebook_ptr,  # [M, K, DSUB] float32 codebooks in the same metric
+    codes_ptr,  # [N, M] uint8 out
+    n_keys,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = rows < n_keys
+    cents = tl.arange(0, K)
+    dist = tl.zeros([BLOCK_N, K], dtype=tl.float32)
+    for j in range(DSUB):
+        x = tl.load(keys_ptr + (rows * M + m) * DSUB + j, mask=valid, other=0.0)
+        c = tl.load(codebook_ptr + (m * K + cents) * DSUB + j)
+        diff = x[:, None] - c[None, :]
+        dist += diff * diff
+    best = tl.argmin(dist, axis=1)
+    tl.store(codes_ptr + rows * M + m, best.to(tl.uint8), mask=valid)

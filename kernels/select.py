@@ -1,0 +1,138 @@
+"""Threshold selection shared by the fused scoring kernels.
+
+A full top-C over a request's whole history would need every score written out and a ``torch.topk``
+over it, which costs more than a good scoring pass. The kernels instead take a per-request threshold
+and append only the keys whose score reaches it (position + score) into a small candidate buffer of
+``capacity`` slots; a ``torch.topk`` over that buffer finishes the selection.
+
+The threshold comes from a cheap sampling pass: the same kernel scores a strided sample of each
+request's keys (about ``SAMPLES`` per request), and the threshold is the sample score whose rank,
+scaled to the request's length, matches ``oversample x target`` keys. With 8192 samples and a target
+of 2048, the expected count of keys above the threshold is ``oversample x target`` with a relative
+spread of about ``1 / sqrt(rank)``; :func:`check_counts` reports a request whose buffer overflowed or
+holds fewer than the target, and the callers rescore such requests exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+SAMPLES = 8192
+
+
+def sample_stride(max_len: int, samples: int = SAMPLES) -> int:
+    """Row stride of the sampling pass: about ``samples`` rows of the longest request."""
+    return max(1, -(-max_len // samples))
+
+
+def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
+                            capacity: int, oversample: float = 1.5) -> torch.Tensor:
+    """Per-request score thresholds [B] float32.
+
+    Parameters
+    ----------
+    sample_scores : [B, S] float32 scores of rows ``0, stride, 2 * stride, ...`` (-inf past a request's end)
+    lengths : [B] int keys per request; target : keys wanted above the threshold;
+    capacity : candidate buffer slots (a request of at most ``capacity`` keys takes all of them: -inf)
+    """
+    assert capacity >= 2 * target, f"capacity {capacity} should be at least twice the target {target}"
+    n_sampled = torch.div(lengths + stride - 1, stride, rounding_mode="floor").clamp_min(1)
+    rank = torch.ceil(oversample * target * n_sampled.double() / lengths.clamp_min(1).double()).long()
+    rank = torch.minimum(rank.clamp_min(1), n_sampled)
+    # bound known on the host (no synchronization; CUDA-graph safe): a request that uses its threshold
+    # has length > capacity >= 2 * target, so rank <= oversample * target / stride + 1
+    r_max = min(sample_scores.shape[1], math.ceil(oversample * target / stride) + 1)
+    top = sample_scores.topk(r_max, dim=1).values
+    thr = top.gather(1, (rank.clamp_max(r_max) - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(lengths <= capacity, torch.full_like(thr, float("-inf")), thr)
+
+
+def check_counts(counts: torch.Tensor, lengths: torch.Tensor, target: int, capacity: int) -> torch.Tensor:
+    """Requests [B] bool whose appended count overflowed ``capacity`` or fell below ``min(target, length)``.
+
+    Such a request's buffer does not provably hold its top ``target``; callers rescore it exhaustively.
+    """
+    return (counts > capacity) | (counts < torch.minimum(lengths, torch.full_like(lengths, target)))
+
+
+def new_buffers(batch: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty candidate buffers: scores [B, capacity] (-inf), positions [B, capacity] int32 (-1), counts [B] int32."""
+    scores = torch.full((batch, capacity), float("-inf"), dtype=torch.float32, device=device)
+    positions = torch.full((batch, capacity), -1, dtype=torch.int32, device=device)
+    return scores, positions, torch.zeros(batch, dtype=torch.int32, device=device)
+
+
+def top_of_buffer(scores: torch.Tensor, positions: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``c`` entries of each buffer row: (scores [B, c], positions [B, c] int64; -1 where empty)."""
+    c = min(c, scores.shape[1])
+    values, at = scores.topk(c, dim=1)
+    pos = positions.gather(1, at).long()
+    return values, torch.where(torch.isfinite(values), pos, torch.full_like(pos, -1))
+
+
+def interpreted() -> bool:
+    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``), where bf16 dots are multiplied in float32."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gather_host_rows_reference(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales,
+                               page_size: int) -> None:
+    """Copy host rows into device-pool slots (the spec of :func:`gather_host_rows`), in place."""
+    for b in range(src_pos.shape[0]):
+        for pos, dst in zip(src_pos[b].tolist(), dst_slot[b].tolist(), strict=True):
+            if pos < 0:
+                continue
+            page, slot = int(page_table[b, pos // page_size]), pos % page_size
+            pool_fp8[b, dst] = host_fp8[page, slot].to(pool_fp8.device)
+            pool_scales[b, dst] = host_scales[page, slot].to(pool_scales.device)
+
+
+def gather_host_rows(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales,
+                     block: int = 32) -> None:
+    """Copy the keys at positions ``src_pos`` [B, n] (int64, -1 = none) of each request from the host
+    pool into rows ``dst_slot`` [B, n] of the device pool, in one kernel.
+
+    host_fp8 : [P, PAGE, D] uint8 and host_scales : [P, PAGE] float32, pinned: the kernel reads them
+    through unified virtual addressing (no staging copy); page_table : [B, max_pages] int32 on the
+    device; pool_fp8 : [B, R, D] uint8, pool_scales : [B, R] float32 on the device.
+    """
+    import triton
+
+    from dsaindex.kernels.select_kernel import gather_host_rows_kernel
+
+    b, n = src_pos.shape
+    assert dst_slot.shape == (b, n), f"slots {tuple(dst_slot.shape)} vs positions {(b, n)}"
+    assert host_fp8.dtype == pool_fp8.dtype == torch.uint8, "FP8 keys travel as uint8 bits"
+    assert host_fp8.shape[2] == pool_fp8.shape[2], f"key dims {host_fp8.shape[2]} vs {pool_fp8.shape[2]}"
+    if n == 0 or b == 0:
+        return
+    page, d = host_fp8.shape[1], host_fp8.shape[2]
+    # 4-byte words: a third of the bus transactions of byte loads when the rows cross PCIe / C2C
+    words = d % 4 == 0 and host_fp8.is_contiguous() and pool_fp8.is_contiguous()
+    host_rows = host_fp8.view(torch.int32) if words else host_fp8
+    pool_rows = pool_fp8.view(torch.int32) if words else pool_fp8
+    gather_host_rows_kernel[(triton.cdiv(n, block), b)](
+        host_rows, host_scales, page_table, src_pos.contiguous(), dst_slot.contiguous(), pool_rows, pool_scales,
+        n, page_table.shape[1], pool_fp8.shape[1], PAGE=page, D=host_rows.shape[2], BLOCK=block)
+
+
+def gather_host_rows_staged(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales) -> None:
+    """:func:`gather_host_rows` without the kernel: the positions go to the host (a synchronization),
+    the host gathers the rows and one copy moves them. Used on the CPU and where the device cannot
+    address pinned memory directly."""
+    page_size = host_fp8.shape[1]
+    src = src_pos.cpu()
+    b_idx, i_idx = (src >= 0).nonzero(as_tuple=True)
+    if b_idx.numel() == 0:
+        return
+    pos = src[b_idx, i_idx]
+    pages = page_table.cpu().long()[b_idx, pos // page_size]
+    rows = host_fp8[pages, pos % page_size]
+    scales = host_scales[pages, pos % page_size]
+    dev = pool_fp8.device
+    b_dev, dst = b_idx.to(dev), dst_slot[b_idx.to(dst_slot.device), i_idx.to(dst_slot.device)].to(dev)
+    pool_fp8[b_dev, dst] = rows.to(dev, non_blocking=True)
+    pool_scales[b_dev, dst] = scales.to(dev, non_blocking=True)

@@ -1,0 +1,80 @@
+"""Triton jit helpers shared by the scoring kernels: append above a threshold, weighted ReLU over heads."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def append_above(score, rows, valid, thr, out_score_ptr, out_pos_ptr, count_ptr, CAPACITY: tl.constexpr):
+    """Append (row, score) of every valid row whose score reaches ``thr`` to one request's buffer.
+
+    One atomic per tile reserves the slots; a prefix sum places the rows. Rows past ``CAPACITY`` are
+    counted but not stored (the caller sees the overflow in the count).
+    """
+    keep = valid & (score >= thr)
+    n_keep = tl.sum(keep.to(tl.int32), axis=0)
+    if n_keep > 0:
+        base = tl.atomic_add(count_ptr, n_keep)
+        slot = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        ok = keep & (slot < CAPACITY)
+        tl.store(out_score_ptr + slot, score, mask=ok)
+        tl.store(out_pos_ptr + slot, rows.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def load_queries(q_ptr, w_ptr, N_HEADS: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
+    """One request's queries as a [D, H_PAD] bf16 tile and its weights [H_PAD] float32.
+
+    q_ptr : queries [N_HEADS, D] bf16; w_ptr : weights [N_HEADS] float32. Heads past ``N_HEADS`` (the
+    padding up to a tensor-core shape, at least 16) get zero queries and weights.
+    """
+    heads = tl.arange(0, H_PAD)
+    dims = tl.arange(0, D)
+    live = heads < N_HEADS
+    q_t = tl.load(q_ptr + heads[None, :] * D + dims[:, None], mask=live[None, :], other=0.0)
+    w = tl.load(w_ptr + heads, mask=live, other=0.0)
+    return q_t, w
+
+
+@triton.jit
+def weighted_relu_heads(keys, q_t, w, F32: tl.constexpr):
+    """``sum_h w_h relu(q_h . k)`` for a tile of keys [BLOCK, D] bf16, on tensor cores -> [BLOCK] float32.
+
+    ``F32`` multiplies in float32 instead (Triton's CPU interpreter mis-multiplies bf16 dots).
+    """
+    if F32:
+        dots = tl.dot(keys.to(tl.float32), q_t.to(tl.float32))
+    else:
+        dots = tl.dot(keys, q_t)  # [BLOCK, H_PAD] float32
+    return tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
+
+
+@triton.jit
+def gather_host_rows_kernel(
+    host_fp8_ptr,  # [P * PAGE, D] pinned host pool of FP8 bits, as uint8 or int32 words (read through unified addressing)
+    host_scale_ptr,  # [P * PAGE] float32
+    page_table_ptr,  # [B, max_pages] int32 host page of each request page
+    src_pos_ptr,  # [B, n] int64 key positions to read (-1 = none)
+    dst_slot_ptr,  # [B, n] int64 destination rows in the device pool
+    pool_fp8_ptr,  # [B, pool_rows, D] device pool, same element type as the host pool
+    pool_scale_ptr,  # [B, pool_rows] float32
+    n,
+    max_pages,
+    pool_rows,
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < n
+    pos = tl.load(src_pos_ptr + b * n + idx, mask=inside, other=-1)
+    live = inside & (pos >= 0)
+    page = tl.load(page_table_ptr + b * max_pages + pos // PAGE, mask=live, other=0).to(tl.int64)
+    src = page * PAGE + pos % PAGE
+    dst = b * pool_rows + tl.load(dst_slot_ptr + b * n + idx, mask=live, other=0)
+    dims = tl.arange(0, D)
+    raw = tl.load(host_fp8_ptr + src[:, None] * D + dims[None, :], mask=live[:, None], other=0)
+    tl.store(pool_fp8_ptr + dst[:, None] * D + dims[None, :], raw, mask=live[:, None])
+    tl.store(pool_scale_ptr + dst, tl.load(host_scale_ptr + src, mask=live, other=0.0), mask=live)

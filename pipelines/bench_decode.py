@@ -1,0 +1,314 @@
+"""``dsaindex bench decode``: one decode step's key selection, PQ coarse-to-fine against exact scoring.
+
+Timing (synthetic keys, every request at the same length; medians of ``triton.testing.do_bench``):
+
+* ``pq_warm``: a step of :class:`dsaindex.runtime.pq_batch.PQDecodeGroup` whose candidates are all in
+  the device cache (consecutive decode steps ask for nearly the same keys);
+* ``pq_cold``: the same step with an empty cache: every kept candidate is read from pinned host memory;
+* ``exact_fp8_triton``: :func:`dsaindex.kernels.fp8_score.fp8_topk`, every FP8 key scored with the
+  selection fused, what a server runs without an index;
+* ``torch_exact``: bf16 keys, batched matmul, ReLU, weighted head sum, ``torch.topk``;
+* HBM floors: the bytes each path must read at about 3.77 TB/s (132 B per exact key, 32 B per PQ32 code).
+
+Recall (``--recall-store`` with ``--artifacts``): held-out queries of a capture store, each one a
+request holding its causal prefix, one cold step of the PQ path against exact FP8 top-k.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+HBM_BYTES_PER_S = 3.77e12  # read bandwidth measured on the H200 (DESIGN: 132 B/key -> ~35 us per 1M keys)
+
+
+def _median_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, return_mode="median"))
+
+
+def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int = 0):
+    """Random FP8 keys [B, N, 128] uint8 + scales on the GPU, random PQ codes, codebooks, queries, weights."""
+    import torch
+
+    from dsaindex.quant import fp8_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dim = 128
+    fp8 = torch.empty(batch, keys, dim, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(batch, keys, dtype=torch.float32, device="cuda")
+    for b in range(batch):
+        for start in range(0, keys, 1 << 20):
+            n = min(1 << 20, keys - start)
+            x = torch.randn(n, dim, device="cuda", generator=g)
+            c, s = fp8_quantize(x)
+            fp8[b, start : start + n] = c.view(torch.uint8)
+            scales[b, start : start + n] = s.reshape(-1)
+    codes = torch.randint(0, 256, (batch, keys, subspaces), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    codebooks = torch.randn(subspaces, 256, dim // subspaces, device="cuda", generator=g) * 0.5
+    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(batch, heads, device="cuda", generator=g) * heads**-0.5 * dim**-0.5
+    return fp8, scales, codes, codebooks, q, w
+
+
+def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache):
+    """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given)."""
+    import torch
+
+    from dsaindex.runtime.host_store import HostKeyStore
+    from dsaindex.runtime.loader import PQLayer
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    batch, keys, dim = fp8.shape
+    page = 64
+    pages_per = keys // page
+    host = HostKeyStore(batch * pages_per, dim)
+    group = PQDecodeGroup(PQLayer(codebooks.float().cpu()), host, batch, keys, topk, candidates=candidates,
+                          prefilter=prefilter, cache_capacity=cache, device="cuda")
+    host.fp8.view(batch, keys, dim).copy_(fp8)
+    host.scales.view(batch, keys).copy_(scales)
+    host.allocate_many(batch * pages_per)  # every page is owned below
+    group.codes[:, :keys] = codes
+    for b in range(batch):
+        group.pages[b] = list(range(b * pages_per, (b + 1) * pages_per))
+        group.encoded_host[b] = keys
+    group.page_table.copy_(torch.arange(batch * pages_per, dtype=torch.int32, device="cuda").view(batch, pages_per))
+    group.n_encoded.fill_(keys)
+    return group
+
+
+EXACT_CONFIGS = [dict(block_n=64, iters=4, num_warps=4), dict(block_n=128, iters=4, num_warps=8),
+                 dict(block_n=64, iters=16, num_warps=4), dict(block_n=128, iters=8, num_warps=4)]
+LINEAR_CONFIGS = [dict(block_n=128, iters=8, num_warps=4), dict(block_n=256, iters=8, num_warps=8),
+                  dict(block_n=128, iters=32, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
+
+
+def timed(fn, graphs: bool) -> tuple[float, str]:
+    """Median ms of ``fn`` replayed from a CUDA graph (what a decode server runs), or eagerly where
+    capture fails (the reason is returned)."""
+    import torch
+
+    if graphs:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            return _median_ms(graph.replay), "cuda-graph"
+        except Exception as err:  # noqa: BLE001  (report it, time eagerly)
+            torch.cuda.synchronize()
+            reason = f"eager ({type(err).__name__}: {str(err)[:100]})"
+            return _median_ms(fn), reason
+    return _median_ms(fn), "eager"
+
+
+def best_of(configs, make_fn, graphs: bool) -> tuple[float, dict, str]:
+    """Fastest launch configuration: (ms, config, timing mode)."""
+    results = [(*timed(make_fn(cfg), graphs), cfg) for cfg in configs]
+    ms, mode, cfg = min(results, key=lambda r: r[0])
+    return ms, cfg, mode
+
+
+def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
+              subspaces: int = 32, graphs: bool = True) -> dict:
+    import torch
+
+    from dsaindex.kernels.fp8_score import fp8_topk
+
+    fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
+    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache)
+    ms: dict[str, float] = {}
+    modes: dict[str, str] = {}
+
+    def warm_step(cfg):
+        group.linear_config = cfg
+        return lambda: group.select(q, w)
+
+    def cold_step(cfg):
+        group.linear_config = cfg
+
+        def step():
+            group.cache_pos.fill_(-1)
+            return group.select(q, w)
+
+        return step
+
+    group.select(q, w)  # compile, fill the cache
+    ms["pq_warm"], linear_cfg, modes["pq_warm"] = best_of(LINEAR_CONFIGS, warm_step, graphs)
+    _, stats = warm_step(linear_cfg)()
+    warm = stats.totals()
+    ms["pq_cold"], modes["pq_cold"] = timed(cold_step(linear_cfg), graphs)
+    _, stats = cold_step(linear_cfg)()
+    cold_stats = stats.totals()
+    host_reads = group.host_reads
+
+    def exact_step(cfg):
+        return lambda: fp8_topk(fp8, scales, lengths, q, w, topk, **cfg)
+
+    ms["exact_fp8_triton"], exact_cfg, modes["exact_fp8_triton"] = best_of(EXACT_CONFIGS, exact_step, graphs)
+    _, _, counts = fp8_topk(fp8, scales, lengths, q, w, topk, return_counts=True, **exact_cfg)
+    exact_counts = counts.tolist()
+    gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
+    group = fp8 = codes = None  # free the device memory the torch baseline needs
+    torch.cuda.empty_cache()
+
+    def torch_exact():
+        logits = torch.bmm(gpu_state["bf16"], q.transpose(1, 2))  # [B, N, H]
+        return (torch.relu(logits) @ w.to(torch.bfloat16).unsqueeze(-1)).squeeze(-1).float().topk(topk, dim=1)
+
+    ms["torch_exact"], modes["torch_exact"] = timed(torch_exact, graphs)
+    gpu_state.clear()
+    torch.cuda.empty_cache()
+    floors = {"exact_fp8": batch * keys * 132 / HBM_BYTES_PER_S * 1e3, "pq32": batch * keys * 32 / HBM_BYTES_PER_S * 1e3}
+    return {
+        "batch": batch, "keys": keys,
+        "median_ms": {k: round(v, 4) for k, v in ms.items()},
+        "timing": modes,
+        "hbm_floor_ms": {k: round(v, 4) for k, v in floors.items()},
+        "speedup_vs_exact_fp8": {"pq_warm": round(ms["exact_fp8_triton"] / ms["pq_warm"], 3),
+                                 "pq_cold": round(ms["exact_fp8_triton"] / ms["pq_cold"], 3)},
+        "launch_configs": {"pq_stage1": linear_cfg, "exact_fp8": exact_cfg},
+        "pq_step_counts": {"warm": warm, "cold": cold_stats},
+        "pq_host_reads": host_reads,
+        "exact_threshold_counts_minmax": [min(exact_counts), max(exact_counts)],
+        "gpu_bytes_per_request": {"exact_fp8": keys * 132, "pq_index": keys * subspaces,
+                                  "pq_cache_and_tail": (cache + 1 + 64) * 132 + (cache + 1) * 16 + keys // 64 * 4},
+    }
+
+
+def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: int, prefilter: int, cache: int,
+                    min_prefix: int, max_queries: int, device: str, use_triton: bool | None = None) -> dict:
+    """Recall of one cold PQ step against exact FP8 top-k for held-out queries (per layer and mean)."""
+    import torch
+
+    from dsaindex.artifacts.bundle import read_bundle
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.kernels.fp8_score import fp8_topk_reference
+    from dsaindex.quant import fp8_quantize
+    from dsaindex.runtime.host_store import HostKeyStore
+    from dsaindex.runtime.loader import place_layers
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+    from dsaindex.train.recall import held_out, split_sequences
+
+    store = CaptureStore.open(store_path)
+    geometry = store.manifest.model.geometry
+    manifest, arrays = read_bundle(artifacts, verify=True)
+    if manifest.lineage.capture_store_id != store.manifest.store_id:
+        typer.echo(f"note: the artifacts were trained on store {manifest.lineage.capture_store_id}, "
+                   f"recall is measured on {store.manifest.store_id}", err=True)
+    loaded = place_layers(manifest, arrays, device)
+    _, eval_seqs = split_sequences(len(store.array("sequence_keys")))
+    per_layer = {}
+    for layer_id, layer in loaded.items():
+        data = held_out(store, layer_id, eval_seqs, min_prefix, geometry["key_format"], max_queries=max_queries)
+        nq = data.queries.shape[0]
+        if nq == 0:
+            continue
+        hits = {"filter": 0.0, "rerank": 0.0}
+        fetched = 0.0
+        for mode in ("filter", "rerank"):
+            for start in range(0, nq, 8):
+                rows = range(start, min(nq, start + 8))
+                lengths = [int(data.visible[i]) for i in rows]
+                host = HostKeyStore(sum(-(-n // 64) for n in lengths) + len(lengths), geometry["head_dim"])
+                group = PQDecodeGroup(layer, host, len(lengths), max(lengths), topk, candidates=candidates,
+                                      prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
+                                      device=device, use_triton=use_triton)
+                prefixes = []
+                for slot, i in enumerate(rows):
+                    s0 = int(data.key_start[i])
+                    prefixes.append(data.keys[s0 : s0 + lengths[slot]])
+                    group.admit(slot)
+                    group.append(slot, prefixes[-1])
+                q = data.queries[list(rows)].to(device)
+                w = data.head_weights[list(rows)].to(device)
+                picked, stats = group.select(q, w)
+                n = max(lengths)
+                fp8 = torch.zeros(len(lengths), n, geometry["head_dim"], dtype=torch.uint8, device=device)
+                scales = torch.zeros(len(lengths), n, device=device)
+                for slot, x in enumerate(prefixes):
+                    c, s = fp8_quantize(x.to(device))
+                    fp8[slot, : x.shape[0]], scales[slot, : x.shape[0]] = c.view(torch.uint8), s.reshape(-1)
+                _, want = fp8_topk_reference(fp8, scales, torch.tensor(lengths, device=device), q, w, topk)
+                for a, b in zip(picked.tolist(), want.tolist(), strict=True):
+                    hits[mode] += len(set(a) & set(b)) / len(b)
+                if mode == "filter":
+                    fetched += float(stats.fetched.sum()) / max(1.0, float(stats.candidates.sum())) * len(lengths)
+        per_layer[str(layer_id)] = {"queries": nq, "recall_filter": round(hits["filter"] / nq, 5),
+                                    "recall_rerank": round(hits["rerank"] / nq, 5),
+                                    "fetch_share_cold": round(fetched / nq, 4),
+                                    "mean_prefix": round(float(data.visible.float().mean()), 1)}
+    mean = {k: round(sum(v[k] for v in per_layer.values()) / max(1, len(per_layer)), 5)
+            for k in ("recall_filter", "recall_rerank", "fetch_share_cold")}
+    return {"store": str(store_path), "artifacts": str(artifacts), "topk": topk, "candidates": candidates,
+            "prefilter": prefilter, "min_prefix": min_prefix, "per_layer": per_layer, "mean": mean}
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | exact FP8 Triton, fused top-k (ms) "
+        "| torch exact (ms) | HBM floor exact / PQ (ms) | exact / PQ warm |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rows"]:
+        m, f = r["median_ms"], r["hbm_floor_ms"]
+        lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | "
+                     f"{m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
+                     f"{r['speedup_vs_exact_fp8']['pq_warm']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_decode(
+    batches: str = typer.Option("1,8,32", help="Comma-separated request counts B."),
+    keys: str = typer.Option("65536,262144,1048576", help="Comma-separated keys per request and layer."),
+    heads: int = typer.Option(64, help="Indexer heads."),
+    topk: int = typer.Option(512, help="Keys selected per step."),
+    candidates: int = typer.Option(2048, help="C: candidates reranked exactly."),
+    prefilter: int = typer.Option(4, help="Stage 1 keeps prefilter x C keys for the full coarse score."),
+    cache: int = typer.Option(4096, help="Exact keys cached on the GPU per request."),
+    recall_store: Path = typer.Option(None, help="Capture store for the recall measurement (held-out queries)."),
+    artifacts: Path = typer.Option(None, help="PQ bundle for the recall measurement (trained on that store)."),
+    recall_min_prefix: int = typer.Option(8192, help="Only queries with at least this many keys before them."),
+    recall_queries: int = typer.Option(64, help="Held-out queries per layer for recall."),
+    graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs (as servers run decode)."),
+    recall_prefilters: str = typer.Option("4,8", help="Prefilter factors for the recall measurement."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+    markdown: Path = typer.Option(None, help="Also write the timing table as markdown to this file."),
+) -> None:
+    """Decode-step selection latency: PQ coarse-to-fine vs exact FP8 (Triton, fused top-k) vs torch, per
+    batch size and history length, with HBM floors, GPU bytes per request and recall on real keys.
+    Needs a CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("bench decode needs a CUDA device")
+    if (recall_store is None) != (artifacts is None):
+        raise typer.BadParameter("--recall-store and --artifacts go together (recall needs both)")
+    rows = []
+    for n in [int(x) for x in keys.split(",") if x]:
+        for b in [int(x) for x in batches.split(",") if x]:
+            row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs)
+            rows.append(row)
+            typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
+            torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
+              "prefilter": prefilter, "cache_capacity": cache, "rows": rows}
+    if recall_store is not None:
+        report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, int(p), cache,
+                                            recall_min_prefix, recall_queries, "cuda")
+                            for p in recall_prefilters.split(",") if p]
+    text = json.dumps(report, indent=2)
+    if out:
+        out.write_text(text)
+    if markdown:
+        markdown.write_text(markdown_table(report))
+    print(text)

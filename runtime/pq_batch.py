@@ -1,0 +1,311 @@
+"""Batched PQ coarse-to-fine decode selection on Triton kernels: the serving path.
+
+One :class:`PQDecodeGroup` holds a fixed set of request slots of one indexer layer, all state as
+device tensors so a step is a fixed sequence of kernel launches with no host synchronization:
+
+* ``codes`` [S, max_keys, M] uint8: PQ codes of every completed 64-key page (the history);
+* ``pool_fp8`` / ``pool_scales`` [S, R, D] / [S, R]: exact FP8 keys on the device, rows
+  ``[0, cache_capacity)`` the cache, one trash row, then the tail (the incomplete page);
+* ``cache_pos`` / ``cache_stamp`` [S, cache_capacity + 1]: position held by each cache row (-1 empty) and
+  the step of its last use;
+* the host store (:class:`HostKeyStore`, pinned) with every completed page, and a device page table.
+
+A step (LeanSparse §5 with a two-stage coarse score, see :mod:`dsaindex.kernels.pq_select`):
+stage 1 folded-query scan of all codes with fused top-C1; stage 2 full coarse score of the C1
+survivors, top-C; cache lookup; miss filter; host rows of the kept misses copied into LRU cache rows by
+one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and the tail; top-k.
+
+:class:`RequestGroups` runs several groups' steps on separate CUDA streams, so one group's host reads
+overlap another group's scoring. :class:`dsaindex.runtime.pq_decode.PQDecodeIndexer` is the
+per-request torch reference of the same algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaindex.errors import DsaIndexError
+from dsaindex.kernels import select
+from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_reference
+from dsaindex.kernels.pq_select import (
+    pq_candidate_scores,
+    pq_candidate_scores_reference,
+    pq_encode_triton,
+    pq_linear_topc,
+    pq_linear_topc_reference,
+)
+from dsaindex.quant import fp8_quantize
+from dsaindex.runtime.host_store import HostKeyStore
+from dsaindex.runtime.loader import PQLayer
+
+
+@dataclass
+class StepStats:
+    """Per-request counts of the last step, device tensors [S] (read them only when needed: a sync)."""
+
+    candidates: torch.Tensor
+    hits: torch.Tensor
+    fetched: torch.Tensor
+    dropped: torch.Tensor
+    stage1_counts: torch.Tensor
+
+    def totals(self) -> dict[str, int]:
+        return {k: int(getattr(self, k).sum()) for k in ("candidates", "hits", "fetched", "dropped")}
+
+
+class PQDecodeGroup:
+    """Decode-time top-k selection for ``slots`` requests of one layer.
+
+    Parameters
+    ----------
+    layer : the layer's PQ parameters; host : the shared host key store; n_heads : indexer heads
+    max_keys : keys per request the group is sized for; topk : keys selected per step
+    candidates : C, the keys reranked exactly; prefilter : stage 1 keeps ``prefilter * C``
+    cache_capacity : exact keys cached on the device per request (at least C)
+    linear_config : launch shape of the stage-1 kernel (``block_n``, ``iters``, ``num_warps`` of
+        :func:`pq_linear_topc`)
+    use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
+        their torch references run the same algorithm (CPU serving of small models, tests)
+    """
+
+    def __init__(self, layer: PQLayer, host: HostKeyStore, slots: int, max_keys: int, topk: int,
+                 candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
+                 device: str | torch.device = "cuda", use_triton: bool | None = None,
+                 linear_config: dict | None = None):
+        if cache_capacity < candidates:
+            raise DsaIndexError(f"cache_capacity {cache_capacity} is below the candidate count {candidates}.",
+                                "give the cache at least as many rows as candidates.")
+        dev = torch.device(device)
+        self.use_triton = (dev.type == "cuda" or select.interpreted()) if use_triton is None else use_triton
+        self.layer, self.host, self.device = layer, host, dev
+        self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
+        self.cache_capacity, self.miss_filter = cache_capacity, miss_filter
+        self.linear_config = dict(linear_config or {})
+        self.page = host.page_size
+        m, _, d = layer.codebooks.shape
+        self.dim = m * d
+        self.codebooks = layer.codebooks.to(dev).float()
+        self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
+        self.metric = None if layer.metric is None else layer.metric.to(dev)
+        self.slots, self.max_keys = slots, max_keys
+        max_pages = -(-max_keys // self.page)
+        self.codes = torch.zeros(slots, max_pages * self.page, m, dtype=torch.uint8, device=dev)
+        self.pool_rows = cache_capacity + 1 + self.page
+        self.pool_fp8 = torch.zeros(slots, self.pool_rows, self.dim, dtype=torch.uint8, device=dev)
+        self.pool_scales = torch.zeros(slots, self.pool_rows, dtype=torch.float32, device=dev)
+        self.cache_pos = torch.full((slots, cache_capacity + 1), -1, dtype=torch.long, device=dev)
+        self.cache_stamp = torch.zeros(slots, cache_capacity + 1, dtype=torch.long, device=dev)
+        self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=dev)
+        self.n_encoded = torch.zeros(slots, dtype=torch.int32, device=dev)
+        self.tail_len = torch.zeros(slots, dtype=torch.int32, device=dev)
+        # host-side mirrors (known without a sync: appends happen on the host)
+        self.pages: list[list[int] | None] = [None] * slots
+        self.encoded_host = [0] * slots
+        self.tail_host = [0] * slots
+        self.step = torch.zeros((), dtype=torch.long, device=dev)  # on the device: steps replay in CUDA graphs
+        self.host_reads = "unified-addressing kernel"
+        self._host_pinned = host.fp8.is_pinned()
+
+    # ---- request lifecycle ------------------------------------------------------------------------
+    def admit(self, slot: int) -> None:
+        if self.pages[slot] is not None:
+            raise DsaIndexError(f"Slot {slot} already holds a request.", "free it first, or use another slot.")
+        self.pages[slot] = []
+        self.encoded_host[slot] = self.tail_host[slot] = 0
+        self.n_encoded[slot] = 0
+        self.tail_len[slot] = 0
+        self.cache_pos[slot] = -1
+        self.cache_stamp[slot] = 0
+
+    def free(self, slot: int) -> None:
+        pages = self._pages(slot)
+        self.host.release(pages)
+        self.pages[slot] = None
+        self.encoded_host[slot] = self.tail_host[slot] = 0
+        self.n_encoded[slot] = 0
+        self.tail_len[slot] = 0
+
+    def _pages(self, slot: int) -> list[int]:
+        pages = self.pages[slot]
+        if pages is None:
+            raise DsaIndexError(f"Slot {slot} holds no request (never admitted, or already freed).",
+                                "admit a request into the slot first; free each request exactly once.")
+        return pages
+
+    def length(self, slot: int) -> int:
+        return self.encoded_host[slot] + self.tail_host[slot]
+
+    def append(self, slot: int, keys: torch.Tensor) -> None:
+        """Append keys [n, D] (engine basis) to a request. Completed pages are written to the host and
+        encoded; a full host store raises :class:`HostMemoryError` before anything changes."""
+        pages = self._pages(slot)
+        n_tail = self.tail_host[slot]
+        total = n_tail + keys.shape[0]
+        if self.encoded_host[slot] + total > self.codes.shape[1] + self.page:
+            raise DsaIndexError(f"Slot {slot} would hold {self.encoded_host[slot] + total} keys; the group is "
+                                f"sized for {self.max_keys}.", "size the group for the longest request.")
+        full = total // self.page
+        new_pages = self.host.allocate_many(full) if full else []
+        fp8, scales = fp8_quantize(keys.to(self.device).float())
+        fp8 = fp8.view(torch.uint8)
+        scales = scales.reshape(-1)
+        tail_rows = slice(self.cache_capacity + 1, self.cache_capacity + 1 + n_tail)
+        all_fp8 = torch.cat([self.pool_fp8[slot, tail_rows], fp8])
+        all_scales = torch.cat([self.pool_scales[slot, tail_rows], scales])
+        if full:
+            done = full * self.page
+            page_fp8 = all_fp8[:done].view(full, self.page, self.dim)
+            page_scales = all_scales[:done].view(full, self.page)
+            self.host.write_fp8_pages(new_pages, page_fp8, page_scales)
+            start = self.encoded_host[slot]
+            exact = page_fp8.reshape(done, self.dim).view(torch.float8_e4m3fn).float() * page_scales.reshape(done, 1)
+            self.codes[slot, start : start + done] = self._encode(exact)
+            first = start // self.page
+            self.page_table[slot, first : first + full] = torch.tensor(new_pages, dtype=torch.int32)
+            pages.extend(new_pages)
+            self.encoded_host[slot] = start + done
+            all_fp8, all_scales = all_fp8[done:], all_scales[done:]
+        rest = all_fp8.shape[0]
+        self.pool_fp8[slot, self.cache_capacity + 1 : self.cache_capacity + 1 + rest] = all_fp8
+        self.pool_scales[slot, self.cache_capacity + 1 : self.cache_capacity + 1 + rest] = all_scales
+        self.tail_host[slot] = rest
+        self.n_encoded[slot] = self.encoded_host[slot]
+        self.tail_len[slot] = rest
+
+    def _encode(self, exact: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            return pq_encode_triton(exact, self.codebooks, self.metric)
+        from dsaindex.train.pq import encode
+
+        return encode(exact, self.codebooks, self.metric)
+
+    def gpu_bytes(self) -> dict[str, int]:
+        """Device bytes per request: the index (codes of ``max_keys``) and the fixed cache + tail state."""
+        per_slot = lambda t: t.numel() * t.element_size() // self.slots  # noqa: E731
+        return {"index": per_slot(self.codes),
+                "cache": per_slot(self.pool_fp8) + per_slot(self.pool_scales) + per_slot(self.cache_pos)
+                + per_slot(self.cache_stamp) + per_slot(self.page_table)}
+
+    # ---- selection --------------------------------------------------------------------------------
+    def select(self, queries: torch.Tensor, head_weights: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
+        """Top-k key positions of every slot for one query each.
+
+        queries : [S, H, D] (engine basis); head_weights : [S, H] effective weights. Returns positions
+        [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the step's stats.
+        """
+        s, dev, cap = self.slots, self.device, self.cache_capacity
+        self.step += 1
+        step = self.step.expand(s, cap + 1)
+        q = queries.to(dev, torch.bfloat16).contiguous()
+        w = head_weights.to(dev, torch.float32).contiguous()
+        longest = max(self.encoded_host) if self.slots else 0
+        zeros = torch.zeros(s, dtype=torch.long, device=dev)
+        if longest:
+            if self.use_triton:
+                # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
+                _, rows1, counts1 = pq_linear_topc(self.codes, self.n_encoded, q, w, self.codebooks, self.c1,
+                                                   max_len=longest, return_counts=True, keep_all=True,
+                                                   **self.linear_config)
+                coarse = pq_candidate_scores(self.codes, rows1.to(torch.int32), q, w, self.codebooks_bf16,
+                                             counts=counts1)
+            else:
+                codes = self.codes[:, :longest]
+                _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q, w, self.codebooks, self.c1)
+                counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=dev))
+                coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
+            c = min(self.candidates, coarse.shape[1])
+            cand_scores, at = coarse.topk(c, dim=1)
+            cand = torch.where(torch.isfinite(cand_scores), rows1.gather(1, at), torch.full_like(at, -1))
+            valid = cand >= 0
+            # cache lookup: sorted positions of each request's cache rows
+            sorted_pos, order = self.cache_pos[:, :cap].sort(dim=1)
+            at_sorted = torch.searchsorted(sorted_pos, cand).clamp_max(cap - 1)
+            hit = valid & (sorted_pos.gather(1, at_sorted) == cand)
+            hit_row = torch.where(hit, order.gather(1, at_sorted), torch.full_like(cand, cap))
+            self.cache_stamp.scatter_(1, hit_row, step)
+            keep = hit.clone()
+            if self.miss_filter and c > 1:
+                finite = torch.where(valid, cand_scores, torch.zeros_like(cand_scores))
+                n_valid = valid.sum(1, keepdim=True).clamp_min(2)
+                mean = finite.sum(1, keepdim=True) / n_valid
+                var = (torch.where(valid, cand_scores - mean, torch.zeros_like(cand_scores)) ** 2).sum(1, keepdim=True)
+                std = (var / (n_valid - 1)).sqrt()
+                # a request with fewer than k candidates has kth = -inf: every candidate is kept
+                kth = cand_scores[:, min(self.topk, c) - 1 : min(self.topk, c)]
+                keep |= valid & (cand_scores >= kth - std)
+            else:
+                keep |= valid
+            fetch = keep & ~hit
+            # least recently used rows first (empty rows before any), this step's hits protected
+            priority = self.cache_stamp[:, :cap].masked_fill(self.cache_pos[:, :cap] < 0, -1)
+            priority = priority.masked_fill(self.cache_stamp[:, :cap] == self.step, torch.iinfo(torch.long).max)
+            lru = priority.argsort(dim=1)
+            rank = (fetch.long().cumsum(1) - 1).clamp(0, cap - 1)
+            dst = torch.where(fetch, lru.gather(1, rank), torch.full_like(rank, cap))
+            src = torch.where(fetch, cand, torch.full_like(cand, -1))
+            self._read_host(src, dst)
+            self.cache_pos.scatter_(1, dst, src)
+            self.cache_stamp.scatter_(1, dst, step)
+            self.cache_pos[:, cap] = -1
+            cand_rows = torch.where(hit, hit_row, torch.where(fetch, dst, torch.full_like(dst, -1)))
+            stats = StepStats(valid.sum(1), hit.sum(1), fetch.sum(1), (valid & ~keep).sum(1), counts1.long())
+        else:
+            cand = torch.empty(s, 0, dtype=torch.long, device=dev)
+            cand_rows = cand
+            stats = StepStats(zeros, zeros, zeros, zeros, zeros)
+        tail_j = torch.arange(self.page, device=dev)
+        tail_live = tail_j[None, :] < self.tail_len[:, None]
+        tail_rows = torch.where(tail_live, cap + 1 + tail_j[None, :], torch.full_like(tail_j, -1)[None, :])
+        tail_pos = torch.where(tail_live, self.n_encoded[:, None].long() + tail_j[None, :], -1)
+        rows = torch.cat([cand_rows, tail_rows], dim=1)
+        positions = torch.cat([cand, tail_pos], dim=1)
+        rescore = fp8_gather_scores if self.use_triton else fp8_gather_scores_reference
+        exact = rescore(self.pool_fp8, self.pool_scales, rows, q, w)
+        k = min(self.topk, exact.shape[1])
+        best_scores, best = exact.topk(k, dim=1)
+        picked = positions.gather(1, best)
+        picked = torch.where(torch.isfinite(best_scores), picked, torch.full_like(picked, -1))
+        return picked, stats
+
+    def _read_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy host rows ``src`` (positions, -1 = none) into pool rows ``dst`` of each slot."""
+        host_fp8 = self.host.fp8
+        if self.device.type == "cuda" and not self._host_pinned:
+            raise DsaIndexError("The host key store is not pinned; the device cannot read it directly.",
+                                "create the HostKeyStore with pin=True (the default where CUDA is present).")
+        args = (host_fp8, self.host.scales, self.page_table, src, dst, self.pool_fp8, self.pool_scales)
+        if self.use_triton and self.host_reads == "unified-addressing kernel":
+            try:
+                select.gather_host_rows(*args)
+                return
+            except (RuntimeError, ValueError) as err:  # a device/driver that cannot address pinned memory
+                self.host_reads = f"staged copy ({type(err).__name__}: {str(err)[:80]})"
+        select.gather_host_rows_staged(*args)
+
+
+class RequestGroups:
+    """Steps several :class:`PQDecodeGroup` on separate CUDA streams (round robin), so one group's host
+    reads overlap another group's scoring; on the CPU the groups run one after another."""
+
+    def __init__(self, groups: list[PQDecodeGroup], streams: int = 2):
+        self.groups = groups
+        cuda = bool(groups) and groups[0].device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device=groups[0].device) for _ in range(streams)] if cuda else []
+
+    def select(self, queries: list[torch.Tensor], head_weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Positions [S_g, topk] for each group, given each group's queries and weights."""
+        if not self.streams:
+            return [g.select(q, w)[0] for g, q, w in zip(self.groups, queries, head_weights, strict=True)]
+        main = torch.cuda.current_stream(self.groups[0].device)
+        out = []
+        for i, (g, q, w) in enumerate(zip(self.groups, queries, head_weights, strict=True)):
+            stream = self.streams[i % len(self.streams)]
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                picked, _ = g.select(q, w)
+            out.append(picked)
+        for stream in self.streams:
+            main.wait_stream(stream)
+        return out

@@ -1,0 +1,179 @@
+"""Engine adapter for transformers: the runtime chooses each layer's decode-time top-k.
+
+:class:`RuntimeSelection` hooks every indexer of a V3.2 / GLM-5 transformers model. On every forward
+it recomputes the indexer's keys, queries and head weights from the module's own weights
+(:func:`dsaindex.indexer.mla_indexer_tensors`), rotates them into the artifacts' basis and appends
+the keys to one :class:`PQDecodeGroup` per layer (a slot per batch row). On decode steps (one new
+token) it replaces the indexer's top-k with the group's selection; prefill keeps the model's own.
+It also records how many of the model's own top-k the runtime kept, per layer.
+
+:func:`greedy_agreement` runs the comparison the runtime is judged by: the same prompt decoded
+greedily with exhaustive selection and with the runtime, token by token.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from dsaindex.geometry import geometry_from_config
+from dsaindex.indexer import mla_indexer_tensors
+from dsaindex.quant import to_basis
+from dsaindex.runtime.host_store import HostKeyStore
+from dsaindex.runtime.loader import PQLayer
+from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+
+@dataclass
+class SelectionLog:
+    """Per layer: decode steps seen and the mean share of the model's own top-k the runtime kept."""
+
+    steps: dict[int, int] = field(default_factory=dict)
+    kept: dict[int, float] = field(default_factory=dict)
+
+    def recall(self) -> dict[int, float]:
+        return {layer: self.kept[layer] / max(1, self.steps[layer]) for layer in self.steps}
+
+
+class RuntimeSelection:
+    """Context manager: decode-time top-k of ``model`` chosen by the runtime from ``layers``' PQ artifacts.
+
+    Parameters
+    ----------
+    model : a transformers DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``)
+    layers : layer id -> :class:`PQLayer` (``LoadedArtifacts.layers``), trained in ``basis``
+    batch : rows of the generation batch; max_keys : longest sequence (prompt + new tokens)
+    candidates, prefilter, cache_capacity : as :class:`PQDecodeGroup`
+    """
+
+    def __init__(self, model, layers: dict[int, PQLayer], batch: int, max_keys: int, basis: str = "hadamard",
+                 candidates: int = 1024, prefilter: int = 2, cache_capacity: int | None = None,
+                 device: str | torch.device = "cpu", use_triton: bool | None = None):
+        from dsaindex.pipelines.hooks import find_indexers
+
+        self.model = model
+        self.geometry = geometry_from_config(model.config)
+        self.indexers = find_indexers(model, self.geometry)
+        missing = sorted(set(self.indexers) - set(layers))
+        if missing:
+            from dsaindex.runtime.loader import ArtifactMismatchError
+
+            raise ArtifactMismatchError(f"The artifacts have no layer {missing} of the model's indexer layers.",
+                                        "train artifacts for every indexer layer of this model.")
+        self.basis = basis
+        pages = batch * (-(-max_keys // 64) + 1)
+        self.groups = {
+            layer: PQDecodeGroup(layers[layer], HostKeyStore(pages, self.geometry.head_dim), batch, max_keys,
+                                 self.geometry.topk, candidates=candidates, prefilter=prefilter,
+                                 cache_capacity=cache_capacity or candidates, device=device, use_triton=use_triton)
+            for layer in self.indexers
+        }
+        for group in self.groups.values():
+            for slot in range(batch):
+                group.admit(slot)
+        self.log = SelectionLog()
+        self._handles: list = []
+        self._chosen: dict[int, torch.Tensor] = {}
+
+    def __enter__(self) -> RuntimeSelection:
+        for layer, module in self.indexers.items():
+            self._handles.append(module.register_forward_pre_hook(self._before(layer, module), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._after(layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for group in self.groups.values():
+            for slot, pages in enumerate(group.pages):
+                if pages is not None:
+                    group.free(slot)
+
+    def _before(self, layer: int, module):
+        signature = inspect.signature(module.forward)
+
+        def hook(mod, args, kwargs):
+            a = signature.bind_partial(*args, **kwargs).arguments
+            cos, sin = a["position_embeddings"]
+            with torch.no_grad():
+                keys, queries, weights = mla_indexer_tensors(
+                    mod, self.geometry.rope_layout, a["hidden_states"], a["q_resid"], cos, sin)
+            group = self.groups[layer]
+            keys = to_basis(keys.float(), self.basis)
+            for slot in range(keys.shape[0]):
+                group.append(slot, keys[slot])
+            if keys.shape[1] == 1:  # a decode step: the runtime selects
+                picked, _ = group.select(to_basis(queries[:, -1].float(), self.basis), weights[:, -1])
+                self._chosen[layer] = picked
+            return None
+
+        return hook
+
+    def _after(self, layer: int):
+        def hook(mod, args, output):
+            picked = self._chosen.pop(layer, None)
+            if picked is None:
+                return None
+            own = output[:, -1].long().to(picked.device)  # [B, k]: the model's exhaustive choice
+            kept = sum(len(set(a) & set(b)) / max(1, len(b)) for a, b in zip(picked.tolist(), own.tolist(), strict=True))
+            self.log.steps[layer] = self.log.steps.get(layer, 0) + 1
+            self.log.kept[layer] = self.log.kept.get(layer, 0.0) + kept / own.shape[0]
+            # -1 (fewer keys than k) repeats the best position: the attention mask is the same
+            filled = torch.where(picked >= 0, picked, picked[:, :1])
+            return filled.to(output.device, torch.int32).unsqueeze(1)
+
+        return hook
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None) -> dict:
+    """Greedy decoding with the KV cache. ``forced`` [new_tokens] feeds those tokens instead of the
+    model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step."""
+    out = model(input_ids=prompt.unsqueeze(0), use_cache=True)
+    cache = out.past_key_values
+    choice = out.logits[0, -1].argmax()
+    argmax, fed = [], []
+    for step in range(new_tokens):
+        argmax.append(int(choice))
+        token = choice if forced is None else forced[step]
+        fed.append(int(token))
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        choice = out.logits[0, -1].argmax()
+    return {"argmax": torch.tensor(argmax), "fed": torch.tensor(fed)}
+
+
+def greedy_agreement(model, layers: dict[int, PQLayer], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
+                     candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
+                     use_triton: bool | None = None) -> dict:
+    """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
+
+    * ``free_running``: both decode on their own; share of equal tokens and the first divergence;
+    * ``teacher_forced``: the runtime model is fed the exhaustive run's tokens; share of steps whose
+      argmax equals the exhaustive argmax (no compounding after a first difference);
+    * ``selection_recall``: per layer, the share of the model's own top-k the runtime selected.
+    """
+    prompt = prompt.to(device)
+    reference = greedy_decode(model, prompt, new_tokens)
+    kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, device=device, use_triton=use_triton)
+    max_keys = prompt.numel() + new_tokens + 1
+    with RuntimeSelection(model, layers, 1, max_keys, **kwargs):
+        free = greedy_decode(model, prompt, new_tokens)
+    with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as forced_run:
+        forced = greedy_decode(model, prompt, new_tokens, forced=reference["fed"].to(device))
+    same = free["fed"] == reference["fed"]
+    first = int((~same).nonzero()[0]) if (~same).any() else new_tokens
+    return {
+        "prompt_tokens": int(prompt.numel()),
+        "new_tokens": new_tokens,
+        "topk": int(geometry_from_config(model.config).topk),
+        "candidates": candidates,
+        "free_running": {"token_agreement": round(float(same.float().mean()), 4), "first_divergence": first},
+        "teacher_forced": {"token_agreement": round(float((forced["argmax"] == reference["argmax"]).float().mean()), 4)},
+        "selection_recall": {str(k): round(v, 4) for k, v in forced_run.log.recall().items()},
+        "reference_text": bytes(t for t in reference["fed"].tolist() if t < 256).decode("utf-8", "replace"),
+        "runtime_text": bytes(t for t in free["fed"].tolist() if t < 256).decode("utf-8", "replace"),
+    }

@@ -1,0 +1,55 @@
+"""``dsaindex bench decode``: the recall path on real capture + bundle (CPU), and the report table."""
+
+import pytest
+
+from helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def store_and_bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("benchdecode")
+    store, bundle = root / "store", root / "bundle"
+    proc = run_cli("capture", str(store), "-m", "preset:tiny-v32", "-n", "5", "--seq-len", "1024",
+                   "--chunk-len", "512", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("train", "pq", str(store), "--out", str(bundle), "--iterations", "6", "--eval-queries", "8",
+                   "--candidates", "128", "--no-register", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    return store, bundle
+
+
+def test_recall_of_the_batched_path_on_held_out_queries(store_and_bundle):
+    from dsaindex.pipelines.bench_decode import recall_on_store
+
+    # the kernels' torch references (the kernels are compared with them in test_kernel_select.py)
+    store, bundle = store_and_bundle
+    wide = recall_on_store(store, bundle, topk=32, candidates=1024, prefilter=1, cache=1024, min_prefix=256,
+                           max_queries=6, device="cpu", use_triton=False)
+    narrow = recall_on_store(store, bundle, topk=32, candidates=96, prefilter=2, cache=96, min_prefix=512,
+                             max_queries=6, device="cpu", use_triton=False)
+    assert set(wide["per_layer"]) == {"0", "1", "2", "3"}
+    # every key a candidate and no filter: exhaustive selection (FP8 ties aside)
+    assert wide["mean"]["recall_rerank"] >= 0.99
+    assert 0.6 <= narrow["mean"]["recall_rerank"] <= 1.0 and narrow["mean"]["recall_filter"] <= 1.0
+    assert 0.0 < narrow["mean"]["fetch_share_cold"] <= 1.0
+    assert all(v["mean_prefix"] >= 512 for v in narrow["per_layer"].values())
+
+
+def test_markdown_table_lists_every_case():
+    from dsaindex.pipelines.bench_decode import markdown_table
+
+    row = {"batch": 8, "keys": 262144, "median_ms": {"pq_warm": 0.5, "pq_cold": 0.9, "exact_fp8_triton": 1.0,
+                                                   "torch_exact": 3.0},
+           "hbm_floor_ms": {"exact_fp8": 0.07, "pq32": 0.02}, "speedup_vs_exact_fp8": {"pq_warm": 2.0}}
+    table = markdown_table({"rows": [row, dict(row, batch=32)]})
+    lines = table.strip().splitlines()
+    assert len(lines) == 4 and "| 8 | 262,144 | 0.500 | 0.900 | 1.000 | 3.000 |" in lines[2] and "2.00x" in lines[2]
+
+
+def test_bench_decode_needs_a_gpu_or_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_cli("bench", "decode", "--batches", "1", "--keys", "4096")
+    assert proc.returncode != 0 and "needs a CUDA device" in proc.stderr

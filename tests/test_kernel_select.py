@@ -1,0 +1,190 @@
+"""Fused-selection kernels (exact FP8, PQ stage 1 and 2, page encoding) against their torch references.
+
+On the CPU through TRITON_INTERPRET=1 at small sizes; the ``gpu`` tests repeat them at full size.
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dsaindex.kernels.fp8_score import fp8_scores_reference, fp8_topk_reference  # noqa: E402
+from dsaindex.kernels.pq_select import (  # noqa: E402
+    pq_candidate_scores_reference,
+    pq_linear_scores_reference,
+)
+from dsaindex.quant import fp8_quantize  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cuda" if CUDA else "cpu"
+
+
+def fp8_inputs(b, n, heads, d=128, seed=0, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, n, d, generator=g) * torch.rand(b, n, 1, generator=g) * 3
+    codes, scales = fp8_quantize(keys.reshape(b * n, d))
+    q = torch.randn(b, heads, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(b, heads, generator=g)
+    return (codes.view(torch.uint8).reshape(b, n, d).to(device), scales.reshape(b, n).to(device),
+            q.to(device), w.to(device))
+
+
+def pq_inputs(b, n, heads, m=32, d=4, k=256, seed=0, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, k, (b, n, m), generator=g, dtype=torch.int32).to(torch.uint8)
+    cb = torch.randn(m, k, d, generator=g)
+    q = torch.randn(b, heads, m * d, generator=g).to(torch.bfloat16)
+    w = torch.rand(b, heads, generator=g)
+    return codes.to(device), cb.to(device), q.to(device), w.to(device)
+
+
+def same_selection(got_rows, want_rows, got_scores, want_scores):
+    """Equal sets of rows, up to ties: the k-th scores agree and each picked row's score clears it."""
+    torch.testing.assert_close(got_scores, want_scores, rtol=1e-3, atol=1e-3)
+    for g, w in zip(got_rows.tolist(), want_rows.tolist(), strict=True):
+        assert len(set(g) ^ set(w)) <= 2, (sorted(set(g) - set(w)), sorted(set(w) - set(g)))
+
+
+@pytest.mark.parametrize("b,n,heads,d,k", [(1, 37, 3, 32, 8), (3, 700, 5, 64, 40), (2, 1500, 64, 128, 64)])
+def test_fp8_topk_matches_reference(b, n, heads, d, k):
+    from dsaindex.kernels.fp8_score import fp8_topk
+
+    keys, scales, q, w = fp8_inputs(b, n, heads, d)
+    lengths = torch.tensor([n - 7 * i for i in range(b)], dtype=torch.int32, device=DEV)
+    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, k)
+    got_s, got_r, counts = fp8_topk(keys, scales, lengths, q, w, k, capacity=256, target=96, return_counts=True)
+    same_selection(got_r, want_r, got_s, want_s)
+    assert (got_r < lengths[:, None]).all(), "a row past its request's end was selected"
+    assert (counts >= torch.clamp(lengths, max=96)).all()
+
+
+def test_fp8_topk_threshold_path_is_exercised():
+    """With far more keys than the buffer, the sampled threshold (not the take-all path) decides."""
+    from dsaindex.kernels.fp8_score import fp8_topk
+
+    keys, scales, q, w = fp8_inputs(2, 2000, 4, 32)
+    lengths = torch.tensor([2000, 1500], dtype=torch.int32, device=DEV)
+    got_s, got_r, counts = fp8_topk(keys, scales, lengths, q, w, 16, capacity=256, target=64, return_counts=True)
+    assert (counts < lengths).all() and (counts >= 16).all() and (counts <= 256).all(), counts
+    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 16)
+    same_selection(got_r, want_r, got_s, want_s)
+
+
+def test_fp8_gather_scores_match_reference():
+    from dsaindex.kernels.fp8_score import fp8_gather_scores
+
+    keys, scales, q, w = fp8_inputs(3, 99, 7, 64)
+    rows = torch.randint(-1, 99, (3, 45), dtype=torch.int32, device=DEV)
+    want = fp8_scores_reference(keys, scales, q, w).gather(1, rows.clamp_min(0).long())
+    want = want.masked_fill(rows < 0, float("-inf"))
+    torch.testing.assert_close(fp8_gather_scores(keys, scales, rows, q, w), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("b,n,m,c", [(1, 50, 16, 8), (3, 3000, 32, 64)])
+def test_pq_linear_topc_matches_reference(b, n, m, c):
+    from dsaindex.kernels.pq_select import pq_linear_topc
+
+    codes, cb, q, w = pq_inputs(b, n, 8, m=m, d=128 // m)
+    lengths = torch.tensor([n - 11 * i for i in range(b)], dtype=torch.int32, device=DEV)
+    scores = pq_linear_scores_reference(codes, q, w, cb)
+    scores = scores.masked_fill(torch.arange(n, device=DEV)[None, :] >= lengths[:, None], float("-inf"))
+    want_s, want_r = scores.topk(min(c, n), dim=1)
+    got_s, got_r, counts = pq_linear_topc(codes, lengths, q, w, cb, c, capacity=4 * c, return_counts=True)
+    same_selection(got_r, want_r, got_s, want_s)
+    assert (counts >= torch.clamp(lengths, max=c)).all() and (counts <= 4 * c).all() | (lengths <= 4 * c).all()
+
+
+def test_pq_candidate_scores_match_reference():
+    from dsaindex.kernels.pq_select import pq_candidate_scores
+
+    codes, cb, q, w = pq_inputs(2, 300, 6)
+    rows = torch.randint(-1, 300, (2, 77), dtype=torch.int32, device=DEV)
+    torch.testing.assert_close(pq_candidate_scores(codes, rows, q, w, cb),
+                               pq_candidate_scores_reference(codes, rows, q, w, cb), rtol=1e-3, atol=1e-3)
+
+
+def test_pq_candidate_scores_skip_rows_past_the_count():
+    from dsaindex.kernels.pq_select import pq_candidate_scores
+
+    codes, cb, q, w = pq_inputs(2, 300, 6)
+    rows = torch.randint(0, 300, (2, 150), dtype=torch.int32, device=DEV)
+    rows[0, 70:] = -1  # a stage-1 buffer: filled from the front, count 70
+    counts = torch.tensor([70, 150], dtype=torch.int32, device=DEV)
+    got = pq_candidate_scores(codes, rows, q, w, cb, counts=counts)
+    torch.testing.assert_close(got, pq_candidate_scores_reference(codes, rows, q, w, cb), rtol=1e-3, atol=1e-3)
+    assert torch.isinf(got[0, 70:]).all() and torch.isfinite(got[1]).all()
+
+
+def test_pq_candidate_reference_is_the_decoded_exact_score():
+    """Stage 2's spec is the exact score of the decoded keys (bf16 rounding aside)."""
+    from dsaindex.score import indexer_scores
+    from dsaindex.train.pq import decode
+
+    codes, cb, q, w = pq_inputs(1, 64, 4, device="cpu")
+    rows = torch.arange(64, dtype=torch.int32).unsqueeze(0)
+    decoded = decode(codes[0], cb.to(torch.bfloat16).float())
+    want = indexer_scores(q.float(), decoded, w)[0]
+    torch.testing.assert_close(pq_candidate_scores_reference(codes, rows, q, w, cb)[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("with_metric", [False, True])
+def test_pq_encode_matches_reference(with_metric):
+    from dsaindex.kernels.pq_select import pq_encode_triton
+    from dsaindex.train.pq import encode
+
+    g = torch.Generator().manual_seed(3)
+    cb = torch.randn(32, 256, 4, generator=g)
+    keys = torch.randn(130, 128, generator=g)
+    metric = None
+    if with_metric:
+        a = torch.randn(32, 4, 4, generator=g, dtype=torch.float64)
+        metric = a @ a.transpose(1, 2) + 0.1 * torch.eye(4, dtype=torch.float64)
+    want = encode(keys, cb, metric)
+    got = pq_encode_triton(keys.to(DEV), cb.to(DEV), None if metric is None else metric.to(DEV)).cpu()
+    assert (got == want).float().mean() > 0.999  # float ties aside
+
+
+@pytest.mark.gpu
+def test_full_size_on_gpu():
+    from dsaindex.kernels.fp8_score import fp8_topk
+    from dsaindex.kernels.pq_select import pq_linear_topc
+
+    if not CUDA:
+        pytest.skip("needs a GPU")
+    keys, scales, q, w = fp8_inputs(4, 1 << 18, 64)
+    lengths = torch.tensor([1 << 18, 200_000, 70_000, 5000], dtype=torch.int32, device=DEV)
+    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 512)
+    got_s, got_r = fp8_topk(keys, scales, lengths, q, w, 512)
+    same_selection(got_r, want_r, got_s, want_s)
+    codes, cb, q, w = pq_inputs(4, 1 << 20, 64)
+    lengths = torch.tensor([1 << 20, 900_000, 300_000, 9000], dtype=torch.int32, device=DEV)
+    scores = pq_linear_scores_reference(codes, q, w, cb)
+    scores = scores.masked_fill(torch.arange(1 << 20, device=DEV)[None, :] >= lengths[:, None], float("-inf"))
+    want_s, want_r = scores.topk(8192, dim=1)
+    got_s, got_r = pq_linear_topc(codes, lengths, q, w, cb, 8192)
+    same_selection(got_r, want_r, got_s, want_s)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_host_row_gather_matches_reference(kernel):
+    from dsaindex.kernels.select import gather_host_rows, gather_host_rows_reference, gather_host_rows_staged
+
+    g = torch.Generator().manual_seed(4)
+    host_fp8 = torch.randint(0, 120, (9, 64, 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    host_scales = torch.rand(9, 64, generator=g)
+    table = torch.tensor([[3, 1, 7], [0, 8, 2]], dtype=torch.int32)
+    src = torch.tensor([[0, 70, -1, 191, 5], [-1, 128, 64, 3, 127]])
+    dst = torch.tensor([[4, 0, 9, 2, 1], [9, 3, 1, 0, 2]])
+    want = torch.zeros(2, 10, 32, dtype=torch.uint8), torch.zeros(2, 10)
+    gather_host_rows_reference(host_fp8, host_scales, table, src, dst, *want, page_size=64)
+    assert torch.equal(want[0][0, 2], host_fp8[7, 63]) and torch.equal(want[0][1, 1], host_fp8[8, 0])
+    got = torch.zeros(2, 10, 32, dtype=torch.uint8, device=DEV), torch.zeros(2, 10, device=DEV)
+    fn = gather_host_rows if kernel else gather_host_rows_staged
+    pinned = CUDA and kernel
+    fn(host_fp8.pin_memory() if pinned else host_fp8, host_scales.pin_memory() if pinned else host_scales,
+       table.to(DEV), src.to(DEV), dst.to(DEV), *got)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

@@ -1,0 +1,170 @@
+"""Batched Triton decode path (runtime/pq_batch.py) against exhaustive selection and the torch reference."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsaindex.kernels.fp8_score import fp8_topk_reference  # noqa: E402
+from dsaindex.quant import fp8_quantize  # noqa: E402
+from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError  # noqa: E402
+from dsaindex.runtime.loader import PQLayer  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cuda" if CUDA else "cpu"
+D, H = 128, 8
+
+
+CENTERS = torch.randn(32, D, generator=torch.Generator().manual_seed(9)) * 2
+
+
+def clustered(n, g):
+    """Keys around a few centers, as real indexer keys are (isotropic noise makes PQ meaningless)."""
+    return CENTERS[torch.randint(0, CENTERS.shape[0], (n,), generator=g)] + 0.5 * torch.randn(n, D, generator=g)
+
+
+def layer(seed=0):
+    from dsaindex.train.pq import PQSpec, train_codebooks
+
+    keys = clustered(4000, torch.Generator().manual_seed(seed))
+    return PQLayer(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=32), "torch", 6))
+
+
+def histories(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [clustered(n, g) for n in lengths]
+
+
+def exact_topk(keys_list, q, w, k):
+    """Exhaustive FP8 top-k per request (the reference every selection is judged against)."""
+    n = max(x.shape[0] for x in keys_list)
+    fp8 = torch.zeros(len(keys_list), n, D, dtype=torch.uint8)
+    scales = torch.zeros(len(keys_list), n)
+    for i, x in enumerate(keys_list):
+        c, s = fp8_quantize(x)
+        fp8[i, : x.shape[0]], scales[i, : x.shape[0]] = c.view(torch.uint8), s.reshape(-1)
+    lengths = torch.tensor([x.shape[0] for x in keys_list])
+    return fp8_topk_reference(fp8, scales, lengths, q.float().cpu(), w.cpu(), k)[1]
+
+
+def make_group(lengths, topk, candidates, cache=None, pages=64, prefilter=2):
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    host = HostKeyStore(pages, D)
+    group = PQDecodeGroup(layer(), host, len(lengths), max(lengths) + 64, topk, candidates=candidates,
+                          prefilter=prefilter, cache_capacity=cache or candidates, device=DEV)
+    keys = histories(lengths)
+    for slot, x in enumerate(keys):
+        group.admit(slot)
+        group.append(slot, x[: x.shape[0] // 3])  # two appends: a partial page carried over
+        group.append(slot, x[x.shape[0] // 3 :])
+    return group, keys, host
+
+
+def queries(b, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, H, D, generator=g).to(torch.bfloat16), torch.rand(b, H, generator=g)
+
+
+def overlap(a, b):
+    """Share of ``b``'s selected positions (-1 = none) that ``a`` also selected."""
+    rows = [(set(x) - {-1}, set(y) - {-1}) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
+    return sum(len(x & y) for x, y in rows) / sum(len(y) for _, y in rows)
+
+
+def test_equals_exhaustive_when_every_key_is_a_candidate():
+    lengths = [300, 129, 64, 10]
+    group, keys, _ = make_group(lengths, topk=16, candidates=320, prefilter=2)
+    assert group.encoded_host == [256, 128, 64, 0] and group.tail_host == [44, 1, 0, 10]
+    q, w = queries(4)
+    picked, stats = group.select(q, w)
+    want = exact_topk(keys, q, w, 16)
+    assert overlap(picked.cpu(), want) >= 0.98, (picked, want)
+    assert (picked.cpu() < torch.tensor(lengths)[:, None]).all()
+    assert stats.totals()["hits"] == 0 and stats.totals()["fetched"] > 0
+
+
+def test_recall_with_few_candidates_and_cache_hits_on_the_next_step():
+    lengths = [1000, 700]
+    group, keys, _ = make_group(lengths, topk=16, candidates=128, pages=40)
+    q, w = queries(2)
+    picked, first = group.select(q, w)
+    assert overlap(picked.cpu(), exact_topk(keys, q, w, 16)) >= 0.9
+    picked2, second = group.select(q, w)  # the same query again: kept candidates now sit in the cache
+    assert torch.equal(picked.sort(1).values, picked2.sort(1).values)
+    assert second.totals()["hits"] >= first.totals()["fetched"] * 0.9 and second.totals()["fetched"] <= 2
+
+
+def test_matches_the_torch_reference_indexer():
+    from dsaindex.runtime.pq_decode import PQDecodeIndexer
+
+    lengths = [640, 500]
+    group, keys, _ = make_group(lengths, topk=16, candidates=128, prefilter=8)  # stage 1 passes everything
+    ref = PQDecodeIndexer(group.layer, HostKeyStore(40, D), topk=16, candidates=128, cache_capacity=128)
+    q, w = queries(2)
+    picked, _ = group.select(q, w)
+    for slot, x in enumerate(keys):
+        ref.admit(slot)
+        ref.append(slot, x)
+        want, _ = ref.select(slot, q[slot].float(), w[slot])
+        assert len(set(picked[slot].tolist()) & set(want.tolist())) >= 15
+
+
+def test_bad_use_gives_clear_errors_and_other_requests_keep_running():
+    from dsaindex.errors import DsaIndexError
+
+    group, keys, host = make_group([200, 100], topk=8, candidates=64, pages=5)  # 3 + 1 pages used
+    with pytest.raises(HostMemoryError, match="free pages"):
+        group.append(1, torch.randn(200, D))  # needs 4 more pages, 1 left: nothing changes
+    assert group.length(1) == 100 and host.free_pages == 1
+    group.free(1)
+    with pytest.raises(DsaIndexError, match="already freed"):
+        group.free(1)
+    q, w = queries(2)
+    picked, _ = group.select(q, w)
+    assert (picked[1] == -1).all() and (picked[0] >= 0).all()
+    assert overlap(picked[:1].cpu(), exact_topk(keys[:1], q[:1], w[:1], 8)) >= 0.85
+
+
+def test_index_bytes_per_key_are_a_quarter_of_exact():
+    group, _, _ = make_group([128], topk=8, candidates=64)
+    per_key = group.gpu_bytes()["index"] / group.codes.shape[1]
+    assert per_key == 32 and per_key <= (128 + 4) / 4
+
+
+@pytest.mark.gpu
+def test_request_groups_on_streams_match_one_by_one():
+    from dsaindex.runtime.pq_batch import RequestGroups
+
+    a, _, _ = make_group([5000, 3000], topk=64, candidates=512, pages=300)
+    b, _, _ = make_group([4000, 6000], topk=64, candidates=512, pages=300)
+    qa, wa = queries(2, 5)
+    qb, wb = queries(2, 6)
+    want = [a.select(qa, wa)[0], b.select(qb, wb)[0]]
+    got = RequestGroups([a, b]).select([qa, qb], [wa, wb])
+    torch.cuda.synchronize()
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x.sort(1).values, y.sort(1).values)
+
+
+def test_torch_path_selects_like_the_kernels():
+    """``use_triton=False`` (the CPU serving path) runs the kernels' references: same selection."""
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    lengths = [900, 333]
+    group, keys, _ = make_group(lengths, topk=16, candidates=128)
+    plain = PQDecodeGroup(group.layer, HostKeyStore(40, D), 2, 1000, 16, candidates=128, prefilter=2,
+                          cache_capacity=128, device=DEV, use_triton=False)
+    for slot, x in enumerate(keys):
+        plain.admit(slot)
+        plain.append(slot, x)
+    assert torch.equal(plain.codes, group.codes)
+    q, w = queries(2)
+    for _ in range(2):
+        a, sa = group.select(q, w)
+        b, sb = plain.select(q, w)
+        assert overlap(a, b) >= 15 / 16 and abs(sa.totals()["hits"] - sb.totals()["hits"]) <= 2
