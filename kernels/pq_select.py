@@ -87,9 +87,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     -------
     (scores [B, c] float32, rows [B, c] int64; -inf / -1 where a request has fewer keys), and with
     ``return_counts`` the appended counts [B] (see :func:`dsaindex.kernels.select.check_counts`).
-    ``keep_all`` returns the whole buffer instead ([B, capacity]: every key above the threshold, about
-    1.5 c, in no order; -inf / -1 in the empty slots), saving the top-c sort when the next stage
-    rescores them anyway.
+    ``keep_all`` returns the whole buffer instead ([B, capacity], rows int32: every key above the
+    threshold, about 1.5 c, in no order; -inf / -1 in the empty slots), saving the top-c sort when the
+    next stage rescores them anyway.
     """
     import triton
 
@@ -117,7 +117,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         codes, lengths, lut, thr, buf_scores, buf_pos, counts, n_rows, 0, 1,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, num_warps=num_warps)
     if keep_all:
-        values, rows = buf_scores, buf_pos.long()
+        values, rows = buf_scores, buf_pos
     else:
         values, rows = select.top_of_buffer(buf_scores, buf_pos, c)
     return (values, rows, counts) if return_counts else (values, rows)

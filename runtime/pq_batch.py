@@ -28,6 +28,7 @@ import torch
 
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import select
+from dsaindex.kernels.decode_plan import decode_plan, decode_plan_reference
 from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_reference
 from dsaindex.kernels.pq_select import (
     pq_candidate_scores,
@@ -201,15 +202,13 @@ class PQDecodeGroup:
         q = queries.to(dev, torch.bfloat16).contiguous()
         w = head_weights.to(dev, torch.float32).contiguous()
         longest = max(self.encoded_host) if self.slots else 0
-        zeros = torch.zeros(s, dtype=torch.long, device=dev)
         if longest:
             if self.use_triton:
                 # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
                 _, rows1, counts1 = pq_linear_topc(self.codes, self.n_encoded, q, w, self.codebooks, self.c1,
-                                                   max_len=longest, return_counts=True, keep_all=True,
-                                                   **self.linear_config)
-                coarse = pq_candidate_scores(self.codes, rows1.to(torch.int32), q, w, self.codebooks_bf16,
-                                             counts=counts1)
+                                                   capacity=2 * self.c1, max_len=longest, return_counts=True,
+                                                   keep_all=True, **self.linear_config)
+                coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1)
             else:
                 codes = self.codes[:, :longest]
                 _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q, w, self.codebooks, self.c1)
@@ -217,7 +216,7 @@ class PQDecodeGroup:
                 coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
             c = min(self.candidates, coarse.shape[1])
             cand_scores, at = coarse.topk(c, dim=1)
-            cand = torch.where(torch.isfinite(cand_scores), rows1.gather(1, at), torch.full_like(at, -1))
+            cand = torch.where(torch.isfinite(cand_scores), rows1.gather(1, at).long(), torch.full_like(at, -1))
             valid = cand >= 0
             # cache lookup: sorted positions of each request's cache rows
             sorted_pos, order = self.cache_pos[:, :cap].sort(dim=1)
@@ -225,42 +224,24 @@ class PQDecodeGroup:
             hit = valid & (sorted_pos.gather(1, at_sorted) == cand)
             hit_row = torch.where(hit, order.gather(1, at_sorted), torch.full_like(cand, cap))
             self.cache_stamp.scatter_(1, hit_row, step)
-            keep = hit.clone()
-            if self.miss_filter and c > 1:
-                finite = torch.where(valid, cand_scores, torch.zeros_like(cand_scores))
-                n_valid = valid.sum(1, keepdim=True).clamp_min(2)
-                mean = finite.sum(1, keepdim=True) / n_valid
-                var = (torch.where(valid, cand_scores - mean, torch.zeros_like(cand_scores)) ** 2).sum(1, keepdim=True)
-                std = (var / (n_valid - 1)).sqrt()
-                # a request with fewer than k candidates has kth = -inf: every candidate is kept
-                kth = cand_scores[:, min(self.topk, c) - 1 : min(self.topk, c)]
-                keep |= valid & (cand_scores >= kth - std)
-            else:
-                keep |= valid
-            fetch = keep & ~hit
             # least recently used rows first (empty rows before any), this step's hits protected
             priority = self.cache_stamp[:, :cap].masked_fill(self.cache_pos[:, :cap] < 0, -1)
             priority = priority.masked_fill(self.cache_stamp[:, :cap] == self.step, torch.iinfo(torch.long).max)
             lru = priority.argsort(dim=1)
-            rank = (fetch.long().cumsum(1) - 1).clamp(0, cap - 1)
-            dst = torch.where(fetch, lru.gather(1, rank), torch.full_like(rank, cap))
-            src = torch.where(fetch, cand, torch.full_like(cand, -1))
+            plan = decode_plan if self.use_triton else decode_plan_reference
+            src, dst, rows, positions, counts = plan(cand, cand_scores, hit_row, lru, self.n_encoded, self.tail_len,
+                                                     self.topk, cap, self.page, self.miss_filter)
             self._read_host(src, dst)
             self.cache_pos.scatter_(1, dst, src)
             self.cache_stamp.scatter_(1, dst, step)
             self.cache_pos[:, cap] = -1
-            cand_rows = torch.where(hit, hit_row, torch.where(fetch, dst, torch.full_like(dst, -1)))
-            stats = StepStats(valid.sum(1), hit.sum(1), fetch.sum(1), (valid & ~keep).sum(1), counts1.long())
+            stats = StepStats(*counts.long().unbind(1), counts1.long())
         else:
-            cand = torch.empty(s, 0, dtype=torch.long, device=dev)
-            cand_rows = cand
+            empty = torch.empty(s, 0, dtype=torch.long, device=dev)
+            _, _, rows, positions, _ = decode_plan_reference(empty, empty.float(), empty, self.cache_pos[:, :cap],
+                                                             self.n_encoded, self.tail_len, self.topk, cap, self.page)
+            zeros = torch.zeros(s, dtype=torch.long, device=dev)
             stats = StepStats(zeros, zeros, zeros, zeros, zeros)
-        tail_j = torch.arange(self.page, device=dev)
-        tail_live = tail_j[None, :] < self.tail_len[:, None]
-        tail_rows = torch.where(tail_live, cap + 1 + tail_j[None, :], torch.full_like(tail_j, -1)[None, :])
-        tail_pos = torch.where(tail_live, self.n_encoded[:, None].long() + tail_j[None, :], -1)
-        rows = torch.cat([cand_rows, tail_rows], dim=1)
-        positions = torch.cat([cand, tail_pos], dim=1)
         rescore = fp8_gather_scores if self.use_triton else fp8_gather_scores_reference
         exact = rescore(self.pool_fp8, self.pool_scales, rows, q, w)
         k = min(self.topk, exact.shape[1])

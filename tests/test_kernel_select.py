@@ -96,6 +96,9 @@ def test_pq_linear_topc_matches_reference(b, n, m, c):
     got_s, got_r, counts = pq_linear_topc(codes, lengths, q, w, cb, c, capacity=4 * c, return_counts=True)
     same_selection(got_r, want_r, got_s, want_s)
     assert (counts >= torch.clamp(lengths, max=c)).all() and (counts <= 4 * c).all() | (lengths <= 4 * c).all()
+    _, every, _ = pq_linear_topc(codes, lengths, q, w, cb, c, capacity=4 * c, keep_all=True, return_counts=True)
+    for kept, best in zip(every.tolist(), want_r.tolist(), strict=True):
+        assert set(best) - {-1} <= set(kept), "keep_all lost one of the top c"
 
 
 def test_pq_candidate_scores_match_reference():
@@ -188,3 +191,28 @@ def test_host_row_gather_matches_reference(kernel):
     fn(host_fp8.pin_memory() if pinned else host_fp8, host_scales.pin_memory() if pinned else host_scales,
        table.to(DEV), src.to(DEV), dst.to(DEV), *got)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@pytest.mark.parametrize("c,cap,miss_filter", [(1, 4, True), (37, 64, True), (300, 512, False), (2048, 4096, True)])
+def test_decode_plan_matches_reference(c, cap, miss_filter):
+    from dsaindex.kernels.decode_plan import decode_plan, decode_plan_reference
+
+    g = torch.Generator().manual_seed(c)
+    b, page = 3, 64
+    scores = torch.randn(b, c, generator=g).sort(dim=1, descending=True).values
+    cand = torch.randint(0, 10_000, (b, c), generator=g)
+    cand[1, c // 2 :] = -1  # a request with fewer candidates
+    scores[1, c // 2 :] = float("-inf")
+    hit_row = torch.where(torch.rand(b, c, generator=g) < 0.3, torch.randint(0, cap, (b, c), generator=g),
+                          torch.full((b, c), cap))
+    hit_row = torch.where(cand >= 0, hit_row, torch.full_like(hit_row, cap))
+    lru = torch.stack([torch.randperm(cap, generator=g) for _ in range(b)])
+    n_encoded = torch.tensor([640, 128, 0], dtype=torch.int32)
+    tail_len = torch.tensor([5, 0, 64], dtype=torch.int32)
+    args = [t.to(DEV) for t in (cand, scores, hit_row, lru, n_encoded, tail_len)]
+    want = decode_plan_reference(*args, topk=16, cap=cap, page=page, miss_filter=miss_filter)
+    got = decode_plan(*args, topk=16, cap=cap, page=page, miss_filter=miss_filter)
+    for name, x, y in zip(("src", "dst", "rows", "positions", "stats"), got, want, strict=True):
+        assert torch.equal(x.cpu(), y.cpu()), name
+    stats = want[4]
+    assert (stats[:, 1] + stats[:, 2] + stats[:, 3] == stats[:, 0]).all()  # hits + fetched + dropped = valid
