@@ -43,7 +43,8 @@ def check_cmd(
 def generate_cmd(
     artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
     model: str = typer.Option("reference", "--model", "-m", help="`reference` or a checkpoint directory."),
-    prompt_tokens: int = typer.Option(3072, help="Prompt bytes, from a held-out file of the reference corpus."),
+    prompt_tokens: int = typer.Option(3072, help="Prompt bytes, from the held-out text of the reference corpus."),
+    prompt_offset: int = typer.Option(0, help="Where in the held-out text the prompt starts (bytes)."),
     new_tokens: int = typer.Option(300, help="Tokens generated greedily."),
     candidates: int = typer.Option(1024, help="C: keys reranked exactly per step and layer."),
     prefilter: int = typer.Option(2, help="Stage 1 keeps prefilter x C keys."),
@@ -53,7 +54,8 @@ def generate_cmd(
     out: str = typer.Option(None, help="Also write the JSON result to this file."),
 ) -> None:
     """Greedy generation with the runtime choosing every layer's decode-time top-k, against the model's
-    own exhaustive selection: token agreement (free running and teacher forced) and per-layer recall."""
+    own exhaustive selection: token agreement (free running, teacher forced, and on the real held-out
+    continuation) and per-layer recall of the model's own top-k."""
     import json
     from pathlib import Path
 
@@ -71,10 +73,14 @@ def generate_cmd(
     if topk is not None:
         set_index_topk(net, topk)
     loaded = load(artifacts, net.config, device=dev, basis=basis)
-    heldout = build_token_streams(0, max(200_000, 4 * prompt_tokens)).heldout
-    prompt = torch.tensor([BOS_ID] + [int(t) for t in heldout[: prompt_tokens - 1]], dtype=torch.long)
+    heldout = build_token_streams(0, max(200_000, 2 * (prompt_offset + prompt_tokens + new_tokens))).heldout
+    if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
+        raise typer.BadParameter(f"the held-out text has {len(heldout)} bytes; lower --prompt-offset or the lengths")
+    window = [int(t) for t in heldout[prompt_offset : prompt_offset + prompt_tokens - 1 + new_tokens]]
+    prompt = torch.tensor([BOS_ID] + window[: prompt_tokens - 1], dtype=torch.long)
+    continuation = torch.tensor(window[prompt_tokens - 1 :], dtype=torch.long)
     result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
-                              prefilter=prefilter, device=dev)
+                              prefilter=prefilter, device=dev, continuation=continuation)
     result["model"] = model
     result["artifacts"] = artifacts
     text = json.dumps(result, indent=2)

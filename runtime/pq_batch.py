@@ -75,6 +75,9 @@ class PQDecodeGroup:
                  candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None):
+        if candidates < topk:
+            raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
+                                "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
         if cache_capacity < candidates:
             raise DsaIndexError(f"cache_capacity {cache_capacity} is below the candidate count {candidates}.",
                                 "give the cache at least as many rows as candidates.")

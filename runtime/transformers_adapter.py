@@ -132,6 +132,8 @@ class RuntimeSelection:
 def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None) -> dict:
     """Greedy decoding with the KV cache. ``forced`` [new_tokens] feeds those tokens instead of the
     model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step."""
+    # transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever the model takes
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=prompt.unsqueeze(0), use_cache=True)
     cache = out.past_key_values
     choice = out.logits[0, -1].argmax()
@@ -140,7 +142,7 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Te
         argmax.append(int(choice))
         token = choice if forced is None else forced[step]
         fed.append(int(token))
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        out = model(input_ids=token.view(1, 1), use_cache=True, **{cache_kw: cache})
         cache = out.past_key_values
         choice = out.logits[0, -1].argmax()
     return {"argmax": torch.tensor(argmax), "fed": torch.tensor(fed)}
@@ -148,13 +150,17 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Te
 
 def greedy_agreement(model, layers: dict[int, PQLayer], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
-                     use_triton: bool | None = None) -> dict:
+                     use_triton: bool | None = None, continuation: torch.Tensor | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
 
     * ``free_running``: both decode on their own; share of equal tokens and the first divergence;
     * ``teacher_forced``: the runtime model is fed the exhaustive run's tokens; share of steps whose
       argmax equals the exhaustive argmax (no compounding after a first difference);
-    * ``selection_recall``: per layer, the share of the model's own top-k the runtime selected.
+    * ``on_text`` (with ``continuation``, the real text after the prompt): both are fed that text, and
+      the share of steps whose argmax agrees. Greedy decoding of a small model often settles into a
+      loop that any selection reproduces; real text keeps every step informative;
+    * ``selection_recall``: per layer, the share of the model's own top-k the runtime selected (on
+      the real text when given, else on the exhaustive run's tokens).
     """
     prompt = prompt.to(device)
     reference = greedy_decode(model, prompt, new_tokens)
@@ -164,8 +170,22 @@ def greedy_agreement(model, layers: dict[int, PQLayer], prompt: torch.Tensor, ne
         free = greedy_decode(model, prompt, new_tokens)
     with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as forced_run:
         forced = greedy_decode(model, prompt, new_tokens, forced=reference["fed"].to(device))
+    recall_log = forced_run.log
+    on_text = None
+    if continuation is not None:
+        text = continuation[:new_tokens].to(device)
+        exhaustive_text = greedy_decode(model, prompt, text.numel(), forced=text)
+        with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as text_run:
+            runtime_text = greedy_decode(model, prompt, text.numel(), forced=text)
+        recall_log = text_run.log
+        on_text = {
+            "token_agreement": round(float((runtime_text["argmax"] == exhaustive_text["argmax"]).float().mean()), 4),
+            # argmax[i] is the prediction of text[i] (the prompt, then text[:i], came before it)
+            "exhaustive_accuracy": round(float((exhaustive_text["argmax"] == text.cpu()).float().mean()), 4),
+        }
     same = free["fed"] == reference["fed"]
     first = int((~same).nonzero()[0]) if (~same).any() else new_tokens
+    distinct = len(set(reference["fed"].tolist()))
     return {
         "prompt_tokens": int(prompt.numel()),
         "new_tokens": new_tokens,
@@ -173,7 +193,9 @@ def greedy_agreement(model, layers: dict[int, PQLayer], prompt: torch.Tensor, ne
         "candidates": candidates,
         "free_running": {"token_agreement": round(float(same.float().mean()), 4), "first_divergence": first},
         "teacher_forced": {"token_agreement": round(float((forced["argmax"] == reference["argmax"]).float().mean()), 4)},
-        "selection_recall": {str(k): round(v, 4) for k, v in forced_run.log.recall().items()},
+        "on_text": on_text,
+        "greedy_distinct_tokens": distinct,
+        "selection_recall": {str(k): round(v, 4) for k, v in recall_log.recall().items()},
         "reference_text": bytes(t for t in reference["fed"].tolist() if t < 256).decode("utf-8", "replace"),
         "runtime_text": bytes(t for t in free["fed"].tolist() if t < 256).decode("utf-8", "replace"),
     }
