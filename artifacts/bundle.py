@@ -316,3 +316,14 @@ def store_digest(store: CaptureStore) -> str:
         h.update(rel.as_posix().encode() + b"\0")
         h.update(hashlib.sha256(file.read_bytes()).digest())
     return h.hexdigest()[:16]
+
+
+def store_lineage(store: CaptureStore, split: tuple[list[int], list[int]]) -> Lineage:
+    """The lineage of artifacts trained on ``store``: its id, path and content digest, and the split."""
+    return Lineage(
+        capture_store_id=store.manifest.store_id,
+        capture_store_path=str(Path(store.path).resolve()),
+        capture_store_digest=store_digest(store),
+        train_sequences=list(split[0]),
+        eval_sequences=list(split[1]),
+    )

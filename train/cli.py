@@ -226,3 +226,136 @@ def eval_pq_compare_cmd(
     console = Console()
     for k in sorted({512, topk}):
         console.print(recall_table(list(results.items()), k, title=f"mean recall of the exact top-{k}"))
+
+
+def _ivf_table(mean: dict, budgets: list[int], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("routing")
+    for b in budgets:
+        table.add_column(f"budget {b:,}", justify="right")
+    for method, by in mean.items():
+        table.add_row(method, *[("-" if by[str(b)] is None else f"{by[str(b)] * 100:.2f}%") for b in budgets])
+    return table
+
+
+def ivf_plot(mean: dict, budgets: list[int], path: Path, title: str) -> Path:
+    """Recall vs candidate budget, one line per routing method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, by in mean.items():
+        xs = [b for b in budgets if by[str(b)] is not None]
+        ax.plot(xs, [by[str(b)] for b in xs], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("candidate budget (keys)")
+    ax.set_ylabel("recall of the exact top-k")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@train_app.command("ivf")
+def train_ivf_cmd(
+    store: Path = typer.Argument(..., help="Capture store to train on."),
+    model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
+    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write (default: runs/bundles/<store>-ivf)."),
+    window: int = typer.Option(1024, help="Keys per seal (the open window's size)."),
+    cluster_size: int = typer.Option(128, help="Keys per cluster (the cap of the size-capped k-means)."),
+    refit_every: int = typer.Option(16384, help="Keys between refits of the whole prefix (0: never)."),
+    budgets: str = typer.Option("4096,8192,16384,24576", help="Candidate budgets to evaluate (keys)."),
+    steps: int = typer.Option(300, help="Encoder training steps (full passes over the training queries)."),
+    train_queries: int = typer.Option(256, help="Training queries per layer."),
+    eval_queries: int = typer.Option(64, help="Held-out queries per layer."),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./runs/mlflow)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Train per-layer routing encoders (learned IVF representatives), compare routing methods on
+    held-out sequences (recall vs candidate budget), write and register an ``ivf`` bundle."""
+    from rich.console import Console
+
+    from dsaindex.console import print_json
+    from dsaindex.pipelines.cli import _device
+    from dsaindex.train.ivf import IVFOptions
+    from dsaindex.train.ivf_job import mean_recall, train_ivf, write_ivf_bundle
+
+    if model is not None:
+        check_store_model(store, model)
+    opts = IVFOptions(window=window, cluster_size=cluster_size, refit_every=refit_every, steps=steps,
+                      max_queries=train_queries, device=_device(device))
+    budget_list = [int(b) for b in budgets.split(",") if b]
+    console = Console(stderr=True, quiet=as_json)
+    with console.status("training") as status:
+        report = train_ivf(store, opts, budget_list, eval_queries, progress=lambda m: status.update(f"ivf: {m}"))
+    out = out or Path("runs/bundles") / f"{Path(store).name}-ivf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mean = mean_recall(report)
+    plot = ivf_plot(mean, budget_list, out.parent / f"{out.name}-recall.png",
+                    f"routing recall of the exact top-{report['topk']} ({Path(store).name})")
+    manifest = write_ivf_bundle(report, opts, out)
+    registered = None
+    if register:
+        from dsaindex.artifacts.registry import register_bundle
+
+        registered = register_bundle(out, opts.params() | {"store": str(store)}, manifest.metrics, [plot],
+                                     tracking_uri=tracking_uri)
+    result = {"bundle": str(out), "registered": registered, "plot": str(plot), "topk": report["topk"],
+              "mean": mean, "per_layer": {str(k): {"train": r["train"], "recall": r["eval"]["recall"],
+                                                   "queries": r["eval"]["queries"]}
+                                          for k, r in report["results"].items()}}
+    if as_json:
+        print_json(result)
+        return
+    Console().print(_ivf_table(mean, budget_list, f"held-out recall of the exact top-{report['topk']}, mean of layers"))
+    Console().print(f"bundle: {out}  plot: {plot}" + (f"  registered: {registered['name']} v{registered['version']}"
+                                                      if registered else ""))
+
+
+@eval_app.command("ivf")
+def eval_ivf_cmd(
+    bundle: Path = typer.Argument(..., help="An ivf bundle (`dsaindex train ivf`)."),
+    store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to route."),
+    budgets: str = typer.Option("4096,8192,16384,24576", help="Candidate budgets (keys)."),
+    eval_queries: int = typer.Option(64, help="Held-out queries per layer."),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Held-out routing recall of a trained ivf bundle beside contiguous blocks and plain IVF."""
+    from rich.console import Console
+
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.console import print_json
+    from dsaindex.pipelines.cli import _device
+    from dsaindex.train.ivf import IVFOptions
+    from dsaindex.train.ivf_eval import METHODS, evaluate_routing
+    from dsaindex.train.ivf_job import load_encoders, mean_recall
+
+    dev = _device(device)
+    manifest, encoders = load_encoders(bundle, dev)
+    cs = CaptureStore.open(store)
+    if cs.manifest.model.weights_digest != manifest.model.weights_digest:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"{bundle} was trained for another model than the one {store} was captured from.",
+                            "evaluate on a store of the bundle's model.")
+    opts = IVFOptions(**{k: v for k, v in manifest.params.items() if k in IVFOptions.__dataclass_fields__})
+    topk = int(cs.manifest.model.geometry["topk"])
+    budget_list = [int(b) for b in budgets.split(",") if b]
+    results = {layer: {"eval": evaluate_routing(cs, layer, budget_list, topk, METHODS, opts.window, opts.cluster_size,
+                                                opts.refit_every, opts.sinks, eval_queries, dev, encoder=enc)}
+               for layer, enc in encoders.items()}
+    mean = mean_recall({"results": results, "budgets": budget_list})
+    if as_json:
+        print_json({"bundle": str(bundle), "store": str(store), "topk": topk, "mean": mean})
+        return
+    Console().print(_ivf_table(mean, budget_list, f"held-out recall of the exact top-{topk}, mean of layers"))

@@ -186,13 +186,7 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Callable[[str], 
 
 def write_pq_bundle(report: dict, opts: PQOptions, out: Path, plots: list[Path]) -> object:
     """Write the trained codebooks (and score-aware metrics) as an artifact bundle; returns its manifest."""
-    from dsaindex.artifacts.bundle import (
-        LayerArtifact,
-        Lineage,
-        new_bundle_manifest,
-        store_digest,
-        write_bundle,
-    )
+    from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
 
     store = report["store"]
     layers, arrays = {}, {}
@@ -205,13 +199,7 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path, plots: list[Path])
             arrays[layer]["metric"] = r.metric.float().numpy()
     metrics = {f"layer{layer}/{name}": float(v) for layer, m in report["per_layer"].items() for name, v in m.items()}
     metrics.update({f"mean/{name}": float(v) for name, v in report["mean"].items()})
-    lineage = Lineage(
-        capture_store_id=store.manifest.store_id,
-        capture_store_path=str(Path(store.path).resolve()),
-        capture_store_digest=store_digest(store),
-        train_sequences=report["split"][0],
-        eval_sequences=report["split"][1],
-    )
+    lineage = store_lineage(store, report["split"])
     manifest = new_bundle_manifest(
         model=store.manifest.model,
         basis=store.manifest.settings.basis,

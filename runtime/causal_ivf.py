@@ -1,0 +1,214 @@
+"""Causal IVF over one request's indexer keys (AttentionIndex), torch reference on CPU or GPU.
+
+Keys enter an **open window** and are candidates of every later query at once. Every ``window``
+keys the window is **sealed**: clustered by size-capped k-means into clusters of about
+``cluster_size`` keys. Every ``refit_every`` keys the whole sealed prefix is **refit**: regrouped
+with a warm start from the current centers (plus new centers drawn from the newest keys, so the
+cluster count grows with the prefix). Each seal or refit creates a **version**; a query at position
+``p`` uses the newest version built only from keys ``<= p``, so it never routes with information
+from its future.
+
+Selection for a query: the first ``sinks`` keys and the open window (keys after the version) take
+reserved slots; clusters are ranked by the exact indexer score of their representative
+(``sum_h w_h relu(q_h . r_c)``; the cluster mean, or a learned one); their members fill the rest of
+the candidate budget in rank order; the candidates are scored exactly and the top-k returned.
+
+:class:`BlockIndex` is the contiguous-block baseline (HiSA): fixed blocks of ``cluster_size`` keys
+in position order, represented by their mean, routed the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaindex.errors import DsaIndexError
+from dsaindex.score import indexer_scores
+
+
+@dataclass(eq=False)  # versions are compared by identity
+class Version:
+    """One immutable view of the index: keys ``[0, upto)`` grouped; ``members`` of cluster ``c`` are
+    ``order[starts[c]:starts[c + 1]]``; ``centers`` [C, D] their means."""
+
+    upto: int
+    centers: torch.Tensor
+    order: torch.Tensor
+    starts: torch.Tensor
+
+    @property
+    def clusters(self) -> int:
+        return int(self.centers.shape[0])
+
+    def members(self, c: int) -> torch.Tensor:
+        return self.order[int(self.starts[c]) : int(self.starts[c + 1])]
+
+
+def capped_kmeans(x: torch.Tensor, k: int, cap: int, iterations: int = 8, init: torch.Tensor | None = None,
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """k-means whose clusters hold at most ``cap`` points each (``k * cap >= len(x)``).
+
+    Lloyd iterations from ``init`` (or ``k`` points drawn with a fixed seed), then a capacity-respecting
+    assignment: points in order of how much they prefer their nearest center each take the nearest
+    center that still has room. Returns (assignment [N] int64, centers [k, D] = member means).
+    """
+    n = x.shape[0]
+    if k * cap < n:
+        raise DsaIndexError(f"{k} clusters of at most {cap} keys cannot hold {n} keys.", "raise k or the cap.")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    centers = init.clone() if init is not None else x[torch.randperm(n, generator=g)[:k].to(x.device)].clone()
+    for _ in range(iterations):
+        assign = torch.cdist(x, centers).argmin(1)
+        sums = torch.zeros_like(centers).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=k).unsqueeze(1)
+        centers = torch.where(counts > 0, sums / counts.clamp_min(1), centers)
+    dist = torch.cdist(x, centers)
+    ranked = dist.argsort(1)
+    best = dist.gather(1, ranked[:, :1]).squeeze(1)
+    second = dist.gather(1, ranked[:, 1:2]).squeeze(1) if k > 1 else best
+    room = [cap] * k
+    assign = torch.empty(n, dtype=torch.long)
+    ranked_cpu = ranked.cpu().tolist()
+    for i in (second - best).argsort(descending=True).cpu().tolist():  # most decided points first
+        for c in ranked_cpu[i]:
+            if room[c]:
+                room[c] -= 1
+                assign[i] = c
+                break
+    assign = assign.to(x.device)
+    sums = torch.zeros_like(centers).index_add_(0, assign, x)
+    counts = torch.bincount(assign, minlength=k).unsqueeze(1)
+    return assign, torch.where(counts > 0, sums / counts.clamp_min(1), centers)
+
+
+def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members of each cluster in one array: (order [N] positions sorted by cluster, starts [k + 1])."""
+    by_cluster = assign.argsort(stable=True)
+    counts = torch.bincount(assign, minlength=k)
+    starts = torch.zeros(k + 1, dtype=torch.long, device=assign.device)
+    starts[1:] = counts.cumsum(0)
+    return positions[by_cluster], starts
+
+
+class CausalIVF:
+    """The causal IVF index of one request and layer.
+
+    Parameters
+    ----------
+    dim : key dim; window : keys per seal; cluster_size : target keys per cluster (also the cap)
+    refit_every : keys between refits (0 = never); sinks : first keys always kept
+    """
+
+    def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, refit_every: int = 16384,
+                 sinks: int = 4, iterations: int = 8, device: str | torch.device = "cpu"):
+        if window % cluster_size:
+            raise DsaIndexError(f"window {window} is not a multiple of cluster_size {cluster_size}.",
+                                "pick a window that is a whole number of clusters (1024 and 128, say).")
+        self.dim, self.window, self.cluster_size = dim, window, cluster_size
+        self.refit_every, self.sinks, self.iterations = refit_every, sinks, iterations
+        self.device = torch.device(device)
+        self.keys = torch.empty(0, dim, device=self.device)
+        self.versions: list[Version] = []
+        self.sealed = sinks  # keys [sinks, sealed) are clustered
+        self.last_refit = 0
+        self.refits = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[0])
+
+    def append(self, keys: torch.Tensor) -> None:
+        """Add keys [n, D]; seals (and refits) happen as whole windows complete."""
+        self.keys = torch.cat([self.keys, keys.to(self.device, torch.float32)])
+        while self.length - self.sealed >= self.window:
+            self._seal()
+            if self.refit_every and self.sealed - self.last_refit >= self.refit_every:
+                self._refit()
+
+    def _group_window(self, x: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clusters of one sealed window ``x`` [window, D]: (assignment [window], centers [k, D])."""
+        return capped_kmeans(x, self.window // self.cluster_size, self.cluster_size, self.iterations, seed=lo)
+
+    def _seal(self) -> None:
+        lo, hi = self.sealed, self.sealed + self.window
+        assign, centers = self._group_window(self.keys[lo:hi], lo)
+        order, starts = _grouped(assign, torch.arange(lo, hi, device=self.device), centers.shape[0])
+        prev = self.versions[-1] if self.versions else None
+        if prev is None:
+            version = Version(hi, centers, order, starts)
+        else:
+            version = Version(hi, torch.cat([prev.centers, centers]), torch.cat([prev.order, order]),
+                              torch.cat([prev.starts, starts[1:] + prev.starts[-1]]))
+        self.versions.append(version)
+        self.sealed = hi
+
+    def _refit(self) -> None:
+        """Regroup every sealed key: warm start from the current means, one new center per
+        ``cluster_size`` keys added since the last refit drawn from those keys."""
+        prev = self.versions[-1]
+        x = self.keys[self.sinks : self.sealed]
+        k = -(-x.shape[0] // self.cluster_size)
+        init = prev.centers[:k]
+        if init.shape[0] < k:
+            g = torch.Generator(device="cpu").manual_seed(self.sealed)
+            recent = self.keys[self.last_refit or self.sinks : self.sealed]
+            pick = torch.randperm(recent.shape[0], generator=g)[: k - init.shape[0]].to(self.device)
+            init = torch.cat([init, recent[pick]])
+        assign, centers = capped_kmeans(x, k, self.cluster_size + self.cluster_size // 4, self.iterations,
+                                        init=init, seed=self.sealed)
+        order, starts = _grouped(assign, torch.arange(self.sinks, self.sealed, device=self.device), k)
+        self.versions.append(Version(self.sealed, centers, order, starts))
+        self.last_refit = self.sealed
+        self.refits += 1
+
+    def version_for(self, position: int) -> Version | None:
+        """The newest version built only from keys ``<= position`` (None before the first seal)."""
+        best = None
+        for v in self.versions:
+            if v.upto <= position + 1:
+                best = v
+        return best
+
+    def candidates(self, query: torch.Tensor, head_weights: torch.Tensor, position: int, budget: int,
+                   representatives=None) -> torch.Tensor:
+        """Candidate positions (<= ``budget``) for a query at ``position``: sinks, open window, then the
+        members of the best-ranked clusters. ``representatives(version) -> [C, D]`` replaces the means."""
+        visible = position + 1
+        version = self.version_for(position)
+        upto = version.upto if version is not None else min(visible, self.sinks)
+        reserved = torch.cat([torch.arange(min(self.sinks, visible), device=self.device),
+                              torch.arange(max(upto, self.sinks), visible, device=self.device)])
+        if version is None or reserved.numel() >= budget:
+            return reserved[-budget:] if reserved.numel() > budget else reserved
+        reps = version.centers if representatives is None else representatives(version)
+        scores = indexer_scores(query.unsqueeze(0).float(), reps, head_weights.unsqueeze(0).float())[0]
+        ranked = scores.argsort(descending=True)
+        sizes = (version.starts[1:] - version.starts[:-1])[ranked]
+        room = budget - reserved.numel()
+        take = int((sizes.cumsum(0) <= room).sum())
+        chosen = [version.members(int(c)) for c in ranked[:take].tolist()]
+        if take < ranked.numel() and room - int(sizes[:take].sum()) > 0:  # a partial last cluster
+            chosen.append(version.members(int(ranked[take]))[: room - int(sizes[:take].sum())])
+        return torch.cat([reserved, *chosen])
+
+    def select(self, query: torch.Tensor, head_weights: torch.Tensor, position: int, budget: int, topk: int,
+               representatives=None) -> torch.Tensor:
+        """Top-k positions: exact scores of the candidates."""
+        cand = self.candidates(query, head_weights, position, budget, representatives)
+        exact = indexer_scores(query.unsqueeze(0).float(), self.keys[cand], head_weights.unsqueeze(0).float())[0]
+        return cand[exact.topk(min(topk, cand.numel())).indices]
+
+
+class BlockIndex(CausalIVF):
+    """Contiguous-block routing (HiSA): blocks of ``cluster_size`` keys in position order, mean-pooled.
+    Sealed as windows complete, like :class:`CausalIVF`, but never regrouped."""
+
+    def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, sinks: int = 4,
+                 device: str | torch.device = "cpu"):
+        super().__init__(dim, window, cluster_size, refit_every=0, sinks=sinks, device=device)
+
+    def _group_window(self, x: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.window // self.cluster_size
+        assign = torch.arange(self.window, device=self.device) // self.cluster_size
+        return assign, x.view(k, self.cluster_size, self.dim).mean(1)

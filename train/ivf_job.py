@@ -1,0 +1,94 @@
+"""``dsaindex train ivf``: routing encoders per layer, held-out routing recall, an artifact bundle.
+
+The last fifth of the store's sequences is held out (as for PQ): encoders train on the others; the
+recall of every routing method (contiguous blocks, IVF sealed only, IVF with refits, IVF with the
+learned representatives) is measured on the held-out ones at each candidate budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsaindex.train.ivf import ENCODER_ARRAYS, IVFOptions, routing_groups, train_encoder
+from dsaindex.train.ivf_eval import LEARNED, METHODS, evaluate_routing
+from dsaindex.train.recall import split_sequences
+
+
+def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval_queries: int = 64,
+              progress: Callable[[str], None] | None = None) -> dict:
+    from dsaindex.artifacts.capture_store import CaptureStore
+
+    store = CaptureStore.open(store_path)
+    topk = int(store.manifest.model.geometry["topk"])
+    split = split_sequences(store.committed.sequences)
+    results = {}
+    for layer in store.layers:
+        t0 = time.perf_counter()
+        if progress:
+            progress(f"layer {layer}: routing targets")
+        groups = routing_groups(store, layer, split[0], topk, opts)
+        if not groups:
+            from dsaindex.errors import DsaIndexError
+
+            raise DsaIndexError(
+                f"No training query of layer {layer} has more than {opts.window + opts.sinks} keys before it.",
+                "capture longer sequences (--seq-len), or train with a smaller --window.")
+        dim = int(groups[0].keys.shape[1])
+        step_log = (lambda m, layer=layer: progress(f"layer {layer}: {m}")) if progress else None
+        encoder, summary = train_encoder(groups, dim, opts, progress=step_log)
+        seconds = time.perf_counter() - t0
+        if progress:
+            progress(f"layer {layer}: held-out recall")
+        recall = evaluate_routing(store, layer, budgets, topk, METHODS, opts.window, opts.cluster_size,
+                                  opts.refit_every, opts.sinks, eval_queries, opts.device, encoder=encoder)
+        results[layer] = {"encoder": encoder, "train": summary | {"seconds": round(seconds, 2)}, "eval": recall}
+    return {"store": store, "split": split, "topk": topk, "budgets": budgets, "results": results}
+
+
+def mean_recall(report: dict) -> dict[str, dict[str, float | None]]:
+    """Recall per method and budget, averaged over layers."""
+    out: dict[str, dict[str, float | None]] = {}
+    for method in (*METHODS, LEARNED):
+        out[method] = {}
+        for b in report["budgets"]:
+            vals = [r["eval"]["recall"][method][str(b)] for r in report["results"].values()]
+            vals = [v for v in vals if v is not None]
+            out[method][str(b)] = round(sum(vals) / len(vals), 5) if vals else None
+    return out
+
+
+def write_ivf_bundle(report: dict, opts: IVFOptions, out: Path) -> object:
+    from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
+
+    store = report["store"]
+    layers, arrays = {}, {}
+    for layer, r in report["results"].items():
+        params = opts.params() | {"train": r["train"]}
+        layers[str(layer)] = LayerArtifact(kind="ivf", params=params)
+        arrays[layer] = {name: r["encoder"][name].float().cpu().numpy().astype(np.float32) for name in ENCODER_ARRAYS}
+    metrics = {f"mean/{m}/recall@{b}": float(v) for m, by in mean_recall(report).items()
+               for b, v in by.items() if v is not None}
+    manifest = new_bundle_manifest(
+        model=store.manifest.model, basis=store.manifest.settings.basis,
+        key_format=store.manifest.model.geometry["key_format"], layers=layers,
+        lineage=store_lineage(store, report["split"]), metrics=metrics, params=opts.params())
+    return write_bundle(out, manifest, arrays)
+
+
+def load_encoders(path: str | Path, device: str = "cpu") -> tuple[object, dict[int, dict[str, torch.Tensor]]]:
+    """(manifest, {layer: encoder parameters}) of an ``ivf`` bundle, checksums verified."""
+    from dsaindex.artifacts.bundle import read_bundle
+    from dsaindex.errors import DsaIndexError
+
+    manifest, arrays = read_bundle(path, verify=True)
+    kinds = {art.kind for art in manifest.layers.values()}
+    if kinds != {"ivf"}:
+        raise DsaIndexError(f"{path} holds {sorted(kinds)} artifacts, not ivf routing encoders.",
+                            "pass a bundle written by `dsaindex train ivf`.")
+    return manifest, {int(layer): {k: torch.from_numpy(np.asarray(v)).to(device) for k, v in arrays[int(layer)].items()}
+                      for layer in manifest.layers}
