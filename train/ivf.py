@@ -160,7 +160,7 @@ def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=Non
         loss.backward()
         optimizer.step()
         if progress and step % 50 == 0:
-            progress(f"step {step}: loss {float(loss):.4f}")
+            progress(f"step {step}: loss {loss.item():.4f}")
     with torch.no_grad():
         last = float(sum(routing_loss(params, g, log_beta) for g in groups) / len(groups))
     trained = {k: v.detach() for k, v in params.items()}
