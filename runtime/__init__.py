@@ -6,6 +6,6 @@ Nothing here imports mlflow unless a ``models:/`` URI is given, and nothing on a
 touches zarr, faiss or mlflow.
 """
 
-from dsaindex.runtime.loader import LoadedArtifacts, PQLayer, check_compatible, load
+from dsaindex.runtime.loader import IVFLayer, LoadedArtifacts, PQLayer, check_compatible, load
 
-__all__ = ["LoadedArtifacts", "PQLayer", "check_compatible", "load"]
+__all__ = ["IVFLayer", "LoadedArtifacts", "PQLayer", "check_compatible", "load"]

@@ -10,7 +10,7 @@ from typing import Any
 from dsaindex.errors import DsaIndexError
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
-SUPPORTED_KINDS = ("pq",)
+SUPPORTED_KINDS = ("pq", "ivf")
 
 
 class ArtifactMismatchError(DsaIndexError):
@@ -33,6 +33,19 @@ class PQLayer:
 
 
 @dataclass
+class IVFLayer:
+    """One layer's causal-IVF routing encoder on the device: float32 ``params`` (see
+    :mod:`dsaindex.train.ivf`) and the index settings it was trained with (window, cluster size, ...)."""
+
+    params: dict
+    settings: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(t.numel()) * 4 for t in self.params.values())
+
+
+@dataclass
 class LoadedArtifacts:
     """Artifacts ready for the runtime indexers: per-layer parameters, the manifest, startup cost."""
 
@@ -50,7 +63,8 @@ class LoadedArtifacts:
             "family": self.manifest.model.family,
             "basis": self.manifest.basis,
             "key_format": self.manifest.key_format,
-            "layers": {str(k): {"kind": "pq", "subspaces": v.subspaces, "score_aware": v.metric is not None}
+            "layers": {str(k): ({"kind": "pq", "subspaces": v.subspaces, "score_aware": v.metric is not None}
+                                if isinstance(v, PQLayer) else {"kind": "ivf", **v.settings})
                        for k, v in self.layers.items()},
             "device_bytes": self.device_bytes,
             "startup_seconds": round(self.startup_seconds, 4),
@@ -137,23 +151,27 @@ def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "
     check_compatible(manifest, model_config, basis)
     loaded = LoadedArtifacts(manifest=manifest, path=Path(path))
     loaded.layers = place_layers(manifest, arrays, device)
-    loaded.device_bytes = sum(v.codebooks.numel() * 4 + (0 if v.metric is None else v.metric.numel() * 4)
-                              for v in loaded.layers.values())
+    loaded.device_bytes = sum(
+        (v.codebooks.numel() * 4 + (0 if v.metric is None else v.metric.numel() * 4)) if isinstance(v, PQLayer)
+        else v.nbytes for v in loaded.layers.values())
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
     loaded.startup_seconds = time.perf_counter() - t0
     return loaded
 
 
-def place_layers(manifest, arrays: dict, device: str = "cpu") -> dict[int, PQLayer]:
-    """Per-layer PQ parameters of a read bundle (``read_bundle``'s arrays) as float32 tensors on ``device``."""
+def place_layers(manifest, arrays: dict, device: str = "cpu") -> dict[int, PQLayer | IVFLayer]:
+    """Per-layer parameters of a read bundle (``read_bundle``'s arrays) as float32 tensors on ``device``:
+    :class:`PQLayer` for kind ``pq``, :class:`IVFLayer` for kind ``ivf``."""
     import torch
 
     layers = {}
-    for layer_id in manifest.layers:
+    for layer_id, art in manifest.layers.items():
         layer = int(layer_id)
-        cb = torch.from_numpy(arrays[layer]["codebooks"]).to(device=device, dtype=torch.float32)
-        metric = arrays[layer].get("metric")
-        metric_t = None if metric is None else torch.from_numpy(metric).to(device=device, dtype=torch.float32)
-        layers[layer] = PQLayer(cb, metric_t)
+        tensors = {k: torch.from_numpy(v).to(device=device, dtype=torch.float32) for k, v in arrays[layer].items()}
+        if art.kind == "ivf":
+            keep = ("window", "cluster_size", "refit_every", "sinks", "features", "hidden")
+            layers[layer] = IVFLayer(tensors, {k: art.params[k] for k in keep if k in art.params})
+        else:
+            layers[layer] = PQLayer(tensors["codebooks"], tensors.get("metric"))
     return layers

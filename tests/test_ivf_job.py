@@ -64,3 +64,20 @@ def test_a_pq_bundle_is_refused_as_ivf(trained, tmp_path):
     write_bundle(pq, pq_manifest, {0: {"codebooks": np.zeros((32, 256, 4), dtype=np.float32)}})
     proc = run_cli("eval", "ivf", str(pq), "--store", str(store), "--budgets", "256")
     assert proc.returncode == 2 and "not ivf routing encoders" in proc.stderr
+
+
+def test_runtime_loader_learns_the_ivf_kind(trained):
+    import json as _json
+
+    from dsaindex.pipelines.models import preset_config
+    from dsaindex.runtime import IVFLayer, load
+
+    root, store, bundle, result = trained
+    loaded = load(bundle, preset_config("tiny-v32"))
+    assert all(isinstance(v, IVFLayer) for v in loaded.layers.values()) and sorted(loaded.layers) == [0, 1, 2, 3]
+    assert loaded.layers[0].settings["window"] == 256 and loaded.layers[0].params["out_weight"].shape == (128, 256)
+    summary = loaded.summary()
+    assert summary["layers"]["0"]["kind"] == "ivf" and summary["device_bytes"] == sum(v.nbytes for v in loaded.layers.values())
+    proc = run_cli("runtime", "check", "--model", "preset:tiny-v32", "--artifacts", str(bundle), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert _json.loads(proc.stdout)["layers"]["1"]["cluster_size"] == 32

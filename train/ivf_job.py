@@ -84,11 +84,11 @@ def load_encoders(path: str | Path, device: str = "cpu") -> tuple[object, dict[i
     """(manifest, {layer: encoder parameters}) of an ``ivf`` bundle, checksums verified."""
     from dsaindex.artifacts.bundle import read_bundle
     from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.loader import place_layers
 
     manifest, arrays = read_bundle(path, verify=True)
     kinds = {art.kind for art in manifest.layers.values()}
     if kinds != {"ivf"}:
         raise DsaIndexError(f"{path} holds {sorted(kinds)} artifacts, not ivf routing encoders.",
                             "pass a bundle written by `dsaindex train ivf`.")
-    return manifest, {int(layer): {k: torch.from_numpy(np.asarray(v)).to(device) for k, v in arrays[int(layer)].items()}
-                      for layer in manifest.layers}
+    return manifest, {layer: v.params for layer, v in place_layers(manifest, arrays, device).items()}
