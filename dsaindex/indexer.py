@@ -7,6 +7,8 @@ effective head weights. Tests check that scoring these reproduces the module's o
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dsaindex.score import effective_head_weights
@@ -90,3 +92,23 @@ def v4_scorer_tensors(
     n_heads, head_dim = queries.shape[-2], queries.shape[-1]
     raw = scorer.weights_proj(hidden_states)
     return compressed_keys.float(), queries.float(), effective_head_weights(raw, n_heads, head_dim)
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def find_indexers(model: torch.nn.Module, geometry) -> dict[int, torch.nn.Module]:
+    """Map layer id -> indexer module (``*Indexer`` class) for every layer ``geometry`` (an
+    :class:`dsaindex.geometry.IndexerGeometry`) lists."""
+    found: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if not cls.endswith("Indexer"):
+            continue
+        match = _LAYER_RE.search(name + ".")
+        if match:
+            found[int(match.group(1))] = module
+    missing = [i for i in geometry.indexer_layers if i not in found]
+    if missing:
+        raise RuntimeError(f"indexer modules not found for layers {missing}; found {sorted(found)}")
+    return {i: found[i] for i in geometry.indexer_layers}

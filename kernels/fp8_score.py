@@ -30,11 +30,7 @@ def fp8_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, queries: 
 def fp8_topk_reference(keys_fp8, scales, lengths, queries, head_weights, k: int):
     """Per request, the top ``k`` rows among its first ``lengths[b]`` keys: (scores [B, k], rows [B, k]
     int64; -inf / -1 past a short request's end)."""
-    scores = fp8_scores_reference(keys_fp8, scales, queries, head_weights)
-    n = scores.shape[1]
-    scores = scores.masked_fill(torch.arange(n, device=scores.device)[None, :] >= lengths[:, None], float("-inf"))
-    values, rows = scores.topk(min(k, n), dim=1)
-    return values, torch.where(torch.isfinite(values), rows, torch.full_like(rows, -1))
+    return select.topk_of_prefixes(fp8_scores_reference(keys_fp8, scales, queries, head_weights), lengths, k)
 
 
 def fp8_gather_scores_reference(keys_fp8, scales, rows, queries, head_weights) -> torch.Tensor:

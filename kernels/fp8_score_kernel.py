@@ -9,7 +9,7 @@ Three modes share one body (``MODE``):
 import triton
 import triton.language as tl
 
-from dsaindex.kernels.select_kernel import append_above, load_queries, weighted_relu_heads
+from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows, weighted_relu_heads
 
 
 @triton.jit
@@ -46,15 +46,11 @@ def fp8_score_kernel(
         thr = tl.load(thr_ptr + b)
     for it in range(ITERS):
         idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if MODE == 0:
-            rows = idx * stride
-            valid = (idx < n_out) & (rows < length)
-        elif MODE == 1:
-            rows = idx
-            valid = rows < length
-        else:
+        if MODE == 2:
             rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_out, other=-1)
             valid = rows >= 0
+        else:
+            rows, valid = scan_rows(idx, stride, n_out, length, MODE == 0)
         flat = b * n_rows + rows.to(tl.int64)
         raw = tl.load(keys_ptr + flat[:, None] * D + dims[None, :], mask=valid[:, None], other=0)
         keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)

@@ -31,11 +31,7 @@ def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, code
 def pq_linear_topc_reference(codes, lengths, queries, head_weights, codebooks, c: int):
     """Top ``c`` rows per request by the stage-1 score: (scores [B, c], rows [B, c] int64; -inf / -1 past
     a short request's end)."""
-    scores = pq_linear_scores_reference(codes, queries, head_weights, codebooks)
-    n = scores.shape[1]
-    scores = scores.masked_fill(torch.arange(n, device=scores.device)[None, :] >= lengths[:, None], float("-inf"))
-    values, rows = scores.topk(min(c, n), dim=1)
-    return values, torch.where(torch.isfinite(values), rows, torch.full_like(rows, -1))
+    return select.topk_of_prefixes(pq_linear_scores_reference(codes, queries, head_weights, codebooks), lengths, c)
 
 
 def pq_linear_scores_reference(codes: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,

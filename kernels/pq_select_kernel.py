@@ -10,7 +10,7 @@ on tensor cores (``sum_h w_h relu(q_h . k)``); scores written per candidate.
 import triton
 import triton.language as tl
 
-from dsaindex.kernels.select_kernel import append_above, load_queries, weighted_relu_heads
+from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows, weighted_relu_heads
 
 
 @triton.jit
@@ -42,12 +42,7 @@ def pq_linear_kernel(
         thr = tl.load(thr_ptr + b)
     for it in range(ITERS):
         idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SAMPLE:
-            rows = idx * stride
-            valid = (idx < n_out) & (rows < length)
-        else:
-            rows = idx
-            valid = rows < length
+        rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
         flat = b * n_rows + rows.to(tl.int64)
         codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0).to(tl.int32)
         score = tl.sum(tl.load(lut + codes), axis=1)

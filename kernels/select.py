@@ -10,7 +10,8 @@ request's keys (about ``SAMPLES`` per request), and the threshold is the sample 
 scaled to the request's length, matches ``oversample x target`` keys. With 8192 samples and a target
 of 2048, the expected count of keys above the threshold is ``oversample x target`` with a relative
 spread of about ``1 / sqrt(rank)``; :func:`check_counts` reports a request whose buffer overflowed or
-holds fewer than the target, and the callers rescore such requests exactly.
+holds fewer than the target (its selection is then not provably exact). The decode path does not
+check it per step: at 1M keys an overflow is about a 3-sigma event (see docs/results.md).
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def new_buffers(batch: int, capacity: int, device) -> tuple[torch.Tensor, torch.
     return scores, positions, torch.zeros(batch, dtype=torch.int32, device=device)
 
 
+def topk_of_prefixes(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``k`` of each row's first ``lengths[b]`` scores: (scores [B, k], rows [B, k] int64; -inf / -1
+    past a short row's end). The exhaustive selection the fused kernels are checked against."""
+    n = scores.shape[1]
+    scores = scores.masked_fill(torch.arange(n, device=scores.device)[None, :] >= lengths[:, None], float("-inf"))
+    values, rows = scores.topk(min(k, n), dim=1)
+    return values, torch.where(torch.isfinite(values), rows, torch.full_like(rows, -1))
+
+
 def top_of_buffer(scores: torch.Tensor, positions: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``c`` entries of each buffer row: (scores [B, c], positions [B, c] int64; -1 where empty)."""
     c = min(c, scores.shape[1])
@@ -76,18 +86,6 @@ def top_of_buffer(scores: torch.Tensor, positions: torch.Tensor, c: int) -> tupl
 def interpreted() -> bool:
     """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``), where bf16 dots are multiplied in float32."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def gather_host_rows_reference(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales,
-                               page_size: int) -> None:
-    """Copy host rows into device-pool slots (the spec of :func:`gather_host_rows`), in place."""
-    for b in range(src_pos.shape[0]):
-        for pos, dst in zip(src_pos[b].tolist(), dst_slot[b].tolist(), strict=True):
-            if pos < 0:
-                continue
-            page, slot = int(page_table[b, pos // page_size]), pos % page_size
-            pool_fp8[b, dst] = host_fp8[page, slot].to(pool_fp8.device)
-            pool_scales[b, dst] = host_scales[page, slot].to(pool_scales.device)
 
 
 def gather_host_rows(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales,
@@ -120,9 +118,9 @@ def gather_host_rows(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_
 
 
 def gather_host_rows_staged(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales) -> None:
-    """:func:`gather_host_rows` without the kernel: the positions go to the host (a synchronization),
-    the host gathers the rows and one copy moves them. Used on the CPU and where the device cannot
-    address pinned memory directly."""
+    """:func:`gather_host_rows` without the kernel, and its reference: the positions go to the host (a
+    synchronization), the host gathers the rows and one copy moves them. Used on the CPU and where the
+    device cannot address pinned memory directly."""
     page_size = host_fp8.shape[1]
     src = src_pos.cpu()
     b_idx, i_idx = (src >= 0).nonzero(as_tuple=True)

@@ -22,6 +22,19 @@ def append_above(score, rows, valid, thr, out_score_ptr, out_pos_ptr, count_ptr,
 
 
 @triton.jit
+def scan_rows(idx, stride, n_out, length, SAMPLE: tl.constexpr):
+    """Rows of one request a tile covers, and which are real: the sampling pass reads rows
+    ``idx * stride`` (``n_out`` samples), the selecting pass every row ``idx``; both stop at ``length``."""
+    if SAMPLE:
+        rows = idx * stride
+        valid = (idx < n_out) & (rows < length)
+    else:
+        rows = idx
+        valid = rows < length
+    return rows, valid
+
+
+@triton.jit
 def load_queries(q_ptr, w_ptr, N_HEADS: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
     """One request's queries as a [D, H_PAD] bf16 tile and its weights [H_PAD] float32.
 

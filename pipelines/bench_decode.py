@@ -55,28 +55,19 @@ def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int
 
 
 def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache):
-    """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given)."""
-    import torch
-
+    """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
+    ``keys`` a whole number of 64-key pages)."""
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.loader import PQLayer
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
     batch, keys, dim = fp8.shape
-    page = 64
-    pages_per = keys // page
-    host = HostKeyStore(batch * pages_per, dim)
+    host = HostKeyStore(batch * -(-keys // 64), dim)
     group = PQDecodeGroup(PQLayer(codebooks.float().cpu()), host, batch, keys, topk, candidates=candidates,
                           prefilter=prefilter, cache_capacity=cache, device="cuda")
-    host.fp8.view(batch, keys, dim).copy_(fp8)
-    host.scales.view(batch, keys).copy_(scales)
-    host.allocate_many(batch * pages_per)  # every page is owned below
-    group.codes[:, :keys] = codes
     for b in range(batch):
-        group.pages[b] = list(range(b * pages_per, (b + 1) * pages_per))
-        group.encoded_host[b] = keys
-    group.page_table.copy_(torch.arange(batch * pages_per, dtype=torch.int32, device="cuda").view(batch, pages_per))
-    group.n_encoded.fill_(keys)
+        group.admit(b)
+        group.load_encoded(b, codes[b], fp8[b], scales[b])
     return group
 
 

@@ -9,16 +9,13 @@ queries and head weights at the rows the caller asked for.
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dsaindex.geometry import IndexerGeometry
-from dsaindex.indexer import mla_indexer_tensors, v4_scorer_tensors
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+from dsaindex.indexer import find_indexers, mla_indexer_tensors, v4_scorer_tensors
 
 
 @dataclass
@@ -40,22 +37,6 @@ class IndexerRecord:
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict:
     bound = inspect.signature(fn).bind_partial(*args, **kwargs)
     return dict(bound.arguments)
-
-
-def find_indexers(model: torch.nn.Module, geometry: IndexerGeometry) -> dict[int, torch.nn.Module]:
-    """Map layer id -> indexer module (``*Indexer`` class) for every layer the geometry lists."""
-    found: dict[int, torch.nn.Module] = {}
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        if not cls.endswith("Indexer"):
-            continue
-        match = _LAYER_RE.search(name + ".")
-        if match:
-            found[int(match.group(1))] = module
-    missing = [i for i in geometry.indexer_layers if i not in found]
-    if missing:
-        raise RuntimeError(f"indexer modules not found for layers {missing}; found {sorted(found)}")
-    return {i: found[i] for i in geometry.indexer_layers}
 
 
 class IndexerTap:

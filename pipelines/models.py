@@ -275,7 +275,7 @@ def set_attention(model, family: str) -> None:
 
 def indexer_weights_digest(model, geometry) -> str:
     """sha256 (16 hex) of every indexer parameter: identifies the weights that produce the keys."""
-    from dsaindex.pipelines.hooks import find_indexers
+    from dsaindex.indexer import find_indexers
 
     h = hashlib.sha256()
     for layer, module in find_indexers(model, geometry).items():

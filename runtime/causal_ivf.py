@@ -19,6 +19,7 @@ in position order, represented by their mean, routed the same way.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,8 @@ class CausalIVF:
         self.dim, self.window, self.cluster_size = dim, window, cluster_size
         self.refit_every, self.sinks, self.iterations = refit_every, sinks, iterations
         self.device = torch.device(device)
-        self.keys = torch.empty(0, dim, device=self.device)
+        self._keys = torch.empty(window, dim, device=self.device)  # grows by doubling: appends stay O(n)
+        self._length = 0
         self.versions: list[Version] = []
         self.sealed = sinks  # keys [sinks, sealed) are clustered
         self.last_refit = 0
@@ -116,11 +118,22 @@ class CausalIVF:
 
     @property
     def length(self) -> int:
-        return int(self.keys.shape[0])
+        return self._length
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Every key appended so far, [length, D] float32 (a view)."""
+        return self._keys[: self._length]
 
     def append(self, keys: torch.Tensor) -> None:
         """Add keys [n, D]; seals (and refits) happen as whole windows complete."""
-        self.keys = torch.cat([self.keys, keys.to(self.device, torch.float32)])
+        end = self._length + keys.shape[0]
+        if end > self._keys.shape[0]:
+            grown = torch.empty(max(end, 2 * self._keys.shape[0]), self.dim, device=self.device)
+            grown[: self._length] = self.keys
+            self._keys = grown
+        self._keys[self._length : end] = keys.to(self.device, torch.float32)
+        self._length = end
         while self.length - self.sealed >= self.window:
             self._seal()
             if self.refit_every and self.sealed - self.last_refit >= self.refit_every:
@@ -164,11 +177,8 @@ class CausalIVF:
 
     def version_for(self, position: int) -> Version | None:
         """The newest version built only from keys ``<= position`` (None before the first seal)."""
-        best = None
-        for v in self.versions:
-            if v.upto <= position + 1:
-                best = v
-        return best
+        at = bisect.bisect_right([v.upto for v in self.versions], position + 1)  # upto never decreases
+        return self.versions[at - 1] if at else None
 
     def candidates(self, query: torch.Tensor, head_weights: torch.Tensor, position: int, budget: int,
                    representatives=None) -> torch.Tensor:

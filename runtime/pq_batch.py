@@ -144,7 +144,7 @@ class PQDecodeGroup:
     def append(self, slot: int, keys: torch.Tensor) -> None:
         """Append keys [n, D] (engine basis) to a request. Completed pages are written to the host and
         encoded; a full host store raises :class:`HostMemoryError` before anything changes."""
-        pages = self._pages(slot)
+        self._pages(slot)  # a slot without a request raises
         n_tail = self.tail_host[slot]
         total = n_tail + keys.shape[0]
         if self.encoded_host[slot] + total > self.codes.shape[1] + self.page:
@@ -162,14 +162,8 @@ class PQDecodeGroup:
             done = full * self.page
             page_fp8 = all_fp8[:done].view(full, self.page, self.dim)
             page_scales = all_scales[:done].view(full, self.page)
-            self.host.write_fp8_pages(new_pages, page_fp8, page_scales)
-            start = self.encoded_host[slot]
             exact = page_fp8.reshape(done, self.dim).view(torch.float8_e4m3fn).float() * page_scales.reshape(done, 1)
-            self.codes[slot, start : start + done] = self._encode(exact)
-            first = start // self.page
-            self.page_table[slot, first : first + full] = torch.tensor(new_pages, dtype=torch.int32)
-            pages.extend(new_pages)
-            self.encoded_host[slot] = start + done
+            self._commit_pages(slot, new_pages, page_fp8, page_scales, self._encode(exact))
             all_fp8, all_scales = all_fp8[done:], all_scales[done:]
         rest = all_fp8.shape[0]
         self.pool_fp8[slot, self.cache_capacity + 1 : self.cache_capacity + 1 + rest] = all_fp8
@@ -177,6 +171,32 @@ class PQDecodeGroup:
         self.tail_host[slot] = rest
         self.n_encoded[slot] = self.encoded_host[slot]
         self.tail_len[slot] = rest
+
+    def load_encoded(self, slot: int, codes: torch.Tensor, fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        """Give an empty request a history that is already encoded: ``codes`` [n, M] uint8, ``fp8``
+        [n, D] uint8 (FP8 bits), ``scales`` [n] float32, with ``n`` a whole number of pages (a prefill
+        that encoded its own pages, or a restored request). Nothing is encoded again."""
+        pages = self._pages(slot)
+        n = codes.shape[0]
+        if pages or self.tail_host[slot] or n % self.page or n > self.codes.shape[1]:
+            raise DsaIndexError(f"Slot {slot} cannot take {n} encoded keys (it must be empty, and the keys whole "
+                                f"pages, at most {self.codes.shape[1]}).", "admit a fresh request; append the rest.")
+        full = n // self.page
+        new_pages = self.host.allocate_many(full)
+        self._commit_pages(slot, new_pages, fp8.view(full, self.page, self.dim),
+                           scales.reshape(full, self.page), codes.to(self.device))
+        self.n_encoded[slot] = self.encoded_host[slot]
+
+    def _commit_pages(self, slot: int, new_pages: list[int], page_fp8: torch.Tensor, page_scales: torch.Tensor,
+                      codes: torch.Tensor) -> None:
+        """Completed pages of a request: FP8 keys to the host pages, codes and page table on the device."""
+        self.host.write_fp8_pages(new_pages, page_fp8, page_scales)
+        start = self.encoded_host[slot]
+        self.codes[slot, start : start + codes.shape[0]] = codes
+        first = start // self.page
+        self.page_table[slot, first : first + len(new_pages)] = torch.tensor(new_pages, dtype=torch.int32)
+        self._pages(slot).extend(new_pages)
+        self.encoded_host[slot] = start + codes.shape[0]
 
     def _encode(self, exact: torch.Tensor) -> torch.Tensor:
         if self.use_triton:

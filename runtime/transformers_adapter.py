@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsaindex.geometry import geometry_from_config
-from dsaindex.indexer import mla_indexer_tensors
+from dsaindex.indexer import find_indexers, mla_indexer_tensors
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.loader import PQLayer
@@ -51,8 +51,6 @@ class RuntimeSelection:
     def __init__(self, model, layers: dict[int, PQLayer], batch: int, max_keys: int, basis: str = "hadamard",
                  candidates: int = 1024, prefilter: int = 2, cache_capacity: int | None = None,
                  device: str | torch.device = "cpu", use_triton: bool | None = None):
-        from dsaindex.pipelines.hooks import find_indexers
-
         self.model = model
         self.geometry = geometry_from_config(model.config)
         self.indexers = find_indexers(model, self.geometry)
@@ -98,9 +96,10 @@ class RuntimeSelection:
         def hook(mod, args, kwargs):
             a = signature.bind_partial(*args, **kwargs).arguments
             cos, sin = a["position_embeddings"]
-            with torch.no_grad():
+            last = torch.tensor([a["hidden_states"].shape[1] - 1], device=a["hidden_states"].device)
+            with torch.no_grad():  # keys of every new token; the query only where the runtime selects
                 keys, queries, weights = mla_indexer_tensors(
-                    mod, self.geometry.rope_layout, a["hidden_states"], a["q_resid"], cos, sin)
+                    mod, self.geometry.rope_layout, a["hidden_states"], a["q_resid"], cos, sin, last)
             group = self.groups[layer]
             keys = to_basis(keys.float(), self.basis)
             for slot in range(keys.shape[0]):

@@ -42,6 +42,17 @@ def pq_inputs(b, n, heads, m=32, d=4, k=256, seed=0, device=DEV):
     return codes.to(device), cb.to(device), q.to(device), w.to(device)
 
 
+def gather_rows_spec(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales, page_size):
+    """Row by row: pool[b, dst] = host[page_table[b, pos // page], pos % page] for every pos >= 0."""
+    for b in range(src_pos.shape[0]):
+        for pos, dst in zip(src_pos[b].tolist(), dst_slot[b].tolist(), strict=True):
+            if pos < 0:
+                continue
+            page, slot = int(page_table[b, pos // page_size]), pos % page_size
+            pool_fp8[b, dst] = host_fp8[page, slot]
+            pool_scales[b, dst] = host_scales[page, slot]
+
+
 def same_selection(got_rows, want_rows, got_scores, want_scores):
     """Equal sets of rows, up to ties: the k-th scores agree and each picked row's score clears it."""
     torch.testing.assert_close(got_scores, want_scores, rtol=1e-3, atol=1e-3)
@@ -174,7 +185,7 @@ def test_full_size_on_gpu():
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_host_row_gather_matches_reference(kernel):
-    from dsaindex.kernels.select import gather_host_rows, gather_host_rows_reference, gather_host_rows_staged
+    from dsaindex.kernels.select import gather_host_rows, gather_host_rows_staged
 
     g = torch.Generator().manual_seed(4)
     host_fp8 = torch.randint(0, 120, (9, 64, 32), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -183,7 +194,7 @@ def test_host_row_gather_matches_reference(kernel):
     src = torch.tensor([[0, 70, -1, 191, 5], [-1, 128, 64, 3, 127]])
     dst = torch.tensor([[4, 0, 9, 2, 1], [9, 3, 1, 0, 2]])
     want = torch.zeros(2, 10, 32, dtype=torch.uint8), torch.zeros(2, 10)
-    gather_host_rows_reference(host_fp8, host_scales, table, src, dst, *want, page_size=64)
+    gather_rows_spec(host_fp8, host_scales, table, src, dst, *want, page_size=64)
     assert torch.equal(want[0][0, 2], host_fp8[7, 63]) and torch.equal(want[0][1, 1], host_fp8[8, 0])
     got = torch.zeros(2, 10, 32, dtype=torch.uint8, device=DEV), torch.zeros(2, 10, device=DEV)
     fn = gather_host_rows if kernel else gather_host_rows_staged
@@ -216,3 +227,11 @@ def test_decode_plan_matches_reference(c, cap, miss_filter):
         assert torch.equal(x.cpu(), y.cpu()), name
     stats = want[4]
     assert (stats[:, 1] + stats[:, 2] + stats[:, 3] == stats[:, 0]).all()  # hits + fetched + dropped = valid
+
+
+def test_check_counts_flags_overflow_and_shortfall():
+    from dsaindex.kernels.select import check_counts
+
+    counts = torch.tensor([100, 300, 40, 10])
+    lengths = torch.tensor([5000, 5000, 5000, 10])
+    assert check_counts(counts, lengths, target=64, capacity=256).tolist() == [False, True, True, False]

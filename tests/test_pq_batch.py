@@ -168,3 +168,23 @@ def test_torch_path_selects_like_the_kernels():
         a, sa = group.select(q, w)
         b, sb = plain.select(q, w)
         assert overlap(a, b) >= 15 / 16 and abs(sa.totals()["hits"] - sb.totals()["hits"]) <= 2
+
+
+def test_load_encoded_history_selects_like_appending_it():
+    """A history handed over already encoded (codes + FP8 pages) gives the same state and selection."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    appended, keys, _ = make_group([640, 384], topk=16, candidates=128)
+    loaded = PQDecodeGroup(appended.layer, HostKeyStore(40, D), 2, 704, 16, candidates=128, prefilter=2,
+                           cache_capacity=128, device=DEV)
+    for slot, n in enumerate((640, 384)):
+        host_rows = torch.tensor(appended.pages[slot])
+        loaded.admit(slot)
+        loaded.load_encoded(slot, appended.codes[slot, :n], appended.host.fp8[host_rows].reshape(n, D),
+                            appended.host.scales[host_rows].reshape(n))
+    assert torch.equal(loaded.codes, appended.codes) and loaded.encoded_host == appended.encoded_host
+    q, w = queries(2)
+    assert torch.equal(loaded.select(q, w)[0].sort(1).values, appended.select(q, w)[0].sort(1).values)
+    with pytest.raises(DsaIndexError, match="must be empty"):
+        loaded.load_encoded(0, appended.codes[0, :64], appended.host.fp8[0].reshape(64, D), appended.host.scales[0])

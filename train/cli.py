@@ -240,29 +240,6 @@ def _ivf_table(mean: dict, budgets: list[int], title: str):
     return table
 
 
-def ivf_plot(mean: dict, budgets: list[int], path: Path, title: str) -> Path:
-    """Recall vs candidate budget, one line per routing method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, by in mean.items():
-        xs = [b for b in budgets if by[str(b)] is not None]
-        ax.plot(xs, [by[str(b)] for b in xs], marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("candidate budget (keys)")
-    ax.set_ylabel("recall of the exact top-k")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 @train_app.command("ivf")
 def train_ivf_cmd(
     store: Path = typer.Argument(..., help="Capture store to train on."),
@@ -287,7 +264,7 @@ def train_ivf_cmd(
     from dsaindex.console import print_json
     from dsaindex.pipelines.cli import _device
     from dsaindex.train.ivf import IVFOptions
-    from dsaindex.train.ivf_job import mean_recall, train_ivf, write_ivf_bundle
+    from dsaindex.train.ivf_job import ivf_plot, mean_recall, train_ivf, write_ivf_bundle
 
     if model is not None:
         check_store_model(store, model)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from dsaindex.runtime.causal_ivf import CausalIVF, Version
@@ -96,27 +95,17 @@ class _Group:
 def routing_groups(store, layer: int, sequences: list[int], topk: int, opts: IVFOptions) -> list[_Group]:
     """Training (or evaluation) material of one layer: per sequence and version, the queries routed with
     it and their targets (reference top-k keys per visible member, normalized)."""
-    from dsaindex.train.recall import engine_keys, sequence_key_offsets
+    from dsaindex.train.recall import queries_by_sequence
 
-    geometry = store.manifest.model.geometry
-    offsets = sequence_key_offsets(store)
-    raw = store.keys(layer)
-    positions = store.array("query_position").astype(np.int64)
-    seq_of = store.array("query_sequence").astype(np.int64)
-    rows = np.nonzero(np.isin(seq_of, sequences) & (positions + 1 > opts.window + opts.sinks))[0]
-    if len(rows) > opts.max_queries:
-        rows = rows[np.linspace(0, len(rows) - 1, opts.max_queries).round().astype(np.int64)]
     dev = opts.device
-    queries = store.as_float(store.queries(layer)[rows]).to(dev)
-    weights = torch.from_numpy(store.head_weights(layer)[rows]).to(dev)
     groups = []
-    for seq in sorted(set(seq_of[rows].tolist())):
-        keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), geometry["key_format"]).to(dev)
+    for part in queries_by_sequence(store, layer, sequences, opts.window + opts.sinks, opts.max_queries, dev):
+        keys = part.keys
         index = opts.index(keys.shape[1])
         index.append(keys)
         by_version: dict[int, tuple[Version, list[int]]] = {}
-        for i in np.nonzero(seq_of[rows] == seq)[0].tolist():
-            v = index.version_for(int(positions[rows[i]]))
+        for i, p in enumerate(part.positions):
+            v = index.version_for(p)
             if v is not None:
                 by_version.setdefault(id(v), (v, []))[1].append(i)
         for version, members in by_version.values():
@@ -126,12 +115,13 @@ def routing_groups(store, layer: int, sequences: list[int], topk: int, opts: IVF
             sizes = version.starts.diff().clamp_min(1).float()
             targets = []
             for i in members:
-                p = int(positions[rows[i]])
-                exact = indexer_scores(queries[i : i + 1], keys[: p + 1], weights[i : i + 1])[0]
+                p = part.positions[i]
+                exact = indexer_scores(part.queries[i : i + 1], keys[: p + 1], part.head_weights[i : i + 1])[0]
                 hits = cluster_of[exact.topk(min(topk, p + 1)).indices]
                 counts = torch.bincount(hits[hits >= 0], minlength=version.clusters).float() / sizes
                 targets.append(counts / counts.sum().clamp_min(1e-9))
-            groups.append(_Group(keys, version, queries[members], weights[members], torch.stack(targets)))
+            groups.append(_Group(keys, version, part.queries[members], part.head_weights[members],
+                                 torch.stack(targets)))
     return groups
 
 

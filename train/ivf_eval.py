@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 
 from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF
 from dsaindex.score import indexer_scores
-from dsaindex.train.recall import engine_keys, sequence_key_offsets, split_sequences
+from dsaindex.train.recall import queries_by_sequence, split_sequences
 
 METHODS = ("blocks", "ivf-seal-only", "ivf")
 LEARNED = "ivf-learned"
@@ -49,28 +48,16 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
     ``encoder`` (parameters of :mod:`dsaindex.train.ivf`) adds the method ``ivf-learned``: the ``ivf``
     index routed with learned representatives."""
     methods = tuple(methods) + ((LEARNED,) if encoder is not None and LEARNED not in methods else ())
-    geometry = store.manifest.model.geometry
     _, eval_seqs = split_sequences(len(store.array("sequence_keys")))
-    offsets = sequence_key_offsets(store)
-    raw = store.keys(layer)
-    positions = store.array("query_position").astype(np.int64)
-    seq_of = store.array("query_sequence").astype(np.int64)
-    rows = np.nonzero(np.isin(seq_of, eval_seqs) & (positions + 1 > min(budgets)))[0]
-    if len(rows) > max_queries:
-        rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
-    queries = store.as_float(store.queries(layer)[rows]).to(device)
-    weights = torch.from_numpy(store.head_weights(layer)[rows]).to(device)
     sums = {(m, b): 0.0 for m in methods for b in budgets}
     counts = dict.fromkeys(budgets, 0)
-    for seq in sorted(set(seq_of[rows].tolist())):
-        keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), geometry["key_format"]).to(device)
+    for part in queries_by_sequence(store, layer, eval_seqs, min(budgets), max_queries, device):
+        keys = part.keys
         indexes = {m: make_index(m, keys.shape[1], window, cluster_size, refit_every, sinks, device) for m in methods}
         for index in indexes.values():
             index.append(keys)
         learned_cache: dict[int, torch.Tensor] = {}
-        for i in np.nonzero(seq_of[rows] == seq)[0].tolist():
-            p = int(positions[rows[i]])
-            q, w = queries[i], weights[i]
+        for p, q, w in zip(part.positions, part.queries, part.head_weights, strict=True):
             exact = indexer_scores(q.unsqueeze(0), keys[: p + 1], w.unsqueeze(0))[0]
             truth = set(exact.topk(min(topk, p + 1)).indices.tolist())
             for b in budgets:

@@ -62,6 +62,29 @@ def mean_recall(report: dict) -> dict[str, dict[str, float | None]]:
     return out
 
 
+def ivf_plot(mean: dict, budgets: list[int], path: Path, title: str) -> Path:
+    """Recall vs candidate budget, one line per routing method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, by in mean.items():
+        xs = [b for b in budgets if by[str(b)] is not None]
+        ax.plot(xs, [by[str(b)] for b in xs], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("candidate budget (keys)")
+    ax.set_ylabel("recall of the exact top-k")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_ivf_bundle(report: dict, opts: IVFOptions, out: Path) -> object:
     from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
 

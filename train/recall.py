@@ -158,3 +158,37 @@ def evaluate_selection(
     for k in ks:
         out[f"k{k}/queries"] = float(counts.get(f"k{k}/direct", 0))
     return out
+
+
+@dataclass
+class SequenceQueries:
+    """One sequence's engine keys [n, D] and some of its sampled queries: positions [Q] (int list),
+    queries [Q, H, D], head weights [Q, H]."""
+
+    sequence: int
+    keys: torch.Tensor
+    positions: list[int]
+    queries: torch.Tensor
+    head_weights: torch.Tensor
+
+
+def queries_by_sequence(store, layer: int, sequences: list[int], min_visible: int, max_queries: int,
+                        device: str = "cpu") -> list[SequenceQueries]:
+    """Sampled queries of ``sequences`` that see more than ``min_visible`` keys (at most ``max_queries``,
+    evenly spread), grouped by sequence with that sequence's engine keys (key stride 1)."""
+    key_format = store.manifest.model.geometry["key_format"]
+    offsets = sequence_key_offsets(store)
+    positions = store.array("query_position").astype(np.int64)
+    seq_of = store.array("query_sequence").astype(np.int64)
+    rows = np.nonzero(np.isin(seq_of, sequences) & (positions + 1 > min_visible))[0]
+    if len(rows) > max_queries:
+        rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
+    queries = store.as_float(store.queries(layer)[rows]).to(device)
+    weights = torch.from_numpy(store.head_weights(layer)[rows]).to(device)
+    raw = store.keys(layer)
+    out = []
+    for seq in sorted(set(seq_of[rows].tolist())):
+        mine = np.nonzero(seq_of[rows] == seq)[0]
+        keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), key_format).to(device)
+        out.append(SequenceQueries(seq, keys, positions[rows[mine]].tolist(), queries[mine], weights[mine]))
+    return out
