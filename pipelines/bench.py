@@ -9,9 +9,11 @@ from pathlib import Path
 import typer
 
 from dsaindex.pipelines.bench_decode import bench_decode
+from dsaindex.pipelines.bench_prefill import bench_prefill_select
 
 bench_app = typer.Typer(no_args_is_help=True)
 bench_app.command("decode")(bench_decode)
+bench_app.command("prefill-select")(bench_prefill_select)
 
 
 @bench_app.command("capture")

@@ -25,7 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from dsaindex.errors import DsaIndexError
+from dsaindex.runtime.clustering import (
+    Bounds,
+    KMeansStats,
+    capped_kmeans,
+    seal_kmeans,
+    two_nearest,
+    warm_bounds,
+)
 from dsaindex.score import indexer_scores
+
+ENCODER_ARRAYS = ("phi_weight", "phi_bias", "hidden_weight", "hidden_bias", "out_weight", "out_bias")
 
 
 @dataclass(eq=False)  # versions are compared by identity
@@ -46,43 +56,6 @@ class Version:
         return self.order[int(self.starts[c]) : int(self.starts[c + 1])]
 
 
-def capped_kmeans(x: torch.Tensor, k: int, cap: int, iterations: int = 8, init: torch.Tensor | None = None,
-                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """k-means whose clusters hold at most ``cap`` points each (``k * cap >= len(x)``).
-
-    Lloyd iterations from ``init`` (or ``k`` points drawn with a fixed seed), then a capacity-respecting
-    assignment: points in order of how much they prefer their nearest center each take the nearest
-    center that still has room. Returns (assignment [N] int64, centers [k, D] = member means).
-    """
-    n = x.shape[0]
-    if k * cap < n:
-        raise DsaIndexError(f"{k} clusters of at most {cap} keys cannot hold {n} keys.", "raise k or the cap.")
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    centers = init.clone() if init is not None else x[torch.randperm(n, generator=g)[:k].to(x.device)].clone()
-    for _ in range(iterations):
-        assign = torch.cdist(x, centers).argmin(1)
-        sums = torch.zeros_like(centers).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=k).unsqueeze(1)
-        centers = torch.where(counts > 0, sums / counts.clamp_min(1), centers)
-    dist = torch.cdist(x, centers)
-    ranked = dist.argsort(1)
-    best = dist.gather(1, ranked[:, :1]).squeeze(1)
-    second = dist.gather(1, ranked[:, 1:2]).squeeze(1) if k > 1 else best
-    room = [cap] * k
-    assign = torch.empty(n, dtype=torch.long)
-    ranked_cpu = ranked.cpu().tolist()
-    for i in (second - best).argsort(descending=True).cpu().tolist():  # most decided points first
-        for c in ranked_cpu[i]:
-            if room[c]:
-                room[c] -= 1
-                assign[i] = c
-                break
-    assign = assign.to(x.device)
-    sums = torch.zeros_like(centers).index_add_(0, assign, x)
-    counts = torch.bincount(assign, minlength=k).unsqueeze(1)
-    return assign, torch.where(counts > 0, sums / counts.clamp_min(1), centers)
-
-
 def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Members of each cluster in one array: (order [N] positions sorted by cluster, starts [k + 1])."""
     by_cluster = assign.argsort(stable=True)
@@ -97,17 +70,20 @@ class CausalIVF:
 
     Parameters
     ----------
-    dim : key dim; window : keys per seal; cluster_size : target keys per cluster (also the cap)
-    refit_every : keys between refits (0 = never); sinks : first keys always kept
+    dim : key dim; window : keys per seal; cluster_size : target keys per cluster (the cap of a seal;
+    refits allow a quarter more); refit_every : keys between refits (0 = never); sinks : first keys
+    always kept; iterations : Lloyd iterations of a seal; refit_iterations : of a refit (1 = the
+    incremental refit: assign new keys and test old ones against new centers, then take means)
     """
 
     def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, refit_every: int = 16384,
-                 sinks: int = 4, iterations: int = 8, device: str | torch.device = "cpu"):
+                 sinks: int = 4, iterations: int = 8, refit_iterations: int = 1, device: str | torch.device = "cpu"):
         if window % cluster_size:
             raise DsaIndexError(f"window {window} is not a multiple of cluster_size {cluster_size}.",
                                 "pick a window that is a whole number of clusters (1024 and 128, say).")
         self.dim, self.window, self.cluster_size = dim, window, cluster_size
         self.refit_every, self.sinks, self.iterations = refit_every, sinks, iterations
+        self.refit_iterations = refit_iterations
         self.device = torch.device(device)
         self._keys = torch.empty(window, dim, device=self.device)  # grows by doubling: appends stay O(n)
         self._length = 0
@@ -115,6 +91,9 @@ class CausalIVF:
         self.sealed = sinks  # keys [sinks, sealed) are clustered
         self.last_refit = 0
         self.refits = 0
+        self._bounds: Bounds | None = None  # Hamerly bounds of keys [sinks, last_refit) against the refit's centers
+        self._refit_k = 0
+        self.refit_stats: list[KMeansStats] = []
 
     @property
     def length(self) -> int:
@@ -134,18 +113,23 @@ class CausalIVF:
             self._keys = grown
         self._keys[self._length : end] = keys.to(self.device, torch.float32)
         self._length = end
-        while self.length - self.sealed >= self.window:
-            self._seal()
+        windows = (self.length - self.sealed) // self.window
+        if not windows:
+            return
+        starts = [self.sealed + i * self.window for i in range(windows)]
+        x = self.keys[self.sealed : self.sealed + windows * self.window].view(windows, self.window, self.dim)
+        assign, centers = self._group_windows(x, starts)  # every completed window at once
+        for i in range(windows):
+            self._seal(assign[i], centers[i])
             if self.refit_every and self.sealed - self.last_refit >= self.refit_every:
                 self._refit()
 
-    def _group_window(self, x: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clusters of one sealed window ``x`` [window, D]: (assignment [window], centers [k, D])."""
-        return capped_kmeans(x, self.window // self.cluster_size, self.cluster_size, self.iterations, seed=lo)
+    def _group_windows(self, x: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clusters of sealed windows ``x`` [W, window, D]: (assignment [W, window], centers [W, k, D])."""
+        return seal_kmeans(x, self.window // self.cluster_size, self.iterations, seeds=starts)
 
-    def _seal(self) -> None:
+    def _seal(self, assign: torch.Tensor, centers: torch.Tensor) -> None:
         lo, hi = self.sealed, self.sealed + self.window
-        assign, centers = self._group_window(self.keys[lo:hi], lo)
         order, starts = _grouped(assign, torch.arange(lo, hi, device=self.device), centers.shape[0])
         prev = self.versions[-1] if self.versions else None
         if prev is None:
@@ -158,7 +142,9 @@ class CausalIVF:
 
     def _refit(self) -> None:
         """Regroup every sealed key: warm start from the current means, one new center per
-        ``cluster_size`` keys added since the last refit drawn from those keys."""
+        ``cluster_size`` keys added since the last refit drawn from those keys. Keys grouped by the
+        previous refit keep their Hamerly bounds, so only new keys, new centers and the keys the
+        centers' drift unsettles cost distance computations."""
         prev = self.versions[-1]
         x = self.keys[self.sinks : self.sealed]
         k = -(-x.shape[0] // self.cluster_size)
@@ -168,8 +154,19 @@ class CausalIVF:
             recent = self.keys[self.last_refit or self.sinks : self.sealed]
             pick = torch.randperm(recent.shape[0], generator=g)[: k - init.shape[0]].to(self.device)
             init = torch.cat([init, recent[pick]])
-        assign, centers = capped_kmeans(x, k, self.cluster_size + self.cluster_size // 4, self.iterations,
-                                        init=init, seed=self.sealed)
+        stats = KMeansStats()
+        bounds = None
+        if self._bounds is not None:
+            old = self._bounds.nearest.shape[0]
+            kept = warm_bounds(x[:old], self._bounds, init, self._refit_k, stats)
+            near, d1, d2 = two_nearest(x[old:], init)
+            stats.computed += (x.shape[0] - old) * k
+            bounds = Bounds(torch.cat([kept.nearest, near]), torch.cat([kept.upper, d1]), torch.cat([kept.lower, d2]))
+        assign, centers, self._bounds = capped_kmeans(x, k, self.cluster_size + self.cluster_size // 4,
+                                                      self.refit_iterations, init=init, seed=self.sealed,
+                                                      bounds=bounds, stats=stats)
+        self._refit_k = k
+        self.refit_stats.append(stats)
         order, starts = _grouped(assign, torch.arange(self.sinks, self.sealed, device=self.device), k)
         self.versions.append(Version(self.sealed, centers, order, starts))
         self.last_refit = self.sealed
@@ -180,6 +177,13 @@ class CausalIVF:
         at = bisect.bisect_right([v.upto for v in self.versions], position + 1)  # upto never decreases
         return self.versions[at - 1] if at else None
 
+    def forget_before(self, position: int) -> None:
+        """Drop the versions no query at ``position`` or later can use (prefill moves forward): the
+        newest one such a query may use and every later one stay."""
+        at = bisect.bisect_right([v.upto for v in self.versions], position + 1)
+        if at > 1:
+            del self.versions[: at - 1]
+
     def candidates(self, query: torch.Tensor, head_weights: torch.Tensor, position: int, budget: int,
                    representatives=None) -> torch.Tensor:
         """Candidate positions (<= ``budget``) for a query at ``position``: sinks, open window, then the
@@ -187,8 +191,9 @@ class CausalIVF:
         visible = position + 1
         version = self.version_for(position)
         upto = version.upto if version is not None else min(visible, self.sinks)
+        open_lo = max(upto, self.sinks)
         reserved = torch.cat([torch.arange(min(self.sinks, visible), device=self.device),
-                              torch.arange(max(upto, self.sinks), visible, device=self.device)])
+                              torch.arange(open_lo, max(open_lo, visible), device=self.device)])
         if version is None or reserved.numel() >= budget:
             return reserved[-budget:] if reserved.numel() > budget else reserved
         reps = version.centers if representatives is None else representatives(version)
@@ -218,7 +223,28 @@ class BlockIndex(CausalIVF):
                  device: str | torch.device = "cpu"):
         super().__init__(dim, window, cluster_size, refit_every=0, sinks=sinks, device=device)
 
-    def _group_window(self, x: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.window // self.cluster_size
-        assign = torch.arange(self.window, device=self.device) // self.cluster_size
-        return assign, x.view(k, self.cluster_size, self.dim).mean(1)
+    def _group_windows(self, x: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        w, k = x.shape[0], self.window // self.cluster_size
+        assign = (torch.arange(self.window, device=self.device) // self.cluster_size).expand(w, -1)
+        return assign, x.view(w, k, self.cluster_size, self.dim).mean(2)
+
+
+def representatives(params: dict[str, torch.Tensor], keys: torch.Tensor, version: Version) -> torch.Tensor:
+    """Learned routing representatives [C, D] of a version's clusters (the encoder of
+    :mod:`dsaindex.train.ivf`, parameters ``ENCODER_ARRAYS``); ``keys`` [N, D] hold its members:
+
+        r_c = mean_c + out(gelu(hidden([mean_c, log n_c, meanpool phi(k), maxpool phi(k)]))),
+        phi(k) = gelu(W k + b)
+    """
+    members = keys[version.order]  # [M, D], grouped by cluster
+    sizes = (version.starts[1:] - version.starts[:-1]).clamp_min(1)
+    cluster = torch.repeat_interleave(torch.arange(version.clusters, device=keys.device), version.starts.diff())
+    c = version.clusters
+    mean = torch.zeros(c, keys.shape[1], device=keys.device).index_add_(0, cluster, members) / sizes[:, None]
+    feats = torch.nn.functional.gelu(members @ params["phi_weight"].t() + params["phi_bias"])
+    f_mean = torch.zeros(c, feats.shape[1], device=keys.device).index_add_(0, cluster, feats) / sizes[:, None]
+    f_max = torch.full((c, feats.shape[1]), -1e4, device=keys.device).scatter_reduce(
+        0, cluster[:, None].expand_as(feats), feats, "amax")
+    summary = torch.cat([mean, sizes.float().log()[:, None], f_mean, f_max], dim=1)
+    hidden = torch.nn.functional.gelu(summary @ params["hidden_weight"].t() + params["hidden_bias"])
+    return mean + hidden @ params["out_weight"].t() + params["out_bias"]

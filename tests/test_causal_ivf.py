@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF, capped_kmeans
+from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF
+from dsaindex.runtime.clustering import (
+    KMeansStats,
+    capacity_assign,
+    capped_kmeans,
+    hamerly_lloyd,
+    seal_kmeans,
+)
 from dsaindex.score import indexer_scores
 
 D, H = 32, 4
@@ -19,7 +26,7 @@ def interleaved_keys(n, groups=24, seed=0):
 
 def test_capped_kmeans_respects_the_cap_and_returns_member_means():
     x = interleaved_keys(1024)
-    assign, centers = capped_kmeans(x, 8, 128)
+    assign, centers, _ = capped_kmeans(x, 8, 128)
     counts = torch.bincount(assign, minlength=8)
     assert counts.max() <= 128 and counts.sum() == 1024
     for c in range(8):
@@ -76,3 +83,94 @@ def test_similarity_clusters_route_better_than_contiguous_blocks():
 def test_window_must_be_whole_clusters():
     with pytest.raises(DsaIndexError, match="multiple of cluster_size"):
         CausalIVF(D, window=1000, cluster_size=128)
+
+
+def plain_lloyd(x, centers, iterations):
+    for _ in range(iterations):
+        assign = torch.cdist(x, centers).argmin(1)
+        sums = torch.zeros_like(centers).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=centers.shape[0]).unsqueeze(1)
+        centers = torch.where(counts > 0, sums / counts.clamp_min(1), centers)
+    return centers
+
+
+def test_bounded_lloyd_equals_plain_lloyd_and_skips_work():
+    x = interleaved_keys(3000, groups=40).double()
+    init = x[:60].clone()
+    stats = KMeansStats()
+    got, bounds = hamerly_lloyd(x, init, 10, stats=stats)
+    torch.testing.assert_close(got, plain_lloyd(x, init, 10))
+    d = torch.cdist(x, got)
+    assert torch.all(bounds.upper >= d.gather(1, bounds.nearest[:, None]).squeeze(1) - 1e-9)
+    other = d.scatter(1, bounds.nearest[:, None], float("inf")).min(1).values
+    assert torch.all(bounds.lower <= other + 1e-9)
+    assert stats.plain == 10 * 3000 * 60 and 0.3 < stats.saved < 1
+
+
+def test_capacity_assign_fills_nearest_first_and_respects_the_cap():
+    x = interleaved_keys(1000, groups=6)
+    centers = x[:10]
+    free = capacity_assign(x, centers, cap=1000)
+    assert torch.equal(free, torch.cdist(x, centers).argmin(1))  # no cap binds: plain nearest
+    capped = capacity_assign(x, centers, cap=100)
+    assert torch.bincount(capped, minlength=10).tolist() == [100] * 10
+    # a point away from its nearest cluster only when that cluster is full of closer points
+    d = torch.cdist(x, centers)
+    for i in (capped != free).nonzero().squeeze(1)[:50].tolist():
+        c = int(free[i])
+        assert (d[capped == c, c] <= d[i, c] + 1e-6).all()
+
+
+def test_refits_keep_valid_bounds_and_compute_less_than_plain_lloyd():
+    keys = interleaved_keys(9000, groups=50, seed=3)
+    ivf = CausalIVF(D, window=256, cluster_size=32, refit_every=1024, sinks=4)
+    ivf.append(keys)
+    assert ivf.refits == 8
+    v = next(v for v in reversed(ivf.versions) if v.upto == ivf.last_refit)  # the last refit's version
+    x = ivf.keys[4 : ivf.last_refit]
+    d = torch.cdist(x, v.centers)
+    b = ivf._bounds
+    assert torch.all(b.upper >= d.gather(1, b.nearest[:, None]).squeeze(1) - 1e-4)
+    assert torch.all(b.lower <= d.scatter(1, b.nearest[:, None], float("inf")).min(1).values + 1e-4)
+    assert all(0 < s.saved < 1 for s in ivf.refit_stats[1:]), [s.saved for s in ivf.refit_stats]
+    counts = torch.bincount(torch.repeat_interleave(torch.arange(v.clusters), v.starts.diff()))
+    assert counts.max() <= 32 + 8
+
+
+def test_forgetting_old_versions_keeps_later_queries_unchanged():
+    keys = interleaved_keys(3000)
+    ivf = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
+    ivf.append(keys)
+    q, w = torch.randn(H, D), torch.rand(H)
+    before = {p: ivf.candidates(q, w, p, 300).tolist() for p in (1800, 2100, 2999)}
+    n = len(ivf.versions)
+    ivf.forget_before(1800)
+    assert len(ivf.versions) < n and ivf.versions[0].upto <= 1801
+    assert {p: ivf.candidates(q, w, p, 300).tolist() for p in before} == before
+
+
+def test_seal_kmeans_gives_equal_clusters_independent_of_batching():
+    x = interleaved_keys(4 * 256, groups=5).view(4, 256, D)
+    assign, centers = seal_kmeans(x, 8, 8, seeds=[10, 20, 30, 40])
+    for w in range(4):
+        assert torch.bincount(assign[w], minlength=8).tolist() == [32] * 8
+        for c in range(8):
+            torch.testing.assert_close(centers[w, c], x[w][assign[w] == c].mean(0))
+        alone_a, alone_c = seal_kmeans(x[w : w + 1], 8, 8, seeds=[10 * (w + 1)])
+        assert torch.equal(alone_a[0], assign[w])
+    # clustering beats arbitrary equal groups: members sit closer to their own mean
+    spread = (x - centers.gather(1, assign[:, :, None].expand(-1, -1, D))).norm(dim=2).mean()
+    blocks = (x.view(4, 8, 32, D) - x.view(4, 8, 32, D).mean(2, keepdim=True)).norm(dim=3).mean()
+    assert spread < 0.8 * blocks
+
+
+def test_appending_in_pieces_equals_appending_at_once():
+    keys = interleaved_keys(5000, seed=7)
+    whole = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
+    whole.append(keys)
+    pieces = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
+    for lo in range(0, 5000, 700):
+        pieces.append(keys[lo : lo + 700])
+    assert len(whole.versions) == len(pieces.versions)
+    for a, b in zip(whole.versions, pieces.versions, strict=True):
+        assert a.upto == b.upto and torch.equal(a.order, b.order)

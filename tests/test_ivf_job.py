@@ -23,7 +23,7 @@ def trained(tmp_path_factory):
 
 def test_bundle_holds_one_encoder_per_layer_and_the_recall_of_each_method(trained):
     from dsaindex.artifacts.bundle import read_bundle
-    from dsaindex.train.ivf import ENCODER_ARRAYS
+    from dsaindex.runtime.causal_ivf import ENCODER_ARRAYS
 
     root, store, bundle, result = trained
     manifest, arrays = read_bundle(bundle)
@@ -38,6 +38,10 @@ def test_bundle_holds_one_encoder_per_layer_and_the_recall_of_each_method(traine
         assert by["512"] >= by["256"]  # a larger budget never routes worse
     for layer in result["per_layer"].values():  # training lowered the routing loss
         assert layer["train"]["loss_end"] < layer["train"]["loss_start"]
+        # 4 training sequences: 3 fit, the last picks the step kept
+        assert layer["train"]["val_hit_rate@8192_kept"] >= layer["train"]["val_hit_rate@8192_start"]
+        profile = layer["truth_profile"]
+        assert 0 <= profile["window_share"] <= 1 and profile["keys_per_block"] >= 1
     assert (root / "bundle-recall.png").is_file()
 
 
@@ -50,6 +54,13 @@ def test_eval_reproduces_the_training_figures(trained):
     for method, by in result["mean"].items():
         for b, v in by.items():
             assert again[method][b] == pytest.approx(v, abs=1e-4), (method, b)
+
+
+def test_unknown_layers_are_refused_before_training(trained, tmp_path):
+    root, store, bundle, result = trained
+    proc = run_cli("train", "ivf", str(store), "--out", str(tmp_path / "b"), "--layers", "1,9", "--no-register")
+    assert proc.returncode == 2 and "not [9]" in proc.stderr and "--layers" in proc.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_a_pq_bundle_is_refused_as_ivf(trained, tmp_path):
@@ -81,3 +92,44 @@ def test_runtime_loader_learns_the_ivf_kind(trained):
     proc = run_cli("runtime", "check", "--model", "preset:tiny-v32", "--artifacts", str(bundle), "--json")
     assert proc.returncode == 0, proc.stderr
     assert _json.loads(proc.stdout)["layers"]["1"]["cluster_size"] == 32
+
+
+def test_prefill_indexer_routes_with_the_loaded_encoder(trained):
+    import dataclasses
+
+    import torch
+
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.models import preset_config
+    from dsaindex.runtime import load
+    from dsaindex.runtime.causal_ivf import CausalIVF, representatives
+    from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer, select_chunk
+
+    root, store, bundle, result = trained
+    layer = load(bundle, preset_config("tiny-v32")).layers[0]
+    g = torch.Generator().manual_seed(0)
+    params = dict(layer.params)
+    params["out_bias"] = params["out_bias"] + torch.randn(params["out_bias"].shape, generator=g)  # reps != means
+    layer = dataclasses.replace(layer, params=params)
+    keys = torch.randn(3000, 128, generator=g)
+    queries, weights = torch.randn(3000, 4, 128, generator=g), torch.rand(3000, 4, generator=g)
+    learned = IVFPrefillIndexer(128, topk=16, budget=300, layer=layer)
+    plain = IVFPrefillIndexer(128, topk=16, budget=300, **layer.settings)
+    whole = CausalIVF(128, **{k: layer.settings[k] for k in ("window", "cluster_size", "refit_every", "sinks")})
+    whole.append(keys)
+    differ = 0
+    for lo in range(0, 3000, 500):  # prefill chunks: keys first, then the chunk's queries
+        pos = torch.arange(lo, lo + 500)
+        learned.append(keys[lo : lo + 500])
+        plain.append(keys[lo : lo + 500])
+        got = learned.select(queries[pos], weights[pos], pos)
+        want = select_chunk(whole, queries[pos], weights[pos], pos, 300, 16,
+                            representatives=lambda v: representatives(params, whole.keys, v))
+        assert torch.equal(got, want)
+        assert torch.equal(plain.select(queries[pos], weights[pos], pos),
+                           select_chunk(whole, queries[pos], weights[pos], pos, 300, 16))
+        differ += int((got != plain.select(queries[pos], weights[pos], pos)).any(1).sum())
+    assert differ > 0, "the learned representatives changed no selection"
+    assert len(learned.index.versions) < len(whole.versions)  # old versions are dropped as prefill moves on
+    with pytest.raises(DsaIndexError, match="cannot hold the top-16"):
+        IVFPrefillIndexer(128, topk=16, budget=8, layer=layer)

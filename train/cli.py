@@ -249,7 +249,10 @@ def train_ivf_cmd(
     cluster_size: int = typer.Option(128, help="Keys per cluster (the cap of the size-capped k-means)."),
     refit_every: int = typer.Option(16384, help="Keys between refits of the whole prefix (0: never)."),
     budgets: str = typer.Option("4096,8192,16384,24576", help="Candidate budgets to evaluate (keys)."),
-    steps: int = typer.Option(300, help="Encoder training steps (full passes over the training queries)."),
+    steps: int = typer.Option(300, help="Encoder training steps."),
+    groups_per_step: int = typer.Option(32, help="Query groups (sequence x index version) per training step."),
+    layers: str = typer.Option(None, help="Comma-separated layers to train (default: all; a partial bundle "
+                                          "is for study: the runtime wants every indexer layer)."),
     train_queries: int = typer.Option(256, help="Training queries per layer."),
     eval_queries: int = typer.Option(64, help="Held-out queries per layer."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
@@ -269,11 +272,12 @@ def train_ivf_cmd(
     if model is not None:
         check_store_model(store, model)
     opts = IVFOptions(window=window, cluster_size=cluster_size, refit_every=refit_every, steps=steps,
-                      max_queries=train_queries, device=_device(device))
+                      groups_per_step=groups_per_step, max_queries=train_queries, device=_device(device))
     budget_list = [int(b) for b in budgets.split(",") if b]
     console = Console(stderr=True, quiet=as_json)
     with console.status("training") as status:
-        report = train_ivf(store, opts, budget_list, eval_queries, progress=lambda m: status.update(f"ivf: {m}"))
+        report = train_ivf(store, opts, budget_list, eval_queries, progress=lambda m: status.update(f"ivf: {m}"),
+                           layers=[int(x) for x in layers.split(",") if x] if layers else None)
     out = out or Path("runs/bundles") / f"{Path(store).name}-ivf"
     out.parent.mkdir(parents=True, exist_ok=True)
     mean = mean_recall(report)
@@ -288,7 +292,8 @@ def train_ivf_cmd(
                                      tracking_uri=tracking_uri)
     result = {"bundle": str(out), "registered": registered, "plot": str(plot), "topk": report["topk"],
               "mean": mean, "per_layer": {str(k): {"train": r["train"], "recall": r["eval"]["recall"],
-                                                   "queries": r["eval"]["queries"]}
+                                                   "queries": r["eval"]["queries"],
+                                                   "truth_profile": r["eval"]["truth_profile"]}
                                           for k, r in report["results"].items()}}
     if as_json:
         print_json(result)
@@ -333,6 +338,7 @@ def eval_ivf_cmd(
                for layer, enc in encoders.items()}
     mean = mean_recall({"results": results, "budgets": budget_list})
     if as_json:
-        print_json({"bundle": str(bundle), "store": str(store), "topk": topk, "mean": mean})
+        print_json({"bundle": str(bundle), "store": str(store), "topk": topk, "mean": mean,
+                    "per_layer": {str(k): r["eval"] for k, r in results.items()}})
         return
     Console().print(_ivf_table(mean, budget_list, f"held-out recall of the exact top-{topk}, mean of layers"))

@@ -13,7 +13,8 @@ the query's exact top-k keys in the cluster per visible member; the loss is the 
 between that target and the softmax over clusters of ``beta * score(q, r_c)``.
 
 The parameters are plain float32 arrays (``ENCODER_ARRAYS``), stored in the artifact bundle with the
-layer kind ``ivf``; :func:`representatives` is the forward both training and the runtime use.
+layer kind ``ivf``; the forward both training and the runtime use is
+:func:`dsaindex.runtime.causal_ivf.representatives`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dsaindex.runtime.causal_ivf import CausalIVF, Version
+from dsaindex.runtime.causal_ivf import CausalIVF, Version, representatives
 from dsaindex.score import indexer_scores
-
-ENCODER_ARRAYS = ("phi_weight", "phi_bias", "hidden_weight", "hidden_bias", "out_weight", "out_bias")
 
 
 @dataclass
@@ -38,6 +37,9 @@ class IVFOptions:
     features: int = 64
     hidden: int = 256
     steps: int = 300
+    groups_per_step: int = 32
+    eval_every: int = 20
+    val_budget: int = 8192
     lr: float = 2e-3
     max_queries: int = 256
     seed: int = 0
@@ -65,22 +67,6 @@ def init_encoder(dim: int, features: int, hidden: int, seed: int = 0) -> dict[st
     }
 
 
-def representatives(params: dict[str, torch.Tensor], keys: torch.Tensor, version: Version) -> torch.Tensor:
-    """Learned representatives [C, D] of a version's clusters; ``keys`` [N, D] hold its members."""
-    members = keys[version.order]  # [M, D], grouped by cluster
-    sizes = (version.starts[1:] - version.starts[:-1]).clamp_min(1)
-    cluster = torch.repeat_interleave(torch.arange(version.clusters, device=keys.device), version.starts.diff())
-    c = version.clusters
-    mean = torch.zeros(c, keys.shape[1], device=keys.device).index_add_(0, cluster, members) / sizes[:, None]
-    feats = torch.nn.functional.gelu(members @ params["phi_weight"].t() + params["phi_bias"])
-    f_mean = torch.zeros(c, feats.shape[1], device=keys.device).index_add_(0, cluster, feats) / sizes[:, None]
-    f_max = torch.full((c, feats.shape[1]), -1e4, device=keys.device).scatter_reduce(
-        0, cluster[:, None].expand_as(feats), feats, "amax")
-    summary = torch.cat([mean, sizes.float().log()[:, None], f_mean, f_max], dim=1)
-    hidden = torch.nn.functional.gelu(summary @ params["hidden_weight"].t() + params["hidden_bias"])
-    return mean + hidden @ params["out_weight"].t() + params["out_bias"]
-
-
 @dataclass
 class _Group:
     """Queries of one sequence that use the same index version, with their routing targets."""
@@ -90,6 +76,7 @@ class _Group:
     queries: torch.Tensor  # [Q, H, D]
     weights: torch.Tensor  # [Q, H]
     target: torch.Tensor  # [Q, C] rows sum to 1
+    hits: torch.Tensor  # [Q, C] the query's exact top-k keys in each cluster
 
 
 def routing_groups(store, layer: int, sequences: list[int], topk: int, opts: IVFOptions) -> list[_Group]:
@@ -97,31 +84,40 @@ def routing_groups(store, layer: int, sequences: list[int], topk: int, opts: IVF
     it and their targets (reference top-k keys per visible member, normalized)."""
     from dsaindex.train.recall import queries_by_sequence
 
-    dev = opts.device
     groups = []
-    for part in queries_by_sequence(store, layer, sequences, opts.window + opts.sinks, opts.max_queries, dev):
-        keys = part.keys
-        index = opts.index(keys.shape[1])
-        index.append(keys)
-        by_version: dict[int, tuple[Version, list[int]]] = {}
-        for i, p in enumerate(part.positions):
-            v = index.version_for(p)
-            if v is not None:
-                by_version.setdefault(id(v), (v, []))[1].append(i)
-        for version, members in by_version.values():
-            cluster_of = torch.full((keys.shape[0],), -1, dtype=torch.long, device=dev)
-            cluster_of[version.order] = torch.repeat_interleave(torch.arange(version.clusters, device=dev),
-                                                                version.starts.diff())
-            sizes = version.starts.diff().clamp_min(1).float()
-            targets = []
-            for i in members:
-                p = part.positions[i]
-                exact = indexer_scores(part.queries[i : i + 1], keys[: p + 1], part.head_weights[i : i + 1])[0]
-                hits = cluster_of[exact.topk(min(topk, p + 1)).indices]
-                counts = torch.bincount(hits[hits >= 0], minlength=version.clusters).float() / sizes
-                targets.append(counts / counts.sum().clamp_min(1e-9))
-            groups.append(_Group(keys, version, part.queries[members], part.head_weights[members],
-                                 torch.stack(targets)))
+    for part in queries_by_sequence(store, layer, sequences, opts.window + opts.sinks, opts.max_queries, opts.device):
+        groups += sequence_groups(part.keys, part.positions, part.queries, part.head_weights, topk, opts)
+    return groups
+
+
+def sequence_groups(keys: torch.Tensor, positions: list[int], queries: torch.Tensor, head_weights: torch.Tensor,
+                    topk: int, opts: IVFOptions) -> list[_Group]:
+    """The groups of one sequence: its keys [N, D] indexed causally, its queries [Q, H, D] at
+    ``positions`` grouped by the version each uses, with their targets and hit counts."""
+    dev = keys.device
+    index = opts.index(keys.shape[1])
+    index.append(keys)
+    by_version: dict[int, tuple[Version, list[int]]] = {}
+    for i, p in enumerate(positions):
+        v = index.version_for(p)
+        if v is not None:
+            by_version.setdefault(id(v), (v, []))[1].append(i)
+    groups = []
+    for version, members in by_version.values():
+        cluster_of = torch.full((keys.shape[0],), -1, dtype=torch.long, device=dev)
+        cluster_of[version.order] = torch.repeat_interleave(torch.arange(version.clusters, device=dev),
+                                                            version.starts.diff())
+        sizes = version.starts.diff().clamp_min(1).float()
+        targets, hit_rows = [], []
+        for i in members:
+            p = positions[i]
+            exact = indexer_scores(queries[i : i + 1], keys[: p + 1], head_weights[i : i + 1])[0]
+            hits = cluster_of[exact.topk(min(topk, p + 1)).indices]
+            hit_rows.append(torch.bincount(hits[hits >= 0], minlength=version.clusters).float())
+            per_member = hit_rows[-1] / sizes
+            targets.append(per_member / per_member.sum().clamp_min(1e-9))
+        groups.append(_Group(keys, version, queries[members], head_weights[members],
+                             torch.stack(targets), torch.stack(hit_rows)))
     return groups
 
 
@@ -132,8 +128,28 @@ def routing_loss(params, group: _Group, log_beta: torch.Tensor) -> torch.Tensor:
     return -(group.target * logp).sum(1).mean()
 
 
-def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=None) -> tuple[dict, dict]:
-    """Adam on the routing cross-entropy over all groups; returns (parameters, training summary)."""
+@torch.no_grad()
+def routing_hit_rate(params, groups: list[_Group], budget: int, cluster_size: int) -> float:
+    """Share of the queries' exact top-k keys (those in clusters) inside the best-ranked clusters that
+    fill ``budget`` keys: the selection criterion of training (independent of the softmax scale)."""
+    found = total = 0.0
+    for g in groups:
+        reps = representatives(params, g.keys, g.version)
+        ranked = indexer_scores(g.queries, reps, g.weights).argsort(dim=1, descending=True)
+        top = ranked[:, : max(1, budget // cluster_size)]
+        found += float(g.hits.gather(1, top).sum())
+        total += float(g.hits.sum())
+    return found / max(total, 1e-9)
+
+
+def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=None,
+                  val_groups: list[_Group] | None = None) -> tuple[dict, dict]:
+    """Adam on the routing cross-entropy, ``groups_per_step`` groups a step.
+
+    With ``val_groups`` (queries of sequences not trained on) the parameters kept are those of the
+    step, checked every ``eval_every``, with the best :func:`routing_hit_rate` on them; step 0 is the
+    plain means (the output layer starts at zero), kept unless training beats it. Returns
+    (parameters, summary: losses over all training groups, validation hit rates, the step kept)."""
     params = {k: v.to(opts.device).requires_grad_(True)
               for k, v in init_encoder(dim, opts.features, opts.hidden, opts.seed).items()}
     with torch.no_grad():  # start beta so that the scores of the means spread over about one unit
@@ -144,15 +160,34 @@ def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=Non
     optimizer = torch.optim.Adam([*params.values(), log_beta], lr=opts.lr)
     with torch.no_grad():
         first = float(sum(routing_loss(params, g, log_beta) for g in groups) / len(groups))
+    pick = torch.Generator().manual_seed(opts.seed)
+
+    def hit_rate():
+        return routing_hit_rate(params, val_groups, opts.val_budget, opts.cluster_size)
+
+    best = (hit_rate(), 0, {k: v.detach().clone() for k, v in params.items()}) if val_groups else None
+    val_start = best[0] if best else None
     for step in range(opts.steps):
         optimizer.zero_grad()
-        loss = sum(routing_loss(params, g, log_beta) for g in groups) / len(groups)
+        batch = groups
+        if len(groups) > opts.groups_per_step:  # a random subset of (sequence, version) groups per step
+            batch = [groups[i] for i in torch.randperm(len(groups), generator=pick)[: opts.groups_per_step].tolist()]
+        loss = sum(routing_loss(params, g, log_beta) for g in batch) / len(batch)
         loss.backward()
         optimizer.step()
+        if best and ((step + 1) % opts.eval_every == 0 or step + 1 == opts.steps):
+            rate = hit_rate()
+            if rate > best[0]:
+                best = (rate, step + 1, {k: v.detach().clone() for k, v in params.items()})
         if progress and step % 50 == 0:
-            progress(f"step {step}: loss {loss.item():.4f}")
+            progress(f"step {step}: loss {loss.item():.4f}" + (f", best validation hit rate {best[0]:.4f}" if best else ""))
     with torch.no_grad():
         last = float(sum(routing_loss(params, g, log_beta) for g in groups) / len(groups))
-    trained = {k: v.detach() for k, v in params.items()}
-    return trained, {"loss_start": round(first, 5), "loss_end": round(last, 5), "groups": len(groups),
-                     "queries": sum(int(g.queries.shape[0]) for g in groups), "rep_spread": round(float(spread), 4)}
+    trained = best[2] if best else {k: v.detach() for k, v in params.items()}
+    summary = {"loss_start": round(first, 5), "loss_end": round(last, 5), "groups": len(groups),
+               "queries": sum(int(g.queries.shape[0]) for g in groups), "rep_spread": round(float(spread), 4)}
+    if best:
+        summary |= {"val_queries": sum(int(g.queries.shape[0]) for g in val_groups),
+                    f"val_hit_rate@{opts.val_budget}_start": round(val_start, 5),
+                    f"val_hit_rate@{opts.val_budget}_kept": round(best[0], 5), "kept_step": best[1]}
+    return trained, summary

@@ -23,7 +23,7 @@ LEARNED = "ivf-learned"
 
 def _cached_reps(encoder: dict, keys: torch.Tensor, cache: dict, version) -> torch.Tensor:
     """Learned representatives of a version, computed once per version."""
-    from dsaindex.train.ivf import representatives
+    from dsaindex.runtime.causal_ivf import representatives
 
     if id(version) not in cache:
         cache[id(version)] = representatives(encoder, keys, version)
@@ -51,15 +51,20 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
     _, eval_seqs = split_sequences(len(store.array("sequence_keys")))
     sums = {(m, b): 0.0 for m in methods for b in budgets}
     counts = dict.fromkeys(budgets, 0)
+    profile = {"window_share": 0.0, "keys_per_block": 0.0, "keys_per_cluster": 0.0, "queries": 0, "far": 0,
+               "clustered": 0}
     for part in queries_by_sequence(store, layer, eval_seqs, min(budgets), max_queries, device):
         keys = part.keys
         indexes = {m: make_index(m, keys.shape[1], window, cluster_size, refit_every, sinks, device) for m in methods}
         for index in indexes.values():
             index.append(keys)
         learned_cache: dict[int, torch.Tensor] = {}
+        cluster_maps: dict[int, torch.Tensor] = {}
         for p, q, w in zip(part.positions, part.queries, part.head_weights, strict=True):
             exact = indexer_scores(q.unsqueeze(0), keys[: p + 1], w.unsqueeze(0))[0]
-            truth = set(exact.topk(min(topk, p + 1)).indices.tolist())
+            top = exact.topk(min(topk, p + 1)).indices
+            truth = set(top.tolist())
+            _profile(profile, top, p, window, cluster_size, indexes.get("ivf"), cluster_maps)
             for b in budgets:
                 if p + 1 <= b:
                     continue
@@ -70,4 +75,34 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
                     sums[(m, b)] += len(truth & cand) / len(truth)
     recall = {m: {str(b): round(sums[(m, b)] / counts[b], 5) if counts[b] else None for b in budgets}
               for m in methods}
-    return {"layer": layer, "topk": topk, "queries": {str(b): counts[b] for b in budgets}, "recall": recall}
+    truth_profile = {"window_share": round(profile["window_share"] / max(1, profile["queries"]), 4),
+                     "keys_per_block": round(profile["keys_per_block"] / max(1, profile["far"]), 3),
+                     "keys_per_cluster": round(profile["keys_per_cluster"] / max(1, profile["clustered"]), 3)}
+    return {"layer": layer, "topk": topk, "queries": {str(b): counts[b] for b in budgets}, "recall": recall,
+            "truth_profile": truth_profile}
+
+
+def _profile(acc: dict, top: torch.Tensor, p: int, window: int, cluster_size: int, ivf, cluster_maps: dict) -> None:
+    """Where a query's exact top-k lies: the share in its last ``window`` keys, and how concentrated the
+    rest is: keys per touched contiguous block of ``cluster_size`` (what block routing can exploit)
+    and per touched cluster of the IVF version the query uses (what cluster routing can exploit)."""
+    far = top[top <= p - window]
+    acc["queries"] += 1
+    acc["window_share"] += 1 - far.numel() / max(1, top.numel())
+    if not far.numel():
+        return
+    acc["far"] += 1
+    acc["keys_per_block"] += far.numel() / torch.unique(far // cluster_size).numel()
+    version = ivf.version_for(p) if ivf is not None else None
+    if version is None:
+        return
+    if id(version) not in cluster_maps:
+        m = torch.full((ivf.length,), -1, dtype=torch.long, device=top.device)
+        m[version.order] = torch.repeat_interleave(torch.arange(version.clusters, device=top.device),
+                                                   version.starts.diff())
+        cluster_maps[id(version)] = m
+    ids = cluster_maps[id(version)][far]
+    ids = ids[ids >= 0]
+    if ids.numel():
+        acc["clustered"] += 1
+        acc["keys_per_cluster"] += ids.numel() / torch.unique(ids).numel()

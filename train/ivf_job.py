@@ -1,6 +1,7 @@
 """``dsaindex train ivf``: routing encoders per layer, held-out routing recall, an artifact bundle.
 
-The last fifth of the store's sequences is held out (as for PQ): encoders train on the others; the
+The last fifth of the store's sequences is held out (as for PQ): encoders train on the others (with
+three or more of them, the last one only picks the training step to keep, see ``train_encoder``); the
 recall of every routing method (contiguous blocks, IVF sealed only, IVF with refits, IVF with the
 learned representatives) is measured on the held-out ones at each candidate budget.
 """
@@ -14,24 +15,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsaindex.train.ivf import ENCODER_ARRAYS, IVFOptions, routing_groups, train_encoder
+from dsaindex.runtime.causal_ivf import ENCODER_ARRAYS
+from dsaindex.train.ivf import IVFOptions, routing_groups, train_encoder
 from dsaindex.train.ivf_eval import LEARNED, METHODS, evaluate_routing
 from dsaindex.train.recall import split_sequences
 
 
 def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval_queries: int = 64,
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, layers: list[int] | None = None) -> dict:
     from dsaindex.artifacts.capture_store import CaptureStore
 
     store = CaptureStore.open(store_path)
     topk = int(store.manifest.model.geometry["topk"])
     split = split_sequences(store.committed.sequences)
     results = {}
-    for layer in store.layers:
+    if layers is not None and not set(layers) <= set(store.layers):
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"{store_path} holds layers {store.layers}, not {sorted(set(layers) - set(store.layers))}.",
+                            "pass --layers from the store's own (`dsaindex store info` lists them).")
+    for layer in store.layers if layers is None else sorted(set(layers)):
         t0 = time.perf_counter()
         if progress:
             progress(f"layer {layer}: routing targets")
-        groups = routing_groups(store, layer, split[0], topk, opts)
+        fit, val = split[0], []
+        if len(split[0]) >= 3:  # the last training sequence picks the training step (never the held-out ones)
+            fit, val = split[0][:-1], split[0][-1:]
+        groups = routing_groups(store, layer, fit, topk, opts)
+        val_groups = routing_groups(store, layer, val, topk, opts) if val else None
         if not groups:
             from dsaindex.errors import DsaIndexError
 
@@ -40,7 +51,7 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
                 "capture longer sequences (--seq-len), or train with a smaller --window.")
         dim = int(groups[0].keys.shape[1])
         step_log = (lambda m, layer=layer: progress(f"layer {layer}: {m}")) if progress else None
-        encoder, summary = train_encoder(groups, dim, opts, progress=step_log)
+        encoder, summary = train_encoder(groups, dim, opts, progress=step_log, val_groups=val_groups)
         seconds = time.perf_counter() - t0
         if progress:
             progress(f"layer {layer}: held-out recall")

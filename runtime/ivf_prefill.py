@@ -1,0 +1,164 @@
+"""Prefill-time key selection for a chunk of queries: causal IVF routing + exact refine, or exhaustive.
+
+:func:`select_chunk` is the batched form of :meth:`CausalIVF.select` for the queries of one prefill
+chunk (their keys already appended): queries are grouped by the index version their position may
+use; each group scores the version's representatives, ranks clusters, and fills a ``[Q, budget]``
+candidate table (sinks, the open window, then the ranked clusters' members, as ``CausalIVF`` does);
+the candidates are scored exactly and the top-k kept. :func:`exhaustive_chunk` scores every key of
+each query's prefix: the baseline. Both score through :mod:`dsaindex.kernels.chunk_score`, the Triton
+kernel on the GPU (``use_triton``) or its torch reference.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from dsaindex.kernels.chunk_score import chunk_scores, chunk_scores_reference
+from dsaindex.runtime.causal_ivf import CausalIVF, Version
+
+
+def _scores(use_triton: bool, keys, queries, weights, **kw) -> torch.Tensor:
+    return (chunk_scores if use_triton else chunk_scores_reference)(keys, queries, weights, **kw)
+
+
+def _top_rows(scores: torch.Tensor, rows: torch.Tensor | None, topk: int) -> torch.Tensor:
+    """Top-k of each row of ``scores`` as key positions (``rows`` maps columns to positions); -1 where
+    fewer than k keys were scorable."""
+    k = min(topk, scores.shape[1])
+    vals, idx = scores.topk(k, dim=1)
+    pos = idx if rows is None else rows.gather(1, idx)
+    pos = pos.masked_fill(torch.isinf(vals), -1).long()
+    if k < topk:
+        pos = torch.cat([pos, pos.new_full((pos.shape[0], topk - k), -1)], dim=1)
+    return pos
+
+
+def candidate_table(index: CausalIVF, version: Version | None, cluster_scores: torch.Tensor | None,
+                    positions: torch.Tensor, budget: int) -> torch.Tensor:
+    """[Q, budget] candidate positions (-1 = unused) of queries at ``positions`` that use ``version``:
+    sinks and the open window first (the newest ``budget`` of them if they alone overflow), then the
+    members of clusters in order of ``cluster_scores`` [Q, C], the last one cut at the budget."""
+    dev = positions.device
+    visible = positions.long() + 1
+    upto = version.upto if version is not None else 0
+    n_sink = visible.clamp(max=index.sinks)
+    open_lo = max(upto, index.sinks)
+    n_open = (visible - open_lo).clamp_min(0)
+    reserved = n_sink + n_open
+    slot = torch.arange(budget, device=dev)[None, :]
+    i = slot + (reserved - budget).clamp_min(0)[:, None]  # index into [sinks, open window]
+    table = torch.where(i < n_sink[:, None], i, open_lo + i - n_sink[:, None])
+    table = table.masked_fill(i >= reserved[:, None], -1)
+    if version is None or version.clusters == 0:
+        return table
+    sizes = version.starts.diff()
+    ranked = cluster_scores.argsort(dim=1, descending=True)
+    ranked_sizes = sizes[ranked]
+    cum = ranked_sizes.cumsum(1)
+    t = (slot - reserved[:, None]).clamp_min(0)
+    r = torch.searchsorted(cum, t.contiguous(), right=True)
+    inside = (slot >= reserved[:, None]) & (r < ranked.shape[1])
+    r = r.clamp(max=ranked.shape[1] - 1)
+    c = ranked.gather(1, r)
+    offset = t - (cum.gather(1, r) - ranked_sizes.gather(1, r))
+    members = version.order[(version.starts[c] + offset).clamp(max=version.order.numel() - 1)]
+    return torch.where(inside, members, table)
+
+
+def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Tensor, positions: torch.Tensor,
+                 budget: int, topk: int, representatives: Callable[[Version], torch.Tensor] | None = None,
+                 use_triton: bool = False, query_block: int = 1024) -> torch.Tensor:
+    """Top-k key positions [Q, topk] (-1 padded) of prefill queries [Q, H, D] at ``positions`` (their
+    keys already in ``index``), routed by the causal IVF within ``budget`` candidates and refined
+    exactly. ``representatives(version)`` replaces the cluster means (learned routing)."""
+    out = torch.full((queries.shape[0], topk), -1, dtype=torch.long, device=queries.device)
+    uptos = [v.upto for v in index.versions]
+    pos_list = positions.tolist()
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(pos_list):
+        groups.setdefault(bisect.bisect_right(uptos, p + 1), []).append(i)
+    keys = index.keys.to(torch.bfloat16) if use_triton else index.keys
+    for at, members in groups.items():
+        version = index.versions[at - 1] if at else None
+        reps = None
+        if version is not None:
+            reps = version.centers if representatives is None else representatives(version)
+            reps = reps.to(torch.bfloat16) if use_triton else reps
+        sel = torch.tensor(members, device=queries.device)
+        for lo in range(0, sel.numel(), query_block):
+            rows = sel[lo : lo + query_block]
+            q, w, p = queries[rows], head_weights[rows], positions[rows]
+            route = None
+            if reps is not None:
+                route = _scores(use_triton, reps, q, w,
+                                lengths=torch.full_like(p, reps.shape[0], dtype=torch.int32))
+            cand = candidate_table(index, version, route, p, budget)
+            exact = _scores(use_triton, keys, q, w, rows=cand)
+            out[rows] = _top_rows(exact, cand, topk)
+    return out
+
+
+def exhaustive_chunk(keys: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor, positions: torch.Tensor,
+                     topk: int, use_triton: bool = False, query_block: int = 1024) -> torch.Tensor:
+    """Top-k key positions [Q, topk] (-1 padded) over each query's whole causal prefix of ``keys``."""
+    out = torch.full((queries.shape[0], topk), -1, dtype=torch.long, device=queries.device)
+    keys = keys.to(torch.bfloat16) if use_triton else keys
+    for lo in range(0, queries.shape[0], query_block):
+        p = positions[lo : lo + query_block]
+        n_out = int(p.max()) + 1
+        scores = _scores(use_triton, keys, queries[lo : lo + query_block], head_weights[lo : lo + query_block],
+                         lengths=(p + 1).to(torch.int32), n_out=n_out)
+        out[lo : lo + query_block] = _top_rows(scores, None, topk)
+    return out
+
+
+class IVFPrefillIndexer:
+    """Prefill-time selection of one request at one layer: a :class:`CausalIVF` fed chunk by chunk,
+    routed with the layer's learned representatives when an ``ivf`` artifact is loaded.
+
+    Parameters
+    ----------
+    dim : key dim; topk : keys selected per query; budget : candidates per query
+    layer : an :class:`dsaindex.runtime.loader.IVFLayer` (encoder and the index settings it was trained
+        with), or None for plain means with ``settings`` (window, cluster_size, refit_every, sinks)
+    use_triton : score with the Triton kernels (default: on a CUDA device)
+    """
+
+    def __init__(self, dim: int, topk: int, budget: int, layer=None, device: str | torch.device = "cpu",
+                 use_triton: bool | None = None, **settings):
+        from dsaindex.errors import DsaIndexError
+
+        keep = ("window", "cluster_size", "refit_every", "sinks", "refit_iterations")
+        chosen = {k: v for k, v in ((layer.settings if layer is not None else {}) | settings).items() if k in keep}
+        if budget < topk:
+            raise DsaIndexError(f"a candidate budget of {budget} cannot hold the top-{topk}.",
+                                "pass a budget of at least top-k keys (4-32x top-k is usual).")
+        self.index = CausalIVF(dim, device=device, **chosen)
+        self.topk, self.budget = topk, budget
+        self.params = layer.params if layer is not None else None
+        self.use_triton = torch.device(device).type == "cuda" if use_triton is None else use_triton
+        self._reps: dict[Version, torch.Tensor] = {}  # versions hash by identity
+
+    def _representatives(self, version: Version) -> torch.Tensor:
+        from dsaindex.runtime.causal_ivf import representatives
+
+        if version not in self._reps:
+            self._reps[version] = representatives(self.params, self.index.keys, version)
+        return self._reps[version]
+
+    def append(self, keys: torch.Tensor) -> None:
+        """The chunk's keys [n, D] (before its queries select)."""
+        self.index.append(keys)
+
+    def select(self, queries: torch.Tensor, head_weights: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top-k positions [Q, topk] (-1 padded) of the chunk's queries; versions no later query can
+        use are dropped, with their cached representatives."""
+        self.index.forget_before(int(positions.min()))
+        live = set(self.index.versions)
+        self._reps = {v: r for v, r in self._reps.items() if v in live}
+        reps = self._representatives if self.params is not None else None
+        return select_chunk(self.index, queries, head_weights, positions, self.budget, self.topk, reps,
+                            self.use_triton)

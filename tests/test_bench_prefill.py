@@ -1,0 +1,33 @@
+"""``dsaindex bench prefill-select`` on the CPU (torch scoring): the report's shape and its arithmetic."""
+
+import pytest
+
+from helpers import run_cli
+
+
+def test_prefill_select_report(tmp_path):
+    from dsaindex.pipelines.bench_prefill import markdown_table, run_bench
+
+    report = run_bench([2048, 4096], chunk=256, budgets=[512, 8192], topk=32, store=None, layer=None, heads=4,
+                       window=256, cluster_size=32, refit_every=1024, refit_iterations=1, repeats=1, device="cpu",
+                       use_triton=False)
+    assert [r["prefix"] for r in report["rows"]] == [2048, 4096]
+    for row in report["rows"]:
+        big = row["ivf"]["8192"]
+        assert big["recall_check"] == 1.0  # a budget above the prefix holds every key: exhaustive
+        small = row["ivf"]["512"]
+        assert 0 < small["recall_check"] <= 1
+        m = row["maintenance"]
+        assert m["per_chunk_s"] == pytest.approx(m["seal_per_chunk_s"] + m["last_refit_s"] * 256 / 1024, abs=1e-4)
+        saved = row["exhaustive_seconds"] - small["seconds"]
+        if saved > 0:
+            assert small["maintenance_share"] == pytest.approx(m["per_chunk_s"] / saved, rel=1e-2, abs=1e-3)
+    assert report["index"]["refits"] == 4  # keys up to 4096 + 256, a refit every 1024
+    assert markdown_table(report).count("\n") == 4
+
+
+def test_prefill_select_names_a_missing_store(tmp_path):
+    proc = run_cli("bench", "prefill-select", "--store", str(tmp_path / "missing"), "--device", "cpu",
+                   "--prefixes", "2048", "--chunk", "256")
+    assert proc.returncode == 2, proc.stderr
+    assert "missing" in proc.stderr and "Traceback" not in proc.stderr
