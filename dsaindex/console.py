@@ -11,6 +11,16 @@ def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def emit_report(report: dict, out=None, markdown=None, table: str | None = None) -> None:
+    """Print a benchmark's JSON report; also write it to ``out`` and ``table`` to ``markdown``."""
+    text = json.dumps(report, indent=2)
+    if out:
+        out.write_text(text)
+    if markdown and table is not None:
+        markdown.write_text(table)
+    print(text)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 import typer
 
+from dsaindex.console import emit_report
 from dsaindex.pipelines.bench_decode import bench_decode
 from dsaindex.pipelines.bench_prefill import bench_prefill_select
 
@@ -70,10 +70,7 @@ def bench_capture(
         "store_bytes_per_million_keys": round(info["bytes_on_disk"] / max(1, keys * layers) * 1e6),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
-    text = json.dumps(report, indent=2)
-    if out:
-        out.write_text(text)
-    print(text)
+    emit_report(report, out)
 
 
 @bench_app.command("pq-train")
@@ -132,10 +129,7 @@ def bench_pq_train(
             "seconds": round(seconds, 3),
             "relative_mse": round(relative_mse(data[:200_000], cb), 5),
         }
-    text = json.dumps(report, indent=2)
-    if out:
-        out.write_text(text)
-    print(text)
+    emit_report(report, out)
 
 
 def _median_ms(fn, *args) -> float:
@@ -178,7 +172,4 @@ def bench_pq_score(
         rows.append({"keys": n, "median_ms": {k: round(v, 4) for k, v in ms.items()},
                      "gkeys_per_s": {k: round(n / v / 1e6, 2) for k, v in ms.items()}})
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "subspaces": subspaces, "rows": rows}
-    text = json.dumps(report, indent=2)
-    if out:
-        out.write_text(text)
-    print(text)
+    emit_report(report, out)

@@ -297,9 +297,6 @@ def bench_decode(
         report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, int(p), cache,
                                             recall_min_prefix, recall_queries, "cuda")
                             for p in recall_prefilters.split(",") if p]
-    text = json.dumps(report, indent=2)
-    if out:
-        out.write_text(text)
-    if markdown:
-        markdown.write_text(markdown_table(report))
-    print(text)
+    from dsaindex.console import emit_report
+
+    emit_report(report, out, markdown, markdown_table(report))

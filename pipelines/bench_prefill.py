@@ -19,7 +19,6 @@ of the path, not as a routing-quality figure (``dsaindex eval ivf`` measures tha
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -209,10 +208,7 @@ def bench_prefill_select(
         report = run_bench([int(x) for x in prefixes.split(",") if x], chunk, [int(x) for x in budgets.split(",") if x],
                            topk, store, layer, heads, window, cluster_size, refit_every, refit_iterations, repeats,
                            device, use_triton, progress=lambda m: status.update(f"prefill-select: {m}"))
-    text = json.dumps(report, indent=2)
-    if out:
-        out.write_text(text)
-    if markdown:
-        markdown.write_text(markdown_table(report))
-    print(text)
+    from dsaindex.console import emit_report
+
+    emit_report(report, out, markdown, markdown_table(report))
     console.print(markdown_table(report))
