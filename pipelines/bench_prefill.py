@@ -89,7 +89,7 @@ def _recall(got, want) -> float:
 
 def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, store: Path | None, layer: int | None,
               heads: int, window: int, cluster_size: int, refit_every: int, refit_iterations: int, repeats: int,
-              device: str, use_triton: bool, progress=None) -> dict:
+              device: str, use_triton: bool, progress=None, refit_search: str = "incremental") -> dict:
     import torch
 
     from dsaindex.runtime.causal_ivf import CausalIVF
@@ -101,7 +101,7 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
     keys = keys.to(device)
     queries, weights = queries.to(device), weights.to(device)
     index = CausalIVF(keys.shape[1], window, cluster_size, refit_every, refit_iterations=refit_iterations,
-                      device=device)
+                      refit_search=refit_search, device=device)
     appends: list[dict] = []  # one per chunk appended: seconds, seals, refits
     rows = []
 
@@ -159,7 +159,7 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "source": source, "chunk": chunk, "topk": topk, "heads": heads, "budgets": budgets,
         "index": {"window": window, "cluster_size": cluster_size, "refit_every": refit_every,
-                  "refit_iterations": refit_iterations, "refits": index.refits},
+                  "refit_iterations": refit_iterations, "refit_search": refit_search, "refits": index.refits},
         "scoring": "triton" if use_triton else "torch", "repeats": repeats, "rows": rows,
         "build_seconds": round(sum(a["seconds"] for a in appends), 3),
     }
@@ -191,6 +191,8 @@ def bench_prefill_select(
     cluster_size: int = typer.Option(128, help="Keys per cluster."),
     refit_every: int = typer.Option(16384, help="Keys between refits."),
     refit_iterations: int = typer.Option(1, help="Lloyd iterations per refit."),
+    refit_search: str = typer.Option("incremental", help="incremental (old keys keep their center unless a new "
+                                     "one is closer) or exact (bound-certified, plain Lloyd's result)."),
     repeats: int = typer.Option(3, help="Timed runs per measurement (median)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
@@ -207,7 +209,8 @@ def bench_prefill_select(
     with console.status("prefill-select") as status:
         report = run_bench([int(x) for x in prefixes.split(",") if x], chunk, [int(x) for x in budgets.split(",") if x],
                            topk, store, layer, heads, window, cluster_size, refit_every, refit_iterations, repeats,
-                           device, use_triton, progress=lambda m: status.update(f"prefill-select: {m}"))
+                           device, use_triton, progress=lambda m: status.update(f"prefill-select: {m}"),
+                           refit_search=refit_search)
     from dsaindex.console import emit_report
 
     emit_report(report, out, markdown, markdown_table(report))

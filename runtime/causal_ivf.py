@@ -29,8 +29,8 @@ from dsaindex.runtime.clustering import (
     Bounds,
     KMeansStats,
     capped_kmeans,
+    nearest_bounds,
     seal_kmeans,
-    two_nearest,
     warm_bounds,
 )
 from dsaindex.score import indexer_scores
@@ -72,18 +72,24 @@ class CausalIVF:
     ----------
     dim : key dim; window : keys per seal; cluster_size : target keys per cluster (the cap of a seal;
     refits allow a quarter more); refit_every : keys between refits (0 = never); sinks : first keys
-    always kept; iterations : Lloyd iterations of a seal; refit_iterations : of a refit (1 = the
-    incremental refit: assign new keys and test old ones against new centers, then take means)
+    always kept; iterations : Lloyd iterations of a seal; refit_iterations : of a refit
+    refit_search : how a refit's first assignment treats keys the previous refit grouped:
+        ``incremental`` keeps each one's center unless a new center is closer (distance work for new
+        keys x all centers + old keys x new centers; not plain Lloyd's), ``exact`` also re-searches
+        every key the bounds do not certify (plain Lloyd's result)
     """
 
     def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, refit_every: int = 16384,
-                 sinks: int = 4, iterations: int = 8, refit_iterations: int = 1, device: str | torch.device = "cpu"):
+                 sinks: int = 4, iterations: int = 8, refit_iterations: int = 1, refit_search: str = "incremental",
+                 device: str | torch.device = "cpu"):
         if window % cluster_size:
             raise DsaIndexError(f"window {window} is not a multiple of cluster_size {cluster_size}.",
                                 "pick a window that is a whole number of clusters (1024 and 128, say).")
         self.dim, self.window, self.cluster_size = dim, window, cluster_size
         self.refit_every, self.sinks, self.iterations = refit_every, sinks, iterations
-        self.refit_iterations = refit_iterations
+        if refit_search not in ("incremental", "exact"):
+            raise DsaIndexError(f"unknown refit search {refit_search!r}.", "pass 'incremental' or 'exact'.")
+        self.refit_iterations, self.refit_search = refit_iterations, refit_search
         self.device = torch.device(device)
         self._keys = torch.empty(window, dim, device=self.device)  # grows by doubling: appends stay O(n)
         self._length = 0
@@ -143,12 +149,12 @@ class CausalIVF:
     def _refit(self) -> None:
         """Regroup every sealed key: warm start from the current means, one new center per
         ``cluster_size`` keys added since the last refit drawn from those keys. Keys grouped by the
-        previous refit keep their Hamerly bounds, so only new keys, new centers and the keys the
-        centers' drift unsettles cost distance computations."""
+        previous refit keep their bounds: new keys search every center, old keys only the new
+        centers, and (``exact``) the keys the bounds no longer certify search again."""
         prev = self.versions[-1]
         x = self.keys[self.sinks : self.sealed]
         k = -(-x.shape[0] // self.cluster_size)
-        init = prev.centers[:k]
+        init = prev.centers[:k]  # the last refit's means (its bounds hold against them), then the seals' means
         if init.shape[0] < k:
             g = torch.Generator(device="cpu").manual_seed(self.sealed)
             recent = self.keys[self.last_refit or self.sinks : self.sealed]
@@ -159,12 +165,12 @@ class CausalIVF:
         if self._bounds is not None:
             old = self._bounds.nearest.shape[0]
             kept = warm_bounds(x[:old], self._bounds, init, self._refit_k, stats)
-            near, d1, d2 = two_nearest(x[old:], init)
+            near, d1, lower = nearest_bounds(x[old:], init)
             stats.computed += (x.shape[0] - old) * k
-            bounds = Bounds(torch.cat([kept.nearest, near]), torch.cat([kept.upper, d1]), torch.cat([kept.lower, d2]))
-        assign, centers, self._bounds = capped_kmeans(x, k, self.cluster_size + self.cluster_size // 4,
-                                                      self.refit_iterations, init=init, seed=self.sealed,
-                                                      bounds=bounds, stats=stats)
+            bounds = Bounds(torch.cat([kept.nearest, near]), torch.cat([kept.upper, d1]), torch.cat([kept.lower, lower]))
+        assign, centers, self._bounds = capped_kmeans(
+            x, k, self.cluster_size + self.cluster_size // 4, self.refit_iterations, init=init, seed=self.sealed,
+            bounds=bounds, stats=stats, trust_warm=self.refit_search == "incremental")
         self._refit_k = k
         self.refit_stats.append(stats)
         order, starts = _grouped(assign, torch.arange(self.sinks, self.sealed, device=self.device), k)

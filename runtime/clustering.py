@@ -1,11 +1,13 @@
-"""Size-capped k-means for the causal IVF index: Hamerly-bounded Lloyd iterations, warm-startable
+"""Size-capped k-means for the causal IVF index: bound-accelerated Lloyd iterations, warm-startable
 across refits, and a vectorized capacity step. Torch only; the same code runs on CPU and GPU.
 
-Hamerly's bounds (one upper bound on the distance to the assigned center, one lower bound on the
-distance to every other center) let an iteration skip every point whose bounds prove its nearest
-center unchanged. The bounds survive between refits of the causal index (:class:`Bounds`): a refit
-recomputes distances only for keys added since the last one, for old keys against the centers added
-since, and for the points the drift of the centers unsettles.
+Bounds in the style of Hamerly and Yinyang k-means: one upper bound on the distance to the assigned
+center, and one lower bound per group of ``GROUP`` consecutive centers on the distance to every
+other center of the group. An iteration skips every point whose bounds prove its nearest center
+unchanged; a group's bounds loosen only by the largest move within that group, so the newest centers
+(which move most) do not unsettle every point. The bounds survive between refits of the causal index
+(:class:`Bounds`): a refit computes distances for keys added since the last one, for old keys against
+the centers added since, and for the points the bounds no longer certify.
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ import torch
 from dsaindex.errors import DsaIndexError
 
 _CHUNK_ELEMENTS = 1 << 26  # points x centers per distance block (256 MiB of float32)
+GROUP = 256  # centers per lower-bound group
 
 
 @dataclass
 class Bounds:
-    """Hamerly state of points against a set of centers: nearest center, an upper bound on the
-    distance to it, a lower bound on the distance to any other center (Euclidean, not squared)."""
+    """Bound state of points against a set of centers: nearest center, an upper bound on the distance
+    to it, and per group of ``GROUP`` centers a lower bound on the distance to the group's other
+    centers (Euclidean, not squared)."""
 
     nearest: torch.Tensor  # [N] int64
-    upper: torch.Tensor  # [N] float32
-    lower: torch.Tensor  # [N] float32
+    upper: torch.Tensor  # [N]
+    lower: torch.Tensor  # [N, groups]
 
 
 @dataclass
@@ -41,30 +45,41 @@ class KMeansStats:
         return 1.0 - self.computed / self.plain if self.plain else 0.0
 
 
-def two_nearest(x: torch.Tensor, centers: torch.Tensor, exclude: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(nearest index, its distance, second-nearest distance) of each point, in blocks of points.
+def _groups(k: int) -> int:
+    return -(-k // GROUP)
 
-    ``exclude`` [k] bool marks centers no point may take (full clusters)."""
+
+def _group_min(values: torch.Tensor, first: int, groups: int) -> torch.Tensor:
+    """Per-group minimum of ``values`` [b, n] whose columns are centers ``first .. first + n - 1``."""
+    b, n = values.shape
+    lo = first // GROUP
+    padded = torch.full((b, (groups - lo) * GROUP), float("inf"), dtype=values.dtype, device=values.device)
+    padded[:, first - lo * GROUP : first - lo * GROUP + n] = values
+    out = torch.full((b, groups), float("inf"), dtype=values.dtype, device=values.device)
+    out[:, lo:] = padded.view(b, groups - lo, GROUP).amin(2)
+    return out
+
+
+def nearest_bounds(x: torch.Tensor, centers: torch.Tensor, exclude: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nearest index [P], its distance [P], per-group distance to the other centers [P, groups]) of
+    each point, in blocks of points. ``exclude`` [k] bool marks centers no point may take."""
     k = centers.shape[0]
     c2 = (centers * centers).sum(1)
     if exclude is not None:
         c2 = c2.masked_fill(exclude, float("inf"))
     near = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     d1 = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    d2 = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    lower = torch.empty(x.shape[0], _groups(k), dtype=x.dtype, device=x.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, k))
     for lo in range(0, x.shape[0], step):
         xb = x[lo : lo + step]
         sq = torch.addmm(c2.unsqueeze(0), xb, centers.t(), alpha=-2.0) + (xb * xb).sum(1, keepdim=True)
-        if k > 1:
-            vals, idx = sq.topk(2, dim=1, largest=False)
-        else:
-            vals, idx = torch.cat([sq, torch.full_like(sq, float("inf"))], 1), torch.zeros_like(sq, dtype=torch.long)
-        near[lo : lo + step] = idx[:, 0]
-        d1[lo : lo + step] = vals[:, 0]
-        d2[lo : lo + step] = vals[:, 1]
-    return near, d1.clamp_min(0).sqrt(), d2.clamp_min(0).sqrt()
+        best, idx = sq.min(1)
+        near[lo : lo + step] = idx
+        d1[lo : lo + step] = best
+        lower[lo : lo + step] = _group_min(sq.scatter_(1, idx[:, None], float("inf")), 0, lower.shape[1])
+    return near, d1.clamp_min(0).sqrt(), lower.clamp_min(0).sqrt()
 
 
 def _exact_distance(x: torch.Tensor, centers: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
@@ -79,58 +94,72 @@ def _means(x: torch.Tensor, assign: torch.Tensor, centers: torch.Tensor) -> torc
 
 
 def _shift(bounds: Bounds, drift: torch.Tensor) -> None:
-    """Loosen bounds after centers moved by ``drift`` [k] (Hamerly: the largest move for the lower)."""
+    """Loosen bounds after centers moved by ``drift`` [k]: the upper bound by its center's move, each
+    group's lower bound by the largest move in that group."""
     bounds.upper += drift[bounds.nearest]
-    bounds.lower -= drift.max() if drift.numel() else 0.0
+    if drift.numel():
+        bounds.lower -= _group_min(-drift[None, :], 0, bounds.lower.shape[1]).neg()
 
 
 def warm_bounds(x_old: torch.Tensor, old: Bounds, centers: torch.Tensor, m: int, stats: KMeansStats) -> Bounds:
     """Bounds of points that had ``old`` bounds against ``centers[:m]`` (unchanged since) after
-    ``centers[m:]`` were added: only distances to the new centers are computed."""
-    new = centers[m:]
-    if new.shape[0] == 0 or x_old.shape[0] == 0:
+    ``centers[m:]`` were added: only distances to the new centers are computed. A point a new center
+    takes gets that center, its distance, and lower bounds of 0 (valid, certifying nothing)."""
+    k = centers.shape[0]
+    if k == m or x_old.shape[0] == 0:
         return old
-    n_near, n_d1, n_d2 = two_nearest(x_old, new)
+    groups = _groups(k)
+    new = centers[m:]
+    lower = torch.cat([old.lower, old.lower.new_full((old.lower.shape[0], groups - old.lower.shape[1]),
+                                                     float("inf"))], dim=1)
+    n_d1 = torch.empty(x_old.shape[0], dtype=x_old.dtype, device=x_old.device)
+    n_near = torch.empty(x_old.shape[0], dtype=torch.long, device=x_old.device)
+    c2 = (new * new).sum(1)
+    step = max(1, _CHUNK_ELEMENTS // new.shape[0])
+    for lo in range(0, x_old.shape[0], step):
+        xb = x_old[lo : lo + step]
+        d = (torch.addmm(c2.unsqueeze(0), xb, new.t(), alpha=-2.0) + (xb * xb).sum(1, keepdim=True)).clamp_min(0).sqrt()
+        n_d1[lo : lo + step], n_near[lo : lo + step] = d.min(1)
+        lower[lo : lo + step] = torch.minimum(lower[lo : lo + step], _group_min(d, m, groups))
     stats.computed += x_old.shape[0] * new.shape[0]
-    closer = n_d1 < old.upper
     upper = old.upper.clone()
-    # tighten the upper bound where a new center might win, then compare exactly
+    closer = n_d1 < upper  # a new center may win: tighten the upper bound, then compare exactly
     upper[closer] = _exact_distance(x_old[closer], centers, old.nearest[closer])
     stats.computed += int(closer.sum())
     wins = n_d1 < upper
-    nearest = torch.where(wins, n_near + m, old.nearest)
-    lower = torch.where(wins, torch.minimum(torch.minimum(old.lower, upper), n_d2), torch.minimum(old.lower, n_d1))
-    return Bounds(nearest, torch.where(wins, n_d1, upper), lower)
+    return Bounds(torch.where(wins, n_near + m, old.nearest), torch.where(wins, n_d1, upper),
+                  lower.masked_fill(wins[:, None], 0.0))
 
 
 def hamerly_lloyd(x: torch.Tensor, centers: torch.Tensor, iterations: int, bounds: Bounds | None = None,
-                  stats: KMeansStats | None = None) -> tuple[torch.Tensor, Bounds]:
+                  stats: KMeansStats | None = None, trust_warm: bool = False) -> tuple[torch.Tensor, Bounds]:
     """Lloyd iterations from ``centers`` whose assignment step skips points the bounds settle.
 
-    ``bounds`` (valid against ``centers``) replaces the first full assignment. Returns the centers
-    after ``iterations`` mean updates and the bounds valid against them; the result equals plain
-    Lloyd's (up to ties) because a point is skipped only when its nearest center provably stayed.
+    ``bounds`` (valid against ``centers``) replace the first full assignment: only the points they do
+    not certify search all centers. Returns the centers after ``iterations`` mean updates and the
+    bounds valid against them; the result equals plain Lloyd's (up to ties) because a point is
+    skipped only when its nearest center provably stayed. ``trust_warm`` takes the warm bounds'
+    assignment as it is for the first update (the incremental refit: cheaper, no longer plain Lloyd's).
     """
     stats = stats if stats is not None else KMeansStats()
     k = centers.shape[0]
-    if bounds is None:
-        near, d1, d2 = two_nearest(x, centers)
+    warm = bounds is not None
+    if not warm:
+        bounds = Bounds(*nearest_bounds(x, centers))
         stats.computed += x.shape[0] * k
-        bounds = Bounds(near, d1, d2)
     for it in range(iterations):
-        if it:  # re-assign the points the bounds do not settle
+        if it or (warm and not trust_warm):  # re-assign the points the bounds do not settle
             cc = torch.cdist(centers, centers).fill_diagonal_(float("inf"))
             half = 0.5 * cc.min(1).values if k > 1 else torch.full((k,), float("inf"), device=x.device)
-            gate = torch.maximum(bounds.lower, half[bounds.nearest])
+            gate = torch.maximum(bounds.lower.min(1).values, half[bounds.nearest])
             loose = (bounds.upper > gate).nonzero().squeeze(1)
             if loose.numel():
                 bounds.upper[loose] = _exact_distance(x[loose], centers, bounds.nearest[loose])
                 stats.computed += loose.numel()
                 loose = loose[bounds.upper[loose] > gate[loose]]
             if loose.numel():
-                near, d1, d2 = two_nearest(x[loose], centers)
+                bounds.nearest[loose], bounds.upper[loose], bounds.lower[loose] = nearest_bounds(x[loose], centers)
                 stats.computed += loose.numel() * k
-                bounds.nearest[loose], bounds.upper[loose], bounds.lower[loose] = near, d1, d2
         stats.plain += x.shape[0] * k
         moved = _means(x, bounds.nearest, centers)
         _shift(bounds, (moved - centers).norm(dim=1))
@@ -166,7 +195,7 @@ def capacity_assign(x: torch.Tensor, centers: torch.Tensor, cap: int, nearest: t
     assign = torch.full((n,), -1, dtype=torch.long, device=x.device)
     room = torch.full((k,), cap, dtype=torch.long, device=x.device)
     pending = torch.arange(n, device=x.device)
-    proposal = nearest if nearest is not None else two_nearest(x, centers)[0]
+    proposal = nearest if nearest is not None else nearest_bounds(x, centers)[0]
     for _ in range(max_rounds):
         if not pending.numel():
             return assign
@@ -175,7 +204,7 @@ def capacity_assign(x: torch.Tensor, centers: torch.Tensor, cap: int, nearest: t
         room -= torch.bincount(proposal[accept], minlength=k)
         pending = pending[~accept]
         if pending.numel():
-            proposal = two_nearest(x[pending], centers, exclude=room == 0)[0]
+            proposal = nearest_bounds(x[pending], centers, exclude=room == 0)[0]
             if stats is not None:
                 stats.computed += pending.numel() * k
     if pending.numel():  # the rest fill free slots in cluster order
@@ -224,13 +253,14 @@ def seal_kmeans(x: torch.Tensor, k: int, iterations: int, seeds: list[int]) -> t
 
 
 def capped_kmeans(x: torch.Tensor, k: int, cap: int, iterations: int = 8, init: torch.Tensor | None = None,
-                  seed: int = 0, bounds: Bounds | None = None, stats: KMeansStats | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, Bounds]:
+                  seed: int = 0, bounds: Bounds | None = None, stats: KMeansStats | None = None,
+                  trust_warm: bool = False) -> tuple[torch.Tensor, torch.Tensor, Bounds]:
     """k-means whose clusters hold at most ``cap`` points each.
 
     Bounded Lloyd iterations from ``init`` (or ``k`` points drawn with a fixed seed; ``bounds``
-    optionally warm-start the first assignment), then :func:`capacity_assign`; the centers returned
-    are the member means. Returns (assignment [N], centers [k, D], bounds against those centers).
+    optionally warm-start the first assignment; ``trust_warm`` as in :func:`hamerly_lloyd`), then
+    :func:`capacity_assign`. Returns (assignment [N], member means [k, D], bounds valid against
+    those means).
     """
     n = x.shape[0]
     if k * cap < n:
@@ -239,8 +269,7 @@ def capped_kmeans(x: torch.Tensor, k: int, cap: int, iterations: int = 8, init: 
         g = torch.Generator(device="cpu").manual_seed(seed)
         init = x[torch.randperm(n, generator=g)[:k].to(x.device)]
     stats = stats if stats is not None else KMeansStats()
-    centers, bounds = hamerly_lloyd(x, init.clone(), iterations, bounds, stats)
-    # exact nearest distances for the capacity ranking come from the bounds' assignment
+    centers, bounds = hamerly_lloyd(x, init.clone(), iterations, bounds, stats, trust_warm)
     assign = capacity_assign(x, centers, cap, bounds.nearest, stats=stats)
     final = _means(x, assign, centers)
     _shift(bounds, (final - centers).norm(dim=1))

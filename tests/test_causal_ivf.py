@@ -6,6 +6,7 @@ import torch
 from dsaindex.errors import DsaIndexError
 from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF
 from dsaindex.runtime.clustering import (
+    Bounds,
     KMeansStats,
     capacity_assign,
     capped_kmeans,
@@ -94,16 +95,26 @@ def plain_lloyd(x, centers, iterations):
     return centers
 
 
-def test_bounded_lloyd_equals_plain_lloyd_and_skips_work():
+def assert_bounds_valid(bounds, x, centers, group, tol):
+    d = torch.cdist(x, centers)
+    assert torch.all(bounds.upper >= d.gather(1, bounds.nearest[:, None]).squeeze(1) - tol)
+    others = d.scatter(1, bounds.nearest[:, None], float("inf"))
+    assert bounds.lower.shape[1] == -(-centers.shape[0] // group)
+    for g in range(bounds.lower.shape[1]):
+        assert torch.all(bounds.lower[:, g] <= others[:, g * group : (g + 1) * group].min(1).values + tol)
+
+
+@pytest.mark.parametrize("group", [8, 256])  # several lower-bound groups, and one (Hamerly)
+def test_bounded_lloyd_equals_plain_lloyd_and_skips_work(monkeypatch, group):
+    import dsaindex.runtime.clustering as clustering
+
+    monkeypatch.setattr(clustering, "GROUP", group)
     x = interleaved_keys(3000, groups=40).double()
     init = x[:60].clone()
     stats = KMeansStats()
     got, bounds = hamerly_lloyd(x, init, 10, stats=stats)
     torch.testing.assert_close(got, plain_lloyd(x, init, 10))
-    d = torch.cdist(x, got)
-    assert torch.all(bounds.upper >= d.gather(1, bounds.nearest[:, None]).squeeze(1) - 1e-9)
-    other = d.scatter(1, bounds.nearest[:, None], float("inf")).min(1).values
-    assert torch.all(bounds.lower <= other + 1e-9)
+    assert_bounds_valid(bounds, x, got, group, 1e-9)
     assert stats.plain == 10 * 3000 * 60 and 0.3 < stats.saved < 1
 
 
@@ -121,18 +132,20 @@ def test_capacity_assign_fills_nearest_first_and_respects_the_cap():
         assert (d[capped == c, c] <= d[i, c] + 1e-6).all()
 
 
-def test_refits_keep_valid_bounds_and_compute_less_than_plain_lloyd():
+@pytest.mark.parametrize("group,search", [(4, "exact"), (256, "exact"), (4, "incremental")])
+def test_refits_keep_valid_bounds(monkeypatch, group, search):
+    import dsaindex.runtime.clustering as clustering
+
+    monkeypatch.setattr(clustering, "GROUP", group)
     keys = interleaved_keys(9000, groups=50, seed=3)
-    ivf = CausalIVF(D, window=256, cluster_size=32, refit_every=1024, sinks=4)
+    ivf = CausalIVF(D, window=256, cluster_size=32, refit_every=1024, sinks=4, refit_search=search)
     ivf.append(keys)
     assert ivf.refits == 8
     v = next(v for v in reversed(ivf.versions) if v.upto == ivf.last_refit)  # the last refit's version
     x = ivf.keys[4 : ivf.last_refit]
-    d = torch.cdist(x, v.centers)
-    b = ivf._bounds
-    assert torch.all(b.upper >= d.gather(1, b.nearest[:, None]).squeeze(1) - 1e-4)
-    assert torch.all(b.lower <= d.scatter(1, b.nearest[:, None], float("inf")).min(1).values + 1e-4)
-    assert all(0 < s.saved < 1 for s in ivf.refit_stats[1:]), [s.saved for s in ivf.refit_stats]
+    assert_bounds_valid(ivf._bounds, x, v.centers, group, 1e-4)
+    if search == "incremental":  # new keys x all centers + old keys x new centers: less than a full pass
+        assert all(0 < s.saved < 1 for s in ivf.refit_stats[1:]), [s.saved for s in ivf.refit_stats]
     counts = torch.bincount(torch.repeat_interleave(torch.arange(v.clusters), v.starts.diff()))
     assert counts.max() <= 32 + 8
 
@@ -174,3 +187,13 @@ def test_appending_in_pieces_equals_appending_at_once():
     assert len(whole.versions) == len(pieces.versions)
     for a, b in zip(whole.versions, pieces.versions, strict=True):
         assert a.upto == b.upto and torch.equal(a.order, b.order)
+
+
+def test_warm_bounds_lead_to_the_plain_lloyd_result():
+    x = interleaved_keys(2000, groups=30).double()
+    init = x[:40].clone()
+    wrong = torch.randint(0, 40, (2000,), generator=torch.Generator().manual_seed(0))
+    # valid bounds that certify nothing: any center, its true distance, lower bounds of 0
+    loose = Bounds(wrong, (x - init[wrong]).norm(dim=1), torch.zeros(2000, 1, dtype=x.dtype))
+    got, _ = hamerly_lloyd(x, init, 3, bounds=loose)
+    torch.testing.assert_close(got, plain_lloyd(x, init, 3))
