@@ -133,10 +133,10 @@ def bench_pq_train(
 
 
 def _median_ms(fn, *args) -> float:
-    """Median milliseconds of ``fn(*args)`` on the GPU (triton.testing.do_bench)."""
-    import triton.testing
+    """Median milliseconds of ``fn(*args)`` on the GPU."""
+    from dsaindex.pipelines.bench_decode import _median_ms as median_ms
 
-    return triton.testing.do_bench(lambda: fn(*args), return_mode="median")
+    return median_ms(lambda: fn(*args))
 
 
 @bench_app.command("pq-score")

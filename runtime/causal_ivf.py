@@ -55,6 +55,16 @@ class Version:
     def members(self, c: int) -> torch.Tensor:
         return self.order[int(self.starts[c]) : int(self.starts[c + 1])]
 
+    def member_clusters(self) -> torch.Tensor:
+        """The cluster of each entry of ``order`` [M]."""
+        return torch.repeat_interleave(torch.arange(self.clusters, device=self.order.device), self.starts.diff())
+
+    def cluster_of(self, length: int) -> torch.Tensor:
+        """The cluster of each key position ``< length`` [length], -1 for keys outside every cluster."""
+        out = torch.full((length,), -1, dtype=torch.long, device=self.order.device)
+        out[self.order] = self.member_clusters()
+        return out
+
 
 def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Members of each cluster in one array: (order [N] positions sorted by cluster, starts [k + 1])."""
@@ -244,7 +254,7 @@ def representatives(params: dict[str, torch.Tensor], keys: torch.Tensor, version
     """
     members = keys[version.order]  # [M, D], grouped by cluster
     sizes = (version.starts[1:] - version.starts[:-1]).clamp_min(1)
-    cluster = torch.repeat_interleave(torch.arange(version.clusters, device=keys.device), version.starts.diff())
+    cluster = version.member_clusters()
     c = version.clusters
     mean = torch.zeros(c, keys.shape[1], device=keys.device).index_add_(0, cluster, members) / sizes[:, None]
     feats = torch.nn.functional.gelu(members @ params["phi_weight"].t() + params["phi_bias"])
@@ -254,3 +264,23 @@ def representatives(params: dict[str, torch.Tensor], keys: torch.Tensor, version
     summary = torch.cat([mean, sizes.float().log()[:, None], f_mean, f_max], dim=1)
     hidden = torch.nn.functional.gelu(summary @ params["hidden_weight"].t() + params["hidden_bias"])
     return mean + hidden @ params["out_weight"].t() + params["out_bias"]
+
+
+class LearnedRepresentatives:
+    """``representatives(version)`` of one encoder over one index's keys, computed once per version.
+
+    Pass it wherever a ``representatives`` callable is taken; :meth:`keep` drops the cached entries of
+    versions the index no longer holds."""
+
+    def __init__(self, params: dict[str, torch.Tensor], index: CausalIVF):
+        self.params, self.index = params, index
+        self._cache: dict[Version, torch.Tensor] = {}  # versions hash by identity
+
+    def __call__(self, version: Version) -> torch.Tensor:
+        if version not in self._cache:
+            self._cache[version] = representatives(self.params, self.index.keys, version)
+        return self._cache[version]
+
+    def keep(self, versions: list[Version]) -> None:
+        live = set(versions)
+        self._cache = {v: r for v, r in self._cache.items() if v in live}

@@ -60,6 +60,11 @@ def _group_min(values: torch.Tensor, first: int, groups: int) -> torch.Tensor:
     return out
 
 
+def _sq_distances(xb: torch.Tensor, centers: torch.Tensor, c2: torch.Tensor) -> torch.Tensor:
+    """Squared distances [b, k] of points ``xb`` to ``centers`` (``c2``: the centers' squared norms)."""
+    return torch.addmm(c2.unsqueeze(0), xb, centers.t(), alpha=-2.0) + (xb * xb).sum(1, keepdim=True)
+
+
 def nearest_bounds(x: torch.Tensor, centers: torch.Tensor, exclude: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(nearest index [P], its distance [P], per-group distance to the other centers [P, groups]) of
@@ -74,7 +79,7 @@ def nearest_bounds(x: torch.Tensor, centers: torch.Tensor, exclude: torch.Tensor
     step = max(1, _CHUNK_ELEMENTS // max(1, k))
     for lo in range(0, x.shape[0], step):
         xb = x[lo : lo + step]
-        sq = torch.addmm(c2.unsqueeze(0), xb, centers.t(), alpha=-2.0) + (xb * xb).sum(1, keepdim=True)
+        sq = _sq_distances(xb, centers, c2)
         best, idx = sq.min(1)
         near[lo : lo + step] = idx
         d1[lo : lo + step] = best
@@ -118,7 +123,7 @@ def warm_bounds(x_old: torch.Tensor, old: Bounds, centers: torch.Tensor, m: int,
     step = max(1, _CHUNK_ELEMENTS // new.shape[0])
     for lo in range(0, x_old.shape[0], step):
         xb = x_old[lo : lo + step]
-        d = (torch.addmm(c2.unsqueeze(0), xb, new.t(), alpha=-2.0) + (xb * xb).sum(1, keepdim=True)).clamp_min(0).sqrt()
+        d = _sq_distances(xb, new, c2).clamp_min(0).sqrt()
         n_d1[lo : lo + step], n_near[lo : lo + step] = d.min(1)
         lower[lo : lo + step] = torch.minimum(lower[lo : lo + step], _group_min(d, m, groups))
     stats.computed += x_old.shape[0] * new.shape[0]

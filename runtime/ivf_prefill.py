@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from dsaindex.kernels.chunk_score import chunk_scores, chunk_scores_reference
-from dsaindex.runtime.causal_ivf import CausalIVF, Version
+from dsaindex.runtime.causal_ivf import CausalIVF, LearnedRepresentatives, Version
 
 
 def _scores(use_triton: bool, keys, queries, weights, **kw) -> torch.Tensor:
@@ -138,16 +138,8 @@ class IVFPrefillIndexer:
                                 "pass a budget of at least top-k keys (4-32x top-k is usual).")
         self.index = CausalIVF(dim, device=device, **chosen)
         self.topk, self.budget = topk, budget
-        self.params = layer.params if layer is not None else None
         self.use_triton = torch.device(device).type == "cuda" if use_triton is None else use_triton
-        self._reps: dict[Version, torch.Tensor] = {}  # versions hash by identity
-
-    def _representatives(self, version: Version) -> torch.Tensor:
-        from dsaindex.runtime.causal_ivf import representatives
-
-        if version not in self._reps:
-            self._reps[version] = representatives(self.params, self.index.keys, version)
-        return self._reps[version]
+        self.representatives = LearnedRepresentatives(layer.params, self.index) if layer is not None else None
 
     def append(self, keys: torch.Tensor) -> None:
         """The chunk's keys [n, D] (before its queries select)."""
@@ -157,8 +149,7 @@ class IVFPrefillIndexer:
         """Top-k positions [Q, topk] (-1 padded) of the chunk's queries; versions no later query can
         use are dropped, with their cached representatives."""
         self.index.forget_before(int(positions.min()))
-        live = set(self.index.versions)
-        self._reps = {v: r for v, r in self._reps.items() if v in live}
-        reps = self._representatives if self.params is not None else None
-        return select_chunk(self.index, queries, head_weights, positions, self.budget, self.topk, reps,
-                            self.use_triton)
+        if self.representatives is not None:
+            self.representatives.keep(self.index.versions)
+        return select_chunk(self.index, queries, head_weights, positions, self.budget, self.topk,
+                            self.representatives, self.use_triton)

@@ -197,3 +197,13 @@ def test_warm_bounds_lead_to_the_plain_lloyd_result():
     loose = Bounds(wrong, (x - init[wrong]).norm(dim=1), torch.zeros(2000, 1, dtype=x.dtype))
     got, _ = hamerly_lloyd(x, init, 3, bounds=loose)
     torch.testing.assert_close(got, plain_lloyd(x, init, 3))
+
+
+def test_version_cluster_maps_agree_with_members():
+    ivf = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
+    ivf.append(interleaved_keys(2000))
+    v = ivf.versions[-1]
+    of = v.cluster_of(ivf.length)
+    for c in (0, 5, v.clusters - 1):
+        assert sorted((of == c).nonzero().squeeze(1).tolist()) == sorted(v.members(c).tolist())
+    assert (of[:4] == -1).all() and (of[v.upto :] == -1).all()  # sinks and the open window

@@ -94,7 +94,6 @@ def sequence_groups(keys: torch.Tensor, positions: list[int], queries: torch.Ten
                     topk: int, opts: IVFOptions) -> list[_Group]:
     """The groups of one sequence: its keys [N, D] indexed causally, its queries [Q, H, D] at
     ``positions`` grouped by the version each uses, with their targets and hit counts."""
-    dev = keys.device
     index = opts.index(keys.shape[1])
     index.append(keys)
     by_version: dict[int, tuple[Version, list[int]]] = {}
@@ -104,9 +103,7 @@ def sequence_groups(keys: torch.Tensor, positions: list[int], queries: torch.Ten
             by_version.setdefault(id(v), (v, []))[1].append(i)
     groups = []
     for version, members in by_version.values():
-        cluster_of = torch.full((keys.shape[0],), -1, dtype=torch.long, device=dev)
-        cluster_of[version.order] = torch.repeat_interleave(torch.arange(version.clusters, device=dev),
-                                                            version.starts.diff())
+        cluster_of = version.cluster_of(keys.shape[0])
         sizes = version.starts.diff().clamp_min(1).float()
         targets, hit_rows = [], []
         for i in members:

@@ -9,25 +9,14 @@ left out of that budget's mean: there the budget holds every key.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
-from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF
+from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF, LearnedRepresentatives
 from dsaindex.score import indexer_scores
 from dsaindex.train.recall import queries_by_sequence, split_sequences
 
 METHODS = ("blocks", "ivf-seal-only", "ivf")
 LEARNED = "ivf-learned"
-
-
-def _cached_reps(encoder: dict, keys: torch.Tensor, cache: dict, version) -> torch.Tensor:
-    """Learned representatives of a version, computed once per version."""
-    from dsaindex.runtime.causal_ivf import representatives
-
-    if id(version) not in cache:
-        cache[id(version)] = representatives(encoder, keys, version)
-    return cache[id(version)]
 
 
 def make_index(method: str, dim: int, window: int, cluster_size: int, refit_every: int, sinks: int, device):
@@ -58,7 +47,7 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
         indexes = {m: make_index(m, keys.shape[1], window, cluster_size, refit_every, sinks, device) for m in methods}
         for index in indexes.values():
             index.append(keys)
-        learned_cache: dict[int, torch.Tensor] = {}
+        learned = LearnedRepresentatives(encoder, indexes[LEARNED]) if LEARNED in indexes else None
         cluster_maps: dict[int, torch.Tensor] = {}
         for p, q, w in zip(part.positions, part.queries, part.head_weights, strict=True):
             exact = indexer_scores(q.unsqueeze(0), keys[: p + 1], w.unsqueeze(0))[0]
@@ -70,7 +59,7 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
                     continue
                 counts[b] += 1
                 for m, index in indexes.items():
-                    reps = partial(_cached_reps, encoder, index.keys, learned_cache) if m == LEARNED else None
+                    reps = learned if m == LEARNED else None
                     cand = set(index.candidates(q, w, p, b, representatives=reps).tolist())
                     sums[(m, b)] += len(truth & cand) / len(truth)
     recall = {m: {str(b): round(sums[(m, b)] / counts[b], 5) if counts[b] else None for b in budgets}
@@ -97,10 +86,7 @@ def _profile(acc: dict, top: torch.Tensor, p: int, window: int, cluster_size: in
     if version is None:
         return
     if id(version) not in cluster_maps:
-        m = torch.full((ivf.length,), -1, dtype=torch.long, device=top.device)
-        m[version.order] = torch.repeat_interleave(torch.arange(version.clusters, device=top.device),
-                                                   version.starts.diff())
-        cluster_maps[id(version)] = m
+        cluster_maps[id(version)] = version.cluster_of(ivf.length)
     ids = cluster_maps[id(version)][far]
     ids = ids[ids >= 0]
     if ids.numel():
