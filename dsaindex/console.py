@@ -1,10 +1,25 @@
-"""Shared terminal output helpers: rich tables, JSON printing and progress bars."""
+"""What every command shares at the terminal: device choice, JSON and report printing, tables, progress."""
 
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
 from typing import Any
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` where a CUDA device is present, else ``cpu``; other names pass through after
+    a check that a CUDA device exists when one is named."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"--device {name} was asked for, but this machine has no CUDA device torch can use.",
+                            "pass --device cpu (or auto), or install a CUDA build of torch on a GPU machine.")
+    return name
 
 
 def print_json(data: Any) -> None:

@@ -26,6 +26,16 @@ RopeLayout = Literal["half_split_head", "interleaved_head", "interleaved_tail"]
 ENGINE_KEY_FORMAT = "fp8_e4m3_ue8m0"
 
 
+def visible_key_count(positions, key_stride: int = 1):
+    """The causal rule, in one place: keys a query at token ``positions`` may score.
+
+    ``pos + 1`` (V3.2, GLM-5: key ``t`` is token ``t``) or ``(pos + 1) // m`` (V4: compressed entry ``t``
+    covers tokens ``[t*m, (t+1)*m)`` and is visible only once complete). Works elementwise on an int,
+    a numpy array or an integer tensor, and returns the same kind.
+    """
+    return (positions + 1) // key_stride
+
+
 @dataclass(frozen=True)
 class IndexerGeometry:
     """What a DSA model's indexer looks like.
@@ -68,9 +78,7 @@ class IndexerGeometry:
 
     def visible_keys(self, position: int) -> int:
         """Number of keys a query at token ``position`` may score (its causal prefix)."""
-        if self.key_stride == 1:
-            return position + 1
-        return (position + 1) // self.key_stride
+        return visible_key_count(position, self.key_stride)
 
     def keys_for_tokens(self, num_tokens: int) -> int:
         """Keys a sequence of ``num_tokens`` tokens produces (V4 drops an incomplete last window)."""

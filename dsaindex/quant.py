@@ -80,3 +80,11 @@ def bf16_to_bits(x: torch.Tensor) -> torch.Tensor:
 def bits_to_bf16(bits: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`bf16_to_bits`."""
     return bits.contiguous().view(torch.bfloat16)
+
+
+def engine_keys(keys: torch.Tensor, key_format: str) -> torch.Tensor:
+    """Keys as the engine holds them, float32: the FP8 e4m3 + ue8m0 round trip for ``fp8_e4m3_ue8m0``,
+    else the keys as they are."""
+    if key_format == "fp8_e4m3_ue8m0":
+        return fp8_dequantize(*fp8_quantize(keys))
+    return keys.float()

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from dsaindex.geometry import visible_key_count
+
 
 def effective_head_weights(raw_weights: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """``weights_proj(x)`` -> effective weights ``raw * n_heads**-0.5 * head_dim**-0.5`` (fp32)."""
@@ -55,20 +57,13 @@ def indexer_scores(
     return out
 
 
-def visible_key_counts(query_positions: torch.Tensor, key_stride: int = 1) -> torch.Tensor:
-    """Keys each query may score: ``pos + 1`` (V3.2, GLM-5) or ``(pos + 1) // m`` (V4 entries)."""
-    if key_stride == 1:
-        return query_positions.long() + 1
-    return (query_positions.long() + 1) // key_stride
-
-
 def causal_mask(query_positions: torch.Tensor, num_keys: int, key_stride: int = 1) -> torch.Tensor:
     """[S, T] bool, True where key ``t`` is in the causal prefix of the query at ``query_positions``.
 
     Key ``t`` stands for token ``t`` (stride 1) or for V4 compressed entry ``t`` covering tokens
-    ``[t*m, (t+1)*m)``, visible only once complete: ``t < (pos + 1) // m``.
+    ``[t*m, (t+1)*m)``, visible only once complete (:func:`dsaindex.geometry.visible_key_count`).
     """
-    limit = visible_key_counts(query_positions, key_stride)
+    limit = visible_key_count(query_positions.long(), key_stride)
     return torch.arange(num_keys, device=query_positions.device).unsqueeze(0) < limit.unsqueeze(1)
 
 
@@ -109,7 +104,7 @@ def topk_agree(
 
     Both index tensors are [S, k] with -1 for empty slots. Sets agree when every key in one set but not
     the other scores within tolerance of the k-th best score (a tie the two selections broke
-    differently). ``visible`` ([S] key counts, see :func:`visible_key_counts`) drops indices outside a
+    differently). ``visible`` ([S] key counts, see :func:`dsaindex.geometry.visible_key_count`) drops indices outside a
     query's causal prefix first: engines pad short prefixes with arbitrary masked keys.
 
     Returns

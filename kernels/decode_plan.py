@@ -3,8 +3,7 @@
 Given the top-C candidates of each request (positions and coarse scores, best first) and the cache
 row each one hits (``cap`` for a miss), :func:`decode_plan` decides, per request:
 
-* LeanSparse's miss filter: a miss is kept when its coarse score reaches the k-th largest candidate
-  score minus one sample standard deviation of the candidates' scores; hits are always kept;
+* LeanSparse's miss filter (:func:`dsaindex.coarse.miss_filter_keep`); hits are always kept;
 * where each kept miss goes: the ``r``-th kept miss takes the ``r``-th row of ``lru`` (cache rows,
   least recently used first);
 * the rows and key positions the exact rescoring reads: cache rows of hits and fetched misses, then
@@ -18,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from dsaindex.coarse import miss_filter_keep
+
 
 def decode_plan_reference(cand, cand_scores, hit_row, lru, n_encoded, tail_len, topk: int, cap: int, page: int,
                           miss_filter: bool = True):
@@ -27,17 +28,7 @@ def decode_plan_reference(cand, cand_scores, hit_row, lru, n_encoded, tail_len, 
     b, c = cand.shape
     valid = cand >= 0
     hit = valid & (hit_row < cap)
-    keep = hit.clone()
-    if miss_filter and c > 1:
-        n_valid = valid.sum(1, keepdim=True).clamp_min(2)
-        mean = torch.where(valid, cand_scores, torch.zeros_like(cand_scores)).sum(1, keepdim=True) / n_valid
-        var = (torch.where(valid, cand_scores - mean, torch.zeros_like(cand_scores)) ** 2).sum(1, keepdim=True)
-        std = (var / (n_valid - 1)).sqrt()
-        # a request with fewer than k candidates has kth = -inf: every candidate is kept
-        kth = cand_scores[:, min(topk, c) - 1 : min(topk, c)]
-        keep |= valid & (cand_scores >= kth - std)
-    else:
-        keep |= valid
+    keep = hit | (miss_filter_keep(cand_scores, valid, topk) if miss_filter and c > 1 else valid)
     fetch = keep & ~hit
     rank = (fetch.long().cumsum(1) - 1).clamp(0, cap - 1)
     dst = torch.where(fetch, lru.gather(1, rank), torch.full_like(rank, cap))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from dsaindex.kernels import select
+from dsaindex.pq import PQSpec, split_subspaces, whitening
 
 
 def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
@@ -150,15 +151,14 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
 def pq_encode_triton(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
                      block_n: int = 64) -> torch.Tensor:
     """Codes [N, M] uint8 of ``keys`` [N, D]: nearest centroid per subspace under ``metric`` (as
-    :func:`dsaindex.train.pq.encode`, the reference). The whitening is a small batched matmul in torch;
+    :func:`dsaindex.pq.encode`, the reference). The whitening is a small batched matmul in torch;
     the kernel does the distance and argmin."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_encode_kernel
-    from dsaindex.train.pq import PQSpec, split_subspaces, whitening
 
     m, k, d = codebooks.shape
-    spec = PQSpec(dim=m * d, subspaces=m, centroids=k)
+    spec = PQSpec.of(codebooks)
     white = whitening(metric, spec, keys.device)
     cb = codebooks.to(keys.device).float()
     x = split_subspaces(keys.float(), spec)  # [M, N, d]

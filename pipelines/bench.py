@@ -91,12 +91,13 @@ def bench_pq_train(
     import torch
 
     from dsaindex.pipelines.cli import _device
-    from dsaindex.train.pq import PQSpec, relative_mse, train_codebooks
+    from dsaindex.pq import PQSpec, relative_mse
+    from dsaindex.train.pq import train_codebooks
 
     device = _device(device)
     if store is not None:
         from dsaindex.artifacts.capture_store import CaptureStore
-        from dsaindex.train.recall import engine_keys
+        from dsaindex.quant import engine_keys
 
         cs = CaptureStore.open(store)
         layer = cs.layers[0] if layer is None else layer

@@ -58,12 +58,12 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
     ``keys`` a whole number of 64-key pages)."""
     from dsaindex.runtime.host_store import HostKeyStore
-    from dsaindex.runtime.loader import PQLayer
+    from dsaindex.pq import PQCodec
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
     batch, keys, dim = fp8.shape
     host = HostKeyStore(batch * -(-keys // 64), dim)
-    group = PQDecodeGroup(PQLayer(codebooks.float().cpu()), host, batch, keys, topk, candidates=candidates,
+    group = PQDecodeGroup(PQCodec(codebooks.float().cpu()), host, batch, keys, topk, candidates=candidates,
                           prefilter=prefilter, cache_capacity=cache, device="cuda")
     for b in range(batch):
         group.admit(b)

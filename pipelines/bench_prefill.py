@@ -59,7 +59,8 @@ def bench_inputs(total: int, chunk: int, store: Path | None, layer: int | None, 
         weights = torch.rand(chunk, heads, generator=g) * heads**-0.5 * dim**-0.5
         return keys, queries, weights, "synthetic clustered keys"
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.train.recall import engine_keys, queries_by_sequence
+    from dsaindex.quant import engine_keys
+    from dsaindex.train.recall import queries_by_sequence
 
     cs = CaptureStore.open(store)
     if not cs.committed.sequences:

@@ -37,9 +37,10 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc,
     pq_linear_topc_reference,
 )
+from dsaindex.pq import encode
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.loader import PQLayer
+from dsaindex.pq import PQCodec
 
 
 @dataclass
@@ -71,7 +72,7 @@ class PQDecodeGroup:
         their torch references run the same algorithm (CPU serving of small models, tests)
     """
 
-    def __init__(self, layer: PQLayer, host: HostKeyStore, slots: int, max_keys: int, topk: int,
+    def __init__(self, layer: PQCodec, host: HostKeyStore, slots: int, max_keys: int, topk: int,
                  candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None):
@@ -201,8 +202,6 @@ class PQDecodeGroup:
     def _encode(self, exact: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
             return pq_encode_triton(exact, self.codebooks, self.metric)
-        from dsaindex.train.pq import encode
-
         return encode(exact, self.codebooks, self.metric)
 
     def gpu_bytes(self) -> dict[str, int]:

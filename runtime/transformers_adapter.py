@@ -22,7 +22,7 @@ from dsaindex.geometry import geometry_from_config
 from dsaindex.indexer import find_indexers, mla_indexer_tensors
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.loader import PQLayer
+from dsaindex.pq import PQCodec
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
 
@@ -43,12 +43,12 @@ class RuntimeSelection:
     Parameters
     ----------
     model : a transformers DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``)
-    layers : layer id -> :class:`PQLayer` (``LoadedArtifacts.layers``), trained in ``basis``
+    layers : layer id -> :class:`PQCodec` (``LoadedArtifacts.layers``), trained in ``basis``
     batch : rows of the generation batch; max_keys : longest sequence (prompt + new tokens)
     candidates, prefilter, cache_capacity : as :class:`PQDecodeGroup`
     """
 
-    def __init__(self, model, layers: dict[int, PQLayer], batch: int, max_keys: int, basis: str = "hadamard",
+    def __init__(self, model, layers: dict[int, PQCodec], batch: int, max_keys: int, basis: str = "hadamard",
                  candidates: int = 1024, prefilter: int = 2, cache_capacity: int | None = None,
                  device: str | torch.device = "cpu", use_triton: bool | None = None):
         self.model = model
@@ -147,7 +147,7 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Te
     return {"argmax": torch.tensor(argmax), "fed": torch.tensor(fed)}
 
 
-def greedy_agreement(model, layers: dict[int, PQLayer], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
+def greedy_agreement(model, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
                      use_triton: bool | None = None, continuation: torch.Tensor | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.

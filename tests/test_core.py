@@ -8,7 +8,8 @@ import torch
 from dsaindex.errors import UnsupportedModelError
 from dsaindex.geometry import IndexerGeometry, geometry_from_config
 from dsaindex.quant import fp8_dequantize, fp8_quantize, hadamard_matrix, to_basis, ue8m0_exponent
-from dsaindex.score import causal_mask, causal_topk, indexer_scores, topk_agree, visible_key_counts
+from dsaindex.geometry import visible_key_count
+from dsaindex.score import causal_mask, causal_topk, indexer_scores, topk_agree
 
 
 def reference_scores(q, k, w):
@@ -40,9 +41,9 @@ def test_indexer_scores_accept_noncontiguous_and_bf16():
 
 def test_causal_rules():
     pos = torch.tensor([0, 3, 6, 7, 8])
-    assert visible_key_counts(pos).tolist() == [1, 4, 7, 8, 9]
+    assert visible_key_count(pos).tolist() == [1, 4, 7, 8, 9]
     # V4 entries: entry e covers tokens [4e, 4e+4) and is visible once complete: e < (pos+1)//4
-    assert visible_key_counts(pos, 4).tolist() == [0, 1, 1, 2, 2]
+    assert visible_key_count(pos, 4).tolist() == [0, 1, 1, 2, 2]
     mask = causal_mask(pos, 3, key_stride=4)
     assert mask.tolist() == [[False] * 3, [True, False, False], [True, False, False], [True, True, False], [True, True, False]]
 

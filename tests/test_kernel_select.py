@@ -136,7 +136,7 @@ def test_pq_candidate_scores_skip_rows_past_the_count():
 def test_pq_candidate_reference_is_the_decoded_exact_score():
     """Stage 2's spec is the exact score of the decoded keys (bf16 rounding aside)."""
     from dsaindex.score import indexer_scores
-    from dsaindex.train.pq import decode
+    from dsaindex.pq import decode
 
     codes, cb, q, w = pq_inputs(1, 64, 4, device="cpu")
     rows = torch.arange(64, dtype=torch.int32).unsqueeze(0)
@@ -148,7 +148,7 @@ def test_pq_candidate_reference_is_the_decoded_exact_score():
 @pytest.mark.parametrize("with_metric", [False, True])
 def test_pq_encode_matches_reference(with_metric):
     from dsaindex.kernels.pq_select import pq_encode_triton
-    from dsaindex.train.pq import encode
+    from dsaindex.pq import encode
 
     g = torch.Generator().manual_seed(3)
     cb = torch.randn(32, 256, 4, generator=g)

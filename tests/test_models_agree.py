@@ -10,7 +10,8 @@ import torch
 
 from dsaindex.geometry import geometry_from_config
 from dsaindex.pipelines.hooks import IndexerTap
-from dsaindex.score import causal_topk, indexer_scores, topk_agree, visible_key_counts
+from dsaindex.geometry import visible_key_count
+from dsaindex.score import causal_topk, indexer_scores, topk_agree
 from helpers import PRESETS
 
 
@@ -43,7 +44,7 @@ def test_core_topk_equals_module_topk(loaded_models, ref, batch, seq_len):
             scores = indexer_scores(rec.queries[b], rec.keys[b], rec.head_weights[b])
             _, ours = causal_topk(scores, positions, geometry.topk, geometry.key_stride)
             theirs = selected_by_module(rec.selected[b], scores.shape[1])
-            agree = topk_agree(scores, ours, theirs, visible_key_counts(positions, geometry.key_stride))
+            agree = topk_agree(scores, ours, theirs, visible_key_count(positions, geometry.key_stride))
             assert bool(agree.all()), f"{ref} layer {rec.layer}: {int((~agree).sum())} queries disagree"
             # selection is non-trivial: far more keys than top-k by the end of the sequence
             assert geometry.visible_keys(seq_len - 1) > geometry.topk
@@ -64,7 +65,7 @@ def test_bf16_model_agrees(loaded_models):
     for rec in records:
         scores = indexer_scores(rec.queries[0], rec.keys[0], rec.head_weights[0])
         _, ours = causal_topk(scores, positions, geometry.topk)
-        assert bool(topk_agree(scores, ours, rec.selected[0].long(), visible_key_counts(positions)).all())
+        assert bool(topk_agree(scores, ours, rec.selected[0].long(), visible_key_count(positions)).all())
 
 
 def test_tap_switch_and_detach(loaded_models):

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from dsaindex.kernels.fp8_score import fp8_topk_reference  # noqa: E402
 from dsaindex.quant import fp8_quantize  # noqa: E402
 from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError  # noqa: E402
-from dsaindex.runtime.loader import PQLayer  # noqa: E402
+from dsaindex.pq import PQCodec  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -28,10 +28,11 @@ def clustered(n, g):
 
 
 def layer(seed=0):
-    from dsaindex.train.pq import PQSpec, train_codebooks
+    from dsaindex.pq import PQSpec
+    from dsaindex.train.pq import train_codebooks
 
     keys = clustered(4000, torch.Generator().manual_seed(seed))
-    return PQLayer(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=32), "torch", 6))
+    return PQCodec(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=32), "torch", 6))
 
 
 def histories(lengths, seed=1):

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
+from pq_decode_reference import PQDecodeIndexer, pq_coarse_scores
+
 from dsaindex.errors import DsaIndexError
-from dsaindex.kernels.pq_score import pq_coarse_scores
+from dsaindex.pq import PQCodec, PQSpec, decode, encode
 from dsaindex.quant import fp8_dequantize, fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError
-from dsaindex.runtime.loader import PQLayer
-from dsaindex.runtime.pq_decode import PQDecodeIndexer
 from dsaindex.score import indexer_scores
-from dsaindex.train.pq import PQSpec, decode, encode, train_codebooks
+from dsaindex.train.pq import train_codebooks
 
 D, H = 32, 4
 
@@ -29,7 +29,7 @@ def setup():
     cb = train_codebooks(keys, PQSpec(D, 16, 64), "torch", iterations=10)
     q = torch.randn(H, D, generator=g)
     w = torch.rand(H, generator=g)
-    return keys, PQLayer(cb), q, w
+    return keys, PQCodec(cb), q, w
 
 
 def test_coarse_scores_equal_scores_of_decoded_keys(setup):
@@ -93,7 +93,7 @@ def test_free_twice_and_host_exhaustion_leave_other_requests_running(setup):
 def test_gpu_bytes_per_key_is_a_quarter_of_exact_at_pq32():
     cb = torch.randn(32, 256, 4)
     host = HostKeyStore(40, 128, pin=False)
-    idx = PQDecodeIndexer(PQLayer(cb), host, topk=8, candidates=64, cache_capacity=0)
+    idx = PQDecodeIndexer(PQCodec(cb), host, topk=8, candidates=64, cache_capacity=0)
     idx.admit("r")
     idx.append("r", torch.randn(64 * 40, 128))
     per_key = idx.gpu_bytes("r") / (64 * 40)

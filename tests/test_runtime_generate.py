@@ -24,8 +24,9 @@ def model_and_layers():
     from dsaindex.pipelines.models import load_model
     from dsaindex.pipelines.reference_train import set_index_topk
     from dsaindex.quant import to_basis
-    from dsaindex.runtime.loader import PQLayer
-    from dsaindex.train.pq import PQSpec, train_codebooks
+    from dsaindex.pq import PQCodec
+    from dsaindex.pq import PQSpec
+    from dsaindex.train.pq import train_codebooks
 
     net = load_model("reference", dtype="float32").model
     set_index_topk(net, TOPK)
@@ -42,7 +43,7 @@ def model_and_layers():
         net(input_ids=_text(20_000, 3000).unsqueeze(0), use_cache=False)
     for h in handles:
         h.remove()
-    layers = {i: PQLayer(train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8)) for i, k in keys.items()}
+    layers = {i: PQCodec(train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8)) for i, k in keys.items()}
     return net, layers
 
 

@@ -1,8 +1,6 @@
-"""Per-layer product quantization of indexer keys.
+"""Training of per-layer PQ codebooks for indexer keys (the codec itself is :mod:`dsaindex.pq`).
 
-A key of D dims is cut into M subspaces of D/M dims; each subspace has K = 256 centroids, so a key
-becomes M one-byte codes (PQ32 on 128-d keys: 32 bytes instead of 132). The coarse score of a key is
-the exact score of its decoded key (LeanSparse Eq. 6)::
+The coarse score of a key is the exact score of its decoded key (LeanSparse Eq. 6)::
 
     coarse[s, i] = sum_h w[s, h] * relu(sum_j q[s, h, j] . C_j[code[i, j]])
 
@@ -21,40 +19,12 @@ Cholesky factor of ``A_j``, running plain k-means, and mapping centroids back.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from dsaindex.errors import DsaIndexError
+from dsaindex.pq import PQSpec, split_subspaces, whitening
 
 TRAINERS = ("faiss", "torch")
-
-
-@dataclass(frozen=True)
-class PQSpec:
-    """Shape of a product quantizer: ``subspaces`` x ``centroids`` over keys of ``dim`` dims."""
-
-    dim: int
-    subspaces: int = 32
-    centroids: int = 256
-
-    def __post_init__(self):
-        if self.subspaces <= 0 or self.dim % self.subspaces:
-            raise DsaIndexError(
-                f"Key dim {self.dim} is not divisible by {self.subspaces} subspaces.",
-                f"pick --subspaces among the divisors of {self.dim} (e.g. 16, 32, 64 for 128-d keys).",
-            )
-        if not 2 <= self.centroids <= 256:
-            raise DsaIndexError(f"{self.centroids} centroids do not fit 8-bit codes.", "use at most 256 centroids.")
-
-    @property
-    def sub_dim(self) -> int:
-        return self.dim // self.subspaces
-
-    @property
-    def bytes_per_key(self) -> int:
-        return self.subspaces  # one uint8 code per subspace
 
 
 def check_keys(keys: torch.Tensor, spec: PQSpec, what: str = "keys") -> None:
@@ -75,24 +45,6 @@ def check_keys(keys: torch.Tensor, spec: PQSpec, what: str = "keys") -> None:
             f"Only {keys.shape[0]} {what} to train {spec.centroids} centroids per subspace; at least {need} needed.",
             "capture more sequences (`dsaindex capture STORE --sequences N` resumes and extends the store).",
         )
-
-
-def split_subspaces(x: torch.Tensor, spec: PQSpec) -> torch.Tensor:
-    """[N, D] -> [M, N, D/M] (a copy in fp32)."""
-    return x.float().reshape(x.shape[0], spec.subspaces, spec.sub_dim).transpose(0, 1).contiguous()
-
-
-def whitening(metric: torch.Tensor | None, spec: PQSpec, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-subspace (L^T, L^-T) with ``A_j + eps I = L L^T``; None for the plain (Euclidean) metric."""
-    if metric is None:
-        return None
-    a = metric.double().to(device)
-    eye = torch.eye(spec.sub_dim, dtype=torch.float64, device=device)
-    scale = a.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)
-    a = a / scale[:, None, None] + 1e-3 * eye  # normalize each block; regularize rank-deficient ones
-    chol = torch.linalg.cholesky(a)  # [M, d, d]
-    lt = chol.transpose(1, 2)
-    return lt.float(), torch.linalg.inv(lt).float()
 
 
 def _lloyd_torch(x: torch.Tensor, k: int, iterations: int, seed: int, block: int = 1 << 17) -> torch.Tensor:
@@ -174,36 +126,6 @@ def train_codebooks(
     return cent.float().cpu()
 
 
-def encode(
-    keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None, block: int = 65536
-) -> torch.Tensor:
-    """Nearest centroid per subspace (under ``metric`` if given). keys [N, D] -> codes [N, M] uint8."""
-    m, k, d = codebooks.shape
-    spec = PQSpec(dim=m * d, subspaces=m, centroids=k)
-    white = whitening(metric, spec, keys.device)
-    cb = codebooks.to(keys.device)
-    if white is not None:
-        cb = torch.bmm(cb, white[0].transpose(1, 2))
-    cb_sq = (cb * cb).sum(-1).unsqueeze(1)  # [M, 1, K]
-    codes = torch.empty(keys.shape[0], m, dtype=torch.uint8, device=keys.device)
-    for start in range(0, keys.shape[0], block):
-        x = split_subspaces(keys[start : start + block], spec)
-        if white is not None:
-            x = torch.bmm(x, white[0].transpose(1, 2))
-        dist = cb_sq - 2 * torch.bmm(x, cb.transpose(1, 2))
-        codes[start : start + block] = dist.argmin(-1).t().to(torch.uint8)
-    return codes
-
-
-def decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
-    """codes [N, M] uint8 -> reconstructed keys [N, D] float32."""
-    m, _, d = codebooks.shape
-    cb = codebooks.to(codes.device)
-    idx = codes.long()  # [N, M]
-    parts = cb[torch.arange(m, device=codes.device).unsqueeze(0), idx]  # [N, M, d]
-    return parts.reshape(codes.shape[0], m * d)
-
-
 def score_gradient_metric(
     queries: torch.Tensor, head_weights: torch.Tensor, keys_per_query: list[torch.Tensor], spec: PQSpec
 ) -> torch.Tensor:
@@ -229,14 +151,3 @@ def score_gradient_metric(
         acc += torch.bmm(gs.transpose(1, 2), gs)
         pairs += g.shape[0]
     return acc / max(1, pairs)
-
-
-def quantization_mse(keys: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor | None = None) -> float:
-    """Mean squared reconstruction error per key (sum over dims), fp32."""
-    codes = encode(keys, codebooks) if codes is None else codes
-    return float(((decode(codes, codebooks) - keys.float()) ** 2).sum(-1).mean())
-
-
-def relative_mse(keys: torch.Tensor, codebooks: torch.Tensor) -> float:
-    """Reconstruction MSE over the keys' mean squared norm (0 = perfect)."""
-    return quantization_mse(keys, codebooks) / max(float((keys.float() ** 2).sum(-1).mean()), math.ulp(1.0))

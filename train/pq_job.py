@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsaindex.train.pq import PQSpec, decode, encode, relative_mse, score_gradient_metric, train_codebooks
+from dsaindex.pq import PQSpec, decode, encode, relative_mse
+from dsaindex.train.pq import score_gradient_metric, train_codebooks
 from dsaindex.train.recall import (
     CANDIDATES,
     PAPER_K,
@@ -69,8 +70,9 @@ def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
 def metric_for_layer(store, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
                      max_queries: int, topk: int) -> torch.Tensor:
     """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys."""
+    from dsaindex.geometry import visible_key_count
+    from dsaindex.quant import engine_keys
     from dsaindex.score import indexer_scores
-    from dsaindex.train.recall import engine_keys
 
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
@@ -84,7 +86,7 @@ def metric_for_layer(store, layer: int, train_sequences: list[int], key_format: 
     raw = store.keys(layer)
     chosen = []
     for i, r in enumerate(rows):
-        visible = (positions[r] + 1) if stride == 1 else (positions[r] + 1) // stride
+        visible = visible_key_count(positions[r], stride)
         start = offsets[seq_of[r]]
         visible = min(int(visible), int(offsets[seq_of[r] + 1] - start))
         if visible <= 0:

@@ -19,18 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsaindex.quant import fp8_dequantize, fp8_quantize
+from dsaindex.coarse import miss_filter_keep
+from dsaindex.geometry import visible_key_count
+from dsaindex.quant import engine_keys
 from dsaindex.score import indexer_scores
 
 CANDIDATES = (1024, 2048, 4096)
 PAPER_K = 512
-
-
-def engine_keys(keys: torch.Tensor, key_format: str) -> torch.Tensor:
-    """Keys as the engine holds them: FP8 e4m3 + ue8m0 round trip for ``fp8_e4m3_ue8m0``, else as is."""
-    if key_format == "fp8_e4m3_ue8m0":
-        return fp8_dequantize(*fp8_quantize(keys))
-    return keys.float()
 
 
 @dataclass
@@ -80,7 +75,7 @@ def held_out(store, layer: int, eval_sequences: list[int], min_prefix: int, key_
     stride = int(store.manifest.model.geometry["key_stride"])
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
-    visible = (positions + 1) if stride == 1 else (positions + 1) // stride
+    visible = visible_key_count(positions, stride)
     seq_keys = store.array("sequence_keys").astype(np.int64)
     visible = np.minimum(visible, seq_keys[seq_of])
     rows = np.nonzero(np.isin(seq_of, eval_sequences) & (visible >= min_prefix))[0]
@@ -148,9 +143,8 @@ def evaluate_selection(
                 cand = coarse.topk(c).indices
                 rerank = cand[exact[cand].topk(min(k, cand.numel())).indices]
                 add(f"{tag}/rerank@{c}", _recall(rerank, truth))
-                cand_scores = coarse[cand]
-                kth = cand_scores.topk(min(k, cand.numel())).values[-1]
-                kept = cand[cand_scores >= kth - cand_scores.std()]
+                cand_scores = coarse[cand].unsqueeze(0)  # sorted descending: cand is a top-C
+                kept = cand[miss_filter_keep(cand_scores, torch.ones_like(cand_scores, dtype=torch.bool), k)[0]]
                 filtered = kept[exact[kept].topk(min(k, kept.numel())).indices]
                 add(f"{tag}/filter@{c}", _recall(filtered, truth))
                 add(f"{tag}/fetch@{c}", kept.numel() / cand.numel())
@@ -180,7 +174,7 @@ def queries_by_sequence(store, layer: int, sequences: list[int], min_visible: in
     offsets = sequence_key_offsets(store)
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
-    rows = np.nonzero(np.isin(seq_of, sequences) & (positions + 1 > min_visible))[0]
+    rows = np.nonzero(np.isin(seq_of, sequences) & (visible_key_count(positions) > min_visible))[0]
     if len(rows) > max_queries:
         rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
     queries = store.as_float(store.queries(layer)[rows]).to(device)

@@ -11,7 +11,8 @@ completed page as FP8 + ue8m0 (:class:`HostKeyStore`). One decode step for a que
    enter the cache (least recently used slots are replaced);
 4. exact scores of the kept candidates and the tail; the top-k positions are returned.
 
-This module is the specification the Triton kernels are checked against; it loops over requests.
+This is the per-request specification of the algorithm that :class:`dsaindex.runtime.pq_batch.PQDecodeGroup`
+runs batched on Triton kernels; it loops over requests and lives with the tests (no server imports it).
 """
 
 from __future__ import annotations
@@ -20,13 +21,34 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaindex.coarse import miss_filter_keep
 from dsaindex.errors import DsaIndexError
-from dsaindex.kernels.pq_score import pq_coarse_scores
+from dsaindex.pq import PQCodec
 from dsaindex.quant import fp8_dequantize, fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.loader import PQLayer
 from dsaindex.score import indexer_scores
-from dsaindex.train.pq import encode
+
+
+def pq_lookup_tables(queries: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """[H, D] queries and [M, K, D/M] codebooks -> [H, M, K] float32 tables of sub-dot-products."""
+    m, _, d = codebooks.shape
+    return torch.einsum("hmd,mkd->hmk", queries.float().view(queries.shape[0], m, d), codebooks.float()).contiguous()
+
+
+def pq_coarse_scores(queries: torch.Tensor, head_weights: torch.Tensor, codes: torch.Tensor,
+                     codebooks: torch.Tensor, block: int = 16384) -> torch.Tensor:
+    """Coarse scores [N] float32 of PQ codes [N, M] uint8 for one query ([H, D], weights [H]), from
+    per-head lookup tables; equal to the exact score of the decoded keys."""
+    n_heads = queries.shape[0]
+    m, k, _ = codebooks.shape
+    lut = pq_lookup_tables(queries, codebooks).reshape(n_heads, m * k)
+    offsets = torch.arange(m, device=codes.device) * k
+    out = torch.empty(codes.shape[0], dtype=torch.float32, device=codes.device)
+    for start in range(0, codes.shape[0], block):
+        idx = codes[start : start + block].long() + offsets  # [n, M] rows of the flattened table
+        dots = lut[:, idx].sum(-1)  # [H, n]
+        out[start : start + block] = head_weights.float() @ torch.relu(dots)
+    return out
 
 
 @dataclass
@@ -58,13 +80,13 @@ class PQDecodeIndexer:
 
     Parameters
     ----------
-    layer : the layer's PQ parameters (:class:`dsaindex.runtime.loader.PQLayer`)
+    layer : the layer's PQ codec (:class:`dsaindex.pq.PQCodec`)
     host : the shared host key store
     topk : keys selected per step; candidates : C of the coarse stage; cache_capacity : exact keys
     cached on the device per request; miss_filter : apply LeanSparse's filter to cache misses
     """
 
-    def __init__(self, layer: PQLayer, host: HostKeyStore, topk: int, candidates: int = 2048,
+    def __init__(self, layer: PQCodec, host: HostKeyStore, topk: int, candidates: int = 2048,
                  cache_capacity: int = 4096, device: str | torch.device = "cpu", miss_filter: bool = True):
         self.layer = layer
         self.host = host
@@ -117,7 +139,7 @@ class PQDecodeIndexer:
             page = self.host.allocate()
             self.host.write_page(page, page_keys)
             req.pages.append(page)
-            new_codes = encode(page_keys, self.layer.codebooks, self.layer.metric)
+            new_codes = self.layer.encode(page_keys)
             req.codes = torch.cat([req.codes, new_codes])
             req.tail = tail  # keep state consistent if the next allocation fails
         req.tail = tail
@@ -146,8 +168,7 @@ class PQDecodeIndexer:
             hit = slot >= 0
             keep = hit.clone()
             if self.miss_filter and c > 1:
-                kth = cand_scores[min(self.topk, c) - 1]
-                keep |= cand_scores >= kth - cand_scores.std()
+                keep |= miss_filter_keep(cand_scores[None], torch.ones_like(hit)[None], self.topk)[0]
             else:
                 keep[:] = True
             miss_kept = keep & ~hit
