@@ -57,8 +57,8 @@ def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int
 def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache):
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
     ``keys`` a whole number of 64-key pages)."""
-    from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.pq import PQCodec
+    from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
     batch, keys, dim = fp8.shape

@@ -37,10 +37,9 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc,
     pq_linear_topc_reference,
 )
-from dsaindex.pq import encode
+from dsaindex.pq import PQCodec, encode
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.pq import PQCodec
 
 
 @dataclass

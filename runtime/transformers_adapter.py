@@ -20,9 +20,9 @@ import torch
 
 from dsaindex.geometry import geometry_from_config
 from dsaindex.indexer import find_indexers, mla_indexer_tensors
+from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.pq import PQCodec
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
 

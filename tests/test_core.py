@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from dsaindex.errors import UnsupportedModelError
-from dsaindex.geometry import IndexerGeometry, geometry_from_config
+from dsaindex.geometry import IndexerGeometry, geometry_from_config, visible_key_count
 from dsaindex.quant import fp8_dequantize, fp8_quantize, hadamard_matrix, to_basis, ue8m0_exponent
-from dsaindex.geometry import visible_key_count
 from dsaindex.score import causal_mask, causal_topk, indexer_scores, topk_agree
 
 

@@ -135,8 +135,8 @@ def test_pq_candidate_scores_skip_rows_past_the_count():
 
 def test_pq_candidate_reference_is_the_decoded_exact_score():
     """Stage 2's spec is the exact score of the decoded keys (bf16 rounding aside)."""
-    from dsaindex.score import indexer_scores
     from dsaindex.pq import decode
+    from dsaindex.score import indexer_scores
 
     codes, cb, q, w = pq_inputs(1, 64, 4, device="cpu")
     rows = torch.arange(64, dtype=torch.int32).unsqueeze(0)

@@ -8,9 +8,8 @@ module's output (up to ties at the k-th score).
 import pytest
 import torch
 
-from dsaindex.geometry import geometry_from_config
+from dsaindex.geometry import geometry_from_config, visible_key_count
 from dsaindex.pipelines.hooks import IndexerTap
-from dsaindex.geometry import visible_key_count
 from dsaindex.score import causal_topk, indexer_scores, topk_agree
 from helpers import PRESETS
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.score import indexer_scores
 from dsaindex.pq import PQSpec, decode, encode, quantization_mse, relative_mse
+from dsaindex.score import indexer_scores
 from dsaindex.train.pq import score_gradient_metric, train_codebooks
 from dsaindex.train.recall import HeldOut, evaluate_selection, split_sequences
 

@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("triton")
 
 from dsaindex.kernels.fp8_score import fp8_topk_reference  # noqa: E402
+from dsaindex.pq import PQCodec  # noqa: E402
 from dsaindex.quant import fp8_quantize  # noqa: E402
 from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError  # noqa: E402
-from dsaindex.pq import PQCodec  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":

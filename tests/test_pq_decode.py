@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from pq_decode_reference import PQDecodeIndexer, pq_coarse_scores
 
 from dsaindex.errors import DsaIndexError

@@ -23,9 +23,8 @@ def model_and_layers():
     from dsaindex.indexer import mla_indexer_tensors
     from dsaindex.pipelines.models import load_model
     from dsaindex.pipelines.reference_train import set_index_topk
+    from dsaindex.pq import PQCodec, PQSpec
     from dsaindex.quant import to_basis
-    from dsaindex.pq import PQCodec
-    from dsaindex.pq import PQSpec
     from dsaindex.train.pq import train_codebooks
 
     net = load_model("reference", dtype="float32").model
