@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from dsaindex._version import __version__
-from dsaindex.artifacts.capture_store import ModelFingerprint
+from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptBundleError, DsaIndexError
 
 if TYPE_CHECKING:
@@ -55,12 +55,25 @@ class ArrayRecord(BaseModel):
 
 
 class LayerArtifact(BaseModel):
-    """What one layer's index is: its kind, its parameters, and its arrays (filled by :func:`write_bundle`)."""
+    """What one layer's index is: its kind (one of :mod:`dsaindex.artifacts.kinds`), its parameters,
+    and its arrays (filled by :func:`write_bundle`).
+
+    The bundle is a container: it checks that the kind is registered; the kind's own parameter model
+    and array names are checked where the layer is used (:func:`dsaindex.runtime.loader.place_layers`)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["pq", "ivf"]
+    kind: str
     params: dict[str, Any]
     arrays: dict[str, ArrayRecord] = {}
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, kind: str) -> str:
+        from dsaindex.artifacts.kinds import KINDS
+
+        if kind not in KINDS:
+            raise ValueError(f"unknown artifact kind {kind!r} (this dsaindex knows {', '.join(sorted(KINDS))})")
+        return kind
 
 
 class Lineage(BaseModel):
@@ -165,6 +178,14 @@ def _check_arrays(manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarr
                 )
 
 
+def check_bundle_destination(path: str | Path) -> Path:
+    """Refuse a bundle destination that exists and is not an empty folder (call it before long work)."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise DsaIndexError(f"{path} exists and is not empty.", "write the bundle to a new path, or delete the old one.")
+    return path
+
+
 def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarray]]) -> BundleManifest:
     """Write a bundle at ``path`` and return its manifest with ``layers[..].arrays`` filled in.
 
@@ -180,9 +201,7 @@ def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, d
     """
     import zarr
 
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise DsaIndexError(f"{path} exists and is not empty.", "write the bundle to a new path, or delete the old one.")
+    path = check_bundle_destination(path)
     _check_arrays(manifest, arrays)
     layers = {key: art.model_copy(update={"arrays": {}}) for key, art in manifest.layers.items()}
     for layer, named in arrays.items():

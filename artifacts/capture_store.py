@@ -35,6 +35,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsaindex._version import __version__
+from dsaindex.artifacts.compat import differences
+from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError
 
 SCHEMA_ID = "dsaindex.capture-store"
@@ -44,18 +46,6 @@ KEY_DTYPES = ("bfloat16", "float32")
 
 SEQUENCE_ARRAYS = ("sequence_tokens", "sequence_keys", "sequence_queries")
 QUERY_ARRAYS = ("query_position", "query_sequence", "query_window")
-
-
-class ModelFingerprint(BaseModel):
-    """Identifies the model a store (or artifact) belongs to."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    family: str
-    geometry: dict[str, Any]
-    config_digest: str
-    weights_digest: str
-    dtype: str
 
 
 class QuerySampling(BaseModel):
@@ -197,7 +187,7 @@ class CaptureStore:
             raise DsaIndexError(f"{path} exists and is not empty.", "capture into a new path, or resume an existing store.")
         group = zarr.open_group(str(path), mode="w", zarr_format=3)
         geometry = manifest.model.geometry
-        heads, dim = geometry["n_heads"], geometry["head_dim"]
+        heads, dim = geometry.n_heads, geometry.head_dim
         key_dtype = _storage_dtype(manifest.settings.key_dtype)
         comp = _compressors()
         for name in SEQUENCE_ARRAYS:
@@ -207,7 +197,7 @@ class CaptureStore:
             group.create_array(name, shape=(0,), chunks=(8192,), dtype="int32", compressors=comp)
         key_rows = max(1024, (4 << 20) // (dim * 2))  # ~4 MiB chunks
         query_rows = max(16, (4 << 20) // (heads * dim * 2))
-        for layer in geometry["indexer_layers"]:
+        for layer in geometry.indexer_layers:
             sub = group.require_group(f"layers/{layer}")
             sub.create_array("keys", shape=(0, dim), chunks=(key_rows, dim), dtype=key_dtype, compressors=comp)
             sub.create_array(
@@ -266,7 +256,7 @@ class CaptureStore:
             ("tokenizer", have.tokenizer, want.tokenizer),
         ):
             if a != b:
-                diffs = _diff(a, b)
+                diffs = differences(a, b)
                 raise StoreMismatchError(
                     f"{self.path} was captured with another {label} ({diffs}).",
                     "resume with the store's own model and settings (`dsaindex store info` shows them), "
@@ -347,7 +337,7 @@ class CaptureStore:
     # ---- reading -------------------------------------------------------------------------------
     @property
     def layers(self) -> list[int]:
-        return [int(i) for i in self.manifest.model.geometry["indexer_layers"]]
+        return list(self.manifest.model.geometry.indexer_layers)
 
     def _read(self, name: str, which: str) -> np.ndarray:
         n = getattr(self.committed, which)
@@ -392,10 +382,10 @@ class CaptureStore:
             "model": {"name": m.model.name, "family": m.model.family, "dtype": m.model.dtype,
                       "config_digest": m.model.config_digest, "weights_digest": m.model.weights_digest},
             "layers": self.layers,
-            "n_heads": g["n_heads"],
-            "head_dim": g["head_dim"],
-            "topk": g["topk"],
-            "key_stride": g["key_stride"],
+            "n_heads": g.n_heads,
+            "head_dim": g.head_dim,
+            "topk": g.topk,
+            "key_stride": g.key_stride,
             "basis": m.settings.basis,
             "key_dtype": m.settings.key_dtype,
             "settings": m.settings.model_dump(),
@@ -419,20 +409,4 @@ def new_manifest(model: ModelFingerprint, settings: CaptureSettings, corpus: dic
         corpus=corpus,
         tokenizer=tokenizer,
     )
-
-
-def _diff(a: Any, b: Any, prefix: str = "") -> str:
-    """Short description of where two nested dicts differ: 'x.y: store=1 vs now=2'."""
-    parts: list[str] = []
-
-    def walk(x: Any, y: Any, path: str) -> None:
-        if isinstance(x, dict) and isinstance(y, dict):
-            for k in sorted(set(x) | set(y)):
-                walk(x.get(k), y.get(k), f"{path}.{k}" if path else str(k))
-        elif x != y:
-            parts.append(f"{path}: store={x!r} vs now={y!r}")
-
-    walk(a, b, prefix)
-    return "; ".join(parts[:3]) + (" ..." if len(parts) > 3 else "")
-
 

@@ -16,44 +16,13 @@ def info(
 ) -> None:
     """Model, layers, key/query counts, bytes, dims and corpus of a capture store."""
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.console import print_json
+    from dsaindex.console import print_json, print_store_summary
 
     summary = CaptureStore.open(store).info()
     if as_json:
         print_json(summary)
         return
     print_store_summary(summary)
-
-
-def print_store_summary(s: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from dsaindex.console import human_bytes
-
-    c = s["committed"]
-    n_keys = max(1, c["keys"] * len(s["layers"]))
-    key_bytes = s.get("key_bytes_on_disk", s["bytes_on_disk"])
-    table = Table(title=f"capture store {s['path']}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    rows = [
-        ("model", f"{s['model']['name']} ({s['model']['family']}, {s['model']['dtype']}, weights {s['model']['weights_digest']})"),
-        ("indexer layers", f"{len(s['layers'])}: {', '.join(map(str, s['layers']))}"),
-        ("indexer", f"{s['n_heads']} heads x {s['head_dim']} dims, top-{s['topk']}, key stride {s['key_stride']}"),
-        ("keys", f"{s['basis']} basis, {s['key_dtype']}"),
-        ("sequences", f"{c['sequences']} ({c['tokens']:,} tokens, seq_len {s['settings']['seq_len']})"),
-        ("keys per layer", f"{c['keys']:,}"),
-        ("queries per layer", f"{c['queries']:,} sampled"),
-        ("on disk", f"{human_bytes(s['bytes_on_disk'])} in all; keys {human_bytes(key_bytes)} "
-                    f"({key_bytes / n_keys:.0f} bytes per key)"),
-        ("corpus", f"{', '.join(s['corpus']['sources'])}: {s['corpus']['files']} files, {human_bytes(s['corpus']['bytes'])}"),
-        ("tokenizer", s["tokenizer"]),
-        ("store id", f"{s['store_id']} ({s['schema']}, created {s['created_at']})"),
-    ]
-    for k, v in rows:
-        table.add_row(k, v)
-    Console().print(table)
 
 
 # ---- dsaindex registry ... -------------------------------------------------------------------------

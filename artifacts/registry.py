@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaindex.artifacts.bundle import BundleManifest, read_bundle
-from dsaindex.artifacts.capture_store import ModelFingerprint
+from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptBundleError, DsaIndexError
 
 DEFAULT_EXPERIMENT = "dsaindex"

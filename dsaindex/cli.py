@@ -16,8 +16,8 @@ from dsaindex.errors import DsaIndexError
 from dsaindex.pipelines.bench import bench_app
 from dsaindex.pipelines.cli import register as register_pipelines
 from dsaindex.pipelines.reference_cli import reference_app
-from dsaindex.runtime.cli import runtime_app
-from dsaindex.train.cli import eval_app, train_app
+from dsaindex.pipelines.runtime_cli import runtime_app
+from dsaindex.pipelines.train_cli import eval_app, train_app
 
 app = typer.Typer(
     name="dsaindex",

@@ -22,6 +22,20 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def parse_ints(text: str, option: str) -> list[int]:
+    """``"1024,2048"`` -> ``[1024, 2048]``; anything else is a :class:`DsaIndexError` naming ``option``."""
+    from dsaindex.errors import DsaIndexError
+
+    try:
+        values = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise DsaIndexError(f"{option} {text!r} is not a comma-separated list of integers.",
+                            f"pass e.g. {option} 1024,2048.")
+    return values
+
+
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
@@ -74,3 +88,97 @@ def progress_bar(description: str, enabled: bool = True):
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+# ---- tables ----------------------------------------------------------------------------------------
+def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4096), title: str = ""):
+    """A rich table of PQ recall metrics (``k{k}/direct``, ``k{k}/rerank@C``, ...) for named rows, or a
+    dim note when no row has a query with a long enough prefix."""
+    from rich.table import Table
+
+    fc = 2048 if 2048 in candidates else max(candidates)  # C of the miss-filter columns
+    table = Table(title=title or f"recall of the exact top-{k} (held-out queries)", title_justify="left")
+    for col in ["", "direct PQ", *[f"rerank C={c}" for c in candidates], f"+filter C={fc}", f"fetch C={fc}", "rel. MSE"]:
+        table.add_column(col, justify="right" if col else "left")
+    rows = [(name, m) for name, m in rows if f"k{k}/direct" in m]
+    if not rows:
+        return f"[dim]recall of the exact top-{k}: no held-out query has a causal prefix of 4 x {k} keys " \
+               f"(capture longer sequences)[/dim]"
+    for name, m in rows:
+        table.add_row(
+            name,
+            f"{m[f'k{k}/direct']:.2%}",
+            *[f"{m[f'k{k}/rerank@{c}']:.2%}" if f"k{k}/rerank@{c}" in m else "-" for c in candidates],
+            f"{m[f'k{k}/filter@{fc}']:.2%}" if f"k{k}/filter@{fc}" in m else "-",
+            f"{m[f'k{k}/fetch@{fc}']:.1%}" if f"k{k}/fetch@{fc}" in m else "-",
+            f"{m.get('relative_mse', float('nan')):.4f}",
+        )
+    return table
+
+
+def print_recall_tables(per_layer: dict[int, dict], mean: dict, ks, candidates, title: str = "", console=None) -> None:
+    """One :func:`recall_table` per k: a row per layer, then the mean."""
+    from rich.console import Console
+
+    console = console or Console()
+    rows = [(f"layer {layer}", m) for layer, m in sorted(per_layer.items())] + [("mean", mean)]
+    for k in ks:
+        console.print(recall_table(rows, k, candidates, f"{title} recall of the exact top-{k}".strip()))
+
+
+def print_pq_job(result, name: str, console=None) -> None:
+    """The recall tables of a :class:`dsaindex.train.pq_job.PQJobResult`, then its bundle, registration
+    and plots."""
+    from rich.console import Console
+
+    console = console or Console()
+    report = result.report
+    print_recall_tables(report["per_layer"], report["mean"], result.ks, result.opts.candidates, name, console)
+    registered = result.registered
+    console.print(f"bundle: {result.bundle}" + (f"  registered: {registered['name']} v{registered['version']} "
+                                                f"@{registered.get('alias', 'candidate')}" if registered else ""))
+    for p in result.plots:
+        console.print(f"plot: {p}")
+
+
+def routing_table(mean: dict, budgets: list[int], title: str):
+    """A rich table of routing recall: a row per method, a column per candidate budget."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("routing")
+    for b in budgets:
+        table.add_column(f"budget {b:,}", justify="right")
+    for method, by in mean.items():
+        table.add_row(method, *[("-" if by[str(b)] is None else f"{by[str(b)] * 100:.2f}%") for b in budgets])
+    return table
+
+
+def print_store_summary(s: dict) -> None:
+    """A capture store's :meth:`~dsaindex.artifacts.capture_store.CaptureStore.info` as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = s["committed"]
+    n_keys = max(1, c["keys"] * len(s["layers"]))
+    key_bytes = s.get("key_bytes_on_disk", s["bytes_on_disk"])
+    table = Table(title=f"capture store {s['path']}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("model", f"{s['model']['name']} ({s['model']['family']}, {s['model']['dtype']}, weights {s['model']['weights_digest']})"),
+        ("indexer layers", f"{len(s['layers'])}: {', '.join(map(str, s['layers']))}"),
+        ("indexer", f"{s['n_heads']} heads x {s['head_dim']} dims, top-{s['topk']}, key stride {s['key_stride']}"),
+        ("keys", f"{s['basis']} basis, {s['key_dtype']}"),
+        ("sequences", f"{c['sequences']} ({c['tokens']:,} tokens, seq_len {s['settings']['seq_len']})"),
+        ("keys per layer", f"{c['keys']:,}"),
+        ("queries per layer", f"{c['queries']:,} sampled"),
+        ("on disk", f"{human_bytes(s['bytes_on_disk'])} in all; keys {human_bytes(key_bytes)} "
+                    f"({key_bytes / n_keys:.0f} bytes per key)"),
+        ("corpus", f"{', '.join(s['corpus']['sources'])}: {s['corpus']['files']} files, {human_bytes(s['corpus']['bytes'])}"),
+        ("tokenizer", s["tokenizer"]),
+        ("store id", f"{s['store_id']} ({s['schema']}, created {s['created_at']})"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

@@ -36,3 +36,7 @@ class ModelNotFoundError(DsaIndexError):
 
 class CorruptBundleError(DsaIndexError):
     """An artifact bundle is missing, damaged, or is not a bundle of this project."""
+
+
+class ArtifactMismatchError(DsaIndexError):
+    """The artifacts were trained for another model, basis or format than the one being served."""

@@ -61,7 +61,7 @@ def fingerprint(loaded: LoadedModel) -> ModelFingerprint:
     return ModelFingerprint(
         name=loaded.name,
         family=geometry.family,
-        geometry=geometry.to_dict(),
+        geometry=geometry,
         config_digest=loaded.config_digest,
         weights_digest=loaded.weights_digest,
         dtype=dtype,

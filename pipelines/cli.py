@@ -7,14 +7,6 @@ from pathlib import Path
 import typer
 
 
-def _device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def capture_cmd(
     store: Path = typer.Argument(..., help="Capture store to create, or to resume if it exists."),
     model: str = typer.Option(
@@ -42,6 +34,7 @@ def capture_cmd(
 ) -> None:
     """Run a DSA model over a corpus and record its indexer keys, sampled queries and head weights."""
     from dsaindex.artifacts.capture_store import CaptureSettings, QuerySampling
+    from dsaindex.console import resolve_device
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref
@@ -58,14 +51,13 @@ def capture_cmd(
         sampling=QuerySampling(scattered=queries, windows=windows, window_len=window_len, seed=seed),
     )
     spec = CorpusSpec(sources=tuple(corpus) if corpus else ("stdlib",), text_field=text_field)
-    run_capture_and_report(store, model or default_model_ref(), spec, settings, sequences, _device(device), dtype,
+    run_capture_and_report(store, model or default_model_ref(), spec, settings, sequences, resolve_device(device), dtype,
                            flush_tokens, as_json, progress)
 
 
 def run_capture_and_report(store, model, spec, settings, sequences, device, dtype, flush_tokens, as_json, progress):
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.artifacts.cli import print_store_summary
-    from dsaindex.console import print_json, progress_bar
+    from dsaindex.console import print_json, print_store_summary, progress_bar
     from dsaindex.pipelines.capture import capture
 
     with progress_bar(f"capture {model}", enabled=progress and not as_json) as update:
@@ -108,41 +100,30 @@ def demo_cmd(
     from rich.console import Console
 
     from dsaindex.artifacts.capture_store import CaptureSettings
-    from dsaindex.artifacts.registry import register_bundle
+    from dsaindex.console import print_pq_job, resolve_device
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref
-    from dsaindex.train.cli import recall_table
-    from dsaindex.train.pq_job import PQOptions, recall_plot, train_pq, write_pq_bundle
+    from dsaindex.train.pq_job import PQOptions, run_pq_job
 
     console = Console()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     store = out / f"capture-{stamp}"
     ref = model or default_model_ref()
-    device = _device(device)
-    console.rule(f"1/3 capture: {ref} on the Python stdlib sources -> {store}")
+    device = resolve_device(device)
+    console.rule(f"1/2 capture: {ref} on the Python stdlib sources -> {store}")
     settings = CaptureSettings(seq_len=seq_len, chunk_len=min(1024, seq_len))
     run_capture_and_report(store, ref, CorpusSpec(), settings, sequences, device, "auto", 65536, False, True)
 
-    console.rule(f"2/3 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence")
+    console.rule(f"2/2 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence, "
+                 "register in the MLflow model registry")
     # C well below the demo's 2K context, so the coarse stage really prunes
     opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64, candidates=(512, 1024))
     with console.status("training") as status:
-        report = train_pq(store, opts, progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"))
-    bundle = out / f"pq{subspaces}-{stamp}"
-    topk = int(report["store"].manifest.model.geometry["topk"])
-    plot = recall_plot(report["per_layer"], out / f"pq{subspaces}-{stamp}-recall-k{topk}.png",
-                       f"PQ{subspaces} on {ref}", topk)
-    manifest = write_pq_bundle(report, opts, bundle, [])
-
-    console.rule("3/3 register in the MLflow model registry")
-    registered = register_bundle(bundle, opts.params(), manifest.metrics, [plot] if plot else [],
-                                 tracking_uri=tracking_uri)
-    rows = [(f"layer {layer}", m) for layer, m in sorted(report["per_layer"].items())] + [("mean", report["mean"])]
-    for k in sorted({512, topk}):
-        console.print(recall_table(rows, k, opts.candidates, f"PQ{subspaces} recall of the exact top-{k} (held out)"))
-    console.print(f"bundle {bundle}; registered {registered['name']} version {registered['version']} "
-                  f"@{registered.get('alias', 'candidate')}" + (f"; plot {plot}" if plot else ""))
-    console.print(f"browse: dsaindex registry list; dsaindex registry show {registered['name']} @candidate")
+        result = run_pq_job(store, opts, out / f"pq{subspaces}-{stamp}", tracking_uri=tracking_uri,
+                            progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"),
+                            title=f"PQ{subspaces} on {ref}")
+    print_pq_job(result, f"PQ{subspaces} (held out)", console)
+    console.print(f"browse: dsaindex registry list; dsaindex registry show {result.registered['name']} @candidate")
 
 
 def register(app: typer.Typer) -> None:

@@ -3,9 +3,10 @@
 ``dsaindex.runtime.load(uri, model_config, device)`` resolves a bundle (local path or
 ``models:/<name>@<alias>``), validates it against the model and puts its parameters on the device.
 Nothing here imports mlflow unless a ``models:/`` URI is given, and nothing on a request's path
-touches zarr, faiss or mlflow.
+touches zarr, faiss or mlflow. The runtime never imports training or pipeline code.
 """
 
-from dsaindex.runtime.loader import IVFLayer, LoadedArtifacts, PQLayer, check_compatible, load
+from dsaindex.artifacts.compat import check_bundle_for_model
+from dsaindex.runtime.loader import IVFLayer, LoadedArtifacts, PQCodec, load
 
-__all__ = ["IVFLayer", "LoadedArtifacts", "PQLayer", "check_compatible", "load"]
+__all__ = ["IVFLayer", "LoadedArtifacts", "PQCodec", "check_bundle_for_model", "load"]

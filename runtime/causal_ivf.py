@@ -35,8 +35,6 @@ from dsaindex.runtime.clustering import (
 )
 from dsaindex.score import indexer_scores
 
-ENCODER_ARRAYS = ("phi_weight", "phi_bias", "hidden_weight", "hidden_bias", "out_weight", "out_bias")
-
 
 @dataclass(eq=False)  # versions are compared by identity
 class Version:
@@ -247,7 +245,7 @@ class BlockIndex(CausalIVF):
 
 def representatives(params: dict[str, torch.Tensor], keys: torch.Tensor, version: Version) -> torch.Tensor:
     """Learned routing representatives [C, D] of a version's clusters (the encoder of
-    :mod:`dsaindex.train.ivf`, parameters ``ENCODER_ARRAYS``); ``keys`` [N, D] hold its members:
+    :mod:`dsaindex.train.ivf`, parameters :data:`dsaindex.artifacts.kinds.ENCODER_ARRAYS`); ``keys`` [N, D] hold its members:
 
         r_c = mean_c + out(gelu(hidden([mean_c, log n_c, meanpool phi(k), maxpool phi(k)]))),
         phi(k) = gelu(W k + b)

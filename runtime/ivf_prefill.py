@@ -122,21 +122,31 @@ class IVFPrefillIndexer:
     Parameters
     ----------
     dim : key dim; topk : keys selected per query; budget : candidates per query
-    layer : an :class:`dsaindex.runtime.loader.IVFLayer` (encoder and the index settings it was trained
-        with), or None for plain means with ``settings`` (window, cluster_size, refit_every, sinks)
+    layer : an :class:`dsaindex.artifacts.kinds.IVFLayer` (encoder and the index settings it was
+        trained with), or None for plain means
+    settings : fields of :class:`dsaindex.artifacts.kinds.IVFIndexSettings` (window, cluster_size,
+        refit_every, sinks) that override the layer's (or the defaults, without a layer)
     use_triton : score with the Triton kernels (default: on a CUDA device)
     """
 
     def __init__(self, dim: int, topk: int, budget: int, layer=None, device: str | torch.device = "cpu",
                  use_triton: bool | None = None, **settings):
+        from pydantic import ValidationError
+
+        from dsaindex.artifacts.kinds import IVFIndexSettings
         from dsaindex.errors import DsaIndexError
 
-        keep = ("window", "cluster_size", "refit_every", "sinks", "refit_iterations")
-        chosen = {k: v for k, v in ((layer.settings if layer is not None else {}) | settings).items() if k in keep}
+        base = layer.settings.model_dump() if layer is not None else {}
+        try:
+            chosen = IVFIndexSettings(**(base | settings))
+        except ValidationError as err:
+            raise DsaIndexError(f"Invalid IVF index settings {settings} ({err.errors()[0]['msg']}).",
+                                "pass window, cluster_size, refit_every and sinks with window a multiple of "
+                                "cluster_size.") from None
         if budget < topk:
             raise DsaIndexError(f"a candidate budget of {budget} cannot hold the top-{topk}.",
                                 "pass a budget of at least top-k keys (4-32x top-k is usual).")
-        self.index = CausalIVF(dim, device=device, **chosen)
+        self.index = CausalIVF(dim, device=device, **chosen.model_dump())
         self.topk, self.budget = topk, budget
         self.use_triton = torch.device(device).type == "cuda" if use_triton is None else use_triton
         self.representatives = LearnedRepresentatives(layer.params, self.index) if layer is not None else None

@@ -19,15 +19,17 @@ from dsaindex.artifacts.bundle import (
 from dsaindex.artifacts.capture_store import (
     CaptureSettings,
     CaptureStore,
-    ModelFingerprint,
     SequenceBatch,
     new_manifest,
 )
+from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptBundleError, DsaIndexError
+from dsaindex.geometry import IndexerGeometry
 
 FINGERPRINT = ModelFingerprint(
     name="hand/tiny-dsa", family="deepseek_v32",
-    geometry={"n_heads": 3, "head_dim": 8, "indexer_layers": [1, 4], "topk": 16, "key_stride": 1},
+    geometry=IndexerGeometry(family="deepseek_v32", num_layers=5, indexer_layers=(1, 4), n_heads=3, head_dim=8,
+                             topk=16, rope_dim=4, rope_layout="half_split_head"),
     config_digest="c0ffee", weights_digest="0123456789abcdef", dtype="bfloat16",
 )
 LINEAGE = Lineage(capture_store_id="store01", capture_store_path="/data/store", capture_store_digest="ab" * 8,

@@ -23,7 +23,7 @@ def trained(tmp_path_factory):
 
 def test_bundle_holds_one_encoder_per_layer_and_the_recall_of_each_method(trained):
     from dsaindex.artifacts.bundle import read_bundle
-    from dsaindex.runtime.causal_ivf import ENCODER_ARRAYS
+    from dsaindex.artifacts.kinds import ENCODER_ARRAYS
 
     root, store, bundle, result = trained
     manifest, arrays = read_bundle(bundle)
@@ -86,7 +86,7 @@ def test_runtime_loader_learns_the_ivf_kind(trained):
     root, store, bundle, result = trained
     loaded = load(bundle, preset_config("tiny-v32"))
     assert all(isinstance(v, IVFLayer) for v in loaded.layers.values()) and sorted(loaded.layers) == [0, 1, 2, 3]
-    assert loaded.layers[0].settings["window"] == 256 and loaded.layers[0].params["out_weight"].shape == (128, 256)
+    assert loaded.layers[0].settings.window == 256 and loaded.layers[0].params["out_weight"].shape == (128, 256)
     summary = loaded.summary()
     assert summary["layers"]["0"]["kind"] == "ivf" and summary["device_bytes"] == sum(v.nbytes for v in loaded.layers.values())
     proc = run_cli("runtime", "check", "--model", "preset:tiny-v32", "--artifacts", str(bundle), "--json")
@@ -114,8 +114,8 @@ def test_prefill_indexer_routes_with_the_loaded_encoder(trained):
     keys = torch.randn(3000, 128, generator=g)
     queries, weights = torch.randn(3000, 4, 128, generator=g), torch.rand(3000, 4, generator=g)
     learned = IVFPrefillIndexer(128, topk=16, budget=300, layer=layer)
-    plain = IVFPrefillIndexer(128, topk=16, budget=300, **layer.settings)
-    whole = CausalIVF(128, **{k: layer.settings[k] for k in ("window", "cluster_size", "refit_every", "sinks")})
+    plain = IVFPrefillIndexer(128, topk=16, budget=300, **layer.settings.model_dump())
+    whole = CausalIVF(128, **layer.settings.model_dump())
     whole.append(keys)
     differ = 0
     for lo in range(0, 3000, 500):  # prefill chunks: keys first, then the chunk's queries

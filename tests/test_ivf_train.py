@@ -2,6 +2,7 @@
 
 import torch
 
+from dsaindex.artifacts.kinds import IVFIndexSettings
 from dsaindex.train.ivf import IVFOptions, routing_hit_rate, sequence_groups, train_encoder
 
 D, H = 32, 4
@@ -18,7 +19,7 @@ def sequence(seed, n=3000, q=60):
 
 
 def test_training_keeps_the_best_validated_step_and_never_loses_to_the_means():
-    opts = IVFOptions(window=256, cluster_size=32, refit_every=1024, features=16, hidden=32, steps=60,
+    opts = IVFOptions(IVFIndexSettings(window=256, cluster_size=32, refit_every=1024), features=16, hidden=32, steps=60,
                       groups_per_step=8, eval_every=10, val_budget=256)
     fit = [grp for s in (1, 2) for grp in sequence_groups(*sequence(s), topk=32, opts=opts)]
     val = sequence_groups(*sequence(3), topk=32, opts=opts)

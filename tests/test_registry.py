@@ -18,15 +18,17 @@ import pytest
 
 from dsaindex.artifacts import registry
 from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, read_bundle, write_bundle
-from dsaindex.artifacts.capture_store import ModelFingerprint
+from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptBundleError, DsaIndexError
+from dsaindex.geometry import IndexerGeometry
 from helpers import run_cli
 
 
 def fingerprint(name: str = "hand/tiny-dsa", digest: str = "0123456789abcdef") -> ModelFingerprint:
     return ModelFingerprint(
         name=name, family="deepseek_v32",
-        geometry={"n_heads": 3, "head_dim": 8, "indexer_layers": [1, 4], "topk": 16, "key_stride": 1},
+        geometry=IndexerGeometry(family="deepseek_v32", num_layers=5, indexer_layers=(1, 4), n_heads=3,
+                                 head_dim=8, topk=16, rope_dim=4, rope_layout="half_split_head"),
         config_digest="c0ffee", weights_digest=digest, dtype="bfloat16",
     )
 

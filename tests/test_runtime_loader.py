@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
-from dsaindex.artifacts.capture_store import ModelFingerprint
+from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptBundleError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.pipelines.models import preset_config
-from dsaindex.runtime import check_compatible, load
+from dsaindex.runtime import check_bundle_for_model, load
 from dsaindex.runtime.loader import ArtifactMismatchError
 from helpers import run_cli
 
@@ -86,9 +86,9 @@ def test_dims_and_schema_version_are_checked(tmp_path):
     config = preset_config("tiny-v32")
     config.index_n_heads = 16
     with pytest.raises(ArtifactMismatchError, match="heads is 8"):
-        check_compatible(manifest, config)
+        check_bundle_for_model(manifest, config)
     with pytest.raises(ArtifactMismatchError, match="schema version 2"):
-        check_compatible(manifest.model_copy(update={"schema_version": 2}), preset_config("tiny-v32"))
+        check_bundle_for_model(manifest.model_copy(update={"schema_version": 2}), preset_config("tiny-v32"))
 
 
 def test_corrupt_bundle_is_refused(tmp_path):

@@ -12,7 +12,7 @@ version it would use gives the clusters; the target over clusters is proportiona
 the query's exact top-k keys in the cluster per visible member; the loss is the cross-entropy
 between that target and the softmax over clusters of ``beta * score(q, r_c)``.
 
-The parameters are plain float32 arrays (``ENCODER_ARRAYS``), stored in the artifact bundle with the
+The parameters are plain float32 arrays (:data:`dsaindex.artifacts.kinds.ENCODER_ARRAYS`), stored in the artifact bundle with the
 layer kind ``ivf``; the forward both training and the runtime use is
 :func:`dsaindex.runtime.causal_ivf.representatives`.
 """
@@ -20,20 +20,21 @@ layer kind ``ivf``; the forward both training and the runtime use is
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dsaindex.artifacts.kinds import IVFIndexSettings
 from dsaindex.runtime.causal_ivf import CausalIVF, Version, representatives
 from dsaindex.score import indexer_scores
 
 
 @dataclass
 class IVFOptions:
-    window: int = 1024
-    cluster_size: int = 128
-    refit_every: int = 16384
-    sinks: int = 4
+    """Training hyperparameters of a routing encoder, and the index settings (:class:`IVFIndexSettings`,
+    shared with the bundle and the runtime) it is trained for."""
+
+    index: IVFIndexSettings = field(default_factory=IVFIndexSettings)
     features: int = 64
     hidden: int = 256
     steps: int = 300
@@ -46,12 +47,12 @@ class IVFOptions:
     device: str = "cpu"
 
     def params(self) -> dict:
-        d = asdict(self)
-        d.pop("device")
-        return d
+        """The flat parameter record an ``ivf`` bundle layer stores (:class:`dsaindex.artifacts.kinds.IVFParams`)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("index", "device")}
+        return self.index.model_dump() | d
 
-    def index(self, dim: int) -> CausalIVF:
-        return CausalIVF(dim, self.window, self.cluster_size, self.refit_every, self.sinks, device=self.device)
+    def make_index(self, dim: int) -> CausalIVF:
+        return CausalIVF(dim, **self.index.model_dump(), device=self.device)
 
 
 def init_encoder(dim: int, features: int, hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -85,7 +86,7 @@ def routing_groups(store, layer: int, sequences: list[int], topk: int, opts: IVF
     from dsaindex.train.recall import queries_by_sequence
 
     groups = []
-    for part in queries_by_sequence(store, layer, sequences, opts.window + opts.sinks, opts.max_queries, opts.device):
+    for part in queries_by_sequence(store, layer, sequences, opts.index.window + opts.index.sinks, opts.max_queries, opts.device):
         groups += sequence_groups(part.keys, part.positions, part.queries, part.head_weights, topk, opts)
     return groups
 
@@ -94,7 +95,7 @@ def sequence_groups(keys: torch.Tensor, positions: list[int], queries: torch.Ten
                     topk: int, opts: IVFOptions) -> list[_Group]:
     """The groups of one sequence: its keys [N, D] indexed causally, its queries [Q, H, D] at
     ``positions`` grouped by the version each uses, with their targets and hit counts."""
-    index = opts.index(keys.shape[1])
+    index = opts.make_index(keys.shape[1])
     index.append(keys)
     by_version: dict[int, tuple[Version, list[int]]] = {}
     for i, p in enumerate(positions):
@@ -160,7 +161,7 @@ def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=Non
     pick = torch.Generator().manual_seed(opts.seed)
 
     def hit_rate():
-        return routing_hit_rate(params, val_groups, opts.val_budget, opts.cluster_size)
+        return routing_hit_rate(params, val_groups, opts.val_budget, opts.index.cluster_size)
 
     best = (hit_rate(), 0, {k: v.detach().clone() for k, v in params.items()}) if val_groups else None
     val_start = best[0] if best else None

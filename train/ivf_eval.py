@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaindex.artifacts.kinds import IVFIndexSettings
 from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF, LearnedRepresentatives
 from dsaindex.score import indexer_scores
 from dsaindex.train.recall import queries_by_sequence, split_sequences
@@ -19,19 +20,19 @@ METHODS = ("blocks", "ivf-seal-only", "ivf")
 LEARNED = "ivf-learned"
 
 
-def make_index(method: str, dim: int, window: int, cluster_size: int, refit_every: int, sinks: int, device):
+def make_index(method: str, dim: int, settings: IVFIndexSettings, device):
+    s = settings
     if method == "blocks":
-        return BlockIndex(dim, window, cluster_size, sinks, device=device)
+        return BlockIndex(dim, s.window, s.cluster_size, s.sinks, device=device)
     if method == "ivf-seal-only":
-        return CausalIVF(dim, window, cluster_size, refit_every=0, sinks=sinks, device=device)
+        return CausalIVF(dim, **s.model_dump(exclude={"refit_every"}), refit_every=0, device=device)
     if method in ("ivf", LEARNED):
-        return CausalIVF(dim, window, cluster_size, refit_every=refit_every, sinks=sinks, device=device)
+        return CausalIVF(dim, **s.model_dump(), device=device)
     raise ValueError(f"unknown routing method {method!r}; known: {', '.join(METHODS)}")
 
 
-def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=METHODS, window: int = 1024,
-                     cluster_size: int = 128, refit_every: int = 16384, sinks: int = 4, max_queries: int = 64,
-                     device: str = "cpu", encoder: dict | None = None) -> dict:
+def evaluate_routing(store, layer: int, budgets: list[int], topk: int, settings: IVFIndexSettings,
+                     methods=METHODS, max_queries: int = 64, device: str = "cpu", encoder: dict | None = None) -> dict:
     """Mean recall per (method, budget) over held-out queries of one layer, plus the query count.
 
     ``encoder`` (parameters of :mod:`dsaindex.train.ivf`) adds the method ``ivf-learned``: the ``ivf``
@@ -44,7 +45,7 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
                "clustered": 0}
     for part in queries_by_sequence(store, layer, eval_seqs, min(budgets), max_queries, device):
         keys = part.keys
-        indexes = {m: make_index(m, keys.shape[1], window, cluster_size, refit_every, sinks, device) for m in methods}
+        indexes = {m: make_index(m, keys.shape[1], settings, device) for m in methods}
         for index in indexes.values():
             index.append(keys)
         learned = LearnedRepresentatives(encoder, indexes[LEARNED]) if LEARNED in indexes else None
@@ -53,7 +54,7 @@ def evaluate_routing(store, layer: int, budgets: list[int], topk: int, methods=M
             exact = indexer_scores(q.unsqueeze(0), keys[: p + 1], w.unsqueeze(0))[0]
             top = exact.topk(min(topk, p + 1)).indices
             truth = set(top.tolist())
-            _profile(profile, top, p, window, cluster_size, indexes.get("ivf"), cluster_maps)
+            _profile(profile, top, p, settings.window, settings.cluster_size, indexes.get("ivf"), cluster_maps)
             for b in budgets:
                 if p + 1 <= b:
                     continue

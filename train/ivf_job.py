@@ -13,9 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from dsaindex.runtime.causal_ivf import ENCODER_ARRAYS
+from dsaindex.artifacts.kinds import ENCODER_ARRAYS, IVFLayer
 from dsaindex.train.ivf import IVFOptions, routing_groups, train_encoder
 from dsaindex.train.ivf_eval import LEARNED, METHODS, evaluate_routing
 from dsaindex.train.recall import split_sequences
@@ -26,7 +25,7 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
     from dsaindex.artifacts.capture_store import CaptureStore
 
     store = CaptureStore.open(store_path)
-    topk = int(store.manifest.model.geometry["topk"])
+    topk = store.manifest.model.geometry.topk
     split = split_sequences(store.committed.sequences)
     results = {}
     if layers is not None and not set(layers) <= set(store.layers):
@@ -47,7 +46,7 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
             from dsaindex.errors import DsaIndexError
 
             raise DsaIndexError(
-                f"No training query of layer {layer} has more than {opts.window + opts.sinks} keys before it.",
+                f"No training query of layer {layer} has more than {opts.index.window + opts.index.sinks} keys before it.",
                 "capture longer sequences (--seq-len), or train with a smaller --window.")
         dim = int(groups[0].keys.shape[1])
         step_log = (lambda m, layer=layer: progress(f"layer {layer}: {m}")) if progress else None
@@ -55,8 +54,8 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
         seconds = time.perf_counter() - t0
         if progress:
             progress(f"layer {layer}: held-out recall")
-        recall = evaluate_routing(store, layer, budgets, topk, METHODS, opts.window, opts.cluster_size,
-                                  opts.refit_every, opts.sinks, eval_queries, opts.device, encoder=encoder)
+        recall = evaluate_routing(store, layer, budgets, topk, opts.index, METHODS, eval_queries, opts.device,
+                                  encoder=encoder)
         results[layer] = {"encoder": encoder, "train": summary | {"seconds": round(seconds, 2)}, "eval": recall}
     return {"store": store, "split": split, "topk": topk, "budgets": budgets, "results": results}
 
@@ -109,13 +108,14 @@ def write_ivf_bundle(report: dict, opts: IVFOptions, out: Path) -> object:
                for b, v in by.items() if v is not None}
     manifest = new_bundle_manifest(
         model=store.manifest.model, basis=store.manifest.settings.basis,
-        key_format=store.manifest.model.geometry["key_format"], layers=layers,
+        key_format=store.manifest.model.geometry.key_format, layers=layers,
         lineage=store_lineage(store, report["split"]), metrics=metrics, params=opts.params())
     return write_bundle(out, manifest, arrays)
 
 
-def load_encoders(path: str | Path, device: str = "cpu") -> tuple[object, dict[int, dict[str, torch.Tensor]]]:
-    """(manifest, {layer: encoder parameters}) of an ``ivf`` bundle, checksums verified."""
+def load_encoders(path: str | Path, device: str = "cpu") -> tuple[object, dict[int, IVFLayer]]:
+    """(manifest, {layer: :class:`IVFLayer`}: encoder parameters and index settings) of an ``ivf``
+    bundle, checksums verified."""
     from dsaindex.artifacts.bundle import read_bundle
     from dsaindex.errors import DsaIndexError
     from dsaindex.runtime.loader import place_layers
@@ -125,4 +125,56 @@ def load_encoders(path: str | Path, device: str = "cpu") -> tuple[object, dict[i
     if kinds != {"ivf"}:
         raise DsaIndexError(f"{path} holds {sorted(kinds)} artifacts, not ivf routing encoders.",
                             "pass a bundle written by `dsaindex train ivf`.")
-    return manifest, {layer: v.params for layer, v in place_layers(manifest, arrays, device).items()}
+    return manifest, place_layers(manifest, arrays, device)
+
+
+def default_bundle_path(store_path: str | Path) -> Path:
+    """``runs/bundles/<store name>-ivf``."""
+    return Path("runs/bundles") / f"{Path(store_path).name}-ivf"
+
+
+def run_ivf_job(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval_queries: int = 64,
+                out: Path | None = None, register: bool = True, tracking_uri: str | None = None,
+                progress: Callable[[str], None] | None = None, layers: list[int] | None = None) -> dict:
+    """The whole IVF training: encoders per layer, held-out routing recall, the recall plot, the bundle
+    and (``register``) its registration. ``out`` (default :func:`default_bundle_path`) is checked before
+    any training. Returns a JSON-ready result (bundle, registered, plot, topk, mean, per_layer)."""
+    from dsaindex.artifacts.bundle import check_bundle_destination
+
+    out = check_bundle_destination(out if out is not None else default_bundle_path(store_path))
+    report = train_ivf(store_path, opts, budgets, eval_queries, progress=progress, layers=layers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mean = mean_recall(report)
+    plot = ivf_plot(mean, budgets, out.parent / f"{out.name}-recall.png",
+                    f"routing recall of the exact top-{report['topk']} ({Path(store_path).name})")
+    manifest = write_ivf_bundle(report, opts, out)
+    registered = None
+    if register:
+        from dsaindex.artifacts.registry import register_bundle
+
+        registered = register_bundle(out, opts.params() | {"store": str(store_path)}, manifest.metrics, [plot],
+                                     tracking_uri=tracking_uri)
+    return {"bundle": str(out), "registered": registered, "plot": str(plot), "topk": report["topk"],
+            "mean": mean, "per_layer": {str(k): {"train": r["train"], "recall": r["eval"]["recall"],
+                                                 "queries": r["eval"]["queries"],
+                                                 "truth_profile": r["eval"]["truth_profile"]}
+                                        for k, r in report["results"].items()}}
+
+
+def evaluate_bundle(bundle: str | Path, store_path: str | Path, budgets: list[int], eval_queries: int = 64,
+                    device: str = "cpu") -> dict:
+    """Held-out routing recall of a trained ``ivf`` bundle on a store of its model, beside contiguous
+    blocks and plain IVF. Returns ``{bundle, store, topk, mean, per_layer}``."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.artifacts.compat import check_store_for_bundle
+
+    manifest, encoders = load_encoders(bundle, device)
+    store = CaptureStore.open(store_path)
+    check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
+    topk = store.manifest.model.geometry.topk
+    results = {layer: {"eval": evaluate_routing(store, layer, budgets, topk, enc.settings, METHODS, eval_queries,
+                                                device, encoder=enc.params)}
+               for layer, enc in encoders.items()}
+    mean = mean_recall({"results": results, "budgets": budgets})
+    return {"bundle": str(bundle), "store": str(store_path), "topk": topk, "mean": mean,
+            "per_layer": {str(k): r["eval"] for k, r in results.items()}}

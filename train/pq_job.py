@@ -76,7 +76,7 @@ def metric_for_layer(store, layer: int, train_sequences: list[int], key_format: 
 
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
-    stride = int(store.manifest.model.geometry["key_stride"])
+    stride = store.manifest.model.geometry.key_stride
     offsets = sequence_key_offsets(store)
     rows = np.nonzero(np.isin(seq_of, train_sequences))[0]
     if len(rows) > max_queries:
@@ -102,7 +102,7 @@ def train_layer(store, layer: int, split: tuple[list[int], list[int]], opts: PQO
                 topk: int) -> LayerResult:
     train_seq, eval_seq = split
     geometry = store.manifest.model.geometry
-    spec = PQSpec(dim=int(geometry["head_dim"]), subspaces=opts.subspaces, centroids=opts.centroids)
+    spec = PQSpec(dim=geometry.head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
     keys = _subsample(layer_keys(store, layer, train_seq, key_format), opts.max_train_keys, opts.seed + layer)
     metric = None
     if opts.score_aware:
@@ -168,13 +168,13 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Callable[[str], 
 
     store = CaptureStore.open(store_path)
     geometry = store.manifest.model.geometry
-    key_format = geometry["key_format"]
+    key_format = geometry.key_format
     split = split_sequences(store.committed.sequences, opts.eval_fraction)
     results = {}
     for layer in store.layers:
         if progress:
             progress(f"layer {layer}")
-        results[layer] = train_layer(store, layer, split, opts, key_format, int(geometry["topk"]))
+        results[layer] = train_layer(store, layer, split, opts, key_format, geometry.topk)
     per_layer = {layer: r.metrics for layer, r in results.items()}
     return {
         "store": store,
@@ -186,7 +186,7 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Callable[[str], 
     }
 
 
-def write_pq_bundle(report: dict, opts: PQOptions, out: Path, plots: list[Path]) -> object:
+def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
     """Write the trained codebooks (and score-aware metrics) as an artifact bundle; returns its manifest."""
     from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
 
@@ -212,3 +212,88 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path, plots: list[Path])
         params=opts.params(),
     )
     return write_bundle(out, manifest, arrays)
+
+
+def default_bundle_path(store_path: str | Path, opts: PQOptions) -> Path:
+    """``runs/bundles/<store name>-pq<M>[-sa]``."""
+    return Path("runs/bundles") / f"{Path(store_path).name}-pq{opts.subspaces}{'-sa' if opts.score_aware else ''}"
+
+
+@dataclass
+class PQJobResult:
+    """What :func:`run_pq_job` did: its options, the training report (see :func:`train_pq`), the bundle
+    written, its manifest, the plots, and the registration (``None`` when not registered)."""
+
+    opts: PQOptions
+    report: dict
+    bundle: Path
+    manifest: object
+    plots: list[Path]
+    registered: dict | None
+
+    @property
+    def topk(self) -> int:
+        return self.report["store"].manifest.model.geometry.topk
+
+    @property
+    def ks(self) -> list[int]:
+        """The top-k sizes recall is reported for: the paper's 512 and the model's own."""
+        return sorted({PAPER_K, self.topk})
+
+    def as_dict(self) -> dict:
+        return {
+            "bundle": str(self.bundle),
+            "registered": self.registered,
+            "plots": [str(p) for p in self.plots],
+            "train_seconds": {str(layer): round(r.train_seconds, 3) for layer, r in self.report["results"].items()},
+            "mean": self.report["mean"],
+            "per_layer": {str(k): v for k, v in self.report["per_layer"].items()},
+        }
+
+
+def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None, register: bool = True,
+               tracking_uri: str | None = None, progress: Callable[[str], None] | None = None,
+               title: str | None = None) -> PQJobResult:
+    """The whole PQ training: train and evaluate every layer, plot recall vs C, write the bundle and
+    (``register``) log the run and register the bundle as ``@candidate``.
+
+    ``out`` (default :func:`default_bundle_path`) is checked before any training: an existing non-empty
+    folder is refused at once rather than after minutes of work.
+    """
+    from dsaindex.artifacts.bundle import check_bundle_destination
+
+    out = check_bundle_destination(out if out is not None else default_bundle_path(store_path, opts))
+    report = train_pq(store_path, opts, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    title = title or f"PQ{opts.subspaces}{' score-aware' if opts.score_aware else ''} on {Path(store_path).name}"
+    topk = report["store"].manifest.model.geometry.topk
+    plots = [p for k in sorted({PAPER_K, topk})
+             if (p := recall_plot(report["per_layer"], out.parent / f"{out.name}-recall-k{k}.png", title, k))]
+    manifest = write_pq_bundle(report, opts, out)
+    registered = None
+    if register:
+        from dsaindex.artifacts.registry import register_bundle
+
+        params = opts.params() | {"store": str(store_path), "layers": len(report["per_layer"])}
+        registered = register_bundle(out, params, manifest.metrics, plots, tracking_uri=tracking_uri)
+    return PQJobResult(opts, report, out, manifest, plots, registered)
+
+
+def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions) -> dict:
+    """Held-out recall of a trained PQ bundle (path or ``models:/`` URI) on a store of its model, with
+    the store's own split. Returns ``{per_layer, mean, ks}``."""
+    from dsaindex.artifacts.bundle import read_bundle
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.artifacts.compat import check_store_for_bundle
+    from dsaindex.artifacts.registry import load_uri
+    from dsaindex.runtime.loader import place_layers
+
+    manifest, arrays = read_bundle(load_uri(bundle))
+    store = CaptureStore.open(store_path)
+    check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
+    _, eval_seq = split_sequences(store.committed.sequences)
+    topk = manifest.model.geometry.topk
+    per_layer = {layer: evaluate_layer(store, layer, eval_seq, codec.codebooks, codec.metric, opts,
+                                       manifest.key_format, topk)
+                 for layer, codec in place_layers(manifest, arrays).items()}
+    return {"per_layer": per_layer, "mean": mean_metrics(per_layer), "ks": sorted({PAPER_K, topk})}

@@ -72,7 +72,7 @@ def layer_keys(store, layer: int, sequences: list[int], key_format: str) -> torc
 def held_out(store, layer: int, eval_sequences: list[int], min_prefix: int, key_format: str,
              max_queries: int = 256) -> HeldOut:
     """Held-out queries with a causal prefix of at least ``min_prefix`` keys (at most ``max_queries``)."""
-    stride = int(store.manifest.model.geometry["key_stride"])
+    stride = store.manifest.model.geometry.key_stride
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
     visible = visible_key_count(positions, stride)
@@ -170,7 +170,7 @@ def queries_by_sequence(store, layer: int, sequences: list[int], min_visible: in
                         device: str = "cpu") -> list[SequenceQueries]:
     """Sampled queries of ``sequences`` that see more than ``min_visible`` keys (at most ``max_queries``,
     evenly spread), grouped by sequence with that sequence's engine keys (key stride 1)."""
-    key_format = store.manifest.model.geometry["key_format"]
+    key_format = store.manifest.model.geometry.key_format
     offsets = sequence_key_offsets(store)
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)

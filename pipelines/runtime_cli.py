@@ -1,4 +1,9 @@
-"""``dsaindex runtime check``: the check an operator runs before starting a server."""
+"""``dsaindex runtime check`` (the check an operator runs before starting a server) and ``dsaindex runtime
+generate`` (the runtime selecting inside transformers generation).
+
+Both take a model reference (a checkpoint folder, ``reference`` or a preset), so they live with the
+pipelines, where models are resolved; the runtime package itself only ever receives a config or a model.
+"""
 
 from __future__ import annotations
 
@@ -32,10 +37,8 @@ def check_cmd(
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    layers = ", ".join(f"{k} (PQ{v['subspaces']}{' score-aware' if v['score_aware'] else ''})"
-                       for k, v in summary["layers"].items())
     typer.echo(f"ok: {summary['bundle']} fits {model}: {summary['family']}, {summary['basis']} basis, "
-               f"{summary['key_format']}; layers {layers}; {summary['device_bytes']:,} bytes on {device}; "
+               f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on {device}; "
                f"loaded in {summary['startup_seconds'] * 1000:.1f} ms")
 
 
@@ -61,13 +64,13 @@ def generate_cmd(
 
     import torch
 
-    from dsaindex.pipelines.cli import _device
+    from dsaindex.console import resolve_device
     from dsaindex.pipelines.models import BOS_ID, load_model
     from dsaindex.pipelines.reference_train import build_token_streams, set_index_topk
     from dsaindex.runtime.loader import load
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
-    dev = _device(device)
+    dev = resolve_device(device)
     loaded_model = load_model(model, device=dev, dtype="float32")
     net = loaded_model.model
     if topk is not None:

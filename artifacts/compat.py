@@ -1,0 +1,120 @@
+"""Does this belong to that? The one set of rules for capture stores, bundles and served models.
+
+* :func:`check_store_for_model`: a capture store was captured from the model a training targets;
+* :func:`check_store_for_bundle`: a store may evaluate a bundle (same model, same key basis);
+* :func:`check_bundle_for_model`: a bundle may serve a model (what the runtime loader runs at startup).
+
+"Same model" is one rule everywhere: :meth:`ModelFingerprint.same_model` (family, config digest and
+indexer-weights digest). Every refusal names both sides, the field that differs and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsaindex.artifacts.fingerprint import ModelFingerprint
+from dsaindex.errors import ArtifactMismatchError, StoreMismatchError
+
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+
+
+def differences(a: Any, b: Any, left: str = "store", right: str = "now", limit: int = 3) -> str:
+    """Where two nested dicts differ, shortly: ``'x.y: store=1 vs now=2; ...'``."""
+    parts: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{path}.{k}" if path else str(k))
+        elif x != y:
+            parts.append(f"{path}: {left}={x!r} vs {right}={y!r}")
+
+    walk(a, b, "")
+    return "; ".join(parts[:limit]) + (" ..." if len(parts) > limit else "")
+
+
+def _model_differences(have: ModelFingerprint, want: ModelFingerprint, left: str, right: str) -> str:
+    keys = ("family", "config_digest", "weights_digest")
+    return differences({k: getattr(have, k) for k in keys}, {k: getattr(want, k) for k in keys}, left, right)
+
+
+def check_store_for_model(store_model: ModelFingerprint, model: ModelFingerprint, store: str, model_ref: str) -> None:
+    """Refuse a store captured from another model than ``model`` (the target of a training)."""
+    if not store_model.same_model(model):
+        raise StoreMismatchError(
+            f"{store} was captured from {store_model.describe()}, not from {model_ref} ({model.describe()}): "
+            f"{_model_differences(store_model, model, 'store', 'model')}.",
+            f"capture from {model_ref} first (`dsaindex capture NEW_STORE --model {model_ref}`), or train for "
+            f"the store's own model.",
+        )
+
+
+def check_store_for_bundle(store_manifest, bundle_manifest, store: str, bundle: str) -> None:
+    """Refuse to evaluate a bundle on a store of another model or key basis (the store's held-out keys
+    would not be the keys the bundle was trained for)."""
+    have, want = store_manifest.model, bundle_manifest.model
+    if not have.same_model(want):
+        raise StoreMismatchError(
+            f"{bundle} was trained for {want.describe()} but {store} holds {have.describe()}: "
+            f"{_model_differences(have, want, 'store', 'bundle')}.",
+            "evaluate on a store captured from the bundle's model (`dsaindex registry show` names it).",
+        )
+    if store_manifest.settings.basis != bundle_manifest.basis:
+        raise StoreMismatchError(
+            f"{bundle} was trained on keys in the {bundle_manifest.basis} basis but {store} holds the "
+            f"{store_manifest.settings.basis} basis.",
+            f"capture a store with --basis {bundle_manifest.basis} to evaluate this bundle.",
+        )
+
+
+def check_bundle_for_model(manifest, model_config: Any, basis: str = "hadamard") -> None:
+    """Refuse artifacts that do not fit the served model (given by its transformers config, object or
+    dict), naming both sides and the fix.
+
+    Checks the schema version, the family, the indexer geometry (heads, head dim, key stride), the key
+    format and the key basis the engine scores in, that the bundle covers exactly the model's indexer
+    layers, and that every layer's kind is one this dsaindex can serve.
+    """
+    from dsaindex.artifacts.kinds import KINDS
+    from dsaindex.geometry import geometry_from_config
+
+    fix_retrain = "train artifacts for this model (`dsaindex capture` from it, then `dsaindex train pq`)"
+    if manifest.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise ArtifactMismatchError(
+            f"Bundle schema version {manifest.schema_version} is not supported by this runtime "
+            f"(supports {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}).",
+            "upgrade dsaindex on the server, or retrain the artifacts with the server's dsaindex version.",
+        )
+    geometry = geometry_from_config(model_config)
+    trained = manifest.model.geometry
+    checks = [
+        ("family", manifest.model.family, geometry.family),
+        ("indexer head dim", trained.head_dim, geometry.head_dim),
+        ("indexer heads", trained.n_heads, geometry.n_heads),
+        ("key stride", trained.key_stride, geometry.key_stride),
+        ("key format", manifest.key_format, geometry.key_format),
+        ("key basis", manifest.basis, basis),
+    ]
+    for what, theirs, ours in checks:
+        if theirs != ours:
+            raise ArtifactMismatchError(
+                f"The artifacts' {what} is {theirs!r} (trained for {manifest.model.name}) but the served model's "
+                f"is {ours!r}.",
+                fix_retrain + ("" if what != "key basis" else f", or serve with basis={theirs!r}") + ".",
+            )
+    have = sorted(int(i) for i in manifest.layers)
+    want = list(geometry.indexer_layers)
+    if have != want:
+        missing = sorted(set(want) - set(have))
+        extra = sorted(set(have) - set(want))
+        raise ArtifactMismatchError(
+            f"The artifacts cover indexer layers {have} but the served model's indexer layers are {want}"
+            + (f" (missing {missing})" if missing else "") + (f" (not in the model: {extra})" if extra else "") + ".",
+            fix_retrain + ".",
+        )
+    for layer_id, layer in manifest.layers.items():
+        if layer.kind not in KINDS:
+            raise ArtifactMismatchError(
+                f"Layer {layer_id} holds a {layer.kind!r} artifact; this runtime loads {', '.join(sorted(KINDS))}.",
+                "upgrade dsaindex on the server.",
+            )
