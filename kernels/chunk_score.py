@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from dsaindex.kernels import select
+from dsaindex.kernels import checks, select
 from dsaindex.score import indexer_scores
 
 
 def chunk_scores_reference(keys: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                            rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                            n_out: int | None = None, query_block: int = 16) -> torch.Tensor:
-    """keys [N, D]; queries [Q, H, D]; head_weights [Q, H]; either ``rows`` [Q, n] (-1 = none) or
-    ``lengths`` [Q] (prefix mode over ``n_out`` keys, default N)."""
+    """Scores [Q, n] float32 of ``keys`` [N, D] for ``queries`` [Q, H, D] and ``head_weights`` [Q, H]: of
+    the rows ``rows`` [Q, n] int (-1 = none: -inf), or with ``lengths`` [Q] int of the first ``n_out``
+    keys (default N), -inf past each query's ``lengths[q]``. Pass one of ``rows`` and ``lengths``.
+    ``query_block`` bounds the gather's memory. The spec of :func:`chunk_scores`."""
     q_n = queries.shape[0]
     if rows is not None:
         out = torch.empty(rows.shape, dtype=torch.float32, device=keys.device)
@@ -37,16 +39,26 @@ def chunk_scores_reference(keys: torch.Tensor, queries: torch.Tensor, head_weigh
 def chunk_scores(keys: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                  rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None, n_out: int | None = None,
                  block_n: int = 64, queries_per_tile: int = 4, num_warps: int = 4) -> torch.Tensor:
-    """The Triton kernel (same contract as :func:`chunk_scores_reference`); keys are read as bf16."""
+    """The Triton kernel, same contract as :func:`chunk_scores_reference`: keys and queries are read as
+    bf16, D must be a power of two >= 16, and every tensor but ``lengths`` (copied to the keys' device
+    if elsewhere) on one device. Raises ``ValueError`` on an input of the wrong dtype, shape or device."""
     import triton
 
     from dsaindex.kernels.chunk_score_kernel import chunk_score_kernel
 
+    checks.rank("keys", keys, 2, "N, D")
     n, d = keys.shape
+    checks.key_dim("keys.shape[1] (key dim D)", d)
+    checks.shape("queries", queries, (None, None, d), "Q, H, D")
     q_n, h, _ = queries.shape
-    assert queries.shape[2] == d and head_weights.shape == (q_n, h), "queries / weights do not match the keys"
-    assert d >= 16 and d & (d - 1) == 0, f"key dim {d} must be a power of two >= 16"
-    assert (rows is None) != (lengths is None), "pass rows (gather) or lengths (prefix), not both"
+    checks.shape("head_weights", head_weights, (q_n, h), "Q, H")
+    checks.exactly_one(rows=rows, lengths=lengths)
+    if rows is not None:
+        checks.shape("rows", rows, (q_n, None), "Q, n")
+        checks.dtype("rows", rows, torch.int32, torch.int64)
+    else:
+        checks.shape("lengths", lengths, (q_n,), "Q")
+    checks.same_device(keys=keys, queries=queries, head_weights=head_weights, rows=rows)
     gather = rows is not None
     n_out = rows.shape[1] if gather else (n if n_out is None else n_out)
     qg = 1 if gather else queries_per_tile

@@ -18,11 +18,16 @@ from __future__ import annotations
 import torch
 
 from dsaindex.coarse import miss_filter_keep
+from dsaindex.kernels import checks
 
 
-def decode_plan_reference(cand, cand_scores, hit_row, lru, n_encoded, tail_len, topk: int, cap: int, page: int,
-                          miss_filter: bool = True):
-    """Returns (src [B, C] int64 positions to fetch or -1, dst [B, C] int64 cache rows or ``cap``,
+def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, hit_row: torch.Tensor, lru: torch.Tensor,
+                          n_encoded: torch.Tensor, tail_len: torch.Tensor, topk: int, cap: int, page: int,
+                          miss_filter: bool = True,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec of :func:`decode_plan` (inputs described there).
+
+    Returns (src [B, C] int64 positions to fetch or -1, dst [B, C] int64 cache rows or ``cap``,
     rows [B, C + page] int32 pool rows to rescore or -1, positions [B, C + page] int64 or -1,
     stats [B, 4] int32: valid, hits, fetched, dropped)."""
     b, c = cand.shape
@@ -44,20 +49,35 @@ def decode_plan_reference(cand, cand_scores, hit_row, lru, n_encoded, tail_len, 
     return src, dst, rows, positions, stats
 
 
-def decode_plan(cand, cand_scores, hit_row, lru, n_encoded, tail_len, topk: int, cap: int, page: int,
-                miss_filter: bool = True):
+def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, hit_row: torch.Tensor, lru: torch.Tensor,
+                n_encoded: torch.Tensor, tail_len: torch.Tensor, topk: int, cap: int, page: int,
+                miss_filter: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_plan_reference` in one Triton launch (one program per request).
 
-    cand [B, C] int64 (-1 = none), cand_scores [B, C] float32 sorted descending, hit_row [B, C] int64,
-    lru [B, cap] int64, n_encoded / tail_len [B] int32; all on one device.
+    cand [B, C] int64 positions (-1 = none), cand_scores [B, C] float32 sorted descending, hit_row
+    [B, C] int64 (cache row of a hit, ``cap`` for a miss), lru [B, cap] int64 cache rows least recently
+    used first, n_encoded / tail_len [B] int32; all on one device. topk : keys the step selects (the
+    miss filter's k); cap : cache rows; page : keys per page (a power of two, the tail's capacity).
+    Returns the reference's tuple; raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
 
     from dsaindex.kernels.decode_plan_kernel import decode_plan_kernel
 
+    checks.rank("cand", cand, 2, "B, C")
     b, c = cand.shape
-    assert cand_scores.shape == hit_row.shape == (b, c), "candidate tensors disagree in shape"
-    assert lru.shape == (b, cap), f"lru {tuple(lru.shape)} vs ({b}, {cap})"
+    checks.shape("cand_scores", cand_scores, (b, c), "B, C")
+    checks.shape("hit_row", hit_row, (b, c), "B, C")
+    checks.shape("lru", lru, (b, cap), "B, cap")
+    checks.shape("n_encoded", n_encoded, (b,), "B")
+    checks.shape("tail_len", tail_len, (b,), "B")
+    for name, t in (("cand", cand), ("hit_row", hit_row), ("lru", lru)):
+        checks.dtype(name, t, torch.int32, torch.int64)
+    checks.floating("cand_scores", cand_scores)
+    checks.power_of_two("page", page)
+    checks.at_least("cap", cap, 1)
+    checks.same_device(cand=cand, cand_scores=cand_scores, hit_row=hit_row, lru=lru, n_encoded=n_encoded,
+                       tail_len=tail_len)
     dev = cand.device
     src = torch.empty(b, c, dtype=torch.long, device=dev)
     dst = torch.empty(b, c, dtype=torch.long, device=dev)

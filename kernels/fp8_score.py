@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaindex.kernels import select
+from dsaindex.kernels import checks, select
 
 
 def fp8_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, queries: torch.Tensor,
@@ -27,13 +27,15 @@ def fp8_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, queries: 
     return (torch.relu(dots) * head_weights.float().unsqueeze(1)).sum(-1)
 
 
-def fp8_topk_reference(keys_fp8, scales, lengths, queries, head_weights, k: int):
-    """Per request, the top ``k`` rows among its first ``lengths[b]`` keys: (scores [B, k], rows [B, k]
-    int64; -inf / -1 past a short request's end)."""
+def fp8_topk_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                       head_weights: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request, the top ``k`` rows among its first ``lengths[b]`` keys: (scores [B, k] float32, rows
+    [B, k] int64; -inf / -1 past a short request's end). The spec of :func:`fp8_topk`."""
     return select.topk_of_prefixes(fp8_scores_reference(keys_fp8, scales, queries, head_weights), lengths, k)
 
 
-def fp8_gather_scores_reference(keys_fp8, scales, rows, queries, head_weights) -> torch.Tensor:
+def fp8_gather_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
+                                queries: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
     """Exact scores [B, R] of the pool rows ``rows`` [B, R] (-1 = none: -inf): the spec of
     :func:`fp8_gather_scores`."""
     b, r = rows.shape
@@ -43,15 +45,17 @@ def fp8_gather_scores_reference(keys_fp8, scales, rows, queries, head_weights) -
     return scores.masked_fill(rows < 0, float("-inf"))
 
 
-def _check(keys_fp8, scales, queries, head_weights):
+def _check_keys_and_queries(keys_fp8, scales, queries, head_weights) -> None:
+    """The preconditions both wrappers share (:mod:`dsaindex.kernels.checks`)."""
+    checks.rank("keys_fp8", keys_fp8, 3, "B, N, D")
     b, n, d = keys_fp8.shape
-    assert keys_fp8.dtype == torch.uint8, f"keys must be FP8 bits as uint8, got {keys_fp8.dtype}"
-    assert scales.shape == (b, n), f"scales {tuple(scales.shape)} vs keys {(b, n)}"
-    assert queries.dim() == 3 and queries.shape[0] == b and queries.shape[2] == d, \
-        f"queries {tuple(queries.shape)} vs keys {(b, n, d)}"
-    assert head_weights.shape == queries.shape[:2], f"head weights {tuple(head_weights.shape)} vs {tuple(queries.shape[:2])}"
-    assert d >= 16 and d & (d - 1) == 0, f"key dim {d} must be a power of two >= 16"
-    assert keys_fp8.device == scales.device == queries.device == head_weights.device, "tensors on different devices"
+    checks.dtype("keys_fp8 (FP8 e4m3 bits)", keys_fp8, torch.uint8)
+    checks.key_dim("keys_fp8.shape[2] (key dim D)", d)
+    checks.shape("scales", scales, (b, n), "B, N")
+    checks.floating("scales", scales)
+    checks.shape("queries", queries, (b, None, d), "B, H, D")
+    checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "B, H")
+    checks.same_device(keys_fp8=keys_fp8, scales=scales, queries=queries, head_weights=head_weights)
 
 
 def _launch(mode, keys_fp8, scales, lengths, queries, head_weights, rows=None, thr=None, out_score=None,
@@ -79,13 +83,16 @@ def _launch(mode, keys_fp8, scales, lengths, queries, head_weights, rows=None, t
 
 def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
              head_weights: torch.Tensor, k: int, capacity: int = 16384, target: int = 8192,
-             block_n: int = 64, iters: int = 4, num_warps: int = 4, return_counts: bool = False):
+             block_n: int = 64, iters: int = 4, num_warps: int = 4, return_counts: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact top-k per request with the selection fused into the scoring pass.
 
     Parameters
     ----------
-    keys_fp8 : [B, N, D] uint8 FP8 e4m3 bits (contiguous); scales : [B, N] float32; lengths : [B] int32
-        valid keys per request; queries : [B, H, D]; head_weights : [B, H] effective weights
+    keys_fp8 : [B, N, D] uint8 FP8 e4m3 bits, D a power of two >= 16; scales : [B, N] float32;
+        lengths : [B] int32 valid keys per request (copied to the keys' device if elsewhere);
+        queries : [B, H, D] (read as bf16); head_weights : [B, H] effective weights; all but
+        ``lengths`` on one device
     k : keys selected; capacity : candidate-buffer slots per request; target : keys the threshold aims
         to pass (at least ``k``); block_n, iters, num_warps : launch shape (keys per tile, tiles per
         program, warps per program)
@@ -95,11 +102,16 @@ def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor
     (scores [B, k] float32, rows [B, k] int64), like :func:`fp8_topk_reference`; with
     ``return_counts`` also the appended counts [B] (a count outside [min(k, length), capacity] means
     that request's buffer was not exact: :func:`dsaindex.kernels.select.check_counts`).
+
+    Raises
+    ------
+    ValueError : an input of the wrong dtype, shape or device, or ``capacity < 2 * max(target, k)``.
     """
-    _check(keys_fp8, scales, queries, head_weights)
+    _check_keys_and_queries(keys_fp8, scales, queries, head_weights)
     b, n, _ = keys_fp8.shape
+    checks.shape("lengths", lengths, (b,), "B")
     target = max(target, k)
-    assert capacity >= 2 * target, f"capacity {capacity} should be at least twice the target {target}"
+    checks.at_least("capacity", capacity, 2 * target, f"twice the threshold's target max(target, k) = {target}")
     keys_fp8 = keys_fp8.contiguous()
     lengths = lengths.to(device=keys_fp8.device, dtype=torch.int32)
     stride = select.sample_stride(n)
@@ -117,9 +129,14 @@ def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor
 
 def fp8_gather_scores(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor,
                       head_weights: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """Exact scores [B, R] float32 of the rows ``rows`` [B, R] (int32, -1 = none: -inf) of each request's
-    key pool ``keys_fp8`` [B, P, D] uint8 / ``scales`` [B, P]."""
-    _check(keys_fp8, scales, queries, head_weights)
+    """Exact scores [B, R] float32 of the rows ``rows`` [B, R] (int32 or int64, -1 = none: -inf) of each
+    request's key pool ``keys_fp8`` [B, P, D] uint8 / ``scales`` [B, P] float32, for ``queries`` [B, H, D]
+    and ``head_weights`` [B, H]; all on one device. Like :func:`fp8_gather_scores_reference`; raises
+    ``ValueError`` on an input of the wrong dtype, shape or device."""
+    _check_keys_and_queries(keys_fp8, scales, queries, head_weights)
+    checks.shape("rows", rows, (keys_fp8.shape[0], None), "B, R")
+    checks.dtype("rows", rows, torch.int32, torch.int64)
+    checks.same_device(keys_fp8=keys_fp8, rows=rows)
     b, r = rows.shape
     out = torch.empty(b, r, dtype=torch.float32, device=keys_fp8.device)
     if r == 0:

@@ -10,15 +10,19 @@ Stage 2, :func:`pq_candidate_scores`: the full coarse score ``sum_h w_h relu(q_h
 C1 survivors, their keys decoded from the codes into a bf16 tile and scored on tensor cores; the
 caller keeps the top C for the exact rerank.
 
-:func:`pq_encode_triton`: nearest centroid per subspace for newly completed pages.
+:func:`pq_encode`: nearest centroid per subspace for newly completed pages; its reference
+:func:`pq_encode_reference` is the core codec's :func:`dsaindex.pq.encode`.
+
+Each Triton wrapper ``X`` has its torch reference ``X_reference`` (the spec: same data arguments, same
+return) in this module; the jit code is in :mod:`dsaindex.kernels.pq_select_kernel`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsaindex.kernels import select
-from dsaindex.pq import PQSpec, split_subspaces, whitening
+from dsaindex.kernels import checks, select
+from dsaindex.pq import PQSpec, encode, split_subspaces, whitening
 
 
 def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
@@ -29,15 +33,19 @@ def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, code
     return torch.einsum("bmd,mkd->bmk", folded.view(folded.shape[0], m, d), codebooks.float()).contiguous()
 
 
-def pq_linear_topc_reference(codes, lengths, queries, head_weights, codebooks, c: int):
-    """Top ``c`` rows per request by the stage-1 score: (scores [B, c], rows [B, c] int64; -inf / -1 past
-    a short request's end)."""
+def pq_linear_topc_reference(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                             head_weights: torch.Tensor, codebooks: torch.Tensor,
+                             c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``c`` rows per request by the stage-1 score: (scores [B, c] float32, rows [B, c] int64; -inf / -1
+    past a short request's end). The spec of :func:`pq_linear_topc`."""
     return select.topk_of_prefixes(pq_linear_scores_reference(codes, queries, head_weights, codebooks), lengths, c)
 
 
 def pq_linear_scores_reference(codes: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                                codebooks: torch.Tensor) -> torch.Tensor:
-    """Stage-1 scores [B, N] float32 of ``codes`` [B, N, M] uint8 (the spec)."""
+    """Stage-1 scores [B, N] float32 of ``codes`` [B, N, M] uint8 for ``queries`` [B, H, D], ``head_weights``
+    [B, H] and ``codebooks`` [M, K, D/M]: the score :func:`pq_linear_topc` selects by (no kernel returns
+    it whole)."""
     lut = folded_lookup_tables(queries, head_weights, codebooks)  # [B, M, K]
     b, n, m = codes.shape
     gathered = lut.unsqueeze(1).expand(b, n, m, lut.shape[2]).gather(3, codes.long().unsqueeze(-1)).squeeze(-1)
@@ -59,25 +67,32 @@ def pq_candidate_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queri
     return scores.masked_fill(rows < 0, float("-inf"))
 
 
-def _check_codes(codes, codebooks):
+def _check_codes_and_queries(codes, queries, head_weights, codebooks) -> None:
+    """The preconditions both coarse stages share (:mod:`dsaindex.kernels.checks`)."""
+    checks.rank("codebooks", codebooks, 3, "M, K, D/M")
     m, k, d = codebooks.shape
-    assert codes.dtype == torch.uint8, f"codes must be uint8, got {codes.dtype}"
-    assert codes.dim() == 3 and codes.shape[2] == m, f"codes {tuple(codes.shape)} vs {m} subspaces"
-    assert m & (m - 1) == 0 and k & (k - 1) == 0, f"subspaces {m} and centroids {k} must be powers of two"
-    assert codes.device == codebooks.device, "codes and codebooks on different devices"
+    checks.power_of_two("codebooks.shape[0] (subspaces M)", m)
+    checks.power_of_two("codebooks.shape[1] (centroids K)", k)
+    checks.dtype("codes", codes, torch.uint8)
+    checks.shape("codes", codes, (None, None, m), "B, N, M")
+    checks.shape("queries", queries, (codes.shape[0], None, m * d), "B, H, D")
+    checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "B, H")
+    checks.same_device(codes=codes, queries=queries, head_weights=head_weights, codebooks=codebooks)
 
 
 def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c: int, capacity: int | None = None, max_len: int | None = None,
                    block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
-                   keep_all: bool = False):
+                   keep_all: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
     Parameters
     ----------
-    codes : [B, N, M] uint8 (contiguous); lengths : [B] valid rows per request; queries : [B, H, D];
-    head_weights : [B, H]; codebooks : [M, K, D/M] float32; c : candidates kept; capacity : buffer
-    slots per request (default 3c); max_len : the longest request (default N; a smaller value, known
+    codes : [B, N, M] uint8; lengths : [B] int valid rows per request (copied to the codes' device if
+    elsewhere); queries : [B, H, D]; head_weights : [B, H]; codebooks : [M, K, D/M] float32, M and K
+    powers of two; all but ``lengths`` on one device. c : candidates kept; capacity : buffer slots per
+    request (default 3c, at least 2c); max_len : the longest request (default N; a smaller value, known
     on the host, shortens the scan of a preallocated code array)
 
     Returns
@@ -86,17 +101,19 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     ``return_counts`` the appended counts [B] (see :func:`dsaindex.kernels.select.check_counts`).
     ``keep_all`` returns the whole buffer instead ([B, capacity], rows int32: every key above the
     threshold, about 1.5 c, in no order; -inf / -1 in the empty slots), saving the top-c sort when the
-    next stage rescores them anyway.
+    next stage rescores them anyway. Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_linear_kernel
 
-    _check_codes(codes, codebooks)
+    _check_codes_and_queries(codes, queries, head_weights, codebooks)
     b, n_rows, m = codes.shape
+    checks.shape("lengths", lengths, (b,), "B")
     n = n_rows if max_len is None else min(max_len, n_rows)
     k = codebooks.shape[1]
     capacity = 3 * c if capacity is None else capacity
+    checks.at_least("capacity", capacity, 2 * c, "twice the candidates c")
     codes = codes.contiguous()
     lengths = lengths.to(device=codes.device, dtype=torch.int32)
     lut = folded_lookup_tables(queries, head_weights, codebooks)
@@ -125,16 +142,24 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     """Stage 2 on Triton: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
     :func:`pq_candidate_scores_reference`. ``codebooks`` may be given in bf16 already (cast once at load).
     ``counts`` [B] int32 (optional): only the first ``counts[b]`` rows of a request can be filled (a
-    stage-1 buffer), so tiles past it are skipped."""
+    stage-1 buffer), so tiles past it are skipped. ``codes`` [B, N, M] uint8, ``queries`` [B, H, D] with
+    D a power of two >= 16, ``head_weights`` [B, H], ``codebooks`` [M, K, D/M], all on one device;
+    raises ``ValueError`` otherwise."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
 
-    _check_codes(codes, codebooks)
+    _check_codes_and_queries(codes, queries, head_weights, codebooks)
     b, n, m = codes.shape
     _, k, d = codebooks.shape
     h, dim = queries.shape[1], queries.shape[2]
-    assert dim == m * d and dim & (dim - 1) == 0, f"key dim {dim} vs codebooks {tuple(codebooks.shape)}"
+    checks.key_dim("queries.shape[2] (key dim D)", dim)
+    checks.shape("rows", rows, (b, None), "B, R")
+    checks.dtype("rows", rows, torch.int32, torch.int64)
+    if counts is not None:
+        checks.shape("counts", counts, (b,), "B")
+        checks.dtype("counts", counts, torch.int32)
+    checks.same_device(codes=codes, rows=rows, counts=counts)
     r = rows.shape[1]
     out = torch.empty(b, r, dtype=torch.float32, device=codes.device)
     if r == 0:
@@ -148,16 +173,33 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     return out
 
 
-def pq_encode_triton(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
-                     block_n: int = 64) -> torch.Tensor:
-    """Codes [N, M] uint8 of ``keys`` [N, D]: nearest centroid per subspace under ``metric`` (as
-    :func:`dsaindex.pq.encode`, the reference). The whitening is a small batched matmul in torch;
-    the kernel does the distance and argmin."""
+def pq_encode_reference(keys: torch.Tensor, codebooks: torch.Tensor,
+                        metric: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes [N, M] uint8 of ``keys`` [N, D] float: the nearest of the K centroids of ``codebooks``
+    [M, K, D/M] in each subspace, under the per-subspace ``metric`` [M, D/M, D/M] if given (else
+    Euclidean). The spec of :func:`pq_encode`; it is the core codec's :func:`dsaindex.pq.encode`, to
+    which it delegates (one encoder for training, evaluation and serving)."""
+    return encode(keys, codebooks, metric)
+
+
+def pq_encode(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
+              block_n: int = 64) -> torch.Tensor:
+    """Codes [N, M] uint8 of ``keys`` [N, D] float, like :func:`pq_encode_reference` (float ties aside).
+    ``codebooks`` [M, K, D/M] (K a power of two, at most 256) and ``metric`` [M, D/M, D/M] are moved to
+    the keys' device, as the reference does. The whitening is a small batched matmul in torch; the
+    kernel does the distance and argmin. Raises ``ValueError`` on an input of the wrong dtype or shape."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_encode_kernel
 
+    checks.rank("codebooks", codebooks, 3, "M, K, D/M")
     m, k, d = codebooks.shape
+    checks.power_of_two("codebooks.shape[1] (centroids K)", k)
+    checks.at_most("codebooks.shape[1] (centroids K)", k, 256, "codes are uint8")
+    checks.floating("keys", keys)
+    checks.shape("keys", keys, (None, m * d), "N, D")
+    if metric is not None:
+        checks.shape("metric", metric, (m, d, d), "M, D/M, D/M")
     spec = PQSpec.of(codebooks)
     white = whitening(metric, spec, keys.device)
     cb = codebooks.to(keys.device).float()

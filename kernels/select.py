@@ -12,6 +12,9 @@ of 2048, the expected count of keys above the threshold is ``oversample x target
 spread of about ``1 / sqrt(rank)``; :func:`check_counts` reports a request whose buffer overflowed or
 holds fewer than the target (its selection is then not provably exact). The decode path does not
 check it per step: at 1M keys an overflow is about a 3-sigma event (see docs/results.md).
+
+Also here: :func:`gather_host_rows`, the kernel that copies exact keys from the pinned host pool into
+the device pool, and its reference (and fallback) :func:`gather_host_rows_reference`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import math
 import os
 
 import torch
+
+from dsaindex.kernels import checks
 
 SAMPLES = 8192
 
@@ -39,7 +44,7 @@ def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, 
     lengths : [B] int keys per request; target : keys wanted above the threshold;
     capacity : candidate buffer slots (a request of at most ``capacity`` keys takes all of them: -inf)
     """
-    assert capacity >= 2 * target, f"capacity {capacity} should be at least twice the target {target}"
+    checks.at_least("capacity", capacity, 2 * target, f"twice the target {target}")
     n_sampled = torch.div(lengths + stride - 1, stride, rounding_mode="floor").clamp_min(1)
     rank = torch.ceil(oversample * target * n_sampled.double() / lengths.clamp_min(1).double()).long()
     rank = torch.minimum(rank.clamp_min(1), n_sampled)
@@ -59,7 +64,8 @@ def check_counts(counts: torch.Tensor, lengths: torch.Tensor, target: int, capac
     return (counts > capacity) | (counts < torch.minimum(lengths, torch.full_like(lengths, target)))
 
 
-def new_buffers(batch: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def new_buffers(batch: int, capacity: int,
+                device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Empty candidate buffers: scores [B, capacity] (-inf), positions [B, capacity] int32 (-1), counts [B] int32."""
     scores = torch.full((batch, capacity), float("-inf"), dtype=torch.float32, device=device)
     positions = torch.full((batch, capacity), -1, dtype=torch.int32, device=device)
@@ -88,26 +94,48 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gather_host_rows(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales,
-                     block: int = 32) -> None:
+def gather_host_rows(host_fp8: torch.Tensor, host_scales: torch.Tensor, page_table: torch.Tensor,
+                     src_pos: torch.Tensor, dst_slot: torch.Tensor, pool_fp8: torch.Tensor,
+                     pool_scales: torch.Tensor, block: int = 32) -> None:
     """Copy the keys at positions ``src_pos`` [B, n] (int64, -1 = none) of each request from the host
-    pool into rows ``dst_slot`` [B, n] of the device pool, in one kernel.
+    pool into rows ``dst_slot`` [B, n] (int64) of the device pool, in one kernel; like
+    :func:`gather_host_rows_reference`.
 
-    host_fp8 : [P, PAGE, D] uint8 and host_scales : [P, PAGE] float32, pinned: the kernel reads them
-    through unified virtual addressing (no staging copy); page_table : [B, max_pages] int32 on the
-    device; pool_fp8 : [B, R, D] uint8, pool_scales : [B, R] float32 on the device.
+    host_fp8 : [P, PAGE, D] uint8 (D a power of two) and host_scales : [P, PAGE] float32, pinned: the
+    kernel reads them through unified virtual addressing (no staging copy); page_table : [B, max_pages]
+    int32 on the device; pool_fp8 : [B, R, D] uint8, pool_scales : [B, R] float32 on the device.
+
+    Raises
+    ------
+    ValueError : an input of the wrong dtype, shape or device (checked first); also what Triton raises
+        where the device cannot address the host tensors (then use :func:`gather_host_rows_reference`).
     """
     import triton
 
     from dsaindex.kernels.select_kernel import gather_host_rows_kernel
 
+    checks.rank("src_pos", src_pos, 2, "B, n")
     b, n = src_pos.shape
-    assert dst_slot.shape == (b, n), f"slots {tuple(dst_slot.shape)} vs positions {(b, n)}"
-    assert host_fp8.dtype == pool_fp8.dtype == torch.uint8, "FP8 keys travel as uint8 bits"
-    assert host_fp8.shape[2] == pool_fp8.shape[2], f"key dims {host_fp8.shape[2]} vs {pool_fp8.shape[2]}"
+    checks.shape("dst_slot", dst_slot, (b, n), "B, n")
+    checks.shape("host_fp8", host_fp8, (None, None, None), "P, PAGE, D")
+    p, page, d = host_fp8.shape
+    checks.power_of_two("host_fp8.shape[2] (key dim D)", d)
+    checks.shape("host_scales", host_scales, (p, page), "P, PAGE")
+    checks.shape("page_table", page_table, (b, None), "B, max_pages")
+    checks.shape("pool_fp8", pool_fp8, (b, None, d), "B, R, D")
+    checks.shape("pool_scales", pool_scales, tuple(pool_fp8.shape[:2]), "B, R")
+    checks.dtype("host_fp8 (FP8 bits)", host_fp8, torch.uint8)
+    checks.dtype("pool_fp8 (FP8 bits)", pool_fp8, torch.uint8)
+    checks.dtype("host_scales", host_scales, torch.float32)
+    checks.dtype("pool_scales", pool_scales, torch.float32)
+    checks.dtype("page_table", page_table, torch.int32, torch.int64)
+    checks.dtype("src_pos", src_pos, torch.int32, torch.int64)
+    checks.dtype("dst_slot", dst_slot, torch.int32, torch.int64)
+    checks.same_device(host_fp8=host_fp8, host_scales=host_scales)
+    checks.same_device(pool_fp8=pool_fp8, pool_scales=pool_scales, page_table=page_table, src_pos=src_pos,
+                       dst_slot=dst_slot)
     if n == 0 or b == 0:
         return
-    page, d = host_fp8.shape[1], host_fp8.shape[2]
     # 4-byte words: a third of the bus transactions of byte loads when the rows cross PCIe / C2C
     words = d % 4 == 0 and host_fp8.is_contiguous() and pool_fp8.is_contiguous()
     host_rows = host_fp8.view(torch.int32) if words else host_fp8
@@ -117,10 +145,13 @@ def gather_host_rows(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_
         n, page_table.shape[1], pool_fp8.shape[1], PAGE=page, D=host_rows.shape[2], BLOCK=block)
 
 
-def gather_host_rows_staged(host_fp8, host_scales, page_table, src_pos, dst_slot, pool_fp8, pool_scales) -> None:
-    """:func:`gather_host_rows` without the kernel, and its reference: the positions go to the host (a
-    synchronization), the host gathers the rows and one copy moves them. Used on the CPU and where the
-    device cannot address pinned memory directly."""
+def gather_host_rows_reference(host_fp8: torch.Tensor, host_scales: torch.Tensor, page_table: torch.Tensor,
+                               src_pos: torch.Tensor, dst_slot: torch.Tensor, pool_fp8: torch.Tensor,
+                               pool_scales: torch.Tensor) -> None:
+    """:func:`gather_host_rows` without the kernel (same arguments, same effect): the spec, and the
+    fallback where the device cannot address pinned memory directly (and on the CPU). The positions go
+    to the host (a synchronization), the host gathers the rows and one copy per pool moves them; the
+    host tensors need not be pinned."""
     page_size = host_fp8.shape[1]
     src = src_pos.cpu()
     b_idx, i_idx = (src >= 0).nonzero(as_tuple=True)

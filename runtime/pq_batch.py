@@ -33,7 +33,7 @@ from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_refe
 from dsaindex.kernels.pq_select import (
     pq_candidate_scores,
     pq_candidate_scores_reference,
-    pq_encode_triton,
+    pq_encode,
     pq_linear_topc,
     pq_linear_topc_reference,
 )
@@ -200,7 +200,7 @@ class PQDecodeGroup:
 
     def _encode(self, exact: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            return pq_encode_triton(exact, self.codebooks, self.metric)
+            return pq_encode(exact, self.codebooks, self.metric)
         return encode(exact, self.codebooks, self.metric)
 
     def gpu_bytes(self) -> dict[str, int]:
@@ -284,7 +284,7 @@ class PQDecodeGroup:
                 return
             except (RuntimeError, ValueError) as err:  # a device/driver that cannot address pinned memory
                 self.host_reads = f"staged copy ({type(err).__name__}: {str(err)[:80]})"
-        select.gather_host_rows_staged(*args)
+        select.gather_host_rows_reference(*args)
 
 
 class RequestGroups:

@@ -147,8 +147,7 @@ def test_pq_candidate_reference_is_the_decoded_exact_score():
 
 @pytest.mark.parametrize("with_metric", [False, True])
 def test_pq_encode_matches_reference(with_metric):
-    from dsaindex.kernels.pq_select import pq_encode_triton
-    from dsaindex.pq import encode
+    from dsaindex.kernels.pq_select import pq_encode, pq_encode_reference
 
     g = torch.Generator().manual_seed(3)
     cb = torch.randn(32, 256, 4, generator=g)
@@ -157,8 +156,8 @@ def test_pq_encode_matches_reference(with_metric):
     if with_metric:
         a = torch.randn(32, 4, 4, generator=g, dtype=torch.float64)
         metric = a @ a.transpose(1, 2) + 0.1 * torch.eye(4, dtype=torch.float64)
-    want = encode(keys, cb, metric)
-    got = pq_encode_triton(keys.to(DEV), cb.to(DEV), None if metric is None else metric.to(DEV)).cpu()
+    want = pq_encode_reference(keys, cb, metric)
+    got = pq_encode(keys.to(DEV), cb.to(DEV), None if metric is None else metric.to(DEV)).cpu()
     assert (got == want).float().mean() > 0.999  # float ties aside
 
 
@@ -185,7 +184,7 @@ def test_full_size_on_gpu():
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_host_row_gather_matches_reference(kernel):
-    from dsaindex.kernels.select import gather_host_rows, gather_host_rows_staged
+    from dsaindex.kernels.select import gather_host_rows, gather_host_rows_reference
 
     g = torch.Generator().manual_seed(4)
     host_fp8 = torch.randint(0, 120, (9, 64, 32), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -197,7 +196,7 @@ def test_host_row_gather_matches_reference(kernel):
     gather_rows_spec(host_fp8, host_scales, table, src, dst, *want, page_size=64)
     assert torch.equal(want[0][0, 2], host_fp8[7, 63]) and torch.equal(want[0][1, 1], host_fp8[8, 0])
     got = torch.zeros(2, 10, 32, dtype=torch.uint8, device=DEV), torch.zeros(2, 10, device=DEV)
-    fn = gather_host_rows if kernel else gather_host_rows_staged
+    fn = gather_host_rows if kernel else gather_host_rows_reference
     pinned = CUDA and kernel
     fn(host_fp8.pin_memory() if pinned else host_fp8, host_scales.pin_memory() if pinned else host_scales,
        table.to(DEV), src.to(DEV), dst.to(DEV), *got)
@@ -227,6 +226,44 @@ def test_decode_plan_matches_reference(c, cap, miss_filter):
         assert torch.equal(x.cpu(), y.cpu()), name
     stats = want[4]
     assert (stats[:, 1] + stats[:, 2] + stats[:, 3] == stats[:, 0]).all()  # hits + fetched + dropped = valid
+
+
+def test_wrappers_name_the_bad_argument():
+    """Each wrapper checks its inputs first: ValueError naming the argument, what it got and what it wants."""
+    from dsaindex.kernels.chunk_score import chunk_scores
+    from dsaindex.kernels.decode_plan import decode_plan
+    from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_topk
+    from dsaindex.kernels.pq_select import pq_candidate_scores, pq_encode, pq_linear_topc
+    from dsaindex.kernels.select import gather_host_rows
+
+    keys, scales, q, w = fp8_inputs(2, 50, 3, 32)
+    lengths = torch.tensor([50, 40], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=r"keys_fp8 \(FP8 e4m3 bits\): got dtype torch.float32, want torch.uint8"):
+        fp8_topk(keys.float(), scales, lengths, q, w, 8, capacity=256, target=64)
+    with pytest.raises(ValueError, match=r"scales: got shape \(2, 49\), want \[B, N\] = \(2, 50\)"):
+        fp8_gather_scores(keys, scales[:, :49], torch.zeros(2, 3, dtype=torch.int32, device=DEV), q, w)
+    with pytest.raises(ValueError, match="capacity: got 100, want >= 128"):
+        fp8_topk(keys, scales, lengths, q, w, 8, capacity=100, target=64)
+    with pytest.raises(ValueError, match="key dim D.: got 24, want a power of two >= 16"):
+        fp8_topk(keys[..., :24], scales, lengths, q[..., :24], w, 8, capacity=256, target=64)
+    codes, cb, pq_q, pq_w = pq_inputs(2, 60, 4)
+    with pytest.raises(ValueError, match="codes: got dtype torch.int32, want torch.uint8"):
+        pq_linear_topc(codes.int(), lengths, pq_q, pq_w, cb, 8)
+    with pytest.raises(ValueError, match="subspaces M.: got 24, want a power of two"):
+        pq_candidate_scores(codes[..., :24], torch.zeros(2, 5, dtype=torch.int32, device=DEV), pq_q[..., :96],
+                            pq_w, cb[:24])
+    with pytest.raises(ValueError, match=r"keys: got shape \(5, 64\), want \[N, D\] = \(\*, 128\)"):
+        pq_encode(torch.randn(5, 64, device=DEV), cb)
+    with pytest.raises(ValueError, match="rows / lengths: got rows and lengths, want exactly one of them"):
+        chunk_scores(keys[0].float(), q, w, rows=torch.zeros(2, 4, dtype=torch.int32, device=DEV), lengths=lengths)
+    cand = torch.zeros(2, 4, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match=r"lru: got shape \(2, 3\), want \[B, cap\] = \(2, 8\)"):
+        decode_plan(cand, cand.float(), cand, cand[:, :3], lengths, lengths, topk=2, cap=8, page=64)
+    host = torch.zeros(3, 64, 32, dtype=torch.uint8), torch.zeros(3, 64)
+    pool = torch.zeros(2, 10, 32, dtype=torch.uint8, device=DEV), torch.zeros(2, 10, dtype=torch.float64, device=DEV)
+    table, pos = torch.zeros(2, 1, dtype=torch.int32, device=DEV), torch.zeros(2, 4, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="pool_scales: got dtype torch.float64, want torch.float32"):
+        gather_host_rows(*host, table, pos, pos, *pool)
 
 
 def test_check_counts_flags_overflow_and_shortfall():

@@ -101,7 +101,7 @@ def test_recall_with_few_candidates_and_cache_hits_on_the_next_step():
 
 
 def test_matches_the_torch_reference_indexer():
-    from dsaindex.runtime.pq_decode import PQDecodeIndexer
+    from pq_decode_reference import PQDecodeIndexer
 
     lengths = [640, 500]
     group, keys, _ = make_group(lengths, topk=16, candidates=128, prefilter=8)  # stage 1 passes everything
