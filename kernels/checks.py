@@ -2,7 +2,8 @@
 
 A Triton kernel trusts its pointers: a wrong dtype, shape or device reads garbage or faults far from
 the cause. So every wrapper checks its inputs first, one line per precondition, with these helpers.
-Each raises ``ValueError`` naming the argument, what it got and what it wants. The torch references
+Each raises :class:`KernelInputError` (a ``ValueError``) naming the argument, what it got and what it
+wants, so callers can tell a caller's mistake from what Triton itself raises. The torch references
 take no checks: they are the spec, and torch reports its own errors.
 """
 
@@ -13,9 +14,13 @@ from typing import NoReturn
 import torch
 
 
+class KernelInputError(ValueError):
+    """A kernel wrapper was given an input of the wrong dtype, shape or device."""
+
+
 def fail(name: str, got: object, want: object) -> NoReturn:
-    """Raise ``ValueError("<name>: got <got>, want <want>")``."""
-    raise ValueError(f"{name}: got {got}, want {want}")
+    """Raise ``KernelInputError("<name>: got <got>, want <want>")``."""
+    raise KernelInputError(f"{name}: got {got}, want {want}")
 
 
 def same_device(**tensors: torch.Tensor | None) -> None:

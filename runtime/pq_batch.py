@@ -16,8 +16,8 @@ survivors, top-C; cache lookup; miss filter; host rows of the kept misses copied
 one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and the tail; top-k.
 
 :class:`RequestGroups` runs several groups' steps on separate CUDA streams, so one group's host reads
-overlap another group's scoring. :class:`dsaindex.runtime.pq_decode.PQDecodeIndexer` is the
-per-request torch reference of the same algorithm.
+overlap another group's scoring. ``PQDecodeIndexer`` in ``tests/pq_decode_reference.py`` is the
+per-request torch reference of the same algorithm (tests only: no server imports it).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import select
+from dsaindex.kernels.checks import KernelInputError
 from dsaindex.kernels.decode_plan import decode_plan, decode_plan_reference
 from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_reference
 from dsaindex.kernels.pq_select import (
@@ -282,6 +283,8 @@ class PQDecodeGroup:
             try:
                 select.gather_host_rows(*args)
                 return
+            except KernelInputError:
+                raise  # a bug in the caller, not a device that cannot read pinned memory
             except (RuntimeError, ValueError) as err:  # a device/driver that cannot address pinned memory
                 self.host_reads = f"staged copy ({type(err).__name__}: {str(err)[:80]})"
         select.gather_host_rows_reference(*args)
