@@ -1,20 +1,21 @@
-"""Hooks on the indexer modules of a transformers DSA model.
+"""Hooks on the indexer modules of a transformers DSA model, for capture.
 
-:class:`IndexerTap` is the one place hooks are attached: it keeps every handle, removes them all on
-exit, and has a switch (``enabled``) that turns recording off without detaching. Per forward call and
-indexer layer it emits an :class:`IndexerRecord` with the keys the module scores (new ones only), and
-queries and head weights at the rows the caller asked for.
+:class:`IndexerTap` is a :class:`dsaindex.hooks.ModuleHooks` set (handles kept and removed on exit; its
+``enabled`` switch turns recording off without detaching). Per forward call and indexer layer it emits an
+:class:`IndexerRecord` with the keys the module scores (new ones only), and queries and head weights at
+the rows the caller asked for.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dsaindex.geometry import IndexerGeometry
+from dsaindex.hooks import ModuleHooks, PostHook, PreHook
 from dsaindex.indexer import find_indexers, mla_indexer_tensors, v4_scorer_tensors
 
 
@@ -34,12 +35,7 @@ class IndexerRecord:
     selected: torch.Tensor | None = None
 
 
-def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict:
-    bound = inspect.signature(fn).bind_partial(*args, **kwargs)
-    return dict(bound.arguments)
-
-
-class IndexerTap:
+class IndexerTap(ModuleHooks):
     """Records what each indexer layer scores while a model runs.
 
     Parameters
@@ -54,31 +50,22 @@ class IndexerTap:
     """
 
     def __init__(self, model: torch.nn.Module, geometry: IndexerGeometry, on_record: Callable[[IndexerRecord], None]):
+        super().__init__()
         self.geometry = geometry
         self.on_record = on_record
-        self.enabled = True
         self.query_rows: torch.Tensor | None = None
         self.keep_selected = False
-        self._handles: list = []
         self._entries_seen: dict[int, int] = {}
         self._pending: dict[int, IndexerRecord] = {}
         self.indexers = find_indexers(model, geometry)
 
-    def __enter__(self) -> IndexerTap:
+    def attach(self) -> None:
         for layer, module in self.indexers.items():
             if self.geometry.family == "deepseek_v4":
-                self._handles.append(
-                    module.scorer.register_forward_pre_hook(self._v4_scorer_hook(layer), with_kwargs=True)
-                )
+                self.register(module.scorer, pre=self._v4_scorer_hook(layer))
             else:
-                self._handles.append(module.register_forward_pre_hook(self._mla_hook(layer), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._output_hook(layer)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+                self.register(module, pre=self._mla_hook(layer))
+            self.register(module, post=self._output_hook(layer))
 
     def new_sequence(self) -> None:
         self._entries_seen.clear()
@@ -87,11 +74,8 @@ class IndexerTap:
     def _rows(self, device: torch.device) -> torch.Tensor | None:
         return None if self.query_rows is None else self.query_rows.to(device)
 
-    def _mla_hook(self, layer: int):
-        def hook(module, args, kwargs):
-            if not self.enabled:
-                return None
-            a = _bind(module.forward, args, kwargs)
+    def _mla_hook(self, layer: int) -> PreHook:
+        def hook(module: torch.nn.Module, a: dict[str, Any]) -> None:
             cos, sin = a["position_embeddings"]
             rows = self._rows(a["hidden_states"].device)
             with torch.no_grad():
@@ -99,15 +83,11 @@ class IndexerTap:
                     module, self.geometry.rope_layout, a["hidden_states"], a["q_resid"], cos, sin, rows
                 )
             self._pending[layer] = IndexerRecord(layer, keys, queries, weights)
-            return None
 
         return hook
 
-    def _v4_scorer_hook(self, layer: int):
-        def hook(module, args, kwargs):
-            if not self.enabled:
-                return None
-            a = _bind(module.forward, args, kwargs)
+    def _v4_scorer_hook(self, layer: int) -> PreHook:
+        def hook(module: torch.nn.Module, a: dict[str, Any]) -> None:
             rows = self._rows(a["hidden_states"].device)
             with torch.no_grad():
                 keys, queries, weights = v4_scorer_tensors(
@@ -116,18 +96,16 @@ class IndexerTap:
             seen = self._entries_seen.get(layer, 0)
             self._entries_seen[layer] = keys.shape[1]
             self._pending[layer] = IndexerRecord(layer, keys[:, seen:], queries, weights)
-            return None
 
         return hook
 
-    def _output_hook(self, layer: int):
-        def hook(module, args, output):
+    def _output_hook(self, layer: int) -> PostHook:
+        def hook(module: torch.nn.Module, output: Any) -> None:
             record = self._pending.pop(layer, None)
-            if record is None or not self.enabled:
-                return None
+            if record is None:
+                return
             if self.keep_selected:
                 record.selected = output.detach()
             self.on_record(record)
-            return None
 
         return hook

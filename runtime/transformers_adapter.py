@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dsaindex.geometry import geometry_from_config
+from dsaindex.hooks import ModuleHooks, PostHook, PreHook
 from dsaindex.indexer import find_indexers, mla_indexer_tensors
 from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
@@ -37,7 +39,7 @@ class SelectionLog:
         return {layer: self.kept[layer] / max(1, self.steps[layer]) for layer in self.steps}
 
 
-class RuntimeSelection:
+class RuntimeSelection(ModuleHooks):
     """Context manager: decode-time top-k of ``model`` chosen by the runtime from ``layers``' PQ artifacts.
 
     Parameters
@@ -48,9 +50,11 @@ class RuntimeSelection:
     candidates, prefilter, cache_capacity : as :class:`PQDecodeGroup`
     """
 
-    def __init__(self, model, layers: dict[int, PQCodec], batch: int, max_keys: int, basis: str = "hadamard",
-                 candidates: int = 1024, prefilter: int = 2, cache_capacity: int | None = None,
-                 device: str | torch.device = "cpu", use_triton: bool | None = None):
+    def __init__(self, model: torch.nn.Module, layers: dict[int, PQCodec], batch: int, max_keys: int,
+                 basis: str = "hadamard", candidates: int = 1024, prefilter: int = 2,
+                 cache_capacity: int | None = None, device: str | torch.device = "cpu",
+                 use_triton: bool | None = None):
+        super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
         self.indexers = find_indexers(model, self.geometry)
@@ -72,29 +76,22 @@ class RuntimeSelection:
             for slot in range(batch):
                 group.admit(slot)
         self.log = SelectionLog()
-        self._handles: list = []
         self._chosen: dict[int, torch.Tensor] = {}
 
-    def __enter__(self) -> RuntimeSelection:
+    def attach(self) -> None:
         for layer, module in self.indexers.items():
-            self._handles.append(module.register_forward_pre_hook(self._before(layer, module), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._after(layer)))
-        return self
+            self.register(module, pre=self._before(layer), post=self._after(layer))
 
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def remove(self) -> None:
+        """Detach the hooks and free every request slot's pages."""
+        super().remove()
         for group in self.groups.values():
             for slot, pages in enumerate(group.pages):
                 if pages is not None:
                     group.free(slot)
 
-    def _before(self, layer: int, module):
-        signature = inspect.signature(module.forward)
-
-        def hook(mod, args, kwargs):
-            a = signature.bind_partial(*args, **kwargs).arguments
+    def _before(self, layer: int) -> PreHook:
+        def hook(mod: torch.nn.Module, a: dict[str, Any]) -> None:
             cos, sin = a["position_embeddings"]
             last = torch.tensor([a["hidden_states"].shape[1] - 1], device=a["hidden_states"].device)
             with torch.no_grad():  # keys of every new token; the query only where the runtime selects
@@ -107,12 +104,11 @@ class RuntimeSelection:
             if keys.shape[1] == 1:  # a decode step: the runtime selects
                 picked, _ = group.select(to_basis(queries[:, -1].float(), self.basis), weights[:, -1])
                 self._chosen[layer] = picked
-            return None
 
         return hook
 
-    def _after(self, layer: int):
-        def hook(mod, args, output):
+    def _after(self, layer: int) -> PostHook:
+        def hook(mod: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
             picked = self._chosen.pop(layer, None)
             if picked is None:
                 return None
@@ -128,7 +124,7 @@ class RuntimeSelection:
 
 
 @torch.no_grad()
-def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None) -> dict:
+def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None) -> dict:
     """Greedy decoding with the KV cache. ``forced`` [new_tokens] feeds those tokens instead of the
     model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step."""
     # transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever the model takes
@@ -147,7 +143,7 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, forced: torch.Te
     return {"argmax": torch.tensor(argmax), "fed": torch.tensor(fed)}
 
 
-def greedy_agreement(model, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
+def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
                      use_triton: bool | None = None, continuation: torch.Tensor | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
