@@ -7,9 +7,10 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.console import emit_report
+from dsaindex.console import emit_report, resolve_device
 from dsaindex.pipelines.bench_decode import bench_decode
 from dsaindex.pipelines.bench_prefill import bench_prefill_select
+from dsaindex.pipelines.timing import time_call
 
 bench_app = typer.Typer(no_args_is_help=True)
 bench_app.command("decode")(bench_decode)
@@ -26,17 +27,14 @@ def bench_capture(
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
 ) -> None:
     """Capture throughput (tokens/s, keys/s written) and store bytes per million keys."""
-    import time
-
     import torch
 
     from dsaindex.artifacts.capture_store import CaptureSettings, CaptureStore
     from dsaindex.pipelines.capture import capture
-    from dsaindex.pipelines.cli import _device
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref, load_model
 
-    device = _device(device)
+    device = resolve_device(device)
     ref = model or default_model_ref()
     loaded = load_model(ref, device=device)
     settings = CaptureSettings(seq_len=seq_len, chunk_len=chunk_len)
@@ -47,9 +45,10 @@ def bench_capture(
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        result = capture(Path(tmp) / "store", ref, CorpusSpec(), settings, sequences, device=device, loaded=loaded)
-        seconds = time.perf_counter() - t0
+        result, seconds = time_call(
+            lambda: capture(Path(tmp) / "store", ref, CorpusSpec(), settings, sequences, device=device, loaded=loaded),
+            device,
+        )
         info = CaptureStore.open(Path(tmp) / "store").info()
     layers = len(info["layers"])
     keys = info["committed"]["keys"]
@@ -86,22 +85,20 @@ def bench_pq_train(
 ) -> None:
     """Time of one layer's PQ training for N keys, per trainer, and the quantization error each reaches."""
     import os
-    import time
 
     import torch
 
-    from dsaindex.pipelines.cli import _device
     from dsaindex.pq import PQSpec, relative_mse
     from dsaindex.train.pq import train_codebooks
 
-    device = _device(device)
+    device = resolve_device(device)
     if store is not None:
         from dsaindex.artifacts.capture_store import CaptureStore
         from dsaindex.quant import engine_keys
 
         cs = CaptureStore.open(store)
         layer = cs.layers[0] if layer is None else layer
-        base = engine_keys(cs.as_float(cs.keys(layer)), cs.manifest.model.geometry["key_format"])
+        base = engine_keys(cs.as_float(cs.keys(layer)), cs.manifest.model.geometry.key_format)
         reps = -(-keys // base.shape[0])
         g = torch.Generator().manual_seed(0)
         data = base.repeat(reps, 1)[:keys]
@@ -120,57 +117,13 @@ def bench_pq_train(
         if trainer == "torch" and device.startswith("cuda"):
             train_codebooks(data[:65536], spec, "torch", 2, device=device)  # warm-up (CUDA init, kernels)
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        cb = train_codebooks(data, spec, trainer, iterations, device=device if trainer == "torch" else "cpu")
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        cb, seconds = time_call(
+            lambda t=trainer: train_codebooks(data, spec, t, iterations, device=device if t == "torch" else "cpu"),
+            device,
+        )
         report["trainers"][trainer] = {
             "device": device if trainer == "torch" else "cpu",
             "seconds": round(seconds, 3),
             "relative_mse": round(relative_mse(data[:200_000], cb), 5),
         }
-    emit_report(report, out)
-
-
-def _median_ms(fn, *args) -> float:
-    """Median milliseconds of ``fn(*args)`` on the GPU."""
-    from dsaindex.pipelines.bench_decode import _median_ms as median_ms
-
-    return median_ms(lambda: fn(*args))
-
-
-@bench_app.command("pq-score")
-def bench_pq_score(
-    keys: str = typer.Option("65536,262144,1048576", help="Comma-separated key counts."),
-    heads: int = typer.Option(64, help="Indexer heads."),
-    subspaces: int = typer.Option(32, help="PQ subspaces (128-d keys)."),
-    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
-) -> None:
-    """Median time of one query's coarse scores over N PQ codes: Triton kernel vs the torch reference,
-    beside torch exact scoring of bf16 keys (matmul, relu, weighted sum). Needs a CUDA device."""
-    import torch
-
-    from dsaindex.kernels.pq_score import pq_coarse_scores, pq_coarse_scores_triton
-    from dsaindex.score import indexer_scores
-
-    if not torch.cuda.is_available():
-        raise typer.BadParameter("bench pq-score needs a CUDA device")
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    rows = []
-    for n in [int(x) for x in keys.split(",") if x]:
-        q = torch.randn(heads, 128, device=dev, generator=g)
-        w = torch.rand(heads, device=dev, generator=g)
-        codes = torch.randint(0, 256, (n, subspaces), device=dev, generator=g, dtype=torch.int32).to(torch.uint8)
-        cb = torch.randn(subspaces, 256, 128 // subspaces, device=dev, generator=g)
-        exact_keys = torch.randn(n, 128, device=dev, generator=g).to(torch.bfloat16)
-        ms = {
-            "triton_pq": _median_ms(pq_coarse_scores_triton, q, w, codes, cb),
-            "torch_pq_reference": _median_ms(pq_coarse_scores, q, w, codes, cb),
-            "torch_exact_bf16": _median_ms(indexer_scores, q.unsqueeze(0).to(torch.bfloat16), exact_keys, w.unsqueeze(0)),
-        }
-        rows.append({"keys": n, "median_ms": {k: round(v, 4) for k, v in ms.items()},
-                     "gkeys_per_s": {k: round(n / v / 1e6, 2) for k, v in ms.items()}})
-    report = {"device": torch.cuda.get_device_name(), "heads": heads, "subspaces": subspaces, "rows": rows}
     emit_report(report, out)

@@ -17,17 +17,15 @@ request holding its causal prefix, one cold step of the PQ path against exact FP
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from dsaindex.pipelines.timing import median_ms
+
 HBM_BYTES_PER_S = 3.77e12  # read bandwidth measured on the H200 (DESIGN: 132 B/key -> ~35 us per 1M keys)
-
-
-def _median_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
 def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int = 0):
@@ -77,7 +75,7 @@ LINEAR_CONFIGS = [dict(block_n=128, iters=8, num_warps=4), dict(block_n=256, ite
                   dict(block_n=128, iters=32, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
 
 
-def timed(fn, graphs: bool) -> tuple[float, str]:
+def timed(fn: Callable[[], Any], graphs: bool) -> tuple[float, str]:
     """Median ms of ``fn`` replayed from a CUDA graph (what a decode server runs), or eagerly where
     capture fails (the reason is returned)."""
     import torch
@@ -93,15 +91,15 @@ def timed(fn, graphs: bool) -> tuple[float, str]:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
-            return _median_ms(graph.replay), "cuda-graph"
+            return median_ms(graph.replay), "cuda-graph"
         except Exception as err:  # noqa: BLE001  (report it, time eagerly)
             torch.cuda.synchronize()
             reason = f"eager ({type(err).__name__}: {str(err)[:100]})"
-            return _median_ms(fn), reason
-    return _median_ms(fn), "eager"
+            return median_ms(fn), reason
+    return median_ms(fn), "eager"
 
 
-def best_of(configs, make_fn, graphs: bool) -> tuple[float, dict, str]:
+def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], graphs: bool) -> tuple[float, dict, str]:
     """Fastest launch configuration: (ms, config, timing mode)."""
     results = [(*timed(make_fn(cfg), graphs), cfg) for cfg in configs]
     ms, mode, cfg = min(results, key=lambda r: r[0])
@@ -200,7 +198,7 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
     _, eval_seqs = split_sequences(len(store.array("sequence_keys")))
     per_layer = {}
     for layer_id, layer in loaded.items():
-        data = held_out(store, layer_id, eval_seqs, min_prefix, geometry["key_format"], max_queries=max_queries)
+        data = held_out(store, layer_id, eval_seqs, min_prefix, geometry.key_format, max_queries=max_queries)
         nq = data.queries.shape[0]
         if nq == 0:
             continue
@@ -210,7 +208,7 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
             for start in range(0, nq, 8):
                 rows = range(start, min(nq, start + 8))
                 lengths = [int(data.visible[i]) for i in rows]
-                host = HostKeyStore(sum(-(-n // 64) for n in lengths) + len(lengths), geometry["head_dim"])
+                host = HostKeyStore(sum(-(-n // 64) for n in lengths) + len(lengths), geometry.head_dim)
                 group = PQDecodeGroup(layer, host, len(lengths), max(lengths), topk, candidates=candidates,
                                       prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
                                       device=device, use_triton=use_triton)
@@ -224,7 +222,7 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
                 w = data.head_weights[list(rows)].to(device)
                 picked, stats = group.select(q, w)
                 n = max(lengths)
-                fp8 = torch.zeros(len(lengths), n, geometry["head_dim"], dtype=torch.uint8, device=device)
+                fp8 = torch.zeros(len(lengths), n, geometry.head_dim, dtype=torch.uint8, device=device)
                 scales = torch.zeros(len(lengths), n, device=device)
                 for slot, x in enumerate(prefixes):
                     c, s = fp8_quantize(x.to(device))

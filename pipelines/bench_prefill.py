@@ -9,8 +9,9 @@ appended and its ``chunk`` queries select their top-k:
   prefix scored by the Triton kernel, then ``torch.topk``;
 * ``ivf@B``: :func:`dsaindex.runtime.ivf_prefill.select_chunk` with a candidate budget ``B``.
 
-Times are medians of ``--repeats`` runs, synchronized. Maintenance per chunk is amortized at the
-prefix: the seals of the chunk's own append plus the latest refit times ``chunk / refit_every``;
+Times are medians of ``--repeats`` synchronized runs after a warm-up
+(:func:`dsaindex.pipelines.timing.median_ms`). Maintenance per chunk is amortized at the prefix: the
+seals of the chunk's own append plus the latest refit times ``chunk / refit_every``;
 ``maintenance_share`` divides it by the selection time IVF saves (exhaustive - ivf). Keys and
 queries come from a capture store (``--store``: its keys tiled with small noise up to the longest
 prefix) or are synthetic clustered keys; recall against the exhaustive top-k is reported as a check
@@ -20,32 +21,20 @@ of the path, not as a routing-quality figure (``dsaindex eval ivf`` measures tha
 from __future__ import annotations
 
 import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
+from dsaindex.pipelines.timing import median_ms, time_call
 
-def _sync(device: str) -> None:
+if TYPE_CHECKING:
     import torch
 
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
-
-def _median_s(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up (compilation, caches)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def bench_inputs(total: int, chunk: int, store: Path | None, layer: int | None, heads: int, seed: int = 0):
+def bench_inputs(total: int, chunk: int, store: Path | None, layer: int | None, heads: int,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """(keys [total, D] float32, queries [chunk, H, D], head weights [chunk, H], source text) on the CPU."""
     import torch
 
@@ -68,7 +57,7 @@ def bench_inputs(total: int, chunk: int, store: Path | None, layer: int | None, 
 
         raise DsaIndexError(f"{store} holds no committed sequence.", "capture into it first, or leave out --store.")
     layer = cs.layers[0] if layer is None else layer
-    base = engine_keys(cs.as_float(cs.keys(layer)), cs.manifest.model.geometry["key_format"]).float()
+    base = engine_keys(cs.as_float(cs.keys(layer)), cs.manifest.model.geometry.key_format).float()
     reps = -(-total // base.shape[0])
     keys = base.repeat(reps, 1)[:total]
     keys = keys + 0.01 * base.std() * torch.randn(keys.shape, generator=g)  # tiled copies are not identical
@@ -90,7 +79,8 @@ def _recall(got, want) -> float:
 
 def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, store: Path | None, layer: int | None,
               heads: int, window: int, cluster_size: int, refit_every: int, refit_iterations: int, repeats: int,
-              device: str, use_triton: bool, progress=None, refit_search: str = "incremental") -> dict:
+              device: str, use_triton: bool, progress: Callable[[str], None] | None = None,
+              refit_search: str = "incremental") -> dict:
     import torch
 
     from dsaindex.runtime.causal_ivf import CausalIVF
@@ -108,11 +98,8 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
 
     def append(lo: int, hi: int) -> dict:
         seals, refits = len(index.versions), index.refits
-        _sync(device)
-        t0 = time.perf_counter()
-        index.append(keys[lo:hi])
-        _sync(device)
-        rec = {"at": lo, "seconds": time.perf_counter() - t0, "refit": index.refits > refits,
+        _, seconds = time_call(lambda: index.append(keys[lo:hi]), device)
+        rec = {"at": lo, "seconds": seconds, "refit": index.refits > refits,
                "versions": len(index.versions) - seals}
         appends.append(rec)
         index.forget_before(hi - chunk)
@@ -130,15 +117,15 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         if progress:
             progress(f"prefix {prefix:,}: exhaustive")
         truth = exhaustive_chunk(index.keys, queries, weights, positions, topk, use_triton)
-        t_ex = _median_s(lambda p=positions: exhaustive_chunk(index.keys, queries, weights, p, topk, use_triton),
-                         repeats, device)
+        t_ex = median_ms(lambda p=positions: exhaustive_chunk(index.keys, queries, weights, p, topk, use_triton),
+                         repeats, device) / 1e3
         ivf = {}
         for b in budgets:
             if progress:
                 progress(f"prefix {prefix:,}: ivf budget {b:,}")
             got = select_chunk(index, queries, weights, positions, b, topk, use_triton=use_triton)
-            t = _median_s(lambda p=positions, b=b: select_chunk(index, queries, weights, p, b, topk,
-                                                                use_triton=use_triton), repeats, device)
+            t = median_ms(lambda p=positions, b=b: select_chunk(index, queries, weights, p, b, topk,
+                                                                use_triton=use_triton), repeats, device) / 1e3
             ivf[str(b)] = {"seconds": round(t, 5), "speedup": round(t_ex / t, 3), "recall_check": round(_recall(got, truth), 4)}
         refit_times = [a["seconds"] for a in appends if a["refit"]]
         seal_times = [a["seconds"] for a in appends if not a["refit"] and a["versions"] > 0][-8:]
@@ -202,9 +189,9 @@ def bench_prefill_select(
     """Selection time per prefill chunk, causal IVF vs exhaustive, with index maintenance apart."""
     from rich.console import Console
 
-    from dsaindex.pipelines.cli import _device
+    from dsaindex.console import resolve_device
 
-    device = _device(device)
+    device = resolve_device(device)
     use_triton = device.startswith("cuda")
     console = Console(stderr=True)
     with console.status("prefill-select") as status:
