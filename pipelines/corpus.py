@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +48,42 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _walk(root: Path, suffixes: set[str] | None) -> list[Path]:
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def walk_files(
+    root: Path,
+    suffixes: Collection[str] | None = None,
+    skip_hidden: bool = False,
+    max_bytes: int | None = None,
+) -> list[Path]:
+    """Files under ``root`` in a fixed order (each folder's files sorted by name, then its sorted subfolders).
+
+    Parameters
+    ----------
+    suffixes : keep only files whose :attr:`Path.suffix` is one of these (``None``: every file)
+    skip_hidden : also leave out folders whose name starts with ``.``; :data:`SKIPPED_DIRS` (installed
+        packages, bytecode caches) are always left out
+    max_bytes : keep only files of 1 to ``max_bytes`` bytes; files whose size cannot be read are left out.
+        ``None``: no size check here (callers check sizes themselves)
+    """
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIPPED_DIRS and not (skip_hidden and d.startswith("."))
+        )
         for name in sorted(filenames):
-            p = Path(dirpath) / name
-            if suffixes is None or p.suffix in suffixes:
-                found.append(p)
+            path = Path(dirpath) / name
+            if suffixes is not None and path.suffix not in suffixes:
+                continue
+            if max_bytes is not None:
+                try:
+                    size = path.stat().st_size
+                except OSError:
+                    continue
+                if not 0 < size <= max_bytes:
+                    continue
+            found.append(path)
     return found
 
 
@@ -64,11 +92,11 @@ def list_files(spec: CorpusSpec) -> list[Path]:
     files: list[Path] = []
     for source in spec.sources:
         if source == "stdlib":
-            files += _walk(stdlib_root(), {".py"})
+            files += walk_files(stdlib_root(), {".py"})
             continue
         path = Path(source).expanduser()
         if path.is_dir():
-            files += _walk(path, TEXT_SUFFIXES)
+            files += walk_files(path, TEXT_SUFFIXES)
         elif path.is_file():
             files.append(path)
         else:

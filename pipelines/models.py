@@ -6,7 +6,7 @@ Model references:
   real transformers classes (fixed seed), for fast tests. Their indexers have production key dims
   (128) but few heads.
 * ``preset:bench-v32``: random weights with the production V3.2 indexer (64 x 128, top-2048), to
-  measure capture cost on a GPU.
+  measure capture cost on a GPU. (Their configs live in :mod:`dsaindex.pipelines.presets`.)
 * ``reference``: the project's own trained DeepSeek-V3.2-class checkpoint, when it is present.
 * a local directory holding ``config.json`` and weights (``from_pretrained`` with no network).
 
@@ -19,101 +19,31 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsaindex.errors import ModelNotFoundError
+from dsaindex.pipelines.presets import BOS_ID, EOS_ID, PRESETS, model_class, preset_config
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PRESETS",
+    "REFERENCE_DIR",
+    "LoadedModel",
+    "default_model_ref",
+    "indexer_weights_digest",
+    "load_model",
+    "preset_config",
+    "resolve_model_dir",
+    "set_attention",
+]
+
+if TYPE_CHECKING:
+    import torch
+
+    from dsaindex.geometry import IndexerGeometry
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference_model"
-BYTE_VOCAB = 256
-BOS_ID, EOS_ID = 256, 257
-
-_TINY_MLA = dict(
-    vocab_size=260,
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    index_n_heads=8,
-    index_head_dim=128,
-    index_topk=32,
-    max_position_embeddings=65536,
-    bos_token_id=BOS_ID,
-    eos_token_id=EOS_ID,
-    pad_token_id=EOS_ID,
-)
-
-# Random weights around the production V3.2 indexer (64 heads x 128 dims, top-2048, q_lora_rank 1536), with
-# a narrow trunk: for measuring capture at production indexer cost, not for realistic keys.
-_BENCH_V32 = dict(
-    _TINY_MLA,
-    hidden_size=1024,
-    intermediate_size=2048,
-    moe_intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=8,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=2048,
-    max_position_embeddings=163840,
-)
-
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "bench-v32": ("deepseek_v32", _BENCH_V32),
-    "tiny-v32": ("deepseek_v32", dict(_TINY_MLA)),
-    "tiny-glm5": ("glm_moe_dsa", dict(_TINY_MLA, indexer_types=["full", "full", "shared", "full"])),
-    "tiny-v4": (
-        "deepseek_v4",
-        dict(
-            vocab_size=260,
-            hidden_size=128,
-            intermediate_size=256,
-            moe_intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            head_dim=64,
-            q_lora_rank=64,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            index_n_heads=8,
-            index_head_dim=128,
-            index_topk=16,
-            o_groups=2,
-            o_lora_rank=32,
-            sliding_window=32,
-            layer_types=[
-                "sliding_attention",
-                "compressed_sparse_attention",
-                "heavily_compressed_attention",
-                "compressed_sparse_attention",
-            ],
-            max_position_embeddings=65536,
-            bos_token_id=BOS_ID,
-            eos_token_id=EOS_ID,
-            pad_token_id=EOS_ID,
-        ),
-    ),
-}
 
 
 def default_model_ref() -> str:
@@ -155,36 +85,7 @@ class LoadedModel:
     weights_digest: str
 
 
-# family -> (config class, causal-LM class) in transformers
-_FAMILY_CLASSES = {
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
-    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
-    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
-}
-
-
-def config_class(family: str):
-    import transformers
-
-    return getattr(transformers, _FAMILY_CLASSES[family][0])
-
-
-def model_class(family: str):
-    import transformers
-
-    return getattr(transformers, _FAMILY_CLASSES[family][1])
-
-
-def preset_config(name: str):
-    if name not in PRESETS:
-        raise ModelNotFoundError(
-            f"Unknown preset {name!r}.", f"use one of: {', '.join('preset:' + p for p in PRESETS)}."
-        )
-    family, kwargs = PRESETS[name]
-    return config_class(family)(**kwargs)
-
-
-def _digest_config(config) -> str:
+def _digest_config(config: Any) -> str:
     d = config.to_dict()
     for k in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_attn_implementation"):
         d.pop(k, None)
@@ -262,7 +163,7 @@ def load_model(ref: str, device: str = "cpu", dtype: str = "auto", seed: int = 0
     )
 
 
-def set_attention(model, family: str) -> None:
+def set_attention(model: torch.nn.Module, family: str) -> None:
     """SDPA where it is exact; eager for V4, whose compressed-entry causality (``block_bias``) is only
     applied when the attention mask is a tensor: with SDPA and no mask, a single uncached pass lets
     queries see compressed entries of their own future (seen with transformers 5.24)."""
@@ -273,7 +174,7 @@ def set_attention(model, family: str) -> None:
         model.config._attn_implementation = impl
 
 
-def indexer_weights_digest(model, geometry) -> str:
+def indexer_weights_digest(model: torch.nn.Module, geometry: IndexerGeometry) -> str:
     """sha256 (16 hex) of every indexer parameter: identifies the weights that produce the keys."""
     from dsaindex.indexer import find_indexers
 

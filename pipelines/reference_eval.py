@@ -16,28 +16,30 @@ Two measurements:
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsaindex.pipelines.reference_train import (
     ROPE_LAYOUT,
     _chunk_index_scores,
+    build_token_streams,
     heldout_windows,
+    load_checkpoint,
     mla_qkv,
     set_index_topk,
 )
 
-
-def load_checkpoint(path: str | Path, device: str = "cpu"):
-    """``DeepseekV32ForCausalLM.from_pretrained(path, local_files_only=True)`` in fp32, eval mode."""
+if TYPE_CHECKING:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-    return model.to(device).eval()
+COVERAGE_CONTEXTS = (1024, 2048, 4096)
+
+
+def coverage_contexts(seq_len: int) -> list[int]:
+    """Context lengths of the coverage measurement: those of :data:`COVERAGE_CONTEXTS` up to ``seq_len``,
+    or ``seq_len`` alone when it is shorter than all of them."""
+    return [c for c in COVERAGE_CONTEXTS if c <= seq_len] or [seq_len]
 
 
 def _autocast(device_type: str):
@@ -70,13 +72,13 @@ def bits_per_byte(model, input_ids, labels, index_topk: int, batch: int = 2) -> 
     return total / count / math.log(2)
 
 
-def _bound_arguments(module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arguments by parameter name of ``module.forward`` (positional or keyword)."""
-    return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
-
-
 def attention_coverage(
-    model, input_ids, topk: int, query_count: int = 256, batch: int = 2, query_block: int = 64
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    topk: int,
+    query_count: int = 256,
+    batch: int = 2,
+    query_block: int = 64,
 ) -> dict[str, Any]:
     """Main-attention mass covered by each layer's indexer top-``topk``, on dense forwards.
 
@@ -92,22 +94,20 @@ def attention_coverage(
     """
     import torch
 
+    from dsaindex.hooks import ModuleHooks
+    from dsaindex.indexer import mla_indexer_tensors
+
     n, seq_len = input_ids.shape
     layers = model.model.layers
     captured: dict[tuple[str, int], dict[str, Any]] = {}
-    handles = []
-
-    def make_hook(kind: str, i: int):
-        def hook(module, args, kwargs):
-            captured[(kind, i)] = _bound_arguments(module, args, kwargs)
-
-        return hook
-
+    inputs = ModuleHooks()  # each layer's attention and indexer inputs of the latest forward
     for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.register_forward_pre_hook(make_hook("attn", i), with_kwargs=True))
-        handles.append(
-            layer.self_attn.indexer.register_forward_pre_hook(make_hook("index", i), with_kwargs=True)
-        )
+        for kind, module in (("attn", layer.self_attn), ("index", layer.self_attn.indexer)):
+
+            def keep(_module: Any, arguments: dict[str, Any], key: tuple[str, int] = (kind, i)) -> None:
+                captured[key] = arguments
+
+            inputs.register(module, pre=keep)
 
     sums = {key: [0.0] * len(layers) for key in ("coverage", "oracle", "window")}
     measured = 0
@@ -130,8 +130,6 @@ def attention_coverage(
                     q, k, _, _ = mla_qkv(attn, x, cos, sin)
                     ix = captured[("index", i)]
                     icos, isin = (t.float() for t in ix["position_embeddings"])
-                    from dsaindex.indexer import mla_indexer_tensors
-
                     keys, queries, weights = mla_indexer_tensors(
                         attn.indexer,
                         ROPE_LAYOUT,
@@ -163,8 +161,7 @@ def attention_coverage(
             measured += ids.shape[0] * nq
     finally:
         set_index_topk(model, previous)
-        for h in handles:
-            h.remove()
+        inputs.remove()
     per_layer = {key: [v / measured for v in vals] for key, vals in sums.items()}
     out: dict[str, Any] = {key: sum(v) / len(v) for key, v in per_layer.items()}
     out.update({"per_layer": per_layer, "context": seq_len, "queries": measured, "topk": topk})
@@ -172,20 +169,22 @@ def attention_coverage(
 
 
 def evaluate(
-    model,
-    heldout_stream,
+    model: torch.nn.Module,
+    heldout_stream: torch.Tensor,
     seq_len: int = 4096,
     topk: int = 256,
     bpb_windows: int = 32,
     coverage_windows: int = 8,
-    contexts: Sequence[int] = (1024, 2048, 4096),
+    contexts: Sequence[int] | None = None,
     query_count: int = 256,
     batch: int = 2,
 ) -> dict[str, Any]:
-    """Held-out bits per byte dense vs sparse and attention-mass coverage at each of ``contexts``.
+    """Held-out bits per byte dense vs sparse and attention-mass coverage at each of ``contexts``
+    (default: :func:`coverage_contexts`; lengths above ``seq_len`` are left out).
 
     heldout_stream : 1-D int tensor of held-out tokens on the model's device.
     """
+    contexts = coverage_contexts(seq_len) if contexts is None else contexts
     input_ids, labels = heldout_windows(heldout_stream, seq_len, bpb_windows)
     if input_ids.shape[0] == 0:
         raise ValueError(
@@ -216,4 +215,39 @@ def evaluate(
         if longest is None
         else result["coverage"][longest]["coverage"] >= 0.9,
     }
+    return result
+
+
+def evaluate_checkpoint(
+    model: str,
+    *,
+    seq_len: int,
+    topk: int | None,
+    windows: int,
+    coverage_windows: int,
+    max_heldout_mb: float,
+    heldout_percent: float,
+    batch: int,
+    device: str,
+) -> dict[str, Any]:
+    """:func:`evaluate` of a saved checkpoint (``reference`` or a folder) on the held-out files of the
+    training split (``dsaindex reference eval``); ``topk`` ``None`` takes the checkpoint's own.
+
+    Returns the evaluation with ``model`` (the checkpoint folder) and ``heldout_files`` added.
+    """
+    import torch
+
+    from dsaindex.console import resolve_device
+    from dsaindex.pipelines.models import resolve_model_dir
+
+    dev = resolve_device(device)
+    path = resolve_model_dir(model)
+    streams = build_token_streams(0, int(max_heldout_mb * 1e6), heldout_percent=heldout_percent)
+    heldout = torch.from_numpy(streams.heldout).to(dev)
+    net = load_checkpoint(path, dev)
+    topk = int(net.config.index_topk) if topk is None else topk
+    result = evaluate(net, heldout, seq_len=seq_len, topk=topk, bpb_windows=windows,
+                      coverage_windows=coverage_windows, batch=batch)
+    result["model"] = str(path)
+    result["heldout_files"] = streams.info["heldout_files"]
     return result

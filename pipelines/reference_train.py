@@ -27,13 +27,18 @@ Recipe (three stages, each a function below)
 The training forward below runs the model's own submodules (projections, norms, MLPs, rotary
 embedding) in the same order as ``DeepseekV32Attention.forward``, but calls fused attention kernels
 and a chunked, differentiable indexer score. Tests check that it reproduces the transformers forward.
+
+A run (:func:`train_reference` with :class:`ReferenceTrainOptions`) chains the stages, saves the
+checkpoint and writes its reports. The configs (reference geometry and its tiny CPU variant) are in
+:mod:`dsaindex.pipelines.presets`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-import os
+import platform
 import sysconfig
 import time
 from collections.abc import Callable
@@ -41,61 +46,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsaindex.pipelines.models import BOS_ID, EOS_ID
-
-PAD_ID = 259  # unused byte-vocabulary slot; keeps the EOS embedding trainable
-ROPE_LAYOUT = "half_split_head"
-
-# The reference geometry: production V3.2 indexer (64 heads x 128, RoPE on 64 dims, top-256 at 4K).
-REFERENCE_CONFIG: dict[str, Any] = dict(
-    vocab_size=260,
-    hidden_size=256,
-    intermediate_size=640,
-    moe_intermediate_size=64,
-    num_hidden_layers=4,
-    first_k_dense_replace=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=96,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=256,
-    max_position_embeddings=16384,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=BOS_ID,
-    eos_token_id=EOS_ID,
-    pad_token_id=PAD_ID,
-)
-
-# A very small variant of the same class for CPU tests (seconds per step).
-TINY_CONFIG: dict[str, Any] = dict(
+from dsaindex.pipelines.corpus import stdlib_root, walk_files
+from dsaindex.pipelines.presets import (
+    BOS_ID,
+    EOS_ID,
     REFERENCE_CONFIG,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    first_k_dense_replace=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=8,
-    max_position_embeddings=1024,
+    TINY_REFERENCE_CONFIG,
+    model_class,
+    reference_config,
 )
+
+ROPE_LAYOUT = "half_split_head"
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -103,7 +64,7 @@ TINY_CONFIG: dict[str, Any] = dict(
 
 def python_source_roots() -> list[tuple[str, Path]]:
     """``(label, folder)`` of the text sources: the stdlib and the running interpreter's site-packages."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    roots = [("stdlib", stdlib_root())]
     seen = {roots[0][1].resolve()}
     for key in ("purelib", "platlib"):
         p = Path(sysconfig.get_paths()[key])
@@ -117,25 +78,11 @@ def list_python_files(max_file_bytes: int = 400_000) -> list[tuple[str, Path]]:
     """Every non-empty ``.py`` file under :func:`python_source_roots`, as ``(key, path)`` with ``key`` =
     ``label/relative/path`` (the split key). The stdlib walk skips its site-packages (read as its own
     root). Files above ``max_file_bytes`` (generated tables) are left out."""
-    out: list[tuple[str, Path]] = []
-    for label, root in python_source_roots():
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(
-                d
-                for d in dirnames
-                if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith(".")
-            )
-            for name in sorted(filenames):
-                if not name.endswith(".py"):
-                    continue
-                p = Path(dirpath) / name
-                try:
-                    size = p.stat().st_size
-                except OSError:
-                    continue
-                if 0 < size <= max_file_bytes:
-                    out.append((f"{label}/{p.relative_to(root).as_posix()}", p))
-    return out
+    return [
+        (f"{label}/{p.relative_to(root).as_posix()}", p)
+        for label, root in python_source_roots()
+        for p in walk_files(root, {".py"}, skip_hidden=True, max_bytes=max_file_bytes)
+    ]
 
 
 def path_hash(key: str) -> float:
@@ -245,25 +192,24 @@ def heldout_windows(stream, seq_len: int, max_windows: int) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------------------------- model
 
 
-def make_config(base: dict[str, Any] | None = None, **overrides):
-    """``DeepseekV32Config`` of the reference geometry (or ``base``), with ``overrides``."""
-    from transformers import DeepseekV32Config
-
-    kwargs = dict(REFERENCE_CONFIG if base is None else base, **overrides)
-    rope_theta = kwargs.pop("rope_theta", 10000.0)
-    kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
-    return DeepseekV32Config(**kwargs)
-
-
-def build_model(config, seed: int = 0, device: str = "cpu"):
-    """A freshly initialized ``DeepseekV32ForCausalLM`` (fp32) for ``config``."""
+def build_model(config: Any, seed: int = 0, device: str = "cpu") -> Any:
+    """A freshly initialized ``DeepseekV32ForCausalLM`` (fp32) for ``config``
+    (:func:`dsaindex.pipelines.presets.reference_config`)."""
     import torch
-    from transformers import DeepseekV32ForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = DeepseekV32ForCausalLM(config)
+        model = model_class("deepseek_v32")(config)
     return model.float()
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu") -> Any:
+    """``DeepseekV32ForCausalLM.from_pretrained(path, local_files_only=True)`` in fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    return model.to(device).eval()
 
 
 def set_index_topk(model, k: int) -> None:
@@ -689,3 +635,214 @@ def plot_loss_curve(history: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- a run
+
+
+@dataclass
+class ReferenceTrainOptions:
+    """Settings of one run of the recipe (``dsaindex reference train``; its ``--help`` describes each one,
+    and takes its defaults from here).
+
+    Stage limits: ``*_steps`` (``None``: none) and the wall-clock budget ``minutes`` split by ``*_frac``;
+    the first limit reached ends a stage. ``stages`` lists the stages to run, comma-separated; with
+    ``init_from`` the run continues the checkpoint saved there and keeps the lineage of its runs.
+    ``command`` is recorded in ``metrics.json`` and the model card as the way to reproduce the run.
+    """
+
+    out: Path = Path("reference_model")
+    minutes: float = 8.0
+    dense_frac: float = 0.55
+    warmup_frac: float = 0.10
+    sparse_frac: float = 0.35
+    dense_steps: int | None = None
+    warmup_steps: int | None = None
+    sparse_steps: int | None = None
+    seq_len: int = 4096
+    topk: int = 256
+    dense_batch: int = 16
+    warmup_batch: int = 8
+    sparse_batch: int = 8
+    dense_lr: float = 2e-3
+    warmup_lr: float = 1e-3
+    sparse_lr: float = 5e-4
+    sparse_indexer_lr: float = 5e-4
+    query_chunk: int = 256
+    max_train_mb: float = 160.0
+    max_heldout_mb: float = 4.0
+    heldout_percent: float = 2.0
+    eval_windows: int = 32
+    coverage_windows: int = 8
+    tiny: bool = False
+    log_every: int = 25
+    seed: int = 0
+    device: str = "auto"
+    init_from: Path | None = None
+    stages: str = "dense,warmup,sparse"
+    command: str = ""
+
+
+STAGES = ("dense", "warmup", "sparse")
+
+
+def parse_stages(stages: str) -> list[str]:
+    """The stages of a comma-separated list, in order; refuses unknown names and an empty list."""
+    names = [x.strip() for x in stages.split(",") if x.strip()]
+    unknown = sorted(set(names) - set(STAGES))
+    if unknown or not names:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"Unknown stages {unknown or stages!r}.", "pass --stages with dense, warmup and/or sparse.")
+    return names
+
+
+def stage_configs(options: ReferenceTrainOptions) -> list[StageConfig]:
+    """The recipe's three stages with the run's batch shapes, learning rates and limits."""
+    budget = options.minutes * 60.0
+    common = dict(seq_len=options.seq_len, query_chunk=options.query_chunk)
+    return [
+        StageConfig("dense", "dense", options.dense_batch, lr=options.dense_lr, max_steps=options.dense_steps,
+                    seconds=budget * options.dense_frac, warmup_steps=50, **common),
+        StageConfig("warmup", "warmup", options.warmup_batch, lr=options.warmup_lr, max_steps=options.warmup_steps,
+                    seconds=budget * options.warmup_frac, warmup_steps=10, min_lr_ratio=0.5, **common),
+        StageConfig("sparse", "sparse", options.sparse_batch, lr=options.sparse_lr, max_steps=options.sparse_steps,
+                    seconds=budget * options.sparse_frac, warmup_steps=10, indexer_lr=options.sparse_indexer_lr,
+                    topk=options.topk, **common),
+    ]
+
+
+def earlier_lineage(init_from: Path | None) -> tuple[list[dict], list[str]]:
+    """``(stages, commands)`` of the runs that produced the checkpoint at ``init_from``, from its
+    ``metrics.json`` (empty without one), so the card lists every stage the weights went through."""
+    earlier = None if init_from is None else init_from / "metrics.json"
+    if earlier is None or not earlier.is_file():
+        return [], []
+    prior = json.loads(earlier.read_text())
+    training = prior.get("training", {})
+    return (training.get("earlier_stages", []) + training.get("stages", []),
+            prior.get("earlier_runs", []) + [prior.get("command", "")])
+
+
+def machine_description(device: str) -> str:
+    """The accelerator (or CPU) and library versions, for the card's reproduction note."""
+    import torch
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(0)}, {versions}"
+    return f"CPU ({platform.processor() or platform.machine()}), {versions}"
+
+
+Evaluator = Callable[..., dict[str, Any]]
+
+
+def train_reference(
+    options: ReferenceTrainOptions, log: Callable[[str], None] = print, evaluator: Evaluator | None = None
+) -> dict[str, Any]:
+    """Train the reference checkpoint and write it with its reports to ``options.out``.
+
+    Builds the token streams, a fresh model (or the one at ``init_from``), runs the chosen stages, saves
+    the checkpoint and ``loss_curve.png``, then writes ``metrics.json`` and ``MODEL_CARD.md``.
+    ``evaluator`` (:func:`dsaindex.pipelines.reference_eval.evaluate`, passed in because that module
+    builds on this one) measures the saved checkpoint on the held-out stream; ``None`` skips evaluation.
+    Returns the metrics dictionary.
+    """
+    import torch
+
+    from dsaindex.console import resolve_device
+    from dsaindex.pipelines.reference_card import model_card
+
+    run_stages = parse_stages(options.stages)
+    dev = resolve_device(options.device)
+    cuda = dev.startswith("cuda")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    t0 = time.perf_counter()
+    streams = build_token_streams(
+        int(options.max_train_mb * 1e6), int(options.max_heldout_mb * 1e6), heldout_percent=options.heldout_percent
+    )
+    log(f"data: {json.dumps(streams.info)} ({time.perf_counter() - t0:.1f}s)")
+    train_stream = torch.from_numpy(streams.train).to(dev)
+    heldout_stream = torch.from_numpy(streams.heldout).to(dev)
+
+    seq_len, topk = options.seq_len, options.topk
+    base = TINY_REFERENCE_CONFIG if options.tiny else REFERENCE_CONFIG
+    if options.init_from is not None:
+        model = load_checkpoint(options.init_from, dev).train()
+        set_index_topk(model, topk)
+        log(f"continuing from {options.init_from}")
+    else:
+        config = reference_config(
+            base, index_topk=topk, max_position_embeddings=max(base["max_position_embeddings"], seq_len)
+        )
+        model = build_model(config, seed=options.seed, device=dev)
+    prior_stages, prior_runs = earlier_lineage(options.init_from)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_index = sum(p.numel() for p in indexer_parameters(model))
+    log(f"model: {n_params / 1e6:.2f}M parameters ({n_index / 1e6:.2f}M in indexers), device {dev}")
+
+    generator = torch.Generator(device=dev)
+    generator.manual_seed(options.seed)
+    history: list[dict[str, Any]] = []
+    results = []
+    offset = 0
+    for cfg in [c for c in stage_configs(options) if c.name in run_stages]:
+        res = run_stage(model, train_stream, cfg, generator, history, offset, autocast=cuda, log=log,
+                        log_every=options.log_every)
+        offset += res.steps
+        results.append(res)
+        log(
+            f"stage {res.name}: {res.steps} steps, {res.tokens / 1e6:.1f}M tokens, {res.seconds:.0f}s, "
+            f"peak memory {res.peak_memory_gb or 0:.1f} GiB"
+        )
+
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    saved = save_checkpoint(model, out, index_topk=topk)
+    plot_loss_curve(history, out / "loss_curve.png")
+    metrics: dict[str, Any] = {
+        "model": {
+            "class": "DeepseekV32ForCausalLM",
+            "parameters": n_params,
+            "indexer_parameters": n_index,
+            "safetensors_bytes": saved["safetensors_bytes"],
+            "config": {k: v for k, v in base.items() if k != "rope_theta"} | {"index_topk": topk},
+        },
+        "data": streams.info,
+        "training": {
+            "seq_len": seq_len,
+            "seed": options.seed,
+            "stages": [vars(r) for r in results],
+            "earlier_stages": prior_stages,
+            "tokens_total": sum(r.tokens for r in results) + sum(x["tokens"] for x in prior_stages),
+            "history_every": 10,
+            "history": [r for j, r in enumerate(history) if j % 10 == 0 or j == len(history) - 1],
+        },
+        "machine": machine_description(dev),
+        "command": options.command,
+        "earlier_runs": prior_runs,
+    }
+    if evaluator is not None:
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        t1 = time.perf_counter()
+        metrics["eval"] = evaluator(
+            load_checkpoint(out, dev),
+            heldout_stream,
+            seq_len=seq_len,
+            topk=topk,
+            bpb_windows=options.eval_windows,
+            coverage_windows=options.coverage_windows,
+        )
+        metrics["eval"]["seconds"] = time.perf_counter() - t1
+        log("eval: " + json.dumps({k: v for k, v in metrics["eval"].items() if k != "coverage"}))
+        for ctx, cov in metrics["eval"]["coverage"].items():
+            log(f"coverage@{ctx}: {cov['coverage']:.4f} (oracle {cov['oracle']:.4f}, window {cov['window']:.4f})")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    (out / "MODEL_CARD.md").write_text(model_card(metrics))
+    log(f"wrote {out} ({time.perf_counter() - t0:.0f}s in all)")
+    return metrics

@@ -10,12 +10,13 @@ import torch
 
 from dsaindex.pipelines import reference_train as rt
 from dsaindex.pipelines.models import REFERENCE_DIR
+from dsaindex.pipelines.presets import TINY_REFERENCE_CONFIG, reference_config
 
 SEQ = 64
 
 
 def _tiny_model(seed: int = 0, topk: int = 8):
-    config = rt.make_config(rt.TINY_CONFIG, index_topk=topk)
+    config = reference_config(TINY_REFERENCE_CONFIG, index_topk=topk)
     return rt.build_model(config, seed=seed)
 
 
@@ -182,7 +183,8 @@ def test_split_holds_out_whole_files(tmp_path):
 
 
 def test_evaluation_on_a_saved_tiny_checkpoint(tmp_path):
-    from dsaindex.pipelines.reference_eval import attention_coverage, evaluate, load_checkpoint
+    from dsaindex.pipelines.reference_eval import attention_coverage, evaluate
+    from dsaindex.pipelines.reference_train import load_checkpoint
 
     model = _tiny_model(topk=8)
     _peaked_main_attention(model)
