@@ -29,15 +29,17 @@ import os
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsaindex._version import __version__
-from dsaindex.artifacts.compat import differences
 from dsaindex.artifacts.fingerprint import ModelFingerprint
-from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError
+from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError, differences
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMA_ID = "dsaindex.capture-store"
 SCHEMA_VERSION = 1
@@ -357,7 +359,7 @@ class CaptureStore:
         which = "sequences" if name in SEQUENCE_ARRAYS else "queries" if name in QUERY_ARRAYS else "tokens"
         return self._read(name, which)
 
-    def as_float(self, values: np.ndarray):
+    def as_float(self, values: np.ndarray) -> torch.Tensor:
         """Storage form -> torch float32 tensor (decodes bf16 bits)."""
         import torch
 

@@ -10,27 +10,16 @@ indexer-weights digest). Every refusal names both sides, the field that differs 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.fingerprint import ModelFingerprint
-from dsaindex.errors import ArtifactMismatchError, StoreMismatchError
+from dsaindex.errors import ArtifactMismatchError, StoreMismatchError, differences
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.bundle import BundleManifest
+    from dsaindex.artifacts.capture_store import CaptureManifest
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
-
-
-def differences(a: Any, b: Any, left: str = "store", right: str = "now", limit: int = 3) -> str:
-    """Where two nested dicts differ, shortly: ``'x.y: store=1 vs now=2; ...'``."""
-    parts: list[str] = []
-
-    def walk(x: Any, y: Any, path: str) -> None:
-        if isinstance(x, dict) and isinstance(y, dict):
-            for k in sorted(set(x) | set(y)):
-                walk(x.get(k), y.get(k), f"{path}.{k}" if path else str(k))
-        elif x != y:
-            parts.append(f"{path}: {left}={x!r} vs {right}={y!r}")
-
-    walk(a, b, "")
-    return "; ".join(parts[:limit]) + (" ..." if len(parts) > limit else "")
 
 
 def _model_differences(have: ModelFingerprint, want: ModelFingerprint, left: str, right: str) -> str:
@@ -49,7 +38,8 @@ def check_store_for_model(store_model: ModelFingerprint, model: ModelFingerprint
         )
 
 
-def check_store_for_bundle(store_manifest, bundle_manifest, store: str, bundle: str) -> None:
+def check_store_for_bundle(store_manifest: CaptureManifest, bundle_manifest: BundleManifest, store: str,
+                           bundle: str) -> None:
     """Refuse to evaluate a bundle on a store of another model or key basis (the store's held-out keys
     would not be the keys the bundle was trained for)."""
     have, want = store_manifest.model, bundle_manifest.model
@@ -67,7 +57,7 @@ def check_store_for_bundle(store_manifest, bundle_manifest, store: str, bundle: 
         )
 
 
-def check_bundle_for_model(manifest, model_config: Any, basis: str = "hadamard") -> None:
+def check_bundle_for_model(manifest: BundleManifest, model_config: Any, basis: str = "hadamard") -> None:
     """Refuse artifacts that do not fit the served model (given by its transformers config, object or
     dict), naming both sides and the fix.
 

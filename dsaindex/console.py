@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -40,7 +42,7 @@ def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-def emit_report(report: dict, out=None, markdown=None, table: str | None = None) -> None:
+def emit_report(report: dict, out: Path | None = None, markdown: Path | None = None, table: str | None = None) -> None:
     """Print a benchmark's JSON report; also write it to ``out`` and ``table`` to ``markdown``."""
     text = json.dumps(report, indent=2)
     if out:
@@ -59,7 +61,7 @@ def human_bytes(n: float) -> str:
 
 
 @contextmanager
-def progress_bar(description: str, enabled: bool = True):
+def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
     """Yields ``update(done, total)``; a rich bar on a terminal (stderr), silent when disabled."""
     if not enabled:
         yield lambda done, total: None
@@ -91,7 +93,8 @@ def progress_bar(description: str, enabled: bool = True):
 
 
 # ---- tables ----------------------------------------------------------------------------------------
-def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4096), title: str = ""):
+def recall_table(rows: list[tuple[str, dict]], k: int, candidates: Sequence[int] = (1024, 2048, 4096),
+                 title: str = "") -> Any:
     """A rich table of PQ recall metrics (``k{k}/direct``, ``k{k}/rerank@C``, ...) for named rows, or a
     dim note when no row has a query with a long enough prefix."""
     from rich.table import Table
@@ -116,7 +119,8 @@ def recall_table(rows: list[tuple[str, dict]], k: int, candidates=(1024, 2048, 4
     return table
 
 
-def print_recall_tables(per_layer: dict[int, dict], mean: dict, ks, candidates, title: str = "", console=None) -> None:
+def print_recall_tables(per_layer: dict[int, dict], mean: dict, ks: Sequence[int], candidates: Sequence[int],
+                        title: str = "", console: Any = None) -> None:
     """One :func:`recall_table` per k: a row per layer, then the mean."""
     from rich.console import Console
 
@@ -126,7 +130,7 @@ def print_recall_tables(per_layer: dict[int, dict], mean: dict, ks, candidates, 
         console.print(recall_table(rows, k, candidates, f"{title} recall of the exact top-{k}".strip()))
 
 
-def print_pq_job(result, name: str, console=None) -> None:
+def print_pq_job(result: Any, name: str, console: Any = None) -> None:
     """The recall tables of a :class:`dsaindex.train.pq_job.PQJobResult`, then its bundle, registration
     and plots."""
     from rich.console import Console
@@ -141,7 +145,7 @@ def print_pq_job(result, name: str, console=None) -> None:
         console.print(f"plot: {p}")
 
 
-def routing_table(mean: dict, budgets: list[int], title: str):
+def routing_table(mean: dict, budgets: list[int], title: str) -> Any:
     """A rich table of routing recall: a row per method, a column per candidate budget."""
     from rich.table import Table
 

@@ -5,6 +5,24 @@ prints it on one line and exits with code 2; library callers can catch it.
 """
 
 
+from typing import Any
+
+
+def differences(a: Any, b: Any, left: str = "store", right: str = "now", limit: int = 3) -> str:
+    """Where two nested dicts differ, shortly, for an error message: ``'x.y: store=1 vs now=2; ...'``."""
+    parts: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{path}.{k}" if path else str(k))
+        elif x != y:
+            parts.append(f"{path}: {left}={x!r} vs {right}={y!r}")
+
+    walk(a, b, "")
+    return "; ".join(parts[:limit]) + (" ..." if len(parts) > limit else "")
+
+
 class DsaIndexError(Exception):
     """An error caused by input the user controls, with the fix to apply."""
 

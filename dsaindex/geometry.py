@@ -26,7 +26,7 @@ RopeLayout = Literal["half_split_head", "interleaved_head", "interleaved_tail"]
 ENGINE_KEY_FORMAT = "fp8_e4m3_ue8m0"
 
 
-def visible_key_count(positions, key_stride: int = 1):
+def visible_key_count(positions: Any, key_stride: int = 1) -> Any:
     """The causal rule, in one place: keys a query at token ``positions`` may score.
 
     ``pos + 1`` (V3.2, GLM-5: key ``t`` is token ``t``) or ``(pos + 1) // m`` (V4: compressed entry ``t``

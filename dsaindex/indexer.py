@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from dsaindex.geometry import IndexerGeometry
 from dsaindex.score import effective_head_weights
 
 
@@ -97,7 +98,7 @@ def v4_scorer_tensors(
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def find_indexers(model: torch.nn.Module, geometry) -> dict[int, torch.nn.Module]:
+def find_indexers(model: torch.nn.Module, geometry: IndexerGeometry) -> dict[int, torch.nn.Module]:
     """Map layer id -> indexer module (``*Indexer`` class) for every layer ``geometry`` (an
     :class:`dsaindex.geometry.IndexerGeometry`) lists."""
     found: dict[int, torch.nn.Module] = {}
@@ -112,3 +113,11 @@ def find_indexers(model: torch.nn.Module, geometry) -> dict[int, torch.nn.Module
     if missing:
         raise RuntimeError(f"indexer modules not found for layers {missing}; found {sorted(found)}")
     return {i: found[i] for i in geometry.indexer_layers}
+
+
+def cache_argument(module: torch.nn.Module) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: transformers renamed
+    ``past_key_values`` to ``cache`` (5.2x); this is whichever the installed version takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"

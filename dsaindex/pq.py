@@ -57,7 +57,7 @@ def split_subspaces(x: torch.Tensor, spec: PQSpec) -> torch.Tensor:
     return x.float().reshape(x.shape[0], spec.subspaces, spec.sub_dim).transpose(0, 1).contiguous()
 
 
-def whitening(metric: torch.Tensor | None, spec: PQSpec, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def whitening(metric: torch.Tensor | None, spec: PQSpec, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-subspace (L^T, L^-T) with ``A_j + eps I = L L^T``; None for the plain (Euclidean) metric."""
     if metric is None:
         return None
@@ -140,5 +140,5 @@ class PQCodec:
         """codes [N, M] uint8 -> keys [N, D] float32."""
         return decode(codes, self.codebooks)
 
-    def to(self, device) -> PQCodec:
+    def to(self, device: torch.device | str) -> PQCodec:
         return PQCodec(self.codebooks.to(device), None if self.metric is None else self.metric.to(device))

@@ -26,6 +26,7 @@ from dsaindex.artifacts.capture_store import (
 )
 from dsaindex.errors import DsaIndexError, EmptyCorpusError
 from dsaindex.geometry import geometry_from_config
+from dsaindex.indexer import cache_argument
 from dsaindex.pipelines.corpus import CorpusSpec, iter_documents, pack_sequences
 from dsaindex.pipelines.models import LoadedModel, load_model
 
@@ -92,14 +93,6 @@ def _encode_keys(vectors, basis: str, key_dtype: str) -> np.ndarray:
     return vectors.float().cpu().numpy()
 
 
-def _cache_kwarg(module) -> str:
-    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); use what this version takes."""
-    import inspect
-
-    params = inspect.signature(module.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 class SequenceCapturer:
     """Runs one sequence through the model in chunks and gathers per-layer keys, queries, weights."""
 
@@ -120,7 +113,8 @@ class SequenceCapturer:
     def __exit__(self, *exc) -> None:
         self.tap.__exit__(*exc)
 
-    def run(self, tokens: list[int], seq_index: int, batch: SequenceBatch, on_chunk: Callable[[int], None] | None = None):
+    def run(self, tokens: list[int], seq_index: int, batch: SequenceBatch,
+            on_chunk: Callable[[int], None] | None = None) -> None:
         import torch
 
         s = self.settings
@@ -132,7 +126,7 @@ class SequenceCapturer:
         self.tap.new_sequence()
         cache = None
         base = self.loaded.model.base_model
-        cache_kw = _cache_kwarg(base)
+        cache_kw = cache_argument(base)
         with torch.inference_mode():
             for start in range(0, len(tokens), s.chunk_len):
                 end = min(start + s.chunk_len, len(tokens))

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureSettings
+    from dsaindex.pipelines.corpus import CorpusSpec
 
 
 def capture_cmd(
@@ -55,7 +60,8 @@ def capture_cmd(
                            flush_tokens, as_json, progress)
 
 
-def run_capture_and_report(store, model, spec, settings, sequences, device, dtype, flush_tokens, as_json, progress):
+def run_capture_and_report(store: Path, model: str, spec: CorpusSpec, settings: CaptureSettings, sequences: int,
+                           device: str, dtype: str, flush_tokens: int, as_json: bool, progress: bool) -> None:
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.console import print_json, print_store_summary, progress_bar
     from dsaindex.pipelines.capture import capture

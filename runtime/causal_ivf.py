@@ -20,6 +20,7 @@ in position order, represented by their mean, routed the same way.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,7 +200,7 @@ class CausalIVF:
             del self.versions[: at - 1]
 
     def candidates(self, query: torch.Tensor, head_weights: torch.Tensor, position: int, budget: int,
-                   representatives=None) -> torch.Tensor:
+                   representatives: Callable[[Version], torch.Tensor] | None = None) -> torch.Tensor:
         """Candidate positions (<= ``budget``) for a query at ``position``: sinks, open window, then the
         members of the best-ranked clusters. ``representatives(version) -> [C, D]`` replaces the means."""
         visible = position + 1
@@ -222,7 +223,7 @@ class CausalIVF:
         return torch.cat([reserved, *chosen])
 
     def select(self, query: torch.Tensor, head_weights: torch.Tensor, position: int, budget: int, topk: int,
-               representatives=None) -> torch.Tensor:
+               representatives: Callable[[Version], torch.Tensor] | None = None) -> torch.Tensor:
         """Top-k positions: exact scores of the candidates."""
         cand = self.candidates(query, head_weights, position, budget, representatives)
         exact = indexer_scores(query.unsqueeze(0).float(), self.keys[cand], head_weights.unsqueeze(0).float())[0]

@@ -12,12 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
-from dsaindex.artifacts.kinds import IVFLayer, get_kind
+from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
 from dsaindex.errors import ArtifactMismatchError
 from dsaindex.pq import PQCodec
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.bundle import BundleManifest
 
 __all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "load", "place_layers"]
 
@@ -26,7 +29,7 @@ __all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "l
 class LoadedArtifacts:
     """Artifacts ready for the runtime indexers: per-layer served objects, the manifest, startup cost."""
 
-    manifest: Any
+    manifest: BundleManifest
     path: Path
     layers: dict[int, Any] = field(default_factory=dict)
     startup_seconds: float = 0.0
@@ -45,7 +48,7 @@ class LoadedArtifacts:
             "startup_seconds": round(self.startup_seconds, 4),
         }
 
-    def kind_of(self, layer: int):
+    def kind_of(self, layer: int) -> ArtifactKind:
         """The :class:`dsaindex.artifacts.kinds.ArtifactKind` of a layer."""
         return get_kind(self.manifest.layers[str(layer)].kind)
 
@@ -86,7 +89,7 @@ def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "
     return loaded
 
 
-def place_layers(manifest, arrays: dict, device: str = "cpu") -> dict[int, Any]:
+def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") -> dict[int, Any]:
     """Per-layer served objects of a read bundle (``read_bundle``'s arrays): each layer's parameters
     validated by its kind, its arrays checked against the kind's names and placed on ``device`` as
     float32 tensors, then built into the kind's object."""

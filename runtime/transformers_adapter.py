@@ -13,7 +13,6 @@ greedily with exhaustive selection and with the runtime, token by token.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
-from dsaindex.indexer import find_indexers, mla_indexer_tensors
+from dsaindex.indexer import cache_argument, find_indexers, mla_indexer_tensors
 from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
@@ -127,8 +126,7 @@ class RuntimeSelection(ModuleHooks):
 def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None) -> dict:
     """Greedy decoding with the KV cache. ``forced`` [new_tokens] feeds those tokens instead of the
     model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step."""
-    # transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever the model takes
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_argument(model)
     out = model(input_ids=prompt.unsqueeze(0), use_cache=True)
     cache = out.past_key_values
     choice = out.logits[0, -1].argmax()

@@ -20,13 +20,18 @@ layer kind ``ivf``; the forward both training and the runtime use is
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsaindex.artifacts.kinds import IVFIndexSettings
 from dsaindex.runtime.causal_ivf import CausalIVF, Version, representatives
 from dsaindex.score import indexer_scores
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureStore
 
 
 @dataclass
@@ -80,7 +85,7 @@ class _Group:
     hits: torch.Tensor  # [Q, C] the query's exact top-k keys in each cluster
 
 
-def routing_groups(store, layer: int, sequences: list[int], topk: int, opts: IVFOptions) -> list[_Group]:
+def routing_groups(store: CaptureStore, layer: int, sequences: list[int], topk: int, opts: IVFOptions) -> list[_Group]:
     """Training (or evaluation) material of one layer: per sequence and version, the queries routed with
     it and their targets (reference top-k keys per visible member, normalized)."""
     from dsaindex.train.recall import queries_by_sequence
@@ -119,7 +124,7 @@ def sequence_groups(keys: torch.Tensor, positions: list[int], queries: torch.Ten
     return groups
 
 
-def routing_loss(params, group: _Group, log_beta: torch.Tensor) -> torch.Tensor:
+def routing_loss(params: dict[str, torch.Tensor], group: _Group, log_beta: torch.Tensor) -> torch.Tensor:
     reps = representatives(params, group.keys, group.version)
     scores = indexer_scores(group.queries, reps, group.weights)  # [Q, C]
     logp = torch.log_softmax(log_beta.exp() * scores, dim=1)
@@ -127,7 +132,7 @@ def routing_loss(params, group: _Group, log_beta: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def routing_hit_rate(params, groups: list[_Group], budget: int, cluster_size: int) -> float:
+def routing_hit_rate(params: dict[str, torch.Tensor], groups: list[_Group], budget: int, cluster_size: int) -> float:
     """Share of the queries' exact top-k keys (those in clusters) inside the best-ranked clusters that
     fill ``budget`` keys: the selection criterion of training (independent of the softmax scale)."""
     found = total = 0.0
@@ -140,7 +145,7 @@ def routing_hit_rate(params, groups: list[_Group], budget: int, cluster_size: in
     return found / max(total, 1e-9)
 
 
-def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=None,
+def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress: Callable[[str], None] | None = None,
                   val_groups: list[_Group] | None = None) -> tuple[dict, dict]:
     """Adam on the routing cross-entropy, ``groups_per_step`` groups a step.
 
@@ -160,7 +165,7 @@ def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress=Non
         first = float(sum(routing_loss(params, g, log_beta) for g in groups) / len(groups))
     pick = torch.Generator().manual_seed(opts.seed)
 
-    def hit_rate():
+    def hit_rate() -> float:
         return routing_hit_rate(params, val_groups, opts.val_budget, opts.index.cluster_size)
 
     best = (hit_rate(), 0, {k: v.detach().clone() for k, v in params.items()}) if val_groups else None

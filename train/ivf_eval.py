@@ -9,6 +9,8 @@ left out of that budget's mean: there the budget holds every key.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dsaindex.artifacts.kinds import IVFIndexSettings
@@ -16,11 +18,14 @@ from dsaindex.runtime.causal_ivf import BlockIndex, CausalIVF, LearnedRepresenta
 from dsaindex.score import indexer_scores
 from dsaindex.train.recall import queries_by_sequence, split_sequences
 
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureStore
+
 METHODS = ("blocks", "ivf-seal-only", "ivf")
 LEARNED = "ivf-learned"
 
 
-def make_index(method: str, dim: int, settings: IVFIndexSettings, device):
+def make_index(method: str, dim: int, settings: IVFIndexSettings, device: str | torch.device) -> CausalIVF:
     s = settings
     if method == "blocks":
         return BlockIndex(dim, s.window, s.cluster_size, s.sinks, device=device)
@@ -31,8 +36,8 @@ def make_index(method: str, dim: int, settings: IVFIndexSettings, device):
     raise ValueError(f"unknown routing method {method!r}; known: {', '.join(METHODS)}")
 
 
-def evaluate_routing(store, layer: int, budgets: list[int], topk: int, settings: IVFIndexSettings,
-                     methods=METHODS, max_queries: int = 64, device: str = "cpu", encoder: dict | None = None) -> dict:
+def evaluate_routing(store: CaptureStore, layer: int, budgets: list[int], topk: int, settings: IVFIndexSettings,
+                     methods: tuple[str, ...] = METHODS, max_queries: int = 64, device: str = "cpu", encoder: dict | None = None) -> dict:
     """Mean recall per (method, budget) over held-out queries of one layer, plus the query count.
 
     ``encoder`` (parameters of :mod:`dsaindex.train.ivf`) adds the method ``ivf-learned``: the ``ivf``

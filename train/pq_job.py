@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from dsaindex.train.recall import (
     sequence_key_offsets,
     split_sequences,
 )
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureStore
 
 
 @dataclass
@@ -67,7 +71,7 @@ def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
     return keys[torch.randperm(keys.shape[0], generator=g)[:limit].sort().values]
 
 
-def metric_for_layer(store, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
+def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
                      max_queries: int, topk: int) -> torch.Tensor:
     """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys."""
     from dsaindex.geometry import visible_key_count
@@ -98,7 +102,7 @@ def metric_for_layer(store, layer: int, train_sequences: list[int], key_format: 
     return score_gradient_metric(queries, weights, chosen, spec)
 
 
-def train_layer(store, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
+def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
                 topk: int) -> LayerResult:
     train_seq, eval_seq = split
     geometry = store.manifest.model.geometry
@@ -115,7 +119,8 @@ def train_layer(store, layer: int, split: tuple[list[int], list[int]], opts: PQO
     return result
 
 
-def evaluate_layer(store, layer: int, eval_seq: list[int], codebooks: torch.Tensor, metric, opts: PQOptions,
+def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codebooks: torch.Tensor,
+                   metric: torch.Tensor | None, opts: PQOptions,
                    key_format: str, topk: int) -> dict[str, float]:
     ks = tuple(sorted({PAPER_K, topk}))
     data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries)

@@ -15,6 +15,7 @@ For each held-out query whose causal prefix holds at least ``4 * k`` keys:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from dsaindex.coarse import miss_filter_keep
 from dsaindex.geometry import visible_key_count
 from dsaindex.quant import engine_keys
 from dsaindex.score import indexer_scores
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureStore
 
 CANDIDATES = (1024, 2048, 4096)
 PAPER_K = 512
@@ -56,12 +60,12 @@ def split_sequences(num_sequences: int, eval_fraction: float = 0.2) -> tuple[lis
     return list(range(num_sequences - n_eval)), list(range(num_sequences - n_eval, num_sequences))
 
 
-def sequence_key_offsets(store) -> np.ndarray:
+def sequence_key_offsets(store: CaptureStore) -> np.ndarray:
     counts = store.array("sequence_keys").astype(np.int64)
     return np.concatenate([[0], np.cumsum(counts)])
 
 
-def layer_keys(store, layer: int, sequences: list[int], key_format: str) -> torch.Tensor:
+def layer_keys(store: CaptureStore, layer: int, sequences: list[int], key_format: str) -> torch.Tensor:
     """Engine-form keys [N, D] of the given sequences of one layer, concatenated in order."""
     offsets = sequence_key_offsets(store)
     raw = store.keys(layer)
@@ -69,7 +73,7 @@ def layer_keys(store, layer: int, sequences: list[int], key_format: str) -> torc
     return engine_keys(store.as_float(np.concatenate(parts)), key_format)
 
 
-def held_out(store, layer: int, eval_sequences: list[int], min_prefix: int, key_format: str,
+def held_out(store: CaptureStore, layer: int, eval_sequences: list[int], min_prefix: int, key_format: str,
              max_queries: int = 256) -> HeldOut:
     """Held-out queries with a causal prefix of at least ``min_prefix`` keys (at most ``max_queries``)."""
     stride = store.manifest.model.geometry.key_stride
@@ -166,7 +170,7 @@ class SequenceQueries:
     head_weights: torch.Tensor
 
 
-def queries_by_sequence(store, layer: int, sequences: list[int], min_visible: int, max_queries: int,
+def queries_by_sequence(store: CaptureStore, layer: int, sequences: list[int], min_visible: int, max_queries: int,
                         device: str = "cpu") -> list[SequenceQueries]:
     """Sampled queries of ``sequences`` that see more than ``min_visible`` keys (at most ``max_queries``,
     evenly spread), grouped by sequence with that sequence's engine keys (key stride 1)."""
