@@ -1,28 +1,34 @@
 # Two entry points: `make demo` (install + the main job) and `make test` (install + the tests).
+# The demo installs only what it runs; the tests add the dev tools (pytest, ruff, Triton for the kernels).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(VENV)/bin/pip
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 
-.PHONY: install demo test lint clean
+.PHONY: install install-dev demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# CPU build of torch from the local wheel cache; a GPU user installs their CUDA torch first instead.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	PYTHONWARNINGS=ignore $(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	PYTHONWARNINGS=ignore $(PIP) install -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 demo: install
 	$(VENV)/bin/dsaindex demo
 
-test: install
+test: install-dev
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check .
 
 clean:
