@@ -14,7 +14,10 @@ Layout (``L`` = a layer id that runs an indexer)::
       layers/L/queries   [M, H, D]   queries at the sampled positions (same positions in every layer)
       layers/L/head_weights [M, H]   float32 effective head weights (see dsaindex.score)
 
-bfloat16 arrays are stored as their uint16 bit patterns; the manifest names the logical dtype.
+bfloat16 arrays are stored as their uint16 bit patterns; the manifest names the logical dtype. Chunks are
+blosc-compressed and, in stores written since the checksums were added, end with a crc32c of their bytes:
+:meth:`CaptureStore.verify` reads every committed chunk, and a chunk that fails to decode is reported as a
+:class:`~dsaindex.errors.CorruptStoreError` naming its array.
 
 Crash safety: data is appended first, then ``committed`` (the row counts of every array) is advanced
 in the group attributes. Zarr replaces each chunk file atomically, so committed rows are never torn; on
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -128,7 +132,28 @@ def _storage_dtype(logical: str) -> str:
 def _compressors():
     import zarr
 
-    return [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle=zarr.codecs.BloscShuffle.bitshuffle)]
+    # crc32c after blosc: a damaged chunk fails its checksum instead of decoding into wrong numbers
+    return [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle=zarr.codecs.BloscShuffle.bitshuffle),
+            zarr.codecs.Crc32cCodec()]
+
+
+def _damaged(path: Path, name: str, err: Exception, where: str = "") -> CorruptStoreError:
+    detail = " ".join(str(err).split())
+    if "checksum" in detail.lower():
+        detail = "its crc32c checksum does not match"
+    else:
+        detail = f"{type(err).__name__}: {detail[:160]}"
+    return CorruptStoreError(
+        f"{path}: array {name}{where} cannot be read ({detail}).",
+        "the store is damaged on disk: restore it from a copy, or capture again into a new path.",
+    )
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path("/")
 
 
 class CaptureStore:
@@ -147,6 +172,36 @@ class CaptureStore:
         return (Path(path) / "zarr.json").is_file()
 
     @classmethod
+    def check_location(cls, path: str | Path) -> None:
+        """Refuse, before anything is loaded or written, a store path that cannot become a store: a regular
+        file (or a path under one), a folder that holds other things, a foreign zarr group, or a location
+        where nothing can be created (read-only filesystem, no permission, ``/proc``). An existing store is
+        opened to check it is one of ours; nothing is created or changed."""
+        path = Path(path)
+        if cls.exists(path):
+            cls.open(path)
+            if not os.access(path, os.W_OK):
+                raise DsaIndexError(f"The capture store {path} is read-only here.",
+                                    "make it writable (or copy it somewhere writable) to resume it.")
+            return
+        base = _nearest_existing(path)
+        if not base.is_dir():
+            what = "is a file" if base == path else f"cannot be created: {base} is a file"
+            raise DsaIndexError(f"The store path {path} {what}, not a folder.",
+                                "pass a new folder path for the capture store.")
+        if base == path and any(path.iterdir()):
+            raise DsaIndexError(f"{path} exists and is not empty.",
+                                "capture into a new path, or resume an existing store.")
+        try:  # os.access is not enough: root passes it on /proc, and it says nothing of quotas
+            os.rmdir(tempfile.mkdtemp(prefix=".dsaindex-probe-", dir=base))
+        except OSError as err:
+            raise DsaIndexError(
+                f"The capture store {path} cannot be created: nothing can be written under {base} "
+                f"({err.strerror or err}).",
+                "pass a store path on a writable filesystem (check permissions, and that it is not read-only).",
+            ) from None
+
+    @classmethod
     def open(cls, path: str | Path) -> CaptureStore:
         """Open an existing store read-only (sees only committed rows)."""
         import zarr
@@ -154,6 +209,9 @@ class CaptureStore:
         path = Path(path)
         if not path.exists():
             raise CorruptStoreError(f"No capture store at {path}.", "check the path, or create one with `dsaindex capture`.")
+        if not path.is_dir():
+            raise CorruptStoreError(f"{path} is a file, not a capture store (a folder).",
+                                    "check the path, or create a store with `dsaindex capture`.")
         try:
             group = zarr.open_group(str(path), mode="r")
         except Exception as err:  # noqa: BLE001 - zarr raises several kinds for foreign folders
@@ -182,11 +240,22 @@ class CaptureStore:
 
     @classmethod
     def create(cls, path: str | Path, manifest: CaptureManifest) -> CaptureStore:
-        import zarr
-
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise DsaIndexError(f"The store path {path} is a file, not a folder.",
+                                "pass a new folder path for the capture store.")
         if path.exists() and any(path.iterdir()):
             raise DsaIndexError(f"{path} exists and is not empty.", "capture into a new path, or resume an existing store.")
+        try:
+            return cls._create(path, manifest)
+        except OSError as err:
+            raise DsaIndexError(f"The capture store {path} cannot be created ({err.strerror or err}).",
+                                "pass a store path on a writable filesystem with free space.") from None
+
+    @classmethod
+    def _create(cls, path: Path, manifest: CaptureManifest) -> CaptureStore:
+        import zarr
+
         group = zarr.open_group(str(path), mode="w", zarr_format=3)
         geometry = manifest.model.geometry
         heads, dim = geometry.n_heads, geometry.head_dim
@@ -217,13 +286,23 @@ class CaptureStore:
         import zarr
 
         store = cls.open(path)
-        store._lock()
-        if expected is not None:
-            store._check_matches(expected)
-        store.group = zarr.open_group(str(store.path), mode="r+")
-        store._truncate_to_committed()
-        for stray in store.path.rglob("*.partial"):
-            stray.unlink(missing_ok=True)
+        try:
+            store._lock()
+            if expected is not None:
+                store._check_matches(expected)
+            # the next append rewrites each array's last, partly filled chunk: it must decode
+            store.verify(tail_only=True)
+            store.group = zarr.open_group(str(store.path), mode="r+")
+            store._truncate_to_committed()
+            for stray in store.path.rglob("*.partial"):
+                stray.unlink(missing_ok=True)
+        except OSError as err:
+            store.close()
+            raise DsaIndexError(f"The capture store {store.path} cannot be opened for writing ({err.strerror or err}).",
+                                "make the store writable, or capture into a new path.") from None
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def close(self) -> None:
@@ -323,11 +402,19 @@ class CaptureStore:
             columns[f"layers/{layer}/queries"] = np.concatenate(batch.queries[layer])
             columns[f"layers/{layer}/head_weights"] = np.concatenate(batch.head_weights[layer]).astype(np.float32)
         counts = self.committed.model_dump()
-        for name, values in columns.items():
-            arr, which = arrays[name]
-            start = counts[which]
-            arr.resize((start + len(values), *arr.shape[1:]))
-            arr[start : start + len(values)] = values
+        try:
+            for name, values in columns.items():
+                arr, which = arrays[name]
+                start = counts[which]
+                arr.resize((start + len(values), *arr.shape[1:]))
+                arr[start : start + len(values)] = values
+        except OSError as err:
+            raise DsaIndexError(
+                f"Writing to the capture store {self.path} failed ({err.strerror or err}); "
+                f"{self.committed.sequences} sequences stay committed.",
+                "free space or fix permissions there, then run the same command again: it resumes after the "
+                "last committed sequence.",
+            ) from None
         self.committed = Committed(
             sequences=self.committed.sequences + batch.num_sequences,
             tokens=self.committed.tokens + len(columns["tokens"]),
@@ -343,7 +430,33 @@ class CaptureStore:
 
     def _read(self, name: str, which: str) -> np.ndarray:
         n = getattr(self.committed, which)
-        return self.group[name][:n]
+        try:
+            return self.group[name][:n]
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - blosc, crc32c and zarr raise several kinds for a bad chunk
+            raise _damaged(self.path, name, err) from None
+
+    def verify(self, tail_only: bool = False) -> int:
+        """Read every chunk of the committed rows of every array (only the last one of each with
+        ``tail_only``); a chunk that fails to decode or to match its checksum raises
+        :class:`~dsaindex.errors.CorruptStoreError` naming the array and the rows. Returns the number of
+        chunks read."""
+        counts = self.committed.model_dump()
+        read = 0
+        for name, (arr, which) in self._arrays().items():
+            rows, step = counts[which], arr.chunks[0]
+            starts = range(0, rows, step)
+            for start in starts[-1:] if tail_only else starts:
+                stop = min(start + step, rows)
+                try:
+                    arr[start:stop]
+                except MemoryError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - see _read
+                    raise _damaged(self.path, name, err, f" (rows {start}-{stop - 1})") from None
+                read += 1
+        return read
 
     def keys(self, layer: int) -> np.ndarray:
         """[N_keys, D] keys of a layer in storage form (uint16 bf16 bits or float32)."""

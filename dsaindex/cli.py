@@ -1,12 +1,15 @@
 """The ``dsaindex`` command: composes the sub-apps of the subpackages.
 
 Heavy libraries (torch, zarr, transformers) are imported inside commands so ``dsaindex --help`` is
-instant. Errors on bad input (:class:`dsaindex.errors.DsaIndexError`) print one line and exit with 2.
+instant. Errors on bad input (:class:`dsaindex.errors.DsaIndexError`) and usage errors (a missing argument,
+an unknown option, a value out of range) print one line ``error: <problem> Fix: <fix>`` and exit with 2.
+Ctrl-C exits with 130 after one line saying what was kept.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -36,6 +39,9 @@ app.add_typer(bench_app, name="bench", help="Measure speed and size, JSON out.")
 app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 
 
+_INTERRUPTED = "interrupted (Ctrl-C) before the command finished."
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(__version__)
@@ -49,24 +55,50 @@ def _root(
     """Index building and artifact loading for DeepSeek Sparse Attention models."""
 
 
-def main() -> None:
-    try:
-        app(standalone_mode=False)
-    except DsaIndexError as err:
-        typer.secho(f"error: {err.problem} Fix: {err.fix}", err=True, fg="red")
-        sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.secho(message, err=True, fg="red")
+    sys.exit(code)
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+
+def _usage_error(exc: Exception) -> NoReturn:
+    """A usage error of typer (or of click, which some libraries raise) as one line naming the help to read;
+    a group run without a command shows its help instead."""
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        exc.show()  # type: ignore[attr-defined]
+        sys.exit(2)
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path if ctx is not None else "dsaindex"
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    if not message.endswith((".", "?", "!")):
+        message += "."
+    _fail(f"error: {message} Fix: see `{command} --help` for the arguments and options.",
+          getattr(exc, "exit_code", 2) or 2)
+
+
+def main() -> None:
+    """Run the command line: usage errors and errors about the user's input print one line and exit 2;
+    Ctrl-C exits 130 after saying what was kept."""
+    try:
+        code = app(standalone_mode=False)
+    except DsaIndexError as err:
+        _fail(f"error: {err.problem} Fix: {err.fix}")
+    except typer.Exit as exc:  # typer returns most exit codes; this catches the rest
+        sys.exit(exc.exit_code)
+    except typer.Abort as exc:  # a command's own report of an interruption
+        _fail(str(exc) or "interrupted", 130)
+    except KeyboardInterrupt:
+        _fail(_INTERRUPTED, 130)
+    except typer.TyperException as exc:  # typer's usage errors: missing argument, unknown option, bad value
+        _usage_error(exc)
+    except Exception as exc:
+        click = sys.modules.get("click")  # only loaded where a library uses it
+        if click is not None and isinstance(exc, click.ClickException):
+            _usage_error(exc)
         raise
+    # in non-standalone mode typer returns the exit code of a `typer.Exit`, and 130 for a Ctrl-C it caught
+    if code == 130:
+        _fail(_INTERRUPTED, 130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -7,33 +7,41 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from dsaindex.pipelines.presets import PRESETS
+
 if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureSettings
     from dsaindex.pipelines.corpus import CorpusSpec
 
 
+_MODEL_HELP = (
+    "Checkpoint directory, `reference`, or a built-in preset: "
+    + ", ".join(f"`preset:{name}`" for name in PRESETS)
+    + ". Default: the reference checkpoint if installed, else preset:tiny-v32."
+)
+
+
 def capture_cmd(
     store: Path = typer.Argument(..., help="Capture store to create, or to resume if it exists."),
-    model: str = typer.Option(
-        None, "--model", "-m", help="Checkpoint directory, `reference`, or `preset:tiny-v32|tiny-glm5|tiny-v4`. "
-        "Default: the reference checkpoint if installed, else preset:tiny-v32."
-    ),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     corpus: list[str] = typer.Option(
         None, "--corpus", "-c", help="Text/JSONL files or folders (repeatable). Default: the Python stdlib sources."
     ),
     text_field: str = typer.Option("text", help="Field holding the text in JSONL corpus files."),
-    sequences: int = typer.Option(8, "--sequences", "-n", help="Sequences the store should hold when done."),
-    seq_len: int = typer.Option(4096, help="Tokens per sequence."),
-    chunk_len: int = typer.Option(2048, help="Tokens per forward call (bounds the indexer's [S,H,T] scores)."),
+    sequences: int = typer.Option(8, "--sequences", "-n", min=1, help="Sequences the store should hold when done."),
+    seq_len: int = typer.Option(4096, min=1, help="Tokens per sequence."),
+    chunk_len: int = typer.Option(2048, min=1, help="Tokens per forward call (bounds the indexer's [S,H,T] scores)."),
     basis: str = typer.Option("hadamard", help="Key basis to store: hadamard (as engines rotate keys) or raw."),
     key_dtype: str = typer.Option("bfloat16", help="Storage dtype of keys and queries: bfloat16 or float32."),
-    queries: int = typer.Option(32, help="Scattered query positions sampled per sequence."),
-    windows: int = typer.Option(2, help="Decode-like windows of consecutive query positions per sequence."),
-    window_len: int = typer.Option(16, help="Positions per decode-like window."),
-    seed: int = typer.Option(0, help="Seed of the query sampling."),
+    queries: int = typer.Option(32, min=0, help="Scattered query positions sampled per sequence."),
+    windows: int = typer.Option(2, min=0, help="Decode-like windows of consecutive query positions per sequence."),
+    window_len: int = typer.Option(16, min=0, help="Positions per decode-like window."),
+    seed: int = typer.Option(0, min=0, help="Seed of the query sampling."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16."),
-    flush_tokens: int = typer.Option(65536, help="Commit to the store every this many tokens."),
+    flush_tokens: int = typer.Option(
+        0, min=0, help="Commit after every sequence (0), or once this many tokens are buffered (fewer, larger "
+        "commits; a kill loses what is buffered)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
@@ -44,10 +52,13 @@ def capture_cmd(
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref
 
+    # every option is checked before a model loads or a store is created
     if basis not in ("hadamard", "raw"):
         raise DsaIndexError(f"Unknown basis {basis!r}.", "use --basis hadamard or --basis raw.")
     if key_dtype not in ("bfloat16", "float32"):
         raise DsaIndexError(f"Unknown key dtype {key_dtype!r}.", "use --key-dtype bfloat16 or float32.")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise DsaIndexError(f"Unknown model dtype {dtype!r}.", "use --dtype auto, float32 or bfloat16.")
     settings = CaptureSettings(
         seq_len=seq_len,
         chunk_len=chunk_len,
@@ -62,13 +73,21 @@ def capture_cmd(
 
 def run_capture_and_report(store: Path, model: str, spec: CorpusSpec, settings: CaptureSettings, sequences: int,
                            device: str, dtype: str, flush_tokens: int, as_json: bool, progress: bool) -> None:
+    """Capture (see :func:`dsaindex.pipelines.capture.capture`) and print the run and the store. A Ctrl-C
+    ends it with :class:`typer.Abort` carrying what the store kept (the CLI prints it and exits 130)."""
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.console import print_json, print_store_summary, progress_bar
     from dsaindex.pipelines.capture import capture
 
-    with progress_bar(f"capture {model}", enabled=progress and not as_json) as update:
-        result = capture(store, model, spec, settings, sequences, device=device, dtype=dtype,
-                         flush_tokens=flush_tokens, progress=update)
+    def notice(message: str) -> None:
+        typer.echo(f"note: {message}", err=True)
+
+    try:
+        with progress_bar(f"capture {model}", enabled=progress and not as_json) as update:
+            result = capture(store, model, spec, settings, sequences, device=device, dtype=dtype,
+                             flush_tokens=flush_tokens, progress=update, notice=notice)
+    except KeyboardInterrupt:
+        raise typer.Abort(_interrupted_message(store, sequences)) from None
     summary = CaptureStore.open(store).info()
     run = {
         "sequences_added": result.sequences_added,
@@ -89,6 +108,21 @@ def run_capture_and_report(store: Path, model: str, spec: CorpusSpec, settings: 
         f"({run['tokens_per_s']:,.0f} tokens/s, {run['keys_per_s_all_layers']:,.0f} keys/s written) on {device}"
     )
     print_store_summary(summary)
+
+
+def _interrupted_message(store: Path, sequences: int) -> str:
+    """What a Ctrl-C left: the committed sequences of the store, and how to go on."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.errors import DsaIndexError
+
+    if not CaptureStore.exists(store):
+        return "interrupted (Ctrl-C) before the capture store was created; nothing was written."
+    try:
+        committed = CaptureStore.open(store).committed.sequences
+    except DsaIndexError:
+        return f"interrupted (Ctrl-C); {store} could not be read back."
+    return (f"interrupted (Ctrl-C): {committed} of {sequences} sequences are committed in {store}; "
+            "run the same command again to resume from there.")
 
 
 def demo_cmd(

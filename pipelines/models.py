@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ __all__ = [
     "indexer_weights_digest",
     "load_model",
     "preset_config",
+    "quiet_transformers",
     "resolve_model_dir",
     "set_attention",
 ]
@@ -118,8 +121,37 @@ def resolve_model_dir(ref: str) -> Path:
     raise ModelNotFoundError(f"No local checkpoint at {ref!r}.", hint + ".")
 
 
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence what transformers prints while our own models load: its weight-loading progress bars,
+    info/warning log lines and deprecation notices. Errors (log level ERROR, exceptions) still show."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+                warnings.simplefilter("ignore", category)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(ref: str, device: str = "cpu", dtype: str = "auto", seed: int = 0) -> LoadedModel:
-    """Load a model reference (see module docstring) for capture: eval mode, on ``device``."""
+    """Load a model reference (see module docstring) for capture: eval mode, on ``device``, without
+    transformers' progress bars and deprecation notices (:func:`quiet_transformers`)."""
+    with quiet_transformers():
+        return _load_model(ref, device, dtype, seed)
+
+
+def _load_model(ref: str, device: str, dtype: str, seed: int) -> LoadedModel:
     import torch
 
     from dsaindex.geometry import geometry_from_config

@@ -126,6 +126,27 @@ def test_resume_extends_to_the_same_store(loaded_models, tmp_path):
     assert_same_store(tmp_path / "once", tmp_path / "twice")
 
 
+def test_ctrl_c_commits_the_whole_sequences_of_a_batch(loaded_models, tmp_path):
+    """With batched commits (--flush-tokens), a Ctrl-C still commits the sequences captured before it; the
+    resumed store equals an uninterrupted one."""
+    loaded = loaded_models["preset:tiny-v32"]
+    spec = CorpusSpec((str(corpus_dir(tmp_path)),))
+    settings = CaptureSettings(seq_len=128, chunk_len=48)
+    capture(tmp_path / "once", loaded.ref, spec, settings, 4, loaded=loaded)
+
+    def interrupt_in_third_sequence(done, total):
+        if done > 2 * settings.seq_len:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        capture(tmp_path / "cut", loaded.ref, spec, settings, 4, flush_tokens=1 << 20, loaded=loaded,
+                progress=interrupt_in_third_sequence)
+    assert CaptureStore.open(tmp_path / "cut").committed.sequences == 2
+    again = capture(tmp_path / "cut", loaded.ref, spec, settings, 4, loaded=loaded)
+    assert again.resumed_from == 2 and again.sequences_added == 2
+    assert_same_store(tmp_path / "once", tmp_path / "cut")
+
+
 def assert_same_store(a, b):
     sa, sb = CaptureStore.open(a), CaptureStore.open(b)
     assert sa.committed == sb.committed

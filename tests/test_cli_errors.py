@@ -1,0 +1,264 @@
+"""The command line as a user meets it when something goes wrong: usage errors, unusable store paths,
+bad corpora, damaged stores, Ctrl-C, CUDA out of memory. Each error is one line on stderr,
+``error: <problem> Fix: <fix>``, with exit code 2 (130 for Ctrl-C), and leaves what was captured as it was.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dsaindex.artifacts.capture_store import CaptureStore
+from helpers import run_cli
+
+TINY = ("-m", "preset:tiny-v32", "--seq-len", "200", "--chunk-len", "100", "--no-progress")
+
+
+def first_error_line(proc, code=2):
+    """Asserts the exit code and a single-line error report; returns that line."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def assert_one_line_error(proc, *needles):
+    line = first_error_line(proc)
+    assert line.startswith("error: ") and " Fix: " in line, line
+    for needle in needles:
+        assert needle.lower() in line.lower(), line
+    return line
+
+
+def text_corpus(root, files=2, words=600):
+    d = root / "corpus"
+    d.mkdir(exist_ok=True)
+    rng = np.random.default_rng(1)
+    vocab = ["alpha", "beta", "gamma", "delta", "indexer", "key", "query", "sparse", "attention", "\n"]
+    for i in range(files):
+        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(vocab, words)))
+    return d
+
+
+def start_cli(*args):
+    """``python -m dsaindex ARGS`` in the background, with Ctrl-C (SIGINT) handled as on a terminal even
+    when the test runner was started with SIGINT ignored."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.Popen([sys.executable, "-m", "dsaindex", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def committed_sequences(path):
+    try:
+        return CaptureStore.open(path).committed.sequences if CaptureStore.exists(path) else 0
+    except Exception:  # noqa: BLE001 - the store may be mid-creation
+        return 0
+
+
+# ---- 1. usage errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["capture"], "missing argument"),
+    (["capture", "s", "--no-such-flag"], "no such option"),
+    (["capture", "s", "--sequences", "abc"], "--sequences"),
+    (["store", "info"], "missing argument"),
+    (["train", "pq", "s", "--subspaces", "many"], "--subspaces"),
+    (["eval", "pq"], "missing argument"),
+    (["registry", "show", "name"], "missing argument"),
+    (["runtime", "check"], "missing option"),
+    (["bench", "decode", "--no-such-flag"], "no such option"),
+    (["reference", "eval", "--no-such-flag"], "no such option"),
+    (["--no-such-flag"], "no such option"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    line = assert_one_line_error(run_cli(*args), needle)
+    assert "--help" in line
+
+
+def test_a_group_without_a_command_shows_its_help():
+    proc = run_cli("store")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "info" in proc.stdout + proc.stderr
+
+
+# ---- 3. option bounds: refused before anything is created --------------------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["--queries", "-3"], "--queries"),
+    (["--sequences", "0"], "--sequences"),
+    (["--sequences", "-1"], "--sequences"),
+    (["--chunk-len", "0"], "--chunk-len"),
+    (["--flush-tokens", "-1"], "--flush-tokens"),
+])
+def test_out_of_range_options_create_nothing(tmp_path, args, needle):
+    store = tmp_path / "s"
+    assert_one_line_error(run_cli("capture", str(store), *TINY, *args), needle)
+    assert not store.exists()
+
+
+# ---- 3. store locations -------------------------------------------------------------------------------
+def test_store_path_that_is_a_file(tmp_path):
+    corpus = text_corpus(tmp_path)
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    assert_one_line_error(run_cli("capture", str(target), *TINY, "-c", str(corpus)), "is a file")
+    assert_one_line_error(run_cli("capture", str(target / "store"), *TINY, "-c", str(corpus)), "is a file")
+    assert_one_line_error(run_cli("store", "info", str(target)), "is a file")
+    assert target.read_text() == "mine"
+
+
+def test_unwritable_store_location(tmp_path):
+    corpus = text_corpus(tmp_path)
+    assert_one_line_error(run_cli("capture", "/proc/dsaindex-test/store", *TINY, "-c", str(corpus)),
+                          "cannot be created", "writable")
+    if os.geteuid() != 0:  # root writes through permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert_one_line_error(run_cli("capture", str(locked / "s"), *TINY, "-c", str(corpus)), "cannot be created")
+        assert list(locked.iterdir()) == []
+
+
+# ---- 5. the corpus is checked before any model loads ----------------------------------------------------
+def test_bad_corpus_is_refused_before_the_model_loads(tmp_path):
+    """The model directory holds a non-DSA config: loading it first would report the model instead."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "ok"}\n{oops\n')
+    wrong_field = tmp_path / "c.jsonl"
+    wrong_field.write_text('{"body": "text under another field"}\n')
+    for corpus, needle in ((tmp_path / "missing", "does not exist"), (bad_json, "bad.jsonl:2"),
+                           (wrong_field, "no sequence")):
+        store = tmp_path / "s"
+        assert_one_line_error(run_cli("capture", str(store), "-m", str(model), "-c", str(corpus), "-n", "1"), needle)
+        assert not store.exists()
+    # a good corpus reaches the model, which is refused in turn
+    assert_one_line_error(run_cli("capture", str(tmp_path / "s"), "-m", str(model), "-c", str(text_corpus(tmp_path)),
+                                  "-n", "1"), "llama")
+
+
+# ---- 6. binary files ------------------------------------------------------------------------------------
+def test_binary_files_are_skipped_and_counted(tmp_path):
+    corpus = text_corpus(tmp_path, files=1)
+    (corpus / "image.txt").write_bytes(bytes(range(256)) * 8)  # NUL bytes
+    (corpus / "latin1.md").write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 50)  # not UTF-8
+    store = tmp_path / "s"
+    proc = run_cli("capture", str(store), *TINY, "-c", str(corpus), "-n", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0].startswith("note: skipped 2 binary files"), proc.stderr
+    corpus_record = json.loads(proc.stdout)["store"]["corpus"]
+    assert corpus_record["skipped_binary"] == 2 and corpus_record["files"] == 1
+
+
+# ---- 3. damaged chunks ------------------------------------------------------------------------------------
+def test_corrupted_chunk_is_found_by_store_info_and_named_by_training(tmp_path):
+    store = tmp_path / "s"
+    proc = run_cli("capture", str(store), *TINY, "-c", str(text_corpus(tmp_path)), "-n", "2")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("store", "info", str(store))
+    assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
+
+    chunk = store / "layers" / "0" / "keys" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("store", "info", str(store)), "layers/0/keys", "checksum")
+    assert run_cli("store", "info", str(store), "--no-verify").returncode == 0
+    assert_one_line_error(run_cli("train", "pq", str(store), "--no-register", "--json", "-o", str(tmp_path / "b")),
+                          "layers/0/keys", "damaged")
+    assert not (tmp_path / "b").exists()
+
+
+# ---- 2, 4. Ctrl-C keeps every committed sequence; the default commits after each one -------------------
+@pytest.mark.slow
+def test_ctrl_c_reports_what_was_kept_and_exits_130(tmp_path):
+    store = tmp_path / "s"
+    args = ["capture", str(store), "-m", "preset:tiny-v32", "-c", str(text_corpus(tmp_path, files=3)), "-n", "3",
+            "--seq-len", "640", "--chunk-len", "320", "--no-progress"]
+    proc = start_cli(*args)
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline and committed_sequences(store) < 1:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the capture ended before it could be interrupted; make it longer"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    kept = CaptureStore.open(store).committed.sequences
+    assert 1 <= kept < 3
+    line = first_error_line(subprocess.CompletedProcess(args, proc.returncode, "", err), code=130)
+    assert line.startswith(f"interrupted (Ctrl-C): {kept} of 3 sequences are committed in {store}"), line
+    assert "same command" in line
+
+    resumed = run_cli(*args, "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["capture"]["resumed_from"] == kept
+    assert CaptureStore.open(store).committed.sequences == 3
+
+    # any long command: training stops with 130 too, so `capture && train pq` chains stop
+    bundle = tmp_path / "bundle"
+    train = start_cli("train", "pq", str(store), "--no-register", "--json", "--trainer", "torch", "--device", "cpu",
+                      "--iterations", "1000000", "-o", str(bundle))
+    time.sleep(8)
+    assert train.poll() is None, train.communicate()
+    train.send_signal(signal.SIGINT)
+    _, err = train.communicate(timeout=120)
+    line = first_error_line(subprocess.CompletedProcess([], train.returncode, "", err), code=130)
+    assert line.startswith("interrupted (Ctrl-C)"), line
+    assert not bundle.exists()
+
+
+# ---- 3. CUDA out of memory ---------------------------------------------------------------------------
+OOM_DRIVER = """
+import sys
+import torch
+from dsaindex.pipelines import capture
+
+def out_of_memory(self, *args, **kwargs):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+capture.SequenceCapturer.run = out_of_memory
+sys.argv[0] = "dsaindex"
+from dsaindex.cli import main
+main()
+"""
+
+
+def test_cuda_out_of_memory_names_the_chunk_len(tmp_path):
+    store = tmp_path / "s"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", OOM_DRIVER, "capture", str(store), "-m", "preset:tiny-v32", "-c",
+                           str(text_corpus(tmp_path, files=3, words=2000)), "--seq-len", "4096", "--chunk-len", "2048",
+                           "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    line = assert_one_line_error(proc, "out of memory", "--chunk-len 2048", "[1, 2048, 8, 4096] fp32")
+    # 2048 queries x 8 heads x 4096 keys x 4 bytes; the suggested quarter needs a quarter of it
+    assert "~256.0 MiB" in line and "--chunk-len 512 (~64.0 MiB" in line, line
+    assert not store.exists()  # a store this run created and committed nothing to is removed
+
+
+# ---- 7, 8. help and quiet model loads ---------------------------------------------------------------------
+def test_capture_help_lists_every_preset():
+    from dsaindex.pipelines.presets import PRESETS
+
+    env = dict(os.environ, COLUMNS="250")
+    proc = subprocess.run([sys.executable, "-m", "dsaindex", "capture", "--help"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0
+    for name in PRESETS:
+        assert f"preset:{name}" in proc.stdout, name
+
+
+def test_loading_a_checkpoint_prints_no_bars_or_warnings(tmp_path, loaded_models):
+    checkpoint = tmp_path / "ckpt"
+    loaded_models["preset:tiny-v32"].model.save_pretrained(str(checkpoint))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "dsaindex", "capture", str(tmp_path / "s"), "-m",
+                           str(checkpoint), "-c", str(text_corpus(tmp_path)), "-n", "1", "--seq-len", "200",
+                           "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+
