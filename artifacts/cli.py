@@ -46,27 +46,81 @@ def registry_list(
     tracking_uri: str = typer.Option(None, "--tracking-uri", help=_URI_HELP),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
-    """Registered bundles: name, version, aliases, model, layers and key metrics."""
-    from dsaindex.artifacts.registry import list_versions, resolve_tracking_uri
-    from dsaindex.console import print_json
+    """Registered bundles: name, version, aliases, layers and headline recall."""
+    from dsaindex.artifacts.registry import check_store_location, list_versions
 
-    rows = list_versions(name, tracking_uri)
+    uri = check_store_location(tracking_uri)
+    rows = list_versions(name, uri)
     if as_json:
+        from dsaindex.console import print_json
+
         print_json(rows)
+        typer.echo(f"registry {uri}: {_count(len(rows), 'version')}", err=True)
         return
+    _print_versions(uri, rows)
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``: the 61 layers of a real model fit a column."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _print_versions(uri: str, rows: list[dict]) -> None:
+    """One table per registered name (its model in the title), within 80 columns."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"registry {resolve_tracking_uri(tracking_uri)}", title_justify="left")
-    for col in ("name", "version", "aliases", "created", "model", "layers", "metrics"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in list(r["metrics"].items())[:4])
-        table.add_row(r["name"], str(r["version"]), " ".join(f"@{a}" for a in r["aliases"]), r["created"] or "",
-                      f"{r['model']} ({r['family']})", ",".join(map(str, r["layers"])) + f" [{'/'.join(r['kinds'])}]",
-                      metrics)
+    from dsaindex.artifacts.registry import headline_metrics, sqlite_path
+
     console = Console()
-    console.print(table if rows else "no registered bundles")
+    if not rows:
+        db = sqlite_path(uri)
+        absent = " (its database file does not exist yet)" if db is not None and not db.exists() else ""
+        console.print(f"no registered bundles in {uri}{absent}", soft_wrap=True, highlight=False)
+        return
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    console.print(f"registry {uri}: {_count(len(rows), 'version')} of {_count(len(names), 'name')}",
+                  soft_wrap=True, highlight=False)
+    for name in names:
+        mine = [r for r in rows if r["name"] == name]
+        first = mine[0]
+        table = Table(title=f"{name}\n{first['model']} ({first['family']})", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, highlight=False)
+        table.add_column("ver", justify="right")
+        table.add_column("aliases", overflow="fold")
+        table.add_column("created (UTC)", no_wrap=True)
+        table.add_column("layers", overflow="fold")
+        table.add_column("recall / headline metrics", overflow="fold")
+        for r in mine:
+            created = (r["created"] or "")[:16].replace("T", " ")
+            metrics = "\n".join(f"{label} {value:.4g}" for label, value in headline_metrics(r["metrics"]))
+            table.add_row(str(r["version"]), " ".join(f"@{a}" for a in r["aliases"]), created,
+                          f"{_layer_ranges(r['layers'])} {'/'.join(r['kinds'])}".strip(), metrics or "-")
+        console.print(table)
+
+
+@registry_app.command("register")
+def registry_register(
+    bundle: Path = typer.Argument(..., help="An artifact bundle folder (as written by `dsaindex train pq/ivf`)."),
+    tracking_uri: str = typer.Option(None, "--tracking-uri", help=_URI_HELP),
+) -> None:
+    """Register a bundle as a new version (@candidate); a bundle already registered keeps its version."""
+    from dsaindex.artifacts.registry import register_bundle
+
+    r = register_bundle(bundle, {}, {}, [], tracking_uri)
+    alias = f"@{r['alias']}" if r["alias"] else "(no alias)"
+    typer.echo(f"{r['name']} version {r['version']} {alias}" + (" (already registered)" if r["existing"] else ""))
 
 
 @registry_app.command("show")
@@ -177,8 +231,13 @@ def registry_ui(
     port: int = typer.Option(5000, "--port", help="Port on 127.0.0.1."),
     tracking_uri: str = typer.Option(None, "--tracking-uri", help=_URI_HELP),
 ) -> None:
-    """Run the MLflow UI on http://127.0.0.1:PORT over the registry's store."""
-    from dsaindex.artifacts.registry import ui
+    """Run the MLflow UI on http://127.0.0.1:PORT over the registry's store (stops with this process)."""
+    from dsaindex.artifacts.registry import resolve_tracking_uri, ui
 
-    typer.echo(f"MLflow UI on http://127.0.0.1:{port} (Ctrl-C to stop)", err=True)
-    raise typer.Exit(ui(port, tracking_uri))
+    typer.echo(f"starting the MLflow UI on http://127.0.0.1:{port} over {resolve_tracking_uri(tracking_uri)} "
+               "(Ctrl-C to stop)", err=True)
+
+    def ready(url: str, pgid: int) -> None:
+        typer.echo(f"ready at {url} (server process group {pgid})")
+
+    raise typer.Exit(ui(port, tracking_uri, on_ready=ready))
