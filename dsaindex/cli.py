@@ -22,6 +22,21 @@ from dsaindex.pipelines.reference_cli import reference_app
 from dsaindex.pipelines.runtime_cli import runtime_app
 from dsaindex.pipelines.train_cli import eval_app, train_app
 
+
+def _flags_without_type() -> None:
+    """typer's help prints a ``<bool>`` type beside every flag (``--json  <bool>``); a flag takes no
+    value, so show no type for it."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: typer.Context) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_type()
 app = typer.Typer(
     name="dsaindex",
     help="Index building and artifact loading for DeepSeek Sparse Attention models.",

@@ -24,6 +24,15 @@ def test_help_lists_commands():
         assert command in proc.stdout
 
 
+def test_help_shows_no_type_for_flags():
+    for command in (("capture",), ("train", "pq"), ("registry", "list"), ("bench", "decode")):
+        proc = run_cli(*command, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "--json" in proc.stdout or "--progress" in proc.stdout or "--graphs" in proc.stdout
+        assert "<bool>" not in proc.stdout, (command, proc.stdout)
+    assert "<int>" in run_cli("train", "pq", "--help").stdout  # options that take a value keep their type
+
+
 def test_capture_json_reports_throughput(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 40)
