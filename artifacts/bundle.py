@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -179,11 +180,44 @@ def _check_arrays(manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarr
 
 
 def check_bundle_destination(path: str | Path) -> Path:
-    """Refuse a bundle destination that exists and is not an empty folder (call it before long work)."""
+    """Refuse a bundle destination that exists and is not an empty folder, or that cannot be created
+    and written (a read-only filesystem, ``/proc``, a path under a file); call it before long work.
+
+    The probe creates and removes an empty hidden folder where :func:`write_bundle` will write (beside
+    ``path``, or in the closest existing folder above it); it creates none of the missing folders."""
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise DsaIndexError(f"{path} exists and is not empty.", "write the bundle to a new path, or delete the old one.")
+        raise DsaIndexError(f"{path} exists and is not empty.",
+                            "write the bundle to a new path (or leave out --out for a fresh default name), "
+                            "or delete the old one.")
+    base = path.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    fix = "pass --out on a writable filesystem (a folder of yours, e.g. under runs/ or $HOME)."
+    if not base.is_dir():
+        raise DsaIndexError(f"{path} cannot be created: {base} is a file, not a folder.", fix)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=base))
+    except OSError as err:
+        raise DsaIndexError(f"{path} cannot be written: creating a folder in {base} fails "
+                            f"({err.strerror or type(err).__name__}).", fix) from None
     return path
+
+
+def fresh_bundle_path(path: str | Path) -> Path:
+    """``path`` where it is free (missing or an empty folder), else the first free of ``path-2``,
+    ``path-3``, ...: a default destination that a rerun never collides with."""
+    path = Path(path)
+
+    def free(p: Path) -> bool:
+        return not p.exists() or (p.is_dir() and not any(p.iterdir()))
+
+    n = 2
+    candidate = path
+    while not free(candidate):
+        candidate = path.with_name(f"{path.name}-{n}")
+        n += 1
+    return candidate
 
 
 def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarray]]) -> BundleManifest:

@@ -5,11 +5,14 @@
 * :func:`check_bundle_for_model`: a bundle may serve a model (what the runtime loader runs at startup).
 
 "Same model" is one rule everywhere: :meth:`ModelFingerprint.same_model` (family, config digest and
-indexer-weights digest). Every refusal names both sides, the field that differs and the fix.
+indexer-weights digest). Every refusal names both sides, the field that differs and the fix. The config
+digest is computed in one place, :func:`config_digest`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.fingerprint import ModelFingerprint
@@ -20,6 +23,31 @@ if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureManifest
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
+# config fields that say how a checkpoint was saved or is run, not what the model is
+_CONFIG_DIGEST_IGNORES = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
+                          "_attn_implementation")
+
+
+def config_digest(config: Any) -> str | None:
+    """16 hex chars identifying a model's architecture: sha256 of its transformers config as a sorted JSON
+    dict, without the fields of :data:`_CONFIG_DIGEST_IGNORES` (the ``config_digest`` of a
+    :class:`ModelFingerprint`).
+
+    ``config`` is a transformers config object, or a dict (``config.json``) which is first built into its
+    config class so that defaults count the same way. ``None`` where that cannot be done (a dict without
+    a known ``model_type``).
+    """
+    if isinstance(config, dict):
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.for_model(**config)
+        except (ImportError, KeyError, TypeError, ValueError):
+            return None
+    d = config.to_dict()
+    for k in _CONFIG_DIGEST_IGNORES:
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _model_differences(have: ModelFingerprint, want: ModelFingerprint, left: str, right: str) -> str:
@@ -57,13 +85,18 @@ def check_store_for_bundle(store_manifest: CaptureManifest, bundle_manifest: Bun
         )
 
 
-def check_bundle_for_model(manifest: BundleManifest, model_config: Any, basis: str = "hadamard") -> None:
+def check_bundle_for_model(manifest: BundleManifest, model_config: Any, basis: str = "hadamard",
+                           served: ModelFingerprint | None = None, allow_other_weights: bool = False) -> None:
     """Refuse artifacts that do not fit the served model (given by its transformers config, object or
     dict), naming both sides and the fix.
 
     Checks the schema version, the family, the indexer geometry (heads, head dim, key stride), the key
     format and the key basis the engine scores in, that the bundle covers exactly the model's indexer
-    layers, and that every layer's kind is one this dsaindex can serve.
+    layers, that every layer's kind is one this dsaindex can serve, and then that it is the model the
+    artifacts were trained for (:func:`check_same_model`): with ``served`` (the served model's
+    fingerprint) its config and indexer-weights digests, else the config digest computed from
+    ``model_config`` where that is possible. ``allow_other_weights`` skips that last check (a deliberate
+    transfer to another model of the same geometry).
     """
     from dsaindex.artifacts.kinds import KINDS
     from dsaindex.geometry import geometry_from_config
@@ -108,3 +141,30 @@ def check_bundle_for_model(manifest: BundleManifest, model_config: Any, basis: s
                 f"Layer {layer_id} holds a {layer.kind!r} artifact; this runtime loads {', '.join(sorted(KINDS))}.",
                 "upgrade dsaindex on the server.",
             )
+    if not allow_other_weights:
+        check_same_model(manifest.model, served, model_config)
+
+
+def check_same_model(trained: ModelFingerprint, served: ModelFingerprint | None, model_config: Any = None) -> None:
+    """Refuse to serve artifacts trained for ``trained`` on another model: the config digest and the
+    indexer-weights digest of ``served`` must equal the bundle's (two checkpoints of one architecture
+    produce other keys, so codebooks and encoders do not transfer). Without ``served`` only the config
+    digest of ``model_config`` is compared (when :func:`config_digest` can compute it)."""
+    keys = ("config_digest", "weights_digest")
+    if served is not None:
+        have = {k: getattr(served, k) for k in keys}
+        who = served.describe()
+    else:
+        digest = config_digest(model_config) if model_config is not None else None
+        if digest is None:
+            return
+        have, who = {"config_digest": digest}, "the served model (config only)"
+    want = {k: getattr(trained, k) for k in have}
+    if have != want:
+        raise ArtifactMismatchError(
+            f"The artifacts were trained for {trained.describe()} but the served model is {who}: "
+            f"{differences(want, have, 'artifacts', 'served')}.",
+            "train artifacts for this model (`dsaindex capture STORE --model M`, then `dsaindex train pq STORE "
+            "--model M`), or pass --allow-other-weights (allow_other_weights=True) to serve them on other "
+            "weights deliberately (measure recall there first).",
+        )

@@ -24,8 +24,9 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def parse_ints(text: str, option: str) -> list[int]:
-    """``"1024,2048"`` -> ``[1024, 2048]``; anything else is a :class:`DsaIndexError` naming ``option``."""
+def parse_ints(text: str, option: str, minimum: int | None = None) -> list[int]:
+    """``"1024,2048"`` -> ``[1024, 2048]``; anything else, or a value below ``minimum``, is a
+    :class:`DsaIndexError` naming ``option``."""
     from dsaindex.errors import DsaIndexError
 
     try:
@@ -35,7 +36,30 @@ def parse_ints(text: str, option: str) -> list[int]:
     if not values:
         raise DsaIndexError(f"{option} {text!r} is not a comma-separated list of integers.",
                             f"pass e.g. {option} 1024,2048.")
+    if minimum is not None and min(values) < minimum:
+        raise DsaIndexError(f"{option} {text!r} holds {min(values)}, below the least sensible value {minimum}.",
+                            f"pass values of {minimum} or more to {option}.")
     return values
+
+
+def at_least(minimum: int) -> Callable[[Any, Any, Any], Any]:
+    """A typer option callback that refuses a value below ``minimum`` with a one-line
+    :class:`DsaIndexError` (exit code 2) while the command line is parsed, before any work starts.
+
+    ``typer.Option(20, callback=at_least(1), ...)``; ``None`` (an option left unset) passes."""
+
+    def check(ctx: Any, param: Any, value: Any) -> Any:
+        if value is not None and value < minimum:
+            from dsaindex.errors import DsaIndexError
+
+            name = max(param.opts, key=len) if getattr(param, "opts", None) else param.name
+            raise DsaIndexError(f"{name} {value} is below {minimum}.", f"pass {name} {minimum} or more.")
+        return value
+
+    import typer  # typer passes the context and parameter by these annotations
+
+    check.__annotations__ = {"ctx": typer.Context, "param": typer.CallbackParam, "value": Any, "return": Any}
+    return check
 
 
 def print_json(data: Any) -> None:
@@ -61,11 +85,15 @@ def human_bytes(n: float) -> str:
 
 
 @contextmanager
-def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
-    """Yields ``update(done, total)``; a rich bar on a terminal (stderr), silent when disabled."""
+def progress_bar(description: str, enabled: bool = True, unit: str = "tokens") -> Iterator[Callable[..., None]]:
+    """Yields ``update(done, total, step="")``: a rich bar on stderr (``done`` of ``total`` ``unit``,
+    then ``step``, the work running now), silent when disabled. The bar appears at the first update, so
+    an error raised by the checks before any work is the first thing printed. On a terminal it redraws
+    in place; elsewhere (a pipe, a log file) rich prints its final state."""
     if not enabled:
-        yield lambda done, total: None
+        yield lambda done, total, step="": None
         return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -75,59 +103,92 @@ def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[i
         TimeRemainingColumn,
     )
 
-    with Progress(
+    bar = Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=24),
         MofNCompleteColumn(),
-        TextColumn("tokens"),
+        TextColumn(unit),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
+        TextColumn("{task.fields[step]}"),
+        console=Console(stderr=True),
         transient=False,
-    ) as bar:
-        task = bar.add_task(description, total=None)
+    )
+    task = bar.add_task(description, total=None, step="")
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+    def update(done: int, total: int, step: str = "") -> None:
+        if not bar.live.is_started:
+            bar.start()
+        bar.update(task, completed=done, total=total, step=step)
 
+    try:
         yield update
+    finally:
+        if bar.live.is_started:
+            bar.stop()
 
 
 # ---- tables ----------------------------------------------------------------------------------------
+RECALL_CAPTION = ("direct: the PQ top-k; rerank@C: the PQ top-C rescored exactly; filter@C: rerank@C after the "
+                  "miss filter; fetch@C: share of the C candidates the filter keeps (what a cold cache reads "
+                  "from host); -: no held-out query has more than C keys before it.")
+
+
 def recall_table(rows: list[tuple[str, dict]], k: int, candidates: Sequence[int] = (1024, 2048, 4096),
-                 title: str = "") -> Any:
-    """A rich table of PQ recall metrics (``k{k}/direct``, ``k{k}/rerank@C``, ...) for named rows, or a
-    dim note when no row has a query with a long enough prefix."""
+                 title: str = "", caption: bool = True) -> Any:
+    """A rich table of PQ recall metrics (``k{k}/direct``, ``k{k}/rerank@C``, ``k{k}/filter@C``,
+    ``k{k}/fetch@C``, headed by those names) for named rows, or a dim note when no row has a query with
+    a long enough prefix. Candidate counts ``C <= k`` are left out (there the top-C is the direct
+    top-k). Fits 80 columns for up to three C; with ``caption`` a caption says what the columns and
+    ``-`` mean."""
+    from rich import box
     from rich.table import Table
 
-    fc = 2048 if 2048 in candidates else max(candidates)  # C of the miss-filter columns
-    table = Table(title=title or f"recall of the exact top-{k} (held-out queries)", title_justify="left")
-    for col in ["", "direct PQ", *[f"rerank C={c}" for c in candidates], f"+filter C={fc}", f"fetch C={fc}", "rel. MSE"]:
-        table.add_column(col, justify="right" if col else "left")
+    candidates = [c for c in candidates if c > k]
+    fc = (2048 if 2048 in candidates else max(candidates)) if candidates else None  # C of the filter columns
     rows = [(name, m) for name, m in rows if f"k{k}/direct" in m]
     if not rows:
         return f"[dim]recall of the exact top-{k}: no held-out query has a causal prefix of 4 x {k} keys " \
                f"(capture longer sequences)[/dim]"
+    table = Table(title=title or f"recall of the exact top-{k} (held-out queries)", title_justify="left",
+                  box=box.SIMPLE_HEAD, caption=RECALL_CAPTION if caption else None, caption_justify="left")
+    headers = ["", "direct", *[f"rerank\n@{c}" for c in candidates]]
+    headers += [f"filter\n@{fc}", f"fetch\n@{fc}"] if fc else []
+    for col in [*headers, "rel.\nMSE"]:
+        table.add_column(col, justify="right" if col else "left", overflow="fold")
+
+    def cell(m: dict, name: str, fmt: str) -> str:
+        return format(m[name], fmt) if name in m else "-"
+
     for name, m in rows:
         table.add_row(
             name,
-            f"{m[f'k{k}/direct']:.2%}",
-            *[f"{m[f'k{k}/rerank@{c}']:.2%}" if f"k{k}/rerank@{c}" in m else "-" for c in candidates],
-            f"{m[f'k{k}/filter@{fc}']:.2%}" if f"k{k}/filter@{fc}" in m else "-",
-            f"{m[f'k{k}/fetch@{fc}']:.1%}" if f"k{k}/fetch@{fc}" in m else "-",
-            f"{m.get('relative_mse', float('nan')):.4f}",
+            cell(m, f"k{k}/direct", ".2%"),
+            *[cell(m, f"k{k}/rerank@{c}", ".2%") for c in candidates],
+            *([cell(m, f"k{k}/filter@{fc}", ".2%"), cell(m, f"k{k}/fetch@{fc}", ".1%")] if fc else []),
+            cell(m, "relative_mse", ".4f"),
         )
     return table
 
 
 def print_recall_tables(per_layer: dict[int, dict], mean: dict, ks: Sequence[int], candidates: Sequence[int],
                         title: str = "", console: Any = None) -> None:
-    """One :func:`recall_table` per k: a row per layer, then the mean."""
+    """One :func:`recall_table` per k: a row per layer, then the mean; the caption under the last table."""
     from rich.console import Console
 
     console = console or Console()
     rows = [(f"layer {layer}", m) for layer, m in sorted(per_layer.items())] + [("mean", mean)]
-    for k in ks:
-        console.print(recall_table(rows, k, candidates, f"{title} recall of the exact top-{k}".strip()))
+    print_tables([recall_table(rows, k, candidates, f"{title} recall of the exact top-{k}".strip(), caption=False)
+                  for k in ks], console)
+
+
+def print_tables(tables: list[Any], console: Any) -> None:
+    """Print :func:`recall_table` results, the caption only under the last real table (not a note)."""
+    real = [t for t in tables if not isinstance(t, str)]
+    if real:
+        real[-1].caption = RECALL_CAPTION
+    for table in tables:
+        console.print(table)
 
 
 def print_pq_job(result: Any, name: str, console: Any = None) -> None:
@@ -146,13 +207,17 @@ def print_pq_job(result: Any, name: str, console: Any = None) -> None:
 
 
 def routing_table(mean: dict, budgets: list[int], title: str) -> Any:
-    """A rich table of routing recall: a row per method, a column per candidate budget."""
+    """A rich table of routing recall: a row per method, a column per candidate budget, a caption that
+    says what ``-`` means."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title)
-    table.add_column("routing")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
+                  caption="share of each held-out query's exact top-k among the candidates a budget of B keys "
+                          "routes to; -: no held-out query has more than B keys before it.")
+    table.add_column("routing", overflow="fold")
     for b in budgets:
-        table.add_column(f"budget {b:,}", justify="right")
+        table.add_column(f"B={b:,}", justify="right", overflow="fold")
     for method, by in mean.items():
         table.add_row(method, *[("-" if by[str(b)] is None else f"{by[str(b)] * 100:.2f}%") for b in budgets])
     return table

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.console import emit_report, resolve_device
+from dsaindex.console import at_least, emit_report, resolve_device
 from dsaindex.pipelines.bench_decode import bench_decode
 from dsaindex.pipelines.bench_prefill import bench_prefill_select
 from dsaindex.pipelines.timing import time_call
@@ -20,9 +20,10 @@ bench_app.command("prefill-select")(bench_prefill_select)
 @bench_app.command("capture")
 def bench_capture(
     model: str = typer.Option(None, "--model", "-m", help="Model reference (default: reference or tiny preset)."),
-    sequences: int = typer.Option(2, "--sequences", "-n", help="Sequences to capture (after one warm-up)."),
-    seq_len: int = typer.Option(4096, help="Tokens per sequence."),
-    chunk_len: int = typer.Option(2048, help="Tokens per forward call."),
+    sequences: int = typer.Option(2, "--sequences", "-n", callback=at_least(1),
+                                  help="Sequences to capture (after one warm-up)."),
+    seq_len: int = typer.Option(4096, callback=at_least(1), help="Tokens per sequence."),
+    chunk_len: int = typer.Option(2048, callback=at_least(1), help="Tokens per forward call."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
 ) -> None:
@@ -75,10 +76,10 @@ def bench_capture(
 @bench_app.command("pq-train")
 def bench_pq_train(
     store: Path = typer.Option(None, "--store", "-s", help="Capture store whose keys to train on (tiled up to --keys)."),
-    layer: int = typer.Option(None, help="Layer of the store (default: its first indexer layer)."),
-    keys: int = typer.Option(1_000_000, help="Keys to train on."),
-    subspaces: int = typer.Option(32, help="PQ subspaces."),
-    iterations: int = typer.Option(20, help="k-means iterations."),
+    layer: int = typer.Option(None, callback=at_least(0), help="Layer of the store (default: its first indexer layer)."),
+    keys: int = typer.Option(1_000_000, callback=at_least(1024), help="Keys to train on (at least 4 per centroid)."),
+    subspaces: int = typer.Option(32, callback=at_least(1), help="PQ subspaces."),
+    iterations: int = typer.Option(20, callback=at_least(1), help="k-means iterations."),
     trainers: str = typer.Option("faiss,torch", help="Comma-separated trainers to time side by side."),
     device: str = typer.Option("auto", help="Device of the torch trainer."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),

@@ -23,6 +23,7 @@ from typing import Any
 
 import typer
 
+from dsaindex.console import at_least
 from dsaindex.pipelines.timing import median_ms
 
 HBM_BYTES_PER_S = 3.77e12  # read bandwidth measured on the H200 (DESIGN: 132 B/key -> ~35 us per 1M keys)
@@ -256,18 +257,37 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_recall_inputs(store_path: Path, artifacts: Path) -> None:
+    """Refuse a recall store or bundle that cannot be used, before any timing: the store must open,
+    the bundle must be a PQ bundle of the store's model and key basis."""
+    from dsaindex.artifacts.bundle import read_manifest
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.artifacts.compat import check_store_for_bundle
+    from dsaindex.errors import DsaIndexError
+
+    store = CaptureStore.open(store_path)
+    manifest = read_manifest(artifacts)
+    kinds = sorted({art.kind for art in manifest.layers.values()})
+    if kinds != ["pq"]:
+        raise DsaIndexError(f"{artifacts} holds {', '.join(kinds)} artifacts; the decode recall needs PQ codebooks.",
+                            "pass --artifacts a bundle written by `dsaindex train pq` on that store.")
+    check_store_for_bundle(store.manifest, manifest, str(store_path), str(artifacts))
+
+
 def bench_decode(
     batches: str = typer.Option("1,8,32", help="Comma-separated request counts B."),
     keys: str = typer.Option("65536,262144,1048576", help="Comma-separated keys per request and layer."),
-    heads: int = typer.Option(64, help="Indexer heads."),
-    topk: int = typer.Option(512, help="Keys selected per step."),
-    candidates: int = typer.Option(2048, help="C: candidates reranked exactly."),
-    prefilter: int = typer.Option(4, help="Stage 1 keeps prefilter x C keys for the full coarse score."),
-    cache: int = typer.Option(4096, help="Exact keys cached on the GPU per request."),
+    heads: int = typer.Option(64, callback=at_least(1), help="Indexer heads."),
+    topk: int = typer.Option(512, callback=at_least(1), help="Keys selected per step."),
+    candidates: int = typer.Option(2048, callback=at_least(1), help="C: candidates reranked exactly."),
+    prefilter: int = typer.Option(4, callback=at_least(1), help="Stage 1 keeps prefilter x C keys for the full "
+                                                                 "coarse score."),
+    cache: int = typer.Option(4096, callback=at_least(1), help="Exact keys cached on the GPU per request."),
     recall_store: Path = typer.Option(None, help="Capture store for the recall measurement (held-out queries)."),
     artifacts: Path = typer.Option(None, help="PQ bundle for the recall measurement (trained on that store)."),
-    recall_min_prefix: int = typer.Option(8192, help="Only queries with at least this many keys before them."),
-    recall_queries: int = typer.Option(64, help="Held-out queries per layer for recall."),
+    recall_min_prefix: int = typer.Option(8192, callback=at_least(1),
+                                          help="Only queries with at least this many keys before them."),
+    recall_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer for recall."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs (as servers run decode)."),
     recall_prefilters: str = typer.Option("4,8", help="Prefilter factors for the recall measurement."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
@@ -278,13 +298,24 @@ def bench_decode(
     Needs a CUDA device."""
     import torch
 
-    if not torch.cuda.is_available():
-        raise typer.BadParameter("bench decode needs a CUDA device")
+    from dsaindex.console import parse_ints
+    from dsaindex.errors import DsaIndexError
+
+    # every input is checked before the first timing (the timings take minutes)
+    key_counts = parse_ints(keys, "--keys", minimum=64)
+    batch_sizes = parse_ints(batches, "--batches", minimum=1)
+    prefilters = parse_ints(recall_prefilters, "--recall-prefilters", minimum=1)
     if (recall_store is None) != (artifacts is None):
-        raise typer.BadParameter("--recall-store and --artifacts go together (recall needs both)")
+        raise DsaIndexError("--recall-store and --artifacts go together (the recall needs both).",
+                            "pass both (a capture store and a PQ bundle trained on it), or neither.")
+    if recall_store is not None:
+        check_recall_inputs(recall_store, artifacts)
+    if not torch.cuda.is_available():
+        raise DsaIndexError("bench decode needs a CUDA device (its kernels and CUDA graphs run only there).",
+                            "run it on a GPU machine; `dsaindex eval pq` measures recall on the CPU.")
     rows = []
-    for n in [int(x) for x in keys.split(",") if x]:
-        for b in [int(x) for x in batches.split(",") if x]:
+    for n in key_counts:
+        for b in batch_sizes:
             row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
@@ -292,9 +323,9 @@ def bench_decode(
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "cache_capacity": cache, "rows": rows}
     if recall_store is not None:
-        report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, int(p), cache,
+        report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, p, cache,
                                             recall_min_prefix, recall_queries, "cuda")
-                            for p in recall_prefilters.split(",") if p]
+                            for p in prefilters]
     from dsaindex.console import emit_report
 
     emit_report(report, out, markdown, markdown_table(report))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from dsaindex.console import at_least
 from dsaindex.pipelines.timing import median_ms, time_call
 
 if TYPE_CHECKING:
@@ -169,19 +170,19 @@ def markdown_table(report: dict) -> str:
 
 def bench_prefill_select(
     prefixes: str = typer.Option("131072,262144,524288,1048576", help="Comma-separated prefix lengths (keys)."),
-    chunk: int = typer.Option(4096, help="Queries (and keys) per prefill chunk."),
+    chunk: int = typer.Option(4096, callback=at_least(1), help="Queries (and keys) per prefill chunk."),
     budgets: str = typer.Option("8192,16384,24576", help="Comma-separated IVF candidate budgets."),
-    topk: int = typer.Option(512, help="Keys selected per query."),
+    topk: int = typer.Option(512, callback=at_least(1), help="Keys selected per query."),
     store: Path = typer.Option(None, "--store", "-s", help="Capture store for keys and queries (default: synthetic)."),
-    layer: int = typer.Option(None, help="Layer of the store (default: its first)."),
-    heads: int = typer.Option(64, help="Indexer heads (synthetic inputs)."),
-    window: int = typer.Option(1024, help="Keys per seal."),
-    cluster_size: int = typer.Option(128, help="Keys per cluster."),
-    refit_every: int = typer.Option(16384, help="Keys between refits."),
-    refit_iterations: int = typer.Option(1, help="Lloyd iterations per refit."),
+    layer: int = typer.Option(None, callback=at_least(0), help="Layer of the store (default: its first)."),
+    heads: int = typer.Option(64, callback=at_least(1), help="Indexer heads (synthetic inputs)."),
+    window: int = typer.Option(1024, callback=at_least(1), help="Keys per seal."),
+    cluster_size: int = typer.Option(128, callback=at_least(1), help="Keys per cluster."),
+    refit_every: int = typer.Option(16384, callback=at_least(0), help="Keys between refits (0: never)."),
+    refit_iterations: int = typer.Option(1, callback=at_least(1), help="Lloyd iterations per refit."),
     refit_search: str = typer.Option("incremental", help="incremental (old keys keep their center unless a new "
                                      "one is closer) or exact (bound-certified, plain Lloyd's result)."),
-    repeats: int = typer.Option(3, help="Timed runs per measurement (median)."),
+    repeats: int = typer.Option(3, callback=at_least(1), help="Timed runs per measurement (median)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
@@ -189,16 +190,17 @@ def bench_prefill_select(
     """Selection time per prefill chunk, causal IVF vs exhaustive, with index maintenance apart."""
     from rich.console import Console
 
-    from dsaindex.console import resolve_device
+    from dsaindex.console import parse_ints, resolve_device
 
+    prefix_list = parse_ints(prefixes, "--prefixes", minimum=1)
+    budget_list = parse_ints(budgets, "--budgets", minimum=1)
     device = resolve_device(device)
     use_triton = device.startswith("cuda")
     console = Console(stderr=True)
     with console.status("prefill-select") as status:
-        report = run_bench([int(x) for x in prefixes.split(",") if x], chunk, [int(x) for x in budgets.split(",") if x],
-                           topk, store, layer, heads, window, cluster_size, refit_every, refit_iterations, repeats,
-                           device, use_triton, progress=lambda m: status.update(f"prefill-select: {m}"),
-                           refit_search=refit_search)
+        report = run_bench(prefix_list, chunk, budget_list, topk, store, layer, heads, window, cluster_size,
+                           refit_every, refit_iterations, repeats, device, use_triton,
+                           progress=lambda m: status.update(f"prefill-select: {m}"), refit_search=refit_search)
     from dsaindex.console import emit_report
 
     emit_report(report, out, markdown, markdown_table(report))

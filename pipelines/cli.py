@@ -140,7 +140,7 @@ def demo_cmd(
     from rich.console import Console
 
     from dsaindex.artifacts.capture_store import CaptureSettings
-    from dsaindex.console import print_pq_job, resolve_device
+    from dsaindex.console import print_pq_job, progress_bar, resolve_device
     from dsaindex.pipelines.corpus import CorpusSpec
     from dsaindex.pipelines.models import default_model_ref
     from dsaindex.train.pq_job import PQOptions, run_pq_job
@@ -156,12 +156,12 @@ def demo_cmd(
 
     console.rule(f"2/2 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence, "
                  "register in the MLflow model registry")
-    # C well below the demo's 2K context, so the coarse stage really prunes
-    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64, candidates=(512, 1024))
-    with console.status("training") as status:
+    # C below the held-out prefixes (2K-4K keys) so the coarse stage prunes, and above the top-k (a C
+    # at or below it reranks the direct top-k: evaluation leaves such C out)
+    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64, candidates=(1024, 2048))
+    with progress_bar(f"PQ{subspaces}", unit="layers") as update:
         result = run_pq_job(store, opts, out / f"pq{subspaces}-{stamp}", tracking_uri=tracking_uri,
-                            progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"),
-                            title=f"PQ{subspaces} on {ref}")
+                            progress=update, title=f"PQ{subspaces} on {ref}")
     print_pq_job(result, f"PQ{subspaces} (held out)", console)
     console.print(f"browse: dsaindex registry list; dsaindex registry show {result.registered['name']} @candidate")
 

@@ -9,7 +9,26 @@ from __future__ import annotations
 
 import typer
 
+from dsaindex.console import at_least
+
 runtime_app = typer.Typer(no_args_is_help=True)
+
+
+_ALLOW_HELP = ("Serve artifacts trained for another model of the same geometry (other weights or config: a "
+               "deliberate transfer; measure recall there first). Family, dims, layers, basis and key format are "
+               "still checked.")
+
+
+def _model_config(model: str) -> object:
+    """The transformers config (object or ``config.json`` dict) of a model reference, without weights."""
+    import json
+    from pathlib import Path
+
+    from dsaindex.pipelines.models import preset_config, resolve_model_dir
+
+    if model.startswith("preset:"):
+        return preset_config(model.split(":", 1)[1])
+    return json.loads((Path(resolve_model_dir(model)) / "config.json").read_text())
 
 
 @runtime_app.command("check")
@@ -18,42 +37,67 @@ def check_cmd(
     artifacts: str = typer.Option(..., "--artifacts", "-a", help="Bundle path or models:/<name>@<alias>."),
     device: str = typer.Option("cpu", help="Device to load the artifacts onto."),
     basis: str = typer.Option("hadamard", help="Key basis the engine scores in."),
+    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    weights: bool = typer.Option(True, "--weights/--config-only",
+                                 help="Load the model's weights (on the CPU) to compare its indexer-weights digest "
+                                      "with the artifacts', or compare the config digest only (for checkpoints "
+                                      "too large to load here)."),
     tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Load the artifacts exactly as a server would and validate them against the model's config."""
+    """Load the artifacts exactly as a server would and validate them against the model: its config
+    (family, indexer geometry, layers) and, unless told otherwise, that it is the model the artifacts
+    were trained for (config and indexer-weights digests)."""
     import json
-    from pathlib import Path
 
-    from dsaindex.pipelines.models import preset_config, resolve_model_dir
+    from dsaindex.artifacts.bundle import read_manifest
+    from dsaindex.artifacts.registry import load_uri
     from dsaindex.runtime.loader import load
 
-    if model.startswith("preset:"):
-        config = preset_config(model.split(":", 1)[1])
-    else:
-        config = json.loads((Path(resolve_model_dir(model)) / "config.json").read_text())
-    loaded = load(artifacts, config, device=device, basis=basis, tracking_uri=tracking_uri)
+    config = _model_config(model)
+    served = None
+    if weights and not allow_other_weights:
+        from dsaindex.artifacts.compat import check_bundle_for_model
+        from dsaindex.pipelines.capture import fingerprint
+        from dsaindex.pipelines.models import load_model
+
+        manifest = read_manifest(load_uri(artifacts, tracking_uri=tracking_uri))
+        check_bundle_for_model(manifest, config, basis, allow_other_weights=True)  # the config's refusals first
+        # the digest of the weights as the artifacts' model was run (presets' random weights round with the dtype)
+        dtype = manifest.model.dtype if manifest.model.dtype in ("float32", "bfloat16") else "float32"
+        served = fingerprint(load_model(model, dtype=dtype))
+    loaded = load(artifacts, config, device=device, basis=basis, tracking_uri=tracking_uri, served=served,
+                  allow_other_weights=allow_other_weights)
     summary = loaded.summary()
+    same = ("not compared (--allow-other-weights)" if allow_other_weights
+            else "same weights and config" if served else "same config (weights not compared)")
+    summary["model_identity"] = same
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    typer.echo(f"ok: {summary['bundle']} fits {model}: {summary['family']}, {summary['basis']} basis, "
-               f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on {device}; "
-               f"loaded in {summary['startup_seconds'] * 1000:.1f} ms")
+    typer.echo(f"ok: {summary['bundle']} fits {model} ({same}): {summary['family']}, {summary['basis']} basis, "
+               f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on "
+               f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
 
 
 @runtime_app.command("generate")
 def generate_cmd(
     artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
-    model: str = typer.Option("reference", "--model", "-m", help="`reference` or a checkpoint directory."),
-    prompt_tokens: int = typer.Option(3072, help="Prompt bytes, from the held-out text of the reference corpus."),
-    prompt_offset: int = typer.Option(0, help="Where in the held-out text the prompt starts (bytes)."),
-    new_tokens: int = typer.Option(300, help="Tokens generated greedily."),
-    candidates: int = typer.Option(1024, help="C: keys reranked exactly per step and layer."),
-    prefilter: int = typer.Option(2, help="Stage 1 keeps prefilter x C keys."),
-    topk: int = typer.Option(None, help="Keys selected per step (default: the model's index_topk)."),
+    model: str = typer.Option("reference", "--model", "-m", help="`reference`, a checkpoint directory or a preset."),
+    prompt_tokens: int = typer.Option(3072, callback=at_least(2),
+                                      help="Prompt length in tokens (a begin token, then held-out text of the "
+                                           "reference corpus; the reference model's tokens are UTF-8 bytes)."),
+    prompt_offset: int = typer.Option(0, callback=at_least(0),
+                                      help="Where in the held-out text the prompt starts (tokens)."),
+    new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
+    candidates: int = typer.Option(1024, callback=at_least(1), help="C: keys reranked exactly per step and layer."),
+    prefilter: int = typer.Option(2, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
+    topk: int = typer.Option(None, callback=at_least(1),
+                             help="Keys selected per step (default: the model's index_topk)."),
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
     basis: str = typer.Option("hadamard", help="Key basis the artifacts were trained in."),
+    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    progress: bool = typer.Option(True, help="Show a progress bar (per generated token) on stderr."),
     out: str = typer.Option(None, help="Also write the JSON result to this file."),
 ) -> None:
     """Greedy generation with the runtime choosing every layer's decode-time top-k, against the model's
@@ -64,7 +108,8 @@ def generate_cmd(
 
     import torch
 
-    from dsaindex.console import resolve_device
+    from dsaindex.console import progress_bar, resolve_device
+    from dsaindex.pipelines.capture import fingerprint
     from dsaindex.pipelines.models import BOS_ID, load_model
     from dsaindex.pipelines.reference_train import build_token_streams, set_index_topk
     from dsaindex.runtime.loader import load
@@ -73,17 +118,23 @@ def generate_cmd(
     dev = resolve_device(device)
     loaded_model = load_model(model, device=dev, dtype="float32")
     net = loaded_model.model
+    served = fingerprint(loaded_model)  # the checkpoint's identity; --topk is a serving setting, not another model
     if topk is not None:
         set_index_topk(net, topk)
-    loaded = load(artifacts, net.config, device=dev, basis=basis)
+    loaded = load(artifacts, net.config, device=dev, basis=basis, served=served, allow_other_weights=allow_other_weights)
     heldout = build_token_streams(0, max(200_000, 2 * (prompt_offset + prompt_tokens + new_tokens))).heldout
     if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
-        raise typer.BadParameter(f"the held-out text has {len(heldout)} bytes; lower --prompt-offset or the lengths")
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"The held-out text has {len(heldout):,} tokens, fewer than --prompt-offset + "
+                            f"--prompt-tokens + --new-tokens ({prompt_offset + prompt_tokens + new_tokens:,}).",
+                            "lower --prompt-offset, --prompt-tokens or --new-tokens.")
     window = [int(t) for t in heldout[prompt_offset : prompt_offset + prompt_tokens - 1 + new_tokens]]
     prompt = torch.tensor([BOS_ID] + window[: prompt_tokens - 1], dtype=torch.long)
     continuation = torch.tensor(window[prompt_tokens - 1 :], dtype=torch.long)
-    result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
-                              prefilter=prefilter, device=dev, continuation=continuation)
+    with progress_bar("generate", enabled=progress) as update:
+        result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
+                                  prefilter=prefilter, device=dev, continuation=continuation, progress=update)
     result["model"] = model
     result["artifacts"] = artifacts
     text = json.dumps(result, indent=2)

@@ -11,11 +11,17 @@ from pathlib import Path
 
 import typer
 
+from dsaindex.console import at_least
+
 train_app = typer.Typer(no_args_is_help=True)
 eval_app = typer.Typer(no_args_is_help=True)
 
 _URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./runs/mlflow)."
 _CANDIDATES = "1024,2048,4096"
+_CANDIDATES_HELP = ("Candidate counts C of the coarse stage to evaluate (comma-separated; a C not above the "
+                    "top-k is left out: its top-C is the direct top-k).")
+_BUDGETS = "4096,8192,16384,24576"
+_BUDGETS_HELP = "Candidate budgets to evaluate (comma-separated, keys per query)."
 
 
 def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool, max_train_keys: int,
@@ -25,7 +31,7 @@ def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool
 
     return PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
                      max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=resolve_device(device),
-                     candidates=tuple(sorted(set(parse_ints(candidates, "--candidates")))))
+                     candidates=tuple(sorted(set(parse_ints(candidates, "--candidates", minimum=1)))))
 
 
 def _check_target_model(store: Path, model_ref: str | None) -> None:
@@ -45,33 +51,35 @@ def _check_target_model(store: Path, model_ref: str | None) -> None:
 def train_pq_cmd(
     store: Path = typer.Argument(..., help="Capture store to train on."),
     model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
-    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write (default: runs/bundles/<store>-pq<M>)."),
-    subspaces: int = typer.Option(32, help="PQ subspaces (bytes per key): 16, 32 or 64 for 128-d keys."),
+    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
+                                                        "runs/bundles/<store>-pq<M>[-sa], with -2, -3, ... if taken)."),
+    subspaces: int = typer.Option(32, callback=at_least(1),
+                                  help="PQ subspaces (bytes per key): 16, 32 or 64 for 128-d keys."),
     trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
-    iterations: int = typer.Option(20, help="k-means iterations."),
+    iterations: int = typer.Option(20, callback=at_least(1), help="k-means iterations."),
     score_aware: bool = typer.Option(
         True, "--score-aware/--plain",
         help="Score-aware codebooks (k-means under the score-gradient metric; default: it lifts held-out recall "
         "at equal bytes) or plain k-means on keys."),
-    max_train_keys: int = typer.Option(262144, help="Keys per layer to train on (deterministic subsample)."),
-    eval_queries: int = typer.Option(128, help="Held-out queries per layer for the recall evaluation."),
-    candidates: str = typer.Option(_CANDIDATES, help="Candidate counts C of the coarse stage to evaluate."),
+    max_train_keys: int = typer.Option(262144, callback=at_least(1024),
+                                       help="Keys per layer to train on (deterministic subsample; at least "
+                                            "4 per centroid, 1024)."),
+    eval_queries: int = typer.Option(128, callback=at_least(1), help="Held-out queries per layer for the recall "
+                                                                      "evaluation."),
+    candidates: str = typer.Option(_CANDIDATES, help=_CANDIDATES_HELP),
     device: str = typer.Option("auto", help="Device of the torch trainer and the evaluation."),
     register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
 ) -> None:
     """Train per-layer PQ codebooks, evaluate recall on held-out sequences, write and register a bundle."""
-    from rich.console import Console
-
-    from dsaindex.console import print_json, print_pq_job
+    from dsaindex.console import print_json, print_pq_job, progress_bar
     from dsaindex.train.pq_job import run_pq_job
 
     opts = _pq_options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates)
     _check_target_model(store, model)
-    with Console(stderr=True, quiet=as_json).status("training") as status:
-        result = run_pq_job(store, opts, out, register, tracking_uri,
-                            progress=lambda msg: status.update(f"training PQ{subspaces}: {msg}"))
+    with progress_bar(f"PQ{subspaces}", enabled=not as_json, unit="layers") as update:
+        result = run_pq_job(store, opts, out, register, tracking_uri, progress=update)
     if as_json:
         print_json(result.as_dict())
         return
@@ -82,15 +90,15 @@ def train_pq_cmd(
 def eval_pq_cmd(
     bundle: str = typer.Argument(..., help="Bundle path or models:/<name>@<alias>."),
     store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to evaluate on."),
-    eval_queries: int = typer.Option(128, help="Held-out queries per layer."),
-    candidates: str = typer.Option(_CANDIDATES, help="Candidate counts C of the coarse stage to evaluate."),
+    eval_queries: int = typer.Option(128, callback=at_least(1), help="Held-out queries per layer."),
+    candidates: str = typer.Option(_CANDIDATES, help=_CANDIDATES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
     from dsaindex.console import print_json, print_recall_tables
     from dsaindex.train.pq_job import evaluate_bundle
 
-    opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)
+    opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)  # only the evaluation's fields count
     result = evaluate_bundle(bundle, store, opts)
     if as_json:
         print_json({"per_layer": {str(k): v for k, v in result["per_layer"].items()}, "mean": result["mean"]})
@@ -100,15 +108,21 @@ def eval_pq_cmd(
 
 @eval_app.command("pq-compare")
 def eval_pq_compare_cmd(
-    store: Path = typer.Argument(..., help="Capture store."),
-    subspaces: str = typer.Option("16,32,64", help="Comma-separated subspace counts."),
-    variants: str = typer.Option("plain,score-aware", help="plain and/or score-aware."),
-    trainer: str = typer.Option("faiss", help="faiss or torch."),
-    iterations: int = typer.Option(20, help="k-means iterations."),
-    max_train_keys: int = typer.Option(262144, help="Keys per layer to train on (deterministic subsample)."),
-    eval_queries: int = typer.Option(128, help="Held-out queries per layer."),
+    store: Path = typer.Argument(..., help="Capture store to train and evaluate on (its own held-out split)."),
+    subspaces: str = typer.Option("16,32,64", help="PQ subspace counts to compare (comma-separated; bytes per "
+                                                   "key; each must divide the key dim)."),
+    variants: str = typer.Option("plain,score-aware", help="Codebook variants to compare: plain (k-means on keys) "
+                                                           "and/or score-aware (k-means under the score-gradient "
+                                                           "metric)."),
+    trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
+    iterations: int = typer.Option(20, callback=at_least(1), help="k-means iterations."),
+    max_train_keys: int = typer.Option(262144, callback=at_least(1024),
+                                       help="Keys per layer to train on (deterministic subsample; at least "
+                                            "4 per centroid, 1024)."),
+    eval_queries: int = typer.Option(128, callback=at_least(1), help="Held-out queries per layer."),
+    candidates: str = typer.Option(_CANDIDATES, help=_CANDIDATES_HELP),
     device: str = typer.Option("auto", help="Device of the torch trainer and the evaluation."),
-    out: Path = typer.Option(None, help="Write the JSON result here too."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Train PQ variants side by side on the same split (nothing registered) and print one recall table."""
@@ -117,53 +131,65 @@ def eval_pq_compare_cmd(
     from rich.console import Console
 
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.console import parse_ints, recall_table
+    from dsaindex.console import parse_ints, print_tables, progress_bar, recall_table
     from dsaindex.errors import DsaIndexError
-    from dsaindex.train.pq_job import PAPER_K, train_pq
+    from dsaindex.train.pq_job import PAPER_K, check_options, train_pq
 
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     unknown = sorted(set(chosen) - {"plain", "score-aware"})
     if unknown or not chosen:
         raise DsaIndexError(f"--variants {variants!r} names no known variant.", "pass plain and/or score-aware.")
+    cases = [_pq_options(m, trainer, iterations, variant == "score-aware", max_train_keys, eval_queries, device,
+                         candidates)
+             for m in parse_ints(subspaces, "--subspaces", minimum=1) for variant in chosen]
+    geometry = CaptureStore.open(store).manifest.model.geometry
+    for opts in cases:  # every case's options before the first one trains
+        check_options(opts, geometry.head_dim)
     results = {}
-    for m in parse_ints(subspaces, "--subspaces"):
-        for variant in chosen:
-            opts = _pq_options(m, trainer, iterations, variant == "score-aware", max_train_keys, eval_queries, device)
-            report = train_pq(store, opts)
-            results[f"PQ{m} {variant}"] = report["mean"] | {
-                "train_seconds_per_layer": float(sum(r.train_seconds for r in report["results"].values())
-                                                 / len(report["results"]))}
+    for opts in cases:
+        name = f"PQ{opts.subspaces} {'score-aware' if opts.score_aware else 'plain'}"
+        with progress_bar(name, enabled=not as_json, unit="layers") as update:
+            report = train_pq(store, opts, progress=update)
+        results[name] = report["mean"] | {
+            "train_seconds_per_layer": float(sum(r.train_seconds for r in report["results"].values())
+                                             / len(report["results"]))}
     text = json.dumps(results, indent=2)
     if out:
         out.write_text(text)
     if as_json:
         print(text)
         return
-    topk = CaptureStore.open(store).manifest.model.geometry.topk
-    console = Console()
-    for k in sorted({PAPER_K, topk}):
-        console.print(recall_table(list(results.items()), k, title=f"mean recall of the exact top-{k}"))
+    print_tables([recall_table(list(results.items()), k, cases[0].candidates, f"mean recall of the exact top-{k}",
+                               caption=False) for k in sorted({PAPER_K, geometry.topk})], Console())
 
 
 @train_app.command("ivf")
 def train_ivf_cmd(
     store: Path = typer.Argument(..., help="Capture store to train on."),
     model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
-    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write (default: runs/bundles/<store>-ivf)."),
-    window: int = typer.Option(1024, help="Keys per seal (the open window's size)."),
-    cluster_size: int = typer.Option(128, help="Keys per cluster (the cap of the size-capped k-means)."),
-    refit_every: int = typer.Option(16384, help="Keys between refits of the whole prefix (0: never)."),
-    budgets: str = typer.Option("4096,8192,16384,24576", help="Candidate budgets to evaluate (keys)."),
-    steps: int = typer.Option(300, help="Encoder training steps."),
-    groups_per_step: int = typer.Option(32, help="Query groups (sequence x index version) per training step."),
+    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
+                                                        "runs/bundles/<store>-ivf, with -2, -3, ... if taken)."),
+    window: int = typer.Option(1024, callback=at_least(1), help="Keys per seal (the open window's size)."),
+    cluster_size: int = typer.Option(128, callback=at_least(1),
+                                     help="Keys per cluster (the cap of the size-capped k-means)."),
+    refit_every: int = typer.Option(16384, callback=at_least(0), help="Keys between refits of the whole prefix "
+                                                                      "(0: never)."),
+    budgets: str = typer.Option(_BUDGETS, help=_BUDGETS_HELP),
+    steps: int = typer.Option(300, callback=at_least(1), help="Encoder training steps."),
+    groups_per_step: int = typer.Option(32, callback=at_least(1),
+                                        help="Query groups (sequence x index version) per training step."),
+    val_budget: int = typer.Option(None, callback=at_least(1),
+                                   help="Candidate budget (keys) at which the validation sequence picks the "
+                                        "training step to keep (default: the smallest of --budgets, where that "
+                                        "holds fewer clusters than most validation queries see)."),
     layers: str = typer.Option(None, help="Comma-separated layers to train (default: all; a partial bundle "
                                           "is for study: the runtime wants every indexer layer)."),
-    train_queries: int = typer.Option(256, help="Training queries per layer."),
-    eval_queries: int = typer.Option(64, help="Held-out queries per layer."),
+    train_queries: int = typer.Option(256, callback=at_least(1), help="Training queries per layer."),
+    eval_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
 ) -> None:
     """Train per-layer routing encoders (learned IVF representatives), compare routing methods on
     held-out sequences (recall vs candidate budget), write and register an ``ivf`` bundle."""
@@ -171,7 +197,7 @@ def train_ivf_cmd(
     from rich.console import Console
 
     from dsaindex.artifacts.kinds import IVFIndexSettings
-    from dsaindex.console import parse_ints, print_json, resolve_device, routing_table
+    from dsaindex.console import parse_ints, print_json, progress_bar, resolve_device, routing_table
     from dsaindex.errors import DsaIndexError
     from dsaindex.train.ivf import IVFOptions
     from dsaindex.train.ivf_job import run_ivf_job
@@ -181,14 +207,14 @@ def train_ivf_cmd(
     except ValidationError as err:
         raise DsaIndexError(f"Invalid index settings: {err.errors()[0]['msg']}.",
                             "pass --window as a multiple of --cluster-size (1024 and 128, say).") from None
+    budget_list = parse_ints(budgets, "--budgets", minimum=1)
+    layer_list = parse_ints(layers, "--layers", minimum=0) if layers else None
     _check_target_model(store, model)
     opts = IVFOptions(settings, steps=steps, groups_per_step=groups_per_step, max_queries=train_queries,
-                      device=resolve_device(device))
-    budget_list = parse_ints(budgets, "--budgets")
-    with Console(stderr=True, quiet=as_json).status("training") as status:
+                      val_budget=val_budget, device=resolve_device(device))
+    with progress_bar("IVF encoders", enabled=not as_json, unit="layers") as update:
         result = run_ivf_job(store, opts, budget_list, eval_queries, out, register, tracking_uri,
-                             progress=lambda m: status.update(f"ivf: {m}"),
-                             layers=parse_ints(layers, "--layers") if layers else None)
+                             progress=update, layers=layer_list)
     if as_json:
         print_json(result)
         return
@@ -203,8 +229,8 @@ def train_ivf_cmd(
 def eval_ivf_cmd(
     bundle: Path = typer.Argument(..., help="An ivf bundle (`dsaindex train ivf`)."),
     store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to route."),
-    budgets: str = typer.Option("4096,8192,16384,24576", help="Candidate budgets (keys)."),
-    eval_queries: int = typer.Option(64, help="Held-out queries per layer."),
+    budgets: str = typer.Option(_BUDGETS, help=_BUDGETS_HELP),
+    eval_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -214,7 +240,7 @@ def eval_ivf_cmd(
     from dsaindex.console import parse_ints, print_json, resolve_device, routing_table
     from dsaindex.train.ivf_job import evaluate_bundle
 
-    budget_list = parse_ints(budgets, "--budgets")
+    budget_list = parse_ints(budgets, "--budgets", minimum=1)
     result = evaluate_bundle(bundle, store, budget_list, eval_queries, resolve_device(device))
     if as_json:
         print_json(result)

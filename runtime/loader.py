@@ -21,6 +21,7 @@ from dsaindex.pq import PQCodec
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
+    from dsaindex.artifacts.fingerprint import ModelFingerprint
 
 __all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "load", "place_layers"]
 
@@ -58,7 +59,8 @@ class LoadedArtifacts:
 
 
 def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "hadamard",
-         cache_dir: str | Path | None = None, tracking_uri: str | None = None) -> LoadedArtifacts:
+         cache_dir: str | Path | None = None, tracking_uri: str | None = None,
+         served: ModelFingerprint | None = None, allow_other_weights: bool = False) -> LoadedArtifacts:
     """Resolve, verify, validate and place a bundle's parameters on ``device``.
 
     Parameters
@@ -66,6 +68,11 @@ def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "
     uri : local bundle path, ``models:/<name>@<alias>`` or ``models:/<name>/<version>``
     model_config : the served model's transformers config (object or dict)
     basis : the key basis the engine scores in (engines rotate keys with a Hadamard matrix)
+    served : the served model's fingerprint; its config and indexer-weights digests must equal the
+        bundle's. Without it only the config digest computed from ``model_config`` is compared (see
+        :func:`dsaindex.artifacts.compat.check_same_model`)
+    allow_other_weights : serve artifacts trained for another model of the same geometry (deliberate
+        transfer; the geometry, layers, basis and format are still checked)
 
     Raises
     ------
@@ -79,7 +86,7 @@ def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "
     t0 = time.perf_counter()
     path = load_uri(uri, dest_cache=cache_dir, tracking_uri=tracking_uri)
     manifest, arrays = read_bundle(path, verify=True)
-    check_bundle_for_model(manifest, model_config, basis)
+    check_bundle_for_model(manifest, model_config, basis, served=served, allow_other_weights=allow_other_weights)
     loaded = LoadedArtifacts(manifest=manifest, path=Path(path))
     loaded.layers = place_layers(manifest, arrays, device)
     loaded.device_bytes = sum(layer.nbytes for layer in loaded.layers.values())

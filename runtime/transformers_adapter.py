@@ -13,6 +13,7 @@ greedily with exhaustive selection and with the runtime, token by token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,13 +124,17 @@ class RuntimeSelection(ModuleHooks):
 
 
 @torch.no_grad()
-def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None) -> dict:
+def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None,
+                  on_token: Callable[[int], None] | None = None) -> dict:
     """Greedy decoding with the KV cache. ``forced`` [new_tokens] feeds those tokens instead of the
-    model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step."""
+    model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step.
+    ``on_token(steps done)`` is called after the prompt (0) and after every decode step."""
     cache_kw = cache_argument(model)
+    on_token = on_token or (lambda done: None)
     out = model(input_ids=prompt.unsqueeze(0), use_cache=True)
     cache = out.past_key_values
     choice = out.logits[0, -1].argmax()
+    on_token(0)
     argmax, fed = [], []
     for step in range(new_tokens):
         argmax.append(int(choice))
@@ -138,12 +143,14 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
         out = model(input_ids=token.view(1, 1), use_cache=True, **{cache_kw: cache})
         cache = out.past_key_values
         choice = out.logits[0, -1].argmax()
+        on_token(step + 1)
     return {"argmax": torch.tensor(argmax), "fed": torch.tensor(fed)}
 
 
 def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
-                     use_triton: bool | None = None, continuation: torch.Tensor | None = None) -> dict:
+                     use_triton: bool | None = None, continuation: torch.Tensor | None = None,
+                     progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
 
     * ``free_running``: both decode on their own; share of equal tokens and the first divergence;
@@ -154,22 +161,36 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
       loop that any selection reproduces; real text keeps every step informative;
     * ``selection_recall``: per layer, the share of the model's own top-k the runtime selected (on
       the real text when given, else on the exhaustive run's tokens).
+
+    ``progress(tokens done, tokens in all, which run)`` is called after every generated token of the
+    three (five with ``continuation``) runs.
     """
     prompt = prompt.to(device)
-    reference = greedy_decode(model, prompt, new_tokens)
+    text = continuation[:new_tokens].to(device) if continuation is not None else None
+    runs = [("exhaustive", new_tokens), ("runtime, free running", new_tokens), ("runtime, teacher forced", new_tokens)]
+    if text is not None:
+        runs += [("exhaustive, real text", text.numel()), ("runtime, real text", text.numel())]
+    before, total = {}, 0  # tokens of the runs before each run
+    for name, n in runs:
+        before[name], total = total, total + n
+
+    def tick(name: str) -> Callable[[int], None] | None:
+        return (lambda done: progress(before[name] + done, total, name)) if progress else None
+
+    reference = greedy_decode(model, prompt, new_tokens, on_token=tick("exhaustive"))
     kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, device=device, use_triton=use_triton)
     max_keys = prompt.numel() + new_tokens + 1
     with RuntimeSelection(model, layers, 1, max_keys, **kwargs):
-        free = greedy_decode(model, prompt, new_tokens)
+        free = greedy_decode(model, prompt, new_tokens, on_token=tick("runtime, free running"))
     with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as forced_run:
-        forced = greedy_decode(model, prompt, new_tokens, forced=reference["fed"].to(device))
+        forced = greedy_decode(model, prompt, new_tokens, forced=reference["fed"].to(device),
+                               on_token=tick("runtime, teacher forced"))
     recall_log = forced_run.log
     on_text = None
-    if continuation is not None:
-        text = continuation[:new_tokens].to(device)
-        exhaustive_text = greedy_decode(model, prompt, text.numel(), forced=text)
+    if text is not None:
+        exhaustive_text = greedy_decode(model, prompt, text.numel(), forced=text, on_token=tick("exhaustive, real text"))
         with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as text_run:
-            runtime_text = greedy_decode(model, prompt, text.numel(), forced=text)
+            runtime_text = greedy_decode(model, prompt, text.numel(), forced=text, on_token=tick("runtime, real text"))
         recall_log = text_run.log
         on_text = {
             "token_agreement": round(float((runtime_text["argmax"] == exhaustive_text["argmax"]).float().mean()), 4),

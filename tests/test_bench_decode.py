@@ -52,4 +52,13 @@ def test_bench_decode_needs_a_gpu_or_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     proc = run_cli("bench", "decode", "--batches", "1", "--keys", "4096")
-    assert proc.returncode != 0 and "needs a CUDA device" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: bench decode needs a CUDA device")
+
+
+def test_recall_inputs_are_checked_before_any_timing(store_and_bundle, tmp_path):
+    store, bundle = store_and_bundle
+    missing = run_cli("bench", "decode", "--recall-store", str(store), "--artifacts", str(tmp_path / "nothing"))
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines()[0].startswith(f"error: No artifact bundle at {tmp_path / 'nothing'}.")
+    not_pq = run_cli("bench", "decode", "--recall-store", str(store), "--artifacts", str(store))
+    assert not_pq.returncode == 2 and "not a dsaindex artifact bundle" in not_pq.stderr.splitlines()[0]

@@ -38,8 +38,12 @@ def test_bundle_holds_one_encoder_per_layer_and_the_recall_of_each_method(traine
         assert by["512"] >= by["256"]  # a larger budget never routes worse
     for layer in result["per_layer"].values():  # training lowered the routing loss
         assert layer["train"]["loss_end"] < layer["train"]["loss_start"]
-        # 4 training sequences: 3 fit, the last picks the step kept
-        assert layer["train"]["val_hit_rate@8192_kept"] >= layer["train"]["val_hit_rate@8192_start"]
+        # 4 training sequences: 3 fit, the last picks the step kept, at the smallest budget evaluated (it
+        # holds fewer clusters than the validation queries see, so the steps can differ)
+        train = layer["train"]
+        assert train["val_budget"] == 256
+        assert train["val_hit_rate@256_kept"] >= train["val_hit_rate@256_start"]
+        assert train["val_hit_rate@256_start"] < 1.0
         profile = layer["truth_profile"]
         assert 0 <= profile["window_share"] <= 1 and profile["keys_per_block"] >= 1
     assert (root / "bundle-recall.png").is_file()
@@ -92,6 +96,32 @@ def test_runtime_loader_learns_the_ivf_kind(trained):
     proc = run_cli("runtime", "check", "--model", "preset:tiny-v32", "--artifacts", str(bundle), "--json")
     assert proc.returncode == 0, proc.stderr
     assert _json.loads(proc.stdout)["layers"]["1"]["cluster_size"] == 32
+
+
+def test_runtime_check_prints_an_ivf_bundle(trained):
+    root, store, bundle, result = trained
+    proc = run_cli("runtime", "check", "--model", "preset:tiny-v32", "--artifacts", str(bundle))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"ok: {bundle} fits preset:tiny-v32 (same weights and config): deepseek_v32")
+    assert "0 (IVF routing (window 256, clusters of 32, refit every 512))" in proc.stdout
+
+
+def test_a_rerun_with_the_default_out_writes_a_fresh_bundle(trained, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root, store, bundle, result = trained
+    fast = ("--window", "256", "--cluster-size", "32", "--refit-every", "512", "--budgets", "256,512", "--steps", "1",
+            "--train-queries", "8", "--eval-queries", "2", "--layers", "0", "--device", "cpu", "--no-register")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="80")
+    for name in ("store-ivf", "store-ivf-2"):
+        proc = subprocess.run([sys.executable, "-m", "dsaindex", "train", "ivf", str(store), *fast], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"bundle: runs/bundles/{name} " in proc.stdout and (tmp_path / "runs/bundles" / name).is_dir()
+        assert "1/1 layers" in proc.stderr  # the per-layer progress bar
+        assert max(len(line) for line in proc.stdout.splitlines()) <= 80 and "B=256" in proc.stdout
 
 
 def test_prefill_indexer_routes_with_the_loaded_encoder(trained):

@@ -3,7 +3,7 @@
 import torch
 
 from dsaindex.artifacts.kinds import IVFIndexSettings
-from dsaindex.train.ivf import IVFOptions, routing_hit_rate, sequence_groups, train_encoder
+from dsaindex.train.ivf import IVFOptions, routing_hit_rate, sequence_groups, train_encoder, validation_budget
 
 D, H = 32, 4
 
@@ -31,3 +31,21 @@ def test_training_keeps_the_best_validated_step_and_never_loses_to_the_means():
     if summary["kept_step"] == 0:
         assert not params["out_weight"].any()  # the plain means
     assert summary["loss_end"] < summary["loss_start"]
+
+
+def test_validation_budget_is_one_that_leaves_clusters_out():
+    opts = IVFOptions(IVFIndexSettings(window=256, cluster_size=32, refit_every=1024))
+    val = sequence_groups(*sequence(3), topk=32, opts=opts)
+    clusters = sorted(int(g.version.clusters) for g in val for _ in range(int(g.queries.shape[0])))
+    median = clusters[len(clusters) // 2]
+    assert validation_budget(val, 32, [256, 512, 8192]) == 256  # the smallest: 8 clusters, fewer than most queries see
+    # a budget that holds every cluster would keep the plain means whatever training does
+    assert routing_hit_rate(init_means(), val, 32 * (clusters[-1] + 1), 32) == 1.0
+    assert validation_budget(val, 32, [32 * median, 65536]) == median // 2 * 32
+    assert validation_budget(val, 32) == median // 2 * 32
+
+
+def init_means():
+    from dsaindex.train.ivf import init_encoder
+
+    return init_encoder(D, 16, 32)

@@ -1,6 +1,9 @@
 """End to end: a capture store -> `dsaindex train pq` -> bundle + registered version -> `dsaindex eval pq`."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -66,3 +69,55 @@ def test_store_of_another_model_is_refused(trained):
     assert proc.returncode == 2
     assert "not from preset:tiny-glm5" in proc.stderr and "Fix:" in proc.stderr
     assert not (root / "never").exists()
+
+
+def cli_in(cwd, *args):
+    """``python -m dsaindex ARGS`` run from ``cwd`` (default paths are relative to it), 80 columns wide."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="80")
+    return subprocess.run([sys.executable, "-m", "dsaindex", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+FAST = ("--iterations", "1", "--max-train-keys", "1024", "--eval-queries", "4", "--candidates", "64",
+        "--no-register", "--device", "cpu")
+
+
+def test_a_rerun_with_the_default_out_writes_a_fresh_bundle(trained, tmp_path):
+    root, store, bundle, uri, result = trained
+    first = cli_in(tmp_path, "train", "pq", str(store), *FAST)
+    assert first.returncode == 0, first.stderr
+    assert "bundle: runs/bundles/store-pq32-sa\n" in first.stdout
+    assert "4/4 layers" in first.stderr  # the per-layer progress bar, on stderr
+    second = cli_in(tmp_path, "train", "pq", str(store), *FAST)
+    assert second.returncode == 0, second.stderr
+    assert "bundle: runs/bundles/store-pq32-sa-2\n" in second.stdout
+    assert read_bundle(tmp_path / "runs/bundles/store-pq32-sa-2")[0].layer_ids == [0, 1, 2, 3]
+
+
+def test_a_taken_or_unwritable_out_is_refused_before_training(trained, tmp_path):
+    root, store, bundle, uri, result = trained
+    taken = cli_in(tmp_path, "train", "pq", str(store), "--out", str(bundle), *FAST)
+    assert taken.returncode == 2
+    assert taken.stderr.splitlines()[0] == (f"error: {bundle} exists and is not empty. Fix: write the bundle to a new "
+                                            "path (or leave out --out for a fresh default name), or delete the old one.")
+    for out, problem in [("/proc/dsaindex-test/bundle", "cannot be written: creating a folder in /proc fails"),
+                         (f"{store}/zarr.json/bundle", f"cannot be created: {store}/zarr.json is a file")]:
+        proc = cli_in(tmp_path, "train", "pq", str(store), "--out", out, *FAST)
+        assert proc.returncode == 2, proc.stderr
+        first = proc.stderr.splitlines()[0]
+        assert first.startswith(f"error: {out} {problem}") and "Fix: pass --out on a writable filesystem" in first
+        assert "layers" not in proc.stderr  # refused before the first layer started
+    assert not (tmp_path / "runs").exists()
+
+
+def test_recall_tables_fit_80_columns_and_say_what_the_columns_mean(trained):
+    root, store, bundle, uri, result = trained
+    proc = cli_in(root, "eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "24",
+                  "--candidates", "32,64,128")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, proc.stdout
+    assert any("rerank" in line for line in lines) and "@64" in proc.stdout and "@128" in proc.stdout
+    assert "@32 " not in proc.stdout  # C = top-k: the top-C is the direct top-k, left out
+    assert "fetch@C:" in proc.stdout and "-:" in proc.stdout  # the caption
+    assert "fetch_" not in proc.stdout

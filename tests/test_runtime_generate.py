@@ -1,11 +1,13 @@
 """The runtime chooses the reference checkpoint's decode-time top-k inside transformers generation."""
 
 import inspect
+import json
 
 import pytest
 import torch
 
 from dsaindex.pipelines.models import REFERENCE_DIR
+from helpers import run_cli
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
@@ -74,3 +76,42 @@ def test_artifacts_missing_a_layer_are_refused(model_and_layers):
     net, layers = model_and_layers
     with pytest.raises(ArtifactMismatchError, match=r"no layer \[3\]"):
         RuntimeSelection(net, {k: v for k, v in layers.items() if k != 3}, 1, 64)
+
+
+@pytest.fixture(scope="module")
+def bundles(model_and_layers, tmp_path_factory):
+    """The fixture's codebooks as a bundle of the reference model, and the same codebooks recorded as
+    trained for other weights."""
+    from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
+    from dsaindex.pipelines.capture import fingerprint
+    from dsaindex.pipelines.models import load_model
+
+    _, layers = model_and_layers
+    root = tmp_path_factory.mktemp("generate")
+    own = fingerprint(load_model("reference", dtype="float32"))  # the checkpoint as shipped (its own top-k)
+    lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
+                      train_sequences=[0], eval_sequences=[1])
+    arrays = {i: {"codebooks": codec.codebooks.numpy()} for i, codec in layers.items()}
+    paths = {}
+    for name, model in (("own", own), ("other", own.model_copy(update={"weights_digest": "0" * 16}))):
+        manifest = new_bundle_manifest(model, "hadamard", own.geometry.key_format,
+                                       {i: LayerArtifact(kind="pq", params={"subspaces": 32}) for i in layers}, lineage)
+        write_bundle(root / name, manifest, arrays)
+        paths[name] = root / name
+    return paths
+
+
+def test_generate_cli_shows_progress_per_token(bundles):
+    proc = run_cli("runtime", "generate", "-a", str(bundles["own"]), "--topk", str(TOPK), "--candidates", "64",
+                   "--prompt-tokens", "200", "--new-tokens", "2", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "10/10 tokens" in proc.stderr  # 2 tokens x (exhaustive, free, forced, and both on the real text)
+    result = json.loads(proc.stdout)
+    assert result["prompt_tokens"] == 200 and result["topk"] == TOPK and set(result["selection_recall"]) == {"0", "1", "2", "3"}
+
+
+def test_generate_refuses_artifacts_of_other_weights(bundles):
+    proc = run_cli("runtime", "generate", "-a", str(bundles["other"]), "--new-tokens", "1", "--device", "cpu")
+    assert proc.returncode == 2
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("error: The artifacts were trained for reference") and "weights_digest" in first

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
-from dsaindex.artifacts.fingerprint import ModelFingerprint
 from dsaindex.errors import CorruptBundleError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.pipelines.models import preset_config
@@ -18,11 +17,19 @@ from dsaindex.runtime.loader import ArtifactMismatchError
 from helpers import run_cli
 
 
-def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0):
-    """A PQ bundle for a preset's geometry, with random codebooks."""
+def preset_fingerprint(preset="tiny-v32"):
+    """The fingerprint a capture of a preset records (float32 on the CPU)."""
+    from dsaindex.pipelines.capture import fingerprint
+    from dsaindex.pipelines.models import load_model
+
+    return fingerprint(load_model(f"preset:{preset}"))
+
+
+def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0, model=None):
+    """A PQ bundle for a preset's geometry, with random codebooks, trained (so its manifest says) for
+    ``model`` (default: the preset's own fingerprint)."""
     geometry = geometry_from_config(preset_config(preset))
-    model = ModelFingerprint(name=preset, family=geometry.family, geometry=geometry.to_dict(),
-                             config_digest="c" * 16, weights_digest="w" * 16, dtype="float32")
+    model = model or preset_fingerprint(preset)
     layer_ids = geometry.indexer_layers if layers is None else layers
     rng = np.random.default_rng(seed)
     sub = geometry.head_dim // subspaces
@@ -120,3 +127,49 @@ def test_load_from_the_registry(tmp_path):
     loaded = load(f"models:/{reg['name']}@production", preset_config("tiny-v32"), cache_dir=tmp_path / "cache",
                   tracking_uri=uri)
     assert sorted(loaded.layers) == [0, 1, 2, 3] and str(tmp_path / "cache") in str(loaded.path)
+
+
+def other_checkpoint(path, seed=1):
+    """A checkpoint folder of the tiny V3.2 architecture with other random weights (same geometry)."""
+    from dsaindex.pipelines.models import load_model
+
+    load_model("preset:tiny-v32", seed=seed).model.save_pretrained(path)
+    return path
+
+
+def test_artifacts_of_another_model_of_the_same_geometry_are_refused(tmp_path):
+    from dsaindex.artifacts.compat import config_digest
+
+    pq_bundle(tmp_path / "b")
+    served = preset_fingerprint()
+    assert served.config_digest == config_digest(preset_config("tiny-v32"))  # the config alone gives the digest
+    assert load(tmp_path / "b", preset_config("tiny-v32"), served=served).layers
+    other = served.model_copy(update={"name": "other", "weights_digest": "0" * 16})
+    with pytest.raises(ArtifactMismatchError, match=r"weights_digest: artifacts='[0-9a-f]{16}' vs served='0{16}'"):
+        load(tmp_path / "b", preset_config("tiny-v32"), served=other)
+    assert load(tmp_path / "b", preset_config("tiny-v32"), served=other, allow_other_weights=True).layers
+    wider = preset_config("tiny-v32")
+    wider.rope_theta = 1234.0  # another architecture of the same indexer geometry: only a config to compare
+    with pytest.raises(ArtifactMismatchError, match="config_digest") as err:
+        load(tmp_path / "b", wider)
+    assert "--allow-other-weights" in str(err.value)
+
+
+def test_runtime_check_compares_the_weights_of_the_served_model(tmp_path):
+    pq_bundle(tmp_path / "b")
+    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"ok: {tmp_path / 'b'} fits preset:tiny-v32 (same weights and config)")
+    ckpt = other_checkpoint(tmp_path / "other")
+    bad = run_cli("runtime", "check", "-m", str(ckpt), "-a", str(tmp_path / "b"))
+    assert bad.returncode == 2
+    first = bad.stderr.splitlines()[0]
+    assert first.startswith("error: The artifacts were trained for tiny-v32 (deepseek_v32, weights ")
+    assert "but the served model is other" in first and "weights_digest: artifacts=" in first
+    assert "config_digest" not in first and "Fix: train artifacts for this model" in first
+    allowed = run_cli("runtime", "check", "-m", str(ckpt), "-a", str(tmp_path / "b"), "--allow-other-weights")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "not compared (--allow-other-weights)" in allowed.stdout
+    config_only = run_cli("runtime", "check", "-m", str(ckpt), "-a", str(tmp_path / "b"), "--config-only", "--json")
+    assert config_only.returncode == 0, config_only.stderr  # same architecture; the weights were not read
+    assert json.loads(config_only.stdout)["model_identity"] == "same config (weights not compared)"

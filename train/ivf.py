@@ -20,7 +20,7 @@ layer kind ``ivf``; the forward both training and the runtime use is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +45,7 @@ class IVFOptions:
     steps: int = 300
     groups_per_step: int = 32
     eval_every: int = 20
-    val_budget: int = 8192
+    val_budget: int | None = None  # None: :func:`validation_budget` of the budgets evaluated
     lr: float = 2e-3
     max_queries: int = 256
     seed: int = 0
@@ -145,14 +145,31 @@ def routing_hit_rate(params: dict[str, torch.Tensor], groups: list[_Group], budg
     return found / max(total, 1e-9)
 
 
+def validation_budget(val_groups: list[_Group], cluster_size: int, budgets: Sequence[int] = ()) -> int:
+    """The candidate budget at which training steps are compared on the validation queries.
+
+    The smallest evaluated budget (where routing matters most) when, for most validation queries, it
+    holds fewer clusters than their index version has: a budget that holds every cluster gives every
+    step a hit rate of 1, so the plain means (step 0) would always be kept. Otherwise (no budget
+    given, or validation prefixes too short for it) half the median cluster count of the validation
+    queries, in keys."""
+    per_query = sorted(int(g.version.clusters) for g in val_groups for _ in range(int(g.queries.shape[0])))
+    median = per_query[len(per_query) // 2] if per_query else 0
+    if budgets and min(budgets) // cluster_size < median:
+        return int(min(budgets))
+    return max(1, median // 2) * cluster_size
+
+
 def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress: Callable[[str], None] | None = None,
-                  val_groups: list[_Group] | None = None) -> tuple[dict, dict]:
+                  val_groups: list[_Group] | None = None, budgets: Sequence[int] = ()) -> tuple[dict, dict]:
     """Adam on the routing cross-entropy, ``groups_per_step`` groups a step.
 
     With ``val_groups`` (queries of sequences not trained on) the parameters kept are those of the
-    step, checked every ``eval_every``, with the best :func:`routing_hit_rate` on them; step 0 is the
-    plain means (the output layer starts at zero), kept unless training beats it. Returns
-    (parameters, summary: losses over all training groups, validation hit rates, the step kept)."""
+    step, checked every ``eval_every``, with the best :func:`routing_hit_rate` on them at the budget
+    ``opts.val_budget`` (default: :func:`validation_budget` of ``budgets``, the budgets evaluated);
+    step 0 is the plain means (the output layer starts at zero), kept unless training beats it.
+    Returns (parameters, summary: losses over all training groups, the validation budget and hit
+    rates, the step kept)."""
     params = {k: v.to(opts.device).requires_grad_(True)
               for k, v in init_encoder(dim, opts.features, opts.hidden, opts.seed).items()}
     with torch.no_grad():  # start beta so that the scores of the means spread over about one unit
@@ -165,8 +182,11 @@ def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress: Ca
         first = float(sum(routing_loss(params, g, log_beta) for g in groups) / len(groups))
     pick = torch.Generator().manual_seed(opts.seed)
 
+    val_budget = opts.val_budget or (validation_budget(val_groups, opts.index.cluster_size, budgets)
+                                     if val_groups else None)
+
     def hit_rate() -> float:
-        return routing_hit_rate(params, val_groups, opts.val_budget, opts.index.cluster_size)
+        return routing_hit_rate(params, val_groups, val_budget, opts.index.cluster_size)
 
     best = (hit_rate(), 0, {k: v.detach().clone() for k, v in params.items()}) if val_groups else None
     val_start = best[0] if best else None
@@ -182,15 +202,16 @@ def train_encoder(groups: list[_Group], dim: int, opts: IVFOptions, progress: Ca
             rate = hit_rate()
             if rate > best[0]:
                 best = (rate, step + 1, {k: v.detach().clone() for k, v in params.items()})
-        if progress and step % 50 == 0:
-            progress(f"step {step}: loss {loss.item():.4f}" + (f", best validation hit rate {best[0]:.4f}" if best else ""))
+        if progress and step % 10 == 0:
+            progress(f"step {step}/{opts.steps}: loss {loss.item():.4f}"
+                     + (f", best validation hit rate {best[0]:.4f}" if best else ""))
     with torch.no_grad():
         last = float(sum(routing_loss(params, g, log_beta) for g in groups) / len(groups))
     trained = best[2] if best else {k: v.detach() for k, v in params.items()}
     summary = {"loss_start": round(first, 5), "loss_end": round(last, 5), "groups": len(groups),
                "queries": sum(int(g.queries.shape[0]) for g in groups), "rep_spread": round(float(spread), 4)}
     if best:
-        summary |= {"val_queries": sum(int(g.queries.shape[0]) for g in val_groups),
-                    f"val_hit_rate@{opts.val_budget}_start": round(val_start, 5),
-                    f"val_hit_rate@{opts.val_budget}_kept": round(best[0], 5), "kept_step": best[1]}
+        summary |= {"val_queries": sum(int(g.queries.shape[0]) for g in val_groups), "val_budget": val_budget,
+                    f"val_hit_rate@{val_budget}_start": round(val_start, 5),
+                    f"val_hit_rate@{val_budget}_kept": round(best[0], 5), "kept_step": best[1]}
     return trained, summary

@@ -19,11 +19,30 @@ from dsaindex.train.ivf import IVFOptions, routing_groups, train_encoder
 from dsaindex.train.ivf_eval import LEARNED, METHODS, evaluate_routing
 from dsaindex.train.recall import split_sequences
 
+Progress = Callable[[int, int, str], None]
+"""``progress(layers done, layers in all, the step running now)``, e.g. :func:`dsaindex.console.progress_bar`'s
+``update``."""
+
+
+def check_options(opts: IVFOptions, budgets: list[int], eval_queries: int) -> None:
+    """Refuse counts no training can use, before any work (named by their command-line options)."""
+    from dsaindex.errors import DsaIndexError
+
+    for option, value in (("--steps", opts.steps), ("--groups-per-step", opts.groups_per_step),
+                          ("--train-queries", opts.max_queries), ("--eval-queries", eval_queries),
+                          ("--budgets", min(budgets) if budgets else 0)):
+        if value < 1:
+            raise DsaIndexError(f"{option} {value} is below 1.", f"pass {option} 1 or more.")
+    if opts.val_budget is not None and opts.val_budget < opts.index.cluster_size:
+        raise DsaIndexError(f"--val-budget {opts.val_budget} holds no cluster of {opts.index.cluster_size} keys.",
+                            "pass --val-budget of at least --cluster-size, or leave it out.")
+
 
 def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval_queries: int = 64,
-              progress: Callable[[str], None] | None = None, layers: list[int] | None = None) -> dict:
+              progress: Progress | None = None, layers: list[int] | None = None) -> dict:
     from dsaindex.artifacts.capture_store import CaptureStore
 
+    check_options(opts, budgets, eval_queries)
     store = CaptureStore.open(store_path)
     topk = store.manifest.model.geometry.topk
     split = split_sequences(store.committed.sequences)
@@ -33,10 +52,14 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
 
         raise DsaIndexError(f"{store_path} holds layers {store.layers}, not {sorted(set(layers) - set(store.layers))}.",
                             "pass --layers from the store's own (`dsaindex store info` lists them).")
-    for layer in store.layers if layers is None else sorted(set(layers)):
+    chosen = store.layers if layers is None else sorted(set(layers))
+    for done, layer in enumerate(chosen):
+        def step(text: str, done: int = done, layer: int = layer) -> None:
+            if progress:
+                progress(done, len(chosen), f"layer {layer}: {text}")
+
         t0 = time.perf_counter()
-        if progress:
-            progress(f"layer {layer}: routing targets")
+        step("routing targets")
         fit, val = split[0], []
         if len(split[0]) >= 3:  # the last training sequence picks the training step (never the held-out ones)
             fit, val = split[0][:-1], split[0][-1:]
@@ -49,14 +72,14 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
                 f"No training query of layer {layer} has more than {opts.index.window + opts.index.sinks} keys before it.",
                 "capture longer sequences (--seq-len), or train with a smaller --window.")
         dim = int(groups[0].keys.shape[1])
-        step_log = (lambda m, layer=layer: progress(f"layer {layer}: {m}")) if progress else None
-        encoder, summary = train_encoder(groups, dim, opts, progress=step_log, val_groups=val_groups)
+        encoder, summary = train_encoder(groups, dim, opts, progress=step, val_groups=val_groups, budgets=budgets)
         seconds = time.perf_counter() - t0
-        if progress:
-            progress(f"layer {layer}: held-out recall")
+        step("held-out recall")
         recall = evaluate_routing(store, layer, budgets, topk, opts.index, METHODS, eval_queries, opts.device,
                                   encoder=encoder)
         results[layer] = {"encoder": encoder, "train": summary | {"seconds": round(seconds, 2)}, "eval": recall}
+    if progress:
+        progress(len(chosen), len(chosen), "done")
     return {"store": store, "split": split, "topk": topk, "budgets": budgets, "results": results}
 
 
@@ -129,16 +152,19 @@ def load_encoders(path: str | Path, device: str = "cpu") -> tuple[object, dict[i
 
 
 def default_bundle_path(store_path: str | Path) -> Path:
-    """``runs/bundles/<store name>-ivf``."""
-    return Path("runs/bundles") / f"{Path(store_path).name}-ivf"
+    """``runs/bundles/<store name>-ivf``, or with ``-2``, ``-3``, ... where that is taken."""
+    from dsaindex.artifacts.bundle import fresh_bundle_path
+
+    return fresh_bundle_path(Path("runs/bundles") / f"{Path(store_path).name}-ivf")
 
 
 def run_ivf_job(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval_queries: int = 64,
                 out: Path | None = None, register: bool = True, tracking_uri: str | None = None,
-                progress: Callable[[str], None] | None = None, layers: list[int] | None = None) -> dict:
+                progress: Progress | None = None, layers: list[int] | None = None) -> dict:
     """The whole IVF training: encoders per layer, held-out routing recall, the recall plot, the bundle
-    and (``register``) its registration. ``out`` (default :func:`default_bundle_path`) is checked before
-    any training. Returns a JSON-ready result (bundle, registered, plot, topk, mean, per_layer)."""
+    and (``register``) its registration. ``out`` (default :func:`default_bundle_path`, a fresh name) is
+    checked before any training (not empty, or not writable: refused). Returns a JSON-ready result
+    (bundle, registered, plot, topk, mean, per_layer)."""
     from dsaindex.artifacts.bundle import check_bundle_destination
 
     out = check_bundle_destination(out if out is not None else default_bundle_path(store_path))

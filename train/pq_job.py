@@ -31,6 +31,10 @@ from dsaindex.train.recall import (
 if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureStore
 
+Progress = Callable[[int, int, str], None]
+"""``progress(layers done, layers in all, the step running now)``, e.g. :func:`dsaindex.console.progress_bar`'s
+``update``."""
+
 
 @dataclass
 class PQOptions:
@@ -103,18 +107,24 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
 
 
 def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
-                topk: int) -> LayerResult:
+                topk: int, step: Callable[[str], None] | None = None) -> LayerResult:
+    """Train and evaluate one layer; ``step(text)`` is told each step as it starts."""
+    step = step or (lambda text: None)
     train_seq, eval_seq = split
     geometry = store.manifest.model.geometry
     spec = PQSpec(dim=geometry.head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
+    step("reading keys")
     keys = _subsample(layer_keys(store, layer, train_seq, key_format), opts.max_train_keys, opts.seed + layer)
     metric = None
     if opts.score_aware:
+        step("score-aware metric")
         metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk)
+    step(f"k-means ({opts.trainer}, {keys.shape[0]:,} keys, {opts.iterations} iterations)")
     t0 = time.perf_counter()
     codebooks = train_codebooks(keys, spec, opts.trainer, opts.iterations, opts.seed + layer, metric, opts.device)
     seconds = time.perf_counter() - t0
     result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds)
+    step("held-out recall")
     result.metrics = evaluate_layer(store, layer, eval_seq, codebooks, metric, opts, key_format, topk)
     return result
 
@@ -167,19 +177,43 @@ def recall_plot(per_layer: dict[int, dict[str, float]], path: Path, title: str, 
     return path
 
 
-def train_pq(store_path: str | Path, opts: PQOptions, progress: Callable[[str], None] | None = None) -> dict:
-    """Train and evaluate every layer of a store. Returns a report with results per layer."""
+def check_options(opts: PQOptions, head_dim: int) -> None:
+    """Refuse options no training can use, before any work (named by their command-line options): the
+    trainer, the subspace count (it must divide the key dim), counts below one."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.train.pq import TRAINERS
+
+    if opts.trainer not in TRAINERS:
+        raise DsaIndexError(f"Unknown trainer {opts.trainer!r}.", f"pass --trainer {' or '.join(TRAINERS)}.")
+    PQSpec(dim=head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
+    for option, value in (("--iterations", opts.iterations), ("--max-train-keys", opts.max_train_keys),
+                          ("--eval-queries", opts.max_eval_queries),
+                          ("--candidates", min(opts.candidates) if opts.candidates else 0)):
+        if value < 1:
+            raise DsaIndexError(f"{option} {value} is below 1.", f"pass {option} 1 or more.")
+
+
+def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None = None) -> dict:
+    """Train and evaluate every layer of a store. Returns a report with results per layer.
+
+    ``progress(layers done, layers in all, step)`` is called as each layer's steps start."""
     from dsaindex.artifacts.capture_store import CaptureStore
 
     store = CaptureStore.open(store_path)
     geometry = store.manifest.model.geometry
+    check_options(opts, geometry.head_dim)
     key_format = geometry.key_format
     split = split_sequences(store.committed.sequences, opts.eval_fraction)
     results = {}
-    for layer in store.layers:
-        if progress:
-            progress(f"layer {layer}")
-        results[layer] = train_layer(store, layer, split, opts, key_format, geometry.topk)
+    layers = list(store.layers)
+    for done, layer in enumerate(layers):
+        def step(text: str, done: int = done, layer: int = layer) -> None:
+            if progress:
+                progress(done, len(layers), f"layer {layer}: {text}")
+
+        results[layer] = train_layer(store, layer, split, opts, key_format, geometry.topk, step)
+    if progress:
+        progress(len(layers), len(layers), "done")
     per_layer = {layer: r.metrics for layer, r in results.items()}
     return {
         "store": store,
@@ -220,8 +254,12 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
 
 
 def default_bundle_path(store_path: str | Path, opts: PQOptions) -> Path:
-    """``runs/bundles/<store name>-pq<M>[-sa]``."""
-    return Path("runs/bundles") / f"{Path(store_path).name}-pq{opts.subspaces}{'-sa' if opts.score_aware else ''}"
+    """``runs/bundles/<store name>-pq<M>[-sa]``, or with ``-2``, ``-3``, ... where that is taken (a
+    rerun writes a new bundle beside the earlier one)."""
+    from dsaindex.artifacts.bundle import fresh_bundle_path
+
+    name = f"{Path(store_path).name}-pq{opts.subspaces}{'-sa' if opts.score_aware else ''}"
+    return fresh_bundle_path(Path("runs/bundles") / name)
 
 
 @dataclass
@@ -257,13 +295,14 @@ class PQJobResult:
 
 
 def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None, register: bool = True,
-               tracking_uri: str | None = None, progress: Callable[[str], None] | None = None,
+               tracking_uri: str | None = None, progress: Progress | None = None,
                title: str | None = None) -> PQJobResult:
     """The whole PQ training: train and evaluate every layer, plot recall vs C, write the bundle and
     (``register``) log the run and register the bundle as ``@candidate``.
 
-    ``out`` (default :func:`default_bundle_path`) is checked before any training: an existing non-empty
-    folder is refused at once rather than after minutes of work.
+    ``out`` (default :func:`default_bundle_path`, a fresh name) is checked before any training: an
+    existing non-empty folder, or one that cannot be created and written, is refused at once rather
+    than after minutes of work. ``progress``: see :func:`train_pq`.
     """
     from dsaindex.artifacts.bundle import check_bundle_destination
 

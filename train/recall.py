@@ -10,6 +10,10 @@ For each held-out query whose causal prefix holds at least ``4 * k`` keys:
   score is below (the k-th largest candidate coarse score - one sample std of the candidates' coarse
   scores) are dropped before the exact rescore; ``fetch@C`` is the share of candidates kept (what a
   cold cache would read from host).
+
+``rerank@C``, ``filter@C`` and ``fetch@C`` are left out where ``C <= k`` (the top-C then is the direct
+top-k, so reranking it changes nothing) and for queries whose prefix is not longer than ``C`` (reranking
+would score every key: exhaustive, not coarse-to-fine).
 """
 
 from __future__ import annotations
@@ -142,7 +146,7 @@ def evaluate_selection(
             tag = f"k{k}"
             add(f"{tag}/direct", _recall(coarse.topk(k).indices, truth))
             for c in candidates:
-                if c >= n:  # the whole prefix would be reranked: exhaustive, not a coarse-to-fine figure
+                if c >= n or c <= k:  # exhaustive (the whole prefix reranked), or the direct top-k again
                     continue
                 cand = coarse.topk(c).indices
                 rerank = cand[exact[cand].topk(min(k, cand.numel())).indices]
