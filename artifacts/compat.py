@@ -5,17 +5,15 @@
 * :func:`check_bundle_for_model`: a bundle may serve a model (what the runtime loader runs at startup).
 
 "Same model" is one rule everywhere: :meth:`ModelFingerprint.same_model` (family, config digest and
-indexer-weights digest). Every refusal names both sides, the field that differs and the fix. The config
-digest is computed in one place, :func:`config_digest`.
+indexer-weights digest). Every refusal names both sides, the field that differs and the fix. The digests are
+computed in one place, :mod:`dsaindex.artifacts.fingerprint`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import TYPE_CHECKING, Any
 
-from dsaindex.artifacts.fingerprint import ModelFingerprint
+from dsaindex.artifacts.fingerprint import ModelFingerprint, config_digest
 from dsaindex.errors import ArtifactMismatchError, StoreMismatchError, differences
 
 if TYPE_CHECKING:
@@ -23,33 +21,6 @@ if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureManifest
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
-# config fields that say how a checkpoint was saved or is run, not what the model is
-_CONFIG_DIGEST_IGNORES = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
-                          "_attn_implementation")
-
-
-def config_digest(config: Any) -> str | None:
-    """16 hex chars identifying a model's architecture: sha256 of its transformers config as a sorted JSON
-    dict, without the fields of :data:`_CONFIG_DIGEST_IGNORES` (the ``config_digest`` of a
-    :class:`ModelFingerprint`).
-
-    ``config`` is a transformers config object, or a dict (``config.json``) which is first built into its
-    config class so that defaults count the same way. ``None`` where that cannot be done (a dict without
-    a known ``model_type``).
-    """
-    if isinstance(config, dict):
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.for_model(**config)
-        except (ImportError, KeyError, TypeError, ValueError):
-            return None
-    d = config.to_dict()
-    for k in _CONFIG_DIGEST_IGNORES:
-        d.pop(k, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _model_differences(have: ModelFingerprint, want: ModelFingerprint, left: str, right: str) -> str:
     keys = ("family", "config_digest", "weights_digest")
     return differences({k: getattr(have, k) for k in keys}, {k: getattr(want, k) for k in keys}, left, right)

@@ -27,7 +27,6 @@ import numpy as np
 from dsaindex.artifacts.capture_store import (
     CaptureSettings,
     CaptureStore,
-    ModelFingerprint,
     QuerySampling,
     SequenceBatch,
     new_manifest,
@@ -68,20 +67,6 @@ def sample_query_positions(seq_len: int, seq_index: int, sampling: QuerySampling
     positions = sorted(set(window_of) | {int(p) for p in scattered})
     windows = [window_of.get(p, -1) for p in positions]
     return np.asarray(positions, dtype=np.int64), np.asarray(windows, dtype=np.int32)
-
-
-def fingerprint(loaded: LoadedModel) -> ModelFingerprint:
-    config = loaded.model.config
-    geometry = geometry_from_config(config)
-    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
-    return ModelFingerprint(
-        name=loaded.name,
-        family=geometry.family,
-        geometry=geometry,
-        config_digest=loaded.config_digest,
-        weights_digest=loaded.weights_digest,
-        dtype=dtype,
-    )
 
 
 @dataclass
@@ -301,7 +286,7 @@ def capture(
 
     loaded = loaded or load_model(model_ref, device=device, dtype=dtype)
     tokenizer = loaded.tokenizer
-    expected = new_manifest(fingerprint(loaded), settings, corpus_info, tokenizer.name)
+    expected = new_manifest(loaded.fingerprint, settings, corpus_info, tokenizer.name)
     sequences = pack_sequences(iter_documents(corpus), tokenizer.encode, settings.seq_len, [tokenizer.eos_id])
     first = next(sequences, None)
     if first is None:  # checked before any store is created

@@ -15,7 +15,6 @@ Text is tokenized with the checkpoint's tokenizer where it ships one, else as UT
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsaindex.artifacts.fingerprint import ModelFingerprint, fingerprint_model
 from dsaindex.errors import ModelNotFoundError
 from dsaindex.pipelines.presets import BOS_ID, EOS_ID, PRESETS, model_class, preset_config
 
@@ -33,7 +33,6 @@ __all__ = [
     "REFERENCE_DIR",
     "LoadedModel",
     "default_model_ref",
-    "indexer_weights_digest",
     "load_model",
     "preset_config",
     "quiet_transformers",
@@ -43,8 +42,6 @@ __all__ = [
 
 if TYPE_CHECKING:
     import torch
-
-    from dsaindex.geometry import IndexerGeometry
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference_model"
 
@@ -84,15 +81,7 @@ class LoadedModel:
     name: str
     model: Any
     tokenizer: Any
-    config_digest: str
-    weights_digest: str
-
-
-def _digest_config(config: Any) -> str:
-    d = config.to_dict()
-    for k in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "_attn_implementation"):
-        d.pop(k, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    fingerprint: ModelFingerprint  # what a capture records; compared with stores and bundles
 
 
 def resolve_model_dir(ref: str) -> Path:
@@ -190,8 +179,7 @@ def _load_model(ref: str, device: str, dtype: str, seed: int) -> LoadedModel:
         name=name,
         model=model,
         tokenizer=tokenizer,
-        config_digest=_digest_config(model.config),
-        weights_digest=indexer_weights_digest(model, geometry),
+        fingerprint=fingerprint_model(model, name),
     )
 
 
@@ -205,15 +193,3 @@ def set_attention(model: torch.nn.Module, family: str) -> None:
     else:
         model.config._attn_implementation = impl
 
-
-def indexer_weights_digest(model: torch.nn.Module, geometry: IndexerGeometry) -> str:
-    """sha256 (16 hex) of every indexer parameter: identifies the weights that produce the keys."""
-    from dsaindex.indexer import find_indexers
-
-    h = hashlib.sha256()
-    for layer, module in find_indexers(model, geometry).items():
-        for name, p in sorted(module.state_dict().items()):
-            t = p.detach().float().cpu().contiguous()
-            h.update(f"{layer}.{name}:{tuple(t.shape)}".encode())
-            h.update(t.numpy().tobytes())
-    return h.hexdigest()[:16]

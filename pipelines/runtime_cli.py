@@ -58,14 +58,13 @@ def check_cmd(
     served = None
     if weights and not allow_other_weights:
         from dsaindex.artifacts.compat import check_bundle_for_model
-        from dsaindex.pipelines.capture import fingerprint
         from dsaindex.pipelines.models import load_model
 
         manifest = read_manifest(load_uri(artifacts, tracking_uri=tracking_uri))
         check_bundle_for_model(manifest, config, basis, allow_other_weights=True)  # the config's refusals first
         # the digest of the weights as the artifacts' model was run (presets' random weights round with the dtype)
         dtype = manifest.model.dtype if manifest.model.dtype in ("float32", "bfloat16") else "float32"
-        served = fingerprint(load_model(model, dtype=dtype))
+        served = load_model(model, dtype=dtype).fingerprint
     loaded = load(artifacts, config, device=device, basis=basis, tracking_uri=tracking_uri, served=served,
                   allow_other_weights=allow_other_weights)
     summary = loaded.summary()
@@ -109,7 +108,6 @@ def generate_cmd(
     import torch
 
     from dsaindex.console import progress_bar, resolve_device
-    from dsaindex.pipelines.capture import fingerprint
     from dsaindex.pipelines.models import BOS_ID, load_model
     from dsaindex.pipelines.reference_train import build_token_streams, set_index_topk
     from dsaindex.runtime.loader import load
@@ -118,7 +116,7 @@ def generate_cmd(
     dev = resolve_device(device)
     loaded_model = load_model(model, device=dev, dtype="float32")
     net = loaded_model.model
-    served = fingerprint(loaded_model)  # the checkpoint's identity; --topk is a serving setting, not another model
+    served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting, not another model
     if topk is not None:
         set_index_topk(net, topk)
     loaded = load(artifacts, net.config, device=dev, basis=basis, served=served, allow_other_weights=allow_other_weights)

@@ -40,13 +40,12 @@ def _check_target_model(store: Path, model_ref: str | None) -> None:
         return
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.artifacts.compat import check_store_for_model
-    from dsaindex.pipelines.capture import fingerprint
     from dsaindex.pipelines.models import load_model
 
     captured = CaptureStore.open(store).manifest.model
     # in the dtype the store was captured in: random preset weights round differently in bf16 and fp32
     dtype = captured.dtype if captured.dtype in ("float32", "bfloat16") else "auto"
-    check_store_for_model(captured, fingerprint(load_model(model_ref, dtype=dtype)), str(store), model_ref)
+    check_store_for_model(captured, load_model(model_ref, dtype=dtype).fingerprint, str(store), model_ref)
 
 
 @train_app.command("pq")

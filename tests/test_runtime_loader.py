@@ -19,10 +19,9 @@ from helpers import run_cli
 
 def preset_fingerprint(preset="tiny-v32"):
     """The fingerprint a capture of a preset records (float32 on the CPU)."""
-    from dsaindex.pipelines.capture import fingerprint
     from dsaindex.pipelines.models import load_model
 
-    return fingerprint(load_model(f"preset:{preset}"))
+    return load_model(f"preset:{preset}").fingerprint
 
 
 def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0, model=None):

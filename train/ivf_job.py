@@ -168,6 +168,10 @@ def run_ivf_job(store_path: str | Path, opts: IVFOptions, budgets: list[int], ev
     from dsaindex.artifacts.bundle import check_bundle_destination
 
     out = check_bundle_destination(out if out is not None else default_bundle_path(store_path))
+    if register:  # an unreachable tracking server fails now, not after the training
+        from dsaindex.artifacts.registry import ensure_reachable
+
+        ensure_reachable(tracking_uri)
     report = train_ivf(store_path, opts, budgets, eval_queries, progress=progress, layers=layers)
     out.parent.mkdir(parents=True, exist_ok=True)
     mean = mean_recall(report)

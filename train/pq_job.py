@@ -307,6 +307,10 @@ def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None,
     from dsaindex.artifacts.bundle import check_bundle_destination
 
     out = check_bundle_destination(out if out is not None else default_bundle_path(store_path, opts))
+    if register:  # an unreachable tracking server fails now, not after the training
+        from dsaindex.artifacts.registry import ensure_reachable
+
+        ensure_reachable(tracking_uri)
     report = train_pq(store_path, opts, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     title = title or f"PQ{opts.subspaces}{' score-aware' if opts.score_aware else ''} on {Path(store_path).name}"
