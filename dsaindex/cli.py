@@ -28,7 +28,9 @@ def _flags_without_type() -> None:
     value, so show no type for it."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # a typer without type columns in its help
+        return
 
     def display_type_rich(self: TyperOption, ctx: typer.Context) -> str | None:
         return None if self.is_flag else shown(self, ctx)
