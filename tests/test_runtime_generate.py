@@ -83,12 +83,11 @@ def bundles(model_and_layers, tmp_path_factory):
     """The fixture's codebooks as a bundle of the reference model, and the same codebooks recorded as
     trained for other weights."""
     from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
-    from dsaindex.pipelines.capture import fingerprint
     from dsaindex.pipelines.models import load_model
 
     _, layers = model_and_layers
     root = tmp_path_factory.mktemp("generate")
-    own = fingerprint(load_model("reference", dtype="float32"))  # the checkpoint as shipped (its own top-k)
+    own = load_model("reference", dtype="float32").fingerprint  # the checkpoint as shipped (its own top-k)
     lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                       train_sequences=[0], eval_sequences=[1])
     arrays = {i: {"codebooks": codec.codebooks.numpy()} for i, codec in layers.items()}
