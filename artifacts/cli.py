@@ -232,7 +232,8 @@ def registry_ui(
     tracking_uri: str = typer.Option(None, "--tracking-uri", help=_URI_HELP),
 ) -> None:
     """Run the MLflow UI on http://127.0.0.1:PORT over the registry's store (stops with this process)."""
-    from dsaindex.artifacts.registry import resolve_tracking_uri, ui
+    from dsaindex.artifacts.registry import resolve_tracking_uri
+    from dsaindex.artifacts.registry_ui import ui
 
     typer.echo(f"starting the MLflow UI on http://127.0.0.1:{port} over {resolve_tracking_uri(tracking_uri)} "
                "(Ctrl-C to stop)", err=True)

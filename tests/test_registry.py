@@ -230,7 +230,9 @@ def test_promote_errors(reg):
 
 
 def test_ui_command_binds_localhost(reg):
-    cmd = registry.ui_command(5123, reg["uri"])
+    from dsaindex.artifacts.registry_ui import ui_command
+
+    cmd = ui_command(5123, reg["uri"])
     assert cmd[1:4] == ["-m", "mlflow", "server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "5123"
     assert cmd[cmd.index("--backend-store-uri") + 1] == reg["uri"]
