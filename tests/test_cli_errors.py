@@ -262,3 +262,12 @@ def test_loading_a_checkpoint_prints_no_bars_or_warnings(tmp_path, loaded_models
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr
 
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("command", [("capture", "{tmp}/s", *TINY), ("train", "pq", "{tmp}/none", "--no-register"),
+                                     ("bench", "pq-train", "--keys", "5000")])
+def test_cuda_asked_for_on_a_machine_without_one(tmp_path, command):
+    proc = run_cli(*[part.format(tmp=tmp_path) for part in command], "--device", "cuda")
+    assert_one_line_error(proc, "--device cuda", "no CUDA device")
+    assert not (tmp_path / "s").exists()
