@@ -111,6 +111,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
               subspaces: int = 32, graphs: bool = True) -> dict:
     import torch
 
+    from dsaindex.kernels import deepgemm
     from dsaindex.kernels.fp8_score import fp8_topk
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
@@ -147,6 +148,19 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     ms["exact_fp8_triton"], exact_cfg, modes["exact_fp8_triton"] = best_of(EXACT_CONFIGS, exact_step, graphs)
     _, _, counts = fp8_topk(fp8, scales, lengths, q, w, topk, return_counts=True, **exact_cfg)
     exact_counts = counts.tolist()
+    deepgemm_note = deepgemm.unavailable()
+    if deepgemm_note is None:  # the engines' exact indexer, in their paged layout
+        cache_pages, table = deepgemm.paged_cache(fp8, scales)
+        schedule = deepgemm.paged_schedule(lengths)
+
+        def dg_logits(masked: bool = False):
+            return deepgemm.paged_logits(cache_pages, table, lengths, q, w, keys, schedule, masked=masked)
+
+        dg_logits()  # JIT compilation happens outside the timing
+        ms["deepgemm_logits"], modes["deepgemm_logits"] = timed(dg_logits, graphs)
+        ms["deepgemm_logits_topk"], modes["deepgemm_logits_topk"] = timed(
+            lambda: dg_logits(masked=True).topk(topk, dim=1), graphs)
+        cache_pages = table = None
     gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
     group = fp8 = codes = None  # free the device memory the torch baseline needs
     torch.cuda.empty_cache()
@@ -166,6 +180,10 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         "hbm_floor_ms": {k: round(v, 4) for k, v in floors.items()},
         "speedup_vs_exact_fp8": {"pq_warm": round(ms["exact_fp8_triton"] / ms["pq_warm"], 3),
                                  "pq_cold": round(ms["exact_fp8_triton"] / ms["pq_cold"], 3)},
+        "speedup_vs_deepgemm_topk": ({"pq_warm": round(ms["deepgemm_logits_topk"] / ms["pq_warm"], 3),
+                                      "pq_cold": round(ms["deepgemm_logits_topk"] / ms["pq_cold"], 3)}
+                                     if deepgemm_note is None else None),
+        "deepgemm": deepgemm_note or "sgl-deep-gemm fp8_paged_mqa_logits (pages of 64, next_n 1); top-k: torch.topk",
         "launch_configs": {"pq_stage1": linear_cfg, "exact_fp8": exact_cfg},
         "pq_step_counts": {"warm": warm, "cold": cold_stats},
         "pq_host_reads": host_reads,
@@ -245,15 +263,19 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
 
 def markdown_table(report: dict) -> str:
     lines = [
-        "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | exact FP8 Triton, fused top-k (ms) "
-        "| torch exact (ms) | HBM floor exact / PQ (ms) | exact / PQ warm |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | DeepGEMM logits (ms) "
+        "| DeepGEMM logits + torch.topk (ms) | exact FP8 Triton, fused top-k (ms) | torch exact (ms) "
+        "| HBM floor exact / PQ (ms) | DeepGEMM + top-k / PQ warm | exact FP8 / PQ warm |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
         m, f = r["median_ms"], r["hbm_floor_ms"]
-        lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | "
+        dg = [f"{m[k]:.3f}" if k in m else "n/a" for k in ("deepgemm_logits", "deepgemm_logits_topk")]
+        ratio = r.get("speedup_vs_deepgemm_topk")
+        speedup = f"{ratio['pq_warm']:.2f}x" if ratio else "n/a"
+        lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | {dg[0]} | {dg[1]} | "
                      f"{m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
-                     f"{r['speedup_vs_exact_fp8']['pq_warm']:.2f}x |")
+                     f"{speedup} | {r['speedup_vs_exact_fp8']['pq_warm']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -313,6 +335,11 @@ def bench_decode(
     if not torch.cuda.is_available():
         raise DsaIndexError("bench decode needs a CUDA device (its kernels and CUDA graphs run only there).",
                             "run it on a GPU machine; `dsaindex eval pq` measures recall on the CPU.")
+    from dsaindex.kernels import deepgemm
+
+    if deepgemm.unavailable():
+        typer.echo(f"note: no DeepGEMM baseline in this run: {deepgemm.unavailable()} "
+                   "(pip install dsaindex[deepgemm] on a CUDA machine with nvcc).", err=True)
     rows = []
     for n in key_counts:
         for b in batch_sizes:

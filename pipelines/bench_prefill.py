@@ -120,6 +120,7 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         truth = exhaustive_chunk(index.keys, queries, weights, positions, topk, use_triton)
         t_ex = median_ms(lambda p=positions: exhaustive_chunk(index.keys, queries, weights, p, topk, use_triton),
                          repeats, device) / 1e3
+        engines = deepgemm_times(index.keys, queries, weights, positions, topk, repeats, device)
         ivf = {}
         for b in budgets:
             if progress:
@@ -139,7 +140,7 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         stats = index.refit_stats[-1] if index.refit_stats else None
         rows.append({
             "prefix": prefix, "clusters": index.versions[-1].clusters if index.versions else 0,
-            "exhaustive_seconds": round(t_ex, 5), "ivf": ivf,
+            "exhaustive_seconds": round(t_ex, 5), "ivf": ivf, "deepgemm": engines,
             "maintenance": {"seal_per_chunk_s": round(seal_s, 5), "last_refit_s": round(max(0.0, refit_s), 5),
                             "per_chunk_s": round(maintenance, 5), "this_append_s": round(this["seconds"], 5),
                             "refit_distance_work_saved": round(stats.saved, 4) if stats else None},
@@ -154,15 +155,49 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
     }
 
 
+def deepgemm_times(keys, queries, weights, positions, topk: int, repeats: int, device: str) -> dict:
+    """The engines' exact prefill selection for one chunk: DeepGEMM's ``fp8_mqa_logits`` over the FP8 keys
+    of the prefix, alone and with ``torch.topk``; seconds (medians), or why it did not run."""
+    import torch
+
+    from dsaindex.kernels import deepgemm
+    from dsaindex.quant import fp8_quantize
+
+    reason = deepgemm.unavailable() if str(device).startswith("cuda") else "not on a CUDA device"
+    if reason:
+        return {"skipped": reason}
+    n = int(positions.max()) + 1
+    codes, scales = fp8_quantize(keys[:n])
+    codes, scales = codes.view(torch.uint8), scales.reshape(-1)
+    lengths = (positions + 1).to(torch.int32)
+
+    def logits(masked: bool = False):
+        return deepgemm.prefill_logits(codes, scales, queries, weights, lengths, masked=masked)
+
+    logits()  # JIT compilation happens outside the timing
+    t_logits = median_ms(logits, repeats, device) / 1e3
+    t_topk = median_ms(lambda: logits(masked=True).topk(topk, dim=1), repeats, device) / 1e3
+    return {"logits_seconds": round(t_logits, 5), "logits_topk_seconds": round(t_topk, 5)}
+
+
 def markdown_table(report: dict) -> str:
     budgets = report["budgets"]
-    head = ["prefix", "exhaustive ms", *[f"IVF {b // 1024}K ms (x)" for b in budgets], "maintenance ms/chunk",
+    head = ["prefix", "DeepGEMM logits ms", "DeepGEMM + topk ms", "exhaustive ms",
+            *[f"IVF {b // 1024}K ms (x)" for b in budgets], "maintenance ms/chunk",
+            *[f"(IVF {b // 1024}K + maint.) / DeepGEMM + topk" for b in budgets],
             *[f"maint./saved {b // 1024}K" for b in budgets]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
-        cells = [f"{r['prefix'] // 1024}K", f"{r['exhaustive_seconds'] * 1e3:.1f}"]
+        dg = r.get("deepgemm", {})
+        dg_topk = dg.get("logits_topk_seconds")
+        cells = [f"{r['prefix'] // 1024}K",
+                 *[f"{dg[k] * 1e3:.1f}" if k in dg else "n/a" for k in ("logits_seconds", "logits_topk_seconds")],
+                 f"{r['exhaustive_seconds'] * 1e3:.1f}"]
         cells += [f"{r['ivf'][str(b)]['seconds'] * 1e3:.1f} ({r['ivf'][str(b)]['speedup']:.2f}x)" for b in budgets]
-        cells.append(f"{r['maintenance']['per_chunk_s'] * 1e3:.1f}")
+        maintenance = r["maintenance"]["per_chunk_s"]
+        cells.append(f"{maintenance * 1e3:.1f}")
+        cells += [f"{(r['ivf'][str(b)]['seconds'] + maintenance) / dg_topk:.2f}" if dg_topk else "n/a"
+                  for b in budgets]
         cells += [f"{r['ivf'][str(b)]['maintenance_share']}" for b in budgets]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -24,6 +24,8 @@ def test_prefill_select_report(tmp_path):
             assert small["maintenance_share"] == pytest.approx(m["per_chunk_s"] / saved, rel=1e-2, abs=1e-3)
     assert report["index"]["refits"] == 4  # keys up to 4096 + 256, a refit every 1024
     assert markdown_table(report).count("\n") == 4
+    assert all(row["deepgemm"] == {"skipped": "not on a CUDA device"} for row in report["rows"])
+    assert "| 2K | n/a | n/a |" in markdown_table(report)  # no DeepGEMM figures invented on the CPU
 
 
 def test_prefill_select_names_a_missing_store(tmp_path):
