@@ -17,17 +17,11 @@ from dsaindex.pipelines.capture import SequenceCapturer, capture, sample_query_p
 from dsaindex.pipelines.corpus import CorpusSpec
 from dsaindex.quant import hadamard_matrix
 from dsaindex.score import indexer_scores
-from helpers import PRESETS
+from helpers import PRESETS, text_corpus
 
 
 def corpus_dir(tmp_path, n_files=3, size=3000):
-    d = tmp_path / "corpus"
-    d.mkdir(exist_ok=True)
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "indexer", "key", "query", "sparse", "attention", "\n"]
-    for i in range(n_files):
-        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size // 5)))
-    return d
+    return text_corpus(tmp_path, n_files, size // 5, seed=0)
 
 
 def run_sequence(loaded, tokens, chunk_len, basis="raw", key_dtype="float32", sampling=None):

@@ -10,11 +10,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from dsaindex.artifacts.capture_store import CaptureStore
-from helpers import run_cli
+from helpers import run_cli, text_corpus
 
 TINY = ("-m", "preset:tiny-v32", "--seq-len", "200", "--chunk-len", "100", "--no-progress")
 
@@ -34,16 +33,6 @@ def assert_one_line_error(proc, *needles):
     for needle in needles:
         assert needle.lower() in line.lower(), line
     return line
-
-
-def text_corpus(root, files=2, words=600):
-    d = root / "corpus"
-    d.mkdir(exist_ok=True)
-    rng = np.random.default_rng(1)
-    vocab = ["alpha", "beta", "gamma", "delta", "indexer", "key", "query", "sparse", "attention", "\n"]
-    for i in range(files):
-        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(vocab, words)))
-    return d
 
 
 def start_cli(*args):
