@@ -152,7 +152,7 @@ def demo_cmd(
     device = resolve_device(device)
     console.rule(f"1/2 capture: {ref} on the Python stdlib sources -> {store}")
     settings = CaptureSettings(seq_len=seq_len, chunk_len=min(1024, seq_len))
-    run_capture_and_report(store, ref, CorpusSpec(), settings, sequences, device, "auto", 65536, False, True)
+    run_capture_and_report(store, ref, CorpusSpec(), settings, sequences, device, "auto", 0, False, True)  # commit per sequence
 
     console.rule(f"2/2 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence, "
                  "register in the MLflow model registry")
