@@ -1,58 +1,98 @@
-"""Triton kernel: a decode step's miss filter, cache-row assignment and rescoring list (jit code only)."""
+"""Triton kernel: a decode step's top-k threshold, miss filter, set-associative cache lookup and
+placement, and rescoring list (jit code only)."""
 
 import triton
 import triton.language as tl
 
+from dsaindex.kernels.topk_kernel import key_value, kth_key, order_keys
+
 
 @triton.jit
 def decode_plan_kernel(
-    cand_ptr,  # [B, C] int64 candidate positions, best first (-1 = none)
+    cand_ptr,  # [B, C] int64 candidate positions, any order (-1 = none)
     score_ptr,  # [B, C] float32 their coarse scores (-inf for none)
-    hit_ptr,  # [B, C] int64 cache row of a hit, CAP for a miss
-    lru_ptr,  # [B, CAP] int64 cache rows, least recently used first
+    cache_pos_ptr,  # [B, CAP] int64 position held by each cache row (-1 = empty); updated
+    cache_stamp_ptr,  # [B, CAP] int64 step of each row's last use; updated
+    set_count_ptr,  # [B, CAP // WAYS] int32 scratch, zero on entry and on exit
+    step_ptr,  # [] int64 this step's stamp
     n_encoded_ptr,  # [B] int32 encoded keys (the tail's first position)
     tail_len_ptr,  # [B] int32 keys in the tail
     src_ptr,  # [B, C] int64 out: position to fetch, -1
-    dst_ptr,  # [B, C] int64 out: cache row to fill, CAP (trash row) when nothing is fetched
+    dst_ptr,  # [B, C] int64 out: pool row it goes to (cache row, spill row), CAP (trash row) when none
     rows_ptr,  # [B, C + PAGE] int32 out: pool rows to rescore (-1 = none)
     pos_ptr,  # [B, C + PAGE] int64 out: their key positions (-1 = none)
     stats_ptr,  # [B, 4] int32 out: valid, hits, fetched, dropped
     c,
-    kth_index,
+    topk,
     CAP: tl.constexpr,
+    WAYS: tl.constexpr,
     PAGE: tl.constexpr,
+    SPILL: tl.constexpr,
     BLOCK_C: tl.constexpr,
     MISS_FILTER: tl.constexpr,
 ):
+    SETS: tl.constexpr = CAP // WAYS
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     inside = offs < c
     cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
     score = tl.load(score_ptr + b * c + offs, mask=inside, other=float("-inf"))
-    hit_row = tl.load(hit_ptr + b * c + offs, mask=inside, other=CAP)
     valid = cand >= 0
-    hit = valid & (hit_row < CAP)
-    keep = hit
-    if MISS_FILTER:
-        n_valid = tl.maximum(tl.sum(valid.to(tl.int32), axis=0), 2).to(tl.float32)
-        mean = tl.sum(tl.where(valid, score, 0.0), axis=0) / n_valid
+    step = tl.load(step_ptr)
+    # lookup: a position lives only in set (position % SETS), in any of its WAYS rows
+    home = tl.where(valid, cand % SETS, 0)
+    ways = tl.arange(0, WAYS)
+    way_rows = home[:, None] * WAYS + ways[None, :]  # [BLOCK_C, WAYS]
+    held = tl.load(cache_pos_ptr + b * CAP + way_rows, mask=valid[:, None], other=-2)
+    match = held == cand[:, None]
+    hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
+    hit_row = tl.sum(tl.where(match, way_rows, 0), axis=1)
+    keep = hit | valid
+    if MISS_FILTER:  # LeanSparse: drop misses below (k-th best coarse score - one std of the scores)
+        n_valid = tl.sum(valid.to(tl.int32), axis=0)
+        n_div = tl.maximum(n_valid, 2).to(tl.float32)
+        mean = tl.sum(tl.where(valid, score, 0.0), axis=0) / n_div
         centred = tl.where(valid, score - mean, 0.0)
-        std = tl.sqrt(tl.sum(centred * centred, axis=0) / (n_valid - 1.0))
-        kth = tl.load(score_ptr + b * c + kth_index)
-        keep = keep | (valid & (score >= kth - std))
-    else:
-        keep = keep | valid
+        std = tl.sqrt(tl.sum(centred * centred, axis=0) / (n_div - 1.0))
+        kth = key_value(kth_key(order_keys(score), valid, topk))
+        kth = tl.where(n_valid >= topk, kth, float("-inf"))
+        keep = hit | (valid & (score >= kth - std))
     fetch = keep & (hit == 0)
-    rank = tl.cumsum(fetch.to(tl.int32), axis=0) - 1
-    rank = tl.minimum(tl.maximum(rank, 0), CAP - 1)
-    dst = tl.load(lru_ptr + b * CAP + rank, mask=fetch, other=CAP)
-    dst = tl.where(fetch, dst, CAP)
+    # phase 1: this step's hits are used now (their rows are not replaced below)
+    tl.store(cache_stamp_ptr + b * CAP + hit_row, step, mask=hit)
+    tl.debug_barrier()
+    # phase 2: each kept miss takes a row of its set: empty rows first, then least recently used, never
+    # a row hit this step; the misses of one set are numbered by an atomic counter
+    stamp = tl.load(cache_stamp_ptr + b * CAP + way_rows, mask=fetch[:, None], other=0)
+    free = stamp != step
+    prio = tl.where(held < 0, -1, stamp)
+    prio = tl.where(free, prio, 9223372036854775807)
+    order = tl.zeros([BLOCK_C, WAYS], dtype=tl.int32)
+    for i in tl.static_range(WAYS):
+        prio_i = tl.sum(tl.where(ways[None, :] == i, prio, 0), axis=1)[:, None]
+        order += ((prio_i < prio) | ((prio_i == prio) & (i < ways[None, :]))).to(tl.int32)
+    n_free = tl.sum(free.to(tl.int32), axis=1)
+    turn = tl.atomic_add(set_count_ptr + b * SETS + home, 1, mask=fetch)
+    owner = fetch & (turn < n_free)
+    way_row = tl.sum(tl.where(order == turn[:, None], way_rows, 0), axis=1)
+    tl.debug_barrier()
+    # phase 3: reset the counters, claim the rows; a miss whose set is full goes to a spill row (past the
+    # SPILL rows, it is dropped)
+    tl.store(set_count_ptr + b * SETS + home, 0, mask=fetch)
+    tl.store(cache_pos_ptr + b * CAP + way_row, cand, mask=owner)
+    tl.store(cache_stamp_ptr + b * CAP + way_row, step, mask=owner)
+    spill = fetch & (owner == 0)
+    spill_rank = tl.cumsum(spill.to(tl.int32), axis=0) - 1
+    lost = spill & (spill_rank >= SPILL)
+    fetch = fetch & (lost == 0)
+    keep = keep & (lost == 0)
+    dst = tl.where(owner, way_row, tl.where(fetch, CAP + 1 + PAGE + spill_rank, CAP))
     tl.store(src_ptr + b * c + offs, tl.where(fetch, cand, -1), mask=inside)
     tl.store(dst_ptr + b * c + offs, dst, mask=inside)
     row = tl.where(hit, hit_row, tl.where(fetch, dst, -1))
     width = c + PAGE
     tl.store(rows_ptr + b * width + offs, row.to(tl.int32), mask=inside)
-    tl.store(pos_ptr + b * width + offs, cand, mask=inside)
+    tl.store(pos_ptr + b * width + offs, tl.where(keep, cand, -1), mask=inside)
     j = tl.arange(0, PAGE)
     live = j < tl.load(tail_len_ptr + b)
     first = tl.load(n_encoded_ptr + b).to(tl.int64)

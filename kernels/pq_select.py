@@ -33,6 +33,36 @@ def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, code
     return torch.einsum("bmd,mkd->bmk", folded.view(folded.shape[0], m, d), codebooks.float()).contiguous()
 
 
+def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor,
+                  half: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`folded_lookup_tables` in one Triton launch: (tables [B, M, K], None); with ``half``, float16
+    tables divided by the norm of each request's folded query, ``scale`` [B] (returned: scores come out
+    divided by it; an entry is then at most its centroid's norm). Inputs as :func:`folded_lookup_tables`, on one device, heads and D/M any size."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import lookup_table_kernel
+
+    m, k, d = codebooks.shape
+    b, h, dim = queries.shape
+    dev = queries.device
+    cb = codebooks.to(dev, torch.float32).contiguous()
+    out = torch.empty(b, m, k, dtype=torch.float16 if half else torch.float32, device=dev)
+    scale = torch.empty(b, dtype=torch.float32, device=dev) if half else None
+    if b == 0:
+        return out, scale
+    if triton.next_power_of_2(d) != d or triton.next_power_of_2(dim) != dim:  # odd shapes: the torch tables
+        lut = folded_lookup_tables(queries, head_weights, codebooks.to(dev))
+        if not half:
+            return lut, None
+        folded = torch.einsum("bh,bhd->bd", head_weights.float(), queries.float())
+        scale = folded.norm(dim=1).clamp_min(1e-30)
+        return (lut / scale[:, None, None]).half(), scale
+    lookup_table_kernel[(b, m)](
+        queries.contiguous(), head_weights.float().contiguous(), cb, out, scale if half else out,
+        N_HEADS=h, H_PAD=max(2, triton.next_power_of_2(h)), D=dim, M=m, K=k, DSUB=d, HALF=half)
+    return out, scale
+
+
 def pq_linear_topc_reference(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
                              head_weights: torch.Tensor, codebooks: torch.Tensor,
                              c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +113,7 @@ def _check_codes_and_queries(codes, queries, head_weights, codebooks) -> None:
 def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c: int, capacity: int | None = None, max_len: int | None = None,
                    block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
-                   keep_all: bool = False,
+                   keep_all: bool = False, half_table: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -101,7 +131,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     ``return_counts`` the appended counts [B] (see :func:`dsaindex.kernels.select.check_counts`).
     ``keep_all`` returns the whole buffer instead ([B, capacity], rows int32: every key above the
     threshold, about 1.5 c, in no order; -inf / -1 in the empty slots), saving the top-c sort when the
-    next stage rescores them anyway. Raises ``ValueError`` on an input of the wrong dtype, shape or device.
+    next stage rescores them anyway. ``half_table`` looks codes up in float16 tables scaled per request
+    (fewer bytes per lookup; the selection differs only by rounding, the scores returned are rescaled).
+    Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
 
@@ -116,17 +148,17 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     checks.at_least("capacity", capacity, 2 * c, "twice the candidates c")
     codes = codes.contiguous()
     lengths = lengths.to(device=codes.device, dtype=torch.int32)
-    lut = folded_lookup_tables(queries, head_weights, codebooks)
+    lut, scale = lookup_tables(queries, head_weights, codebooks, half=half_table)
     stride = select.sample_stride(n)
     n_samples = -(-n // stride)
     samples = torch.empty(b, n_samples, dtype=torch.float32, device=codes.device)
     dummy_i = torch.empty(1, dtype=torch.int32, device=codes.device)
     dummy_f = torch.empty(1, dtype=torch.float32, device=codes.device)
-    pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n * iters)), b)](
-        codes, lengths, lut, dummy_f, samples, dummy_i, dummy_i, n_rows, n_samples, stride,
+    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device, zero_counts=False)
+    pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n * iters)), b)](  # also zeroes the counts
+        codes, lengths, lut, dummy_f, samples, dummy_i, counts, n_rows, n_samples, stride,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=1, SAMPLE=True, num_warps=num_warps)
-    thr = select.thresholds_from_samples(samples, lengths, stride, c, capacity)
-    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device)
+    thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
     pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
         codes, lengths, lut, thr, buf_scores, buf_pos, counts, n_rows, 0, 1,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, num_warps=num_warps)
@@ -134,6 +166,8 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         values, rows = buf_scores, buf_pos
     else:
         values, rows = select.top_of_buffer(buf_scores, buf_pos, c)
+    if scale is not None:
+        values = values * scale[:, None]
     return (values, rows, counts) if return_counts else (values, rows)
 
 
@@ -164,12 +198,14 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     out = torch.empty(b, r, dtype=torch.float32, device=codes.device)
     if r == 0:
         return out
+    table = codebooks.to(torch.bfloat16).contiguous()
+    wide = d == 4  # one 8-byte load per subspace instead of four 2-byte ones
     pq_candidate_kernel[(triton.cdiv(r, block_n), b)](
-        codes.contiguous(), rows.to(torch.int32).contiguous(), codebooks.to(torch.bfloat16).contiguous(),
+        codes.contiguous(), rows.to(torch.int32).contiguous(), table.view(torch.int64) if wide else table,
         queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out,
         counts if counts is not None else out, n, r,
         N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
-        F32=select.interpreted(), HAS_COUNTS=counts is not None)
+        F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide)
     return out
 
 

@@ -31,12 +31,17 @@ def pq_linear_kernel(
     ITERS: tl.constexpr,
     CAPACITY: tl.constexpr,
     SAMPLE: tl.constexpr,
+    LUT_IN_REGISTERS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     length = tl.load(lengths_ptr + b)
     sub = tl.arange(0, M)
     lut = lut_ptr + b * M * K + sub[None, :] * K
+    if LUT_IN_REGISTERS:  # the whole table as a [K, M] tile: lookups are register/shared-memory gathers
+        table = tl.load(lut + tl.arange(0, K)[:, None])
+    if SAMPLE and pid == 0:
+        tl.store(count_ptr + b, 0)  # the selecting pass that follows appends from zero
     thr = 0.0
     if not SAMPLE:
         thr = tl.load(thr_ptr + b)
@@ -45,7 +50,10 @@ def pq_linear_kernel(
         rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
         flat = b * n_rows + rows.to(tl.int64)
         codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        score = tl.sum(tl.load(lut + codes), axis=1)
+        if LUT_IN_REGISTERS:
+            score = tl.sum(tl.gather(table, codes, 0), axis=1)
+        else:
+            score = tl.sum(tl.load(lut + codes), axis=1)
         if SAMPLE:
             tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
         else:
@@ -57,7 +65,7 @@ def pq_linear_kernel(
 def pq_candidate_kernel(
     codes_ptr,  # [B, n_rows, M] uint8 PQ codes
     rows_ptr,  # [B, n_out] int32 candidate rows (-1 = none)
-    codebook_ptr,  # [M, K, D // M] bf16 codebooks
+    codebook_ptr,  # [M, K, D // M] bf16 codebooks (WIDE: viewed as [M, K] int64, D // M == 4)
     q_ptr,  # [B, N_HEADS, D] bf16 queries
     w_ptr,  # [B, N_HEADS] float32 effective head weights
     out_ptr,  # [B, n_out] float32 scores (-inf for none)
@@ -72,6 +80,7 @@ def pq_candidate_kernel(
     BLOCK_N: tl.constexpr,
     F32: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
+    WIDE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -85,12 +94,22 @@ def pq_candidate_kernel(
         rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_live, other=-1)
         valid = rows >= 0
         flat = b * n_rows + rows.to(tl.int64)
-        dims = tl.arange(0, D)
-        sub_of_dim = dims // (D // M)
-        # column j of the decoded key reads code byte j // (D/M) (repeated loads hit L1)
-        codes = tl.load(codes_ptr + flat[:, None] * M + sub_of_dim[None, :], mask=valid[:, None], other=0)
-        keys = tl.load(codebook_ptr + (sub_of_dim[None, :] * K + codes.to(tl.int32)) * (D // M)
-                       + (dims % (D // M))[None, :])
+        if WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
+            sub = tl.arange(0, M)
+            codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
+            words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32))  # [BLOCK_N, M] int64
+            lane0 = words.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            lane1 = (words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            lane2 = (words >> 32).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            lane3 = (words >> 48).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            keys = tl.reshape(tl.join(tl.join(lane0, lane2), tl.join(lane1, lane3)), [BLOCK_N, D])
+        else:
+            dims = tl.arange(0, D)
+            sub_of_dim = dims // (D // M)
+            # column j of the decoded key reads code byte j // (D/M) (repeated loads hit L1)
+            codes = tl.load(codes_ptr + flat[:, None] * M + sub_of_dim[None, :], mask=valid[:, None], other=0)
+            keys = tl.load(codebook_ptr + (sub_of_dim[None, :] * K + codes.to(tl.int32)) * (D // M)
+                           + (dims % (D // M))[None, :])
         score = tl.where(valid, weighted_relu_heads(keys, q_t, w, F32), float("-inf"))
     tl.store(out_ptr + b * n_out + idx, score, mask=idx < n_out)
 
@@ -119,3 +138,42 @@ def pq_encode_kernel(
         dist += diff * diff
     best = tl.argmin(dist, axis=1)
     tl.store(codes_ptr + rows * M + m, best.to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def lookup_table_kernel(
+    q_ptr,  # [B, N_HEADS, D] bf16 / float queries
+    w_ptr,  # [B, N_HEADS] float32 head weights
+    codebook_ptr,  # [M, K, DSUB] float32
+    out_ptr,  # [B, M, K] float32, or float16 (HALF: divided by the request's scale)
+    scale_ptr,  # [B] float32 out (HALF): what each table entry was divided by
+    N_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D: tl.constexpr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    DSUB: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    heads = tl.arange(0, H_PAD)
+    live = heads < N_HEADS
+    w = tl.load(w_ptr + b * N_HEADS + heads, mask=live, other=0.0)
+    part = m * DSUB + tl.arange(0, DSUB)
+    q = tl.load(q_ptr + b * N_HEADS * D + heads[:, None] * D + part[None, :], mask=live[:, None], other=0.0)
+    folded = tl.sum(w[:, None] * q.to(tl.float32), axis=0)  # [DSUB]: this subspace of sum_h w_h q_h
+    cents = tl.arange(0, K)
+    cb = tl.load(codebook_ptr + (m * K + cents[:, None]) * DSUB + tl.arange(0, DSUB)[None, :])
+    table = tl.sum(cb * folded[None, :], axis=1)
+    if HALF:
+        # divided by |folded|, an entry is at most its centroid's norm: well inside float16's range
+        dims = tl.arange(0, D)
+        q_all = tl.load(q_ptr + b * N_HEADS * D + heads[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        whole = tl.sum(w[:, None] * q_all.to(tl.float32), axis=0)
+        scale = tl.maximum(tl.sqrt(tl.sum(whole * whole, axis=0)), 1e-30)
+        tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
+        if m == 0:
+            tl.store(scale_ptr + b, scale)
+    else:
+        tl.store(out_ptr + (b * M + m) * K + cents, table)

@@ -56,6 +56,29 @@ def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, 
     return torch.where(lengths <= capacity, torch.full_like(thr, float("-inf")), thr)
 
 
+def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
+                      capacity: int, oversample: float = 1.5) -> torch.Tensor:
+    """:func:`thresholds_from_samples` in one Triton launch (one program per request, the samples in
+    registers, the rank-th largest by bisection): a decode step's threshold without a sort.
+    ``sample_scores`` [B, S] float32 with S at most 16384, ``lengths`` [B] int32 on its device."""
+    import triton
+
+    from dsaindex.kernels.topk_kernel import sample_threshold_kernel
+
+    checks.at_least("capacity", capacity, 2 * target, f"twice the target {target}")
+    checks.rank("sample_scores", sample_scores, 2, "B, S")
+    b, s = sample_scores.shape
+    checks.at_most("sample_scores.shape[1] (samples)", s, 16384, "one program holds a row")
+    checks.shape("lengths", lengths, (b,), "B")
+    thr = torch.empty(b, dtype=torch.float32, device=sample_scores.device)
+    if b:
+        block = max(16, triton.next_power_of_2(s))
+        sample_threshold_kernel[(b,)](sample_scores.contiguous(), lengths.to(torch.int32).contiguous(), thr, s,
+                                      stride, target, capacity, float(oversample), BLOCK=block,
+                                      num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    return thr
+
+
 def check_counts(counts: torch.Tensor, lengths: torch.Tensor, target: int, capacity: int) -> torch.Tensor:
     """Requests [B] bool whose appended count overflowed ``capacity`` or fell below ``min(target, length)``.
 
@@ -64,12 +87,14 @@ def check_counts(counts: torch.Tensor, lengths: torch.Tensor, target: int, capac
     return (counts > capacity) | (counts < torch.minimum(lengths, torch.full_like(lengths, target)))
 
 
-def new_buffers(batch: int, capacity: int,
-                device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty candidate buffers: scores [B, capacity] (-inf), positions [B, capacity] int32 (-1), counts [B] int32."""
+def new_buffers(batch: int, capacity: int, device: str | torch.device,
+                zero_counts: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty candidate buffers: scores [B, capacity] (-inf), positions [B, capacity] int32 (-1), counts [B] int32
+    (zeros; left unset with ``zero_counts=False``, for a kernel that zeroes them itself)."""
     scores = torch.full((batch, capacity), float("-inf"), dtype=torch.float32, device=device)
     positions = torch.full((batch, capacity), -1, dtype=torch.int32, device=device)
-    return scores, positions, torch.zeros(batch, dtype=torch.int32, device=device)
+    counts = (torch.zeros if zero_counts else torch.empty)(batch, dtype=torch.int32, device=device)
+    return scores, positions, counts
 
 
 def topk_of_prefixes(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,9 +2,10 @@
 
 A strided sample of each row gives a threshold that about ``1.5 target`` entries reach (``target`` at
 least k; :func:`dsaindex.kernels.select.thresholds_from_samples`); one pass of :func:`rows_topk` appends the
-entries at or above it to a small buffer, and ``torch.topk`` of the buffer finishes. The pass reads each
+entries at or above it to a small buffer, and a top-k of the buffer finishes. The pass reads each
 score once (4 bytes) and writes only the survivors, where ``torch.topk`` of a million-entry row runs
-several passes. :func:`rows_topk_reference` is the spec: the exhaustive top-k of each row's prefix.
+several passes. The buffer's top-k is :func:`small_topk`: one program per row, the k-th value by
+bisection on its bits, no sort. :func:`rows_topk_reference` is the spec: the exhaustive top-k of each row's prefix.
 """
 
 from __future__ import annotations
@@ -51,11 +52,65 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
     stride = select.sample_stride(n)
     samples = logits[:, ::stride]
     past = torch.arange(samples.shape[1], device=logits.device)[None, :] * stride >= lengths[:, None]
-    thr = select.thresholds_from_samples(samples.masked_fill(past, float("-inf")), lengths, stride, target, capacity)
+    thr = select.sample_thresholds(samples.masked_fill(past, float("-inf")), lengths, stride, target, capacity)
     buf_scores, buf_pos, counts = select.new_buffers(b, capacity, logits.device)
     if b and n:
         rows_above_kernel[(triton.cdiv(n, block_n * iters), b)](
             logits, lengths, thr, buf_scores, buf_pos, counts, logits.stride(0),
             BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, num_warps=num_warps)
-    values, columns = select.top_of_buffer(buf_scores, buf_pos, k)
+    if capacity <= SMALL_TOPK_MAX:  # one program per row finishes (in column order)
+        values, columns = small_topk(buf_scores, k, buf_pos)
+    else:
+        values, columns = select.top_of_buffer(buf_scores, buf_pos, k)
     return (values, columns, counts) if return_counts else (values, columns)
+
+
+SMALL_TOPK_MAX = 16384  # entries a row of :func:`small_topk` may have: one program holds it in registers
+
+
+def small_topk_reference(values: torch.Tensor, k: int,
+                         payload: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of ``values`` [B, n] float32: (values [B, k], payload [B, k] int64),
+    best first here; ``payload`` [B, n] defaults to the column. Entries past a short row (or at -inf) give
+    -inf / -1. The spec of :func:`small_topk`, which returns the same set in column order."""
+    b, n = values.shape
+    vals, at = values.topk(min(k, n), dim=1)
+    pay = at if payload is None else payload.gather(1, at).long()
+    pay = torch.where(torch.isfinite(vals), pay, torch.full_like(pay, -1))
+    if k > n:
+        vals = torch.cat([vals, vals.new_full((b, k - n), float("-inf"))], dim=1)
+        pay = torch.cat([pay, pay.new_full((b, k - n), -1)], dim=1)
+    return vals, pay
+
+
+def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`small_topk_reference` in one Triton launch, one program per row holding the row in registers
+    (rows of at most :data:`SMALL_TOPK_MAX` entries): the k-th largest by bisection on the float bits, then
+    one compaction; no sort, so a single row costs a few microseconds where ``torch.topk`` runs one
+    block for tens. Ties at the k-th value are taken in column order; the result is in column order.
+    Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
+    import triton
+
+    from dsaindex.kernels.topk_kernel import row_topk_kernel
+
+    checks.rank("values", values, 2, "B, n")
+    checks.dtype("values", values, torch.float32)
+    b, n = values.shape
+    checks.at_most("values.shape[1] (row length)", n, SMALL_TOPK_MAX, "one program holds a row")
+    checks.at_least("k", k, 1)
+    if payload is not None:
+        checks.shape("payload", payload, (b, n), "B, n")
+        checks.dtype("payload", payload, torch.int32, torch.int64)
+        checks.same_device(values=values, payload=payload)
+    out_val = torch.empty(b, k, dtype=torch.float32, device=values.device)
+    out_pay = torch.empty(b, k, dtype=torch.int64, device=values.device)
+    if b == 0:
+        return out_val, out_pay
+    block = max(16, triton.next_power_of_2(n))
+    warps = num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    row_topk_kernel[(b,)](
+        values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay, n, k,
+        BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)), HAS_PAYLOAD=payload is not None,
+        num_warps=warps)
+    return out_val, out_pay

@@ -29,3 +29,98 @@ def rows_above_kernel(
         score = tl.load(logits_ptr + b * row_stride + idx, mask=valid, other=float("-inf"))
         append_above(score, idx, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
                      count_ptr + b, CAPACITY)
+
+
+@triton.jit
+def order_keys(x):
+    """int32 keys of float32 values whose signed order is the values' order (-inf lowest, NaN aside)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def key_value(key):
+    """The float32 value of an :func:`order_keys` key."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def kth_key(key, live, rank):
+    """The ``rank``-th largest of the ``live`` entries of ``key`` (int32 order keys), by bisection on the
+    key bits: 32 counting passes over registers, no sort. With fewer than ``rank`` live entries it is the
+    lowest int32, which no live key is below."""
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        count = tl.sum((live & (key >= mid.to(tl.int32))).to(tl.int32), axis=0)
+        enough = count >= rank
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def take_top(key, live, rank, threshold):
+    """Mask of the ``rank`` largest live entries: every key above ``threshold`` (the rank-th largest)
+    and, of the keys equal to it, the first ones in order."""
+    above = live & (key > threshold)
+    tied = live & (key == threshold)
+    room = rank - tl.sum(above.to(tl.int32), axis=0)
+    return above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
+
+
+@triton.jit
+def row_topk_kernel(
+    val_ptr,  # [B, n] float32 values
+    pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column is the payload)
+    out_val_ptr,  # [B, k] float32 out: the k largest, in column order (-inf past a short row)
+    out_pay_ptr,  # [B, k] int64 out: their payload (-1 past a short row)
+    n,
+    k,
+    BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    HAS_PAYLOAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(val_ptr + b * n + offs, mask=inside, other=float("-inf"))
+    key = order_keys(x)
+    take = take_top(key, inside, k, kth_key(key, inside, k))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    if HAS_PAYLOAD:
+        pay = tl.load(pay_ptr + b * n + offs, mask=inside, other=-1).to(tl.int64)
+    else:
+        pay = offs.to(tl.int64)
+    pay = tl.where(x == float("-inf"), -1, pay)
+    tl.store(out_val_ptr + b * k + slot, x, mask=take)
+    tl.store(out_pay_ptr + b * k + slot, pay, mask=take)
+    rest = tl.arange(0, K_BLOCK)
+    empty = (rest >= tl.sum(take.to(tl.int32), axis=0)) & (rest < k)
+    tl.store(out_val_ptr + b * k + rest, float("-inf"), mask=empty)
+    tl.store(out_pay_ptr + b * k + rest, -1, mask=empty)
+
+
+@triton.jit
+def sample_threshold_kernel(
+    sample_ptr,  # [B, S] float32 scores of rows 0, stride, 2 stride, ... (-inf past a request's end)
+    lengths_ptr,  # [B] int32 keys per request
+    thr_ptr,  # [B] float32 out
+    n_samples,
+    stride,
+    target,
+    capacity,
+    oversample,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < n_samples
+    x = tl.load(sample_ptr + b * n_samples + offs, mask=inside, other=float("-inf"))
+    length = tl.load(lengths_ptr + b)
+    n_sampled = tl.maximum((length + stride - 1) // stride, 1)
+    want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
+    rank = tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
+    thr = key_value(kth_key(order_keys(x), inside, rank))
+    tl.store(thr_ptr + b, tl.where(length <= capacity, float("-inf"), thr))

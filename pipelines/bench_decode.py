@@ -24,7 +24,7 @@ from typing import Any
 import typer
 
 from dsaindex.console import at_least
-from dsaindex.pipelines.timing import median_ms
+from dsaindex.pipelines.timing import kernel_profile, median_ms
 
 HBM_BYTES_PER_S = 3.77e12  # read bandwidth measured on the H200 (DESIGN: 132 B/key -> ~35 us per 1M keys)
 
@@ -108,7 +108,7 @@ def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], g
 
 
 def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
-              subspaces: int = 32, graphs: bool = True) -> dict:
+              subspaces: int = 32, graphs: bool = True, profile: bool = False) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -138,6 +138,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     ms["pq_warm"], linear_cfg, modes["pq_warm"] = best_of(LINEAR_CONFIGS, warm_step, graphs)
     _, stats = warm_step(linear_cfg)()
     warm = stats.totals()
+    profiles = {"pq_warm": kernel_profile(warm_step(linear_cfg))} if profile else {}
     ms["pq_cold"], modes["pq_cold"] = timed(cold_step(linear_cfg), graphs)
     _, stats = cold_step(linear_cfg)()
     cold_stats = stats.totals()
@@ -164,8 +165,11 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         ms["deepgemm_logits_fast_topk"], modes["deepgemm_logits_fast_topk"] = timed(
             lambda: rows_topk(dg_logits(), lengths, topk), graphs)
         fast_counts = rows_topk(dg_logits(), lengths, topk, return_counts=True)[2].tolist()
+        if profile:
+            profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(dg_logits(), lengths, topk))
         ms["deepgemm_best"] = min(ms["deepgemm_logits_topk"], ms["deepgemm_logits_fast_topk"])
         cache_pages = table = None
+    pq_cache_bytes = group.gpu_bytes()["cache"]
     gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
     group = fp8 = codes = None  # free the device memory the torch baseline needs
     torch.cuda.empty_cache()
@@ -194,9 +198,10 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         "launch_configs": {"pq_stage1": linear_cfg, "exact_fp8": exact_cfg},
         "pq_step_counts": {"warm": warm, "cold": cold_stats},
         "pq_host_reads": host_reads,
+        "profile": profiles or None,
         "exact_threshold_counts_minmax": [min(exact_counts), max(exact_counts)],
         "gpu_bytes_per_request": {"exact_fp8": keys * 132, "pq_index": keys * subspaces,
-                                  "pq_cache_and_tail": (cache + 1 + 64) * 132 + (cache + 1) * 16 + keys // 64 * 4},
+                                  "pq_cache_and_tail": pq_cache_bytes},
     }
 
 
@@ -321,6 +326,8 @@ def bench_decode(
     recall_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer for recall."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs (as servers run decode)."),
     recall_prefilters: str = typer.Option("4,8", help="Prefilter factors for the recall measurement."),
+    profile: bool = typer.Option(False, "--profile", help="Add each path's per-kernel device time of one step "
+                                                           "(torch.profiler, eager) to the JSON."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the timing table as markdown to this file."),
 ) -> None:
@@ -352,7 +359,7 @@ def bench_decode(
     rows = []
     for n in key_counts:
         for b in batch_sizes:
-            row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs)
+            row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()

@@ -44,3 +44,33 @@ def median_ms(fn: Callable[[], Any], repeats: int | None = None, device: str = "
         return float(triton.testing.do_bench(fn, return_mode="median"))
     fn()
     return statistics.median(time_call(fn, device)[1] for _ in range(repeats)) * 1e3
+
+
+def kernel_profile(fn: Callable[[], Any], steps: int = 5, top: int = 12) -> dict:
+    """Where one step's GPU time goes: ``fn`` run ``steps`` times eagerly under ``torch.profiler``, each
+    kernel's device time per step (microseconds), its launches per step, and the totals. The sum of kernel
+    times is the step's busy time; what a CUDA-graph replay adds beyond it is launch gaps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = float(getattr(event, "device_time", 0.0) or getattr(event, "cuda_time", 0.0))
+        entry = per_kernel.setdefault(event.name, [0.0, 0.0])
+        entry[0] += us
+        entry[1] += 1
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    return {
+        "kernels_per_step": round(sum(v[1] for v in per_kernel.values()) / steps, 1),
+        "busy_us_per_step": round(sum(v[0] for v in per_kernel.values()) / steps, 1),
+        "top": [{"kernel": name[:90], "us": round(us / steps, 2), "calls": round(n / steps, 1)}
+                for name, (us, n) in rows[:top]],
+    }

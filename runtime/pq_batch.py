@@ -29,8 +29,9 @@ import torch
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import select
 from dsaindex.kernels.checks import KernelInputError
-from dsaindex.kernels.decode_plan import decode_plan, decode_plan_reference
+from dsaindex.kernels.decode_plan import WAYS, decode_plan, decode_plan_reference
 from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_reference
+from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
 from dsaindex.kernels.pq_select import (
     pq_candidate_scores,
     pq_candidate_scores_reference,
@@ -82,6 +83,9 @@ class PQDecodeGroup:
         if cache_capacity < candidates:
             raise DsaIndexError(f"cache_capacity {cache_capacity} is below the candidate count {candidates}.",
                                 "give the cache at least as many rows as candidates.")
+        if cache_capacity % WAYS:
+            raise DsaIndexError(f"cache_capacity {cache_capacity} is not a multiple of {WAYS}: the cache is "
+                                f"{WAYS}-way set-associative.", f"pass a multiple of {WAYS} (4096 is the default).")
         dev = torch.device(device)
         self.use_triton = (dev.type == "cuda" or select.interpreted()) if use_triton is None else use_triton
         self.layer, self.host, self.device = layer, host, dev
@@ -97,11 +101,13 @@ class PQDecodeGroup:
         self.slots, self.max_keys = slots, max_keys
         max_pages = -(-max_keys // self.page)
         self.codes = torch.zeros(slots, max_pages * self.page, m, dtype=torch.uint8, device=dev)
-        self.pool_rows = cache_capacity + 1 + self.page
+        self.spill = max(64, candidates // 8)  # misses whose cache set is full are read into these rows
+        self.pool_rows = cache_capacity + 1 + self.page + self.spill  # cache, trash row, tail, spill rows
         self.pool_fp8 = torch.zeros(slots, self.pool_rows, self.dim, dtype=torch.uint8, device=dev)
         self.pool_scales = torch.zeros(slots, self.pool_rows, dtype=torch.float32, device=dev)
-        self.cache_pos = torch.full((slots, cache_capacity + 1), -1, dtype=torch.long, device=dev)
-        self.cache_stamp = torch.zeros(slots, cache_capacity + 1, dtype=torch.long, device=dev)
+        self.cache_pos = torch.full((slots, cache_capacity), -1, dtype=torch.long, device=dev)
+        self.cache_stamp = torch.zeros(slots, cache_capacity, dtype=torch.long, device=dev)
+        self.set_count = torch.zeros(slots, cache_capacity // WAYS, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=dev)
         self.n_encoded = torch.zeros(slots, dtype=torch.int32, device=dev)
         self.tail_len = torch.zeros(slots, dtype=torch.int32, device=dev)
@@ -209,7 +215,7 @@ class PQDecodeGroup:
         per_slot = lambda t: t.numel() * t.element_size() // self.slots  # noqa: E731
         return {"index": per_slot(self.codes),
                 "cache": per_slot(self.pool_fp8) + per_slot(self.pool_scales) + per_slot(self.cache_pos)
-                + per_slot(self.cache_stamp) + per_slot(self.page_table)}
+                + per_slot(self.cache_stamp) + per_slot(self.set_count) + per_slot(self.page_table)}
 
     # ---- selection --------------------------------------------------------------------------------
     def select(self, queries: torch.Tensor, head_weights: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
@@ -220,16 +226,16 @@ class PQDecodeGroup:
         """
         s, dev, cap = self.slots, self.device, self.cache_capacity
         self.step += 1
-        step = self.step.expand(s, cap + 1)
         q = queries.to(dev, torch.bfloat16).contiguous()
         w = head_weights.to(dev, torch.float32).contiguous()
         longest = max(self.encoded_host) if self.slots else 0
+        plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:
             if self.use_triton:
                 # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
                 _, rows1, counts1 = pq_linear_topc(self.codes, self.n_encoded, q, w, self.codebooks, self.c1,
                                                    capacity=2 * self.c1, max_len=longest, return_counts=True,
-                                                   keep_all=True, **self.linear_config)
+                                                   keep_all=True, half_table=True, **self.linear_config)
                 coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1)
             else:
                 codes = self.codes[:, :longest]
@@ -237,39 +243,25 @@ class PQDecodeGroup:
                 counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=dev))
                 coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
             c = min(self.candidates, coarse.shape[1])
-            cand_scores, at = coarse.topk(c, dim=1)
-            cand = torch.where(torch.isfinite(cand_scores), rows1.gather(1, at).long(), torch.full_like(at, -1))
-            valid = cand >= 0
-            # cache lookup: sorted positions of each request's cache rows
-            sorted_pos, order = self.cache_pos[:, :cap].sort(dim=1)
-            at_sorted = torch.searchsorted(sorted_pos, cand).clamp_max(cap - 1)
-            hit = valid & (sorted_pos.gather(1, at_sorted) == cand)
-            hit_row = torch.where(hit, order.gather(1, at_sorted), torch.full_like(cand, cap))
-            self.cache_stamp.scatter_(1, hit_row, step)
-            # least recently used rows first (empty rows before any), this step's hits protected
-            priority = self.cache_stamp[:, :cap].masked_fill(self.cache_pos[:, :cap] < 0, -1)
-            priority = priority.masked_fill(self.cache_stamp[:, :cap] == self.step, torch.iinfo(torch.long).max)
-            lru = priority.argsort(dim=1)
-            plan = decode_plan if self.use_triton else decode_plan_reference
-            src, dst, rows, positions, counts = plan(cand, cand_scores, hit_row, lru, self.n_encoded, self.tail_len,
-                                                     self.topk, cap, self.page, self.miss_filter)
+            top = small_topk if self.use_triton and coarse.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
+            cand_scores, cand = top(coarse, c, rows1)
+            src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
+                                                     self.n_encoded, self.tail_len, self.topk, self.page,
+                                                     self.miss_filter, spill=self.spill, set_count=self.set_count)
             self._read_host(src, dst)
-            self.cache_pos.scatter_(1, dst, src)
-            self.cache_stamp.scatter_(1, dst, step)
-            self.cache_pos[:, cap] = -1
             stats = StepStats(*counts.long().unbind(1), counts1.long())
         else:
             empty = torch.empty(s, 0, dtype=torch.long, device=dev)
-            _, _, rows, positions, _ = decode_plan_reference(empty, empty.float(), empty, self.cache_pos[:, :cap],
-                                                             self.n_encoded, self.tail_len, self.topk, cap, self.page)
+            _, _, rows, positions, _ = decode_plan_reference(empty, empty.float(), self.cache_pos.clone(),
+                                                             self.cache_stamp.clone(), self.step, self.n_encoded,
+                                                             self.tail_len, self.topk, self.page)
             zeros = torch.zeros(s, dtype=torch.long, device=dev)
             stats = StepStats(zeros, zeros, zeros, zeros, zeros)
         rescore = fp8_gather_scores if self.use_triton else fp8_gather_scores_reference
         exact = rescore(self.pool_fp8, self.pool_scales, rows, q, w)
         k = min(self.topk, exact.shape[1])
-        best_scores, best = exact.topk(k, dim=1)
-        picked = positions.gather(1, best)
-        picked = torch.where(torch.isfinite(best_scores), picked, torch.full_like(picked, -1))
+        top = small_topk if self.use_triton and exact.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
+        _, picked = top(exact, k, positions)
         return picked, stats
 
     def _read_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
