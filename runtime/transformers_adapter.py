@@ -47,7 +47,8 @@ class RuntimeSelection(ModuleHooks):
     model : a transformers DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``)
     layers : layer id -> :class:`PQCodec` (``LoadedArtifacts.layers``), trained in ``basis``
     batch : rows of the generation batch; max_keys : longest sequence (prompt + new tokens)
-    candidates, prefilter, cache_capacity : as :class:`PQDecodeGroup`
+    candidates, prefilter : as :class:`PQDecodeGroup`; cache_capacity : its cache rows (default twice
+    the candidates, rounded up to its 4-row sets)
     """
 
     def __init__(self, model: torch.nn.Module, layers: dict[int, PQCodec], batch: int, max_keys: int,
@@ -69,7 +70,7 @@ class RuntimeSelection(ModuleHooks):
         self.groups = {
             layer: PQDecodeGroup(layers[layer], HostKeyStore(pages, self.geometry.head_dim), batch, max_keys,
                                  self.geometry.topk, candidates=candidates, prefilter=prefilter,
-                                 cache_capacity=cache_capacity or candidates, device=device, use_triton=use_triton)
+                                 cache_capacity=cache_capacity or -(-2 * candidates // 4) * 4, device=device, use_triton=use_triton)
             for layer in self.indexers
         }
         for group in self.groups.values():
