@@ -5,19 +5,24 @@ device tensors so a step is a fixed sequence of kernel launches with no host syn
 
 * ``codes`` [S, max_keys, M] uint8: PQ codes of every completed 64-key page (the history);
 * ``pool_fp8`` / ``pool_scales`` [S, R, D] / [S, R]: exact FP8 keys on the device, rows
-  ``[0, cache_capacity)`` the cache, one trash row, then the tail (the incomplete page);
-* ``cache_pos`` / ``cache_stamp`` [S, cache_capacity + 1]: position held by each cache row (-1 empty) and
-  the step of its last use;
+  ``[0, cache_capacity)`` the cache, one trash row, the tail (the incomplete page), then spill rows;
+* ``cache_pos`` / ``cache_stamp`` [S, cache_capacity]: position held by each cache row (-1 empty) and
+  the step of its last use. The cache is set-associative (sets of 4 rows; a key at position p only in
+  set p % sets), so a lookup reads 4 rows instead of sorting the cache (:mod:`dsaindex.kernels.decode_plan`);
 * the host store (:class:`HostKeyStore`, pinned) with every completed page, and a device page table.
 
 A step (LeanSparse §5 with a two-stage coarse score, see :mod:`dsaindex.kernels.pq_select`):
-stage 1 folded-query scan of all codes with fused top-C1; stage 2 full coarse score of the C1
-survivors, top-C; cache lookup; miss filter; host rows of the kept misses copied into LRU cache rows by
-one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and the tail; top-k.
+float16 lookup tables (one kernel); stage 1 folded-query scan of all codes, keeping the keys above a
+sampled threshold (sample pass, threshold kernel, select pass); stage 2 full coarse score of those,
+top-C (:func:`dsaindex.kernels.topk.small_topk`, no sort); one plan kernel: miss filter, cache lookup,
+rows for the kept misses (least recently used of their set, or a spill row); host rows of the kept
+misses copied in by one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and
+the tail; top-k (``small_topk``). 16 kernels in all, no host synchronization.
 
 :class:`RequestGroups` runs several groups' steps on separate CUDA streams, so one group's host reads
 overlap another group's scoring. ``PQDecodeIndexer`` in ``tests/pq_decode_reference.py`` is the
-per-request torch reference of the same algorithm (tests only: no server imports it).
+per-request torch reference of the same algorithm (tests only: no server imports it); its cache is a
+fully associative LRU, which changes which keys are read from the host, never which are selected.
 """
 
 from __future__ import annotations

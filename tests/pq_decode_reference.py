@@ -8,7 +8,8 @@ completed page as FP8 + ue8m0 (:class:`HostKeyStore`). One decode step for a que
 2. top-C candidates by coarse score;
 3. cache hits are kept; misses whose coarse score is below (k-th largest candidate coarse score -
    one sample std of the candidates' coarse scores) are dropped; the rest are read from the host and
-   enter the cache (least recently used slots are replaced);
+   enter the cache (least recently used slots are replaced; the batched path's cache is
+   set-associative instead, which changes host reads, not the selection);
 4. exact scores of the kept candidates and the tail; the top-k positions are returned.
 
 This is the per-request specification of the algorithm that :class:`dsaindex.runtime.pq_batch.PQDecodeGroup`
