@@ -36,7 +36,6 @@ from dsaindex.kernels import select
 from dsaindex.kernels.checks import KernelInputError
 from dsaindex.kernels.decode_plan import WAYS, decode_plan, decode_plan_reference
 from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_reference
-from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
 from dsaindex.kernels.pq_select import (
     pq_candidate_scores,
     pq_candidate_scores_reference,
@@ -44,6 +43,7 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc,
     pq_linear_topc_reference,
 )
+from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
@@ -229,7 +229,7 @@ class PQDecodeGroup:
         queries : [S, H, D] (engine basis); head_weights : [S, H] effective weights. Returns positions
         [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the step's stats.
         """
-        s, dev, cap = self.slots, self.device, self.cache_capacity
+        s, dev = self.slots, self.device
         self.step += 1
         q = queries.to(dev, torch.bfloat16).contiguous()
         w = head_weights.to(dev, torch.float32).contiguous()
