@@ -61,8 +61,8 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
         keep = valid.clone()
     fetch = keep & ~hit
     t = step.to(cache_stamp.dtype)
-    for i in range(b):
-        cache_stamp[i, hit_row[i][hit[i]]] = t
+    rows_b, cols_b = hit.nonzero(as_tuple=True)
+    cache_stamp[rows_b, hit_row[rows_b, cols_b]] = t
     dst = torch.full_like(cand, cap)
     for i in range(b):
         idx = fetch[i].nonzero().squeeze(1)  # candidate order
@@ -76,9 +76,11 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
         free = stamp != t
         prio = torch.where(free, prio, torch.full_like(prio, torch.iinfo(torch.long).max))
         by_prio = prio.argsort(dim=1, stable=True)  # rows of the set, best to replace first
-        turn = torch.zeros_like(s)  # misses of the same set before this one, in candidate order
-        for j in range(1, idx.numel()):
-            turn[j] = (s[:j] == s[j]).sum()
+        # misses of the same set before this one, in candidate order
+        by_set = s.argsort(stable=True)
+        grouped = s[by_set]
+        turn = torch.empty_like(s)
+        turn[by_set] = torch.arange(s.numel(), device=dev) - torch.searchsorted(grouped, grouped)
         owner = turn < free.sum(1)
         way_row = rows.gather(1, by_prio.gather(1, turn.clamp_max(ways - 1)[:, None]))[:, 0]
         spill_rank = (~owner).long().cumsum(0) - 1
