@@ -14,8 +14,8 @@ from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows
 
 @triton.jit
 def fp8_score_kernel(
-    keys_ptr,  # [B, n_rows, D] uint8: FP8 e4m3 bits of the keys
-    scales_ptr,  # [B, n_rows] float32: ue8m0 (power-of-two) scale per key
+    keys_ptr,  # uint8 FP8 e4m3 bits of the keys: row r of request b at the offset below
+    scales_ptr,  # float32 ue8m0 (power-of-two) scale per key, same addressing
     lengths_ptr,  # [B] int32: valid rows per request (modes 0 and 1)
     q_ptr,  # [B, N_HEADS, D] bf16 queries
     w_ptr,  # [B, N_HEADS] float32 effective head weights
@@ -24,7 +24,12 @@ def fp8_score_kernel(
     out_score_ptr,  # [B, n_out] float32 (modes 0, 2) or [B, CAPACITY] buffer (mode 1)
     out_pos_ptr,  # [B, CAPACITY] int32 buffer positions (mode 1)
     count_ptr,  # [B] int32 appended counts (mode 1)
-    n_rows,
+    key_slot_stride,  # elements between requests, between 64-key pages, for keys and for scales: rows
+    key_page_stride,  # contiguous per request ([B, n_rows, D]: n_rows * D, 64 * D, n_rows, 64), or the
+    scale_slot_stride,  # engines' pages (64 x D key bytes then 64 scales per page)
+    scale_page_stride,
+    table_ptr,  # [B, table_width] int32 page of each request page (HAS_TABLE: pages shared by requests)
+    table_width,
     n_out,
     stride,
     N_HEADS: tl.constexpr,
@@ -35,6 +40,7 @@ def fp8_score_kernel(
     CAPACITY: tl.constexpr,
     MODE: tl.constexpr,
     F32: tl.constexpr,
+    HAS_TABLE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -51,10 +57,14 @@ def fp8_score_kernel(
             valid = rows >= 0
         else:
             rows, valid = scan_rows(idx, stride, n_out, length, MODE == 0)
-        flat = b * n_rows + rows.to(tl.int64)
-        raw = tl.load(keys_ptr + flat[:, None] * D + dims[None, :], mask=valid[:, None], other=0)
+        page = rows.to(tl.int64) // 64
+        if HAS_TABLE:
+            page = tl.load(table_ptr + b * table_width + page, mask=valid, other=0).to(tl.int64)
+        within = rows.to(tl.int64) % 64
+        key_at = b * key_slot_stride + page * key_page_stride + within * D
+        raw = tl.load(keys_ptr + key_at[:, None] + dims[None, :], mask=valid[:, None], other=0)
         keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        scale = tl.load(scales_ptr + flat, mask=valid, other=0.0)
+        scale = tl.load(scales_ptr + b * scale_slot_stride + page * scale_page_stride + within, mask=valid, other=0.0)
         # relu(s * x) = s * relu(x) for the positive ue8m0 scale: apply it after the head sum
         score = weighted_relu_heads(keys, q_t, w, F32) * scale
         if MODE == 1:

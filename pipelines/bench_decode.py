@@ -53,9 +53,9 @@ def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int
     return fp8, scales, codes, codebooks, q, w
 
 
-def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache):
+def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0):
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
-    ``keys`` a whole number of 64-key pages)."""
+    ``keys`` a whole number of 64-key pages), with the length policy at ``exact_below`` keys."""
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
@@ -63,7 +63,7 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
     batch, keys, dim = fp8.shape
     host = HostKeyStore(batch * -(-keys // 64), dim)
     group = PQDecodeGroup(PQCodec(codebooks.float().cpu()), host, batch, keys, topk, candidates=candidates,
-                          prefilter=prefilter, cache_capacity=cache, device="cuda")
+                          prefilter=prefilter, cache_capacity=cache, device="cuda", exact_below=exact_below)
     for b in range(batch):
         group.admit(b)
         group.load_encoded(b, codes[b], fp8[b], scales[b])
@@ -108,7 +108,7 @@ def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], g
 
 
 def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
-              subspaces: int = 32, graphs: bool = True, profile: bool = False) -> dict:
+              subspaces: int = 32, graphs: bool = True, profile: bool = False, exact_below: int = 0) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -170,6 +170,16 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         ms["deepgemm_best"] = min(ms["deepgemm_logits_topk"], ms["deepgemm_logits_fast_topk"])
         cache_pages = table = None
     pq_cache_bytes = group.gpu_bytes()["cache"]
+    group = None
+    torch.cuda.empty_cache()
+    # the length policy's exact path: the same group with every request below its length
+    short_group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=keys)
+    ms["exact_path"], modes["exact_path"] = timed(lambda: short_group.select(q, w), graphs)
+    exact_scorer = short_group.exact_scorer()
+    short_group = None
+    torch.cuda.empty_cache()
+    policy_path = "exact" if keys <= exact_below else "pq"
+    ms["policy"] = ms["exact_path"] if policy_path == "exact" else ms["pq_warm"]
     gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
     group = fp8 = codes = None  # free the device memory the torch baseline needs
     torch.cuda.empty_cache()
@@ -189,8 +199,11 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         "hbm_floor_ms": {k: round(v, 4) for k, v in floors.items()},
         "speedup_vs_exact_fp8": {"pq_warm": round(ms["exact_fp8_triton"] / ms["pq_warm"], 3),
                                  "pq_cold": round(ms["exact_fp8_triton"] / ms["pq_cold"], 3)},
+        "policy": {"exact_below": exact_below, "path": policy_path, "exact_scorer": exact_scorer},
         "speedup_vs_deepgemm_topk": ({"pq_warm": round(ms["deepgemm_best"] / ms["pq_warm"], 3),
-                                      "pq_cold": round(ms["deepgemm_best"] / ms["pq_cold"], 3)}
+                                      "pq_cold": round(ms["deepgemm_best"] / ms["pq_cold"], 3),
+                                      "exact_path": round(ms["deepgemm_best"] / ms["exact_path"], 3),
+                                      "policy": round(ms["deepgemm_best"] / ms["policy"], 3)}
                                      if deepgemm_note is None else None),
         "deepgemm": deepgemm_note or ("sgl-deep-gemm fp8_paged_mqa_logits (pages of 64, next_n 1); top-k: torch.topk "
                                       "and the threshold select of kernels/topk.py; deepgemm_best is the faster"),
@@ -273,13 +286,29 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
             "prefilter": prefilter, "min_prefix": min_prefix, "per_layer": per_layer, "mean": mean}
 
 
+def break_even(rows: list[dict]) -> dict[str, int | None]:
+    """Per batch size, the shortest measured length from which the PQ step beats the exact path at every
+    longer length measured (None: the exact path was faster everywhere)."""
+    out: dict[str, int | None] = {}
+    for b in sorted({r["batch"] for r in rows}):
+        mine = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["keys"])
+        first = None
+        for r in reversed(mine):
+            if r["median_ms"]["pq_warm"] >= r["median_ms"]["exact_path"]:
+                break
+            first = r["keys"]
+        out[str(b)] = first
+    return out
+
+
 def markdown_table(report: dict) -> str:
     lines = [
         "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | DeepGEMM logits (ms) "
         "| DeepGEMM logits + torch.topk (ms) | DeepGEMM logits + threshold top-k (ms) "
         "| exact FP8 Triton, fused top-k (ms) | torch exact (ms) "
-        "| HBM floor exact / PQ (ms) | best DeepGEMM + top-k / PQ warm | exact FP8 / PQ warm |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| HBM floor exact / PQ (ms) | best DeepGEMM + top-k / PQ warm | exact FP8 / PQ warm "
+        "| policy's exact path (ms) | policy: path, ms | best DeepGEMM + top-k / policy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
         m, f = r["median_ms"], r["hbm_floor_ms"]
@@ -287,9 +316,11 @@ def markdown_table(report: dict) -> str:
               for k in ("deepgemm_logits", "deepgemm_logits_topk", "deepgemm_logits_fast_topk")]
         ratio = r.get("speedup_vs_deepgemm_topk")
         speedup = f"{ratio['pq_warm']:.2f}x" if ratio else "n/a"
+        policy = f"{ratio['policy']:.2f}x" if ratio else "n/a"
         lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | {dg[0]} | {dg[1]} | {dg[2]} | "
                      f"{m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
-                     f"{speedup} | {r['speedup_vs_exact_fp8']['pq_warm']:.2f}x |")
+                     f"{speedup} | {r['speedup_vs_exact_fp8']['pq_warm']:.2f}x | {m['exact_path']:.3f} | "
+                     f"{r['policy']['path']}, {m['policy']:.3f} | {policy} |")
     return "\n".join(lines) + "\n"
 
 
@@ -326,6 +357,9 @@ def bench_decode(
     recall_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer for recall."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs (as servers run decode)."),
     recall_prefilters: str = typer.Option("4,8", help="Prefilter factors for the recall measurement."),
+    exact_below: int = typer.Option(262144, callback=at_least(0),
+                                    help="The length policy: requests of at most this many keys are scored "
+                                         "exactly (0: never). Each case also times that exact path."),
     profile: bool = typer.Option(False, "--profile", help="Add each path's per-kernel device time of one step "
                                                            "(torch.profiler, eager) to the JSON."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
@@ -359,12 +393,14 @@ def bench_decode(
     rows = []
     for n in key_counts:
         for b in batch_sizes:
-            row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile)
+            row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile,
+                            exact_below=exact_below)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
-              "prefilter": prefilter, "cache_capacity": cache, "rows": rows}
+              "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below,
+              "break_even_keys": break_even(rows), "rows": rows}
     if recall_store is not None:
         report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, p, cache,
                                             recall_min_prefix, recall_queries, "cuda")

@@ -32,10 +32,16 @@ from dataclasses import dataclass
 import torch
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.kernels import select
+from dsaindex.kernels import deepgemm, select
 from dsaindex.kernels.checks import KernelInputError
 from dsaindex.kernels.decode_plan import WAYS, decode_plan, decode_plan_reference
-from dsaindex.kernels.fp8_score import fp8_gather_scores, fp8_gather_scores_reference
+from dsaindex.kernels.fp8_score import (
+    fp8_gather_scores,
+    fp8_gather_scores_reference,
+    fp8_topk_paged,
+    fp8_topk_reference,
+    paged_keys_reference,
+)
 from dsaindex.kernels.pq_select import (
     pq_candidate_scores,
     pq_candidate_scores_reference,
@@ -43,7 +49,7 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc,
     pq_linear_topc_reference,
 )
-from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
+from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
@@ -76,12 +82,20 @@ class PQDecodeGroup:
         :func:`pq_linear_topc`)
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
+    exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
+        on the device, in the engines' paged layout, and is scored exactly (DeepGEMM's paged logits and
+        :func:`~dsaindex.kernels.topk.rows_topk` where DeepGEMM imports, else
+        :func:`~dsaindex.kernels.fp8_score.fp8_topk_paged`): below the break-even length ``bench decode``
+        measures, exact scoring is faster than the PQ step. Past it the request's pages go back to the
+        pool and it is served by PQ (its codes and host pages are kept all along). 0 turns the policy off.
+    exact_pages : pages of 64 keys in the group's exact pool (default: every slot at ``exact_below``); a
+        request that finds the pool empty is served by PQ from then on
     """
 
     def __init__(self, layer: PQCodec, host: HostKeyStore, slots: int, max_keys: int, topk: int,
                  candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
-                 linear_config: dict | None = None):
+                 linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None):
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -121,6 +135,17 @@ class PQDecodeGroup:
         self.encoded_host = [0] * slots
         self.tail_host = [0] * slots
         self.step = torch.zeros((), dtype=torch.long, device=dev)  # on the device: steps replay in CUDA graphs
+        # the length policy: short requests' exact keys in a shared pool of engine-layout pages
+        self.exact_below = max(0, exact_below)
+        width = -(-self.exact_below // self.page)
+        n_pool = slots * width if exact_pages is None else exact_pages
+        self.exact_pool = torch.zeros(n_pool if width else 0, self.page * (self.dim + 4), dtype=torch.uint8, device=dev)
+        self.exact_table = torch.zeros(slots, max(1, width), dtype=torch.int32, device=dev)
+        self.exact_len = torch.zeros(slots, dtype=torch.int32, device=dev)  # 0 for a request served by PQ
+        self.short = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.exact_free = list(range(n_pool if width else 0))
+        self.exact_owned: list[list[int]] = [[] for _ in range(slots)]
+        self.short_host = [False] * slots
         self.host_reads = "unified-addressing kernel"
         self._host_pinned = host.fp8.is_pinned()
 
@@ -134,6 +159,7 @@ class PQDecodeGroup:
         self.tail_len[slot] = 0
         self.cache_pos[slot] = -1
         self.cache_stamp[slot] = 0
+        self._set_short(slot, self.exact_below > 0)
 
     def free(self, slot: int) -> None:
         pages = self._pages(slot)
@@ -142,6 +168,60 @@ class PQDecodeGroup:
         self.encoded_host[slot] = self.tail_host[slot] = 0
         self.n_encoded[slot] = 0
         self.tail_len[slot] = 0
+        self._set_short(slot, False)
+
+    # ---- the length policy ----------------------------------------------------------------------------
+    def _set_short(self, slot: int, short: bool) -> None:
+        """Serve ``slot`` exactly (``short``) or by PQ; a request leaving the exact path returns its pages."""
+        if not short:
+            self.exact_free.extend(self.exact_owned[slot])
+            self.exact_owned[slot] = []
+        self.short_host[slot] = short
+        self.short[slot] = short
+        self.exact_len[slot] = self.length(slot) if short else 0
+
+    def _write_exact(self, slot: int, start: int, fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        """Keep keys ``start ..`` of a short request (FP8 bits [n, D], scales [n]) in its exact pages, or
+        move it to PQ when it passes ``exact_below`` or the pool runs dry."""
+        if not self.short_host[slot]:
+            return
+        end = start + fp8.shape[0]
+        need = -(-end // self.page) - len(self.exact_owned[slot])
+        if end > self.exact_below or need > len(self.exact_free):
+            self._set_short(slot, False)
+            return
+        if need > 0:
+            new = [self.exact_free.pop() for _ in range(need)]
+            first = len(self.exact_owned[slot])
+            self.exact_table[slot, first : first + need] = torch.tensor(new, dtype=torch.int32)
+            self.exact_owned[slot] += new
+        if end > start:
+            pos = torch.arange(start, end)
+            pages = torch.tensor(self.exact_owned[slot], dtype=torch.long)[pos // self.page].to(self.device)
+            within = (pos % self.page).to(self.device)
+            keys = self.exact_pool[:, : self.page * self.dim].view(-1, self.page, self.dim)
+            key_scales = self.exact_pool[:, self.page * self.dim :].view(torch.float32)
+            keys[pages, within] = fp8.to(self.device)
+            key_scales[pages, within] = scales.to(self.device, torch.float32)
+        self.exact_len[slot] = end
+
+    def exact_scorer(self) -> str:
+        """What scores the policy's short requests here."""
+        if self.use_triton and self.device.type == "cuda" and deepgemm.unavailable() is None:
+            return "DeepGEMM fp8_paged_mqa_logits + rows_topk"
+        return "Triton fp8_topk_paged" if self.use_triton else "torch reference"
+
+    def _select_exact(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Top-k positions [S, topk] of the short requests, scored exactly (-1 rows for the others)."""
+        width = self.exact_table.shape[1]
+        if self.exact_scorer().startswith("DeepGEMM"):
+            cache = self.exact_pool.view(-1, self.page, 1, self.dim + 4)
+            logits = deepgemm.paged_logits(cache, self.exact_table, self.exact_len, q, w, width * self.page)
+            return rows_topk(logits, self.exact_len, self.topk)[1]
+        if self.use_triton:
+            return fp8_topk_paged(self.exact_pool, self.exact_table, self.exact_len, q, w, self.topk)[1]
+        keys, scales = paged_keys_reference(self.exact_pool, self.exact_table, self.dim)
+        return fp8_topk_reference(keys, scales, self.exact_len, q.float(), w, self.topk)[1]
 
     def _pages(self, slot: int) -> list[int]:
         pages = self.pages[slot]
@@ -167,6 +247,7 @@ class PQDecodeGroup:
         fp8, scales = fp8_quantize(keys.to(self.device).float())
         fp8 = fp8.view(torch.uint8)
         scales = scales.reshape(-1)
+        self._write_exact(slot, self.length(slot), fp8, scales)
         tail_rows = slice(self.cache_capacity + 1, self.cache_capacity + 1 + n_tail)
         all_fp8 = torch.cat([self.pool_fp8[slot, tail_rows], fp8])
         all_scales = torch.cat([self.pool_scales[slot, tail_rows], scales])
@@ -195,6 +276,7 @@ class PQDecodeGroup:
                                 f"pages, at most {self.codes.shape[1]}).", "admit a fresh request; append the rest.")
         full = n // self.page
         new_pages = self.host.allocate_many(full)
+        self._write_exact(slot, 0, fp8.reshape(n, self.dim), scales.reshape(n))
         self._commit_pages(slot, new_pages, fp8.view(full, self.page, self.dim),
                            scales.reshape(full, self.page), codes.to(self.device))
         self.n_encoded[slot] = self.encoded_host[slot]
@@ -220,7 +302,8 @@ class PQDecodeGroup:
         per_slot = lambda t: t.numel() * t.element_size() // self.slots  # noqa: E731
         return {"index": per_slot(self.codes),
                 "cache": per_slot(self.pool_fp8) + per_slot(self.pool_scales) + per_slot(self.cache_pos)
-                + per_slot(self.cache_stamp) + per_slot(self.set_count) + per_slot(self.page_table)}
+                + per_slot(self.cache_stamp) + per_slot(self.set_count) + per_slot(self.page_table),
+                "exact_pool": self.exact_pool.numel() // max(1, self.slots)}
 
     # ---- selection --------------------------------------------------------------------------------
     def select(self, queries: torch.Tensor, head_weights: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
@@ -229,10 +312,21 @@ class PQDecodeGroup:
         queries : [S, H, D] (engine basis); head_weights : [S, H] effective weights. Returns positions
         [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the step's stats.
         """
+        q = queries.to(self.device, torch.bfloat16).contiguous()
+        w = head_weights.to(self.device, torch.float32).contiguous()
+        live = [slot for slot in range(self.slots) if self.pages[slot] is not None]
+        short = [slot for slot in live if self.short_host[slot]]
+        if short and len(short) == len(live):  # every request is below the policy's length: exact only
+            zeros = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+            return self._select_exact(q, w), StepStats(zeros, zeros, zeros, zeros, zeros)
+        picked, stats = self._select_pq(q, w)
+        if short:  # a mixed batch runs both paths; each request takes its own
+            picked = torch.where(self.short[:, None], self._select_exact(q, w), picked)
+        return picked, stats
+
+    def _select_pq(self, q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
         s, dev = self.slots, self.device
         self.step += 1
-        q = queries.to(dev, torch.bfloat16).contiguous()
-        w = head_weights.to(dev, torch.float32).contiguous()
         longest = max(self.encoded_host) if self.slots else 0
         plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:

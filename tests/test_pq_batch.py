@@ -189,3 +189,38 @@ def test_load_encoded_history_selects_like_appending_it():
     assert torch.equal(loaded.select(q, w)[0].sort(1).values, appended.select(q, w)[0].sort(1).values)
     with pytest.raises(DsaIndexError, match="must be empty"):
         loaded.load_encoded(0, appended.codes[0, :64], appended.host.fp8[0].reshape(64, D), appended.host.scales[0])
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_length_policy_scores_short_requests_exactly(use_triton):
+    """Requests up to ``exact_below`` keys are scored exactly from device pages; a request that grows past
+    it returns its pages and is served by PQ; a mixed batch gives each request its own path."""
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    keys = histories([900, 300, 500], seed=4)
+    group = PQDecodeGroup(layer(), HostKeyStore(60, D), 3, 1600, 16, candidates=128, prefilter=2, cache_capacity=256,
+                          device=DEV, use_triton=use_triton if not CUDA else None, exact_below=640)
+    for slot, x in enumerate(keys):
+        group.admit(slot)
+        group.append(slot, x[:200])
+        group.append(slot, x[200:])
+    assert group.short_host == [False, True, True]
+    assert len(group.exact_owned[0]) == 0 and len(group.exact_owned[1]) == 5 and len(group.exact_owned[2]) == 8
+    q, w = queries(3, 7)
+    picked, stats = group.select(q, w)
+    want = exact_topk(keys, q, w, 16)
+    for slot in (1, 2):  # exact: the exhaustive top-k, whatever PQ would have chosen
+        assert set(picked[slot].tolist()) == set(want[slot].tolist()), slot
+    # the long request went through PQ (its candidates counted), with PQ's recall on these toy keys
+    assert overlap(picked[:1].cpu(), want[:1]) >= 0.75 and stats.candidates[0] > 0 and stats.totals()["candidates"] > 0
+    more = histories([200], seed=5)[0]
+    group.append(2, more)  # 700 keys: past the policy's length, served by PQ from now on
+    assert group.short_host == [False, True, False] and group.exact_owned[2] == []
+    assert len(group.exact_free) == 3 * 10 - 5
+    keys[2] = torch.cat([keys[2], more])
+    picked, _ = group.select(q, w)
+    want = exact_topk(keys, q, w, 16)
+    assert set(picked[1].tolist()) == set(want[1].tolist())
+    assert overlap(picked[2:].cpu(), want[2:]) >= 0.75
+    group.free(1)
+    assert len(group.exact_free) == 30
