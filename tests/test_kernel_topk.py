@@ -79,3 +79,19 @@ def test_sample_thresholds_kernel_equals_the_torch_rule():
         s[1, 5000 // stride + 1 :] = float("-inf")
         s, n = s.to(DEV), lengths.to(DEV)
         assert torch.equal(sample_thresholds(s, n, stride, 2048, 16384), thresholds_from_samples(s, n, stride, 2048, 16384))
+
+
+def test_small_topk_is_exact_when_its_sample_misleads():
+    """The sample (every 8th entry) narrows the search; a row built to fool it still gets its exact top-k."""
+    from dsaindex.kernels.topk import small_topk, small_topk_reference
+
+    g = torch.Generator().manual_seed(1)
+    values = torch.rand(2, 16384, generator=g) + 1.0
+    values[:, ::8] = -torch.rand(2, 2048, generator=g)  # the sampled entries are the lowest
+    values[1, ::8] = 10.0 + torch.rand(2048, generator=g)  # or the highest
+    values = values.to(DEV)
+    got_v, got_c = small_topk(values, 1500)
+    want_v, want_c = small_topk_reference(values, 1500)
+    assert torch.equal(got_v.sort(1).values, want_v.sort(1).values)
+    for row in range(2):
+        assert set(got_c[row].tolist()) == set(want_c[row].tolist())
