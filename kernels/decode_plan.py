@@ -151,12 +151,10 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     stats = torch.empty(b, 4, dtype=torch.int32, device=dev)
     if b == 0:
         return src, dst, rows, positions, stats
-    block_c = max(16, triton.next_power_of_2(c))
-    scratch = torch.empty(b, block_c // 2, dtype=torch.int32, device=dev)
     decode_plan_kernel[(b,)](
         cand.contiguous(), cand_scores.float().contiguous(), cache_pos, cache_stamp, set_count, step,
         n_encoded.to(torch.int32).contiguous(), tail_len.to(torch.int32).contiguous(),
-        src, dst, rows, positions, stats, scratch, c, max(1, min(topk, c)),
-        CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=block_c,
+        src, dst, rows, positions, stats, c, max(1, min(topk, c)),
+        CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=max(16, triton.next_power_of_2(c)),
         MISS_FILTER=bool(miss_filter and c > 1), num_warps=8 if c > 1024 else 4)
     return src, dst, rows, positions, stats

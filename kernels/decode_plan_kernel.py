@@ -4,7 +4,7 @@ placement, and rescoring list (jit code only)."""
 import triton
 import triton.language as tl
 
-from dsaindex.kernels.topk_kernel import key_value, kth_key_sampled, order_keys
+from dsaindex.kernels.topk_kernel import key_value, kth_key, order_keys
 
 
 @triton.jit
@@ -22,7 +22,6 @@ def decode_plan_kernel(
     rows_ptr,  # [B, C + PAGE] int32 out: pool rows to rescore (-1 = none)
     pos_ptr,  # [B, C + PAGE] int64 out: their key positions (-1 = none)
     stats_ptr,  # [B, 4] int32 out: valid, hits, fetched, dropped
-    scratch_ptr,  # [B, BLOCK_C // 2] int32 (the k-th score's search)
     c,
     topk,
     CAP: tl.constexpr,
@@ -55,8 +54,7 @@ def decode_plan_kernel(
         mean = tl.sum(tl.where(valid, score, 0.0), axis=0) / n_div
         centred = tl.where(valid, score - mean, 0.0)
         std = tl.sqrt(tl.sum(centred * centred, axis=0) / (n_div - 1.0))
-        kth = key_value(kth_key_sampled(order_keys(score), valid, topk, scratch_ptr + b * (BLOCK_C // 2), BLOCK_C, 8,
-                                        BLOCK_C // 2))
+        kth = key_value(kth_key(order_keys(score), valid, topk))
         kth = tl.where(n_valid >= topk, kth, float("-inf"))
         keep = hit | (valid & (score >= kth - std))
     fetch = keep & (hit == 0)

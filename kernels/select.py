@@ -72,10 +72,9 @@ def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride
     checks.shape("lengths", lengths, (b,), "B")
     thr = torch.empty(b, dtype=torch.float32, device=sample_scores.device)
     if b:
-        block = max(64, triton.next_power_of_2(s))
-        scratch = torch.empty(b, block // 4, dtype=torch.int32, device=sample_scores.device)
+        block = max(16, triton.next_power_of_2(s))
         sample_threshold_kernel[(b,)](sample_scores.contiguous(), lengths.to(torch.int32).contiguous(), thr, s,
-                                      stride, target, capacity, float(oversample), scratch, BLOCK=block,
+                                      stride, target, capacity, float(oversample), BLOCK=block,
                                       num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return thr
 

@@ -108,13 +108,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     if b == 0:
         return out_val, out_pay
     block = max(16, triton.next_power_of_2(n))
-    k_block = max(16, triton.next_power_of_2(k))
     warps = num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
-    small = 2 * k_block  # a sample narrows the search to about 1.5 k keys, where that is much less than n
-    sampled = block >= 4096 and 2 * small <= block
-    scratch = torch.empty(b, small if sampled else 1, dtype=torch.int32, device=values.device)
     row_topk_kernel[(b,)](
-        values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay, scratch,
-        n, k, BLOCK=block, K_BLOCK=k_block, HAS_PAYLOAD=payload is not None, SAMPLED=sampled,
-        SMALL=small if sampled else 16, num_warps=warps)
+        values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay, n, k,
+        BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)), HAS_PAYLOAD=payload is not None,
+        num_warps=warps)
     return out_val, out_pay

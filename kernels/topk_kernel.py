@@ -1,6 +1,4 @@
-"""Triton kernels and helpers of the top-k selections (jit code only): keep the entries of each row at or
-above its threshold; the k-th largest of a row held in registers (bisection on the float bits, narrowed
-first by a sample); the top-k of a small row; a threshold from samples."""
+"""Triton kernel: keep the entries of each row at or above its threshold (jit code only)."""
 
 import triton
 import triton.language as tl
@@ -64,31 +62,6 @@ def kth_key(key, live, rank):
 
 
 @triton.jit
-def kth_key_sampled(key, live, rank, scratch_ptr, BLOCK: tl.constexpr, STEP: tl.constexpr, SMALL: tl.constexpr):
-    """:func:`kth_key`, with most passes over a smaller set: the first key of every ``STEP`` gives a sample
-    whose (1.5 rank / STEP)-th largest is a threshold about 1.5 rank keys reach; those keys (when there
-    are at least ``rank`` and at most ``SMALL`` of them, nearly always) are compacted into ``scratch_ptr``
-    ([SMALL] int32, this program's own) and searched. Otherwise the whole row is. Exact either way."""
-    lowest = -2147483648
-    groups = tl.reshape(tl.where(live, key, lowest), [BLOCK // STEP, STEP])
-    first = tl.sum(tl.where(tl.arange(0, STEP)[None, :] == 0, groups, 0), axis=1)
-    sample_rank = tl.maximum((3 * rank + 2 * STEP - 1) // (2 * STEP), 1)
-    threshold = kth_key(first, first > lowest, sample_rank)
-    above = live & (key >= threshold)
-    count = tl.sum(above.to(tl.int32), axis=0)
-    if (count >= rank) & (count <= SMALL):
-        slot = tl.cumsum(above.to(tl.int32), axis=0) - 1
-        tl.store(scratch_ptr + slot, key, mask=above)
-        tl.debug_barrier()
-        at = tl.arange(0, SMALL)
-        kept = at < count
-        result = kth_key(tl.load(scratch_ptr + at, mask=kept, other=lowest), kept, rank)
-    else:
-        result = kth_key(key, live, rank)
-    return result
-
-
-@triton.jit
 def take_top(key, live, rank, threshold):
     """Mask of the ``rank`` largest live entries: every key above ``threshold`` (the rank-th largest)
     and, of the keys equal to it, the first ones in order."""
@@ -104,25 +77,18 @@ def row_topk_kernel(
     pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column is the payload)
     out_val_ptr,  # [B, k] float32 out: the k largest, in column order (-inf past a short row)
     out_pay_ptr,  # [B, k] int64 out: their payload (-1 past a short row)
-    scratch_ptr,  # [B, SMALL] int32 (SAMPLED)
     n,
     k,
     BLOCK: tl.constexpr,
     K_BLOCK: tl.constexpr,
     HAS_PAYLOAD: tl.constexpr,
-    SAMPLED: tl.constexpr = False,
-    SMALL: tl.constexpr = 16,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < n
     x = tl.load(val_ptr + b * n + offs, mask=inside, other=float("-inf"))
     key = order_keys(x)
-    if SAMPLED:
-        kth = kth_key_sampled(key, inside, k, scratch_ptr + b * SMALL, BLOCK, 8, SMALL)
-    else:
-        kth = kth_key(key, inside, k)
-    take = take_top(key, inside, k, kth)
+    take = take_top(key, inside, k, kth_key(key, inside, k))
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     if HAS_PAYLOAD:
         pay = tl.load(pay_ptr + b * n + offs, mask=inside, other=-1).to(tl.int64)
@@ -147,7 +113,6 @@ def sample_threshold_kernel(
     target,
     capacity,
     oversample,
-    scratch_ptr,  # [B, BLOCK // 4] int32
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -158,5 +123,5 @@ def sample_threshold_kernel(
     n_sampled = tl.maximum((length + stride - 1) // stride, 1)
     want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
     rank = tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
-    thr = key_value(kth_key_sampled(order_keys(x), inside, rank, scratch_ptr + b * (BLOCK // 4), BLOCK, 8, BLOCK // 4))
+    thr = key_value(kth_key(order_keys(x), inside, rank))
     tl.store(thr_ptr + b, tl.where(length <= capacity, float("-inf"), thr))
