@@ -216,7 +216,9 @@ class PQDecodeGroup:
         width = self.exact_table.shape[1]
         if self.exact_scorer().startswith("DeepGEMM"):
             cache = self.exact_pool.view(-1, self.page, 1, self.dim + 4)
-            logits = deepgemm.paged_logits(cache, self.exact_table, self.exact_len, q, w, width * self.page)
+            # unmasked: rows_topk reads only each row's first exact_len entries
+            logits = deepgemm.paged_logits(cache, self.exact_table, self.exact_len, q, w, width * self.page,
+                                           masked=False)
             return rows_topk(logits, self.exact_len, self.topk)[1]
         if self.use_triton:
             return fp8_topk_paged(self.exact_pool, self.exact_table, self.exact_len, q, w, self.topk)[1]
