@@ -42,6 +42,13 @@ def unavailable() -> str | None:
     return None
 
 
+def supports_heads(n_heads: int) -> bool:
+    """Whether DeepGEMM's paged logits take ``n_heads`` query heads on this GPU (SM90: 32 or 64; SM100:
+    8, 16, 32 or 64)."""
+    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+    return n_heads in ((32, 64) if major == 9 else (8, 16, 32, 64) if major >= 10 else ())
+
+
 def paged_cache(keys_fp8: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The engines' paged index-K cache of every request's keys.
 

@@ -175,7 +175,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     # the length policy's exact path: the same group with every request below its length
     short_group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=keys)
     ms["exact_path"], modes["exact_path"] = timed(lambda: short_group.select(q, w), graphs)
-    exact_scorer = short_group.exact_scorer()
+    exact_scorer = short_group.exact_scorer(heads)
     short_group = None
     torch.cuda.empty_cache()
     policy_path = "exact" if keys <= exact_below else "pq"

@@ -84,7 +84,7 @@ class PQDecodeGroup:
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
         on the device, in the engines' paged layout, and is scored exactly (DeepGEMM's paged logits and
-        :func:`~dsaindex.kernels.topk.rows_topk` where DeepGEMM imports, else
+        :func:`~dsaindex.kernels.topk.rows_topk` where DeepGEMM imports and takes the head count, else
         :func:`~dsaindex.kernels.fp8_score.fp8_topk_paged`): below the break-even length ``bench decode``
         measures, exact scoring is faster than the PQ step. Past it the request's pages go back to the
         pool and it is served by PQ (its codes and host pages are kept all along). 0 turns the policy off.
@@ -205,16 +205,17 @@ class PQDecodeGroup:
             key_scales[pages, within] = scales.to(self.device, torch.float32)
         self.exact_len[slot] = end
 
-    def exact_scorer(self) -> str:
-        """What scores the policy's short requests here."""
-        if self.use_triton and self.device.type == "cuda" and deepgemm.unavailable() is None:
+    def exact_scorer(self, n_heads: int = 64) -> str:
+        """What scores the policy's short requests here, for queries of ``n_heads`` heads."""
+        if (self.use_triton and self.device.type == "cuda" and deepgemm.unavailable() is None
+                and deepgemm.supports_heads(n_heads)):
             return "DeepGEMM fp8_paged_mqa_logits + rows_topk"
         return "Triton fp8_topk_paged" if self.use_triton else "torch reference"
 
     def _select_exact(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Top-k positions [S, topk] of the short requests, scored exactly (-1 rows for the others)."""
         width = self.exact_table.shape[1]
-        if self.exact_scorer().startswith("DeepGEMM"):
+        if self.exact_scorer(q.shape[1]).startswith("DeepGEMM"):
             cache = self.exact_pool.view(-1, self.page, 1, self.dim + 4)
             # unmasked: rows_topk reads only each row's first exact_len entries
             logits = deepgemm.paged_logits(cache, self.exact_table, self.exact_len, q, w, width * self.page,

@@ -207,7 +207,7 @@ def test_length_policy_scores_short_requests_exactly(use_triton):
     assert group.short_host == [False, True, True]
     assert len(group.exact_owned[0]) == 0 and len(group.exact_owned[1]) == 5 and len(group.exact_owned[2]) == 8
     q, w = queries(3, 7)
-    if group.exact_scorer().startswith("DeepGEMM"):  # it scores with FP8 queries, as the engines do
+    if group.exact_scorer(H).startswith("DeepGEMM"):  # it scores with FP8 queries, as the engines do
         q = q.to(torch.float8_e4m3fn).to(torch.bfloat16)
     picked, stats = group.select(q, w)
     want = exact_topk(keys, q, w, 16)
