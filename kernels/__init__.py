@@ -9,14 +9,20 @@ Triton is imported only inside the wrappers. Kernels import only the core (``dsa
 Public API, by module:
 
 * :mod:`~dsaindex.kernels.fp8_score`: ``fp8_topk``, ``fp8_gather_scores`` (+ ``_reference``);
+  ``fp8_topk_paged`` over the engines' pages (``paged_keys_reference`` unpacks them);
   ``fp8_scores_reference``, the exact score both are specified by.
 * :mod:`~dsaindex.kernels.pq_select`: ``pq_linear_topc``, ``pq_candidate_scores``, ``pq_encode``
-  (+ ``_reference``); ``pq_linear_scores_reference``, ``folded_lookup_tables``.
+  (+ ``_reference``); ``pq_linear_scores_reference``, ``folded_lookup_tables`` (``lookup_tables``: the
+  same in one launch, optionally float16).
+* :mod:`~dsaindex.kernels.topk`: ``rows_topk`` (threshold top-k of long rows) and ``small_topk`` (rows of
+  up to 16K entries, one program each), each + ``_reference``.
+* :mod:`~dsaindex.kernels.deepgemm`: the engines' exact indexer (DeepGEMM), where it imports.
 * :mod:`~dsaindex.kernels.chunk_score`: ``chunk_scores`` (+ ``_reference``).
 * :mod:`~dsaindex.kernels.decode_plan`: ``decode_plan`` (+ ``_reference``).
 * :mod:`~dsaindex.kernels.select`: ``gather_host_rows`` (+ ``_reference``, also the fallback where the
   device cannot address pinned memory); the threshold-selection helpers the fused kernels share
-  (``sample_stride``, ``thresholds_from_samples``, ``new_buffers``, ``top_of_buffer``,
+  (``sample_stride``, ``sample_thresholds`` with its spec ``thresholds_from_samples``, ``new_buffers``,
+  ``top_of_buffer``,
   ``topk_of_prefixes``, ``check_counts``, ``interpreted``).
 * :mod:`~dsaindex.kernels.checks`: the shared input checks.
 """

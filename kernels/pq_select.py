@@ -130,9 +130,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     (scores [B, c] float32, rows [B, c] int64; -inf / -1 where a request has fewer keys), and with
     ``return_counts`` the appended counts [B] (see :func:`dsaindex.kernels.select.check_counts`).
     ``keep_all`` returns the whole buffer instead ([B, capacity], rows int32: every key above the
-    threshold, about 1.5 c, in no order; -inf / -1 in the empty slots), saving the top-c sort when the
-    next stage rescores them anyway. ``half_table`` looks codes up in float16 tables scaled per request
-    (fewer bytes per lookup; the selection differs only by rounding, the scores returned are rescaled).
+    threshold, about 1.5 c, in no order; -inf / -1 in the empty slots; scores divided by the table
+    scale with ``half_table``), saving the top-c sort when the next stage rescores them anyway. ``half_table`` looks codes up in float16 tables scaled per request
+    (fewer bytes per lookup; the selection differs only by rounding; the top-c scores are rescaled).
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -162,12 +162,12 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
         codes, lengths, lut, thr, buf_scores, buf_pos, counts, n_rows, 0, 1,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, num_warps=num_warps)
-    if keep_all:
+    if keep_all:  # the buffer as the kernel wrote it (a decode step rescores it in stage 2)
         values, rows = buf_scores, buf_pos
     else:
         values, rows = select.top_of_buffer(buf_scores, buf_pos, c)
-    if scale is not None:
-        values = values * scale[:, None]
+        if scale is not None:
+            values = values * scale[:, None]
     return (values, rows, counts) if return_counts else (values, rows)
 
 

@@ -313,7 +313,8 @@ class PQDecodeGroup:
         """Top-k key positions of every slot for one query each.
 
         queries : [S, H, D] (engine basis); head_weights : [S, H] effective weights. Returns positions
-        [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the step's stats.
+        [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the step's stats
+        (of the PQ path; zeros when every request is under the length policy and scored exactly).
         """
         q = queries.to(self.device, torch.bfloat16).contiguous()
         w = head_weights.to(self.device, torch.float32).contiguous()
@@ -354,9 +355,10 @@ class PQDecodeGroup:
             stats = StepStats(*counts.long().unbind(1), counts1.long())
         else:
             empty = torch.empty(s, 0, dtype=torch.long, device=dev)
-            _, _, rows, positions, _ = decode_plan_reference(empty, empty.float(), self.cache_pos.clone(),
-                                                             self.cache_stamp.clone(), self.step, self.n_encoded,
-                                                             self.tail_len, self.topk, self.page)
+            # no candidates: only the tail is rescored, and the cache is left as it is
+            _, _, rows, positions, _ = decode_plan_reference(empty, empty.float(), self.cache_pos, self.cache_stamp,
+                                                             self.step, self.n_encoded, self.tail_len, self.topk,
+                                                             self.page)
             zeros = torch.zeros(s, dtype=torch.long, device=dev)
             stats = StepStats(zeros, zeros, zeros, zeros, zeros)
         rescore = fp8_gather_scores if self.use_triton else fp8_gather_scores_reference
