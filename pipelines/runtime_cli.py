@@ -91,6 +91,10 @@ def generate_cmd(
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
     candidates: int = typer.Option(1024, callback=at_least(1), help="C: keys reranked exactly per step and layer."),
     prefilter: int = typer.Option(2, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
+    exact_below: int = typer.Option(0, callback=at_least(0),
+                                    help="The length policy: score requests of at most this many keys exactly "
+                                         "(0, the default here: every step through PQ, which is what this "
+                                         "command measures)."),
     topk: int = typer.Option(None, callback=at_least(1),
                              help="Keys selected per step (default: the model's index_topk)."),
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
@@ -132,7 +136,8 @@ def generate_cmd(
     continuation = torch.tensor(window[prompt_tokens - 1 :], dtype=torch.long)
     with progress_bar("generate", enabled=progress) as update:
         result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
-                                  prefilter=prefilter, device=dev, continuation=continuation, progress=update)
+                                  prefilter=prefilter, device=dev, continuation=continuation, progress=update,
+                                  exact_below=exact_below)
     result["model"] = model
     result["artifacts"] = artifacts
     text = json.dumps(result, indent=2)

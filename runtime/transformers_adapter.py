@@ -47,14 +47,15 @@ class RuntimeSelection(ModuleHooks):
     model : a transformers DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``)
     layers : layer id -> :class:`PQCodec` (``LoadedArtifacts.layers``), trained in ``basis``
     batch : rows of the generation batch; max_keys : longest sequence (prompt + new tokens)
-    candidates, prefilter : as :class:`PQDecodeGroup`; cache_capacity : its cache rows (default twice
-    the candidates, rounded up to its 4-row sets)
+    candidates, prefilter, exact_below : as :class:`PQDecodeGroup` (``exact_below``: the length policy,
+    off by default here, where the point is to measure PQ selection); cache_capacity : its cache rows
+    (default twice the candidates, rounded up to its 4-row sets)
     """
 
     def __init__(self, model: torch.nn.Module, layers: dict[int, PQCodec], batch: int, max_keys: int,
                  basis: str = "hadamard", candidates: int = 1024, prefilter: int = 2,
                  cache_capacity: int | None = None, device: str | torch.device = "cpu",
-                 use_triton: bool | None = None):
+                 use_triton: bool | None = None, exact_below: int = 0):
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
@@ -70,7 +71,8 @@ class RuntimeSelection(ModuleHooks):
         self.groups = {
             layer: PQDecodeGroup(layers[layer], HostKeyStore(pages, self.geometry.head_dim), batch, max_keys,
                                  self.geometry.topk, candidates=candidates, prefilter=prefilter,
-                                 cache_capacity=cache_capacity or -(-2 * candidates // 4) * 4, device=device, use_triton=use_triton)
+                                 cache_capacity=cache_capacity or -(-2 * candidates // 4) * 4, device=device,
+                                 use_triton=use_triton, exact_below=exact_below)
             for layer in self.indexers
         }
         for group in self.groups.values():
@@ -150,7 +152,7 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
 
 def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
-                     use_triton: bool | None = None, continuation: torch.Tensor | None = None,
+                     use_triton: bool | None = None, continuation: torch.Tensor | None = None, exact_below: int = 0,
                      progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
 
@@ -179,7 +181,8 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
         return (lambda done: progress(before[name] + done, total, name)) if progress else None
 
     reference = greedy_decode(model, prompt, new_tokens, on_token=tick("exhaustive"))
-    kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, device=device, use_triton=use_triton)
+    kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, device=device, use_triton=use_triton,
+                  exact_below=exact_below)
     max_keys = prompt.numel() + new_tokens + 1
     with RuntimeSelection(model, layers, 1, max_keys, **kwargs):
         free = greedy_decode(model, prompt, new_tokens, on_token=tick("runtime, free running"))

@@ -114,3 +114,17 @@ def test_generate_refuses_artifacts_of_other_weights(bundles):
     assert proc.returncode == 2
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: The artifacts were trained for reference") and "weights_digest" in first
+
+
+def test_length_policy_in_generation_scores_exactly(model_and_layers):
+    """With every request under the length policy, the runtime's selection is the exact FP8 top-k: the
+    model's own top-k up to FP8 key rounding."""
+    from dsaindex.runtime.transformers_adapter import greedy_agreement
+
+    net, layers = model_and_layers
+    pq = greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False)
+    exact = greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False,
+                             exact_below=10_000)
+    assert min(exact["selection_recall"].values()) >= 0.97, exact["selection_recall"]
+    assert sum(exact["selection_recall"].values()) >= sum(pq["selection_recall"].values())
+    assert exact["teacher_forced"]["token_agreement"] >= 0.9
