@@ -40,7 +40,8 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
 
     Returns (src [B, C] int64 positions to fetch or -1, dst [B, C] int64 pool rows or ``cap``,
     rows [B, C + page] int32 pool rows to rescore or -1, positions [B, C + page] int64 or -1,
-    stats [B, 4] int32: valid, hits, fetched, dropped); updates ``cache_pos`` and ``cache_stamp``."""
+    stats [B, 4] int32: valid, hits, fetched, dropped); updates ``cache_pos`` and ``cache_stamp`` and
+    advances ``step``."""
     b, c = cand.shape
     cap = cache_pos.shape[1]
     sets = cap // ways
@@ -60,14 +61,16 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
     else:
         keep = valid.clone()
     fetch = keep & ~hit
-    t = step.to(cache_stamp.dtype)
+    step += 1
+    stamps = step.to(cache_stamp.dtype)
     rows_b, cols_b = hit.nonzero(as_tuple=True)
-    cache_stamp[rows_b, hit_row[rows_b, cols_b]] = t
+    cache_stamp[rows_b, hit_row[rows_b, cols_b]] = stamps[rows_b]
     dst = torch.full_like(cand, cap)
     for i in range(b):
         idx = fetch[i].nonzero().squeeze(1)  # candidate order
         if idx.numel() == 0:
             continue
+        t = stamps[i]
         s = home[i, idx]
         rows = way_rows[i, idx]  # [F, W]
         stamp = cache_stamp[i].gather(0, rows.reshape(-1)).reshape(rows.shape)
@@ -109,8 +112,9 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     """:func:`decode_plan_reference` in one Triton launch (one program per request).
 
     cand [B, C] int64 positions (-1 = none), cand_scores [B, C] float32 (-inf for none), any order;
-    cache_pos [B, cap] int64 (-1 = empty) and cache_stamp [B, cap] int64, updated in place; step [] int64
-    this step's stamp (on the device: steps replay in CUDA graphs); n_encoded / tail_len [B] int32;
+    cache_pos [B, cap] int64 (-1 = empty) and cache_stamp [B, cap] int64, updated in place; step [B] int64
+    each request's step counter, advanced by one here, the new value this step's stamp (on the device:
+    steps replay in CUDA graphs); n_encoded / tail_len [B] int32;
     topk : keys the step selects (the miss filter's k); page : keys per page (a power of two, the tail's
     capacity); ways : rows per cache set (a power of two dividing cap); spill : pool rows past the tail
     for misses whose set is full; set_count : [B, cap / ways] int32
@@ -131,6 +135,8 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     checks.shape("cache_stamp", cache_stamp, (b, cap), "B, cap")
     checks.shape("n_encoded", n_encoded, (b,), "B")
     checks.shape("tail_len", tail_len, (b,), "B")
+    checks.shape("step", step, (b,), "B")
+    checks.dtype("step", step, torch.int64)
     checks.dtype("cand", cand, torch.int64)
     checks.dtype("cache_pos", cache_pos, torch.int64)
     checks.dtype("cache_stamp", cache_stamp, torch.int64)

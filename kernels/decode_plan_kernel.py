@@ -14,7 +14,7 @@ def decode_plan_kernel(
     cache_pos_ptr,  # [B, CAP] int64 position held by each cache row (-1 = empty); updated
     cache_stamp_ptr,  # [B, CAP] int64 step of each row's last use; updated
     set_count_ptr,  # [B, CAP // WAYS] int32 scratch, zero on entry and on exit
-    step_ptr,  # [] int64 this step's stamp
+    step_ptr,  # [B] int64 each request's step counter, advanced here (the new value is this step's stamp)
     n_encoded_ptr,  # [B] int32 encoded keys (the tail's first position)
     tail_len_ptr,  # [B] int32 keys in the tail
     src_ptr,  # [B, C] int64 out: position to fetch, -1
@@ -38,7 +38,8 @@ def decode_plan_kernel(
     cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
     score = tl.load(score_ptr + b * c + offs, mask=inside, other=float("-inf"))
     valid = cand >= 0
-    step = tl.load(step_ptr)
+    step = tl.load(step_ptr + b) + 1
+    tl.store(step_ptr + b, step)
     # lookup: a position lives only in set (position % SETS), in any of its WAYS rows
     home = tl.where(valid, cand % SETS, 0)
     ways = tl.arange(0, WAYS)

@@ -33,33 +33,60 @@ def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, code
     return torch.einsum("bmd,mkd->bmk", folded.view(folded.shape[0], m, d), codebooks.float()).contiguous()
 
 
+TABLE_DTYPES = (torch.float32, torch.float16, torch.int8)
+
+
 def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor,
-                  half: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`folded_lookup_tables` in one Triton launch: (tables [B, M, K], None); with ``half``, float16
-    tables divided by the norm of each request's folded query, ``scale`` [B] (returned: scores come out
-    divided by it; an entry is then at most its centroid's norm). Inputs as :func:`folded_lookup_tables`, on one device, heads and D/M any size."""
+                  dtype: torch.dtype = torch.float32, centroid_norms: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`folded_lookup_tables` in one Triton launch: (tables [B, M, K] of ``dtype``, scale [B] or None).
+
+    * float32: the tables themselves, scale None;
+    * float16: divided by the norm of each request's folded query (``scale``): an entry is then at most
+      its centroid's norm, well inside float16's range;
+    * int8: rounded after division by ``scale`` = B / 127, where B bounds every entry of the request's
+      table (the largest over subspaces of |folded query part| x largest centroid norm; each program
+      knows it without the others). A lookup reads 1 byte; a sum of 32 entries has a rounding error of
+      about 1.6 scale, against a score spread of hundreds of scales. ``centroid_norms`` [M] (the largest
+      centroid norm per subspace) is computed here if not given (a caller that keeps the codebook passes it).
+
+    Scores summed from a scaled table come out divided by ``scale``. Inputs as
+    :func:`folded_lookup_tables`, on one device, heads and D/M any size."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import lookup_table_kernel
 
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"lookup table dtype {dtype} is not one of {TABLE_DTYPES}; pass one of them.")
     m, k, d = codebooks.shape
     b, h, dim = queries.shape
     dev = queries.device
     cb = codebooks.to(dev, torch.float32).contiguous()
-    out = torch.empty(b, m, k, dtype=torch.float16 if half else torch.float32, device=dev)
-    scale = torch.empty(b, dtype=torch.float32, device=dev) if half else None
+    out = torch.empty(b, m, k, dtype=dtype, device=dev)
+    scaled = dtype != torch.float32
+    scale = torch.empty(b, dtype=torch.float32, device=dev) if scaled else None
     if b == 0:
         return out, scale
-    if triton.next_power_of_2(d) != d or triton.next_power_of_2(dim) != dim:  # odd shapes: the torch tables
+    int8 = dtype == torch.int8
+    if int8 and centroid_norms is None:
+        centroid_norms = cb.norm(dim=2).amax(dim=1)
+    folded = None
+    if any(triton.next_power_of_2(x) != x for x in (d, dim, m, k)):  # odd shapes: the torch tables
         lut = folded_lookup_tables(queries, head_weights, codebooks.to(dev))
-        if not half:
+        if not scaled:
             return lut, None
         folded = torch.einsum("bh,bhd->bd", head_weights.float(), queries.float())
-        scale = folded.norm(dim=1).clamp_min(1e-30)
-        return (lut / scale[:, None, None]).half(), scale
+        if dtype == torch.float16:
+            scale = folded.norm(dim=1).clamp_min(1e-30)
+            return (lut / scale[:, None, None]).half(), scale
+        parts = folded.view(b, m, d).norm(dim=2) * centroid_norms.to(dev, torch.float32)[None, :]
+        scale = parts.amax(dim=1).clamp_min(1e-30) / 127
+        return torch.floor(lut / scale[:, None, None] + 0.5).to(torch.int8), scale
+    norms = centroid_norms.to(dev, torch.float32).contiguous() if int8 else cb
     lookup_table_kernel[(b, m)](
-        queries.contiguous(), head_weights.float().contiguous(), cb, out, scale if half else out,
-        N_HEADS=h, H_PAD=max(2, triton.next_power_of_2(h)), D=dim, M=m, K=k, DSUB=d, HALF=half)
+        queries.contiguous(), head_weights.float().contiguous(), cb, norms, out, scale if scaled else out,
+        N_HEADS=h, H_PAD=max(2, triton.next_power_of_2(h)), D=dim, M=m, K=k, DSUB=d, HALF=dtype == torch.float16,
+        INT8=int8)
     return out, scale
 
 
@@ -113,7 +140,8 @@ def _check_codes_and_queries(codes, queries, head_weights, codebooks) -> None:
 def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c: int, capacity: int | None = None, max_len: int | None = None,
                    block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
-                   keep_all: bool = False, half_table: bool = False,
+                   keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
+                   centroid_norms: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -130,9 +158,11 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     (scores [B, c] float32, rows [B, c] int64; -inf / -1 where a request has fewer keys), and with
     ``return_counts`` the appended counts [B] (see :func:`dsaindex.kernels.select.check_counts`).
     ``keep_all`` returns the whole buffer instead ([B, capacity], rows int32: every key above the
-    threshold, about 1.5 c, in no order; -inf / -1 in the empty slots; scores divided by the table
-    scale with ``half_table``), saving the top-c sort when the next stage rescores them anyway. ``half_table`` looks codes up in float16 tables scaled per request
-    (fewer bytes per lookup; the selection differs only by rounding; the top-c scores are rescaled).
+    threshold, about 1.5 c, in no order; the slots past a request's count left unset (the count says how
+    many are filled); scores divided by the table scale), saving the top-c sort when the next stage
+    rescores them anyway. ``table_dtype`` float16 or int8 looks codes up in scaled tables of that type
+    (:func:`lookup_tables`: fewer bytes per lookup; the selection differs only by rounding; the top-c
+    scores are rescaled; ``centroid_norms`` as there).
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -148,20 +178,28 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     checks.at_least("capacity", capacity, 2 * c, "twice the candidates c")
     codes = codes.contiguous()
     lengths = lengths.to(device=codes.device, dtype=torch.int32)
-    lut, scale = lookup_tables(queries, head_weights, codebooks, half=half_table)
+    lut, scale = lookup_tables(queries, head_weights, codebooks, dtype=table_dtype, centroid_norms=centroid_norms)
     stride = select.sample_stride(n)
     n_samples = -(-n // stride)
     samples = torch.empty(b, n_samples, dtype=torch.float32, device=codes.device)
     dummy_i = torch.empty(1, dtype=torch.int32, device=codes.device)
     dummy_f = torch.empty(1, dtype=torch.float32, device=codes.device)
-    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device, zero_counts=False)
+    if keep_all:  # slots past the count are never read (the count travels with the buffer)
+        buf_scores = torch.empty(b, capacity, dtype=torch.float32, device=codes.device)
+        buf_pos = torch.empty(b, capacity, dtype=torch.int32, device=codes.device)
+        counts = torch.empty(b, dtype=torch.int32, device=codes.device)
+    else:
+        buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device, zero_counts=False)
+    int_table = table_dtype == torch.int8
     pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n * iters)), b)](  # also zeroes the counts
         codes, lengths, lut, dummy_f, samples, dummy_i, counts, n_rows, n_samples, stride,
-        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=1, SAMPLE=True, num_warps=num_warps)
+        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=1, SAMPLE=True, INT_TABLE=int_table,
+        num_warps=num_warps)
     thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
     pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
         codes, lengths, lut, thr, buf_scores, buf_pos, counts, n_rows, 0, 1,
-        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, num_warps=num_warps)
+        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, INT_TABLE=int_table,
+        num_warps=num_warps)
     if keep_all:  # the buffer as the kernel wrote it (a decode step rescores it in stage 2)
         values, rows = buf_scores, buf_pos
     else:
@@ -172,11 +210,13 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
 
 
 def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
-                        codebooks: torch.Tensor, counts: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+                        codebooks: torch.Tensor, counts: torch.Tensor | None = None, block_n: int = 64,
+                        iters: int = 1) -> torch.Tensor:
     """Stage 2 on Triton: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
     :func:`pq_candidate_scores_reference`. ``codebooks`` may be given in bf16 already (cast once at load).
     ``counts`` [B] int32 (optional): only the first ``counts[b]`` rows of a request can be filled (a
-    stage-1 buffer), so tiles past it are skipped. ``codes`` [B, N, M] uint8, ``queries`` [B, H, D] with
+    stage-1 buffer), so tiles past it are skipped. ``iters`` tiles of ``block_n`` rows per program share
+    one load of the queries. ``codes`` [B, N, M] uint8, ``queries`` [B, H, D] with
     D a power of two >= 16, ``head_weights`` [B, H], ``codebooks`` [M, K, D/M], all on one device;
     raises ``ValueError`` otherwise."""
     import triton
@@ -200,12 +240,12 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         return out
     table = codebooks.to(torch.bfloat16).contiguous()
     wide = d == 4  # one 8-byte load per subspace instead of four 2-byte ones
-    pq_candidate_kernel[(triton.cdiv(r, block_n), b)](
+    pq_candidate_kernel[(triton.cdiv(r, block_n * iters), b)](
         codes.contiguous(), rows.to(torch.int32).contiguous(), table.view(torch.int64) if wide else table,
         queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out,
         counts if counts is not None else out, n, r,
         N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
-        F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide)
+        F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide, ITERS=iters)
     return out
 
 

@@ -1,10 +1,13 @@
 """Triton kernels of the PQ coarse stages (jit code only).
 
 ``pq_linear_kernel``: one lookup table per request (the head-folded query against every centroid), 32
-lookups per key; sampling or threshold-append mode like :mod:`fp8_score_kernel`.
+lookups per key (int8 tables summed as integers); sampling or threshold-append mode like
+:mod:`fp8_score_kernel`.
 ``pq_candidate_kernel``: candidates' keys decoded from their codes into a bf16 tile, then every head
 on tensor cores (``sum_h w_h relu(q_h . k)``); scores written per candidate.
 ``pq_encode_kernel``: nearest centroid per subspace (page encoding).
+``lookup_table_kernel``: the stage-1 tables, one program per request and subspace (float32; float16 or
+int8 scaled per request).
 """
 
 import triton
@@ -14,10 +17,20 @@ from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows
 
 
 @triton.jit
+def _entry(ptr, INT_TABLE: tl.constexpr):
+    """Table entries at ``ptr``: int8 widened to int32 (sums of 32 stay exact), else float32."""
+    if INT_TABLE:
+        value = tl.load(ptr).to(tl.int32)
+    else:
+        value = tl.load(ptr).to(tl.float32)
+    return value
+
+
+@triton.jit
 def pq_linear_kernel(
     codes_ptr,  # [B, n_rows, M] uint8 PQ codes
     lengths_ptr,  # [B] int32 valid rows per request
-    lut_ptr,  # [B, M, K] float32: lut[b, m, c] = folded query's m-th part . codebook[m, c]
+    lut_ptr,  # [B, M, K] float32 / float16 / int8 (INT_TABLE): lut[b, m, c] ~ folded query's m-th part . codebook[m, c]
     thr_ptr,  # [B] float32 thresholds (select mode)
     out_score_ptr,  # [B, n_out] float32 (sample mode) or [B, CAPACITY] buffer (select mode)
     out_pos_ptr,  # [B, CAPACITY] int32 buffer positions (select mode)
@@ -31,15 +44,15 @@ def pq_linear_kernel(
     ITERS: tl.constexpr,
     CAPACITY: tl.constexpr,
     SAMPLE: tl.constexpr,
-    LUT_IN_REGISTERS: tl.constexpr = False,
+    INT_TABLE: tl.constexpr = False,
 ):
+    # a warp reads one row's M code bytes, a lane each, and looks each up in its subspace's table
+    # (codes read 4 or 8 bytes per lane and split in registers measured twice as slow on the H200)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     length = tl.load(lengths_ptr + b)
     sub = tl.arange(0, M)
     lut = lut_ptr + b * M * K + sub[None, :] * K
-    if LUT_IN_REGISTERS:  # the whole table as a [K, M] tile: lookups are register/shared-memory gathers
-        table = tl.load(lut + tl.arange(0, K)[:, None])
     if SAMPLE and pid == 0:
         tl.store(count_ptr + b, 0)  # the selecting pass that follows appends from zero
     thr = 0.0
@@ -49,11 +62,8 @@ def pq_linear_kernel(
         idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
         flat = b * n_rows + rows.to(tl.int64)
-        codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        if LUT_IN_REGISTERS:
-            score = tl.sum(tl.gather(table, codes, 0), axis=1)
-        else:
-            score = tl.sum(tl.load(lut + codes), axis=1)
+        codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
+        score = tl.sum(_entry(lut + codes.to(tl.int32), INT_TABLE), axis=1).to(tl.float32)
         if SAMPLE:
             tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
         else:
@@ -81,37 +91,41 @@ def pq_candidate_kernel(
     F32: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
     WIDE: tl.constexpr = False,
+    ITERS: tl.constexpr = 1,
 ):
+    # ITERS consecutive tiles per program: the queries are loaded once for all of them
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_live = n_out
     if HAS_COUNTS:  # rows past the request's count are empty: their tiles only write -inf
         n_live = tl.minimum(tl.load(count_ptr + b), n_out)
-    idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    if pid * BLOCK_N < n_live:
-        q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
-        rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_live, other=-1)
-        valid = rows >= 0
-        flat = b * n_rows + rows.to(tl.int64)
-        if WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
-            sub = tl.arange(0, M)
-            codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
-            words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32))  # [BLOCK_N, M] int64
-            lane0 = words.to(tl.int16).to(tl.bfloat16, bitcast=True)
-            lane1 = (words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            lane2 = (words >> 32).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            lane3 = (words >> 48).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            keys = tl.reshape(tl.join(tl.join(lane0, lane2), tl.join(lane1, lane3)), [BLOCK_N, D])
-        else:
-            dims = tl.arange(0, D)
-            sub_of_dim = dims // (D // M)
-            # column j of the decoded key reads code byte j // (D/M) (repeated loads hit L1)
-            codes = tl.load(codes_ptr + flat[:, None] * M + sub_of_dim[None, :], mask=valid[:, None], other=0)
-            keys = tl.load(codebook_ptr + (sub_of_dim[None, :] * K + codes.to(tl.int32)) * (D // M)
-                           + (dims % (D // M))[None, :])
-        score = tl.where(valid, weighted_relu_heads(keys, q_t, w, F32), float("-inf"))
-    tl.store(out_ptr + b * n_out + idx, score, mask=idx < n_out)
+    q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
+    for it in range(ITERS):
+        tile = pid * ITERS + it
+        idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        if tile * BLOCK_N < n_live:
+            rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_live, other=-1)
+            valid = rows >= 0
+            flat = b * n_rows + rows.to(tl.int64)
+            if WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
+                sub = tl.arange(0, M)
+                codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
+                words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32))  # [BLOCK_N, M] int64
+                lane0 = words.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                lane1 = (words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                lane2 = (words >> 32).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                lane3 = (words >> 48).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                keys = tl.reshape(tl.join(tl.join(lane0, lane2), tl.join(lane1, lane3)), [BLOCK_N, D])
+            else:
+                dims = tl.arange(0, D)
+                sub_of_dim = dims // (D // M)
+                # column j of the decoded key reads code byte j // (D/M) (repeated loads hit L1)
+                codes = tl.load(codes_ptr + flat[:, None] * M + sub_of_dim[None, :], mask=valid[:, None], other=0)
+                keys = tl.load(codebook_ptr + (sub_of_dim[None, :] * K + codes.to(tl.int32)) * (D // M)
+                               + (dims % (D // M))[None, :])
+            score = tl.where(valid, weighted_relu_heads(keys, q_t, w, F32), float("-inf"))
+        tl.store(out_ptr + b * n_out + idx, score, mask=idx < n_out)
 
 
 @triton.jit
@@ -145,8 +159,9 @@ def lookup_table_kernel(
     q_ptr,  # [B, N_HEADS, D] bf16 / float queries
     w_ptr,  # [B, N_HEADS] float32 head weights
     codebook_ptr,  # [M, K, DSUB] float32
-    out_ptr,  # [B, M, K] float32, or float16 (HALF: divided by the request's scale)
-    scale_ptr,  # [B] float32 out (HALF): what each table entry was divided by
+    cmax_ptr,  # [M] float32 largest centroid norm of each subspace (INT8)
+    out_ptr,  # [B, M, K] float32, float16 (HALF) or int8 (INT8): the table, divided by the request's scale if scaled
+    scale_ptr,  # [B] float32 out (HALF, INT8): what each table entry was divided by
     N_HEADS: tl.constexpr,
     H_PAD: tl.constexpr,
     D: tl.constexpr,
@@ -154,6 +169,7 @@ def lookup_table_kernel(
     K: tl.constexpr,
     DSUB: tl.constexpr,
     HALF: tl.constexpr,
+    INT8: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
@@ -166,13 +182,21 @@ def lookup_table_kernel(
     cents = tl.arange(0, K)
     cb = tl.load(codebook_ptr + (m * K + cents[:, None]) * DSUB + tl.arange(0, DSUB)[None, :])
     table = tl.sum(cb * folded[None, :], axis=1)
-    if HALF:
-        # divided by |folded|, an entry is at most its centroid's norm: well inside float16's range
+    if HALF or INT8:
         dims = tl.arange(0, D)
         q_all = tl.load(q_ptr + b * N_HEADS * D + heads[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        whole = tl.sum(w[:, None] * q_all.to(tl.float32), axis=0)
-        scale = tl.maximum(tl.sqrt(tl.sum(whole * whole, axis=0)), 1e-30)
-        tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
+        whole = tl.sum(w[:, None] * q_all.to(tl.float32), axis=0)  # [D] the folded query
+        if INT8:
+            # a bound on every entry of the request's table, known to each program without the others:
+            # |folded_m . c| <= |folded_m| * (largest centroid norm of subspace m), maximized over m
+            parts = tl.reshape(whole * whole, [M, DSUB])
+            bound = tl.max(tl.sqrt(tl.sum(parts, axis=1)) * tl.load(cmax_ptr + tl.arange(0, M)), axis=0)
+            scale = tl.maximum(bound, 1e-30) / 127.0
+            tl.store(out_ptr + (b * M + m) * K + cents, tl.floor(table / scale + 0.5).to(tl.int8))
+        else:
+            # divided by |folded|, an entry is at most its centroid's norm: well inside float16's range
+            scale = tl.maximum(tl.sqrt(tl.sum(whole * whole, axis=0)), 1e-30)
+            tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
         if m == 0:
             tl.store(scale_ptr + b, scale)
     else:

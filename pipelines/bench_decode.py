@@ -73,7 +73,7 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
 EXACT_CONFIGS = [dict(block_n=64, iters=4, num_warps=4), dict(block_n=128, iters=4, num_warps=8),
                  dict(block_n=64, iters=16, num_warps=4), dict(block_n=128, iters=8, num_warps=4)]
 LINEAR_CONFIGS = [dict(block_n=128, iters=8, num_warps=4), dict(block_n=256, iters=8, num_warps=8),
-                  dict(block_n=128, iters=32, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
+                  dict(block_n=256, iters=4, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
 
 
 def timed(fn: Callable[[], Any], graphs: bool) -> tuple[float, str]:
@@ -108,7 +108,8 @@ def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], g
 
 
 def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
-              subspaces: int = 32, graphs: bool = True, profile: bool = False, exact_below: int = 0) -> dict:
+              subspaces: int = 32, graphs: bool = True, profile: bool = False, exact_below: int = 0,
+              pq_from: dict[int, int] | None = None) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -174,11 +175,15 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     torch.cuda.empty_cache()
     # the length policy's exact path: the same group with every request below its length
     short_group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=keys)
-    ms["exact_path"], modes["exact_path"] = timed(lambda: short_group.select(q, w), graphs)
+    # the scheduling metadata depends only on the lengths: computed once per step for every layer, as
+    # the engines do (and as the DeepGEMM baseline above is timed)
+    exact_schedule = short_group.exact_schedule(heads)
+    ms["exact_path"], modes["exact_path"] = timed(lambda: short_group.select(q, w, exact_schedule), graphs)
     exact_scorer = short_group.exact_scorer(heads)
     short_group = None
     torch.cuda.empty_cache()
-    policy_path = "exact" if keys <= exact_below else "pq"
+    pq_limit = next((n for b, n in sorted((pq_from or {}).items(), reverse=True) if b <= batch), float("inf"))
+    policy_path = "exact" if keys <= exact_below and keys < pq_limit else "pq"
     ms["policy"] = ms["exact_path"] if policy_path == "exact" else ms["pq_warm"]
     gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
     group = fp8 = codes = None  # free the device memory the torch baseline needs
@@ -199,7 +204,8 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         "hbm_floor_ms": {k: round(v, 4) for k, v in floors.items()},
         "speedup_vs_exact_fp8": {"pq_warm": round(ms["exact_fp8_triton"] / ms["pq_warm"], 3),
                                  "pq_cold": round(ms["exact_fp8_triton"] / ms["pq_cold"], 3)},
-        "policy": {"exact_below": exact_below, "path": policy_path, "exact_scorer": exact_scorer},
+        "policy": {"exact_below": exact_below, "pq_from": pq_from or {}, "path": policy_path,
+                   "exact_scorer": exact_scorer},
         "speedup_vs_deepgemm_topk": ({"pq_warm": round(ms["deepgemm_best"] / ms["pq_warm"], 3),
                                       "pq_cold": round(ms["deepgemm_best"] / ms["pq_cold"], 3),
                                       "exact_path": round(ms["deepgemm_best"] / ms["exact_path"], 3),
@@ -341,6 +347,20 @@ def check_recall_inputs(store_path: Path, artifacts: Path) -> None:
     check_store_for_bundle(store.manifest, manifest, str(store_path), str(artifacts))
 
 
+def parse_batch_limits(text: str) -> dict[int, int]:
+    """``'32:262144,64:131072'`` -> {32: 262144, 64: 131072} (the policy's ``pq_from``); '' -> {}."""
+    from dsaindex.errors import DsaIndexError
+
+    limits = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        batch, sep, keys = item.partition(":")
+        if not sep or not batch.strip().isdigit() or not keys.strip().isdigit() or int(batch) < 1:
+            raise DsaIndexError(f"--pq-from: {item!r} is not BATCH:KEYS (two positive integers).",
+                                "write it as e.g. --pq-from 32:262144,64:131072, or '' for no per-batch rule.")
+        limits[int(batch)] = int(keys)
+    return limits
+
+
 def bench_decode(
     batches: str = typer.Option("1,8,32", help="Comma-separated request counts B."),
     keys: str = typer.Option("65536,262144,1048576", help="Comma-separated keys per request and layer."),
@@ -360,6 +380,9 @@ def bench_decode(
     exact_below: int = typer.Option(262144, callback=at_least(0),
                                     help="The length policy: requests of at most this many keys are scored "
                                          "exactly (0: never). Each case also times that exact path."),
+    pq_from: str = typer.Option("32:262144", help="The policy per batch size, 'B:N,...': with at least B "
+                                                 "requests, requests of N keys and more go through PQ even "
+                                                 "below --exact-below ('' for none)."),
     profile: bool = typer.Option(False, "--profile", help="Add each path's per-kernel device time of one step "
                                                            "(torch.profiler, eager) to the JSON."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
@@ -377,6 +400,7 @@ def bench_decode(
     key_counts = parse_ints(keys, "--keys", minimum=64)
     batch_sizes = parse_ints(batches, "--batches", minimum=1)
     prefilters = parse_ints(recall_prefilters, "--recall-prefilters", minimum=1)
+    pq_limits = parse_batch_limits(pq_from)
     if (recall_store is None) != (artifacts is None):
         raise DsaIndexError("--recall-store and --artifacts go together (the recall needs both).",
                             "pass both (a capture store and a PQ bundle trained on it), or neither.")
@@ -394,12 +418,12 @@ def bench_decode(
     for n in key_counts:
         for b in batch_sizes:
             row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile,
-                            exact_below=exact_below)
+                            exact_below=exact_below, pq_from=pq_limits)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
-              "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below,
+              "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below, "pq_from": pq_limits,
               "break_even_keys": break_even(rows), "rows": rows}
     if recall_store is not None:
         report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, p, cache,

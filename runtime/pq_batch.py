@@ -57,13 +57,23 @@ from dsaindex.runtime.host_store import HostKeyStore
 
 @dataclass
 class StepStats:
-    """Per-request counts of the last step, device tensors [S] (read them only when needed: a sync)."""
+    """Per-request counts of the last step, device tensors as the kernels wrote them (read them only when
+    needed: a sync). ``counts`` [S, 4] int32: candidates, hits, fetched, dropped; ``stage1`` [S] int32:
+    keys stage 1 kept. The named views are int64 [S]."""
 
-    candidates: torch.Tensor
-    hits: torch.Tensor
-    fetched: torch.Tensor
-    dropped: torch.Tensor
-    stage1_counts: torch.Tensor
+    counts: torch.Tensor
+    stage1: torch.Tensor
+
+    @classmethod
+    def zeros(cls, slots: int, device: torch.device) -> StepStats:
+        return cls(torch.zeros(slots, 4, dtype=torch.int32, device=device),
+                   torch.zeros(slots, dtype=torch.int32, device=device))
+
+    candidates = property(lambda self: self.counts[:, 0].long())
+    hits = property(lambda self: self.counts[:, 1].long())
+    fetched = property(lambda self: self.counts[:, 2].long())
+    dropped = property(lambda self: self.counts[:, 3].long())
+    stage1_counts = property(lambda self: self.stage1.long())
 
     def totals(self) -> dict[str, int]:
         return {k: int(getattr(self, k).sum()) for k in ("candidates", "hits", "fetched", "dropped")}
@@ -90,12 +100,18 @@ class PQDecodeGroup:
         pool and it is served by PQ (its codes and host pages are kept all along). 0 turns the policy off.
     exact_pages : pages of 64 keys in the group's exact pool (default: every slot at ``exact_below``); a
         request that finds the pool empty is served by PQ from then on
+    pq_from : the policy per batch size, ``{B: N}``: with at least B live requests, a step whose short
+        requests reach N keys runs them through PQ too (their codes are always there). ``bench decode``
+        reports this break-even per batch size (``break_even_keys``): at 32 requests and more, PQ
+        overtakes exact scoring at shorter lengths than for one request. The largest B not above the
+        live count applies; none: ``exact_below`` alone decides.
     """
 
     def __init__(self, layer: PQCodec, host: HostKeyStore, slots: int, max_keys: int, topk: int,
                  candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
-                 linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None):
+                 linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None,
+                 pq_from: dict[int, int] | None = None):
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -116,6 +132,7 @@ class PQDecodeGroup:
         self.dim = m * d
         self.codebooks = layer.codebooks.to(dev).float()
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
+        self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)  # the int8 stage-1 tables' bound
         self.metric = None if layer.metric is None else layer.metric.to(dev)
         self.slots, self.max_keys = slots, max_keys
         max_pages = -(-max_keys // self.page)
@@ -134,9 +151,10 @@ class PQDecodeGroup:
         self.pages: list[list[int] | None] = [None] * slots
         self.encoded_host = [0] * slots
         self.tail_host = [0] * slots
-        self.step = torch.zeros((), dtype=torch.long, device=dev)  # on the device: steps replay in CUDA graphs
+        self.step = torch.zeros(slots, dtype=torch.long, device=dev)  # on the device: steps replay in CUDA graphs
         # the length policy: short requests' exact keys in a shared pool of engine-layout pages
         self.exact_below = max(0, exact_below)
+        self.pq_from = dict(sorted((pq_from or {}).items()))
         width = -(-self.exact_below // self.page)
         n_pool = slots * width if exact_pages is None else exact_pages
         self.exact_pool = torch.zeros(n_pool if width else 0, self.page * (self.dim + 4), dtype=torch.uint8, device=dev)
@@ -212,19 +230,36 @@ class PQDecodeGroup:
             return "DeepGEMM fp8_paged_mqa_logits + rows_topk"
         return "Triton fp8_topk_paged" if self.use_triton else "torch reference"
 
-    def _select_exact(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def exact_schedule(self, n_heads: int = 64) -> torch.Tensor | None:
+        """DeepGEMM's scheduling metadata for this step's short requests (None where DeepGEMM does not
+        score them). It depends only on the requests' lengths, so a server computes it once per step and
+        passes it to every layer's :meth:`select`, as the engines do."""
+        if not self.exact_scorer(n_heads).startswith("DeepGEMM"):
+            return None
+        return deepgemm.paged_schedule(self.exact_len)
+
+    def _select_exact(self, q: torch.Tensor, w: torch.Tensor, schedule: torch.Tensor | None = None) -> torch.Tensor:
         """Top-k positions [S, topk] of the short requests, scored exactly (-1 rows for the others)."""
-        width = self.exact_table.shape[1]
+        longest = max((self.length(s) for s in range(self.slots) if self.short_host[s]), default=1)
+        width = -(-longest // self.page)  # pages of the longest short request: the logits' width
         if self.exact_scorer(q.shape[1]).startswith("DeepGEMM"):
             cache = self.exact_pool.view(-1, self.page, 1, self.dim + 4)
             # unmasked: rows_topk reads only each row's first exact_len entries
             logits = deepgemm.paged_logits(cache, self.exact_table, self.exact_len, q, w, width * self.page,
-                                           masked=False)
+                                           schedule=schedule, masked=False)
             return rows_topk(logits, self.exact_len, self.topk)[1]
         if self.use_triton:
-            return fp8_topk_paged(self.exact_pool, self.exact_table, self.exact_len, q, w, self.topk)[1]
-        keys, scales = paged_keys_reference(self.exact_pool, self.exact_table, self.dim)
+            return fp8_topk_paged(self.exact_pool, self.exact_table[:, :width], self.exact_len, q, w, self.topk)[1]
+        keys, scales = paged_keys_reference(self.exact_pool, self.exact_table[:, :width], self.dim)
         return fp8_topk_reference(keys, scales, self.exact_len, q.float(), w, self.topk)[1]
+
+    def _pq_limit(self, live: int) -> float:
+        """Keys from which the policy sends short requests to PQ, with ``live`` requests in the batch."""
+        limit = float("inf")
+        for batch, keys in self.pq_from.items():
+            if batch <= live:
+                limit = keys
+        return limit
 
     def _pages(self, slot: int) -> list[int]:
         pages = self.pages[slot]
@@ -309,28 +344,31 @@ class PQDecodeGroup:
                 "exact_pool": self.exact_pool.numel() // max(1, self.slots)}
 
     # ---- selection --------------------------------------------------------------------------------
-    def select(self, queries: torch.Tensor, head_weights: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
+    def select(self, queries: torch.Tensor, head_weights: torch.Tensor,
+               exact_schedule: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
         """Top-k key positions of every slot for one query each.
 
-        queries : [S, H, D] (engine basis); head_weights : [S, H] effective weights. Returns positions
-        [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the step's stats
-        (of the PQ path; zeros when every request is under the length policy and scored exactly).
+        queries : [S, H, D] (engine basis); head_weights : [S, H] effective weights; exact_schedule :
+        :meth:`exact_schedule` of this step, shared by the layers (computed here when None). Returns
+        positions [S, topk] int64 (-1 past a short request's keys; empty slots select nothing) and the
+        step's stats (of the PQ path; zeros when every request is under the length policy and scored
+        exactly).
         """
         q = queries.to(self.device, torch.bfloat16).contiguous()
         w = head_weights.to(self.device, torch.float32).contiguous()
         live = [slot for slot in range(self.slots) if self.pages[slot] is not None]
         short = [slot for slot in live if self.short_host[slot]]
+        if short and max(self.length(s) for s in short) >= self._pq_limit(len(live)):
+            short = []  # a batch this large is faster through PQ at these lengths
         if short and len(short) == len(live):  # every request is below the policy's length: exact only
-            zeros = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-            return self._select_exact(q, w), StepStats(zeros, zeros, zeros, zeros, zeros)
+            return self._select_exact(q, w, exact_schedule), StepStats.zeros(self.slots, self.device)
         picked, stats = self._select_pq(q, w)
         if short:  # a mixed batch runs both paths; each request takes its own
-            picked = torch.where(self.short[:, None], self._select_exact(q, w), picked)
+            picked = torch.where(self.short[:, None], self._select_exact(q, w, exact_schedule), picked)
         return picked, stats
 
     def _select_pq(self, q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
         s, dev = self.slots, self.device
-        self.step += 1
         longest = max(self.encoded_host) if self.slots else 0
         plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:
@@ -338,8 +376,9 @@ class PQDecodeGroup:
                 # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
                 _, rows1, counts1 = pq_linear_topc(self.codes, self.n_encoded, q, w, self.codebooks, self.c1,
                                                    capacity=2 * self.c1, max_len=longest, return_counts=True,
-                                                   keep_all=True, half_table=True, **self.linear_config)
-                coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1)
+                                                   keep_all=True, table_dtype=torch.int8,
+                                                   centroid_norms=self.centroid_norms, **self.linear_config)
+                coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1, block_n=128)
             else:
                 codes = self.codes[:, :longest]
                 _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q, w, self.codebooks, self.c1)
@@ -352,15 +391,14 @@ class PQDecodeGroup:
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
                                                      self.miss_filter, spill=self.spill, set_count=self.set_count)
             self._read_host(src, dst)
-            stats = StepStats(*counts.long().unbind(1), counts1.long())
+            stats = StepStats(counts, counts1.to(torch.int32))
         else:
             empty = torch.empty(s, 0, dtype=torch.long, device=dev)
             # no candidates: only the tail is rescored, and the cache is left as it is
             _, _, rows, positions, _ = decode_plan_reference(empty, empty.float(), self.cache_pos, self.cache_stamp,
                                                              self.step, self.n_encoded, self.tail_len, self.topk,
                                                              self.page)
-            zeros = torch.zeros(s, dtype=torch.long, device=dev)
-            stats = StepStats(zeros, zeros, zeros, zeros, zeros)
+            stats = StepStats.zeros(s, dev)
         rescore = fp8_gather_scores if self.use_triton else fp8_gather_scores_reference
         exact = rescore(self.pool_fp8, self.pool_scales, rows, q, w)
         k = min(self.topk, exact.shape[1])

@@ -69,3 +69,13 @@ def test_recall_inputs_are_checked_before_any_timing(store_and_bundle, tmp_path)
     assert missing.stderr.splitlines()[0].startswith(f"error: No artifact bundle at {tmp_path / 'nothing'}.")
     not_pq = run_cli("bench", "decode", "--recall-store", str(store), "--artifacts", str(store))
     assert not_pq.returncode == 2 and "not a dsaindex artifact bundle" in not_pq.stderr.splitlines()[0]
+
+
+def test_pq_from_parses_batch_limits_and_names_a_bad_item():
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.bench_decode import parse_batch_limits
+
+    assert parse_batch_limits("32:262144, 64:131072") == {32: 262144, 64: 131072}
+    assert parse_batch_limits("") == {}
+    with pytest.raises(DsaIndexError, match="'32-262144' is not BATCH:KEYS"):
+        parse_batch_limits("32-262144")

@@ -226,3 +226,30 @@ def test_length_policy_scores_short_requests_exactly(use_triton):
     assert overlap(picked[2:].cpu(), want[2:]) >= 0.75
     group.free(1)
     assert len(group.exact_free) == 30
+
+
+def test_policy_per_batch_size_sends_large_batches_to_pq():
+    """``pq_from``: with enough live requests, short requests at or past its length go through PQ (the
+    step's stats count their candidates); a smaller batch of the same requests is scored exactly."""
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    keys = histories([500, 400, 450], seed=6)
+    group = PQDecodeGroup(layer(), HostKeyStore(60, D), 3, 1600, 16, candidates=128, prefilter=2, cache_capacity=256,
+                          device=DEV, exact_below=640, pq_from={3: 448})
+    for slot in range(2):
+        group.admit(slot)
+        group.append(slot, keys[slot])
+    q, w = queries(3, 8)
+    if group.exact_scorer(H).startswith("DeepGEMM"):
+        q = q.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    picked, stats = group.select(q, w)  # two live requests: the rule for 3 does not apply
+    want = exact_topk(keys, q, w, 16)
+    assert stats.totals()["candidates"] == 0
+    assert all(set(picked[s].tolist()) == set(want[s].tolist()) for s in range(2))
+    group.admit(2)
+    group.append(2, keys[2])
+    picked, stats = group.select(q, w)  # three, the longest past 448 keys: PQ for all of them
+    assert (stats.candidates > 0).all()
+    assert overlap(picked.cpu(), want) >= 0.75
+    group.free(0)  # two live again: exact
+    assert group.select(q, w)[1].totals()["candidates"] == 0
