@@ -12,12 +12,12 @@ device tensors so a step is a fixed sequence of kernel launches with no host syn
 * the host store (:class:`HostKeyStore`, pinned) with every completed page, and a device page table.
 
 A step (LeanSparse §5 with a two-stage coarse score, see :mod:`dsaindex.kernels.pq_select`):
-float16 lookup tables (one kernel); stage 1 folded-query scan of all codes, keeping the keys above a
+int8 lookup tables (one kernel); stage 1 folded-query scan of all codes, keeping the keys above a
 sampled threshold (sample pass, threshold kernel, select pass); stage 2 full coarse score of those,
 top-C (:func:`dsaindex.kernels.topk.small_topk`, no sort); one plan kernel: miss filter, cache lookup,
 rows for the kept misses (least recently used of their set, or a spill row); host rows of the kept
 misses copied in by one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and
-the tail; top-k (``small_topk``). 16 kernels in all, no host synchronization.
+the tail; top-k (``small_topk``). 10 kernels in all, no host synchronization.
 
 :class:`RequestGroups` runs several groups' steps on separate CUDA streams, so one group's host reads
 overlap another group's scoring. ``PQDecodeIndexer`` in ``tests/pq_decode_reference.py`` is the
