@@ -20,6 +20,7 @@ from dsaindex.pipelines.bench import bench_app
 from dsaindex.pipelines.cli import register as register_pipelines
 from dsaindex.pipelines.reference_cli import reference_app
 from dsaindex.pipelines.runtime_cli import runtime_app
+from dsaindex.pipelines.serve_cli import serve_cmd
 from dsaindex.pipelines.train_cli import eval_app, train_app
 
 
@@ -53,6 +54,7 @@ app.add_typer(train_app, name="train", help="Train artifacts on capture stores."
 app.add_typer(eval_app, name="eval", help="Evaluate artifacts on held-out captures.")
 app.add_typer(runtime_app, name="runtime", help="Load and validate artifacts as a server would.")
 app.add_typer(bench_app, name="bench", help="Measure speed and size, JSON out.")
+app.command("serve")(serve_cmd)
 app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 
 

@@ -60,6 +60,21 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
 
+    def for_transformers(self) -> Any:
+        """The same tokenizer as a transformers ``PreTrainedTokenizerFast`` (what a transformers server
+        takes): each byte its own token, the begin token first, decoding back to UTF-8 text."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+        vocab |= {"<bos>": self.bos_id, "<eos>": self.eos_id}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
+
 
 class HFTokenizer:
     """A checkpoint's own tokenizer, loaded from its directory."""
@@ -73,6 +88,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
+
+    def for_transformers(self) -> Any:
+        return self.tok
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""``dsaindex serve``: transformers' OpenAI-compatible server with the runtime's selection installed.
+
+Startup, in order: the model loads; every artifact bundle is resolved (path or ``models:/...``),
+verified and validated against it (:func:`dsaindex.runtime.serving.load`: a mismatch stops here with
+the runtime check's message and exit code 2, before any port opens); the runtime is installed; then
+transformers' server (:mod:`dsaindex.runtime.server`) listens.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from dsaindex.console import at_least
+
+
+def serve_cmd(
+    model: str = typer.Option("reference", "--model", "-m", help="Checkpoint directory, `reference` or a preset."),
+    artifacts: list[str] = typer.Option(..., "--artifacts", "-a",
+                                        help="Bundle path or models:/<name>@<alias>; repeat for one pq (decode) and "
+                                             "one ivf (prefill) bundle."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, callback=at_least(1), help="Port to listen on."),
+    model_id: str = typer.Option(None, help="The model's name in the API (default: dsaindex/<model name>)."),
+    device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16."),
+    topk: int = typer.Option(None, callback=at_least(1), help="Keys selected per query (default: the model's)."),
+    candidates: int = typer.Option(1024, callback=at_least(1), help="Decode: C, keys reranked exactly per step."),
+    prefilter: int = typer.Option(2, callback=at_least(1), help="Decode: stage 1 keeps prefilter x C keys."),
+    ivf_budget: int = typer.Option(None, callback=at_least(1),
+                                   help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
+    exact_below: int = typer.Option(0, callback=at_least(0),
+                                    help="Decode: score requests of at most this many keys exactly (0: never)."),
+    basis: str = typer.Option("hadamard", help="Key basis the artifacts were trained in."),
+    allow_other_weights: bool = typer.Option(False, "--allow-other-weights",
+                                             help="Serve artifacts trained for another model of the same geometry."),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
+    log_level: str = typer.Option("warning", help="uvicorn's log level."),
+) -> None:
+    """Serve a DSA model over HTTP (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
+    with transformers' own server, the runtime selecting every layer's top-k: IVF for prefill, PQ for
+    decode, the model's exact selection where a layer has no artifact of a kind."""
+    from dsaindex.console import resolve_device
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.reference_train import set_index_topk
+    from dsaindex.runtime import server
+    from dsaindex.runtime.serving import load
+
+    dev = resolve_device(device)
+    loaded = load_model(model, device=dev, dtype=dtype)
+    net = loaded.model
+    identity = loaded.fingerprint  # the checkpoint's, before serving settings change the config
+    if topk is not None:
+        set_index_topk(net, topk)
+    index = load(artifacts, net, name=loaded.name, device=dev, basis=basis, allow_other_weights=allow_other_weights,
+                 tracking_uri=tracking_uri, served=identity, candidates=candidates, prefilter=prefilter,
+                 ivf_budget=ivf_budget, exact_below=exact_below)
+    index.attach()
+    name = model_id or f"dsaindex/{loaded.name}"
+    typer.echo(f"serving {name} ({loaded.name}, top-{index.topk}) on http://{host}:{port}/v1 with "
+               f"{', '.join(map(str, artifacts))}: {index.describe()}", err=True)
+    app = server.build_app(net, loaded.tokenizer.for_transformers(), name)
+    server.run(app, host=host, port=port, log_level=log_level)

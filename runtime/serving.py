@@ -1,0 +1,296 @@
+"""The runtime inside a served transformers DSA model: whole requests, prefill and decode.
+
+:func:`load` is the entry point a server calls once at startup: it resolves one or more artifact
+bundles (paths or ``models:/<name>@<alias>``), verifies and validates each against the served model
+(the config, and the model's own indexer weights unless told otherwise) and returns a
+:class:`ServedIndex` for that model. Installed (:meth:`ServedIndex.attach`, or as a context manager),
+it selects every indexer layer's top-k:
+
+* prefill chunks (more than one new token): through the layer's causal IVF index
+  (:class:`dsaindex.runtime.ivf_prefill.IVFPrefillIndexer`, with the learned routing of an ``ivf``
+  artifact), queries seeing only keys before them;
+* decode steps (one new token): through the layer's PQ coarse-to-fine group
+  (:class:`dsaindex.runtime.pq_batch.PQDecodeGroup`, from a ``pq`` artifact): exact index keys of
+  completed pages in (pinned) host memory, on the device only the codes, the exact tail and the cache;
+* a layer with no artifact of a kind keeps the model's own exact selection for that phase, and
+  :meth:`ServedIndex.paths` / :meth:`ServedIndex.describe` say which.
+
+A request starts when a batch row's first new position is 0 (transformers' ``generate`` runs one
+prompt, then one token per step); its state is then reset. Rows are request slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsaindex.errors import ArtifactMismatchError
+from dsaindex.geometry import geometry_from_config
+from dsaindex.hooks import ModuleHooks, PostHook, PreHook
+from dsaindex.indexer import find_indexers, mla_indexer_tensors
+from dsaindex.pq import PQCodec
+from dsaindex.quant import to_basis
+from dsaindex.runtime.host_store import HostKeyStore
+from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
+from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+__all__ = ["LayerPaths", "ServedIndex", "ServingLog", "load"]
+
+
+@dataclass(frozen=True)
+class LayerPaths:
+    """How one indexer layer selects: ``prefill`` is ``ivf`` or ``exact``, ``decode`` ``pq`` or ``exact``."""
+
+    prefill: str
+    decode: str
+
+
+@dataclass
+class ServingLog:
+    """Per layer: queries the runtime selected for, by phase, and (with ``measure_recall``) the summed
+    share of the model's own top-k each selection kept."""
+
+    queries: dict[str, dict[int, int]] = field(default_factory=lambda: {"prefill": {}, "decode": {}})
+    kept: dict[str, dict[int, float]] = field(default_factory=lambda: {"prefill": {}, "decode": {}})
+
+    def add(self, phase: str, layer: int, queries: int, kept: float | None) -> None:
+        self.queries[phase][layer] = self.queries[phase].get(layer, 0) + queries
+        if kept is not None:
+            self.kept[phase][layer] = self.kept[phase].get(layer, 0.0) + kept
+
+    def recall(self) -> dict[str, dict[int, float]]:
+        """Mean share of the model's own top-k kept, per phase and layer (layers with a measurement)."""
+        return {phase: {layer: round(total / max(1, self.queries[phase][layer]), 4)
+                        for layer, total in self.kept[phase].items()}
+                for phase in self.kept}
+
+
+def _kept_share(picked: torch.Tensor, own: torch.Tensor) -> float:
+    """Sum over query rows of |picked & own| / |own| (``picked``, ``own`` [Q, k] positions, -1 = none)."""
+    width = int(max(picked.max(), own.max())) + 2
+    mine = torch.zeros(picked.shape[0], width, dtype=torch.bool, device=picked.device)
+    mine.scatter_(1, picked.clamp_min(-1).long() + 1, True)
+    mine[:, 0] = False  # the -1 column
+    hit = mine.gather(1, own.long() + 1) & (own >= 0)
+    return float((hit.sum(1).float() / (own >= 0).sum(1).clamp_min(1).float()).sum())
+
+
+class ServedIndex(ModuleHooks):
+    """The runtime's selection installed in a transformers DSA model (V3.2, GLM-5 classes).
+
+    Parameters
+    ----------
+    model : the served model; decode : layer -> :class:`PQCodec` (``pq`` artifacts); prefill : layer ->
+    :class:`dsaindex.artifacts.kinds.IVFLayer` (``ivf`` artifacts); basis : the artifacts' key basis
+    slots : requests served at once (batch rows); max_keys : the longest request (default the model's
+    ``max_position_embeddings``)
+    candidates, prefilter, cache_capacity, exact_below, pq_from : the decode groups' settings
+    (:class:`PQDecodeGroup`); ivf_budget : candidates per prefill query (default 8 x top-k)
+    measure_recall : also log, per layer and phase, how much of the model's own top-k the runtime kept
+    (the model computes its exact selection anyway in transformers; this compares the two)
+    """
+
+    def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
+                 basis: str = "hadamard", slots: int = 1, max_keys: int | None = None, candidates: int = 1024,
+                 prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
+                 device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
+                 pq_from: dict[int, int] | None = None, measure_recall: bool = False):
+        super().__init__()
+        self.model = model
+        self.geometry = geometry_from_config(model.config)
+        self.indexers = find_indexers(model, self.geometry)
+        extra = sorted((set(decode) | set(prefill)) - set(self.indexers))
+        if extra:
+            raise ArtifactMismatchError(f"The artifacts have layers {extra}, which are not indexer layers of the "
+                                        f"served model (its indexer layers: {sorted(self.indexers)}).",
+                                        "serve artifacts trained for this model.")
+        self.decode_layers, self.prefill_layers = dict(decode), dict(prefill)
+        self.basis, self.slots = basis, slots
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.use_triton = use_triton
+        self.topk = self.geometry.topk
+        self.max_keys = max_keys or int(getattr(model.config, "max_position_embeddings", 1 << 17))
+        self.ivf_budget = ivf_budget or 8 * self.topk
+        self.measure_recall = measure_recall
+        pages = slots * (-(-self.max_keys // 64) + 1)
+        cache_rows = cache_capacity or -(-2 * candidates // 4) * 4
+        self.groups = {
+            layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
+                                 self.topk, candidates=candidates, prefilter=prefilter, cache_capacity=cache_rows,
+                                 device=self.device, use_triton=use_triton, exact_below=exact_below,
+                                 pq_from=pq_from)
+            for layer, codec in self.decode_layers.items()
+        }
+        self.ivf: dict[int, list[IVFPrefillIndexer | None]] = {layer: [None] * slots for layer in self.prefill_layers}
+        self.log = ServingLog()
+        self._chosen: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+
+    # ---- what the runtime does per layer ---------------------------------------------------------
+    def paths(self) -> dict[int, LayerPaths]:
+        return {layer: LayerPaths("ivf" if layer in self.prefill_layers else "exact",
+                                  "pq" if layer in self.decode_layers else "exact")
+                for layer in self.indexers}
+
+    def describe(self) -> str:
+        """One line per selection path: ``prefill ivf: layers 0-3; decode pq: layers 0-3`` (and exact)."""
+        parts = []
+        for phase in ("prefill", "decode"):
+            by_path: dict[str, list[int]] = {}
+            for layer, p in self.paths().items():
+                by_path.setdefault(getattr(p, phase), []).append(layer)
+            parts += [f"{phase} {path}: layers {_ranges(layers)}" for path, layers in sorted(by_path.items())]
+        return "; ".join(parts)
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        for layer, module in self.indexers.items():
+            if layer in self.decode_layers or layer in self.prefill_layers:
+                self.register(module, pre=self._before(layer), post=self._after(layer))
+
+    def remove(self) -> None:
+        """Detach the hooks and free every request's state."""
+        super().remove()
+        for group in self.groups.values():
+            for slot, pages in enumerate(group.pages):
+                if pages is not None:
+                    group.free(slot)
+        for indexers in self.ivf.values():
+            indexers[:] = [None] * len(indexers)
+
+    def _start(self, layer: int, slot: int) -> None:
+        """A new request in ``slot`` at ``layer``: empty decode state and prefill index."""
+        if layer in self.groups:
+            group = self.groups[layer]
+            if group.pages[slot] is not None:
+                group.free(slot)
+            group.admit(slot)
+        if layer in self.ivf:
+            self.ivf[layer][slot] = IVFPrefillIndexer(self.geometry.head_dim, self.topk, self.ivf_budget,
+                                                      layer=self.prefill_layers[layer], device=self.device,
+                                                      use_triton=self.use_triton)
+
+    @staticmethod
+    def _past(a: dict[str, Any], new: int) -> list[int]:
+        """Keys each batch row held before this call: the first new position (from ``position_ids``, else
+        from the cache, which already holds this call's tokens when the indexer runs)."""
+        ids = a.get("position_ids")
+        rows = a["hidden_states"].shape[0]
+        if ids is not None:
+            ids = ids.expand(rows, -1) if ids.shape[0] == 1 else ids
+            return [int(x) for x in ids[:, 0]]
+        cache = a.get("cache")
+        seen = int(cache.get_seq_length()) - new if cache is not None else 0
+        return [max(0, seen)] * rows
+
+    def _before(self, layer: int) -> PreHook:
+        def hook(mod: torch.nn.Module, a: dict[str, Any]) -> None:
+            hidden = a["hidden_states"]
+            rows, new = hidden.shape[0], hidden.shape[1]
+            if rows > self.slots:
+                raise ArtifactMismatchError(f"A batch of {rows} requests reached a runtime sized for {self.slots}.",
+                                            "load the runtime with slots >= the server's batch size.")
+            past = self._past(a, new)
+            for slot in range(rows):
+                if past[slot] == 0:
+                    self._start(layer, slot)
+            prefill = new > 1
+            routed = prefill and layer in self.ivf
+            cos, sin = a["position_embeddings"]
+            query_rows = None if routed else torch.tensor([new - 1], device=hidden.device)
+            with torch.no_grad():
+                keys, queries, weights = mla_indexer_tensors(mod, self.geometry.rope_layout, hidden, a["q_resid"],
+                                                             cos, sin, query_rows)
+            keys = to_basis(keys.float(), self.basis)
+            for slot in range(rows):
+                if layer in self.groups:
+                    self.groups[layer].append(slot, keys[slot])
+                if layer in self.ivf:
+                    self.ivf[layer][slot].append(keys[slot].to(self.device))
+            positions = torch.stack([torch.arange(p, p + new, device=self.device) for p in past])  # [B, S]
+            if routed:
+                picked = [self.ivf[layer][slot].select(to_basis(queries[slot].float(), self.basis).to(self.device),
+                                                       weights[slot].to(self.device), positions[slot])
+                          for slot in range(rows)]
+                self._chosen[layer] = ("prefill", torch.stack(picked), positions)
+            elif not prefill and layer in self.groups:
+                picked, _ = self.groups[layer].select(to_basis(queries[:, -1].float(), self.basis), weights[:, -1])
+                self._chosen[layer] = ("decode", picked[:rows].unsqueeze(1), positions)
+
+        return hook
+
+    def _after(self, layer: int) -> PostHook:
+        def hook(mod: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
+            chosen = self._chosen.pop(layer, None)
+            if chosen is None:
+                return None
+            phase, picked, positions = chosen  # [B, S, topk] key positions (-1 = none), [B, S] query positions
+            if output.shape[-1] < picked.shape[-1]:
+                return None  # fewer keys than top-k: the model's own selection already takes every key
+            rows, new = picked.shape[0], picked.shape[1]
+            flat = picked.reshape(rows * new, -1)
+            kept = None
+            if self.measure_recall:  # the model's own choice, without the future keys it pads with
+                own = output.reshape(rows * new, -1).to(picked.device).long()
+                own = own.masked_fill(own > positions.reshape(-1, 1), -1)
+                kept = _kept_share(flat, own)
+            self.log.add(phase, layer, rows * new, kept)
+            # -1 (fewer keys than k before this query) repeats the row's best position: the same mask
+            filled = torch.where(flat >= 0, flat, flat[:, :1].clamp_min(0))
+            return filled.view(rows, new, -1).to(output.device, torch.int32)
+
+        return hook
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    out, start = [], None
+    for i, layer in enumerate(sorted(layers)):
+        if start is None:
+            start = layer
+        nxt = sorted(layers)[i + 1] if i + 1 < len(layers) else None
+        if nxt != layer + 1:
+            out.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(out)
+
+
+def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str | None = None,
+         device: str | None = None, basis: str = "hadamard", allow_other_weights: bool = False,
+         tracking_uri: str | None = None, served: Any = None, **settings: Any) -> ServedIndex:
+    """Resolve, verify and validate artifact bundles against ``model``; the :class:`ServedIndex` that
+    serves it (not yet attached: use it as a context manager, or call ``attach()``).
+
+    uris : one bundle or several (paths or ``models:/<name>@<alias>``), e.g. a ``pq`` bundle for decode
+    and an ``ivf`` bundle for prefill; a layer may have one artifact of each kind. name : the model's
+    name in the fingerprint; allow_other_weights : see :func:`dsaindex.runtime.loader.load`; settings :
+    :class:`ServedIndex` keyword arguments. Raises :class:`ArtifactMismatchError` (another model, a layer
+    given twice, an unknown kind), :class:`dsaindex.errors.CorruptBundleError`.
+    """
+    from dsaindex.artifacts.fingerprint import fingerprint_model
+    from dsaindex.artifacts.kinds import IVFLayer
+    from dsaindex.runtime.loader import load as load_bundle
+
+    dev = str(device or next(model.parameters()).device)
+    if allow_other_weights:
+        served = None
+    elif served is None:
+        served = fingerprint_model(model, name or type(model).__name__)
+    decode: dict[int, PQCodec] = {}
+    prefill: dict[int, Any] = {}
+    for uri in [uris] if isinstance(uris, str | Path) else list(uris):
+        loaded = load_bundle(uri, model.config, device=dev, basis=basis, served=served, tracking_uri=tracking_uri,
+                             allow_other_weights=allow_other_weights)
+        for layer, obj in loaded.layers.items():
+            target = decode if isinstance(obj, PQCodec) else prefill if isinstance(obj, IVFLayer) else None
+            if target is None:
+                raise ArtifactMismatchError(f"{uri} layer {layer} is a {loaded.manifest.layers[str(layer)].kind} "
+                                            "artifact, which serving does not use.",
+                                            "serve pq (decode) and ivf (prefill) bundles.")
+            if layer in target:
+                raise ArtifactMismatchError(f"Layer {layer} has two artifacts of the same kind (the second from {uri}).",
+                                            "pass one bundle per kind.")
+            target[layer] = obj
+    return ServedIndex(model, decode, prefill, basis=basis, device=dev, **settings)

@@ -1,0 +1,221 @@
+"""The runtime serving whole requests in the reference checkpoint: IVF prefill, PQ decode, exact fallback,
+artifacts resolved and validated by ``load``; and ``dsaindex serve``: transformers' own server answering a
+real HTTP request on loopback with the runtime installed."""
+
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dsaindex.pipelines.models import REFERENCE_DIR
+
+pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
+
+TOPK = 32
+
+
+def _text(skip: int, n: int) -> torch.Tensor:
+    data = inspect.getsource(inspect).encode()[skip : skip + n]
+    return torch.tensor([256] + list(data), dtype=torch.long)
+
+
+def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3)):
+    """A PQ32 bundle trained on the model's keys of another text, and an IVF bundle whose encoder adds
+    nothing to the cluster means (routing by plain means), both recorded as trained for ``fingerprint``."""
+    from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
+    from dsaindex.artifacts.kinds import ENCODER_ARRAYS
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.hooks import ModuleHooks
+    from dsaindex.indexer import mla_indexer_tensors
+    from dsaindex.pq import PQSpec
+    from dsaindex.quant import to_basis
+    from dsaindex.train.pq import train_codebooks
+
+    geometry = geometry_from_config(net.config)
+    lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
+                      train_sequences=[0], eval_sequences=[1])
+    paths = []
+    if pq:
+        keys: dict[int, torch.Tensor] = {}
+        with ModuleHooks() as hooks, torch.no_grad():
+            for i, layer in enumerate(net.model.layers):
+                def grab(mod, a, i=i):
+                    cos, sin = a["position_embeddings"]
+                    k, _, _ = mla_indexer_tensors(mod, "half_split_head", a["hidden_states"], a["q_resid"], cos, sin)
+                    keys[i] = to_basis(k[0].float(), "hadamard")
+                hooks.register(layer.self_attn.indexer, pre=grab)
+            net(input_ids=_text(20_000, 3000).unsqueeze(0), use_cache=False)
+        arrays = {i: {"codebooks": train_codebooks(keys[i], PQSpec(dim=128, subspaces=32), "torch", 8).numpy()}
+                  for i in layers}
+        manifest = new_bundle_manifest(fingerprint, "hadamard", geometry.key_format,
+                                       {str(i): LayerArtifact(kind="pq", params={"subspaces": 32, "score_aware": False})
+                                        for i in layers}, lineage)
+        write_bundle(root / "pq", manifest, arrays)
+        paths.append(root / "pq")
+    if ivf:
+        rng = np.random.default_rng(0)
+        d, f, h = geometry.head_dim, 8, 16
+        shapes = {"phi_weight": (f, d), "phi_bias": (f,), "hidden_weight": (h, d + 1 + 2 * f), "hidden_bias": (h,),
+                  "out_weight": (d, h), "out_bias": (d,)}
+        assert set(shapes) == set(ENCODER_ARRAYS)
+        arrays = {i: {k: (np.zeros(s) if k.startswith("out") else rng.standard_normal(s)).astype(np.float32)
+                      for k, s in shapes.items()} for i in layers}
+        params = {"window": 64, "cluster_size": 16, "refit_every": 0, "sinks": 4, "features": f, "hidden": h}
+        manifest = new_bundle_manifest(fingerprint, "hadamard", geometry.key_format,
+                                       {str(i): LayerArtifact(kind="ivf", params=params) for i in layers}, lineage)
+        write_bundle(root / "ivf", manifest, arrays)
+        paths.append(root / "ivf")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The reference model at top-32 and its two bundles (PQ for decode, IVF for prefill)."""
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.reference_train import set_index_topk
+
+    loaded = load_model("reference", dtype="float32")
+    net = loaded.model
+    identity = loaded.fingerprint  # the checkpoint's; the top-k below is a serving setting
+    set_index_topk(net, TOPK)
+    paths = _bundles(tmp_path_factory.mktemp("bundles"), net, identity)
+    return net, paths, identity
+
+
+def _generate(net, prompt, n):
+    out = net.generate(prompt.unsqueeze(0), max_new_tokens=n, do_sample=False, num_beams=1)
+    return out[0, prompt.numel():]
+
+
+def test_whole_requests_select_through_ivf_and_pq(served):
+    """Prefill through IVF and decode through PQ, per layer; with budgets that cover every key the
+    selection is the model's own (recall 1 up to FP8 ties) and generation matches exhaustive selection."""
+    from dsaindex.runtime.serving import LayerPaths, load
+
+    net, paths, identity = served
+    prompt = _text(0, 300)
+    want = _generate(net, prompt, 12)
+    index = load(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
+                 measure_recall=True)
+    assert index.paths() == {i: LayerPaths("ivf", "pq") for i in range(4)}
+    assert index.describe() == "prefill ivf: layers 0-3; decode pq: layers 0-3"
+    with index:
+        got = _generate(net, prompt, 12)
+        second = _generate(net, _text(900, 200), 4)  # a new request: its state starts empty
+    assert torch.equal(got, want)
+    assert len(second) == 4
+    queries = index.log.queries
+    assert queries["prefill"] == {i: 301 + 201 for i in range(4)}  # every prompt position, both requests
+    assert queries["decode"] == {i: 11 + 3 for i in range(4)}
+    recall = index.log.recall()
+    assert min(recall["prefill"].values()) >= 0.99 and min(recall["decode"].values()) >= 0.97, recall
+    assert all(not m.self_attn.indexer._forward_hooks for m in net.model.layers)
+
+
+def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
+    from dsaindex.runtime.serving import LayerPaths, load
+
+    net, paths, identity = served
+    index = load(paths[:1], net, served=identity, candidates=2 * TOPK, prefilter=2, use_triton=False,
+                 measure_recall=True)
+    assert index.paths()[0] == LayerPaths("exact", "pq")
+    assert index.describe() == "prefill exact: layers 0-3; decode pq: layers 0-3"
+    with index:
+        _generate(net, _text(3000, 500), 10)
+    assert index.log.queries["prefill"] == {}  # the model's own prefill selection
+    recall = index.log.recall()["decode"]
+    assert 0.6 <= min(recall.values()) and sum(recall.values()) / 4 >= 0.8, recall
+    ivf_only = load(paths[1:], net, served=identity, ivf_budget=8 * TOPK, use_triton=False, measure_recall=True)
+    with ivf_only:
+        _generate(net, _text(3000, 500), 3)
+    assert ivf_only.log.queries["decode"] == {}
+    assert min(ivf_only.log.recall()["prefill"].values()) >= 0.7, ivf_only.log.recall()
+
+
+def test_artifacts_of_another_model_or_twice_the_same_kind_are_refused(served, tmp_path):
+    from dsaindex.artifacts.fingerprint import fingerprint_model
+    from dsaindex.errors import ArtifactMismatchError
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.runtime.serving import load
+
+    net, paths, identity = served
+    with pytest.raises(ArtifactMismatchError, match="two artifacts of the same kind"):
+        load([paths[0], paths[0]], net, served=identity)
+    other = load_model("reference", dtype="float32").model
+    with torch.no_grad():
+        other.model.layers[1].self_attn.indexer.wk.weight.mul_(1.01)  # another model, same geometry
+    other_paths = _bundles(tmp_path, net, fingerprint_model(other, "reference"), ivf=False)
+    with pytest.raises(ArtifactMismatchError):
+        load(other_paths, net, served=identity)
+    load(other_paths, net, allow_other_weights=True)  # a deliberate transfer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_answers_a_completion_over_http(served, tmp_path):
+    """``dsaindex serve`` starts transformers' server with the runtime installed; an OpenAI client on
+    loopback gets the same tokens as in-process generation with the same runtime."""
+    openai = pytest.importorskip("openai")
+    from dsaindex.runtime.serving import load
+
+    net, paths, identity = served
+    prompt_text = inspect.getsource(inspect)[0:300]
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dsaindex", "serve", "--model", "reference", "--topk", str(TOPK), "--port", str(port),
+           "--candidates", "64", "--ivf-budget", "256", "--model-id", "dsaindex/reference"]
+    for p in paths:
+        cmd += ["--artifacts", str(p)]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.time() + 240
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if server.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"the server did not start:\n{server.stdout.read()}")
+                time.sleep(1)
+        reply = client.completions.create(model="dsaindex/reference", prompt=prompt_text, max_tokens=8, temperature=0)
+        text = reply.choices[0].text
+    finally:
+        server.terminate()
+        log = server.communicate(timeout=30)[0]
+    assert "prefill ivf: layers 0-3; decode pq: layers 0-3" in log
+    prompt = torch.tensor([256] + list(prompt_text.encode()), dtype=torch.long)
+    with load(paths, net, served=identity, candidates=64, ivf_budget=256, use_triton=False):
+        want = _generate(net, prompt, 8)
+    assert reply.usage.completion_tokens == 8
+    assert text == bytes(t for t in want.tolist() if t < 256).decode("utf-8", "replace"), json.dumps(reply.model_dump())
+
+
+def test_serve_refuses_artifacts_of_another_model_before_the_port_opens(served, tmp_path):
+    from dsaindex.artifacts.fingerprint import fingerprint_model
+    from dsaindex.pipelines.models import load_model
+
+    net, _, _ = served
+    other = load_model("reference", dtype="float32").model
+    with torch.no_grad():
+        other.model.layers[0].self_attn.indexer.wk.weight.mul_(1.01)
+    (bundle,) = _bundles(tmp_path, net, fingerprint_model(other, "reference"), ivf=False)
+    port = _free_port()
+    result = subprocess.run([sys.executable, "-m", "dsaindex", "serve", "--model", "reference", "--artifacts",
+                             str(bundle), "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "error:" in result.stderr and "Fix:" in result.stderr
+    with socket.socket() as s:  # nothing listens there
+        assert s.connect_ex(("127.0.0.1", port)) != 0
