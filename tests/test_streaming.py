@@ -78,3 +78,15 @@ def test_streams_and_events_keep_the_prefixes_exact_under_load():
     streamer, written, seen = run_chunks("cuda", chunks=chunks, work=work)
     check(streamer, written, seen, chunks)
     assert streamer.host[0].is_pinned()
+
+
+def test_stream_bench_sizes_layers_as_v32_and_refuses_a_cpu():
+    from dsaindex.pipelines.bench_stream import flops_per_token
+    from helpers import run_cli
+
+    # at a 1M prefix the indexer's scores over the prefix dominate a V3.2 layer's work per token
+    assert flops_per_token(1 << 20) > 10 * flops_per_token(1024) > 0
+    assert 2 * 64 * 128 * (1 << 20) / flops_per_token(1 << 20) > 0.9
+    if not CUDA:
+        result = run_cli("bench", "prefill-stream", "--prefixes", "4096")
+        assert result.returncode == 2 and "needs a CUDA device" in result.stderr
