@@ -18,6 +18,7 @@ from dsaindex.artifacts.cli import registry_app, store_app
 from dsaindex.errors import DsaIndexError
 from dsaindex.pipelines.bench import bench_app
 from dsaindex.pipelines.cli import register as register_pipelines
+from dsaindex.pipelines.plan_cli import plan_app
 from dsaindex.pipelines.reference_cli import reference_app
 from dsaindex.pipelines.runtime_cli import runtime_app
 from dsaindex.pipelines.serve_cli import serve_cmd
@@ -55,6 +56,7 @@ app.add_typer(eval_app, name="eval", help="Evaluate artifacts on held-out captur
 app.add_typer(runtime_app, name="runtime", help="Load and validate artifacts as a server would.")
 app.add_typer(bench_app, name="bench", help="Measure speed and size, JSON out.")
 app.command("serve")(serve_cmd)
+app.add_typer(plan_app, name="plan", help="Plan memory and admission for serving (LeanSparse's model, Eq. 1-5).")
 app.add_typer(reference_app, name="reference", help="Train and evaluate the reference DSA checkpoint.")
 
 

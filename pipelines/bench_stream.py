@@ -17,6 +17,8 @@ wait is at most 5% of its compute, and the predicted one where T_comp >= T_load.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 KEY_BYTES = 132  # one exact index key: 128 FP8 bytes + a float32 scale (the engines' layout)
@@ -77,8 +79,8 @@ def bench_prefill_stream(
     chunks: str = typer.Option("64,128,256,512,1024,2048,4096", help="Comma-separated chunk sizes C (tokens)."),
     layers: int = typer.Option(6, help="Layers in the synthetic stack (each with its own streamed prefix)."),
     repeats: int = typer.Option(3, help="Timed runs per case (after one warm-up); medians reported."),
-    out: str = typer.Option(None, help="Also write the JSON result to this file."),
-    markdown: str = typer.Option(None, help="Also write the table as markdown to this file."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+    markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
 ) -> None:
     """Streamed prefill's exposed load wait vs chunk size on a production-size synthetic stack, against
     the LeanSparse model's prediction from the measured host bandwidth. Needs a CUDA device."""
