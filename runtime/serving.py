@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dsaindex.errors import ArtifactMismatchError
+from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
 from dsaindex.indexer import find_indexers, mla_indexer_tensors
@@ -91,13 +91,19 @@ class ServedIndex(ModuleHooks):
     (:class:`PQDecodeGroup`); ivf_budget : candidates per prefill query (default 8 x top-k)
     measure_recall : also log, per layer and phase, how much of the model's own top-k the runtime kept
     (the model computes its exact selection anyway in transformers; this compares the two)
+    stream_prefix : layer-wise streamed prefill of the model's own indexer keys (one request at a
+    time): they live in pinned host memory (:class:`dsaindex.runtime.streaming.PrefixStreamer`) and
+    reach the device through two buffers, the next layer's copy overlapping this layer's compute;
+    the model's cache keeps no indexer keys. A layer whose selection the runtime replaces in this
+    forward (IVF prefill, PQ decode) reads no prefix (its exact scores are unused), unless
+    ``measure_recall`` needs them
     """
 
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
                  basis: str = "hadamard", slots: int = 1, max_keys: int | None = None, candidates: int = 1024,
                  prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
-                 pq_from: dict[int, int] | None = None, measure_recall: bool = False):
+                 pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False):
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
@@ -127,6 +133,16 @@ class ServedIndex(ModuleHooks):
         self.ivf: dict[int, list[IVFPrefillIndexer | None]] = {layer: [None] * slots for layer in self.prefill_layers}
         self.log = ServingLog()
         self._chosen: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self.streamer = None
+        if stream_prefix:
+            if slots != 1:
+                raise DsaIndexError(f"Streamed prefill serves one request at a time; got slots={slots}.",
+                                    "pass slots=1 with stream_prefix=True.")
+            from dsaindex.runtime.streaming import PrefixStreamer
+
+            dtype = next(model.parameters()).dtype
+            self.streamer = PrefixStreamer(sorted(self.indexers), (self.geometry.head_dim,), dtype, self.max_keys,
+                                           self.device)
 
     # ---- what the runtime does per layer ---------------------------------------------------------
     def paths(self) -> dict[int, LayerPaths]:
@@ -147,7 +163,7 @@ class ServedIndex(ModuleHooks):
     # ---- hooks -------------------------------------------------------------------------------------
     def attach(self) -> None:
         for layer, module in self.indexers.items():
-            if layer in self.decode_layers or layer in self.prefill_layers:
+            if layer in self.decode_layers or layer in self.prefill_layers or self.streamer is not None:
                 self.register(module, pre=self._before(layer), post=self._after(layer))
 
     def remove(self) -> None:
@@ -185,6 +201,34 @@ class ServedIndex(ModuleHooks):
         seen = int(cache.get_seq_length()) - new if cache is not None else 0
         return [max(0, seen)] * rows
 
+    def _replaces(self, layer: int, new: int) -> bool:
+        """Whether the runtime replaces ``layer``'s selection in a forward of ``new`` tokens."""
+        return (layer in self.ivf) if new > 1 else (layer in self.groups)
+
+    def _stream(self, layer: int, a: dict[str, Any], new: int, past: int) -> None:
+        """Streamed prefill around the model's own indexer: acquire the layer's prefix (issuing the next
+        layer's copy) and have the layer's cache return prefix + new keys from the streamed buffer."""
+        if layer == min(self.indexers):  # the first indexer layer of this forward
+            if past == 0:
+                self.streamer.reset()
+            unused = set() if self.measure_recall else {i for i in self.indexers if self._replaces(i, new)}
+            self.streamer.begin_chunk(skip=unused)
+        self.streamer.acquire(layer)
+        cache = a.get("cache")
+        if cache is None:
+            raise DsaIndexError("Streamed prefill needs the model's cache (use_cache=True).",
+                                "generate with the cache on, or load the runtime with stream_prefix=False.")
+        skipped = not self.streamer.reads(layer)
+        streamer = self.streamer
+
+        def update_indexer(keys: torch.Tensor) -> torch.Tensor:
+            full = streamer.extend(layer, keys[0])
+            if skipped:  # the runtime selects for this layer: its exact scores are unused, read no prefix
+                return keys[:, :1].new_zeros(1, 1, keys.shape[2]).expand(1, full.shape[0], keys.shape[2])
+            return full.unsqueeze(0)
+
+        cache.layers[layer].update_indexer = update_indexer
+
     def _before(self, layer: int) -> PreHook:
         def hook(mod: torch.nn.Module, a: dict[str, Any]) -> None:
             hidden = a["hidden_states"]
@@ -193,6 +237,10 @@ class ServedIndex(ModuleHooks):
                 raise ArtifactMismatchError(f"A batch of {rows} requests reached a runtime sized for {self.slots}.",
                                             "load the runtime with slots >= the server's batch size.")
             past = self._past(a, new)
+            if self.streamer is not None:
+                self._stream(layer, a, new, past[0])
+            if layer not in self.groups and layer not in self.ivf:
+                return
             for slot in range(rows):
                 if past[slot] == 0:
                     self._start(layer, slot)
@@ -223,6 +271,8 @@ class ServedIndex(ModuleHooks):
 
     def _after(self, layer: int) -> PostHook:
         def hook(mod: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
+            if self.streamer is not None:
+                self.streamer.release(layer)
             chosen = self._chosen.pop(layer, None)
             if chosen is None:
                 return None

@@ -54,17 +54,21 @@ class PrefixStreamer:
         self._released: list[torch.cuda.Event | None] = [None, None]
         self._slot: dict[int, int] = {}
         self._next_slot = 0
+        self._skip: frozenset[int] = frozenset()
 
     # ---- one chunk ---------------------------------------------------------------------------------
-    def begin_chunk(self) -> None:
-        """Issue the first layer's load (call before the model's first layer runs)."""
+    def begin_chunk(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Issue the first layer's load (call before the model's first layer runs). Layers in ``skip``
+        will not read their prefix this chunk: no copy is made for them (their new rows are still
+        written back by :meth:`extend`)."""
         self._slot.clear()
         self._next_slot = 0
+        self._skip = frozenset(skip)
         self._load(self.layers[0])
 
     def acquire(self, layer: int) -> torch.Tensor:
-        """The layer's prefix rows on the device, [length, *row_shape] (a view of a buffer); issues the
-        next layer's load into the other buffer."""
+        """The layer's prefix rows on the device, [length, *row_shape] (a view of a buffer; not loaded
+        for a skipped layer); issues the next layer's load into the other buffer."""
         if layer not in self._slot:
             raise DsaIndexError(f"Layer {layer}'s prefix was never loaded in this chunk.",
                                 "call begin_chunk() before the first layer and acquire layers in order.")
@@ -114,7 +118,7 @@ class PrefixStreamer:
         slot = self._next_slot
         self._next_slot ^= 1
         self._slot[layer] = slot
-        n = self.length[layer]
+        n = 0 if layer in self._skip else self.length[layer]
         if self.copy_stream is None:
             self.buffers[slot][:n] = self.host[layer][:n].to(self.device)
             return
@@ -125,6 +129,14 @@ class PrefixStreamer:
             loaded = torch.cuda.Event()
             loaded.record(self.copy_stream)
         self._loaded[slot] = loaded
+
+    def reads(self, layer: int) -> bool:
+        """Whether ``layer`` reads its prefix in this chunk (it was not skipped)."""
+        return layer not in self._skip
+
+    def reset(self) -> None:
+        """Forget every layer's rows (a new request)."""
+        self.length = dict.fromkeys(self.layers, 0)
 
     def device_bytes(self) -> int:
         """Device bytes of prefix state: the two buffers."""

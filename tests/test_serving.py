@@ -219,3 +219,31 @@ def test_serve_refuses_artifacts_of_another_model_before_the_port_opens(served, 
     assert "error:" in result.stderr and "Fix:" in result.stderr
     with socket.socket() as s:  # nothing listens there
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_streamed_prefill_selects_as_the_resident_cache_does(served):
+    """With the model's indexer keys streamed from host memory through two buffers, generation and the
+    model's own selections are those of the resident cache; the cache holds no indexer keys, the host
+    holds them all, the device holds two layers' buffers."""
+    from dsaindex.runtime.serving import load
+
+    net, paths, identity = served
+    prompt = _text(7000, 400)
+    settings = dict(served=identity, candidates=2 * TOPK, use_triton=False, measure_recall=True)
+    resident = load(paths[:1], net, **settings)  # PQ decode; prefill is the model's own, from its keys
+    with resident:
+        want = net.generate(prompt.unsqueeze(0), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    streamed = load(paths[:1], net, stream_prefix=True, max_keys=1024, **settings)
+    with streamed:
+        got = net.generate(prompt.unsqueeze(0), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert streamed.log.recall() == resident.log.recall()  # the same choices, layer by layer
+    n = want.past_key_values.layers[0].indexer_keys.shape[1]
+    for layer in range(4):
+        assert got.past_key_values.layers[layer].indexer_keys is None  # nothing resident in the cache
+        held = streamed.streamer.host[layer][: streamed.streamer.length[layer]]
+        torch.testing.assert_close(held, want.past_key_values.layers[layer].indexer_keys[0, : held.shape[0]])
+        assert streamed.streamer.length[layer] == n  # every key, written back
+    assert streamed.streamer.device_bytes() == 2 * 1024 * 128 * 4
+    with pytest.raises(Exception, match="one request at a time"):
+        load(paths[:1], net, stream_prefix=True, slots=2, **settings)
