@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 
-.PHONY: install install-dev demo test lint clean
+.PHONY: install install-dev demo test test-engines lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,13 @@ demo: install
 test: install-dev
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
+# the SGLang and vLLM plugins' contract tests, each in its own virtualenv with the engine's real code
+test-engines:
+	bash engines/sglang/ci.sh -q
+	bash engines/vllm/ci.sh -q
+
 lint: install-dev
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-sglang .venv-vllm runs .pytest_cache

@@ -1,0 +1,59 @@
+"""SGLang plugin: serve DeepSeek Sparse Attention decode selection from dsaindex PQ artifacts.
+
+SGLang (0.5.23) calls :func:`register` at startup in every process (``sglang.srt.plugins.load_plugins``
+scans the entry-point group ``sglang.srt.plugins``; ``SGLANG_PLUGINS=dsaindex`` restricts loading to this
+one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers two hooks in SGLang's
+``HookRegistry`` (applied by ``load_plugins`` right after the plugins ran):
+
+* after ``ModelConfig.__init__``: load the bundle (local path or ``models:/NAME@alias``), verify it and
+  validate it against the served model's config (:func:`dsaindex.runtime.load`, the runtime check).
+  A bundle of another model raises :class:`dsaindex.errors.ArtifactMismatchError` and startup fails with
+  its message;
+* around ``Indexer._get_topk_paged`` (the decode-time top-k of the DSA indexer): for layers with a PQ
+  artifact, the selection is PQ coarse-to-fine over codes this plugin encodes as SGLang's paged index-K
+  cache pages complete, reranked exactly from the FP8 pages (:mod:`dsaindex_sglang.selection`); other
+  layers and other forward modes keep SGLang's own path.
+
+Settings (environment): ``DSAINDEX_ARTIFACTS`` (bundle), ``DSAINDEX_CANDIDATES`` (C, keys reranked
+exactly; default 2 x the model's top-k), ``DSAINDEX_PREFILTER`` (stage 1 keeps PREFILTER x C; default 4),
+``DSAINDEX_BASIS`` (default ``hadamard``, the basis SGLang's keys are in), ``DSAINDEX_ALLOW_OTHER_WEIGHTS``
+(``1``: serve artifacts of another model of the same geometry), ``DSAINDEX_TRACKING_URI`` (MLflow, for
+``models:/`` URIs; default ``MLFLOW_TRACKING_URI``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__version__ = "0.1.0"
+
+logger = logging.getLogger("dsaindex_sglang")
+
+ENV_ARTIFACTS = "DSAINDEX_ARTIFACTS"
+# What the plugin hooks in SGLang 0.5.23 (dotted paths HookRegistry resolves)
+SELECT_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
+CONFIG_TARGET = "sglang.srt.configs.model_config.ModelConfig.__init__"
+
+_registered = False
+
+
+def register() -> None:
+    """SGLang's entry point (group ``sglang.srt.plugins``, name ``dsaindex``)."""
+    global _registered
+    uri = os.environ.get(ENV_ARTIFACTS, "").strip()
+    if not uri:
+        logger.info("dsaindex: %s is not set; SGLang's own DSA selection is left as it is.", ENV_ARTIFACTS)
+        return
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from dsaindex_sglang import hooks
+
+    hooks.STATE.configure(uri)
+    HookRegistry.register(CONFIG_TARGET, hooks.validate_after_model_config, HookType.AFTER)
+    HookRegistry.register(SELECT_TARGET, hooks.select_around_get_topk_paged, HookType.AROUND)
+    _registered = True
+    logger.info("dsaindex: registered (artifacts %s); decode selection of layers with PQ artifacts is "
+                "the plugin's.", uri)

@@ -1,0 +1,142 @@
+"""The two hooks :func:`dsaindex_sglang.register` installs, and the per-process plugin state."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from dsaindex_sglang.selection import PagedPQSelector, to_sglang_selection
+
+logger = logging.getLogger("dsaindex_sglang")
+
+
+class PluginState:
+    """Per process: the bundle's URI and settings, then the loaded artifacts and one selector per layer."""
+
+    def __init__(self) -> None:
+        self.uri: str | None = None
+        self.loaded = None  # dsaindex.runtime.loader.LoadedArtifacts
+        self.selectors: dict[int, PagedPQSelector] = {}
+        self.fallbacks: dict[str, int] = {}
+        self.calls = 0
+
+    def configure(self, uri: str) -> None:
+        self.uri = uri
+
+    def load(self, hf_config: Any) -> None:
+        """Load, verify and validate the bundle against ``hf_config`` (the served model's config):
+        :func:`dsaindex.runtime.load`, the runtime check. Raises ArtifactMismatchError on a bundle of
+        another model; SGLang's startup then fails with its message."""
+        from dsaindex.runtime import load
+
+        if self.loaded is not None:
+            return
+        allow = os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") in ("1", "true", "yes")
+        tracking = os.environ.get("DSAINDEX_TRACKING_URI") or None
+        loaded = load(self.uri, hf_config, device="cpu", basis=os.environ.get("DSAINDEX_BASIS", "hadamard"),
+                      tracking_uri=tracking, allow_other_weights=allow)
+        topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
+        candidates = int(os.environ.get("DSAINDEX_CANDIDATES", 0) or 2 * topk)
+        prefilter = int(os.environ.get("DSAINDEX_PREFILTER", 4) or 4)
+        self.selectors = {}
+        for layer, codec in loaded.layers.items():
+            if loaded.kind_of(layer).name != "pq":
+                continue  # other kinds (ivf, ...) serve prefill; SGLang keeps its own path there
+            self.selectors[layer] = PagedPQSelector(codec, candidates=candidates, prefilter=prefilter)
+        self.loaded = loaded
+        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C=%d).",
+                    loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates)
+
+    def note_fallback(self, why: str) -> None:
+        if why not in self.fallbacks:
+            logger.warning("dsaindex: SGLang's own selection runs where %s.", why)
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+
+
+STATE = PluginState()
+
+
+def validate_after_model_config(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on ``ModelConfig.__init__``: validate and load the artifacts for the target model
+    (draft models are not served by the artifacts)."""
+    if getattr(self, "is_draft_model", False):
+        return None
+    STATE.load(checkpoint_config(self))
+    return None
+
+
+def checkpoint_config(model_config: Any) -> Any:
+    """The served checkpoint's config as transformers reads it from ``config.json`` (what a capture
+    fingerprints). SGLang's ``hf_config`` carries runtime fields it adds itself (``context_len``,
+    ``encoder_only``, ``swa_head_dim``, a ``type`` key in ``rope_parameters``, ...), so its digest is not
+    the checkpoint's; it is used only where transformers cannot read the folder."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_config.model_path, revision=getattr(model_config, "revision", None))
+    except Exception as err:  # noqa: BLE001 - remote code, an unknown model type, no local files
+        logger.warning("dsaindex: validating against SGLang's hf_config (transformers could not read %s: %s).",
+                       model_config.model_path, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return model_config.hf_config
+
+
+def select_around_get_topk_paged(original, self, forward_batch, layer_id, q_fp8, weights, metadata):
+    """AROUND hook on ``Indexer._get_topk_paged`` (sglang/srt/layers/attention/dsa/dsa_indexer.py:1219).
+
+    Returns what the original returns: [rows, index_topk] int32, -1 padded; page_size=1 KV slots when
+    SGLang's fused top-k transform is on, logical key positions otherwise (see
+    :func:`dsaindex_sglang.selection.to_sglang_selection`)."""
+    selector = STATE.selectors.get(int(layer_id))
+    if selector is None:
+        return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
+    why = _unsupported(forward_batch, metadata, q_fp8)
+    if why is not None:
+        STATE.note_fallback(why)
+        return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
+    from sglang.srt.layers.attention.dsa import dsa_indexer
+
+    pool = dsa_indexer.get_token_to_kv_pool()
+    page_size = getattr(pool, "index_page_size", None)
+    if page_size != 64 or getattr(pool, "index_kpool", 1) != 1:
+        STATE.note_fallback(f"the index-K pages are not plain 64-key pages (index_page_size={page_size})")
+        return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
+    cache = self._get_index_k_read_buffer(pool, layer_id)  # [pages, 64 * 132] uint8
+    seqlens = metadata.get_seqlens_int32()
+    page_table = metadata.get_page_table_64()
+    rows = seqlens.shape[0]
+    w = weights.reshape(weights.shape[0], weights.shape[1])[:rows]
+    positions = selector.select(cache, page_table, seqlens, q_fp8[:rows], w, self.index_topk,
+                                init_tokens=int(getattr(self, "num_init_tokens", 0) or 0),
+                                local_tokens=int(getattr(self, "num_local_tokens", 0) or 0))
+    STATE.calls += 1
+    out = to_sglang_selection(positions, page_table, fused=_fused_topk(metadata))
+    if q_fp8.shape[0] > rows:  # padding rows of the hidden states select nothing (as the original)
+        pad = torch.full((q_fp8.shape[0] - rows, out.shape[1]), -1, dtype=out.dtype, device=out.device)
+        out = torch.cat([out, pad])
+    return out
+
+
+def _fused_topk(metadata) -> bool:
+    """SGLang's switch (dsa_topk_backend.py:109): fused top-k emits page_size=1 KV slots."""
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_DSA_FUSE_TOPK.get()) and not getattr(metadata, "force_unfused_topk", False)
+
+
+def _unsupported(forward_batch, metadata, q_fp8) -> str | None:
+    """Why this call stays on SGLang's path (None: the plugin serves it)."""
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is None or not mode.is_decode():
+        return "the forward mode is not plain decode (target verify / draft extend / idle)"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is being captured (launch with --disable-cuda-graph to serve decode by PQ)"
+    method = getattr(metadata, "topk_transform_method", None)
+    if method is not None and getattr(method, "name", "PAGED") != "PAGED":
+        return f"the top-k transform is {method.name}"
+    seqlens = metadata.get_seqlens_int32()
+    if seqlens.dim() != 1 or q_fp8.shape[0] < seqlens.shape[0]:
+        return "rows are not one query per request"
+    return None

@@ -1,0 +1,174 @@
+"""The out-of-tree replacement of vLLM's ``SparseAttnIndexer`` (``vllm/model_executor/layers/sparse_attn_indexer.py``).
+
+vLLM's DeepSeek-V3.2 ``Indexer`` (``vllm/model_executor/models/deepseek_v2.py``) builds
+``SparseAttnIndexer(k_cache, quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len,
+max_total_seq_len, topk_indices_buffer)`` and calls ``indexer_op(hidden_states, q_fp8, k, weights)``;
+``CustomOp.__new__`` (``vllm/model_executor/custom_op.py``) instantiates the class registered under the
+layer's class name in ``op_registry_oot`` instead, so registering :class:`DsaIndexSparseAttnIndexer`
+with ``SparseAttnIndexer.register_oot`` makes every indexer layer of the model this class.
+
+What it changes: for a layer with a PQ artifact, the decode rows of ``topk_indices_buffer`` are the
+runtime's coarse-to-fine selection (:func:`dsaindex_vllm.selection.select_decode`) over PQ codes of
+the engine's own index-K cache pages. Everything else is vLLM's own path, unchanged: prefill rows,
+layers without an artifact, speculative decoding (several queries per request), FP4 caches, MXFP8
+(Blackwell) scales, decode/prefill context parallelism, and the profiling run. In a batch with prefill
+the engine's op runs first (it writes the keys to the cache and every row) and the decode rows are
+then replaced; in a decode-only batch the keys are written with vLLM's ``indexer_k_quant_and_cache``
+and the engine's exact decode scan does not run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+
+from dsaindex_vllm.plugin import ENV_ARTIFACTS
+from dsaindex_vllm.selection import PagedCodes, select_decode
+
+logger = logging.getLogger("dsaindex_vllm")
+
+OP_NAME = "SparseAttnIndexer"  # the key CustomOp.__new__ looks up: the in-tree class's __name__
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_lock = threading.Lock()
+_served: dict[tuple, Any] = {}
+
+
+def settings() -> dict[str, Any]:
+    """The plugin's environment, read when a layer is built."""
+    return {
+        "uri": os.environ.get(ENV_ARTIFACTS, "").strip(),
+        "basis": os.environ.get("DSAINDEX_BASIS", "raw"),
+        "candidates": int(os.environ.get("DSAINDEX_CANDIDATES", "0")),
+        "prefilter": int(os.environ.get("DSAINDEX_PREFILTER", "4")),
+        "allow_other_weights": os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") == "1",
+        "cache_dir": os.environ.get("DSAINDEX_CACHE_DIR") or None,
+    }
+
+
+def served_artifacts(hf_config: Any, device: torch.device | str) -> Any:
+    """The artifacts of ``DSAINDEX_ARTIFACTS`` resolved, verified and checked against the served model
+    (:func:`dsaindex.runtime.loader.load`, which raises ArtifactMismatchError naming both sides and the
+    fix), once per process, bundle, basis and device."""
+    from dsaindex.runtime.loader import load
+
+    s = settings()
+    key = (s["uri"], s["basis"], str(device), s["allow_other_weights"], id(hf_config))
+    with _lock:
+        if key not in _served:
+            loaded = load(s["uri"], hf_config, device=str(device), basis=s["basis"], cache_dir=s["cache_dir"],
+                          allow_other_weights=s["allow_other_weights"])
+            logger.info("dsaindex: %s (bundle %s) serves decode selection of layers %s",
+                        s["uri"], loaded.manifest.bundle_id, loaded.describe_layers())
+            _served[key] = loaded
+        return _served[key]
+
+
+def layer_id_of(prefix: str) -> int | None:
+    """``model.layers.7.self_attn.indexer.k_cache`` -> 7."""
+    found = _LAYER.search(prefix)
+    return int(found.group(1)) if found else None
+
+
+class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
+    """``SparseAttnIndexer`` whose decode rows come from the layer's PQ artifact (see the module doc)."""
+
+    def __init__(self, k_cache, quant_block_size: int, scale_fmt: str, topk_tokens: int, head_dim: int,
+                 max_model_len: int, max_total_seq_len: int, topk_indices_buffer: torch.Tensor, *args, **kwargs):
+        super().__init__(k_cache, quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len,
+                         max_total_seq_len, topk_indices_buffer, *args, **kwargs)
+        s = settings()
+        self.layer_id = layer_id_of(getattr(k_cache, "prefix", ""))
+        self.codec = None
+        self.paged: PagedCodes | None = None
+        self.candidates = s["candidates"] or 2 * topk_tokens
+        self.prefilter = s["prefilter"]
+        self.last_stats: dict[str, int] = {}
+        if not s["uri"]:
+            return
+        model_config = get_current_vllm_config().model_config
+        hf_config = getattr(model_config, "hf_config", None)
+        if hf_config is None:
+            from dsaindex.errors import DsaIndexError
+
+            raise DsaIndexError("dsaindex could not read the served model's config from vLLM's config, so the "
+                                f"artifacts of {ENV_ARTIFACTS} cannot be checked against it.",
+                                f"unset {ENV_ARTIFACTS}, or build the model through vLLM's engine.")
+        loaded = served_artifacts(hf_config, topk_indices_buffer.device)
+        if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).name == "pq":
+            self.codec = loaded.layers[self.layer_id]
+
+    # vLLM's CustomOp dispatch: CUDA (and platforms vLLM does not know) call forward_cuda, the CPU build
+    # forward_cpu; forward_native (custom op disabled in the compilation config) calls one of them.
+    def forward_cuda(self, hidden_states, q_quant, k, weights):
+        return self._forward(SparseAttnIndexer.forward_cuda, hidden_states, q_quant, k, weights)
+
+    def forward_cpu(self, hidden_states, q_quant, k, weights):
+        return self._forward(SparseAttnIndexer.forward_cpu, hidden_states, q_quant, k, weights)
+
+    def _engine_only(self, q_quant) -> bool:
+        if self.codec is None or isinstance(q_quant, tuple) or self.use_fp4_cache:
+            return True
+        if self.dcp_world_size > 1 or self.use_pcp or self.candidate_blocks is not None:
+            return True
+        try:
+            from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+
+            return bool(mqa_logits_use_mx_scales())  # MXFP8 scales: another page layout
+        except Exception:  # noqa: BLE001 - no DeepGEMM: FP32 scales
+            return False
+
+    def _forward(self, engine, hidden_states, q_quant, k, weights):
+        if self._engine_only(q_quant):
+            return engine(self, hidden_states, q_quant, k, weights)
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict):  # profiling / dummy run
+            return engine(self, hidden_states, q_quant, k, weights)
+        meta = metadata[self.k_cache.prefix]
+        decode = meta.decode
+        if meta.num_decodes == 0 or decode is None:
+            return engine(self, hidden_states, q_quant, k, weights)
+        seq_lens = decode.seq_lens
+        if meta.num_decode_tokens != meta.num_decodes or (seq_lens.ndim == 2 and seq_lens.shape[1] != 1):
+            return engine(self, hidden_states, q_quant, k, weights)  # several queries per request (MTP)
+        buffer = self.topk_indices_buffer
+        if meta.num_prefills > 0:
+            engine(self, hidden_states, q_quant, k, weights)
+        else:
+            if not self.skip_k_cache_insert:
+                self._insert_keys(k, meta.slot_mapping)
+            buffer[: hidden_states.shape[0]] = -1
+        kv_cache = self.k_cache.kv_cache
+        if self.paged is None:
+            self.paged = PagedCodes(self.codec, kv_cache.shape[0], self.head_dim, kv_cache.device)
+        b = meta.num_decodes
+        self.last_stats = select_decode(self.paged, kv_cache, decode.block_table[:b], seq_lens[:b],
+                                        q_quant[:b], weights[:b], buffer[:b], self.topk_tokens,
+                                        self.candidates, self.prefilter)
+        return buffer
+
+    def _insert_keys(self, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write this step's keys into the index-K cache as vLLM's op does (its CUDA kernel; GPU only)."""
+        from vllm import _custom_ops as ops
+
+        ops.indexer_k_quant_and_cache(k[: slot_mapping.shape[0]], self.k_cache.kv_cache, slot_mapping,
+                                      self.quant_block_size, self.scale_fmt)
+
+
+def install() -> None:
+    """Register :class:`DsaIndexSparseAttnIndexer` for ``SparseAttnIndexer`` (idempotent)."""
+    have = op_registry_oot.get(OP_NAME)
+    if have is DsaIndexSparseAttnIndexer:
+        return
+    if have is not None:
+        raise RuntimeError(f"another plugin already replaced vLLM's {OP_NAME} ({have.__module__}.{have.__qualname__}); "
+                           "dsaindex cannot replace it too. Load one of them (VLLM_PLUGINS).")
+    SparseAttnIndexer.register_oot(DsaIndexSparseAttnIndexer)

@@ -1,0 +1,250 @@
+"""Contract tests of the dsaindex vLLM plugin through vLLM's own code (CPU; vLLM 0.33.0).
+
+Ran through vLLM's code: the entry-point loader (``vllm.plugins.load_general_plugins``), the op registry
+(``CustomOp.register_oot`` / ``op_registry_oot``, ``CustomOp.__new__`` and its forward dispatch),
+``VllmConfig`` / ``set_current_vllm_config``, ``set_forward_context``, the in-tree
+``SparseAttnIndexer.__init__``, ``DeepseekV32IndexerCache`` (+ ``bind_kv_cache``), the indexer backend's
+``get_kv_cache_shape`` and the ``DeepseekV32IndexerMetadata`` / ``DeepSeekV32IndexerDecodeMetadata``
+dataclasses. Replicated by shape only (vLLM computes them in CUDA kernels or in the model's forward):
+the FP8 page contents (helpers.write_keys), ``q_fp8`` and ``weights``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+import vllm.plugins  # noqa: E402
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
+from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer  # noqa: E402
+from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache  # noqa: E402
+from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
+    DeepseekV32IndexerBackend,
+    DeepSeekV32IndexerDecodeMetadata,
+    DeepseekV32IndexerMetadata,
+)
+
+from dsaindex.artifacts.bundle import read_bundle  # noqa: E402
+from dsaindex.artifacts.compat import check_bundle_for_model  # noqa: E402
+from dsaindex.errors import ArtifactMismatchError  # noqa: E402
+from dsaindex.kernels.fp8_score import fp8_scores_reference, paged_keys_reference  # noqa: E402
+from dsaindex.kernels.select import topk_of_prefixes  # noqa: E402
+from dsaindex.pipelines.models import preset_config  # noqa: E402
+from dsaindex.score import topk_agree  # noqa: E402
+from helpers import PAGE, D, kmeans_codebooks, synthetic_keys, write_keys, write_pq_bundle  # noqa: E402
+
+PRESET = "bench-v32"  # the production indexer: 64 heads x 128, top-2048
+CFG = preset_config(PRESET)
+TOPK = CFG.index_topk
+H = CFG.index_n_heads
+
+LOAD = ("import json, vllm.plugins as p; p.load_general_plugins(); "
+        "from vllm.model_executor.custom_op import op_registry_oot as r; "
+        "c = r.get('SparseAttnIndexer'); print(json.dumps(None if c is None else [c.__module__, c.__name__, c.name]))")
+
+
+def run_loader(env_extra: dict[str, str]) -> object:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_PLUGINS", "DSAINDEX_"))}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def codebooks():
+    return kmeans_codebooks(synthetic_keys(8192, seed=11))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, codebooks):
+    path = tmp_path_factory.mktemp("b") / "bench-v32-pq"
+    write_pq_bundle(path, PRESET, codebooks=codebooks)
+    return path
+
+
+@pytest.fixture
+def plugin(monkeypatch, bundle):
+    """The plugin loaded by vLLM's own loader in this process; the registry restored afterwards."""
+    monkeypatch.setenv("VLLM_PLUGINS", "dsaindex")
+    monkeypatch.setenv("DSAINDEX_ARTIFACTS", str(bundle))
+    monkeypatch.setenv("DSAINDEX_CANDIDATES", "4096")
+    saved = dict(op_registry_oot)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    vllm.plugins.load_general_plugins()
+    yield
+    op_registry_oot.clear()
+    op_registry_oot.update(saved)
+
+
+def vllm_config(hf_config):
+    """vLLM's own VllmConfig; the model config is a stand-in carrying the served model's hf_config
+    (building vLLM's ModelConfig needs a loadable model; the plugin reads model_config.hf_config only)."""
+    vc = VllmConfig()
+    object.__setattr__(vc, "model_config", SimpleNamespace(hf_config=hf_config, max_model_len=1 << 16))
+    return vc
+
+
+def build_layer(vc, prefix="model.layers.1.self_attn.indexer", num_blocks=1200, rows=16):
+    """vLLM's indexer cache + op as deepseek_v2.py's Indexer.__init__ builds them (lines 724-751)."""
+    with set_current_vllm_config(vc):
+        cache = DeepseekV32IndexerCache(head_dim=D + D // 128 * 4, dtype=torch.uint8, prefix=f"{prefix}.k_cache",
+                                        cache_config=vc.cache_config)
+        # the indexer backend's page size, and the raw per-layer cache [blocks, H=1, block_size, C] that
+        # DeepseekV32IndexerCache.bind_kv_cache squeezes to [blocks, block_size, C] (deepseek_v2.py:653-656)
+        assert DeepseekV32IndexerBackend.get_supported_kernel_block_sizes() == [PAGE]
+        cache.bind_kv_cache(torch.zeros(num_blocks, 1, PAGE, D + 4, dtype=torch.uint8))
+        # DeepseekV2Model: topk_indices_buffer = torch.empty(max_num_batched_tokens, index_topk, int32)
+        buffer = torch.empty(rows, TOPK, dtype=torch.int32)
+        op = SparseAttnIndexer(cache, 128, "ue8m0", TOPK, D, 1 << 16, 1 << 16, buffer, skip_k_cache_insert=True)
+    return op, cache, buffer
+
+
+def decode_metadata(block_table: torch.Tensor, lens: list[int]) -> DeepseekV32IndexerMetadata:
+    b = len(lens)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    dec = DeepSeekV32IndexerDecodeMetadata(block_table=block_table, seq_lens=seq, decode_lens=torch.ones(b, dtype=torch.int32),
+                                           requires_padding=False, schedule_metadata=torch.zeros(1, dtype=torch.int32))
+    return DeepseekV32IndexerMetadata(seq_lens=seq, max_seq_len=max(lens), slot_mapping=torch.zeros(b, dtype=torch.int64),
+                                      num_decodes=b, num_decode_tokens=b, num_prefills=0, num_prefill_tokens=0,
+                                      decode=dec)
+
+
+# ---- (a) + (b): vLLM's loader discovers and runs the entry point; its registry maps the op ---------------
+def test_vllm_loader_runs_the_entry_point_and_registers_the_op(bundle):
+    got = run_loader({"VLLM_PLUGINS": "dsaindex", "DSAINDEX_ARTIFACTS": str(bundle)})
+    assert got == ["dsaindex_vllm.op", "DsaIndexSparseAttnIndexer", "SparseAttnIndexer"]
+
+
+def test_loader_leaves_the_op_alone_when_not_allowed_or_unconfigured(bundle):
+    assert run_loader({"VLLM_PLUGINS": "someone-else", "DSAINDEX_ARTIFACTS": str(bundle)}) is None
+    assert run_loader({"VLLM_PLUGINS": "dsaindex"}) is None
+
+
+def test_entry_point_is_declared_for_vllm():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group=vllm.plugins.DEFAULT_PLUGINS_GROUP)}
+    assert eps.get("dsaindex") == "dsaindex_vllm.plugin:register"
+
+
+def test_vllm_builds_the_plugin_class_for_its_indexer(plugin):
+    from dsaindex_vllm.op import DsaIndexSparseAttnIndexer
+
+    assert op_registry_oot["SparseAttnIndexer"] is DsaIndexSparseAttnIndexer
+    op, _, _ = build_layer(vllm_config(CFG))
+    assert type(op) is DsaIndexSparseAttnIndexer and isinstance(op, SparseAttnIndexer)
+    assert op.codec is not None and op.layer_id == 1
+    vllm.plugins.load_general_plugins()  # a second call in one process changes nothing
+    from dsaindex_vllm.op import install
+
+    install()
+    assert op_registry_oot["SparseAttnIndexer"] is DsaIndexSparseAttnIndexer
+
+
+# ---- (c): selection with vLLM's shapes, dtypes and layouts ----------------------------------------------
+def exact_topk(pages_flat, block_table, lens, q_fp8, weights):
+    keys, scales = paged_keys_reference(pages_flat, block_table, D)
+    scores = fp8_scores_reference(keys, scales, q_fp8.float(), weights)
+    _, rows = topk_of_prefixes(scores, torch.tensor(lens), TOPK)
+    return scores, rows
+
+
+def test_decode_selection_is_exact_when_every_key_is_a_candidate_and_keeps_most_otherwise(plugin):
+    op, cache, buffer = build_layer(vllm_config(CFG))
+    lens = [4096 + 37, 24000 + 5, 700]  # all completed keys candidates (C = 4096); PQ; fewer than top-k
+    g = torch.Generator().manual_seed(3)
+    width = max(-(-n // PAGE) for n in lens)
+    perm = torch.randperm(cache.kv_cache.shape[0], generator=g)[: len(lens) * width]
+    block_table = perm.view(len(lens), width).to(torch.int32)  # scattered pages, like vLLM's block manager
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    for b, n in enumerate(lens):
+        write_keys(pages_flat, block_table[b].tolist(), synthetic_keys(n, seed=100 + b))
+    q = (synthetic_keys(len(lens) * H, seed=7).view(len(lens), H, D) * 0.5).to(torch.float8_e4m3fn)  # q_fp8
+    weights = torch.rand(len(lens), H, generator=g) * (D**-0.5) * (H**-0.5)  # q scale folded in
+    hidden = torch.zeros(len(lens), 16, dtype=torch.bfloat16)
+    buffer.fill_(12345)
+    with set_forward_context({cache.prefix: decode_metadata(block_table, lens)}, vllm_config(CFG)):
+        out = op(hidden, q, None, weights)
+    assert out.data_ptr() == buffer.data_ptr() and out.dtype == torch.int32 and out.shape == (16, TOPK)
+    scores, want = exact_topk(pages_flat, block_table, lens, q, weights)
+    got = buffer[: len(lens)].long()
+    # row 0: every key a candidate -> vLLM's exact top-k
+    assert bool(topk_agree(scores[:1], got[:1], want[:1], visible=torch.tensor(lens[:1]))[0])
+    # row 2: fewer keys than top-k -> all of them, then -1 (vLLM's padding)
+    assert sorted(got[2, : lens[2]].tolist()) == list(range(lens[2])) and bool((got[2, lens[2] :] == -1).all())
+    # row 1: PQ candidates: most of the exact top-k, all positions in range, no duplicates
+    row = got[1]
+    assert bool((row >= 0).all()) and int(row.max()) < lens[1] and row.unique().numel() == TOPK
+    recall = len(set(row.tolist()) & set(want[1].tolist())) / TOPK
+    print(f"PQ row: recall of the exact top-{TOPK}: {recall:.3f}")
+    assert recall >= 0.85, recall  # 4,096 of 24,005 keys rescored; a random 4,096 would keep about 17%
+    assert recall < 1.0 or op.last_stats["rescored"] < sum(lens)  # the coarse stage did cut the rescoring
+    assert op.last_stats["rescored"] == lens[0] + (4096 + 5) + lens[2]
+    assert op.paged.encoded_pages == sum(n // PAGE for n in lens)
+
+
+def test_reused_pages_are_encoded_again(plugin):
+    op, cache, buffer = build_layer(vllm_config(CFG))
+    lens = [4096 + 64]  # 65 complete pages, all candidates
+    block_table = torch.arange(65, dtype=torch.int32).view(1, -1)
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    q = (synthetic_keys(H, seed=9).view(1, H, D) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.rand(1, H) * (D**-0.5) * (H**-0.5)
+    hidden = torch.zeros(1, 16, dtype=torch.bfloat16)
+    for round_ in range(2):  # the block manager hands the same pages to another request
+        write_keys(pages_flat, block_table[0].tolist(), synthetic_keys(lens[0], seed=50 + round_))
+        with set_forward_context({cache.prefix: decode_metadata(block_table, lens)}, vllm_config(CFG)):
+            op(hidden, q, None, weights)
+        scores, want = exact_topk(pages_flat, block_table, lens, q, weights)
+        assert bool(topk_agree(scores, buffer[:1].long(), want, visible=torch.tensor(lens))[0])
+    assert op.paged.encoded_pages == 2 * 65
+
+
+def test_layer_without_artifact_runs_vllms_own_path(plugin, monkeypatch):
+    calls = []
+    monkeypatch.setattr(SparseAttnIndexer, "forward_cuda", lambda self, *a: calls.append("cuda") or self.topk_indices_buffer)
+    monkeypatch.setattr(SparseAttnIndexer, "forward_cpu", lambda self, *a: calls.append("cpu") or self.topk_indices_buffer)
+    op, cache, _ = build_layer(vllm_config(CFG), prefix="model.mtp.indexer")  # no layer id: no artifact
+    assert op.codec is None
+    with set_forward_context({cache.prefix: decode_metadata(torch.zeros(1, 1, dtype=torch.int32), [5])}, vllm_config(CFG)):
+        op(torch.zeros(1, 16), torch.zeros(1, H, D).to(torch.float8_e4m3fn), None, torch.zeros(1, H))
+    assert len(calls) == 1
+
+
+# ---- (d): artifacts of another model stop startup with the runtime check's message ----------------------
+def test_artifacts_of_another_model_fail_at_layer_build(tmp_path, monkeypatch):
+    other = tmp_path / "tiny"
+    write_pq_bundle(other, "tiny-v32")  # 8 indexer heads; the served model has 64
+    manifest, _ = read_bundle(other, verify=True)
+    with pytest.raises(ArtifactMismatchError) as direct:
+        check_bundle_for_model(manifest, CFG, "raw")
+    monkeypatch.setenv("VLLM_PLUGINS", "dsaindex")
+    monkeypatch.setenv("DSAINDEX_ARTIFACTS", str(other))
+    saved = dict(op_registry_oot)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    try:
+        vllm.plugins.load_general_plugins()
+        with pytest.raises(ArtifactMismatchError) as at_startup:
+            build_layer(vllm_config(CFG), prefix="model.layers.0.self_attn.indexer")
+    finally:
+        op_registry_oot.clear()
+        op_registry_oot.update(saved)
+    assert str(at_startup.value) == str(direct.value)
+    assert "indexer heads" in str(at_startup.value) and "Fix:" in str(at_startup.value)
