@@ -188,6 +188,12 @@ class PQDecodeGroup:
         self.tail_len[slot] = 0
         self._set_short(slot, False)
 
+    def free_all(self) -> None:
+        """Free every slot that holds a request (a server shutting down, a hook set detaching)."""
+        for slot, pages in enumerate(self.pages):
+            if pages is not None:
+                self.free(slot)
+
     # ---- the length policy ----------------------------------------------------------------------------
     def _set_short(self, slot: int, short: bool) -> None:
         """Serve ``slot`` exactly (``short``) or by PQ; a request leaving the exact path returns its pages."""

@@ -170,9 +170,7 @@ class ServedIndex(ModuleHooks):
         """Detach the hooks and free every request's state."""
         super().remove()
         for group in self.groups.values():
-            for slot, pages in enumerate(group.pages):
-                if pages is not None:
-                    group.free(slot)
+            group.free_all()
         for indexers in self.ivf.values():
             indexers[:] = [None] * len(indexers)
 

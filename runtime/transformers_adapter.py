@@ -89,9 +89,7 @@ class RuntimeSelection(ModuleHooks):
         """Detach the hooks and free every request slot's pages."""
         super().remove()
         for group in self.groups.values():
-            for slot, pages in enumerate(group.pages):
-                if pages is not None:
-                    group.free(slot)
+            group.free_all()
 
     def _before(self, layer: int) -> PreHook:
         def hook(mod: torch.nn.Module, a: dict[str, Any]) -> None:

@@ -26,3 +26,24 @@ def text_corpus(root, files: int = 2, words: int = 600, seed: int = 1):
     for i in range(files):
         (d / f"doc{i}.txt").write_text(" ".join(rng.choice(vocab, words)))
     return d
+
+
+def model_index_keys(net, tokens):
+    """Every indexer layer's keys [N, D] of ``net`` (a V3.2-class transformers model) for ``tokens`` [N],
+    as the indexer scores them, in the Hadamard basis: layer id -> float32 tensor."""
+    import torch
+
+    from dsaindex.hooks import ModuleHooks
+    from dsaindex.indexer import mla_indexer_tensors
+    from dsaindex.quant import to_basis
+
+    keys = {}
+    with ModuleHooks() as hooks, torch.no_grad():
+        for i, layer in enumerate(net.model.layers):
+            def grab(mod, a, i=i):
+                cos, sin = a["position_embeddings"]
+                k, _, _ = mla_indexer_tensors(mod, "half_split_head", a["hidden_states"], a["q_resid"], cos, sin)
+                keys[i] = to_basis(k[0].float(), "hadamard")
+            hooks.register(layer.self_attn.indexer, pre=grab)
+        net(input_ids=tokens.unsqueeze(0), use_cache=False)
+    return keys

@@ -22,25 +22,15 @@ def _text(skip: int, n: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def model_and_layers():
     """The reference model at top-32 and PQ32 codebooks trained on its keys of another text."""
-    from dsaindex.hooks import ModuleHooks
-    from dsaindex.indexer import mla_indexer_tensors
     from dsaindex.pipelines.models import load_model
     from dsaindex.pipelines.reference_train import set_index_topk
     from dsaindex.pq import PQCodec, PQSpec
-    from dsaindex.quant import to_basis
     from dsaindex.train.pq import train_codebooks
+    from helpers import model_index_keys
 
     net = load_model("reference", dtype="float32").model
     set_index_topk(net, TOPK)
-    keys: dict[int, torch.Tensor] = {}
-    with ModuleHooks() as hooks, torch.no_grad():
-        for i, layer in enumerate(net.model.layers):
-            def grab(mod, a, i=i):
-                cos, sin = a["position_embeddings"]
-                k, _, _ = mla_indexer_tensors(mod, "half_split_head", a["hidden_states"], a["q_resid"], cos, sin)
-                keys[i] = to_basis(k[0].float(), "hadamard")
-            hooks.register(layer.self_attn.indexer, pre=grab)
-        net(input_ids=_text(20_000, 3000).unsqueeze(0), use_cache=False)
+    keys = model_index_keys(net, _text(20_000, 3000))
     layers = {i: PQCodec(train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8)) for i, k in keys.items()}
     return net, layers
 

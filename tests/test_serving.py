@@ -32,26 +32,16 @@ def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3)):
     from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
     from dsaindex.artifacts.kinds import ENCODER_ARRAYS
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.hooks import ModuleHooks
-    from dsaindex.indexer import mla_indexer_tensors
     from dsaindex.pq import PQSpec
-    from dsaindex.quant import to_basis
     from dsaindex.train.pq import train_codebooks
+    from helpers import model_index_keys
 
     geometry = geometry_from_config(net.config)
     lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                       train_sequences=[0], eval_sequences=[1])
     paths = []
     if pq:
-        keys: dict[int, torch.Tensor] = {}
-        with ModuleHooks() as hooks, torch.no_grad():
-            for i, layer in enumerate(net.model.layers):
-                def grab(mod, a, i=i):
-                    cos, sin = a["position_embeddings"]
-                    k, _, _ = mla_indexer_tensors(mod, "half_split_head", a["hidden_states"], a["q_resid"], cos, sin)
-                    keys[i] = to_basis(k[0].float(), "hadamard")
-                hooks.register(layer.self_attn.indexer, pre=grab)
-            net(input_ids=_text(20_000, 3000).unsqueeze(0), use_cache=False)
+        keys = model_index_keys(net, _text(20_000, 3000))
         arrays = {i: {"codebooks": train_codebooks(keys[i], PQSpec(dim=128, subspaces=32), "torch", 8).numpy()}
                   for i in layers}
         manifest = new_bundle_manifest(fingerprint, "hadamard", geometry.key_format,
