@@ -8,7 +8,8 @@ it selects every indexer layer's top-k:
 
 * prefill chunks (more than one new token): through the layer's causal IVF index
   (:class:`dsaindex.runtime.ivf_prefill.IVFPrefillIndexer`, with the learned routing of an ``ivf``
-  artifact), queries seeing only keys before them;
+  artifact), queries seeing only keys before them; the index is dropped at the request's first decode
+  step (a later prefill chunk of the same request keeps the model's own selection);
 * decode steps (one new token): through the layer's PQ coarse-to-fine group
   (:class:`dsaindex.runtime.pq_batch.PQDecodeGroup`, from a ``pq`` artifact): exact index keys of
   completed pages in (pinned) host memory, on the device only the codes, the exact tail and the cache;
@@ -199,9 +200,12 @@ class ServedIndex(ModuleHooks):
         seen = int(cache.get_seq_length()) - new if cache is not None else 0
         return [max(0, seen)] * rows
 
-    def _replaces(self, layer: int, new: int) -> bool:
-        """Whether the runtime replaces ``layer``'s selection in a forward of ``new`` tokens."""
-        return (layer in self.ivf) if new > 1 else (layer in self.groups)
+    def _replaces(self, layer: int, new: int, past: int) -> bool:
+        """Whether the runtime replaces ``layer``'s selection in a forward of ``new`` tokens after ``past``
+        (slot 0: streaming serves one request)."""
+        if new == 1:
+            return layer in self.groups
+        return layer in self.ivf and (past == 0 or self.ivf[layer][0] is not None)
 
     def _stream(self, layer: int, a: dict[str, Any], new: int, past: int) -> None:
         """Streamed prefill around the model's own indexer: acquire the layer's prefix (issuing the next
@@ -209,7 +213,7 @@ class ServedIndex(ModuleHooks):
         if layer == min(self.indexers):  # the first indexer layer of this forward
             if past == 0:
                 self.streamer.reset()
-            unused = set() if self.measure_recall else {i for i in self.indexers if self._replaces(i, new)}
+            unused = set() if self.measure_recall else {i for i in self.indexers if self._replaces(i, new, past)}
             self.streamer.begin_chunk(skip=unused)
         self.streamer.acquire(layer)
         cache = a.get("cache")
@@ -243,7 +247,11 @@ class ServedIndex(ModuleHooks):
                 if past[slot] == 0:
                     self._start(layer, slot)
             prefill = new > 1
-            routed = prefill and layer in self.ivf
+            if not prefill and layer in self.ivf:  # decoding: the prefill index and its keys leave the device
+                for slot in range(rows):
+                    self.ivf[layer][slot] = None
+            # a prefill chunk after decoding began (no index left) keeps the model's own selection
+            routed = prefill and layer in self.ivf and all(self.ivf[layer][slot] is not None for slot in range(rows))
             cos, sin = a["position_embeddings"]
             query_rows = None if routed else torch.tensor([new - 1], device=hidden.device)
             with torch.no_grad():
@@ -253,7 +261,7 @@ class ServedIndex(ModuleHooks):
             for slot in range(rows):
                 if layer in self.groups:
                     self.groups[layer].append(slot, keys[slot])
-                if layer in self.ivf:
+                if layer in self.ivf and self.ivf[layer][slot] is not None:
                     self.ivf[layer][slot].append(keys[slot].to(self.device))
             positions = torch.stack([torch.arange(p, p + new, device=self.device) for p in past])  # [B, S]
             if routed:

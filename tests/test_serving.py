@@ -98,6 +98,8 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     assert index.describe() == "prefill ivf: layers 0-3; decode pq: layers 0-3"
     with index:
         got = _generate(net, prompt, 12)
+        assert all(ix == [None] for ix in index.ivf.values())  # decoding dropped the prefill indexes
+        assert all(group.pages[0] for group in index.groups.values())  # the decode state stays
         second = _generate(net, _text(900, 200), 4)  # a new request: its state starts empty
     assert torch.equal(got, want)
     assert len(second) == 4
