@@ -11,7 +11,9 @@ Built in:
 * ``pq``: per-layer PQ codebooks (:class:`dsaindex.pq.PQCodec`), arrays ``codebooks`` [M, K, D/M] and,
   for score-aware codebooks, ``metric`` [M, D/M, D/M];
 * ``ivf``: a causal-IVF routing encoder (:class:`IVFLayer`): the encoder's arrays
-  (:data:`ENCODER_ARRAYS`) and the index settings it was trained with (:class:`IVFIndexSettings`).
+  (:data:`ENCODER_ARRAYS`) and the index settings it was trained with (:class:`IVFIndexSettings`);
+* ``reuse``: cross-layer top-k reuse plans (:class:`ReusePlans`), a model-level artifact: see
+  :class:`ReuseParams` for how it sits in the per-layer bundle format.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsaindex.errors import DsaIndexError
 
@@ -171,3 +173,196 @@ def _describe_ivf(layer: IVFLayer) -> str:
 register_kind(ArtifactKind("pq", PQParams, ("codebooks",), _place_pq, _summarize_pq, _describe_pq,
                            optional_arrays=("metric",)))
 register_kind(ArtifactKind("ivf", IVFParams, ENCODER_ARRAYS, _place_ivf, _summarize_ivf, _describe_ivf))
+
+
+# ---- reuse -----------------------------------------------------------------------------------------
+def retention_stride(retention: str) -> int:
+    """``"1/4"`` -> 4 (keep every 4th indexer layer's worth); a malformed one raises ``ValueError``."""
+    num, _, den = retention.partition("/")
+    if num != "1" or not den.isdigit() or int(den) < 1:
+        raise ValueError(f"retention {retention!r} is not of the form 1/N")
+    return int(den)
+
+
+def kept_count(num_layers: int, stride: int) -> int:
+    """Indexer layers a retention of ``1/stride`` keeps out of ``num_layers`` (as many as the evenly
+    spaced pattern ``layers[::stride]`` keeps)."""
+    return -(-num_layers // stride)
+
+
+def reuse_sources(layers: list[int], kept: list[int]) -> list[int]:
+    """For every layer of ``layers`` (ascending), the layer whose top-k it uses: itself where it keeps
+    its indexer, else the nearest kept layer before it (reuse runs forward, as the engines run it)."""
+    out, current = [], None
+    keep = set(kept)
+    for layer in layers:
+        if layer in keep:
+            current = layer
+        if current is None:
+            raise ValueError(f"layer {layer} comes before every kept layer: nothing to reuse")
+        out.append(current)
+    return out
+
+
+class ReusePlan(BaseModel):
+    """One retention's plan: which indexer layers keep their indexer and where every layer's top-k comes from.
+
+    retention : ``"1/N"``; kept : ascending layer ids that keep their indexer (the first indexer layer always,
+    ``ceil(L / N)`` in all); sources : per layer of :attr:`ReuseParams.layers`, the kept layer whose
+    selection it uses; method : ``optimal`` (the dynamic program) or ``even`` (every N-th layer); recall :
+    mean retained recall over layers on the training queries (``overlap[source, layer]`` averaged)
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    retention: str
+    method: str
+    kept: list[int]
+    sources: list[int]
+    recall: float = Field(ge=0.0, le=1.0)
+
+
+class ReuseParams(BaseModel):
+    """Parameters of a ``reuse`` layer.
+
+    Cross-layer reuse is one decision over the whole model, but a bundle lists one artifact per indexer
+    layer (the loader insists it covers exactly the model's indexer layers). So every indexer layer holds a
+    ``reuse`` artifact, and all of them name the layer that holds the plans (``plans_in_layer``, the first
+    indexer layer). That layer's artifact carries the plans here (``layers``, ``topk``, ``plans``) and the
+    array ``overlap`` [L, L] float32 (``overlap[i, j]``: mean share of layer ``j``'s exact top-k that
+    layer ``i``'s top-k holds, rows and columns in ``layers`` order); the others carry nothing else.
+
+    Validation refuses a plan that the engines could not run or that contradicts itself: kept layers
+    outside ``layers``, not ascending, not starting at the first layer, a count other than the retention's,
+    or sources other than the nearest kept layer at or before each layer.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    plans_in_layer: int
+    layers: list[int] = []
+    topk: int | None = None
+    plans: list[ReusePlan] = []
+
+    @property
+    def holds_plans(self) -> bool:
+        return bool(self.layers)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReuseParams:
+        fix = "train the plans again (`dsaindex train reuse STORE`)."
+        if not self.layers:
+            if self.plans:
+                raise DsaIndexError(f"A reuse artifact lists {len(self.plans)} plan(s) but no layers.", fix)
+            return self
+        layers = self.layers
+        if layers != sorted(set(layers)):
+            raise DsaIndexError(f"The reuse plans' layers {layers} are not ascending and distinct.", fix)
+        if self.plans_in_layer != layers[0]:
+            raise DsaIndexError(f"The reuse plans sit in layer {self.plans_in_layer}, not in the first indexer "
+                                f"layer {layers[0]}.", fix)
+        if self.topk is None or self.topk < 1:
+            raise DsaIndexError(f"The reuse plans have top-k {self.topk}; it must be 1 or more.", fix)
+        seen = set()
+        for plan in self.plans:
+            where = f"Reuse plan {plan.retention} ({plan.method})"
+            try:
+                stride = retention_stride(plan.retention)
+            except ValueError as err:
+                raise DsaIndexError(f"{where}: {err}.", fix) from None
+            if (plan.retention, plan.method) in seen:
+                raise DsaIndexError(f"{where} appears twice.", fix)
+            seen.add((plan.retention, plan.method))
+            if plan.method not in ("optimal", "even"):
+                raise DsaIndexError(f"{where}: method {plan.method!r} is neither 'optimal' nor 'even'.", fix)
+            stray = sorted(set(plan.kept) - set(layers))
+            if stray:
+                raise DsaIndexError(f"{where} keeps layers {stray}, which are not indexer layers {layers}.", fix)
+            if plan.kept != sorted(set(plan.kept)) or not plan.kept or plan.kept[0] != layers[0]:
+                raise DsaIndexError(f"{where} keeps {plan.kept}: kept layers must be ascending, distinct and start "
+                                    f"with the first indexer layer {layers[0]} (it has nothing to reuse).", fix)
+            want = kept_count(len(layers), stride)
+            if len(plan.kept) != want:
+                raise DsaIndexError(f"{where} keeps {len(plan.kept)} layers; a retention of {plan.retention} of "
+                                    f"{len(layers)} layers keeps {want}.", fix)
+            if plan.method == "even" and plan.kept != layers[::stride]:
+                raise DsaIndexError(f"{where} keeps {plan.kept}, not every {stride}th layer {layers[::stride]}.", fix)
+            expected = reuse_sources(layers, plan.kept)
+            if plan.sources != expected:
+                bad = next(i for i in range(len(layers))
+                           if i >= len(plan.sources) or plan.sources[i] != expected[i])
+                got = plan.sources[bad] if bad < len(plan.sources) else "nothing"
+                raise DsaIndexError(f"{where}: layer {layers[bad]} reuses {got}, but the nearest kept layer at or "
+                                    f"before it is {expected[bad]} (sources must list one kept layer per "
+                                    f"indexer layer, {len(layers)} in all).", fix)
+        return self
+
+
+@dataclass
+class ReusePlans:
+    """The served form of the layer holding the plans: ``layers`` (ascending ids), ``topk``, ``plans``
+    (:class:`ReusePlan`) and ``overlap`` [L, L] float32 on the device."""
+
+    layers: list[int]
+    topk: int
+    plans: list[ReusePlan]
+    overlap: Any
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.overlap.numel()) * 4
+
+    def plan(self, retention: str, method: str = "optimal") -> ReusePlan:
+        for p in self.plans:
+            if p.retention == retention and p.method == method:
+                return p
+        raise DsaIndexError(f"The reuse plans hold no {method} plan for retention {retention} "
+                            f"(they hold {', '.join(sorted({p.retention for p in self.plans})) or 'none'}).",
+                            "pick one of those retentions.")
+
+
+@dataclass
+class ReuseRef:
+    """The served form of every other layer of a ``reuse`` bundle: where the plans are."""
+
+    plans_in_layer: int
+    nbytes: int = 0
+
+
+def _place_reuse(params: ReuseParams, tensors: dict[str, Any]) -> ReusePlans | ReuseRef:
+    from dsaindex.errors import CorruptBundleError
+
+    fix = "train the plans again (`dsaindex train reuse STORE`)."
+    if not params.holds_plans:
+        if tensors:
+            raise CorruptBundleError(f"A reuse layer that refers to layer {params.plans_in_layer} stores arrays "
+                                     f"({', '.join(sorted(tensors))}).", fix)
+        return ReuseRef(params.plans_in_layer)
+    overlap = tensors.get("overlap")
+    n = len(params.layers)
+    if overlap is None or tuple(overlap.shape) != (n, n):
+        found = "no overlap array" if overlap is None else f"overlap {list(overlap.shape)}"
+        raise CorruptBundleError(f"The reuse plans cover {n} layers but the bundle stores {found}; "
+                                 f"it must be [{n}, {n}].", fix)
+    return ReusePlans(list(params.layers), int(params.topk), list(params.plans), overlap)
+
+
+def _summarize_reuse(served: ReusePlans | ReuseRef) -> dict[str, Any]:
+    if isinstance(served, ReuseRef):
+        return {"kind": "reuse", "plans_in_layer": served.plans_in_layer}
+    plans: dict[str, Any] = {}
+    for p in served.plans:
+        entry = plans.setdefault(p.retention, {})
+        prefix = "" if p.method == "optimal" else "even_"
+        entry[f"{prefix}kept"] = p.kept
+        entry[f"{prefix}recall"] = p.recall
+    return {"kind": "reuse", "layers": served.layers, "topk": served.topk, "plans": plans}
+
+
+def _describe_reuse(served: ReusePlans | ReuseRef) -> str:
+    if isinstance(served, ReuseRef):
+        return f"reuse (plans in layer {served.plans_in_layer})"
+    retentions = sorted({p.retention for p in served.plans}, key=retention_stride)
+    return f"reuse plans for {len(served.layers)} layers, top-{served.topk}, retentions {', '.join(retentions)}"
+
+
+register_kind(ArtifactKind("reuse", ReuseParams, (), _place_reuse, _summarize_reuse, _describe_reuse,
+                           optional_arrays=("overlap",)))

@@ -1,5 +1,5 @@
-"""``dsaindex train pq|ivf`` and ``dsaindex eval pq|pq-compare|ivf``: option parsing over the jobs of
-:mod:`dsaindex.train.pq_job` and :mod:`dsaindex.train.ivf_job`.
+"""``dsaindex train pq|ivf|reuse`` and ``dsaindex eval pq|pq-compare|ivf|reuse``: option parsing over the
+jobs of :mod:`dsaindex.train.pq_job`, :mod:`dsaindex.train.ivf_job` and :mod:`dsaindex.train.reuse`.
 
 These commands live with the pipelines because ``--model`` loads the target model to compare its
 fingerprint with the store's; the training code itself never loads a model.
@@ -248,3 +248,75 @@ def eval_ivf_cmd(
         return
     Console().print(routing_table(result["mean"], budget_list,
                                   f"held-out recall of the exact top-{result['topk']}, mean of layers"))
+
+
+def _reuse_rows(plans: dict) -> object:
+    from rich.table import Table
+
+    table = Table(title="retained recall of the exact top-k (held-out queries, mean of layers)")
+    for col in ("retention", "kept layers (optimal)", "optimal", "evenly spaced", "gain"):
+        table.add_column(col, justify="left" if col.startswith("kept") else "right")
+    for retention, p in plans.items():
+        table.add_row(retention, ",".join(map(str, p["kept"])), f"{p['recall']:.4f}", f"{p['even_recall']:.4f}",
+                      f"{p['recall'] - p['even_recall']:+.4f}")
+    return table
+
+
+@train_app.command("reuse")
+def train_reuse_cmd(
+    store: Path = typer.Argument(..., help="Capture store to analyze."),
+    model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
+    topk: int = typer.Option(None, "--topk", callback=at_least(1),
+                             help="Keys each layer selects (default: the model's index_topk)."),
+    queries: int = typer.Option(256, "--queries", callback=at_least(1),
+                                help="Sampled queries per split (training, held-out) whose top-k sets are compared."),
+    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
+                                                        "runs/bundles/<store>-reuse, with -2, -3, ... if taken)."),
+    plot: Path = typer.Option(None, "--plot", help="Heat map of the overlap matrix (PNG; default: "
+                                                   "<bundle>-overlap.png beside the bundle)."),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
+    tracking_uri: str = typer.Option(None, help=_URI_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
+) -> None:
+    """Measure how much of each layer's exact top-k another layer's holds, choose which layers keep their
+    indexer at retentions 1/2 ... 1/32 (the rest reuse the nearest kept layer before them), compare with
+    evenly spaced layers on held-out sequences, write and register a ``reuse`` bundle."""
+    from rich.console import Console
+
+    from dsaindex.console import print_json, progress_bar, resolve_device
+    from dsaindex.train.reuse import run_reuse_job
+
+    _check_target_model(store, model)
+    with progress_bar("reuse overlap", enabled=not as_json, unit="steps") as update:
+        result = run_reuse_job(store, topk, queries, out, register, tracking_uri, plot, resolve_device(device),
+                               progress=update)
+    if as_json:
+        print_json(result)
+        return
+    registered = result["registered"]
+    Console().print(_reuse_rows(result["plans"]))
+    Console().print(f"bundle: {result['bundle']}  plot: {result['plot']}"
+                    + (f"  registered: {registered['name']} v{registered['version']}" if registered else ""))
+
+
+@eval_app.command("reuse")
+def eval_reuse_cmd(
+    bundle: Path = typer.Argument(..., help="A reuse bundle (`dsaindex train reuse`)."),
+    store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to measure on."),
+    queries: int = typer.Option(256, "--queries", callback=at_least(1), help="Held-out queries compared."),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
+) -> None:
+    """Held-out retained recall of each plan of a reuse bundle beside the evenly spaced pattern."""
+    from rich.console import Console
+
+    from dsaindex.console import print_json, progress_bar, resolve_device
+    from dsaindex.train.reuse import evaluate_bundle
+
+    with progress_bar("reuse eval", enabled=not as_json, unit="steps") as update:
+        result = evaluate_bundle(bundle, store, queries, resolve_device(device), progress=update)
+    if as_json:
+        print_json(result)
+        return
+    Console().print(_reuse_rows(result["plans"]))
