@@ -98,13 +98,18 @@ class ServedIndex(ModuleHooks):
     the model's cache keeps no indexer keys. A layer whose selection the runtime replaces in this
     forward (IVF prefill, PQ decode) reads no prefix (its exact scores are unused), unless
     ``measure_recall`` needs them
+    reuse : cross-layer reuse (IndexCache), layer -> the kept layer whose selection it takes (a ``reuse``
+    artifact's plan): a layer that reuses takes that layer's final selection of the same forward
+    (the runtime's or the model's own) instead of its own; ``measure_recall`` logs how much of its own
+    top-k the reused one keeps. Its own indexer still runs in transformers (its output is replaced)
     """
 
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
                  basis: str = "hadamard", slots: int = 1, max_keys: int | None = None, candidates: int = 1024,
                  prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
-                 pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False):
+                 pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
+                 reuse: dict[int, int] | None = None):
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
@@ -114,7 +119,18 @@ class ServedIndex(ModuleHooks):
             raise ArtifactMismatchError(f"The artifacts have layers {extra}, which are not indexer layers of the "
                                         f"served model (its indexer layers: {sorted(self.indexers)}).",
                                         "serve artifacts trained for this model.")
-        self.decode_layers, self.prefill_layers = dict(decode), dict(prefill)
+        self.reuse = {layer: src for layer, src in (reuse or {}).items() if src != layer}
+        bad = {layer: src for layer, src in self.reuse.items() if src not in self.indexers or src > layer}
+        if bad or set(self.reuse) - set(self.indexers):
+            raise ArtifactMismatchError(f"The reuse plan {self.reuse} names layers that are not earlier indexer "
+                                        f"layers of the served model ({sorted(self.indexers)}).",
+                                        "serve a reuse plan trained for this model.")
+        self._sources = set(self.reuse.values())
+        self._last: dict[int, torch.Tensor] = {}
+        self._past_rows: list[int] = [0]
+        # a layer that reuses another's selection needs no state of its own
+        self.decode_layers = {layer: c for layer, c in decode.items() if layer not in self.reuse}
+        self.prefill_layers = {layer: x for layer, x in prefill.items() if layer not in self.reuse}
         self.basis, self.slots = basis, slots
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.use_triton = use_triton
@@ -147,8 +163,10 @@ class ServedIndex(ModuleHooks):
 
     # ---- what the runtime does per layer ---------------------------------------------------------
     def paths(self) -> dict[int, LayerPaths]:
-        return {layer: LayerPaths("ivf" if layer in self.prefill_layers else "exact",
-                                  "pq" if layer in self.decode_layers else "exact")
+        """Per indexer layer: ``ivf`` / ``pq``, ``exact`` (the model's own), or ``reuse L`` (layer L's)."""
+        return {layer: LayerPaths(f"reuse {self.reuse[layer]}", f"reuse {self.reuse[layer]}") if layer in self.reuse
+                else LayerPaths("ivf" if layer in self.prefill_layers else "exact",
+                                "pq" if layer in self.decode_layers else "exact")
                 for layer in self.indexers}
 
     def describe(self) -> str:
@@ -157,14 +175,18 @@ class ServedIndex(ModuleHooks):
         for phase in ("prefill", "decode"):
             by_path: dict[str, list[int]] = {}
             for layer, p in self.paths().items():
-                by_path.setdefault(getattr(p, phase), []).append(layer)
+                if layer not in self.reuse:
+                    by_path.setdefault(getattr(p, phase), []).append(layer)
             parts += [f"{phase} {path}: layers {_ranges(layers)}" for path, layers in sorted(by_path.items())]
+        if self.reuse:
+            parts.append("reuse: " + ", ".join(f"{layer} <- {src}" for layer, src in sorted(self.reuse.items())))
         return "; ".join(parts)
 
     # ---- hooks -------------------------------------------------------------------------------------
     def attach(self) -> None:
         for layer, module in self.indexers.items():
-            if layer in self.decode_layers or layer in self.prefill_layers or self.streamer is not None:
+            if (layer in self.decode_layers or layer in self.prefill_layers or self.streamer is not None
+                    or layer in self.reuse or layer in self._sources):
                 self.register(module, pre=self._before(layer), post=self._after(layer))
 
     def remove(self) -> None:
@@ -203,6 +225,8 @@ class ServedIndex(ModuleHooks):
     def _replaces(self, layer: int, new: int, past: int) -> bool:
         """Whether the runtime replaces ``layer``'s selection in a forward of ``new`` tokens after ``past``
         (slot 0: streaming serves one request)."""
+        if layer in self.reuse:
+            return True
         if new == 1:
             return layer in self.groups
         return layer in self.ivf and (past == 0 or self.ivf[layer][0] is not None)
@@ -239,10 +263,11 @@ class ServedIndex(ModuleHooks):
                 raise ArtifactMismatchError(f"A batch of {rows} requests reached a runtime sized for {self.slots}.",
                                             "load the runtime with slots >= the server's batch size.")
             past = self._past(a, new)
+            self._past_rows = past
             if self.streamer is not None:
                 self._stream(layer, a, new, past[0])
-            if layer not in self.groups and layer not in self.ivf:
-                return
+            if layer in self.reuse or (layer not in self.groups and layer not in self.ivf):
+                return  # a reusing layer selects nothing of its own
             for slot in range(rows):
                 if past[slot] == 0:
                     self._start(layer, slot)
@@ -279,25 +304,52 @@ class ServedIndex(ModuleHooks):
         def hook(mod: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
             if self.streamer is not None:
                 self.streamer.release(layer)
-            chosen = self._chosen.pop(layer, None)
-            if chosen is None:
-                return None
-            phase, picked, positions = chosen  # [B, S, topk] key positions (-1 = none), [B, S] query positions
-            if output.shape[-1] < picked.shape[-1]:
-                return None  # fewer keys than top-k: the model's own selection already takes every key
-            rows, new = picked.shape[0], picked.shape[1]
-            flat = picked.reshape(rows * new, -1)
-            kept = None
-            if self.measure_recall:  # the model's own choice, without the future keys it pads with
-                own = output.reshape(rows * new, -1).to(picked.device).long()
-                own = own.masked_fill(own > positions.reshape(-1, 1), -1)
-                kept = _kept_share(flat, own)
-            self.log.add(phase, layer, rows * new, kept)
-            # -1 (fewer keys than k before this query) repeats the row's best position: the same mask
-            filled = torch.where(flat >= 0, flat, flat[:, :1].clamp_min(0))
-            return filled.view(rows, new, -1).to(output.device, torch.int32)
+            source = self.reuse.get(layer, layer)
+            if source != layer:
+                return self._reused(layer, source, output)
+            result = self._replacement(layer, output)
+            if layer in self._sources:  # later layers take this selection
+                self._last[layer] = output if result is None else result
+            return result
 
         return hook
+
+    def _reused(self, layer: int, source: int, output: torch.Tensor) -> torch.Tensor | None:
+        """The selection of the kept layer ``source`` in place of ``layer``'s own (IndexCache reuse)."""
+        chosen = self._last.get(source)
+        if chosen is None or chosen.shape != output.shape:
+            return None
+        rows, new = output.shape[0], output.shape[1]
+        kept = None
+        if self.measure_recall:  # how much of this layer's own choice the reused one keeps
+            own = output.reshape(rows * new, -1).long()
+            starts = torch.tensor(self._past_rows[:rows], device=own.device).repeat_interleave(new)
+            positions = torch.arange(new, device=own.device).repeat(rows) + starts
+            own = own.masked_fill(own > positions[:, None], -1)
+            reused = chosen.reshape(rows * new, -1).long()
+            kept = _kept_share(reused.masked_fill(reused > positions[:, None], -1), own)
+        self.log.add("prefill" if new > 1 else "decode", layer, rows * new, kept)
+        return chosen
+
+    def _replacement(self, layer: int, output: torch.Tensor) -> torch.Tensor | None:
+        """The runtime's selection for ``layer`` in the form of the indexer's output, or None (the model's)."""
+        chosen = self._chosen.pop(layer, None)
+        if chosen is None:
+            return None
+        phase, picked, positions = chosen  # [B, S, topk] key positions (-1 = none), [B, S] query positions
+        if output.shape[-1] < picked.shape[-1]:
+            return None  # fewer keys than top-k: the model's own selection already takes every key
+        rows, new = picked.shape[0], picked.shape[1]
+        flat = picked.reshape(rows * new, -1)
+        kept = None
+        if self.measure_recall:  # the model's own choice, without the future keys it pads with
+            own = output.reshape(rows * new, -1).to(picked.device).long()
+            own = own.masked_fill(own > positions.reshape(-1, 1), -1)
+            kept = _kept_share(flat, own)
+        self.log.add(phase, layer, rows * new, kept)
+        # -1 (fewer keys than k before this query) repeats the row's best position: the same mask
+        filled = torch.where(flat >= 0, flat, flat[:, :1].clamp_min(0))
+        return filled.view(rows, new, -1).to(output.device, torch.int32)
 
 
 def _ranges(layers: list[int]) -> str:
@@ -315,7 +367,8 @@ def _ranges(layers: list[int]) -> str:
 
 def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str | None = None,
          device: str | None = None, basis: str = "hadamard", allow_other_weights: bool = False,
-         tracking_uri: str | None = None, served: Any = None, **settings: Any) -> ServedIndex:
+         tracking_uri: str | None = None, served: Any = None, retention: str | None = None,
+         reuse_method: str = "optimal", **settings: Any) -> ServedIndex:
     """Resolve, verify and validate artifact bundles against ``model``; the :class:`ServedIndex` that
     serves it (not yet attached: use it as a context manager, or call ``attach()``).
 
@@ -326,7 +379,7 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
     given twice, an unknown kind), :class:`dsaindex.errors.CorruptBundleError`.
     """
     from dsaindex.artifacts.fingerprint import fingerprint_model
-    from dsaindex.artifacts.kinds import IVFLayer
+    from dsaindex.artifacts.kinds import IVFLayer, ReusePlans, ReuseRef
     from dsaindex.runtime.loader import load as load_bundle
 
     dev = str(device or next(model.parameters()).device)
@@ -336,10 +389,23 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
         served = fingerprint_model(model, name or type(model).__name__)
     decode: dict[int, PQCodec] = {}
     prefill: dict[int, Any] = {}
+    reuse: dict[int, int] | None = None
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
         loaded = load_bundle(uri, model.config, device=dev, basis=basis, served=served, tracking_uri=tracking_uri,
                              allow_other_weights=allow_other_weights)
+        plans = [obj for obj in loaded.layers.values() if isinstance(obj, ReusePlans)]
+        if plans:
+            if reuse is not None:
+                raise ArtifactMismatchError(f"Two reuse bundles (the second {uri}).", "pass one reuse bundle.")
+            if retention is None:
+                raise DsaIndexError(f"{uri} holds cross-layer reuse plans; no retention was chosen.",
+                                    "pass retention='1/N' (one of the bundle's plans).")
+            plan = plans[0].plan(retention, reuse_method)
+            reuse = dict(zip(plans[0].layers, plan.sources, strict=True))
+            continue
         for layer, obj in loaded.layers.items():
+            if isinstance(obj, ReuseRef):
+                continue
             target = decode if isinstance(obj, PQCodec) else prefill if isinstance(obj, IVFLayer) else None
             if target is None:
                 raise ArtifactMismatchError(f"{uri} layer {layer} is a {loaded.manifest.layers[str(layer)].kind} "
@@ -349,4 +415,4 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
                 raise ArtifactMismatchError(f"Layer {layer} has two artifacts of the same kind (the second from {uri}).",
                                             "pass one bundle per kind.")
             target[layer] = obj
-    return ServedIndex(model, decode, prefill, basis=basis, device=dev, **settings)
+    return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)

@@ -239,3 +239,62 @@ def test_streamed_prefill_selects_as_the_resident_cache_does(served):
     assert streamed.streamer.device_bytes() == 2 * 1024 * 128 * 4
     with pytest.raises(Exception, match="one request at a time"):
         load(paths[:1], net, stream_prefix=True, slots=2, **settings)
+
+
+def test_cross_layer_reuse_takes_the_kept_layers_selection(served):
+    """With a reuse plan, a layer attends the selection its kept layer made in the same forward, and the
+    log says how much of its own top-k that keeps; a plan pointing forward is refused."""
+    from dsaindex.errors import ArtifactMismatchError
+    from dsaindex.runtime.serving import ServedIndex
+
+    net, _, _ = served
+    index = ServedIndex(net, {}, {}, reuse={0: 0, 1: 0, 3: 2}, measure_recall=True, use_triton=False)
+    assert index.describe().endswith("reuse: 1 <- 0, 3 <- 2")
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+    with index:
+        handles = [net.model.layers[i].self_attn.indexer.register_forward_hook(
+            lambda mod, args, out, i=i: seen[i].append(out.clone())) for i in range(4)]
+        try:
+            _generate(net, _text(11_000, 300), 4)
+        finally:
+            for h in handles:
+                h.remove()
+    assert len(seen[1]) == 4  # the prompt, then a forward per new token but the last
+    for a, b in zip(seen[1], seen[0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(seen[3], seen[2], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(seen[2][0], seen[0][0])  # kept layers still choose for themselves
+    recall = index.log.recall()
+    assert set(recall["prefill"]) == {1, 3} and set(recall["decode"]) == {1, 3}
+    assert all(0.0 < r < 1.0 for r in recall["prefill"].values()), recall
+    with pytest.raises(ArtifactMismatchError, match="not earlier indexer layers"):
+        ServedIndex(net, {}, {}, reuse={1: 2})
+
+
+def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
+    import numpy as np
+
+    from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.runtime.serving import load
+    from dsaindex.train.reuse import make_plans
+
+    net, paths, identity = served
+    overlap = np.array([[1, .9, .2, .1], [.8, 1, .3, .2], [.3, .4, 1, .9], [.2, .3, .8, 1]], dtype=np.float32)
+    plans = make_plans(overlap, [0, 1, 2, 3])
+    params = {"plans_in_layer": 0, "layers": [0, 1, 2, 3], "topk": TOPK, "plans": [p.model_dump() for p in plans]}
+    layers = {"0": LayerArtifact(kind="reuse", params=params)}
+    layers |= {str(i): LayerArtifact(kind="reuse", params={"plans_in_layer": 0}) for i in (1, 2, 3)}
+    lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
+                      train_sequences=[0], eval_sequences=[1])
+    manifest = new_bundle_manifest(identity, "hadamard", geometry_from_config(net.config).key_format, layers, lineage)
+    write_bundle(tmp_path / "reuse", manifest, {0: {"overlap": overlap}})
+    index = load([paths[0], tmp_path / "reuse"], net, served=identity, retention="1/2", use_triton=False)
+    best = next(p for p in plans if p.retention == "1/2" and p.method == "optimal")
+    assert best.kept == [0, 2]  # layers 1 and 3 overlap most with 0 and 2
+    assert index.reuse == {1: 0, 3: 2} and set(index.groups) == {0, 2}  # reusing layers hold no state
+    assert index.paths()[3].decode == "reuse 2"
+    with pytest.raises(DsaIndexError, match="no retention was chosen"):
+        load([tmp_path / "reuse"], net, served=identity)
