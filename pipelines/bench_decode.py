@@ -182,8 +182,9 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     exact_scorer = short_group.exact_scorer(heads)
     short_group = None
     torch.cuda.empty_cache()
-    pq_limit = next((n for b, n in sorted((pq_from or {}).items(), reverse=True) if b <= batch), float("inf"))
-    policy_path = "exact" if keys <= exact_below and keys < pq_limit else "pq"
+    from dsaindex.runtime.pq_batch import pq_limit
+
+    policy_path = "exact" if keys <= exact_below and keys < pq_limit(pq_from or {}, batch) else "pq"
     ms["policy"] = ms["exact_path"] if policy_path == "exact" else ms["pq_warm"]
     gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
     group = fp8 = codes = None  # free the device memory the torch baseline needs

@@ -219,9 +219,16 @@ def train_ivf_cmd(
     if as_json:
         print_json(result)
         return
-    registered = result["registered"]
     Console().print(routing_table(result["mean"], budget_list,
                                   f"held-out recall of the exact top-{result['topk']}, mean of layers"))
+    _print_outputs(result)
+
+
+def _print_outputs(result: dict) -> None:
+    """The line a training job ends on: its bundle, its plot, its registration."""
+    from rich.console import Console
+
+    registered = result["registered"]
     Console().print(f"bundle: {result['bundle']}  plot: {result['plot']}"
                     + (f"  registered: {registered['name']} v{registered['version']}" if registered else ""))
 
@@ -294,10 +301,8 @@ def train_reuse_cmd(
     if as_json:
         print_json(result)
         return
-    registered = result["registered"]
     Console().print(_reuse_rows(result["plans"]))
-    Console().print(f"bundle: {result['bundle']}  plot: {result['plot']}"
-                    + (f"  registered: {registered['name']} v{registered['version']}" if registered else ""))
+    _print_outputs(result)
 
 
 @eval_app.command("reuse")

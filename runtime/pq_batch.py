@@ -79,6 +79,12 @@ class StepStats:
         return {k: int(getattr(self, k).sum()) for k in ("candidates", "hits", "fetched", "dropped")}
 
 
+def pq_limit(pq_from: dict[int, int], live: int) -> float:
+    """The length policy per batch size: keys from which short requests go through PQ with ``live``
+    requests in the batch (the entry of the largest batch size not above ``live``; none: never)."""
+    return next((keys for batch, keys in sorted(pq_from.items(), reverse=True) if batch <= live), float("inf"))
+
+
 class PQDecodeGroup:
     """Decode-time top-k selection for ``slots`` requests of one layer.
 
@@ -260,12 +266,7 @@ class PQDecodeGroup:
         return fp8_topk_reference(keys, scales, self.exact_len, q.float(), w, self.topk)[1]
 
     def _pq_limit(self, live: int) -> float:
-        """Keys from which the policy sends short requests to PQ, with ``live`` requests in the batch."""
-        limit = float("inf")
-        for batch, keys in self.pq_from.items():
-            if batch <= live:
-                limit = keys
-        return limit
+        return pq_limit(self.pq_from, live)
 
     def _pages(self, slot: int) -> list[int]:
         pages = self.pages[slot]
