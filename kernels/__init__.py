@@ -9,8 +9,9 @@ Triton is imported only inside the wrappers. Kernels import only the core (``dsa
 Public API, by module:
 
 * :mod:`~dsaindex.kernels.fp8_score`: ``fp8_topk``, ``fp8_gather_scores`` (+ ``_reference``);
-  ``fp8_topk_paged`` over the engines' pages (``paged_keys_reference`` unpacks them);
-  ``fp8_scores_reference``, the exact score both are specified by.
+  ``fp8_logits`` (every score written, FP8 x FP8 products: the portable exact scorer with ``rows_topk``);
+  ``fp8_topk_paged`` and ``fp8_logits_paged`` over the engines' pages (``paged_keys_reference`` unpacks
+  them); ``fp8_scores_reference``, the exact score all are specified by.
 * :mod:`~dsaindex.kernels.pq_select`: ``pq_linear_topc``, ``pq_candidate_scores``, ``pq_encode``
   (+ ``_reference``); ``pq_linear_scores_reference``, ``folded_lookup_tables`` (``lookup_tables``: the
   same in one launch, optionally float16).

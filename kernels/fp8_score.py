@@ -3,6 +3,9 @@
 * :func:`fp8_topk` is what a server runs without an index: exact scores of every key of every request
   with the top-k selection fused (sampled threshold + append, :mod:`dsaindex.kernels.select`); it is
   the baseline of ``dsaindex bench decode``.
+* :func:`fp8_logits` / :func:`fp8_logits_paged` write every key's score (FP8 x FP8 products, as DeepGEMM's
+  logits): with :func:`dsaindex.kernels.topk.rows_topk`, the portable exact scorer where DeepGEMM does
+  not import (faster than the fused :func:`fp8_topk` on the H200).
 * :func:`fp8_gather_scores` rescores gathered rows (the candidates of the coarse stage) exactly.
 
 :func:`fp8_scores_reference` is the spec both are checked against. Keys are the engines' layout: FP8
@@ -18,20 +21,23 @@ from dsaindex.kernels import checks, select
 
 
 def fp8_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, queries: torch.Tensor,
-                         head_weights: torch.Tensor) -> torch.Tensor:
+                         head_weights: torch.Tensor, query_fp8: bool = False) -> torch.Tensor:
     """Exact scores [B, N] float32 of ``keys_fp8`` [B, N, D] uint8 with ``scales`` [B, N], for
-    ``queries`` [B, H, D] and ``head_weights`` [B, H]."""
+    ``queries`` [B, H, D] (rounded to bf16, or with ``query_fp8`` to FP8 e4m3 as DeepGEMM's logits take
+    them) and ``head_weights`` [B, H]."""
     keys = keys_fp8.view(torch.float8_e4m3fn).float() * scales.float().unsqueeze(-1)
-    q = queries.to(torch.bfloat16).float()
+    q = queries.to(torch.bfloat16)
+    q = (q.to(torch.float8_e4m3fn) if query_fp8 else q).float()
     dots = torch.einsum("bnd,bhd->bnh", keys, q)
     return (torch.relu(dots) * head_weights.float().unsqueeze(1)).sum(-1)
 
 
 def fp8_topk_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
-                       head_weights: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       head_weights: torch.Tensor, k: int, query_fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request, the top ``k`` rows among its first ``lengths[b]`` keys: (scores [B, k] float32, rows
     [B, k] int64; -inf / -1 past a short request's end). The spec of :func:`fp8_topk`."""
-    return select.topk_of_prefixes(fp8_scores_reference(keys_fp8, scales, queries, head_weights), lengths, k)
+    scores = fp8_scores_reference(keys_fp8, scales, queries, head_weights, query_fp8)
+    return select.topk_of_prefixes(scores, lengths, k)
 
 
 def fp8_gather_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
@@ -60,7 +66,7 @@ def _check_keys_and_queries(keys_fp8, scales, queries, head_weights) -> None:
 
 def _launch(mode, keys_fp8, scales, lengths, queries, head_weights, rows=None, thr=None, out_score=None,
             out_pos=None, counts=None, n_out=0, stride=1, capacity=1, block_n=64, iters=4, num_warps=4,
-            strides=None, n_keys=None, table=None):
+            strides=None, n_keys=None, table=None, query_fp8=False, num_stages=None):
     """One kernel launch. ``keys_fp8`` [B, N, D] / ``scales`` [B, N] contiguous, or (``strides`` = key slot,
     key page, scale slot, scale page strides in elements, ``n_keys`` = N) any paged layout, its pages
     looked up in ``table`` [B, width] int32 if given."""
@@ -77,6 +83,10 @@ def _launch(mode, keys_fp8, scales, lengths, queries, head_weights, rows=None, t
     h = queries.shape[1]
     dummy_i = torch.empty(1, dtype=torch.int32, device=keys_fp8.device)
     dummy_f = torch.empty(1, dtype=torch.float32, device=keys_fp8.device)
+    if query_fp8 and select.interpreted():
+        # the CPU interpreter rounds to e4m3 unlike the GPU (and torch) near subnormals: round here, so the
+        # kernel's own rounding of already-representable values is exact
+        queries = queries.to(torch.float8_e4m3fn).to(torch.bfloat16)
     work = n if mode == 1 else n_out
     grid = (max(1, triton.cdiv(work, block_n * iters)), b)
     fp8_score_kernel[grid](
@@ -86,13 +96,15 @@ def _launch(mode, keys_fp8, scales, lengths, queries, head_weights, rows=None, t
         out_score, out_pos if out_pos is not None else dummy_i, counts if counts is not None else dummy_i,
         *strides, table if table is not None else dummy_i, table.shape[1] if table is not None else 0, n_out, stride,
         HAS_TABLE=table is not None, N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=d, BLOCK_N=block_n, ITERS=iters,
-        CAPACITY=capacity, MODE=mode, F32=select.interpreted(), num_warps=num_warps,
+        CAPACITY=capacity, MODE=mode, F32=select.interpreted(), FP8_DOT=query_fp8, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
 
 
 def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
              head_weights: torch.Tensor, k: int, capacity: int = 16384, target: int = 8192,
              block_n: int = 64, iters: int = 4, num_warps: int = 4, return_counts: bool = False,
+             query_fp8: bool = False, num_stages: int | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact top-k per request with the selection fused into the scoring pass.
 
@@ -103,8 +115,10 @@ def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor
         queries : [B, H, D] (read as bf16); head_weights : [B, H] effective weights; all but
         ``lengths`` on one device
     k : keys selected; capacity : candidate-buffer slots per request; target : keys the threshold aims
-        to pass (at least ``k``); block_n, iters, num_warps : launch shape (keys per tile, tiles per
-        program, warps per program)
+        to pass (at least ``k``); block_n, iters, num_warps, num_stages : launch shape (keys per tile,
+        tiles per program, warps per program, software-pipeline stages; None: Triton's default)
+    query_fp8 : round the queries to FP8 e4m3 and multiply on the FP8 tensor cores, as DeepGEMM's logits
+        do (the spec is then :func:`fp8_topk_reference` with ``query_fp8=True``)
 
     Returns
     -------
@@ -122,11 +136,11 @@ def fp8_topk(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor
     target = max(target, k)
     checks.at_least("capacity", capacity, 2 * target, f"twice the threshold's target max(target, k) = {target}")
     return _topk(keys_fp8.contiguous(), scales, lengths, queries, head_weights, k, capacity, target, block_n, iters,
-                 num_warps, return_counts, None, n)
+                 num_warps, return_counts, None, n, query_fp8=query_fp8, num_stages=num_stages)
 
 
 def _topk(keys, scales, lengths, queries, head_weights, k, capacity, target, block_n, iters, num_warps,
-          return_counts, strides, n, table=None):
+          return_counts, strides, n, table=None, query_fp8=False, num_stages=None):
     """Sample pass, threshold, selecting pass, top-k of the buffer (:func:`fp8_topk`'s body, any layout)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk
 
@@ -135,27 +149,64 @@ def _topk(keys, scales, lengths, queries, head_weights, k, capacity, target, blo
     stride = select.sample_stride(n)
     n_samples = -(-n // stride)
     samples = torch.empty(b, n_samples, dtype=torch.float32, device=keys.device)
-    launch = dict(block_n=block_n, iters=iters, num_warps=num_warps, strides=strides, n_keys=n, table=table)
+    launch = dict(block_n=block_n, iters=iters, num_warps=num_warps, strides=strides, n_keys=n, table=table,
+                  query_fp8=query_fp8, num_stages=num_stages)
     _launch(0, keys, scales, lengths, queries, head_weights, out_score=samples, n_out=n_samples, stride=stride,
             **launch)
-    thr = select.sample_thresholds(samples, lengths, stride, target, capacity)
-    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, keys.device)
+    counts = torch.empty(b, dtype=torch.int32, device=keys.device)  # zeroed by the threshold's launch
+    thr = select.sample_thresholds(samples, lengths, stride, target, capacity, counts=counts)
+    buf_scores = torch.empty(b, capacity, dtype=torch.float32, device=keys.device)
+    buf_pos = torch.empty(b, capacity, dtype=torch.int32, device=keys.device)
     _launch(1, keys, scales, lengths, queries, head_weights, thr=thr, out_score=buf_scores, out_pos=buf_pos,
             counts=counts, capacity=capacity, **launch)
-    if capacity <= SMALL_TOPK_MAX:  # in column order
-        values, rows = small_topk(buf_scores, k, buf_pos)
+    if capacity <= SMALL_TOPK_MAX:  # in column order, reading only the filled slots
+        values, rows = small_topk(buf_scores, k, buf_pos, counts=counts)
     else:
-        values, rows = select.top_of_buffer(buf_scores, buf_pos, k)
+        filled = torch.arange(capacity, device=keys.device)[None, :] < counts[:, None]
+        values, rows = select.top_of_buffer(buf_scores.masked_fill(~filled, float("-inf")), buf_pos, k)
     return (values, rows, counts) if return_counts else (values, rows)
 
 
-def fp8_topk_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
-                   head_weights: torch.Tensor, k: int, capacity: int = 16384, target: int = 8192, block_n: int = 64,
-                   iters: int = 4, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fp8_topk` over keys in the engines' paged layout (DeepGEMM's index-K cache): ``pages``
-    [P, 64 * (D + 4)] uint8, each page 64 x D FP8 bytes then 64 float32 scales; ``block_table`` [B, W]
-    int32, request b's i-th page. The fallback scorer where DeepGEMM does not import. Returns (scores
-    [B, k], positions [B, k] int64), -inf / -1 past a short request."""
+def fp8_logits(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+               head_weights: torch.Tensor, query_fp8: bool = True, block_n: int = 64, iters: int = 4,
+               num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """Every key's exact score, written out: [B, N] float32, -inf at and past each request's length. The
+    Triton counterpart of DeepGEMM's logits (:func:`dsaindex.kernels.deepgemm.paged_logits`), for
+    :func:`~dsaindex.kernels.topk.rows_topk` to select from: on the H200 the two launches beat the fused
+    :func:`fp8_topk` (the appending pass costs more than writing and re-reading 4 bytes a key).
+    ``query_fp8`` (the default) multiplies FP8 x FP8 on tensor cores with FP8-rounded queries, as DeepGEMM
+    does (spec: :func:`fp8_scores_reference` with ``query_fp8=True``). Inputs as :func:`fp8_topk`."""
+    _check_keys_and_queries(keys_fp8, scales, queries, head_weights)
+    b, n, _ = keys_fp8.shape
+    checks.shape("lengths", lengths, (b,), "B")
+    return _logits(keys_fp8.contiguous(), scales, lengths, queries, head_weights, n, None, None, query_fp8, block_n,
+                   iters, num_warps, num_stages)
+
+
+def _logits(keys, scales, lengths, queries, head_weights, n, strides, table, query_fp8, block_n, iters, num_warps,
+            num_stages):
+    lengths = lengths.to(device=keys.device, dtype=torch.int32)
+    out = torch.empty(queries.shape[0], n, dtype=torch.float32, device=keys.device)
+    if n:
+        _launch(0, keys, scales, lengths, queries, head_weights, out_score=out, n_out=n, stride=1, block_n=block_n,
+                iters=iters, num_warps=num_warps, strides=strides, n_keys=n, table=table, query_fp8=query_fp8,
+                num_stages=num_stages)
+    return out
+
+
+def fp8_logits_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                     head_weights: torch.Tensor, query_fp8: bool = True, block_n: int = 64, iters: int = 4,
+                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """:func:`fp8_logits` over keys in the engines' paged layout (inputs as :func:`fp8_topk_paged`):
+    [B, W * 64] float32, -inf at and past each length. With :func:`~dsaindex.kernels.topk.rows_topk`, the
+    exact scorer where DeepGEMM does not import."""
+    pages, scales, strides = _paged_layout(pages, block_table, lengths, queries, head_weights)
+    return _logits(pages, scales, lengths, queries, head_weights, block_table.shape[1] * 64, strides,
+                   block_table.contiguous(), query_fp8, block_n, iters, num_warps, num_stages)
+
+
+def _paged_layout(pages, block_table, lengths, queries, head_weights):
+    """Check the engines' pages and block table; (pages, the scales' base view, the kernel's strides)."""
     checks.rank("pages", pages, 2, "P, 64 * (D + 4)")
     checks.dtype("pages (FP8 bits and scales)", pages, torch.uint8)
     d = queries.shape[2]
@@ -167,14 +218,25 @@ def fp8_topk_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: torc
     checks.shape("lengths", lengths, (b,), "B")
     checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "B, H")
     checks.same_device(pages=pages, block_table=block_table, queries=queries, head_weights=head_weights)
-    target = max(target, k)
-    checks.at_least("capacity", capacity, 2 * target, f"twice the threshold's target max(target, k) = {target}")
     pages = pages.contiguous()
     width = pages.shape[1]
     scales = pages.view(torch.float32).view(-1)[16 * d :]  # page 0's scales; the page stride does the rest
-    strides = (0, width, 0, width // 4)
+    return pages, scales, (0, width, 0, width // 4)
+
+
+def fp8_topk_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                   head_weights: torch.Tensor, k: int, capacity: int = 16384, target: int = 8192, block_n: int = 64,
+                   iters: int = 4, num_warps: int = 4, query_fp8: bool = False,
+                   num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_topk` over keys in the engines' paged layout (DeepGEMM's index-K cache): ``pages``
+    [P, 64 * (D + 4)] uint8, each page 64 x D FP8 bytes then 64 float32 scales; ``block_table`` [B, W]
+    int32, request b's i-th page. Returns (scores [B, k], positions [B, k] int64), -inf / -1 past a short
+    request."""
+    pages, scales, strides = _paged_layout(pages, block_table, lengths, queries, head_weights)
+    target = max(target, k)
+    checks.at_least("capacity", capacity, 2 * target, f"twice the threshold's target max(target, k) = {target}")
     return _topk(pages, scales, lengths, queries, head_weights, k, capacity, target, block_n, iters, num_warps,
-                 False, strides, block_table.shape[1] * 64, block_table.contiguous())
+                 False, strides, block_table.shape[1] * 64, block_table.contiguous(), query_fp8, num_stages)
 
 
 def paged_keys_reference(pages: torch.Tensor, block_table: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,9 @@ Three modes share one body (``MODE``):
 0 ``sample``: rows ``i * stride`` of each request, every score written to ``out_score[b, i]``;
 1 ``select``: every row of each request, rows scoring at least ``thr[b]`` appended to the buffer;
 2 ``gather``: rows ``rows[b, i]`` (-1 = none) of a per-request key pool, scores written to ``out_score[b, i]``.
+
+``FP8_DOT`` multiplies FP8 keys by FP8-rounded queries on the FP8 tensor cores (twice the bf16 rate), the
+products DeepGEMM's logits compute; otherwise keys are widened to bf16 and multiplied by bf16 queries.
 """
 
 import triton
@@ -41,10 +44,13 @@ def fp8_score_kernel(
     MODE: tl.constexpr,
     F32: tl.constexpr,
     HAS_TABLE: tl.constexpr = False,
+    FP8_DOT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
+    if FP8_DOT:  # queries rounded to FP8 e4m3 as the engines' DeepGEMM path does; FP8 x FP8 tensor-core products
+        q_t = q_t.to(tl.float32).to(tl.float8e4nv)
     length = tl.load(lengths_ptr + b)
     dims = tl.arange(0, D)
     thr = 0.0
@@ -63,7 +69,10 @@ def fp8_score_kernel(
         within = rows.to(tl.int64) % 64
         key_at = b * key_slot_stride + page * key_page_stride + within * D
         raw = tl.load(keys_ptr + key_at[:, None] + dims[None, :], mask=valid[:, None], other=0)
-        keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        if FP8_DOT:
+            keys = raw.to(tl.float8e4nv, bitcast=True)
+        else:
+            keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
         scale = tl.load(scales_ptr + b * scale_slot_stride + page * scale_page_stride + within, mask=valid, other=0.0)
         # relu(s * x) = s * relu(x) for the positive ue8m0 scale: apply it after the head sum
         score = weighted_relu_heads(keys, q_t, w, F32) * scale

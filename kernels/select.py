@@ -57,24 +57,33 @@ def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, 
 
 
 def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
-                      capacity: int, oversample: float = 1.5) -> torch.Tensor:
+                      capacity: int, oversample: float = 1.5, counts: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`thresholds_from_samples` in one Triton launch (one program per request, the samples in
     registers, the rank-th largest by bisection): a decode step's threshold without a sort.
-    ``sample_scores`` [B, S] float32 with S at most 16384, ``lengths`` [B] int32 on its device."""
+    ``sample_scores`` [B, S] float32 with S at most 16384, any strides (a view ``scores[:, ::stride]`` of
+    whole score rows is read in place; samples past a request's length are ignored, whatever they hold);
+    ``lengths`` [B] int32 on its device. ``counts`` [B] int32, if given, is zeroed in the same launch (the
+    appending pass that follows counts from zero)."""
     import triton
 
     from dsaindex.kernels.topk_kernel import sample_threshold_kernel
 
     checks.at_least("capacity", capacity, 2 * target, f"twice the target {target}")
     checks.rank("sample_scores", sample_scores, 2, "B, S")
+    checks.dtype("sample_scores", sample_scores, torch.float32)
     b, s = sample_scores.shape
     checks.at_most("sample_scores.shape[1] (samples)", s, 16384, "one program holds a row")
     checks.shape("lengths", lengths, (b,), "B")
+    if counts is not None:
+        checks.shape("counts", counts, (b,), "B")
+        checks.dtype("counts", counts, torch.int32)
     thr = torch.empty(b, dtype=torch.float32, device=sample_scores.device)
     if b:
         block = max(16, triton.next_power_of_2(s))
-        sample_threshold_kernel[(b,)](sample_scores.contiguous(), lengths.to(torch.int32).contiguous(), thr, s,
-                                      stride, target, capacity, float(oversample), BLOCK=block,
+        sample_threshold_kernel[(b,)](sample_scores, lengths.to(torch.int32).contiguous(), thr,
+                                      counts if counts is not None else thr, s, sample_scores.stride(0),
+                                      sample_scores.stride(1), stride, target, capacity, float(oversample),
+                                      BLOCK=block, ZERO_COUNTS=counts is not None,
                                       num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return thr
 

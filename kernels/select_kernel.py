@@ -51,7 +51,8 @@ def load_queries(q_ptr, w_ptr, N_HEADS: tl.constexpr, H_PAD: tl.constexpr, D: tl
 
 @triton.jit
 def weighted_relu_heads(keys, q_t, w, F32: tl.constexpr):
-    """``sum_h w_h relu(q_h . k)`` for a tile of keys [BLOCK, D] bf16, on tensor cores -> [BLOCK] float32.
+    """``sum_h w_h relu(q_h . k)`` for a tile of keys [BLOCK, D] bf16 and queries ``q_t`` [D, H] bf16 (or
+    both FP8 e4m3), on tensor cores -> [BLOCK] float32.
 
     ``F32`` multiplies in float32 instead (Triton's CPU interpreter mis-multiplies bf16 dots).
     """

@@ -14,6 +14,8 @@ import torch
 
 from dsaindex.kernels import checks, select
 
+TOPK_TARGET = 2048  # rows_topk's default threshold target: about 1.5 x this many entries reach the buffer
+
 
 def rows_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``k`` of each row's first ``lengths[b]`` entries: (values [B, k], columns [B, k] int64; -inf / -1
@@ -27,9 +29,10 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
     """:func:`rows_topk_reference` by threshold selection on Triton.
 
     logits : [B, N] float32 (a row's entries past its length are ignored); lengths : [B] int; k : entries
-    kept; target : entries the threshold aims to pass (default ``max(k, 4096)``: the threshold is the
-    sample whose rank matches ``1.5 target``, and a rank of a few dozen keeps its spread small even when
-    k is small against a long row); capacity : buffer slots per row (default ``4 target``)
+    kept; target : entries the threshold aims to pass (default ``max(k, TOPK_TARGET)``: the threshold is
+    the sample whose rank matches ``1.5 target``; at 1M entries that rank is 24 of 8192 samples, which
+    keeps its spread small even when k is small against a long row); capacity : buffer slots per row
+    (default ``4 target``)
 
     Returns (values [B, k], columns [B, k] int64), and with ``return_counts`` the appended counts [B]: a
     count outside ``[min(k, length), capacity]`` means that row's result is not provably exact
@@ -44,24 +47,27 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
     b, n = logits.shape
     checks.shape("lengths", lengths, (b,), "B")
     checks.at_least("k", k, 1)
-    target = max(k, 4096) if target is None else max(target, k)
+    target = max(k, TOPK_TARGET) if target is None else max(target, k)
     capacity = 4 * target if capacity is None else capacity
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32)
     stride = select.sample_stride(n)
-    samples = logits[:, ::stride]
-    past = torch.arange(samples.shape[1], device=logits.device)[None, :] * stride >= lengths[:, None]
-    thr = select.sample_thresholds(samples.masked_fill(past, float("-inf")), lengths, stride, target, capacity)
-    buf_scores, buf_pos, counts = select.new_buffers(b, capacity, logits.device)
+    # three launches: the threshold (reading the strided sample in place, zeroing the counts), the
+    # appending pass, the buffer's top-k (reading only the filled slots: the buffer is never filled)
+    counts = torch.empty(b, dtype=torch.int32, device=logits.device)
+    thr = select.sample_thresholds(logits[:, ::stride], lengths, stride, target, capacity, counts=counts)
+    buf_scores = torch.empty(b, capacity, dtype=torch.float32, device=logits.device)
+    buf_pos = torch.empty(b, capacity, dtype=torch.int32, device=logits.device)
     if b and n:
         rows_above_kernel[(triton.cdiv(n, block_n * iters), b)](
             logits, lengths, thr, buf_scores, buf_pos, counts, logits.stride(0),
             BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, num_warps=num_warps)
     if capacity <= SMALL_TOPK_MAX:  # one program per row finishes (in column order)
-        values, columns = small_topk(buf_scores, k, buf_pos)
+        values, columns = small_topk(buf_scores, k, buf_pos, counts=counts)
     else:
-        values, columns = select.top_of_buffer(buf_scores, buf_pos, k)
+        filled = torch.arange(capacity, device=logits.device)[None, :] < counts[:, None]
+        values, columns = select.top_of_buffer(buf_scores.masked_fill(~filled, float("-inf")), buf_pos, k)
     return (values, columns, counts) if return_counts else (values, columns)
 
 
@@ -84,11 +90,13 @@ def small_topk_reference(values: torch.Tensor, k: int,
 
 
 def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None,
-               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_warps: int | None = None, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk_reference` in one Triton launch, one program per row holding the row in registers
     (rows of at most :data:`SMALL_TOPK_MAX` entries): the k-th largest by bisection on the float bits, then
     one compaction; no sort, so a single row costs a few microseconds where ``torch.topk`` runs one
     block for tens. Ties at the k-th value are taken in column order; the result is in column order.
+    ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
+    buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton
 
@@ -103,6 +111,10 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
         checks.shape("payload", payload, (b, n), "B, n")
         checks.dtype("payload", payload, torch.int32, torch.int64)
         checks.same_device(values=values, payload=payload)
+    if counts is not None:
+        checks.shape("counts", counts, (b,), "B")
+        checks.dtype("counts", counts, torch.int32)
+        checks.same_device(values=values, counts=counts)
     out_val = torch.empty(b, k, dtype=torch.float32, device=values.device)
     out_pay = torch.empty(b, k, dtype=torch.int64, device=values.device)
     if b == 0:
@@ -110,7 +122,8 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     block = max(16, triton.next_power_of_2(n))
     warps = num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
     row_topk_kernel[(b,)](
-        values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay, n, k,
+        values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
+        counts if counts is not None else out_val, n, k,
         BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)), HAS_PAYLOAD=payload is not None,
-        num_warps=warps)
+        HAS_COUNTS=counts is not None, num_warps=warps)
     return out_val, out_pay

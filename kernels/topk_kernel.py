@@ -49,12 +49,16 @@ def kth_key(key, live, rank):
     """The ``rank``-th largest of the ``live`` entries of ``key`` (int32 order keys), by bisection on the
     key bits: counting passes over registers, no sort. A pass whose count is exactly ``rank`` ends the
     search (the answer is then the smallest key at or above its pivot), so distinct keys take about
-    log2(entries) + 2 passes instead of 32. With fewer than ``rank`` live entries it is the lowest int32,
+    log2(entries) + 2 passes instead of 32, fewer still as the search starts from the live keys' range.
+    With fewer than ``rank`` live entries it is the lowest int32,
     which no live key is below. (Two or three pivots per pass, their counts packed in one sum, and radix
     passes with a histogram each, measured slower on the H200: a pass costs its per-entry work and a
     block-wide reduction.)"""
-    lo = tl.full((), -2147483648, tl.int64)
-    hi = tl.full((), 2147483647, tl.int64)
+    # the search starts between the smallest and largest live key (scores of one row share most of
+    # their exponent bits: several passes fewer than the whole int32 range)
+    lo = tl.min(tl.where(live, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(live, key, -2147483648), axis=0).to(tl.int64)
+    lo = tl.minimum(lo, hi)
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         count = tl.sum((live & (key >= mid.to(tl.int32))).to(tl.int32), axis=0)
@@ -83,15 +87,20 @@ def row_topk_kernel(
     pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column is the payload)
     out_val_ptr,  # [B, k] float32 out: the k largest, in column order (-inf past a short row)
     out_pay_ptr,  # [B, k] int64 out: their payload (-1 past a short row)
+    count_ptr,  # [B] int32 filled entries of each row (HAS_COUNTS; the rest is never read)
     n,
     k,
     BLOCK: tl.constexpr,
     K_BLOCK: tl.constexpr,
     HAS_PAYLOAD: tl.constexpr,
+    HAS_COUNTS: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    inside = offs < n
+    filled = n
+    if HAS_COUNTS:
+        filled = tl.minimum(tl.load(count_ptr + b), n)
+    inside = offs < filled
     x = tl.load(val_ptr + b * n + offs, mask=inside, other=float("-inf"))
     key = order_keys(x)
     take = take_top(key, inside, k, kth_key(key, inside, k))
@@ -111,22 +120,28 @@ def row_topk_kernel(
 
 @triton.jit
 def sample_threshold_kernel(
-    sample_ptr,  # [B, S] float32 scores of rows 0, stride, 2 stride, ... (-inf past a request's end)
+    sample_ptr,  # float32 scores of rows 0, stride, 2 stride, ... of each request, at the strides below
     lengths_ptr,  # [B] int32 keys per request
     thr_ptr,  # [B] float32 out
+    count_ptr,  # [B] int32 out: zeroed (ZERO_COUNTS), for the appending pass that follows
     n_samples,
+    row_stride,  # elements between two requests' samples
+    col_stride,  # elements between two samples of a request (a strided view of a score row)
     stride,
     target,
     capacity,
     oversample,
     BLOCK: tl.constexpr,
+    ZERO_COUNTS: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    inside = offs < n_samples
-    x = tl.load(sample_ptr + b * n_samples + offs, mask=inside, other=float("-inf"))
     length = tl.load(lengths_ptr + b)
     n_sampled = tl.maximum((length + stride - 1) // stride, 1)
+    inside = (offs < n_samples) & (offs.to(tl.int64) * stride < length)  # entries past the length are unread
+    x = tl.load(sample_ptr + b * row_stride + offs.to(tl.int64) * col_stride, mask=inside, other=float("-inf"))
+    if ZERO_COUNTS:
+        tl.store(count_ptr + b, 0)
     want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
     rank = tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
     thr = key_value(kth_key(order_keys(x), inside, rank))

@@ -5,8 +5,10 @@ Timing (synthetic keys, every request at the same length; medians of ``triton.te
 * ``pq_warm``: a step of :class:`dsaindex.runtime.pq_batch.PQDecodeGroup` whose candidates are all in
   the device cache (consecutive decode steps ask for nearly the same keys);
 * ``pq_cold``: the same step with an empty cache: every kept candidate is read from pinned host memory;
-* ``exact_fp8_triton``: :func:`dsaindex.kernels.fp8_score.fp8_topk`, every FP8 key scored with the
-  selection fused, what a server runs without an index;
+* ``triton_fp8_logits``: :func:`dsaindex.kernels.fp8_score.fp8_logits`, every FP8 key's score written
+  (FP8 x FP8 products, as DeepGEMM's logits), the portable counterpart of ``deepgemm_logits``;
+* ``exact_fp8_triton``: those logits and :func:`dsaindex.kernels.topk.rows_topk`, the exact path where
+  DeepGEMM does not import (the runtime's fallback scorer);
 * ``torch_exact``: bf16 keys, batched matmul, ReLU, weighted head sum, ``torch.topk``;
 * HBM floors: the bytes each path must read at about 3.77 TB/s (132 B per exact key, 32 B per PQ32 code).
 
@@ -70,8 +72,8 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
     return group
 
 
-EXACT_CONFIGS = [dict(block_n=64, iters=4, num_warps=4), dict(block_n=128, iters=4, num_warps=8),
-                 dict(block_n=64, iters=16, num_warps=4), dict(block_n=128, iters=8, num_warps=4)]
+LOGITS_CONFIGS = [dict(block_n=64, iters=4, num_warps=4), dict(block_n=128, iters=4, num_warps=4),
+                  dict(block_n=64, iters=4, num_warps=4, num_stages=4)]
 LINEAR_CONFIGS = [dict(block_n=128, iters=8, num_warps=4), dict(block_n=256, iters=8, num_warps=8),
                   dict(block_n=256, iters=4, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
 
@@ -113,7 +115,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     import torch
 
     from dsaindex.kernels import deepgemm
-    from dsaindex.kernels.fp8_score import fp8_topk
+    from dsaindex.kernels.fp8_score import fp8_logits
     from dsaindex.kernels.topk import rows_topk
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
@@ -145,12 +147,14 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     cold_stats = stats.totals()
     host_reads = group.host_reads
 
-    def exact_step(cfg):
-        return lambda: fp8_topk(fp8, scales, lengths, q, w, topk, **cfg)
+    def logits_step(cfg):
+        return lambda: fp8_logits(fp8, scales, lengths, q, w, **cfg)
 
-    ms["exact_fp8_triton"], exact_cfg, modes["exact_fp8_triton"] = best_of(EXACT_CONFIGS, exact_step, graphs)
-    _, _, counts = fp8_topk(fp8, scales, lengths, q, w, topk, return_counts=True, **exact_cfg)
-    exact_counts = counts.tolist()
+    ms["triton_fp8_logits"], exact_cfg, modes["triton_fp8_logits"] = best_of(LOGITS_CONFIGS, logits_step, graphs)
+    ms["exact_fp8_triton"], modes["exact_fp8_triton"] = timed(
+        lambda: rows_topk(fp8_logits(fp8, scales, lengths, q, w, **exact_cfg), lengths, topk), graphs)
+    exact_counts = rows_topk(fp8_logits(fp8, scales, lengths, q, w, **exact_cfg), lengths, topk,
+                             return_counts=True)[2].tolist()
     deepgemm_note = deepgemm.unavailable()
     if deepgemm_note is None:  # the engines' exact indexer, in their paged layout
         cache_pages, table = deepgemm.paged_cache(fp8, scales)
@@ -212,10 +216,12 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
                                       "exact_path": round(ms["deepgemm_best"] / ms["exact_path"], 3),
                                       "policy": round(ms["deepgemm_best"] / ms["policy"], 3)}
                                      if deepgemm_note is None else None),
+        "triton_logits_vs_deepgemm_logits": (round(ms["triton_fp8_logits"] / ms["deepgemm_logits"], 3)
+                                             if deepgemm_note is None else None),
         "deepgemm": deepgemm_note or ("sgl-deep-gemm fp8_paged_mqa_logits (pages of 64, next_n 1); top-k: torch.topk "
                                       "and the threshold select of kernels/topk.py; deepgemm_best is the faster"),
         "deepgemm_fast_topk_counts_minmax": [min(fast_counts), max(fast_counts)] if deepgemm_note is None else None,
-        "launch_configs": {"pq_stage1": linear_cfg, "exact_fp8": exact_cfg},
+        "launch_configs": {"pq_stage1": linear_cfg, "triton_fp8_logits": exact_cfg},
         "pq_step_counts": {"warm": warm, "cold": cold_stats},
         "pq_host_reads": host_reads,
         "profile": profiles or None,
@@ -312,10 +318,10 @@ def markdown_table(report: dict) -> str:
     lines = [
         "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | DeepGEMM logits (ms) "
         "| DeepGEMM logits + torch.topk (ms) | DeepGEMM logits + threshold top-k (ms) "
-        "| exact FP8 Triton, fused top-k (ms) | torch exact (ms) "
+        "| Triton FP8 logits (ms) | Triton FP8 logits + threshold top-k (ms) | torch exact (ms) "
         "| HBM floor exact / PQ (ms) | best DeepGEMM + top-k / PQ warm | exact FP8 / PQ warm "
         "| policy's exact path (ms) | policy: path, ms | best DeepGEMM + top-k / policy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
         m, f = r["median_ms"], r["hbm_floor_ms"]
@@ -325,7 +331,7 @@ def markdown_table(report: dict) -> str:
         speedup = f"{ratio['pq_warm']:.2f}x" if ratio else "n/a"
         policy = f"{ratio['policy']:.2f}x" if ratio else "n/a"
         lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | {dg[0]} | {dg[1]} | {dg[2]} | "
-                     f"{m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
+                     f"{m['triton_fp8_logits']:.3f} | {m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
                      f"{speedup} | {r['speedup_vs_exact_fp8']['pq_warm']:.2f}x | {m['exact_path']:.3f} | "
                      f"{r['policy']['path']}, {m['policy']:.3f} | {policy} |")
     return "\n".join(lines) + "\n"
@@ -389,9 +395,9 @@ def bench_decode(
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the timing table as markdown to this file."),
 ) -> None:
-    """Decode-step selection latency: PQ coarse-to-fine vs exact FP8 (Triton, fused top-k) vs torch, per
-    batch size and history length, with HBM floors, GPU bytes per request and recall on real keys.
-    Needs a CUDA device."""
+    """Decode-step selection latency: PQ coarse-to-fine vs exact FP8 (DeepGEMM's and Triton's logits with the
+    threshold top-k) vs torch, per batch size and history length, with HBM floors, GPU bytes per request
+    and recall on real keys. Needs a CUDA device."""
     import torch
 
     from dsaindex.console import parse_ints

@@ -38,7 +38,7 @@ from dsaindex.kernels.decode_plan import WAYS, decode_plan, decode_plan_referenc
 from dsaindex.kernels.fp8_score import (
     fp8_gather_scores,
     fp8_gather_scores_reference,
-    fp8_topk_paged,
+    fp8_logits_paged,
     fp8_topk_reference,
     paged_keys_reference,
 )
@@ -99,9 +99,10 @@ class PQDecodeGroup:
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
-        on the device, in the engines' paged layout, and is scored exactly (DeepGEMM's paged logits and
-        :func:`~dsaindex.kernels.topk.rows_topk` where DeepGEMM imports and takes the head count, else
-        :func:`~dsaindex.kernels.fp8_score.fp8_topk_paged`): below the break-even length ``bench decode``
+        on the device, in the engines' paged layout, and is scored exactly with FP8-rounded queries, as the
+        engines' indexer does (DeepGEMM's paged logits where DeepGEMM imports and takes the head count, else
+        :func:`~dsaindex.kernels.fp8_score.fp8_logits_paged`; then
+        :func:`~dsaindex.kernels.topk.rows_topk`): below the break-even length ``bench decode``
         measures, exact scoring is faster than the PQ step. Past it the request's pages go back to the
         pool and it is served by PQ (its codes and host pages are kept all along). 0 turns the policy off.
     exact_pages : pages of 64 keys in the group's exact pool (default: every slot at ``exact_below``); a
@@ -170,6 +171,7 @@ class PQDecodeGroup:
         self.exact_free = list(range(n_pool if width else 0))
         self.exact_owned: list[list[int]] = [[] for _ in range(slots)]
         self.short_host = [False] * slots
+        self._no_stats = StepStats.zeros(slots, dev)  # an exact-only step's stats: no launch per step
         self.host_reads = "unified-addressing kernel"
         self._host_pinned = host.fp8.is_pinned()
 
@@ -240,7 +242,7 @@ class PQDecodeGroup:
         if (self.use_triton and self.device.type == "cuda" and deepgemm.unavailable() is None
                 and deepgemm.supports_heads(n_heads)):
             return "DeepGEMM fp8_paged_mqa_logits + rows_topk"
-        return "Triton fp8_topk_paged" if self.use_triton else "torch reference"
+        return "Triton fp8_logits_paged + rows_topk" if self.use_triton else "torch reference"
 
     def exact_schedule(self, n_heads: int = 64) -> torch.Tensor | None:
         """DeepGEMM's scheduling metadata for this step's short requests (None where DeepGEMM does not
@@ -261,9 +263,10 @@ class PQDecodeGroup:
                                            schedule=schedule, masked=False)
             return rows_topk(logits, self.exact_len, self.topk)[1]
         if self.use_triton:
-            return fp8_topk_paged(self.exact_pool, self.exact_table[:, :width], self.exact_len, q, w, self.topk)[1]
+            logits = fp8_logits_paged(self.exact_pool, self.exact_table[:, :width], self.exact_len, q, w)
+            return rows_topk(logits, self.exact_len, self.topk)[1]
         keys, scales = paged_keys_reference(self.exact_pool, self.exact_table[:, :width], self.dim)
-        return fp8_topk_reference(keys, scales, self.exact_len, q.float(), w, self.topk)[1]
+        return fp8_topk_reference(keys, scales, self.exact_len, q.float(), w, self.topk, query_fp8=True)[1]
 
     def _pq_limit(self, live: int) -> float:
         return pq_limit(self.pq_from, live)
@@ -368,7 +371,7 @@ class PQDecodeGroup:
         if short and max(self.length(s) for s in short) >= self._pq_limit(len(live)):
             short = []  # a batch this large is faster through PQ at these lengths
         if short and len(short) == len(live):  # every request is below the policy's length: exact only
-            return self._select_exact(q, w, exact_schedule), StepStats.zeros(self.slots, self.device)
+            return self._select_exact(q, w, exact_schedule), self._no_stats
         picked, stats = self._select_pq(q, w)
         if short:  # a mixed batch runs both paths; each request takes its own
             picked = torch.where(self.short[:, None], self._select_exact(q, w, exact_schedule), picked)
@@ -393,7 +396,8 @@ class PQDecodeGroup:
                 coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
             c = min(self.candidates, coarse.shape[1])
             top = small_topk if self.use_triton and coarse.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
-            cand_scores, cand = top(coarse, c, rows1)
+            cand_scores, cand = (small_topk(coarse, c, rows1, counts=counts1) if top is small_topk
+                                 else top(coarse, c, rows1))
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
                                                      self.miss_filter, spill=self.spill, set_count=self.set_count)

@@ -60,14 +60,17 @@ def same_selection(got_rows, want_rows, got_scores, want_scores):
         assert len(set(g) ^ set(w)) <= 2, (sorted(set(g) - set(w)), sorted(set(w) - set(g)))
 
 
-@pytest.mark.parametrize("b,n,heads,d,k", [(1, 37, 3, 32, 8), (3, 700, 5, 64, 40), (2, 1500, 64, 128, 64)])
-def test_fp8_topk_matches_reference(b, n, heads, d, k):
+@pytest.mark.parametrize("b,n,heads,d,k,query_fp8", [(1, 37, 3, 32, 8, False), (3, 700, 5, 64, 40, False),
+                                                     (2, 1500, 64, 128, 64, False), (3, 700, 5, 64, 40, True),
+                                                     (2, 1500, 64, 128, 64, True)])
+def test_fp8_topk_matches_reference(b, n, heads, d, k, query_fp8):
     from dsaindex.kernels.fp8_score import fp8_topk
 
     keys, scales, q, w = fp8_inputs(b, n, heads, d)
     lengths = torch.tensor([n - 7 * i for i in range(b)], dtype=torch.int32, device=DEV)
-    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, k)
-    got_s, got_r, counts = fp8_topk(keys, scales, lengths, q, w, k, capacity=256, target=96, return_counts=True)
+    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, k, query_fp8=query_fp8)
+    got_s, got_r, counts = fp8_topk(keys, scales, lengths, q, w, k, capacity=256, target=96, return_counts=True,
+                                    query_fp8=query_fp8)
     same_selection(got_r, want_r, got_s, want_s)
     assert (got_r < lengths[:, None]).all(), "a row past its request's end was selected"
     assert (counts >= torch.clamp(lengths, max=96)).all()
@@ -386,7 +389,47 @@ def test_fp8_topk_over_engine_pages_matches_reference():
     unpacked = paged_keys_reference(pages, table, 128)
     assert torch.equal(unpacked[0], keys) and torch.equal(unpacked[1], scales.float())
     lengths = torch.tensor([640, 333, 5], dtype=torch.int32, device=DEV)
-    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 40)
-    got_s, got_r = fp8_topk_paged(pages, table, lengths, q, w, 40, capacity=256, target=64)
+    for query_fp8 in (False, True):
+        want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 40, query_fp8=query_fp8)
+        got_s, got_r = fp8_topk_paged(pages, table, lengths, q, w, 40, capacity=256, target=64, query_fp8=query_fp8)
+        same_selection(got_r, want_r, got_s, want_s)
+        assert (got_r[2] >= 0).sum() == 5 and (got_r < lengths[:, None]).all()
+
+
+def test_fp8_query_rounding_is_what_deepgemm_computes():
+    """The FP8-query reference is DeepGEMM's spec (queries rounded to e4m3), and differs from the bf16 one:
+    the option changes the products, not just their speed."""
+    from dsaindex.kernels.deepgemm import paged_logits_reference
+
+    keys, scales, q, w = fp8_inputs(2, 300, 8, 128)
+    lengths = torch.tensor([300, 200], dtype=torch.int32, device=DEV)
+    fp8_q = fp8_scores_reference(keys, scales, q, w, query_fp8=True)
+    want = paged_logits_reference(keys, scales, lengths, q, w, 300)
+    live = torch.isfinite(want)
+    torch.testing.assert_close(fp8_q[live], want[live], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fp8_q, fp8_scores_reference(keys, scales, q, w), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_logits_match_reference_with_fp8_queries():
+    """The logits kernel writes every key's score (FP8 x FP8 products) and -inf at and past each length, in
+    both layouts; rows_topk of them is the exact top-k."""
+    from dsaindex.kernels.fp8_score import fp8_logits, fp8_logits_paged
+    from dsaindex.kernels.topk import rows_topk
+
+    keys, scales, q, w = fp8_inputs(3, 640, 8, 128)
+    lengths = torch.tensor([640, 333, 5], dtype=torch.int32, device=DEV)
+    want = fp8_scores_reference(keys, scales, q, w, query_fp8=True)
+    past = torch.arange(640, device=DEV)[None, :] >= lengths[:, None]
+    want = want.masked_fill(past, float("-inf"))
+    got = fp8_logits(keys, scales, lengths, q, w)
+    assert torch.equal(torch.isinf(got), past)
+    torch.testing.assert_close(got[~past], want[~past], rtol=1e-3, atol=1e-3)
+    rows = torch.cat([keys.reshape(30, 64 * 128), scales.float().reshape(30, 64).contiguous().view(torch.uint8)], 1)
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(1)).to(DEV)
+    pages = torch.empty_like(rows)
+    pages[order] = rows
+    paged = fp8_logits_paged(pages, order.view(3, 10).to(torch.int32), lengths, q, w)
+    torch.testing.assert_close(paged, got, rtol=0, atol=0)
+    want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 40, query_fp8=True)
+    got_s, got_r = rows_topk(got, lengths, 40)
     same_selection(got_r, want_r, got_s, want_s)
-    assert (got_r[2] >= 0).sum() == 5 and (got_r < lengths[:, None]).all()

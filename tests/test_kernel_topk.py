@@ -75,10 +75,20 @@ def test_sample_thresholds_kernel_equals_the_torch_rule():
     samples = torch.randn(3, 8192, generator=g)
     lengths = torch.tensor([1 << 20, 5000, 1 << 19], dtype=torch.int32)
     for stride in (128, 64):
-        s = samples.clone()
-        s[1, 5000 // stride + 1 :] = float("-inf")
-        s, n = s.to(DEV), lengths.to(DEV)
-        assert torch.equal(sample_thresholds(s, n, stride, 2048, 16384), thresholds_from_samples(s, n, stride, 2048, 16384))
+        # the kernel ignores samples past a request's length whatever they hold; the torch rule wants -inf there
+        past = torch.arange(8192)[None, :] * stride >= lengths[:, None]
+        s, n = samples.to(DEV), lengths.to(DEV)
+        want = thresholds_from_samples(samples.masked_fill(past, float("-inf")).to(DEV), n, stride, 2048, 16384)
+        counts = torch.full((3,), 7, dtype=torch.int32, device=DEV)
+        assert torch.equal(sample_thresholds(s, n, stride, 2048, 16384, counts=counts), want)
+        assert counts.tolist() == [0, 0, 0]  # zeroed in the same launch
+    # a strided view of whole score rows is read in place
+    rows = torch.randn(2, 8192 * 16, generator=g).to(DEV)
+    n = torch.tensor([8192 * 16, 70000], dtype=torch.int32, device=DEV)
+    view = rows[:, ::16]
+    past = torch.arange(8192, device=DEV)[None, :] * 16 >= n[:, None]
+    want = thresholds_from_samples(view.contiguous().masked_fill(past, float("-inf")), n, 16, 2048, 16384)
+    assert torch.equal(sample_thresholds(view, n, 16, 2048, 16384), want)
 
 
 def test_small_topk_is_exact_on_structured_rows():
@@ -96,3 +106,22 @@ def test_small_topk_is_exact_on_structured_rows():
     assert torch.equal(got_v.sort(1).values, want_v.sort(1).values)
     for row in range(2):
         assert set(got_c[row].tolist()) == set(want_c[row].tolist())
+
+
+def test_small_topk_reads_only_the_filled_slots():
+    """With ``counts``, slots past a row's count are never read: garbage there (here huge values) changes
+    nothing, and a row with fewer filled slots than k pads with -inf / -1."""
+    from dsaindex.kernels.topk import small_topk, small_topk_reference
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(3, 700, generator=g)
+    payload = torch.randint(0, 1 << 20, (3, 700), generator=g, dtype=torch.int32)
+    counts = torch.tensor([700, 300, 20], dtype=torch.int32)
+    filled = torch.arange(700)[None, :] < counts[:, None]
+    want_v, want_p = small_topk_reference(values.masked_fill(~filled, float("-inf")), 64, payload)
+    garbage = values.masked_fill(~filled, 1e30)
+    got_v, got_p = small_topk(garbage.to(DEV), 64, payload.to(DEV), counts=counts.to(DEV))
+    for row in range(3):
+        assert sorted(got_p[row].tolist()) == sorted(want_p[row].tolist())
+        assert sorted(got_v[row].tolist()) == sorted(want_v[row].tolist())
+    assert (got_p[2] == -1).sum() == 64 - 20

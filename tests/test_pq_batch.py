@@ -207,8 +207,7 @@ def test_length_policy_scores_short_requests_exactly(use_triton):
     assert group.short_host == [False, True, True]
     assert len(group.exact_owned[0]) == 0 and len(group.exact_owned[1]) == 5 and len(group.exact_owned[2]) == 8
     q, w = queries(3, 7)
-    if group.exact_scorer(H).startswith("DeepGEMM"):  # it scores with FP8 queries, as the engines do
-        q = q.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    q = q.to(torch.float8_e4m3fn).to(torch.bfloat16)  # the exact path scores FP8 queries, as the engines do
     picked, stats = group.select(q, w)
     want = exact_topk(keys, q, w, 16)
     for slot in (1, 2):  # exact: the exhaustive top-k, whatever PQ would have chosen
@@ -240,8 +239,7 @@ def test_policy_per_batch_size_sends_large_batches_to_pq():
         group.admit(slot)
         group.append(slot, keys[slot])
     q, w = queries(3, 8)
-    if group.exact_scorer(H).startswith("DeepGEMM"):
-        q = q.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    q = q.to(torch.float8_e4m3fn).to(torch.bfloat16)
     picked, stats = group.select(q, w)  # two live requests: the rule for 3 does not apply
     want = exact_topk(keys, q, w, 16)
     assert stats.totals()["candidates"] == 0
