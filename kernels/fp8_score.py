@@ -41,13 +41,17 @@ def fp8_topk_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, lengths: to
 
 
 def fp8_gather_scores_reference(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
-                                queries: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+                                queries: torch.Tensor, head_weights: torch.Tensor,
+                                query_fp8: bool = False) -> torch.Tensor:
     """Exact scores [B, R] of the pool rows ``rows`` [B, R] (-1 = none: -inf): the spec of
-    :func:`fp8_gather_scores`."""
+    :func:`fp8_gather_scores`. A pool of one request shared by every query may be given as [N, D] / [N]
+    (the spec of :func:`fp8_gather_scores_shared`)."""
     b, r = rows.shape
+    if keys_fp8.dim() == 2:
+        keys_fp8, scales = keys_fp8.expand(b, *keys_fp8.shape), scales.expand(b, *scales.shape)
     safe = rows.clamp_min(0).long()
     picked = keys_fp8.gather(1, safe.unsqueeze(-1).expand(b, r, keys_fp8.shape[2]))
-    scores = fp8_scores_reference(picked, scales.gather(1, safe), queries, head_weights)
+    scores = fp8_scores_reference(picked, scales.gather(1, safe), queries, head_weights, query_fp8)
     return scores.masked_fill(rows < 0, float("-inf"))
 
 
@@ -266,4 +270,34 @@ def fp8_gather_scores(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.
         return out
     _launch(2, keys_fp8.contiguous(), scales, None, queries, head_weights, rows=rows.to(torch.int32).contiguous(),
             out_score=out, n_out=r, block_n=block_n, iters=1)
+    return out
+
+
+def fp8_gather_scores_shared(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
+                             queries: torch.Tensor, head_weights: torch.Tensor, query_fp8: bool = True,
+                             block_n: int = 128, iters: int = 2, num_warps: int = 4) -> torch.Tensor:
+    """Exact scores [Q, R] float32 of rows ``rows`` [Q, R] (int32 or int64, -1 = none: -inf) of ONE key
+    array ``keys_fp8`` [N, D] uint8 / ``scales`` [N] float32 for each of ``queries`` [Q, H, D] (a prefill
+    chunk's candidates: every query reads its own rows of the same keys). FP8 x FP8 products with
+    FP8-rounded queries by default, as DeepGEMM's prefill logits (``query_fp8=False``: bf16). The spec is
+    :func:`fp8_gather_scores_reference` with the [N, D] pool. Raises ``ValueError`` on bad input."""
+    checks.rank("keys_fp8", keys_fp8, 2, "N, D")
+    checks.dtype("keys_fp8 (FP8 e4m3 bits)", keys_fp8, torch.uint8)
+    n, d = keys_fp8.shape
+    checks.key_dim("keys_fp8.shape[1] (key dim D)", d)
+    checks.shape("scales", scales, (n,), "N")
+    checks.dtype("scales", scales, torch.float32)
+    checks.rank("queries", queries, 3, "Q, H, D")
+    checks.shape("queries", queries, (None, None, d), "Q, H, D")
+    checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "Q, H")
+    checks.shape("rows", rows, (queries.shape[0], None), "Q, R")
+    checks.dtype("rows", rows, torch.int32, torch.int64)
+    checks.same_device(keys_fp8=keys_fp8, scales=scales, rows=rows, queries=queries, head_weights=head_weights)
+    q, r = rows.shape
+    out = torch.empty(q, r, dtype=torch.float32, device=keys_fp8.device)
+    if r == 0 or q == 0:
+        return out
+    _launch(2, keys_fp8.contiguous(), scales.contiguous(), None, queries, head_weights,
+            rows=rows.to(torch.int32).contiguous(), out_score=out, n_out=r, block_n=block_n, iters=iters,
+            num_warps=num_warps, strides=(0, 64 * d, 0, 64), n_keys=n, query_fp8=query_fp8)
     return out

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from dsaindex.errors import DsaIndexError
+from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.clustering import (
     Bounds,
+    counts_of,
     KMeansStats,
     capped_kmeans,
     nearest_bounds,
@@ -46,6 +48,7 @@ class Version:
     centers: torch.Tensor
     order: torch.Tensor
     starts: torch.Tensor
+    max_size: int | None = None  # the largest cluster, once a reader needed it (a host synchronization)
 
     @property
     def clusters(self) -> int:
@@ -68,7 +71,7 @@ class Version:
 def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Members of each cluster in one array: (order [N] positions sorted by cluster, starts [k + 1])."""
     by_cluster = assign.argsort(stable=True)
-    counts = torch.bincount(assign, minlength=k)
+    counts = counts_of(assign, k)
     starts = torch.zeros(k + 1, dtype=torch.long, device=assign.device)
     starts[1:] = counts.cumsum(0)
     return positions[by_cluster], starts
@@ -101,6 +104,10 @@ class CausalIVF:
         self.refit_iterations, self.refit_search = refit_iterations, refit_search
         self.device = torch.device(device)
         self._keys = torch.empty(window, dim, device=self.device)  # grows by doubling: appends stay O(n)
+        # the same keys in the engines' FP8 format (e4m3 bits + one power-of-two scale each): what the
+        # Triton prefill path scores, as DeepGEMM scores the engines' index-K cache
+        self._fp8 = torch.empty(window, dim, dtype=torch.uint8, device=self.device)
+        self._scales = torch.empty(window, device=self.device)
         self._length = 0
         self.versions: list[Version] = []
         self.sealed = sinks  # keys [sinks, sealed) are clustered
@@ -119,14 +126,29 @@ class CausalIVF:
         """Every key appended so far, [length, D] float32 (a view)."""
         return self._keys[: self._length]
 
+    @property
+    def keys_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key as FP8 e4m3 bits [length, D] uint8 and its scale [length] float32 (views)."""
+        return self._fp8[: self._length], self._scales[: self._length]
+
     def append(self, keys: torch.Tensor) -> None:
         """Add keys [n, D]; seals (and refits) happen as whole windows complete."""
         end = self._length + keys.shape[0]
         if end > self._keys.shape[0]:
-            grown = torch.empty(max(end, 2 * self._keys.shape[0]), self.dim, device=self.device)
+            size = max(end, 2 * self._keys.shape[0])
+            grown = torch.empty(size, self.dim, device=self.device)
             grown[: self._length] = self.keys
             self._keys = grown
-        self._keys[self._length : end] = keys.to(self.device, torch.float32)
+            grown_fp8 = torch.empty(size, self.dim, dtype=torch.uint8, device=self.device)
+            grown_fp8[: self._length] = self._fp8[: self._length]
+            grown_scales = torch.empty(size, device=self.device)
+            grown_scales[: self._length] = self._scales[: self._length]
+            self._fp8, self._scales = grown_fp8, grown_scales
+        new = keys.to(self.device, torch.float32)
+        self._keys[self._length : end] = new
+        codes, scales = fp8_quantize(new)
+        self._fp8[self._length : end] = codes.view(torch.uint8)
+        self._scales[self._length : end] = scales.reshape(-1)
         self._length = end
         windows = (self.length - self.sealed) // self.window
         if not windows:

@@ -45,6 +45,13 @@ class KMeansStats:
         return 1.0 - self.computed / self.plain if self.plain else 0.0
 
 
+
+def counts_of(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How many times each of ``0 .. size - 1`` occurs in ``index`` (int64 [size]). ``torch.bincount`` on
+    CUDA reads the largest value back to the host first (a synchronization per call); this does not."""
+    return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
+
+
 def _groups(k: int) -> int:
     return -(-k // GROUP)
 
@@ -94,7 +101,7 @@ def _exact_distance(x: torch.Tensor, centers: torch.Tensor, which: torch.Tensor)
 def _means(x: torch.Tensor, assign: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
     """Member means; an empty cluster keeps its center."""
     sums = torch.zeros_like(centers).index_add_(0, assign, x)
-    counts = torch.bincount(assign, minlength=centers.shape[0]).unsqueeze(1)
+    counts = counts_of(assign, centers.shape[0]).unsqueeze(1)
     return torch.where(counts > 0, sums / counts.clamp_min(1), centers)
 
 
@@ -178,7 +185,7 @@ def _accept(dist: torch.Tensor, proposal: torch.Tensor, room: torch.Tensor) -> t
     by = torch.argsort(dist)  # closest first, then stably by cluster
     by = by[torch.argsort(proposal[by], stable=True)]
     target = proposal[by]
-    counts = torch.bincount(target, minlength=room.numel())
+    counts = counts_of(target, room.numel())
     first = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(by)
     rank[by] = torch.arange(by.numel(), device=by.device) - first[target]
@@ -206,7 +213,7 @@ def capacity_assign(x: torch.Tensor, centers: torch.Tensor, cap: int, nearest: t
             return assign
         accept = _accept(_exact_distance(x[pending], centers, proposal), proposal, room)
         assign[pending[accept]] = proposal[accept]
-        room -= torch.bincount(proposal[accept], minlength=k)
+        room -= counts_of(proposal[accept], k)
         pending = pending[~accept]
         if pending.numel():
             proposal = nearest_bounds(x[pending], centers, exclude=room == 0)[0]
@@ -235,25 +242,29 @@ def seal_kmeans(x: torch.Tensor, k: int, iterations: int, seeds: list[int]) -> t
     def means(assign):
         flat = (assign + offset).reshape(-1)
         sums = torch.zeros(w * k, d, device=x.device, dtype=x.dtype).index_add_(0, flat, x.reshape(-1, d))
-        counts = torch.bincount(flat, minlength=w * k).unsqueeze(1)
+        counts = counts_of(flat, w * k).unsqueeze(1)
         return torch.where(counts > 0, sums / counts.clamp_min(1), centers.reshape(-1, d)).view(w, k, d)
 
     for _ in range(iterations):
         centers = means(torch.cdist(x, centers).argmin(2))
     dist = torch.cdist(x, centers)  # [W, n, k]
-    assign = torch.full((w, n), -1, dtype=torch.long, device=x.device)
-    room = torch.full((w * k,), cap, dtype=torch.long, device=x.device)
-    for _ in range(k + 1):  # every round closes a cluster or places every pending point
-        pending = (assign < 0).reshape(-1).nonzero().squeeze(1)
-        if not pending.numel():
-            break
-        closed = (room == 0).view(w, k)
-        local = dist.masked_fill(closed[:, None, :], float("inf")).reshape(w * n, k)[pending]
+    assign = torch.full((w * n,), -1, dtype=torch.long, device=x.device)
+    room = torch.full((w * k + 1,), cap, dtype=torch.long, device=x.device)  # the last: placed points' sink
+    room[-1] = 0
+    first = (torch.arange(w * n, device=x.device) // n) * k  # each point's window's first cluster
+    # k + 1 rounds (every round closes a cluster or places every pending point), over every point: the
+    # placed ones propose to a sink that takes nobody, so no round reads a count back to the host
+    for _ in range(k + 1):
+        pending = assign < 0
+        closed = (room[:-1] == 0).view(w, k)
+        local = dist.masked_fill(closed[:, None, :], float("inf")).reshape(w * n, k)
         best = local.argmin(1)
-        proposal = best + (pending // n) * k
-        accept = _accept(local.gather(1, best[:, None]).squeeze(1), proposal, room)
-        assign.view(-1)[pending[accept]] = best[accept]
-        room -= torch.bincount(proposal[accept], minlength=w * k)
+        proposal = torch.where(pending, best + first, w * k)
+        accept = _accept(local.gather(1, best[:, None]).squeeze(1), proposal, room) & pending
+        assign = torch.where(accept, best, assign)
+        room -= counts_of(torch.where(accept, proposal, w * k), w * k + 1)
+        room[-1] = 0
+    assign = assign.view(w, n)
     return assign, means(assign)
 
 

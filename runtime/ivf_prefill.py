@@ -4,7 +4,10 @@
 chunk (their keys already appended): queries are grouped by the index version their position may
 use; each group scores the version's representatives, ranks clusters, and fills a ``[Q, budget]``
 candidate table (sinks, the open window, then the ranked clusters' members, as ``CausalIVF`` does);
-the candidates are scored exactly and the top-k kept. :func:`exhaustive_chunk` scores every key of
+the candidates are scored exactly and the top-k kept. On the GPU (``use_triton``) the candidate table
+is one kernel (:func:`dsaindex.kernels.ivf_select.ivf_candidates`), the candidates' keys are read in
+the engines' FP8 format (half the bytes of bf16) and scored with bf16 queries, and each row's top-k is
+one program. :func:`exhaustive_chunk` scores every key of
 each query's prefix: the baseline. Both score through :mod:`dsaindex.kernels.chunk_score`, the Triton
 kernel on the GPU (``use_triton``) or its torch reference.
 """
@@ -17,6 +20,9 @@ from collections.abc import Callable
 import torch
 
 from dsaindex.kernels.chunk_score import chunk_scores, chunk_scores_reference
+from dsaindex.kernels.fp8_score import fp8_gather_scores_shared
+from dsaindex.kernels.ivf_select import ivf_candidates, ivf_candidates_reference
+from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk
 from dsaindex.runtime.causal_ivf import CausalIVF, LearnedRepresentatives, Version
 
 
@@ -40,32 +46,13 @@ def candidate_table(index: CausalIVF, version: Version | None, cluster_scores: t
                     positions: torch.Tensor, budget: int) -> torch.Tensor:
     """[Q, budget] candidate positions (-1 = unused) of queries at ``positions`` that use ``version``:
     sinks and the open window first (the newest ``budget`` of them if they alone overflow), then the
-    members of clusters in order of ``cluster_scores`` [Q, C], the last one cut at the budget."""
-    dev = positions.device
-    visible = positions.long() + 1
-    upto = version.upto if version is not None else 0
-    n_sink = visible.clamp(max=index.sinks)
-    open_lo = max(upto, index.sinks)
-    n_open = (visible - open_lo).clamp_min(0)
-    reserved = n_sink + n_open
-    slot = torch.arange(budget, device=dev)[None, :]
-    i = slot + (reserved - budget).clamp_min(0)[:, None]  # index into [sinks, open window]
-    table = torch.where(i < n_sink[:, None], i, open_lo + i - n_sink[:, None])
-    table = table.masked_fill(i >= reserved[:, None], -1)
+    members of clusters in order of ``cluster_scores`` [Q, C], the last one cut at the budget
+    (:func:`dsaindex.kernels.ivf_select.ivf_candidates_reference`)."""
     if version is None or version.clusters == 0:
-        return table
-    sizes = version.starts.diff()
-    ranked = cluster_scores.argsort(dim=1, descending=True)
-    ranked_sizes = sizes[ranked]
-    cum = ranked_sizes.cumsum(1)
-    t = (slot - reserved[:, None]).clamp_min(0)
-    r = torch.searchsorted(cum, t.contiguous(), right=True)
-    inside = (slot >= reserved[:, None]) & (r < ranked.shape[1])
-    r = r.clamp(max=ranked.shape[1] - 1)
-    c = ranked.gather(1, r)
-    offset = t - (cum.gather(1, r) - ranked_sizes.gather(1, r))
-    members = version.order[(version.starts[c] + offset).clamp(max=version.order.numel() - 1)]
-    return torch.where(inside, members, table)
+        return ivf_candidates_reference(None, positions, None, None, version.upto if version else 0, index.sinks,
+                                        budget)
+    return ivf_candidates_reference(cluster_scores, positions, version.starts, version.order, version.upto,
+                                    index.sinks, budget)
 
 
 def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Tensor, positions: torch.Tensor,
@@ -80,7 +67,7 @@ def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Te
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(pos_list):
         groups.setdefault(bisect.bisect_right(uptos, p + 1), []).append(i)
-    keys = index.keys.to(torch.bfloat16) if use_triton else index.keys
+    keys = index.keys
     for at, members in groups.items():
         version = index.versions[at - 1] if at else None
         reps = None
@@ -95,10 +82,30 @@ def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Te
             if reps is not None:
                 route = _scores(use_triton, reps, q, w,
                                 lengths=torch.full_like(p, reps.shape[0], dtype=torch.int32))
+            if use_triton:
+                out[rows] = _select_triton(index, version, route, q, w, p, budget, topk)
+                continue
             cand = candidate_table(index, version, route, p, budget)
             exact = _scores(use_triton, keys, q, w, rows=cand)
             out[rows] = _top_rows(exact, cand, topk)
     return out
+
+
+def _select_triton(index: CausalIVF, version: Version | None, route: torch.Tensor | None, q: torch.Tensor,
+                   w: torch.Tensor, p: torch.Tensor, budget: int, topk: int) -> torch.Tensor:
+    """The GPU path of one query group: candidate lists in one launch, their FP8 keys (the engines' index-K
+    format: 132 bytes a key, half of bf16) scored with bf16 queries, the top-k of each row in one launch."""
+    clustered = version is not None and version.clusters > 0
+    if clustered and version.max_size is None:
+        version.max_size = int(version.starts.diff().max())  # once per version (a host synchronization)
+    cand = ivf_candidates(route if clustered else None, p, version.starts if clustered else None,
+                          version.order if clustered else None, version.upto if version else 0, index.sinks,
+                          budget, max_size=version.max_size if clustered else 1)
+    keys8, scales8 = index.keys_fp8
+    exact = fp8_gather_scores_shared(keys8, scales8, cand, q, w, query_fp8=False)
+    if budget <= SMALL_TOPK_MAX:
+        return small_topk(exact, topk, cand)[1]
+    return _top_rows(exact, cand.long(), topk)
 
 
 def exhaustive_chunk(keys: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor, positions: torch.Tensor,

@@ -433,3 +433,17 @@ def test_fp8_logits_match_reference_with_fp8_queries():
     want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 40, query_fp8=True)
     got_s, got_r = rows_topk(got, lengths, 40)
     same_selection(got_r, want_r, got_s, want_s)
+
+
+@pytest.mark.parametrize("query_fp8", [True, False])
+def test_fp8_gather_scores_shared_match_reference(query_fp8):
+    """Every query reads its own rows of one shared key array (a prefill chunk's IVF candidates)."""
+    from dsaindex.kernels.fp8_score import fp8_gather_scores_reference, fp8_gather_scores_shared
+
+    keys, scales, _, _ = fp8_inputs(1, 300, 4, 128)
+    _, _, q, w = fp8_inputs(5, 1, 8, 128, seed=2)
+    rows = torch.randint(-1, 300, (5, 200), generator=torch.Generator().manual_seed(3)).to(torch.int32).to(DEV)
+    got = fp8_gather_scores_shared(keys[0], scales[0].float(), rows, q, w, query_fp8=query_fp8)
+    want = fp8_gather_scores_reference(keys[0], scales[0].float(), rows, q, w, query_fp8=query_fp8)
+    assert torch.equal(torch.isinf(got), rows < 0)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
