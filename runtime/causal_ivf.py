@@ -29,9 +29,9 @@ from dsaindex.errors import DsaIndexError
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.clustering import (
     Bounds,
-    counts_of,
     KMeansStats,
     capped_kmeans,
+    counts_of,
     nearest_bounds,
     seal_kmeans,
     warm_bounds,
