@@ -229,14 +229,61 @@ def seal_kmeans(x: torch.Tensor, k: int, iterations: int, seeds: list[int]) -> t
     """Equal-size k-means of several windows at once: ``x`` [W, n, D] into ``k`` clusters of exactly
     ``n / k`` keys per window (Lloyd, then capacity rounds, all windows batched). Window ``w`` starts
     from ``k`` of its points drawn with ``seeds[w]``, so a window's clusters do not depend on which
-    windows are sealed together. Returns (assignment [W, n], centers [W, k, D] = member means)."""
+    windows are sealed together. Returns (assignment [W, n], centers [W, k, D] = member means).
+
+    On a CUDA device the whole computation (a few hundred small launches, none reading back to the
+    host) is captured once per shape in a CUDA graph and replayed: a seal costs its kernels' time,
+    not their launches' (:class:`_SealGraphs`)."""
     w, n, d = x.shape
-    cap = n // k
-    if k * cap != n:
+    if k * (n // k) != n:
         raise DsaIndexError(f"a window of {n} keys does not split into {k} equal clusters.",
                             "pick a window that is a whole number of clusters.")
     picks = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(s))[:k] for s in seeds])
-    centers = x.gather(1, picks.to(x.device)[:, :, None].expand(w, k, d)).clone()
+    if x.device.type == "cuda" and torch.cuda.is_available():
+        return _SEAL_GRAPHS.run(x, k, iterations, picks)
+    return _seal_from(x, k, iterations, picks.to(x.device))
+
+
+class _SealGraphs:
+    """:func:`_seal_from` captured in a CUDA graph per (shape, k, iterations, device), replayed with the
+    windows and seeds copied into the graph's inputs. A few shapes occur (windows per append), so the
+    cache stays small; the oldest graph goes past ``limit``."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self.graphs: dict[tuple, tuple] = {}
+
+    def run(self, x: torch.Tensor, k: int, iterations: int, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (tuple(x.shape), x.dtype, k, iterations, str(x.device))
+        entry = self.graphs.get(key)
+        if entry is None:
+            static_x, static_picks = x.clone(), picks.to(x.device)
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):  # warm-up outside the capture (allocations, library handles)
+                _seal_from(static_x, k, iterations, static_picks)
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = _seal_from(static_x, k, iterations, static_picks)
+            if len(self.graphs) >= self.limit:
+                del self.graphs[next(iter(self.graphs))]
+            entry = self.graphs[key] = (graph, static_x, static_picks, out)
+        graph, static_x, static_picks, out = entry
+        static_x.copy_(x)
+        static_picks.copy_(picks)
+        graph.replay()
+        return out[0].clone(), out[1].clone()
+
+
+_SEAL_GRAPHS = _SealGraphs()
+
+
+def _seal_from(x: torch.Tensor, k: int, iterations: int, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`seal_kmeans` from the initial centers' indices ``picks`` [W, k] (on ``x``'s device)."""
+    w, n, d = x.shape
+    cap = n // k
+    centers = x.gather(1, picks[:, :, None].expand(w, k, d)).clone()
     offset = (torch.arange(w, device=x.device) * k)[:, None]
 
     def means(assign):
@@ -249,8 +296,9 @@ def seal_kmeans(x: torch.Tensor, k: int, iterations: int, seeds: list[int]) -> t
         centers = means(torch.cdist(x, centers).argmin(2))
     dist = torch.cdist(x, centers)  # [W, n, k]
     assign = torch.full((w * n,), -1, dtype=torch.long, device=x.device)
-    room = torch.full((w * k + 1,), cap, dtype=torch.long, device=x.device)  # the last: placed points' sink
-    room[-1] = 0
+    # the last entry: the sink placed points propose to; its room starts at 0 and only falls
+    room = torch.cat([torch.full((w * k,), cap, dtype=torch.long, device=x.device),
+                      torch.zeros(1, dtype=torch.long, device=x.device)])
     first = (torch.arange(w * n, device=x.device) // n) * k  # each point's window's first cluster
     # k + 1 rounds (every round closes a cluster or places every pending point), over every point: the
     # placed ones propose to a sink that takes nobody, so no round reads a count back to the host
@@ -263,7 +311,6 @@ def seal_kmeans(x: torch.Tensor, k: int, iterations: int, seeds: list[int]) -> t
         accept = _accept(local.gather(1, best[:, None]).squeeze(1), proposal, room) & pending
         assign = torch.where(accept, best, assign)
         room -= counts_of(torch.where(accept, proposal, w * k), w * k + 1)
-        room[-1] = 0
     assign = assign.view(w, n)
     return assign, means(assign)
 
