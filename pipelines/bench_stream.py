@@ -8,11 +8,15 @@ sized as a DeepSeek-V3.2 layer's for that chunk (``flops_per_token``: the indexe
 key, the projections and the active experts, the sparse attention over the top-k), run as bf16 GEMMs,
 followed by a read of the layer's whole streamed buffer (the indexer's data dependency).
 
-Per chunk size, medians of ``--repeats`` runs: the compute alone (prefix already resident), the streamed
-run, and per layer the exposed wait = (streamed - compute) / layers; beside them the prediction of
+Per chunk size, medians of ``--repeats`` runs of 4 chunks back to back: the compute alone (every
+layer's prefix resident), the streamed run with the next chunk's first load prefetched during the last
+layer (the runtime's default) and without it, and per layer the exposed wait = (streamed - compute) /
+layers; beside them the prediction of
 LeanSparse's Eq. 3-5 from the measured host bandwidth and the measured compute (T_wait = max(0,
 T_load - T_comp), T_load = payload / bandwidth). The break-even chunk is the smallest C whose measured
-wait is at most 5% of its compute, and the predicted one where T_comp >= T_load.
+wait is at most 5% of its compute, and the predicted one where T_comp >= T_load. The device memory
+of prefix state is measured as allocated: the two buffers plus every layer's PQ32 codes, against every
+layer's exact keys resident. ``--timeline`` plots two chunks' copy and compute streams.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import typer
 
 KEY_BYTES = 132  # one exact index key: 128 FP8 bytes + a float32 scale (the engines' layout)
+PQ32_BYTES = 32  # one key's PQ32 code, which stays on the GPU for decode
 HIDDEN = 7168  # DeepSeek-V3.2's hidden size (config.json of the published checkpoint)
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048  # its indexer: 64 heads x 128, top-2048
 ACTIVE_PARAMS_PER_LAYER = 37e9 / 61  # 37B activated parameters over 61 layers (the model card)
@@ -37,28 +42,43 @@ def flops_per_token(prefix: int) -> float:
     return indexer + dense + attention
 
 
-def time_stack(prefix: int, chunk: int, layers: int, repeats: int, streamed: bool, state: dict) -> float:
-    """Median ms of one chunk through the stack (streamed prefix, or prefix resident on the GPU)."""
+def time_stack(prefix: int, chunk: int, layers: int, repeats: int, mode: str, state: dict,
+               trace: list | None = None) -> float:
+    """Median ms of one chunk through the stack: ``mode`` "resident" (every layer's prefix on the GPU),
+    "streamed" or "prefetch" (the next chunk's first load issued during the last layer). Each timed run
+    is ``CHUNKS_PER_RUN`` chunks back to back, as a long prefill runs them (a prefetch then overlaps
+    the previous chunk's last layer, as it would in service). ``trace`` collects (what, layer, start,
+    end) CUDA events of one more run, for a timeline."""
     import statistics
 
     import torch
 
     streamer, resident, weight = state["streamer"], state["resident"], state["weight"]
+    streamer.prefetch = mode == "prefetch"
+    streamer._pending = None
     x = torch.randn(chunk, HIDDEN, device="cuda", dtype=torch.bfloat16)
     gemm_flops = 2 * chunk * HIDDEN * HIDDEN
     reps = max(1, round(flops_per_token(prefix) * chunk / gemm_flops))
     sink = torch.zeros((), device="cuda", dtype=torch.float32)
 
-    def one_chunk() -> None:
-        if streamed:
+    def one_chunk(events: list | None = None) -> None:
+        if mode != "resident":
             streamer.begin_chunk()
         y = x
         for layer in range(layers):
-            keys = streamer.acquire(layer) if streamed else resident
+            keys = streamer.acquire(layer) if mode != "resident" else resident[layer]
+            start = None
+            if events is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             sink.add_(keys[:, :4].float().sum())  # the indexer reads the layer's prefix
             for _ in range(reps):
                 y = torch.mm(y, weight) * 0.001  # the layer's compute (bf16 GEMMs of its FLOPs)
-            if streamed:
+            if events is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                events.append(("compute", layer, start, end))
+            if mode != "resident":
                 streamer.release(layer)
 
     times = []
@@ -66,12 +86,50 @@ def time_stack(prefix: int, chunk: int, layers: int, repeats: int, streamed: boo
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        one_chunk()
+        for _ in range(CHUNKS_PER_RUN):
+            one_chunk()
         end.record()
         torch.cuda.synchronize()
         if i:  # the first run warms up
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / CHUNKS_PER_RUN)
+    if trace is not None and mode != "resident":
+        torch.cuda.synchronize()
+        streamer.trace = []
+        base = torch.cuda.Event(enable_timing=True)
+        base.record()
+        compute: list = []
+        for _ in range(2):  # two chunks: the second one's first load was prefetched during the first
+            one_chunk(compute)
+        torch.cuda.synchronize()
+        trace += [("load", layer, base.elapsed_time(a), base.elapsed_time(b)) for layer, a, b in streamer.trace]
+        trace += [(what, layer, base.elapsed_time(a), base.elapsed_time(b)) for what, layer, a, b in compute]
+        streamer.trace = None
     return statistics.median(times)
+
+
+CHUNKS_PER_RUN = 4
+
+
+def plot_timeline(trace: list, title: str, path: Path) -> None:
+    """Copy-stream loads above, compute-stream layers below, on one time axis (ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 2.8))
+    for what, layer, start, end in trace:
+        row = 1 if what == "load" else 0
+        ax.broken_barh([(start, end - start)], (row - 0.35, 0.7),
+                       facecolors="tab:orange" if row else "tab:blue", edgecolor="black", linewidth=0.5)
+        if end - start > 0.02 * max(t[3] for t in trace):
+            ax.text((start + end) / 2, row, str(layer), ha="center", va="center", fontsize=8)
+    ax.set_yticks([0, 1], ["compute (layer)", "copy stream (load of layer)"])
+    ax.set_xlabel("ms since the first chunk began")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
 
 def bench_prefill_stream(
@@ -81,6 +139,8 @@ def bench_prefill_stream(
     repeats: int = typer.Option(3, help="Timed runs per case (after one warm-up); medians reported."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
+    timeline: Path = typer.Option(None, help="Also plot two chunks' copy and compute streams (PNG), at the "
+                                             "longest prefix and the chunk nearest its measured break-even."),
 ) -> None:
     """Streamed prefill's exposed load wait vs chunk size on a production-size synthetic stack, against
     the LeanSparse model's prediction from the measured host bandwidth. Needs a CUDA device."""
@@ -99,35 +159,61 @@ def bench_prefill_stream(
                             "run it on a GPU machine.")
     weight = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
     rows = []
+    memory = {}
     for prefix in prefix_list:
-        streamer = PrefixStreamer(list(range(layers)), (KEY_BYTES,), torch.uint8, prefix + max(chunk_list), "cuda")
+        capacity = prefix + max(chunk_list) * (CHUNKS_PER_RUN + 1)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        streamer = PrefixStreamer(list(range(layers)), (KEY_BYTES,), torch.uint8, capacity, "cuda")
+        codes = torch.zeros(layers, prefix, PQ32_BYTES, dtype=torch.uint8, device="cuda")  # what stays resident
+        streamed_bytes = torch.cuda.memory_allocated() - before
         for layer in range(layers):
             streamer.host[layer][:prefix].random_(0, 255)
-            streamer.length[layer] = prefix
-        resident = torch.randint(0, 255, (prefix, KEY_BYTES), dtype=torch.uint8, device="cuda")
+        before = torch.cuda.memory_allocated()
+        resident = torch.randint(0, 255, (layers, capacity, KEY_BYTES), dtype=torch.uint8, device="cuda")
+        resident_bytes = torch.cuda.memory_allocated() - before
+        memory[str(prefix)] = {"streamed_two_buffers_plus_pq32_bytes": streamed_bytes,
+                               "all_layers_resident_bytes": resident_bytes,
+                               "two_layers_exact_plus_pq32_bytes": 2 * capacity * KEY_BYTES + codes.numel()}
         state = {"streamer": streamer, "resident": resident, "weight": weight}
-        copy_ms = time_stack_copy(streamer.host[0][:prefix], resident, repeats)
+        copy_ms = time_stack_copy(streamer.host[0][:prefix], resident[0, :prefix], repeats)
         for chunk in chunk_list:
-            compute = time_stack(prefix, chunk, layers, repeats, False, state)
-            stream = time_stack(prefix, chunk, layers, repeats, True, state)
-            per_layer = compute / layers
-            wait = max(0.0, (stream - compute) / layers)
+            times = {}
+            for mode in ("resident", "streamed", "prefetch"):
+                for layer in range(layers):  # every timed chunk sees the same prefix
+                    streamer.length[layer] = prefix
+                times[mode] = time_stack(prefix, chunk, layers, repeats, mode, state)
+            per_layer = times["resident"] / layers
+            wait = {m: max(0.0, (times[m] - times["resident"]) / layers) for m in ("streamed", "prefetch")}
             predicted = max(0.0, copy_ms - per_layer)
             rows.append({"prefix": prefix, "chunk": chunk, "compute_ms_per_layer": round(per_layer, 4),
-                         "streamed_ms_per_layer": round(stream / layers, 4), "load_ms": round(copy_ms, 4),
-                         "wait_ms_per_layer": round(wait, 4), "predicted_wait_ms": round(predicted, 4),
-                         "wait_share": round(wait / max(per_layer, 1e-9), 4)})
+                         "streamed_ms_per_layer": round(times["prefetch"] / layers, 4), "load_ms": round(copy_ms, 4),
+                         "wait_ms_per_layer": round(wait["prefetch"], 4), "predicted_wait_ms": round(predicted, 4),
+                         "wait_share": round(wait["prefetch"] / max(per_layer, 1e-9), 4),
+                         "wait_share_no_prefetch": round(wait["streamed"] / max(per_layer, 1e-9), 4)})
             typer.echo(str(rows[-1]), err=True)
-        del streamer, resident, state
+        if timeline is not None and prefix == max(prefix_list):
+            mine = [r for r in rows if r["prefix"] == prefix]
+            chunk = min((r["chunk"] for r in mine if r["wait_share"] <= 0.05), default=max(chunk_list))
+            for layer in range(layers):
+                streamer.length[layer] = prefix
+            trace: list = []
+            time_stack(prefix, chunk, layers, 0, "prefetch", state, trace=trace)
+            plot_timeline(trace, f"streamed prefill, {layers} layers, {prefix:,}-key prefix, {chunk:,}-token chunks "
+                                 "(two chunks; the second one's first load prefetched)", timeline)
+        del streamer, resident, state, codes
         torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "layers": layers, "key_bytes": KEY_BYTES,
-              "host_bandwidth_gbps": {}, "break_even_chunk": {}, "rows": rows}
+              "chunks_per_timed_run": CHUNKS_PER_RUN, "host_bandwidth_gbps": {}, "break_even_chunk": {},
+              "prefix_state_memory": memory, "rows": rows}
     for prefix in prefix_list:
         mine = [r for r in rows if r["prefix"] == prefix]
         report["host_bandwidth_gbps"][str(prefix)] = round(prefix * KEY_BYTES / (mine[0]["load_ms"] * 1e-3) / 1e9, 2)
         measured = [r["chunk"] for r in mine if r["wait_share"] <= 0.05]
+        without = [r["chunk"] for r in mine if r["wait_share_no_prefetch"] <= 0.05]
         predicted = [r["chunk"] for r in mine if r["compute_ms_per_layer"] >= r["load_ms"]]
         report["break_even_chunk"][str(prefix)] = {"measured": min(measured, default=None),
+                                                   "measured_no_prefetch": min(without, default=None),
                                                    "predicted": min(predicted, default=None)}
     emit_report(report, out, markdown, _table(rows))
 
@@ -152,8 +238,8 @@ def time_stack_copy(host, device_rows, repeats: int) -> float:
 
 def _table(rows: list[dict]) -> str:
     head = ("| prefix | chunk | compute ms/layer | streamed ms/layer | load ms | exposed wait ms/layer | "
-            "predicted wait ms | wait / compute |\n|---|---|---|---|---|---|---|---|")
+            "predicted wait ms | wait / compute | without the prefetch |\n|---|---|---|---|---|---|---|---|---|")
     lines = [f"| {r['prefix']:,} | {r['chunk']:,} | {r['compute_ms_per_layer']:.3f} | {r['streamed_ms_per_layer']:.3f} "
              f"| {r['load_ms']:.3f} | {r['wait_ms_per_layer']:.3f} | {r['predicted_wait_ms']:.3f} | "
-             f"{100 * r['wait_share']:.1f}% |" for r in rows]
+             f"{100 * r['wait_share']:.1f}% | {100 * r['wait_share_no_prefetch']:.1f}% |" for r in rows]
     return "\n".join([head, *lines])

@@ -101,11 +101,20 @@ def generate_cmd(
     basis: str = typer.Option("hadamard", help="Key basis the artifacts were trained in."),
     allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
     progress: bool = typer.Option(True, help="Show a progress bar (per generated token) on stderr."),
+    ivf_artifacts: str = typer.Option(None, "--ivf-artifacts",
+                                      help="An ivf bundle too: whole requests are served as `dsaindex serve` "
+                                           "serves them (IVF prefill, PQ decode), and the recall is reported "
+                                           "per phase."),
+    ivf_budget: int = typer.Option(None, callback=at_least(1),
+                                   help="Candidates per prefill query with --ivf-artifacts (default 8 x top-k)."),
+    prefill_chunk: int = typer.Option(None, callback=at_least(1),
+                                      help="Feed the prompt in chunks of this many tokens (default: at once)."),
     out: str = typer.Option(None, help="Also write the JSON result to this file."),
 ) -> None:
-    """Greedy generation with the runtime choosing every layer's decode-time top-k, against the model's
-    own exhaustive selection: token agreement (free running, teacher forced, and on the real held-out
-    continuation) and per-layer recall of the model's own top-k."""
+    """Greedy generation with the runtime choosing every layer's decode-time top-k (and with
+    --ivf-artifacts, its prefill top-k), against the model's own exhaustive selection: token agreement
+    (free running, teacher forced, and on the real held-out continuation) and per-layer recall of the
+    model's own top-k."""
     import json
     from pathlib import Path
 
@@ -134,10 +143,23 @@ def generate_cmd(
     window = [int(t) for t in heldout[prompt_offset : prompt_offset + prompt_tokens - 1 + new_tokens]]
     prompt = torch.tensor([BOS_ID] + window[: prompt_tokens - 1], dtype=torch.long)
     continuation = torch.tensor(window[prompt_tokens - 1 :], dtype=torch.long)
+    selection = None
+    if ivf_artifacts is not None:
+        from dsaindex.runtime.serving import load as load_served
+
+        def selection():
+            return load_served([artifacts, ivf_artifacts], net, device=dev, basis=basis, served=served,
+                               allow_other_weights=allow_other_weights, candidates=candidates, prefilter=prefilter,
+                               exact_below=exact_below, ivf_budget=ivf_budget, measure_recall=True,
+                               max_keys=prompt_tokens + new_tokens + 1)
+
     with progress_bar("generate", enabled=progress) as update:
         result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
                                   prefilter=prefilter, device=dev, continuation=continuation, progress=update,
-                                  exact_below=exact_below)
+                                  exact_below=exact_below, selection=selection, prefill_chunk=prefill_chunk)
+    if ivf_artifacts is not None:
+        result["ivf_artifacts"] = ivf_artifacts
+        result["served"] = selection().describe()
     result["model"] = model
     result["artifacts"] = artifacts
     text = json.dumps(result, indent=2)

@@ -14,6 +14,11 @@ prefill chunk, in layer order:
   before the next load into that buffer on the same stream);
 * :meth:`release` records that the compute stream is done with the layer's buffer.
 
+With ``prefetch`` (the default), acquiring the last layer also issues the first layer's load for the
+next chunk into the other buffer, so that load overlaps the last layer's compute instead of opening
+the next chunk with nothing to hide it (its rows include this chunk's, written back before it on the
+same copy stream). ``trace``, a list, collects timing events of every load for a timeline.
+
 The device holds two layers' prefix state at any time, whatever the layer count. On a CPU device the
 same calls run synchronously (the streams and events are not there), which is what the equivalence
 tests run. ``waits`` records, per acquire on CUDA, the events it waited for, so a benchmark can time
@@ -39,7 +44,7 @@ class PrefixStreamer:
     """
 
     def __init__(self, layers: list[int], row_shape: tuple[int, ...], dtype: torch.dtype, capacity: int,
-                 device: str | torch.device, pin: bool | None = None):
+                 device: str | torch.device, pin: bool | None = None, prefetch: bool = True):
         self.layers = list(layers)
         self.next_of = dict(zip(self.layers, self.layers[1:], strict=False))
         self.device = torch.device(device)
@@ -55,6 +60,9 @@ class PrefixStreamer:
         self._slot: dict[int, int] = {}
         self._next_slot = 0
         self._skip: frozenset[int] = frozenset()
+        self.prefetch = prefetch
+        self._pending: int | None = None  # buffer holding the first layer's rows loaded for the next chunk
+        self.trace: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None  # (layer, start, end) per load
 
     # ---- one chunk ---------------------------------------------------------------------------------
     def begin_chunk(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
@@ -62,8 +70,13 @@ class PrefixStreamer:
         will not read their prefix this chunk: no copy is made for them (their new rows are still
         written back by :meth:`extend`)."""
         self._slot.clear()
-        self._next_slot = 0
         self._skip = frozenset(skip)
+        if self._pending is not None:  # issued during the previous chunk's last layer
+            self._slot[self.layers[0]] = self._pending
+            self._next_slot = self._pending ^ 1
+            self._pending = None
+            return
+        self._next_slot = 0
         self._load(self.layers[0])
 
     def acquire(self, layer: int) -> torch.Tensor:
@@ -78,6 +91,9 @@ class PrefixStreamer:
         nxt = self.next_of.get(layer)
         if nxt is not None:
             self._load(nxt)
+        elif self.prefetch:  # the last layer: the next chunk's first load overlaps its compute
+            first = self.layers[0]
+            self._pending = self._load(first, next_chunk=True)
         return self.buffers[slot][: self.length[layer]]
 
     def extend(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
@@ -114,29 +130,40 @@ class PrefixStreamer:
             self.copy_stream.synchronize()
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _load(self, layer: int) -> None:
+    def _load(self, layer: int, next_chunk: bool = False) -> int:
+        """Issue ``layer``'s load into the next buffer; its slot. ``next_chunk``: a prefetch for the next
+        chunk (every row, whatever this chunk skips; the slot is claimed by :meth:`begin_chunk`)."""
         slot = self._next_slot
         self._next_slot ^= 1
-        self._slot[layer] = slot
-        n = 0 if layer in self._skip else self.length[layer]
+        if not next_chunk:
+            self._slot[layer] = slot
+        n = self.length[layer] if next_chunk or layer not in self._skip else 0
         if self.copy_stream is None:
             self.buffers[slot][:n] = self.host[layer][:n].to(self.device)
-            return
+            return slot
         with torch.cuda.stream(self.copy_stream):
             if self._released[slot] is not None:  # the buffer's previous layer is done reading it
                 self.copy_stream.wait_event(self._released[slot])
+            start = None
+            if self.trace is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
             self.buffers[slot][:n].copy_(self.host[layer][:n], non_blocking=True)
-            loaded = torch.cuda.Event()
+            loaded = torch.cuda.Event(enable_timing=self.trace is not None)
             loaded.record(self.copy_stream)
+            if start is not None:
+                self.trace.append((layer, start, loaded))
         self._loaded[slot] = loaded
+        return slot
 
     def reads(self, layer: int) -> bool:
         """Whether ``layer`` reads its prefix in this chunk (it was not skipped)."""
         return layer not in self._skip
 
     def reset(self) -> None:
-        """Forget every layer's rows (a new request)."""
+        """Forget every layer's rows (a new request), and any load prefetched for the old one."""
         self.length = dict.fromkeys(self.layers, 0)
+        self._pending = None
 
     def device_bytes(self) -> int:
         """Device bytes of prefix state: the two buffers."""

@@ -126,14 +126,20 @@ class RuntimeSelection(ModuleHooks):
 
 @torch.no_grad()
 def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, forced: torch.Tensor | None = None,
-                  on_token: Callable[[int], None] | None = None) -> dict:
+                  on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = None) -> dict:
     """Greedy decoding with the KV cache. ``forced`` [new_tokens] feeds those tokens instead of the
     model's own (teacher forcing); the returned ``argmax`` [new_tokens] is the model's choice at each step.
-    ``on_token(steps done)`` is called after the prompt (0) and after every decode step."""
+    ``on_token(steps done)`` is called after the prompt (0) and after every decode step. ``prefill_chunk``
+    feeds the prompt in chunks of that many tokens (a long prompt's prefill as a server runs it; the
+    model's own indexer then scores each chunk against its prefix instead of the whole prompt at once)."""
     cache_kw = cache_argument(model)
     on_token = on_token or (lambda done: None)
-    out = model(input_ids=prompt.unsqueeze(0), use_cache=True)
-    cache = out.past_key_values
+    step = prefill_chunk or prompt.numel()
+    cache = None
+    for lo in range(0, prompt.numel(), step):
+        kw = {} if cache is None else {cache_kw: cache}
+        out = model(input_ids=prompt[lo : lo + step].unsqueeze(0), use_cache=True, **kw)
+        cache = out.past_key_values
     choice = out.logits[0, -1].argmax()
     on_token(0)
     argmax, fed = [], []
@@ -151,7 +157,8 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
 def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
                      use_triton: bool | None = None, continuation: torch.Tensor | None = None, exact_below: int = 0,
-                     progress: Callable[[int, int, str], None] | None = None) -> dict:
+                     progress: Callable[[int, int, str], None] | None = None,
+                     selection: Callable[[], Any] | None = None, prefill_chunk: int | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
 
     * ``free_running``: both decode on their own; share of equal tokens and the first divergence;
@@ -164,7 +171,10 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
       the real text when given, else on the exhaustive run's tokens).
 
     ``progress(tokens done, tokens in all, which run)`` is called after every generated token of the
-    three (five with ``continuation``) runs.
+    three (five with ``continuation``) runs. ``selection()``, if given, makes the runtime of each run
+    instead of a decode-only :class:`RuntimeSelection` of ``layers`` (e.g. a fresh
+    :class:`dsaindex.runtime.serving.ServedIndex`: IVF prefill and PQ decode, whose recall is then
+    reported per phase); ``prefill_chunk`` as :func:`greedy_decode`.
     """
     prompt = prompt.to(device)
     text = continuation[:new_tokens].to(device) if continuation is not None else None
@@ -178,21 +188,25 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
     def tick(name: str) -> Callable[[int], None] | None:
         return (lambda done: progress(before[name] + done, total, name)) if progress else None
 
-    reference = greedy_decode(model, prompt, new_tokens, on_token=tick("exhaustive"))
+    reference = greedy_decode(model, prompt, new_tokens, on_token=tick("exhaustive"), prefill_chunk=prefill_chunk)
     kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, device=device, use_triton=use_triton,
                   exact_below=exact_below)
     max_keys = prompt.numel() + new_tokens + 1
-    with RuntimeSelection(model, layers, 1, max_keys, **kwargs):
-        free = greedy_decode(model, prompt, new_tokens, on_token=tick("runtime, free running"))
-    with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as forced_run:
+    runtime = selection or (lambda: RuntimeSelection(model, layers, 1, max_keys, **kwargs))
+    with runtime():
+        free = greedy_decode(model, prompt, new_tokens, on_token=tick("runtime, free running"),
+                             prefill_chunk=prefill_chunk)
+    with runtime() as forced_run:
         forced = greedy_decode(model, prompt, new_tokens, forced=reference["fed"].to(device),
-                               on_token=tick("runtime, teacher forced"))
+                               on_token=tick("runtime, teacher forced"), prefill_chunk=prefill_chunk)
     recall_log = forced_run.log
     on_text = None
     if text is not None:
-        exhaustive_text = greedy_decode(model, prompt, text.numel(), forced=text, on_token=tick("exhaustive, real text"))
-        with RuntimeSelection(model, layers, 1, max_keys, **kwargs) as text_run:
-            runtime_text = greedy_decode(model, prompt, text.numel(), forced=text, on_token=tick("runtime, real text"))
+        exhaustive_text = greedy_decode(model, prompt, text.numel(), forced=text, on_token=tick("exhaustive, real text"),
+                                        prefill_chunk=prefill_chunk)
+        with runtime() as text_run:
+            runtime_text = greedy_decode(model, prompt, text.numel(), forced=text, on_token=tick("runtime, real text"),
+                                         prefill_chunk=prefill_chunk)
         recall_log = text_run.log
         on_text = {
             "token_agreement": round(float((runtime_text["argmax"] == exhaustive_text["argmax"]).float().mean()), 4),
@@ -211,7 +225,12 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
         "teacher_forced": {"token_agreement": round(float((forced["argmax"] == reference["argmax"]).float().mean()), 4)},
         "on_text": on_text,
         "greedy_distinct_tokens": distinct,
-        "selection_recall": {str(k): round(v, 4) for k, v in recall_log.recall().items()},
+        "selection_recall": _recall_report(recall_log.recall()),
         "reference_text": bytes(t for t in reference["fed"].tolist() if t < 256).decode("utf-8", "replace"),
         "runtime_text": bytes(t for t in free["fed"].tolist() if t < 256).decode("utf-8", "replace"),
     }
+
+
+def _recall_report(recall: dict) -> dict:
+    """Per layer (a decode-only runtime) or per phase and layer (a served index), string keys."""
+    return {str(k): _recall_report(v) if isinstance(v, dict) else round(v, 4) for k, v in recall.items()}

@@ -298,3 +298,27 @@ def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
     assert index.paths()[3].decode == "reuse 2"
     with pytest.raises(DsaIndexError, match="no retention was chosen"):
         load([tmp_path / "reuse"], net, served=identity)
+
+
+def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
+    """`runtime generate --ivf-artifacts`'s measurement: a fresh served index per run, the prompt fed in
+    chunks (IVF prefill chunk after chunk), recall reported per phase. With budgets that cover every key
+    the runtime is the model's own selection: every token agrees and recall is 1 up to FP8 near-ties."""
+    from dsaindex.runtime.serving import load
+    from dsaindex.runtime.transformers_adapter import greedy_agreement
+
+    net, paths, identity = served
+    prompt = _text(2000, 700)
+    chunked = greedy_agreement(net, {}, prompt, 5, selection=lambda: load(
+        paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
+        measure_recall=True), prefill_chunk=256)
+    assert chunked["free_running"]["token_agreement"] == 1.0
+    assert chunked["teacher_forced"]["token_agreement"] == 1.0
+    recall = chunked["selection_recall"]
+    assert set(recall) == {"prefill", "decode"} and set(recall["prefill"]) == {"0", "1", "2", "3"}
+    # decode reranks FP8 keys (the model scores bf16 ones): near-ties at top-32 differ, 5 steps x 32 keys
+    assert min(recall["prefill"].values()) >= 0.99 and min(recall["decode"].values()) >= 0.95
+    whole = greedy_agreement(net, {}, prompt, 5, selection=lambda: load(
+        paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
+        measure_recall=True))
+    assert whole["runtime_text"] == chunked["runtime_text"]  # chunking the prompt changes no token here

@@ -10,11 +10,11 @@ from dsaindex.runtime.streaming import PrefixStreamer
 CUDA = torch.cuda.is_available()
 
 
-def run_chunks(device, layers=(0, 2, 3, 5, 7), chunks=(37, 1, 200, 64), width=132, work=None):
+def run_chunks(device, layers=(0, 2, 3, 5, 7), chunks=(37, 1, 200, 64), width=132, work=None, prefetch=True):
     """Stream ``chunks`` through ``layers``; each layer reads its prefix + chunk like an indexer would.
     Returns the streamer and, per chunk and layer, the sum the layer computed from what it read."""
     g = torch.Generator().manual_seed(0)
-    streamer = PrefixStreamer(list(layers), (width,), torch.uint8, sum(chunks) + 8, device)
+    streamer = PrefixStreamer(list(layers), (width,), torch.uint8, sum(chunks) + 8, device, prefetch=prefetch)
     written = {layer: [] for layer in layers}
     seen = []
     for n in chunks:
@@ -47,11 +47,30 @@ def check(streamer, written, seen, chunks):
         assert streamer.length[layer] == every.shape[0]
 
 
-def test_each_layer_reads_its_own_prefix_through_two_buffers():
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_each_layer_reads_its_own_prefix_through_two_buffers(prefetch):
     chunks = (37, 1, 200, 64)
-    streamer, written, seen = run_chunks("cpu", chunks=chunks)
+    streamer, written, seen = run_chunks("cpu", chunks=chunks, prefetch=prefetch)
     check(streamer, written, seen, chunks)
     assert streamer.device_bytes() == 2 * streamer.capacity * 132  # two layers' worth, not five
+    # with prefetch the next chunk's first load was issued during the last layer; a new request drops it
+    assert (streamer._pending is not None) == prefetch
+    streamer.reset()
+    assert streamer._pending is None and set(streamer.length.values()) == {0}
+
+
+def test_a_prefetched_first_layer_holds_the_rows_of_the_chunk_just_written():
+    """The first layer's rows for chunk 2 are loaded while chunk 1's last layer runs: they must include
+    chunk 1's rows of the first layer (written back before the prefetch)."""
+    streamer = PrefixStreamer([4, 9], (2,), torch.float32, 16, "cpu")
+    streamer.begin_chunk()
+    for layer in (4, 9):
+        streamer.acquire(layer)
+        streamer.extend(layer, torch.full((3, 2), float(layer)))
+        streamer.release(layer)
+    streamer.begin_chunk(skip={9})
+    assert torch.equal(streamer.acquire(4), torch.full((3, 2), 4.0))
+    assert not streamer.reads(9) and streamer.reads(4)
 
 
 def test_out_of_order_use_and_overflow_are_named():
