@@ -104,7 +104,7 @@ def time_stack(prefix: int, chunk: int, layers: int, repeats: int, mode: str, st
         trace += [("load", layer, base.elapsed_time(a), base.elapsed_time(b)) for layer, a, b in streamer.trace]
         trace += [(what, layer, base.elapsed_time(a), base.elapsed_time(b)) for what, layer, a, b in compute]
         streamer.trace = None
-    return statistics.median(times)
+    return statistics.median(times) if times else float("nan")
 
 
 CHUNKS_PER_RUN = 4
