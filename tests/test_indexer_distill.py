@@ -1,0 +1,121 @@
+"""Indexer-only distillation for a reuse plan: only the kept indexers move, the union KL falls, the plan's
+quality is measured as served, and the overlay loads onto its own checkpoint only."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import run_cli
+
+TOPK = 16
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.reference_train import build_token_streams, heldout_windows, set_index_topk
+
+    loaded = load_model("reference", dtype="float32")
+    set_index_topk(loaded.model, TOPK)
+    streams = build_token_streams(400_000, 100_000)
+    ids, labels = heldout_windows(torch.from_numpy(streams.heldout), 96, 2)
+    return loaded, torch.from_numpy(streams.train), ids, labels
+
+
+def test_distillation_moves_only_the_kept_indexers_and_lowers_the_union_kl(reference):
+    from dsaindex.pipelines.indexer_distill import distill, distill_loss
+
+    loaded, train, ids, _ = reference
+    net = loaded.model
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    sources = [0, 0, 2, 2]  # layers 0 and 2 keep their indexer; 1 and 3 reuse them
+    g = torch.Generator().manual_seed(5)
+    from dsaindex.pipelines.reference_train import sample_windows
+
+    probe, _ = sample_windows(train, 2, 96, g)
+    with torch.no_grad():
+        kl0 = float(distill_loss(net, probe, sources))
+    history = distill(net, sources, train, steps=12, batch=2, seq_len=96, lr=3e-3)
+    with torch.no_grad():
+        kl1 = float(distill_loss(net, probe, sources))
+    assert len(history) == 12 and kl1 < kl0
+    moved = {n for n, p in net.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".indexer." in n and n.startswith(("model.layers.0.", "model.layers.2.")) for n in moved)
+    assert all(not p.requires_grad for p in net.parameters())
+    with torch.no_grad():  # leave the shared fixture as it was
+        for n, p in net.named_parameters():
+            p.copy_(before[n])
+
+
+def test_plan_quality_attends_the_source_layers_selection(reference):
+    from dsaindex.pipelines.indexer_distill import plan_forward_loss, plan_quality
+
+    loaded, _, ids, labels = reference
+    net = loaded.model
+    own = plan_quality(net, ids, labels, [0, 1, 2, 3], TOPK)
+    assert own["retained_recall"] == [1.0, 1.0, 1.0, 1.0]
+    shared = plan_quality(net, ids, labels, [0, 0, 0, 0], TOPK)
+    assert shared["retained_recall"][0] == 1.0 and min(shared["retained_recall"][1:]) < 1.0
+    assert shared["bits_per_byte"] != own["bits_per_byte"]
+    # every layer its own indexer at top-k covering every key is the dense model
+    from dsaindex.pipelines.reference_eval import bits_per_byte
+
+    dense = bits_per_byte(net, ids, labels, index_topk=96)
+    loss, _ = plan_forward_loss(net, ids, labels, [0, 1, 2, 3], 96)
+    assert abs(loss / 0.6931471805599453 - dense) < 2e-3
+    with pytest.raises(ValueError, match="not an earlier kept layer"):
+        plan_forward_loss(net, ids, labels, [0, 2, 2, 2], TOPK)
+
+
+def test_overlay_loads_onto_its_checkpoint_only(reference, tmp_path):
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.indexer_distill import apply_overlay, kept_indexer_parameters, write_overlay
+    from dsaindex.pipelines.models import load_model
+
+    loaded, _, _, _ = reference
+    net = loaded.model
+    params = kept_indexer_parameters(net, [0])
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.5)  # a "distilled" indexer
+    fingerprint = loaded.fingerprint.model_dump()
+    write_overlay(net, [0], tmp_path / "ov", {"plan": {}, "base_checkpoint": fingerprint}, {})
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+    fresh = load_model("reference", dtype="float32").model
+    manifest = apply_overlay(fresh, tmp_path / "ov", fingerprint)
+    assert manifest["kept_layers"] == [0]
+    got = dict(fresh.named_parameters())
+    assert all(torch.equal(got[n], saved[n] + 0.5) for n in saved)
+    with pytest.raises(DsaIndexError, match="another checkpoint"):
+        apply_overlay(fresh, tmp_path / "ov", dict(fingerprint, weights_digest="0" * 16))
+    weights = tmp_path / "ov" / "indexer_overlay.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(DsaIndexError, match="does not match the digest"):
+        apply_overlay(fresh, tmp_path / "ov", fingerprint)
+    with pytest.raises(DsaIndexError, match="not empty"):
+        write_overlay(net, [0], tmp_path / "ov", {"plan": {}, "base_checkpoint": fingerprint}, {})
+
+
+def test_cli_distills_for_a_trained_plan(tmp_path):
+    """Capture, a reuse bundle, then `train indexer-distill`: the overlay names the plan and the base
+    checkpoint, and the report has the three qualities."""
+    store, bundle, overlay = tmp_path / "store", tmp_path / "bundle", tmp_path / "overlay"
+    proc = run_cli("capture", str(store), "-m", "reference", "-n", "4", "--seq-len", "512", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("train", "reuse", str(store), "--out", str(bundle), "--queries", "16", "--topk", str(TOPK),
+                   "--device", "cpu", "--no-register", "--json")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("train", "indexer-distill", "--plan", str(bundle), "--retention", "1/2", "--out", str(overlay),
+                   "--steps", "3", "--seq-len", "64", "--eval-windows", "2", "--topk", str(TOPK), "--device", "cpu",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert {"unmodified", "plan", "distilled"} <= set(result) and len(result["kept"]) == 2
+    manifest = json.loads((overlay / "overlay.json").read_text())
+    assert manifest["lineage"]["plan"]["retention"] == "1/2" and manifest["lineage"]["base_checkpoint"]["name"]
+    proc = run_cli("train", "indexer-distill", "--plan", str(store), "--out", str(tmp_path / "o2"), "--device", "cpu")
+    assert proc.returncode != 0 and "error" in proc.stderr.lower()
