@@ -340,6 +340,8 @@ def train_indexer_distill_cmd(
     seq_len: int = typer.Option(1024, callback=at_least(16), help="Tokens per training and held-out window."),
     lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW, linear decay to 10%)."),
     eval_windows: int = typer.Option(16, callback=at_least(1), help="Held-out windows for bits per byte and recall."),
+    eval_seq_len: int = typer.Option(None, callback=at_least(16),
+                                     help="Tokens per held-out window (default: --seq-len)."),
     topk: int = typer.Option(None, "--topk", callback=at_least(1),
                              help="Keys each layer attends (default: the model's index_topk)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
@@ -375,7 +377,7 @@ def train_indexer_distill_cmd(
     topk = int(net.config.index_topk) if topk is None else topk
     streams = build_token_streams(8_000_000, 2_000_000)
     train = torch.from_numpy(streams.train).to(dev)
-    ids, labels = heldout_windows(torch.from_numpy(streams.heldout).to(dev), seq_len, eval_windows)
+    ids, labels = heldout_windows(torch.from_numpy(streams.heldout).to(dev), eval_seq_len or seq_len, eval_windows)
     own = list(range(len(sources)))
     with progress_bar("indexer-distill", enabled=not as_json, unit="steps") as update:
         update(0, steps, "held-out quality before")
@@ -395,12 +397,14 @@ def train_indexer_distill_cmd(
                "training": {"steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "history": history,
                             "corpus": streams.info}}
     manifest = write_overlay(net, chosen.kept, out, lineage, metrics)
-    result = {"overlay": str(out), "kept": chosen.kept, "sources": sources, "topk": topk, **metrics,
+    result = {"overlay": str(out), "kept": chosen.kept, "sources": sources, "topk": topk,
+              "eval_windows": [int(ids.shape[0]), int(ids.shape[1])], **metrics,
               "weights_sha256": manifest["weights_sha256"]}
     if as_json:
         print_json(result)
         return
-    table = Table(title=f"held-out quality at retention {retention} ({method}), top-{topk}, {eval_windows} x {seq_len} tokens")
+    table = Table(title=f"held-out quality at retention {retention} ({method}), top-{topk}, "
+                        f"{ids.shape[0]} x {ids.shape[1]} tokens")
     for col in ("indexers", "bits per byte", *[f"recall L{i}" for i in range(len(sources))]):
         table.add_column(col, justify="left" if col == "indexers" else "right")
     for name, row in (("every layer its own", metrics["unmodified"]), ("plan", metrics["plan"]),
