@@ -140,8 +140,13 @@ def fetch_deb(package: str, cache: Path) -> tuple[Path, dict]:
     copyright_file = root / "usr/share/doc" / package / "copyright"
     license_ = ""
     if copyright_file.is_file():
-        found = re.findall(r"^License: *(.+)$", copyright_file.read_text(errors="replace"), flags=re.M)
-        license_ = ", ".join(dict.fromkeys(found))
+        text = copyright_file.read_text(errors="replace")
+        found = re.findall(r"^License: *(.+)$", text, flags=re.M)
+        if not found:  # an older free-form copyright file: the licenses it names
+            found = [name for name in ("GNU Free Documentation License", "GNU General Public License",
+                                       "GNU Lesser General Public License", "Artistic License", "MIT", "BSD",
+                                       "public domain") if name.lower() in text.lower()]
+        license_ = ", ".join(dict.fromkeys(found)) or "see the package's copyright file"
     return root, {"version": version, "license": license_, "sha256": got,
                   "verified": "Debian archive index (apt-cache SHA256)" if want else "unverified"}
 

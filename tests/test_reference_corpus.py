@@ -193,3 +193,29 @@ def test_cli_refuses_bad_options_before_work(tmp_path):
     assert proc.returncode != 0 and "Unknown corpus sources" in proc.stderr
     proc = run_cli("reference", "corpus", str(tmp_path / "c"), "--vocab", "100")
     assert proc.returncode != 0 and "--vocab" in proc.stderr
+
+
+def test_debian_packages_are_checked_against_the_archive_index(tmp_path, monkeypatch):
+    deb = tmp_path / "dict-x_1.0-1_all.deb"
+    deb.write_bytes(b"a deb")
+    calls = []
+
+    def fake_run(cmd, cwd=None):
+        calls.append(cmd[0])
+        if cmd[0] == "apt-cache":
+            return f"Package: dict-x\nVersion: 1.0-1\nSHA256: {fake_run.sha}\n"
+        if cmd[0] == "dpkg-deb":
+            doc = tmp_path / "dict-x-tree/usr/share/doc/dict-x"
+            doc.mkdir(parents=True)
+            (doc / "copyright").write_text("Copyright 1993.\nDistributed under the GNU Free Documentation License.\n")
+        return ""
+
+    monkeypatch.setattr(rc, "_run", fake_run)
+    fake_run.sha = hashlib.sha256(b"a deb").hexdigest()
+    root, meta = rc.fetch_deb("dict-x", tmp_path)
+    assert meta["version"] == "1.0-1" and meta["license"] == "GNU Free Documentation License"
+    assert "apt-get" not in calls  # the cached package was used
+    fake_run.sha = "0" * 64
+    with pytest.raises(DsaIndexError, match="does not match the archive"):
+        rc.fetch_deb("dict-x", tmp_path)
+    assert not deb.exists()
