@@ -120,9 +120,16 @@ def served_by(sources: list[int]) -> dict[int, list[int]]:
     return out
 
 
-def distill_loss(model, input_ids, sources: list[int]):
+def distill_loss(model, input_ids, sources: list[int], objective: str = "dense", topk: int | None = None):
     """Mean over kept layers of the per-query KL(union target || softmax(indexer scores)) over each
-    query's causal prefix; gradient only through the kept layers' indexers."""
+    query's causal prefix; gradient only through the kept layers' indexers.
+
+    ``objective``: ``dense``, the target is the served layers' mean attention over the whole prefix;
+    ``selected``, that target restricted to the union of the served layers' own top-``topk`` keys (as
+    their own indexers choose them) and renormalized: the kept indexer is pushed to put its mass, hence
+    its top-k, on the keys the layers it serves would have selected."""
+    if objective not in ("dense", "selected"):
+        raise ValueError(f"objective {objective!r}: pass 'dense' or 'selected'")
     import torch
     import torch.nn.functional as F
 
@@ -130,6 +137,7 @@ def distill_loss(model, input_ids, sources: list[int]):
     core, h, cos, sin, causal = _prelude(model, input_ids)
     b, s = input_ids.shape
     targets: dict[int, torch.Tensor] = {}
+    union: dict[int, torch.Tensor] = {}
     inputs: dict[int, tuple] = {}
     with torch.no_grad():  # the frozen model, dense: every layer's head-averaged attention
         for i, layer in enumerate(core.layers):
@@ -139,6 +147,11 @@ def distill_loss(model, input_ids, sources: list[int]):
             logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * attn.scaling
             p = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1).mean(1)  # [B, S, S]
             targets[sources[i]] = targets.get(sources[i], 0) + p / len(serving[sources[i]])
+            if objective == "selected":
+                own = _index_scores(attn.indexer, x, q_resid, cos, sin).masked_fill(~causal, -math.inf)
+                idx = own.topk(min(topk or s, s), dim=-1).indices
+                chosen = torch.zeros(b, s, s, dtype=torch.bool, device=h.device).scatter_(-1, idx, True) & causal
+                union[sources[i]] = union.get(sources[i], chosen) | chosen
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -147,6 +160,9 @@ def distill_loss(model, input_ids, sources: list[int]):
         scores = _index_scores(indexer, x, q_resid, cos, sin)
         log_q = F.log_softmax(scores.masked_fill(~causal, -math.inf), dim=-1).masked_fill(~causal, 0.0)
         p = targets[kept]
+        if objective == "selected":
+            p = p * union[kept]
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
         kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).masked_fill(~causal, 0.0).sum(-1)
         losses.append(kl.mean())
     return torch.stack(losses).mean()
@@ -162,7 +178,8 @@ def kept_indexer_parameters(model, kept: list[int]) -> dict[str, Any]:
 
 
 def distill(model, sources: list[int], train_stream, steps: int, batch: int, seq_len: int, lr: float,
-            seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> list[dict]:
+            seed: int = 0, progress: Callable[[int, int, float], None] | None = None, objective: str = "dense",
+            topk: int | None = None) -> list[dict]:
     """AdamW on the kept layers' indexer parameters only (everything else frozen); returns the loss
     history (one entry per step: step, kl, seconds)."""
     import torch
@@ -182,7 +199,7 @@ def distill(model, sources: list[int], train_stream, steps: int, batch: int, seq
     model.train(False)
     for step in range(steps):
         ids, _ = sample_windows(train_stream, batch, seq_len, gen)
-        loss = distill_loss(model, ids, sources)
+        loss = distill_loss(model, ids, sources, objective, topk)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)

@@ -344,6 +344,8 @@ def train_indexer_distill_cmd(
                                      help="Tokens per held-out window (default: --seq-len)."),
     topk: int = typer.Option(None, "--topk", callback=at_least(1),
                              help="Keys each layer attends (default: the model's index_topk)."),
+    objective: str = typer.Option("dense", help="dense: match the served layers' whole attention; selected: "
+                                                "that attention on the union of their own top-k keys."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
@@ -364,6 +366,8 @@ def train_indexer_distill_cmd(
     from dsaindex.pipelines.reference_train import build_token_streams, heldout_windows
     from dsaindex.runtime.loader import load
 
+    if objective not in ("dense", "selected"):
+        raise DsaIndexError(f"--objective {objective!r} is not dense or selected.", "pass --objective dense or selected.")
     dev = resolve_device(device)
     loaded = load_model(model, device=dev, dtype="float32")
     net = loaded.model
@@ -384,7 +388,8 @@ def train_indexer_distill_cmd(
         before = {"unmodified": plan_quality(net, ids, labels, own, topk),
                   "plan": plan_quality(net, ids, labels, sources, topk)}
         history = distill(net, sources, train, steps, batch, seq_len, lr,
-                          progress=lambda done, total, kl: update(done, total, f"KL {kl:.4f}"))
+                          progress=lambda done, total, kl: update(done, total, f"KL {kl:.4f}"),
+                          objective=objective, topk=topk)
         update(steps, steps, "held-out quality after")
         after = plan_quality(net, ids, labels, sources, topk)
     gap = before["plan"]["bits_per_byte"] - before["unmodified"]["bits_per_byte"]
@@ -394,7 +399,8 @@ def train_indexer_distill_cmd(
     lineage = {"plan": {"uri": str(plan), "bundle_id": bundle.manifest.bundle_id, "retention": retention,
                         "method": method, "kept": chosen.kept, "sources": sources},
                "base_checkpoint": loaded.fingerprint.model_dump(),
-               "training": {"steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "history": history,
+               "training": {"steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "objective": objective,
+                            "history": history,
                             "corpus": streams.info}}
     manifest = write_overlay(net, chosen.kept, out, lineage, metrics)
     result = {"overlay": str(out), "kept": chosen.kept, "sources": sources, "topk": topk,

@@ -48,6 +48,29 @@ def test_distillation_moves_only_the_kept_indexers_and_lowers_the_union_kl(refer
             p.copy_(before[n])
 
 
+def test_the_selected_objective_targets_the_served_layers_own_top_k(reference):
+    """``selected``: the target is the served layers' attention on the union of their own top-k only; it
+    trains (the loss falls) and differs from the dense target's loss."""
+    from dsaindex.pipelines.indexer_distill import distill, distill_loss
+    from dsaindex.pipelines.reference_train import sample_windows
+
+    loaded, train, _, _ = reference
+    net = loaded.model
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    probe, _ = sample_windows(train, 1, 96, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        dense = float(distill_loss(net, probe, [0, 0, 0, 0]))
+        kl0 = float(distill_loss(net, probe, [0, 0, 0, 0], "selected", TOPK))
+    assert kl0 != dense
+    distill(net, [0, 0, 0, 0], train, steps=10, batch=2, seq_len=96, lr=3e-3, objective="selected", topk=TOPK)
+    with torch.no_grad():
+        assert float(distill_loss(net, probe, [0, 0, 0, 0], "selected", TOPK)) < kl0
+        for n, p in net.named_parameters():
+            p.copy_(before[n])
+    with pytest.raises(ValueError, match="objective"):
+        distill_loss(net, probe, [0, 0, 0, 0], "sparse")
+
+
 def test_plan_quality_attends_the_source_layers_selection(reference):
     from dsaindex.pipelines.indexer_distill import plan_forward_loss, plan_quality
 
