@@ -395,9 +395,10 @@ class PQDecodeGroup:
                 counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=dev))
                 coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
             c = min(self.candidates, coarse.shape[1])
-            top = small_topk if self.use_triton and coarse.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
-            cand_scores, cand = (small_topk(coarse, c, rows1, counts=counts1) if top is small_topk
-                                 else top(coarse, c, rows1))
+            if self.use_triton and coarse.shape[1] <= SMALL_TOPK_MAX:  # reads only each row's filled slots
+                cand_scores, cand = small_topk(coarse, c, rows1, counts=counts1)
+            else:
+                cand_scores, cand = small_topk_reference(coarse, c, rows1)
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
                                                      self.miss_filter, spill=self.spill, set_count=self.set_count)
