@@ -301,3 +301,42 @@ def fp8_gather_scores_shared(keys_fp8: torch.Tensor, scales: torch.Tensor, rows:
             rows=rows.to(torch.int32).contiguous(), out_score=out, n_out=r, block_n=block_n, iters=iters,
             num_warps=num_warps, strides=(0, 64 * d, 0, 64), n_keys=n, query_fp8=query_fp8)
     return out
+
+
+def fp8_gather_scores_paged(pages: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                            queries: torch.Tensor, head_weights: torch.Tensor, query_fp8: bool = True,
+                            block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """Exact scores [B, R] float32 of request-local key ``positions`` [B, R] (int32 or int64, -1 = none:
+    -inf) read in place from an engine's paged index-K cache: ``pages`` [P, 64 * (D + 4)] uint8 (each page
+    64 x D FP8 bytes then 64 float32 scales; pages may sit further apart than their width, as in a cache
+    that is a strided view of a larger allocation, but each page must be contiguous), ``block_table``
+    [B, W] int32 (request b's i-th page). FP8 x FP8 products with FP8-rounded queries by default, the
+    engines' logits (``query_fp8=False``: bf16). The spec is :func:`fp8_gather_scores_reference` over
+    :func:`paged_keys_reference`. Raises ``ValueError`` on bad input."""
+    checks.rank("pages", pages, 2, "P, 64 * (D + 4)")
+    checks.dtype("pages (FP8 bits and scales)", pages, torch.uint8)
+    checks.rank("queries", queries, 3, "B, H, D")
+    b, _, d = queries.shape
+    checks.key_dim("queries.shape[2] (key dim D)", d)
+    checks.shape("pages", pages, (None, 64 * (d + 4)), "P, 64 * (D + 4)")
+    if pages.stride(1) != 1 or pages.stride(0) % 4:
+        raise ValueError(f"pages has strides {tuple(pages.stride())}: each page must be contiguous and start on "
+                         "a 4-byte boundary; pass the cache as [P, 64 * (D + 4)] rows of one allocation.")
+    checks.shape("block_table", block_table, (b, None), "B, W")
+    checks.dtype("block_table", block_table, torch.int32)
+    checks.shape("positions", positions, (b, None), "B, R")
+    checks.dtype("positions", positions, torch.int32, torch.int64)
+    checks.shape("head_weights", head_weights, (b, queries.shape[1]), "B, H")
+    checks.same_device(pages=pages, block_table=block_table, positions=positions, queries=queries,
+                       head_weights=head_weights)
+    r = positions.shape[1]
+    out = torch.empty(b, r, dtype=torch.float32, device=pages.device)
+    if r == 0 or b == 0:
+        return out
+    page_stride = pages.stride(0)
+    scales = pages[0].view(torch.float32)[16 * d :]  # page 0's scales; the page stride reaches the others
+    _launch(2, pages, scales, None, queries, head_weights, rows=positions.to(torch.int32).contiguous(),
+            out_score=out, n_out=r, block_n=block_n, iters=1, num_warps=num_warps,
+            strides=(0, page_stride, 0, page_stride // 4), n_keys=r, table=block_table.contiguous(),
+            query_fp8=query_fp8)
+    return out

@@ -124,24 +124,40 @@ def pq_candidate_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queri
     return scores.masked_fill(rows < 0, float("-inf"))
 
 
-def _check_codes_and_queries(codes, queries, head_weights, codebooks) -> None:
-    """The preconditions both coarse stages share (:mod:`dsaindex.kernels.checks`)."""
+def _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table=None) -> None:
+    """The preconditions both coarse stages share (:mod:`dsaindex.kernels.checks`). With a
+    ``page_table`` [B, W] int32 the codes are kept per physical page, [P, 64, M]."""
     checks.rank("codebooks", codebooks, 3, "M, K, D/M")
     m, k, d = codebooks.shape
     checks.power_of_two("codebooks.shape[0] (subspaces M)", m)
     checks.power_of_two("codebooks.shape[1] (centroids K)", k)
     checks.dtype("codes", codes, torch.uint8)
-    checks.shape("codes", codes, (None, None, m), "B, N, M")
-    checks.shape("queries", queries, (codes.shape[0], None, m * d), "B, H, D")
+    if page_table is None:
+        checks.shape("codes", codes, (None, None, m), "B, N, M")
+        checks.shape("queries", queries, (codes.shape[0], None, m * d), "B, H, D")
+    else:
+        checks.shape("codes", codes, (None, 64, m), "P, 64, M (codes per physical page)")
+        checks.rank("queries", queries, 3, "B, H, D")
+        checks.shape("queries", queries, (None, None, m * d), "B, H, D")
+        checks.shape("page_table", page_table, (queries.shape[0], None), "B, W")
+        checks.dtype("page_table", page_table, torch.int32)
+        checks.same_device(codes=codes, page_table=page_table)
     checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "B, H")
     checks.same_device(codes=codes, queries=queries, head_weights=head_weights, codebooks=codebooks)
+
+
+def paged_codes_reference(codes: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """Codes kept per physical page [P, 64, M] seen through a page table [B, W] as per-request codes
+    [B, W * 64, M] (the references' view of the paged kernels' input)."""
+    b, w = page_table.shape
+    return codes[page_table.long()].reshape(b, w * 64, codes.shape[2])
 
 
 def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c: int, capacity: int | None = None, max_len: int | None = None,
                    block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
-                   centroid_norms: torch.Tensor | None = None,
+                   centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -162,15 +178,20 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     many are filled); scores divided by the table scale), saving the top-c sort when the next stage
     rescores them anyway. ``table_dtype`` float16 or int8 looks codes up in scaled tables of that type
     (:func:`lookup_tables`: fewer bytes per lookup; the selection differs only by rounding; the top-c
-    scores are rescaled; ``centroid_norms`` as there).
+    scores are rescaled; ``centroid_norms`` as there). ``page_table`` [B, W] int32: the codes are kept
+    per physical 64-key page, ``codes`` [P, 64, M], and request b's row r is row ``r % 64`` of page
+    ``page_table[b, r // 64]`` (an engine's paged cache; N is then W * 64, and the reference reads
+    :func:`paged_codes_reference`). The launch depends on shapes only, never on the lengths' values, so
+    it can be captured in a CUDA graph.
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_linear_kernel
 
-    _check_codes_and_queries(codes, queries, head_weights, codebooks)
-    b, n_rows, m = codes.shape
+    _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table)
+    b, m = queries.shape[0], codes.shape[2]
+    n_rows = codes.shape[1] if page_table is None else page_table.shape[1] * 64
     checks.shape("lengths", lengths, (b,), "B")
     n = n_rows if max_len is None else min(max_len, n_rows)
     k = codebooks.shape[1]
@@ -191,15 +212,17 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     else:
         buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device, zero_counts=False)
     int_table = table_dtype == torch.int8
+    table = dummy_i if page_table is None else page_table.contiguous()
+    paged = dict(HAS_TABLE=page_table is not None)
     pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n * iters)), b)](  # also zeroes the counts
-        codes, lengths, lut, dummy_f, samples, dummy_i, counts, n_rows, n_samples, stride,
+        codes, lengths, lut, dummy_f, samples, dummy_i, counts, table, table.shape[-1], n_rows, n_samples, stride,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=1, SAMPLE=True, INT_TABLE=int_table,
-        num_warps=num_warps)
+        num_warps=num_warps, **paged)
     thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
     pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
-        codes, lengths, lut, thr, buf_scores, buf_pos, counts, n_rows, 0, 1,
+        codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, table.shape[-1], n_rows, 0, 1,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, INT_TABLE=int_table,
-        num_warps=num_warps)
+        num_warps=num_warps, **paged)
     if keep_all:  # the buffer as the kernel wrote it (a decode step rescores it in stage 2)
         values, rows = buf_scores, buf_pos
     else:
@@ -211,20 +234,22 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
 
 def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                         codebooks: torch.Tensor, counts: torch.Tensor | None = None, block_n: int = 64,
-                        iters: int = 1) -> torch.Tensor:
+                        iters: int = 1, page_table: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2 on Triton: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
     :func:`pq_candidate_scores_reference`. ``codebooks`` may be given in bf16 already (cast once at load).
     ``counts`` [B] int32 (optional): only the first ``counts[b]`` rows of a request can be filled (a
     stage-1 buffer), so tiles past it are skipped. ``iters`` tiles of ``block_n`` rows per program share
     one load of the queries. ``codes`` [B, N, M] uint8, ``queries`` [B, H, D] with
     D a power of two >= 16, ``head_weights`` [B, H], ``codebooks`` [M, K, D/M], all on one device;
-    raises ``ValueError`` otherwise."""
+    raises ``ValueError`` otherwise. ``page_table`` [B, W] int32: codes kept per physical page
+    [P, 64, M], as in :func:`pq_linear_topc`."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
 
-    _check_codes_and_queries(codes, queries, head_weights, codebooks)
-    b, n, m = codes.shape
+    _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table)
+    b, m = queries.shape[0], codes.shape[2]
+    n = codes.shape[1] if page_table is None else page_table.shape[1] * 64
     _, k, d = codebooks.shape
     h, dim = queries.shape[1], queries.shape[2]
     checks.key_dim("queries.shape[2] (key dim D)", dim)
@@ -240,12 +265,14 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         return out
     table = codebooks.to(torch.bfloat16).contiguous()
     wide = d == 4  # one 8-byte load per subspace instead of four 2-byte ones
+    pages = out if page_table is None else page_table.contiguous()
     pq_candidate_kernel[(triton.cdiv(r, block_n * iters), b)](
         codes.contiguous(), rows.to(torch.int32).contiguous(), table.view(torch.int64) if wide else table,
         queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out,
-        counts if counts is not None else out, n, r,
+        counts if counts is not None else out, pages, pages.shape[-1], n, r,
         N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
-        F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide, ITERS=iters)
+        F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide, ITERS=iters,
+        HAS_TABLE=page_table is not None)
     return out
 
 

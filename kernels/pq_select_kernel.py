@@ -35,6 +35,8 @@ def pq_linear_kernel(
     out_score_ptr,  # [B, n_out] float32 (sample mode) or [B, CAPACITY] buffer (select mode)
     out_pos_ptr,  # [B, CAPACITY] int32 buffer positions (select mode)
     count_ptr,  # [B] int32 appended counts (select mode)
+    table_ptr,  # [B, table_width] int32 physical page of each 64-row page (HAS_TABLE: codes [P, 64, M])
+    table_width,
     n_rows,
     n_out,
     stride,
@@ -45,6 +47,7 @@ def pq_linear_kernel(
     CAPACITY: tl.constexpr,
     SAMPLE: tl.constexpr,
     INT_TABLE: tl.constexpr = False,
+    HAS_TABLE: tl.constexpr = False,
 ):
     # a warp reads one row's M code bytes, a lane each, and looks each up in its subspace's table
     # (codes read 4 or 8 bytes per lane and split in registers measured twice as slow on the H200)
@@ -58,17 +61,35 @@ def pq_linear_kernel(
     thr = 0.0
     if not SAMPLE:
         thr = tl.load(thr_ptr + b)
-    for it in range(ITERS):
-        idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
+    # the selecting pass skips the tiles past the request's length (a grid sized for the longest request,
+    # or for a preallocated page table, launches them); the sampling pass writes -inf there
+    first = pid * ITERS * BLOCK_N
+    if SAMPLE:
+        first = -1
+    if first < length:
+        for it in range(ITERS):
+            idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
+            flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
+            codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
+            score = tl.sum(_entry(lut + codes.to(tl.int32), INT_TABLE), axis=1).to(tl.float32)
+            if SAMPLE:
+                tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
+            else:
+                append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
+                             count_ptr + b, CAPACITY)
+
+
+@triton.jit
+def _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE: tl.constexpr):
+    """Row of the code array holding request ``b``'s rows: ``b * n_rows + row`` for per-request codes
+    [B, n_rows, M], or through the page table for codes kept per physical 64-key page [P, 64, M]."""
+    if HAS_TABLE:
+        page = tl.load(table_ptr + b * table_width + rows // 64, mask=valid, other=0).to(tl.int64)
+        flat = page * 64 + (rows % 64).to(tl.int64)
+    else:
         flat = b * n_rows + rows.to(tl.int64)
-        codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
-        score = tl.sum(_entry(lut + codes.to(tl.int32), INT_TABLE), axis=1).to(tl.float32)
-        if SAMPLE:
-            tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
-        else:
-            append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
-                         count_ptr + b, CAPACITY)
+    return flat
 
 
 @triton.jit
@@ -80,6 +101,8 @@ def pq_candidate_kernel(
     w_ptr,  # [B, N_HEADS] float32 effective head weights
     out_ptr,  # [B, n_out] float32 scores (-inf for none)
     count_ptr,  # [B] int32 filled rows of each request's list (HAS_COUNTS; rows past it are -1)
+    table_ptr,  # [B, table_width] int32 physical page of each 64-row page (HAS_TABLE: codes [P, 64, M])
+    table_width,
     n_rows,
     n_out,
     N_HEADS: tl.constexpr,
@@ -92,6 +115,7 @@ def pq_candidate_kernel(
     HAS_COUNTS: tl.constexpr,
     WIDE: tl.constexpr = False,
     ITERS: tl.constexpr = 1,
+    HAS_TABLE: tl.constexpr = False,
 ):
     # ITERS consecutive tiles per program: the queries are loaded once for all of them
     pid = tl.program_id(0)
@@ -107,7 +131,7 @@ def pq_candidate_kernel(
         if tile * BLOCK_N < n_live:
             rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_live, other=-1)
             valid = rows >= 0
-            flat = b * n_rows + rows.to(tl.int64)
+            flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
             if WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
                 sub = tl.arange(0, M)
                 codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)

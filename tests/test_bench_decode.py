@@ -39,18 +39,19 @@ def test_markdown_table_lists_every_case():
     from dsaindex.pipelines.bench_decode import markdown_table
 
     row = {"batch": 8, "keys": 262144, "median_ms": {"pq_warm": 0.5, "pq_cold": 0.9, "triton_fp8_logits": 0.8,
-                                                   "exact_fp8_triton": 1.0, "torch_exact": 3.0, "exact_path": 0.6, "policy": 0.5},
+                                                   "exact_fp8_triton": 1.0, "torch_exact": 3.0, "exact_path": 0.6, "policy": 0.5,
+                                                   "engine_paged": 0.4},
            "hbm_floor_ms": {"exact_fp8": 0.07, "pq32": 0.02}, "speedup_vs_exact_fp8": {"pq_warm": 2.0},
            "policy": {"path": "pq"}}
     with_deepgemm = dict(row, batch=32, median_ms=dict(row["median_ms"], deepgemm_logits=0.25,
                                                         deepgemm_logits_topk=0.75, deepgemm_logits_fast_topk=0.5),
-                         speedup_vs_deepgemm_topk={"pq_warm": 1.5, "policy": 1.5})
+                         speedup_vs_deepgemm_topk={"pq_warm": 1.5, "policy": 1.5, "engine_paged": 1.9})
     table = markdown_table({"rows": [row, with_deepgemm]})
     lines = table.strip().splitlines()
     assert len(lines) == 4 and "| 8 | 262,144 | 0.500 | 0.900 | n/a | n/a | n/a | 0.800 | 1.000 | 3.000 |" in lines[2]
-    assert lines[2].endswith("| n/a | 2.00x | 0.600 | pq, 0.500 | n/a |")  # no DeepGEMM in that run: said, not invented
+    assert lines[2].endswith("| n/a | 2.00x | 0.600 | pq, 0.500 | n/a | 0.400 | n/a |")  # no DeepGEMM: said, not invented
     assert "| 32 | 262,144 | 0.500 | 0.900 | 0.250 | 0.750 | 0.500 | 0.800 | 1.000 | 3.000 |" in lines[3]
-    assert lines[3].endswith("| 1.50x | 2.00x | 0.600 | pq, 0.500 | 1.50x |")
+    assert lines[3].endswith("| 1.50x | 2.00x | 0.600 | pq, 0.500 | 1.50x | 0.400 | 1.90x |")
 
 
 def test_bench_decode_needs_a_gpu_or_says_so():

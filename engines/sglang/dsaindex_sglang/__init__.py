@@ -10,9 +10,11 @@ one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers 
   A bundle of another model raises :class:`dsaindex.errors.ArtifactMismatchError` and startup fails with
   its message;
 * around ``Indexer._get_topk_paged`` (the decode-time top-k of the DSA indexer): for layers with a PQ
-  artifact, the selection is PQ coarse-to-fine over codes this plugin encodes as SGLang's paged index-K
-  cache pages complete, reranked exactly from the FP8 pages (:mod:`dsaindex_sglang.selection`); other
-  layers and other forward modes keep SGLang's own path.
+  artifact, the selection is PQ coarse-to-fine over codes of SGLang's paged index-K cache pages,
+  reranked exactly from the FP8 pages (:class:`dsaindex.runtime.paged_select.PagedCacheSelector`); it
+  runs inside SGLang's decode CUDA graphs. Other layers and other forward modes keep SGLang's own path;
+* after ``Indexer._get_topk_ragged`` (the eager prefill top-k): the prompt's completed pages are
+  encoded, so the decode graphs find their codes ready.
 
 Settings (environment): ``DSAINDEX_ARTIFACTS`` (bundle), ``DSAINDEX_CANDIDATES`` (C, keys reranked
 exactly; default 2 x the model's top-k), ``DSAINDEX_PREFILTER`` (stage 1 keeps PREFILTER x C; default 4),
@@ -34,6 +36,7 @@ ENV_ARTIFACTS = "DSAINDEX_ARTIFACTS"
 # What the plugin hooks in SGLang 0.5.23 (dotted paths HookRegistry resolves)
 SELECT_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
 CONFIG_TARGET = "sglang.srt.configs.model_config.ModelConfig.__init__"
+PREFILL_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_ragged"
 
 _registered = False
 
@@ -54,6 +57,7 @@ def register() -> None:
     hooks.STATE.configure(uri)
     HookRegistry.register(CONFIG_TARGET, hooks.validate_after_model_config, HookType.AFTER)
     HookRegistry.register(SELECT_TARGET, hooks.select_around_get_topk_paged, HookType.AROUND)
+    HookRegistry.register(PREFILL_TARGET, hooks.encode_after_get_topk_ragged, HookType.AFTER)
     _registered = True
     logger.info("dsaindex: registered (artifacts %s); decode selection of layers with PQ artifacts is "
                 "the plugin's.", uri)

@@ -1,4 +1,4 @@
-"""The two hooks :func:`dsaindex_sglang.register` installs, and the per-process plugin state."""
+"""The hooks :func:`dsaindex_sglang.register` installs, and the per-process plugin state."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dsaindex_sglang.selection import PagedPQSelector, to_sglang_selection
+from dsaindex_sglang.selection import LayerSelection, to_sglang_selection
 
 logger = logging.getLogger("dsaindex_sglang")
 
@@ -19,7 +19,7 @@ class PluginState:
     def __init__(self) -> None:
         self.uri: str | None = None
         self.loaded = None  # dsaindex.runtime.loader.LoadedArtifacts
-        self.selectors: dict[int, PagedPQSelector] = {}
+        self.selectors: dict[int, LayerSelection] = {}
         self.fallbacks: dict[str, int] = {}
         self.calls = 0
 
@@ -45,7 +45,7 @@ class PluginState:
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).name != "pq":
                 continue  # other kinds (ivf, ...) serve prefill; SGLang keeps its own path there
-            self.selectors[layer] = PagedPQSelector(codec, candidates=candidates, prefilter=prefilter)
+            self.selectors[layer] = LayerSelection(codec, candidates=candidates, prefilter=prefilter)
         self.loaded = loaded
         logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C=%d).",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates)
@@ -88,27 +88,23 @@ def select_around_get_topk_paged(original, self, forward_batch, layer_id, q_fp8,
 
     Returns what the original returns: [rows, index_topk] int32, -1 padded; page_size=1 KV slots when
     SGLang's fused top-k transform is on, logical key positions otherwise (see
-    :func:`dsaindex_sglang.selection.to_sglang_selection`)."""
-    selector = STATE.selectors.get(int(layer_id))
-    if selector is None:
+    :func:`dsaindex_sglang.selection.to_sglang_selection`). Launch shapes depend on the batch and the
+    page table's width only, and nothing synchronizes with the host while a CUDA graph is captured, so
+    SGLang's decode graphs capture it."""
+    layer = STATE.selectors.get(int(layer_id))
+    if layer is None:
         return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
     why = _unsupported(forward_batch, metadata, q_fp8)
-    if why is not None:
-        STATE.note_fallback(why)
+    cache = None if why else _index_buffer(self, layer_id)
+    if cache is None:
+        STATE.note_fallback(why or "the index-K pages are not plain 64-key pages")
         return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
-    from sglang.srt.layers.attention.dsa import dsa_indexer
-
-    pool = dsa_indexer.get_token_to_kv_pool()
-    page_size = getattr(pool, "index_page_size", None)
-    if page_size != 64 or getattr(pool, "index_kpool", 1) != 1:
-        STATE.note_fallback(f"the index-K pages are not plain 64-key pages (index_page_size={page_size})")
-        return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
-    cache = self._get_index_k_read_buffer(pool, layer_id)  # [pages, 64 * 132] uint8
     seqlens = metadata.get_seqlens_int32()
     page_table = metadata.get_page_table_64()
     rows = seqlens.shape[0]
     w = weights.reshape(weights.shape[0], weights.shape[1])[:rows]
-    positions = selector.select(cache, page_table, seqlens, q_fp8[:rows], w, self.index_topk,
+    selector = layer.over(cache, self.index_topk)
+    positions = selector.select(cache, page_table, seqlens, q_fp8[:rows], w,
                                 init_tokens=int(getattr(self, "num_init_tokens", 0) or 0),
                                 local_tokens=int(getattr(self, "num_local_tokens", 0) or 0))
     STATE.calls += 1
@@ -117,6 +113,34 @@ def select_around_get_topk_paged(original, self, forward_batch, layer_id, q_fp8,
         pad = torch.full((q_fp8.shape[0] - rows, out.shape[1]), -1, dtype=out.dtype, device=out.device)
         out = torch.cat([out, pad])
     return out
+
+
+def encode_after_get_topk_ragged(result, self, enable_dual_stream, forward_batch, layer_id, q_fp8, weights, metadata,
+                                 *args, **kwargs):
+    """AFTER hook on ``Indexer._get_topk_ragged`` (dsa_indexer.py:1479), SGLang's eager prefill top-k:
+    the prompt's keys are in the index-K buffer by then, so the completed pages of the batch's requests
+    are encoded here, outside the decode graphs. SGLang's own prefill selection is kept (None)."""
+    layer = STATE.selectors.get(int(layer_id))
+    cache = None if layer is None else _index_buffer(self, layer_id)
+    if cache is None:
+        return None
+    page_table = metadata.get_page_table_64()
+    seqlens = metadata.get_seqlens_int32()
+    if page_table.shape[0] != seqlens.shape[0]:
+        STATE.note_fallback("a prefill's page table and lengths disagree in rows (pages are encoded at decode)")
+        return None
+    layer.over(cache, self.index_topk).prepare(cache, page_table, seqlens)
+    return None
+
+
+def _index_buffer(indexer, layer_id) -> torch.Tensor | None:
+    """The layer's index-K read buffer [pages, 64 * 132] uint8, or None where it is not plain 64-key pages."""
+    from sglang.srt.layers.attention.dsa import dsa_indexer
+
+    pool = dsa_indexer.get_token_to_kv_pool()
+    if getattr(pool, "index_page_size", None) != 64 or getattr(pool, "index_kpool", 1) != 1:
+        return None
+    return indexer._get_index_k_read_buffer(pool, layer_id)
 
 
 def _fused_topk(metadata) -> bool:
@@ -131,8 +155,6 @@ def _unsupported(forward_batch, metadata, q_fp8) -> str | None:
     mode = getattr(forward_batch, "forward_mode", None)
     if mode is None or not mode.is_decode():
         return "the forward mode is not plain decode (target verify / draft extend / idle)"
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return "a CUDA graph is being captured (launch with --disable-cuda-graph to serve decode by PQ)"
     method = getattr(metadata, "topk_transform_method", None)
     if method is not None and getattr(method, "name", "PAGED") != "PAGED":
         return f"the top-k transform is {method.name}"

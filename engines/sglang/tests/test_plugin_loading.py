@@ -25,6 +25,7 @@ print(json.dumps({"imported": mod is not None, "registered": bool(mod and mod._r
 """
 
 SELECT = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
+PREFILL = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_ragged"
 CONFIG = "sglang.srt.configs.model_config.ModelConfig.__init__"
 
 
@@ -55,6 +56,10 @@ def test_registry_says_the_selection_is_the_plugins(plugin):
     assert entries[0][2].plugin_name == "dsaindex" and entries[0][2].dist_name == "dsaindex-sglang"
     assert SELECT in HookRegistry._patched
     assert Indexer._get_topk_paged.__wrapped__.__qualname__ == "Indexer._get_topk_paged"
+    # the eager prefill top-k is followed by the encoding of the prompt's pages
+    prefill = HookRegistry._hooks[PREFILL]
+    assert [(ht, h) for ht, h, _ in prefill] == [(HookType.AFTER, hooks.encode_after_get_topk_ragged)]
+    assert PREFILL in HookRegistry._patched
     # the ModelConfig hook ran: artifacts validated and one PQ selector per indexer layer
     assert sorted(plugin["state"].selectors) == [0, 1, 2, 3]
     assert plugin["state"].loaded.manifest.model.name == "preset:bench-v32"

@@ -177,6 +177,30 @@ def test_pages_reused_by_another_request_are_encoded_again(plugin, unfused):
     assert len(as_sets(got)[0] & as_sets(want)[0]) / TOPK >= 0.9
 
 
+def test_prefill_hook_encodes_the_prompts_pages_before_decode(plugin, unfused):
+    """The AFTER hook of SGLang's eager prefill top-k encodes every completed page, so the decode step
+    (captured in SGLang's CUDA graph, where it cannot synchronize) finds the codes ready."""
+    import dsaindex_sglang.hooks as hooks
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    lengths = [64 * 30 + 7, 64 * 12]
+    pool, buf, table, meta, q_fp8, weights = build(lengths, seed=13)
+    layer = plugin["state"].selectors[LAYER]
+    layer.selector = None  # a fresh buffer: its selector starts with no codes
+    before = 0
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND)
+    with forward_context(ForwardContext(attn_backend=SimpleNamespace(token_to_kv_pool=pool))):
+        kept = object()
+        assert hooks.encode_after_get_topk_ragged(kept, indexer(), False, batch, LAYER, q_fp8, weights, meta) is None
+    assert layer.encoded_pages == before + 30 + 12
+    got = run_sglang(pool, meta, q_fp8, weights)
+    assert layer.encoded_pages == before + 30 + 12  # the decode step had nothing left to encode
+    assert int(layer.selector.stats.stale.sum()) == 0
+    _, want = exact_reference(buf, table, meta, q_fp8, weights)
+    assert as_sets(got) == as_sets(want)  # C = 4096 covers every key here: the exact top-k
+
+
 def test_layers_without_artifacts_and_other_modes_keep_sglangs_path(plugin, unfused):
     """The original _get_topk_paged runs (on a CPU it stops at its first CUDA-only step, which shows it
     was reached)."""

@@ -8,8 +8,13 @@ layer's class name in ``op_registry_oot`` instead, so registering :class:`DsaInd
 with ``SparseAttnIndexer.register_oot`` makes every indexer layer of the model this class.
 
 What it changes: for a layer with a PQ artifact, the decode rows of ``topk_indices_buffer`` are the
-runtime's coarse-to-fine selection (:func:`dsaindex_vllm.selection.select_decode`) over PQ codes of
-the engine's own index-K cache pages. Everything else is vLLM's own path, unchanged: prefill rows,
+runtime's coarse-to-fine selection (:class:`dsaindex.runtime.paged_select.PagedCacheSelector`) over PQ
+codes of the engine's own index-K cache pages (``[num_blocks, 64, D + 4]`` uint8: 64 x D FP8 bytes then
+64 float32 scales per page). The selection synchronizes with the host nowhere and its launch shapes
+depend on the batch and the block table's width only, so vLLM's full decode CUDA graphs capture it; in
+a batch with prefill (this op is one of vLLM's splitting ops, so it runs eagerly there) the prefill
+requests' completed pages are encoded after the engine's op has written them. Everything else is
+vLLM's own path, unchanged: prefill rows,
 layers without an artifact, speculative decoding (several queries per request), FP4 caches, MXFP8
 (Blackwell) scales, decode/prefill context parallelism, and the profiling run. In a batch with prefill
 the engine's op runs first (it writes the keys to the cache and every row) and the decode rows are
@@ -31,8 +36,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
+from dsaindex.runtime.paged_select import PagedCacheSelector
 from dsaindex_vllm.plugin import ENV_ARTIFACTS
-from dsaindex_vllm.selection import PagedCodes, select_decode
 
 logger = logging.getLogger("dsaindex_vllm")
 
@@ -88,10 +93,9 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         s = settings()
         self.layer_id = layer_id_of(getattr(k_cache, "prefix", ""))
         self.codec = None
-        self.paged: PagedCodes | None = None
-        self.candidates = s["candidates"] or 2 * topk_tokens
+        self.selector: PagedCacheSelector | None = None
+        self.candidates = max(s["candidates"] or 2 * topk_tokens, topk_tokens)
         self.prefilter = s["prefilter"]
-        self.last_stats: dict[str, int] = {}
         if not s["uri"]:
             return
         model_config = get_current_vllm_config().model_config
@@ -140,20 +144,36 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         if meta.num_decode_tokens != meta.num_decodes or (seq_lens.ndim == 2 and seq_lens.shape[1] != 1):
             return engine(self, hidden_states, q_quant, k, weights)  # several queries per request (MTP)
         buffer = self.topk_indices_buffer
+        selector = self._selector()
         if meta.num_prefills > 0:
             engine(self, hidden_states, q_quant, k, weights)
+            self._encode_prefills(selector, meta)
         else:
             if not self.skip_k_cache_insert:
                 self._insert_keys(k, meta.slot_mapping)
             buffer[: hidden_states.shape[0]] = -1
-        kv_cache = self.k_cache.kv_cache
-        if self.paged is None:
-            self.paged = PagedCodes(self.codec, kv_cache.shape[0], self.head_dim, kv_cache.device)
         b = meta.num_decodes
-        self.last_stats = select_decode(self.paged, kv_cache, decode.block_table[:b], seq_lens[:b],
-                                        q_quant[:b], weights[:b], buffer[:b], self.topk_tokens,
-                                        self.candidates, self.prefilter)
+        lens = seq_lens.reshape(seq_lens.shape[0], -1)[:b, -1]
+        picked = selector.select(self.k_cache.kv_cache, decode.block_table[:b], lens, q_quant[:b], weights[:b])
+        buffer[:b, : self.topk_tokens] = picked
         return buffer
+
+    def _selector(self) -> PagedCacheSelector:
+        """The layer's selector over its bound index-K cache (built on first use: the cache is bound after
+        the layer)."""
+        kv_cache = self.k_cache.kv_cache
+        if self.selector is None or self.selector.num_pages != kv_cache.shape[0]:
+            self.selector = PagedCacheSelector(self.codec, kv_cache.shape[0], self.topk_tokens,
+                                               candidates=self.candidates, prefilter=self.prefilter,
+                                               head_dim=self.head_dim, device=kv_cache.device)
+        return self.selector
+
+    def _encode_prefills(self, selector: PagedCacheSelector, meta) -> None:
+        """Encode the completed pages of the batch's prefill requests (eager: this op splits vLLM's graphs)."""
+        prefill = getattr(meta, "prefill", None)
+        for chunk in getattr(prefill, "chunks", None) or []:
+            lengths = chunk.cu_seq_lens[1:] - chunk.cu_seq_lens[:-1]  # each request's keys after this chunk
+            selector.prepare(self.k_cache.kv_cache, chunk.block_table[: lengths.shape[0]], lengths)
 
     def _insert_keys(self, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's keys into the index-K cache as vLLM's op does (its CUDA kernel; GPU only)."""

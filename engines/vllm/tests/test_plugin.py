@@ -34,6 +34,8 @@ from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
     DeepseekV32IndexerBackend,
     DeepSeekV32IndexerDecodeMetadata,
     DeepseekV32IndexerMetadata,
+    DeepseekV32IndexerPrefillChunkMetadata,
+    DeepseekV32IndexerPrefillMetadata,
 )
 
 from dsaindex.artifacts.bundle import read_bundle  # noqa: E402
@@ -195,9 +197,11 @@ def test_decode_selection_is_exact_when_every_key_is_a_candidate_and_keeps_most_
     recall = len(set(row.tolist()) & set(want[1].tolist())) / TOPK
     print(f"PQ row: recall of the exact top-{TOPK}: {recall:.3f}")
     assert recall >= 0.85, recall  # 4,096 of 24,005 keys rescored; a random 4,096 would keep about 17%
-    assert recall < 1.0 or op.last_stats["rescored"] < sum(lens)  # the coarse stage did cut the rescoring
-    assert op.last_stats["rescored"] == lens[0] + (4096 + 5) + lens[2]
-    assert op.paged.encoded_pages == sum(n // PAGE for n in lens)
+    stage1 = op.selector.stats.stage1.tolist()  # keys stage 1 passed on: all of rows 0 and 2, a cut of row 1
+    assert stage1[0] == lens[0] // PAGE * PAGE and stage1[2] == lens[2] // PAGE * PAGE
+    assert 4096 <= stage1[1] < lens[1] // PAGE * PAGE
+    assert op.selector.encoded_pages == sum(n // PAGE for n in lens)
+    assert int(op.selector.stats.stale.sum()) == 0
 
 
 def test_reused_pages_are_encoded_again(plugin):
@@ -214,7 +218,39 @@ def test_reused_pages_are_encoded_again(plugin):
             op(hidden, q, None, weights)
         scores, want = exact_topk(pages_flat, block_table, lens, q, weights)
         assert bool(topk_agree(scores, buffer[:1].long(), want, visible=torch.tensor(lens))[0])
-    assert op.paged.encoded_pages == 2 * 65
+    assert op.selector.encoded_pages == 2 * 65
+
+
+def test_mixed_batch_encodes_the_prefills_pages_after_vllms_op(plugin, monkeypatch):
+    """In a batch with prefill, vLLM's op runs first (it writes the prompt's keys and every row; eager,
+    being a splitting op), then the prefill requests' completed pages are encoded, so the next decode
+    steps (inside vLLM's full CUDA graphs) find their codes; the decode rows are the runtime's."""
+    ran = []
+    monkeypatch.setattr(SparseAttnIndexer, "forward_cpu", lambda self, *a: ran.append("engine") or self.topk_indices_buffer)
+    op, cache, buffer = build_layer(vllm_config(CFG))
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    dec_table = torch.arange(0, 10, dtype=torch.int32).view(1, 10)
+    pre_table = torch.arange(10, 40, dtype=torch.int32).view(1, 30)
+    write_keys(pages_flat, dec_table[0].tolist(), synthetic_keys(600, seed=21))
+    write_keys(pages_flat, pre_table[0].tolist(), synthetic_keys(30 * PAGE - 3, seed=22))
+    meta = decode_metadata(dec_table, [600])
+    meta.num_prefills, meta.num_prefill_tokens = 1, 30 * PAGE - 3
+    n = 30 * PAGE - 3  # the prompt: 29 complete pages and 61 keys
+    chunk = DeepseekV32IndexerPrefillChunkMetadata(
+        block_table=pre_table, cu_seqlen_ks=torch.zeros(n, dtype=torch.int32),
+        cu_seqlen_ke=torch.arange(1, n + 1, dtype=torch.int32), cu_seq_lens=torch.tensor([0, n], dtype=torch.int32),
+        token_to_seq=torch.zeros(n, dtype=torch.int32), total_seq_lens=n, max_seqlen_k=n, token_start=0,
+        token_end=n, num_reqs=1)
+    meta.prefill = DeepseekV32IndexerPrefillMetadata(chunks=[chunk])
+    q = (synthetic_keys(H, seed=23).view(1, H, D) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.rand(1, H) * (D**-0.5) * (H**-0.5)
+    with set_forward_context({cache.prefix: meta}, vllm_config(CFG)):
+        op(torch.zeros(1 + n, 16, dtype=torch.bfloat16), q, None, weights)
+    assert ran == ["engine"]
+    assert op.selector.encoded_pages == 29 + 600 // PAGE  # the prompt's complete pages, the decode's own
+    assert op.selector.valid[pre_table[0, :29].long()].all() and not op.selector.valid[int(pre_table[0, 29])]
+    scores, want = exact_topk(pages_flat, dec_table, [600], q, weights)
+    assert bool(topk_agree(scores, buffer[:1].long(), want, visible=torch.tensor([600]))[0])
 
 
 def test_layer_without_artifact_runs_vllms_own_path(plugin, monkeypatch):

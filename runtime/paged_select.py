@@ -1,0 +1,341 @@
+"""PQ decode selection over an engine's own paged index-K cache: what the SGLang and vLLM plugins run.
+
+Both engines keep one index-K cache per layer in the layout DeepGEMM reads: pages of 64 keys, each page
+64 x D FP8 e4m3 bytes followed by 64 float32 (ue8m0) scales. SGLang stores it as ``[pages, 64 * (D + 4)]``
+uint8, vLLM as ``[blocks, 64, D + 4]`` (a view into a larger allocation); :func:`page_rows` turns either
+into rows of ``64 * (D + 4)`` bytes, read in place. A request's pages are listed by a page table
+``[B, W]`` int32 and its keys counted by ``seqlens`` ``[B]``.
+
+:class:`PagedCacheSelector` keeps PQ codes per *physical* page, ``[P + 1, 64, M]`` uint8 (the last page is
+scratch), and a signature of each page's bytes (the first 8 bytes of keys 0, 31 and 63 and the last 8
+bytes of the scales: 32 bytes of the page's 8,448). The engine owns its pages: it frees them, hands
+them to other requests, shares them through its prefix cache. A completed page whose signature differs
+from the one its codes were made from (or that has none) is *stale* and is encoded again.
+
+A step (:meth:`PagedCacheSelector.select`) is a fixed sequence of launches whose shapes depend only on
+the batch size and the page table's width, with no host synchronization, so an engine can capture it
+in its decode CUDA graph:
+
+1. catch-up: the signatures of every completed page in the table are checked and the first
+   ``catch_up`` stale pages of each request encoded (a page completed by this step's key is one);
+2. stage 1: the head-folded query against every code of the completed pages (int8 tables, the top
+   ``prefilter * C`` kept by a sampled threshold, :func:`~dsaindex.kernels.pq_select.pq_linear_topc` through
+   the page table);
+3. stage 2: every head on the decoded codes of those, top C (:func:`~dsaindex.kernels.topk.small_topk`);
+4. the C candidates, the incomplete last page and the model's forced init/local tokens rescored exactly
+   from the engine's FP8 pages (:func:`~dsaindex.kernels.fp8_score.fp8_gather_scores_paged`, FP8 queries
+   as the engines' logits); top-k.
+
+Pages that complete outside decode steps (a prefill, a prefix-cache hit) are encoded by
+:meth:`PagedCacheSelector.prepare`, which synchronizes and is called from the engine's eager prefill path
+(or by ``select`` itself when it runs eagerly). Under a captured graph the catch-up alone encodes
+``catch_up`` pages per request per step; ``stats.stale`` counts, per request, the pages still scored by
+stale codes after it (zero in the steady state), so a missed ``prepare`` is visible, not silent.
+
+Scores are the engines': ``sum_h w_h relu(q_h . k)`` with their FP8 queries and their head weights (which
+carry the query's scale and the softmax scale). The torch references of the same kernels run the same
+algorithm on a CPU (``use_triton=False``; the plugins' contract tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaindex.errors import DsaIndexError
+from dsaindex.kernels import select as select_kernels
+from dsaindex.kernels.fp8_score import (
+    fp8_gather_scores_paged,
+    fp8_gather_scores_reference,
+    paged_keys_reference,
+)
+from dsaindex.kernels.pq_select import (
+    paged_codes_reference,
+    pq_candidate_scores,
+    pq_candidate_scores_reference,
+    pq_encode,
+    pq_linear_topc,
+    pq_linear_topc_reference,
+)
+from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
+from dsaindex.pq import PQCodec, encode
+
+PAGE = 64
+SIGNATURE_WORDS = 4  # int64 words per page signature
+
+
+def page_rows(cache: torch.Tensor, head_dim: int = 128) -> torch.Tensor:
+    """An index-K cache as rows of one page each, ``[P, 64 * (D + 4)]`` uint8, without a copy: SGLang's
+    ``[P, 64 * (D + 4)]`` as it is, vLLM's ``[P, 64, D + 4]`` (or ``[P, 1, 64, D + 4]``) viewed with its
+    own page stride. Raises :class:`DsaIndexError` on any other layout."""
+    width = PAGE * (head_dim + 4)
+    if cache.dtype != torch.uint8:
+        raise DsaIndexError(f"The index-K cache is {cache.dtype}; the PQ selection reads the FP8 byte layout "
+                            "(uint8 pages of 64 x D FP8 bytes then 64 float32 scales).",
+                            "pass the engine's uint8 index-K buffer for the layer.")
+    pages = cache.shape[0]
+    inner = cache[0] if pages else cache.new_empty(width)
+    if inner.numel() != width or (pages and not inner.is_contiguous()):
+        raise DsaIndexError(f"The index-K cache has shape {tuple(cache.shape)} and strides {tuple(cache.stride())}; "
+                            f"expected pages of {width} contiguous bytes (64 keys of D={head_dim}).",
+                            "pass the engine's index-K buffer of the layer (page size 64, FP8 keys).")
+    return cache.as_strided((pages, width), (cache.stride(0), 1))
+
+
+@dataclass
+class PagedStats:
+    """Device counters of the last :meth:`PagedCacheSelector.select` (reading them syncs): ``encoded`` [B]
+    pages encoded by the step's catch-up, ``stale`` [B] completed pages scored from stale codes after it
+    (0 unless :meth:`PagedCacheSelector.prepare` was skipped for a prefill), ``stage1`` [B] keys stage 1
+    passed to stage 2."""
+
+    encoded: torch.Tensor
+    stale: torch.Tensor
+    stage1: torch.Tensor
+
+
+class PagedCacheSelector:
+    """One layer's PQ coarse-to-fine decode selection over an engine's paged index-K cache.
+
+    Parameters
+    ----------
+    codec : the layer's PQ parameters (engine basis); num_pages : pages of the engine's cache for the layer
+    topk : keys selected per query; candidates : C, the keys rescored exactly (at least ``topk``)
+    prefilter : stage 1 keeps ``prefilter * C``; catch_up : stale pages encoded per request per step
+    head_dim : D of the index keys; device : where the cache lives
+    use_triton : the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``), else their torch
+        references (the same algorithm on a CPU)
+    """
+
+    def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
+                 prefilter: int = 4, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
+                 use_triton: bool | None = None):
+        candidates = 2 * topk if candidates is None else candidates
+        if candidates < topk:
+            raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
+                                "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
+        m, _, d = codec.codebooks.shape
+        if m * d != head_dim:
+            raise DsaIndexError(f"The PQ codebooks cover D={m * d}, the engine's index keys have D={head_dim}.",
+                                "load the artifacts trained for this model's indexer.")
+        dev = torch.device(device)
+        self.device = dev
+        self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
+        self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
+        self.catch_up = max(1, catch_up)
+        self.head_dim = head_dim
+        self.num_pages = num_pages
+        self.codebooks = codec.codebooks.to(dev).float()
+        self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
+        self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)
+        self.metric = None if codec.metric is None else codec.metric.to(dev)
+        self.codes = torch.zeros(num_pages + 1, PAGE, m, dtype=torch.uint8, device=dev)  # + one scratch page
+        self.signature = torch.zeros(num_pages + 1, SIGNATURE_WORDS, dtype=torch.int64, device=dev)
+        self.valid = torch.zeros(num_pages + 1, dtype=torch.bool, device=dev)
+        width = PAGE * (head_dim + 4)
+        # int64 words of a page read for its signature: keys 0, 31 and 63 (first 8 bytes), the last 2 scales
+        self._sig_words = torch.tensor([0, 31 * head_dim // 8, 63 * head_dim // 8, width // 8 - 1], device=dev)
+        self.stats: PagedStats | None = None
+        self.encoded_pages = 0  # pages encoded by prepare() (a host counter, for logs and tests)
+
+    # ---- codes of the engine's pages ----------------------------------------------------------------
+    def _signatures(self, rows: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Signatures [..., 4] int64 of physical ``pages`` (any shape, int64) of the page rows."""
+        words = rows.view(torch.int64) if rows.is_contiguous() else _int64_rows(rows)
+        return words[pages.unsqueeze(-1), self._sig_words]
+
+    def _stale(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(physical page [B, W] int64, stale [B, W] bool): completed pages whose codes are missing or made
+        from other bytes."""
+        w = table.shape[1]
+        phys = table.long().clamp(0, max(0, self.num_pages - 1))
+        done = torch.arange(w, device=table.device)[None, :] < (lengths // PAGE)[:, None]
+        same = (self.signature[phys] == self._signatures(rows, phys)).all(-1)
+        return phys, done & ~(self.valid[phys] & same)
+
+    def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
+        """Encode physical ``pages`` [n] int64 (``num_pages`` = the scratch page: encodes page 0 into it)."""
+        src = pages.clamp_max(max(0, self.num_pages - 1))
+        keys, scales = paged_keys_reference(rows, src[None, :].to(torch.int32), self.head_dim)
+        exact = keys[0].view(torch.float8_e4m3fn).float() * scales[0, :, None]
+        codes = pq_encode(exact, self.codebooks, self.metric) if self.use_triton else \
+            encode(exact, self.codebooks, self.metric)
+        self.codes[pages] = codes.view(-1, PAGE, self.codes.shape[2])
+        self.signature[pages] = self._signatures(rows, src)
+        self.valid[pages] = True
+
+    def prepare(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor,
+                batch_pages: int = 4096) -> int:
+        """Encode every stale completed page of the requests ``page_table`` [B, W] / ``seqlens`` [B] (an
+        eager prefill's pages; synchronizes with the host). Returns the number of pages encoded."""
+        rows = page_rows(cache, self.head_dim)
+        self._check_cache(rows)
+        if page_table.numel() == 0:
+            return 0
+        table = page_table.to(rows.device, torch.int32)
+        lengths = seqlens.reshape(-1).to(rows.device, torch.int64)
+        phys, stale = self._stale(rows, table, lengths)
+        todo = torch.unique(phys[stale])
+        for start in range(0, todo.numel(), batch_pages):
+            self._encode_pages(rows, todo[start : start + batch_pages])
+        self.encoded_pages += int(todo.numel())
+        return int(todo.numel())
+
+    def adopt(self, cache: torch.Tensor, pages: torch.Tensor, codes: torch.Tensor) -> None:
+        """Give physical ``pages`` [n] codes made elsewhere, ``codes`` [n, 64, M] uint8 (an index restored
+        with its cache, a benchmark's synthetic codes): they count as current for the pages' bytes now."""
+        rows = page_rows(cache, self.head_dim)
+        self._check_cache(rows)
+        pages = pages.to(self.device, torch.int64).reshape(-1)
+        if codes.shape != (pages.shape[0], PAGE, self.codes.shape[2]) or codes.dtype != torch.uint8:
+            raise DsaIndexError(f"codes of shape {tuple(codes.shape)} ({codes.dtype}) for {pages.shape[0]} pages; "
+                                f"expected [{pages.shape[0]}, {PAGE}, {self.codes.shape[2]}] uint8.",
+                                "pass one page of PQ codes per page.")
+        self.codes[pages] = codes.to(self.device)
+        self.signature[pages] = self._signatures(rows, pages)
+        self.valid[pages] = True
+
+    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync.
+        Returns (pages encoded [B], stale pages left [B])."""
+        b = table.shape[0]
+        e = self.catch_up
+        phys, stale = self._stale(rows, table, lengths)
+        order = stale.long().cumsum(1) - 1
+        take = stale & (order < e)
+        scratch = self.num_pages
+        pick = torch.full((b, e + 1), scratch, dtype=torch.long, device=table.device)
+        pick.scatter_(1, torch.where(take, order, e), torch.where(take, phys, scratch))
+        self._encode_pages(rows, pick[:, :e].reshape(-1))
+        n_stale = stale.sum(1)
+        return n_stale.clamp_max(e), (n_stale - e).clamp_min(0)
+
+    def _check_cache(self, rows: torch.Tensor) -> None:
+        if rows.shape[0] != self.num_pages:
+            raise DsaIndexError(f"The index-K cache has {rows.shape[0]} pages; this selector was built for "
+                                f"{self.num_pages}.", "build the selector with the engine's page count for the layer.")
+        if rows.device != self.device:
+            raise DsaIndexError(f"The index-K cache is on {rows.device}, the selector on {self.device}.",
+                                "build the selector on the cache's device.")
+
+    # ---- selection ----------------------------------------------------------------------------------
+    def select(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor, queries: torch.Tensor,
+               head_weights: torch.Tensor, init_tokens: int = 0, local_tokens: int = 0,
+               eager_refresh: bool | None = None) -> torch.Tensor:
+        """Request-local key positions [B, topk] int32 (-1 padded, in no particular order) for one query per
+        request: ``queries`` [B, H, D] (FP8 e4m3 or float), ``head_weights`` [B, H] float32, ``seqlens``
+        [B] keys visible to each query (its own included), ``page_table`` [B, W] int32.
+
+        ``init_tokens`` / ``local_tokens``: the first / last tokens of each request always selected (an
+        engine's forced tokens). ``eager_refresh`` runs :meth:`prepare` first (a host sync); the default
+        does so when no CUDA graph is being captured, so eager decoding never scores stale codes."""
+        rows = page_rows(cache, self.head_dim)
+        self._check_cache(rows)
+        dev = rows.device
+        b, w = page_table.shape
+        table = page_table.to(dev, torch.int32).contiguous()
+        lengths = seqlens.reshape(-1).to(dev, torch.int32)
+        if eager_refresh is None:
+            eager_refresh = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        if eager_refresh:
+            self.prepare(cache, table, lengths)
+        encoded, stale = self._catch_up(rows, table, lengths.long())
+        q = queries.to(dev).float().to(torch.bfloat16).contiguous() if queries.dtype == torch.float8_e4m3fn \
+            else queries.to(dev, torch.bfloat16).contiguous()
+        wt = head_weights.reshape(b, -1).to(dev, torch.float32).contiguous()
+        n_coded = (lengths // PAGE) * PAGE
+        groups = []
+        stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
+        if w:
+            cand, stage1 = self._coarse(table, n_coded, q, wt)
+            groups.append(cand)
+        tail = n_coded[:, None].long() + torch.arange(PAGE, device=dev)[None, :]
+        groups.append(torch.where(tail < lengths[:, None], tail, torch.full_like(tail, -1)))
+        forced = _forced(lengths.long(), init_tokens, local_tokens)
+        if forced is not None:
+            groups.append(forced)
+        positions = torch.cat(groups, dim=1)
+        if forced is not None:
+            positions = _dedup(positions)
+        if self.use_triton:
+            exact = fp8_gather_scores_paged(rows, table, positions, q, wt)
+        else:
+            keys, scales = paged_keys_reference(rows, table, self.head_dim)
+            exact = fp8_gather_scores_reference(keys, scales, positions, q, wt, query_fp8=True)
+        if forced is not None:  # forced tokens first, whatever they score
+            is_forced = (positions[:, :, None] == forced[:, None, :]).any(-1) & (positions >= 0)
+            exact = exact.masked_fill(is_forced, float("inf"))
+        k = min(self.topk, positions.shape[1])
+        top = small_topk if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
+        values, picked = top(exact, k, positions)
+        picked = torch.where(values > float("-inf"), picked, torch.full_like(picked, -1))
+        out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)
+        out[:, :k] = picked.to(torch.int32)
+        self.stats = PagedStats(encoded, stale, stage1)
+        return out
+
+    def _coarse(self, table: torch.Tensor, n_coded: torch.Tensor, q: torch.Tensor,
+                w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stages 1 and 2 over the completed pages: (C candidate positions [B, C] int64, -1 none; stage-1
+        counts [B] int32)."""
+        if self.use_triton:
+            _, rows1, counts1 = pq_linear_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, capacity=2 * self.c1,
+                                               return_counts=True, keep_all=True, table_dtype=torch.int8,
+                                               centroid_norms=self.centroid_norms, page_table=table)
+            counts1 = counts1.clamp_max(2 * self.c1)
+            coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1, block_n=128,
+                                         page_table=table)
+            if coarse.shape[1] <= SMALL_TOPK_MAX:
+                return small_topk(coarse, self.candidates, rows1, counts=counts1)[1], counts1
+            filled = torch.arange(coarse.shape[1], device=q.device)[None, :] < counts1[:, None]
+            return small_topk_reference(coarse.masked_fill(~filled, float("-inf")), self.candidates, rows1)[1], counts1
+        codes = paged_codes_reference(self.codes, table)
+        _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1)
+        coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
+        counts1 = n_coded.clamp_max(self.c1).to(torch.int32)
+        return small_topk_reference(coarse, self.candidates, rows1)[1], counts1
+
+    def gpu_bytes(self) -> int:
+        """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
+
+
+def _int64_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Page rows [P, width] uint8 with a page stride larger than the width, as int64 words [P, width / 8]."""
+    if rows.stride(0) % 8:
+        raise DsaIndexError(f"The index-K pages start every {rows.stride(0)} bytes, not on 8-byte boundaries.",
+                            "pass the engine's index-K buffer (its pages are 8-byte aligned).")
+    base = rows.as_strided((rows.shape[0] * rows.stride(0),), (1,)) if rows.shape[0] else rows.reshape(-1)
+    words = base.view(torch.int64)
+    return words.as_strided((rows.shape[0], rows.shape[1] // 8), (rows.stride(0) // 8, 1))
+
+
+def _forced(lengths: torch.Tensor, init_tokens: int, local_tokens: int) -> torch.Tensor | None:
+    """The tokens an engine's indexer always keeps: the first ``init_tokens`` and the last ``local_tokens``
+    of each request ([B, init + local] int64, -1 where a request is shorter)."""
+    parts = []
+    dev = lengths.device
+    if init_tokens > 0:
+        init = torch.arange(init_tokens, device=dev)[None, :].expand(lengths.shape[0], -1)
+        parts.append(torch.where(init < lengths[:, None], init, torch.full_like(init, -1)))
+    if local_tokens > 0:
+        local = lengths[:, None] - 1 - torch.arange(local_tokens, device=dev)[None, :]
+        parts.append(torch.where(local >= 0, local, torch.full_like(local, -1)))
+    return torch.cat(parts, dim=1) if parts else None
+
+
+def _dedup(positions: torch.Tensor) -> torch.Tensor:
+    """-1 in place of repeated positions of a row (sort, mark repeats; the row keeps its length)."""
+    srt, _ = positions.sort(dim=1)
+    repeat = torch.zeros_like(srt, dtype=torch.bool)
+    repeat[:, 1:] = srt[:, 1:] == srt[:, :-1]
+    return torch.where(repeat, torch.full_like(srt, -1), srt)
+
+
+def to_slots(positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """Request-local positions [B, k] (-1 = none) as page_size=1 KV slots, ``page_table[b, p // 64] * 64 +
+    p % 64`` (int32, -1 kept): the form SGLang's fused top-k hands its sparse attention."""
+    safe = positions.long().clamp_min(0)
+    slots = page_table.long().gather(1, safe // PAGE) * PAGE + safe % PAGE
+    return torch.where(positions >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)

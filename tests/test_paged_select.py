@@ -1,0 +1,291 @@
+"""The engines' paged-cache PQ selection (runtime/paged_select.py) and the paged kernels under it.
+
+On the CPU through TRITON_INTERPRET=1 at small sizes (and through the torch references); the ``gpu``
+test captures a step in a CUDA graph and replays it against eager steps.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsaindex.kernels.fp8_score import fp8_gather_scores_reference, fp8_topk_reference, paged_keys_reference  # noqa: E402
+from dsaindex.kernels.pq_select import (  # noqa: E402
+    paged_codes_reference,
+    pq_candidate_scores_reference,
+    pq_linear_scores_reference,
+)
+from dsaindex.pq import PQCodec, PQSpec  # noqa: E402
+from dsaindex.quant import fp8_quantize  # noqa: E402
+from dsaindex.runtime.paged_select import PagedCacheSelector, page_rows, to_slots  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cuda" if CUDA else "cpu"
+D, H = 32, 4
+CENTERS = torch.randn(16, D, generator=torch.Generator().manual_seed(5)) * 2
+
+
+def clustered(n, g):
+    return CENTERS[torch.randint(0, CENTERS.shape[0], (n,), generator=g)] + 0.5 * torch.randn(n, D, generator=g)
+
+
+def codec(seed=0):
+    from dsaindex.train.pq import train_codebooks
+
+    keys = clustered(3000, torch.Generator().manual_seed(seed))
+    return PQCodec(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=8), "torch", 6))
+
+
+def page_bytes(keys):
+    """Float keys [64 n, D] -> n engine pages [n, 64 * (D + 4)] uint8 (FP8 bytes, then float32 scales)."""
+    fp8, scales = fp8_quantize(keys)
+    n = keys.shape[0] // 64
+    return torch.cat([fp8.view(torch.uint8).reshape(n, 64 * D),
+                      scales.float().reshape(n, 64).contiguous().view(torch.uint8)], dim=1)
+
+
+def engine_cache(lengths, num_pages, seed=1, strided=False):
+    """A cache with each request's keys on shuffled pages: (cache rows, page table [B, W] int32, keys)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // 64) for n in lengths)
+    order = torch.randperm(num_pages, generator=g)
+    alloc = torch.zeros(num_pages, 64 * (D + 4) + (64 if strided else 0), dtype=torch.uint8)
+    cache = alloc[:, : 64 * (D + 4)]  # strided: pages further apart than their width (a view, as vLLM's)
+    table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    keys, used = [], 0
+    for b, n in enumerate(lengths):
+        pages = -(-n // 64)
+        x = clustered(pages * 64, g)
+        mine = order[used : used + pages]
+        used += pages
+        cache[mine] = page_bytes(x)
+        table[b, :pages] = mine.to(torch.int32)
+        keys.append(x[:n])
+    alloc = alloc.to(DEV)
+    return alloc[:, : 64 * (D + 4)], table.to(DEV), keys
+
+
+def queries(b, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, H, D, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    return q.to(DEV), torch.rand(b, H, generator=g).to(DEV)
+
+
+def exact(cache, table, lengths, q, w, k):
+    keys, scales = paged_keys_reference(cache, table, D)
+    lens = torch.tensor(lengths, device=DEV)
+    return fp8_topk_reference(keys, scales, lens, q.float(), w, k, query_fp8=True)[1]
+
+
+def as_sets(positions):
+    return [set(row) - {-1} for row in positions.tolist()]
+
+
+def recall(got, want):
+    """Share of ``want``'s kept positions that ``got`` kept too, over all rows."""
+    pairs = list(zip(as_sets(got), as_sets(want), strict=True))
+    return sum(len(g & w) for g, w in pairs) / max(1, sum(len(w) for _, w in pairs))
+
+
+# ---- the paged kernels -----------------------------------------------------------------------------
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.int8])
+def test_paged_stage_one_and_two_match_their_references(table_dtype):
+    from dsaindex.kernels.pq_select import pq_candidate_scores, pq_linear_topc
+
+    g = torch.Generator().manual_seed(0)
+    m, k = 8, 16
+    codes = torch.randint(0, k, (9, 64, m), generator=g, dtype=torch.int32).to(torch.uint8).to(DEV)
+    cb = torch.randn(m, k, D // m, generator=g).to(DEV)
+    table = torch.tensor([[4, 0, 7, 2], [1, 8, 0, 0]], dtype=torch.int32, device=DEV)  # page 0 shared
+    lengths = torch.tensor([256, 100], dtype=torch.int32, device=DEV)
+    q, w = queries(2)
+    q = q.float().to(torch.bfloat16)
+    flat = paged_codes_reference(codes, table)
+    assert torch.equal(flat[0, 64:128], codes[0]) and torch.equal(flat[1, 64:100], codes[8, :36])
+    scores = pq_linear_scores_reference(flat, q, w, cb)
+    scores = scores.masked_fill(torch.arange(256, device=DEV)[None, :] >= lengths[:, None], float("-inf"))
+    want = scores.topk(20, dim=1).indices
+    got_s, got_r = pq_linear_topc(codes, lengths, q, w, cb, 20, capacity=80, page_table=table, table_dtype=table_dtype)
+    for g_, w_ in zip(as_sets(got_r), want.tolist(), strict=True):
+        assert set(w_[:10]) <= g_, "the paged scan lost a clear top row"
+        assert all(r < 256 for r in g_)
+    assert (got_r[1] < 100).all()
+    rows = torch.randint(-1, 100, (2, 50), generator=g, dtype=torch.int32).to(DEV)
+    torch.testing.assert_close(pq_candidate_scores(codes, rows, q, w, cb, page_table=table),
+                               pq_candidate_scores_reference(flat, rows, q, w, cb), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_paged_exact_gather_reads_the_engines_pages_in_place(strided):
+    from dsaindex.kernels.fp8_score import fp8_gather_scores_paged
+
+    cache, table, _ = engine_cache([300, 130], 12, strided=strided)
+    q, w = queries(2)
+    pos = torch.tensor([[0, 299, 64, -1, 150], [129, -1, 0, 65, 3]], device=DEV)
+    keys, scales = paged_keys_reference(cache, table, D)
+    want = fp8_gather_scores_reference(keys, scales, pos, q.float(), w, query_fp8=True)
+    got = fp8_gather_scores_paged(cache, table, pos, q.float(), w)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    assert torch.isinf(got[pos < 0]).all()
+
+
+def test_page_rows_takes_both_engine_layouts_and_refuses_others():
+    from dsaindex.errors import DsaIndexError
+
+    flat = torch.zeros(5, 64 * (D + 4), dtype=torch.uint8)
+    assert page_rows(flat, D).data_ptr() == flat.data_ptr()
+    blocks = torch.zeros(5, 64, D + 4, dtype=torch.uint8)  # vLLM's bound cache
+    rows = page_rows(blocks, D)
+    assert rows.shape == (5, 64 * (D + 4)) and rows.data_ptr() == blocks.data_ptr()
+    with pytest.raises(DsaIndexError, match="page size 64"):
+        page_rows(torch.zeros(5, 32 * (D + 4), dtype=torch.uint8), D)
+    with pytest.raises(DsaIndexError, match="uint8"):
+        page_rows(flat.float(), D)
+
+
+# ---- the selector ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_every_key_a_candidate_is_the_exact_topk(use_triton):
+    lengths = [300, 131, 40]
+    cache, table, _ = engine_cache(lengths, 16)
+    q, w = queries(3)
+    sel = PagedCacheSelector(codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV, use_triton=use_triton)
+    got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
+    assert got.dtype == torch.int32 and got.shape == (3, 24)
+    assert as_sets(got) == as_sets(exact(cache, table, lengths, q, w, 24))
+    assert int(sel.stats.stale.sum()) == 0
+
+
+def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
+    lengths = [2000, 1500]
+    cache, table, _ = engine_cache(lengths, 60)
+    q, w = queries(2)
+    want = exact(cache, table, lengths, q, w, 32)
+    picks = []
+    for use_triton in (True, False):
+        sel = PagedCacheSelector(codec(), 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV,
+                                 use_triton=use_triton)
+        picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
+        kept = recall(picks[-1], want)
+        assert kept >= 0.9, (use_triton, kept)
+        assert (picks[-1] < torch.tensor(lengths, device=DEV)[:, None]).all()
+    assert recall(picks[0], picks[1]) >= 0.95
+
+
+def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
+    """Without prepare() (a step inside a CUDA graph), stale pages are encoded ``catch_up`` per request
+    per step, and the stats say how many are left; a page reused for other keys is encoded again."""
+    lengths = [64 * 7 + 5]
+    cache, table, _ = engine_cache(lengths, 10)
+    q, w = queries(1)
+    seq = torch.tensor(lengths, device=DEV)
+    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, catch_up=3, head_dim=D, device=DEV)
+    left = []
+    for _ in range(3):
+        sel.select(cache, table, seq, q, w, eager_refresh=False)
+        left.append(int(sel.stats.stale[0]))
+    assert left == [4, 1, 0] and [int(sel.stats.encoded[0])] == [1]
+    sel.select(cache, table, seq, q, w, eager_refresh=False)
+    assert int(sel.stats.encoded[0]) == 0
+    # the engine gives page table[0, 2] new keys: its codes are stale and encoded again
+    page = int(table[0, 2])
+    cache[page] = page_bytes(clustered(64, torch.Generator().manual_seed(99))).to(DEV)
+    sel.select(cache, table, seq, q, w, eager_refresh=False)
+    assert int(sel.stats.encoded[0]) == 1 and int(sel.stats.stale[0]) == 0
+    fresh = PagedCacheSelector(codec(), 10, topk=16, candidates=64, head_dim=D, device=DEV)
+    assert fresh.prepare(cache, table, seq) == 7 and fresh.prepare(cache, table, seq) == 0
+    assert torch.equal(fresh.codes[table[0, :7].long()], sel.codes[table[0, :7].long()])
+    assert as_sets(sel.select(cache, table, seq, q, w)) == as_sets(fresh.select(cache, table, seq, q, w))
+
+
+def test_adopted_codes_count_as_current_until_the_page_changes():
+    lengths = [64 * 6]
+    cache, table, _ = engine_cache(lengths, 8)
+    q, w = queries(1)
+    seq = torch.tensor(lengths, device=DEV)
+    made = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV)
+    made.prepare(cache, table, seq)
+    pages = table[0].long()
+    sel = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV)
+    sel.adopt(cache, pages, made.codes[pages])
+    got = sel.select(cache, table, seq, q, w, eager_refresh=False)
+    assert int(sel.stats.encoded[0]) == 0 and int(sel.stats.stale[0]) == 0
+    assert as_sets(got) == as_sets(made.select(cache, table, seq, q, w))
+    with pytest.raises(Exception, match="one page of PQ codes per page"):
+        sel.adopt(cache, pages, made.codes[pages][:, :32])
+
+
+def test_forced_tokens_are_selected_once_and_slots_map_through_the_table():
+    lengths = [700, 200]
+    cache, table, _ = engine_cache(lengths, 20)
+    q, w = queries(2)
+    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV)
+    got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w, init_tokens=3, local_tokens=5)
+    for row, n in zip(got.tolist(), lengths, strict=True):
+        kept = [p for p in row if p >= 0]
+        assert len(kept) == len(set(kept)) == 16
+        assert {0, 1, 2} | set(range(n - 5, n)) <= set(kept)
+    slots = to_slots(got, table)
+    p = int(got[0, 0])
+    assert int(slots[0, 0]) == int(table[0, p // 64]) * 64 + p % 64
+    assert ((slots >= 0) == (got >= 0)).all()
+
+
+def test_bad_input_names_the_problem():
+    from dsaindex.errors import DsaIndexError
+
+    cache, table, _ = engine_cache([100], 4)
+    q, w = queries(1)
+    with pytest.raises(DsaIndexError, match="built for 9"):
+        PagedCacheSelector(codec(), 9, topk=8, head_dim=D, device=DEV).select(cache, table, torch.tensor([100]), q, w)
+    with pytest.raises(DsaIndexError, match="at least topk"):
+        PagedCacheSelector(codec(), 4, topk=8, candidates=4, head_dim=D, device=DEV)
+    with pytest.raises(DsaIndexError, match="D=128"):
+        PagedCacheSelector(codec(), 4, topk=8, head_dim=128, device=DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps():
+    """The engines capture their decode step: the selection must replay with new lengths, pages and
+    queries, and synchronize with the host nowhere."""
+    lengths = [64 * 40 + 9, 64 * 25]
+    cache, table, _ = engine_cache(lengths, 80, strided=True)
+    sel = PagedCacheSelector(codec(), 80, topk=32, candidates=256, head_dim=D, device=DEV)
+    ref = PagedCacheSelector(codec(), 80, topk=32, candidates=256, head_dim=D, device=DEV)
+    static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    static_q, static_w = queries(2)
+    sel.prepare(cache, table, static_seq)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: Triton compiles outside the capture
+            sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            static_out = sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for step in range(70):  # keys appended one per step: two pages complete inside the graph
+        lens = [n + step for n in lengths]
+        for b, n in enumerate(lens):  # the engine writes the new key into its page
+            page, slot = int(table[b, (n - 1) // 64]), (n - 1) % 64
+            x = clustered(1, torch.Generator().manual_seed(1000 + step * 2 + b))
+            fp8, s = fp8_quantize(x)
+            cache[page, slot * D : (slot + 1) * D] = fp8.view(torch.uint8).reshape(-1).to(DEV)
+            cache[page, 64 * D + 4 * slot : 64 * D + 4 * slot + 4] = s.float().reshape(1).view(torch.uint8).to(DEV)
+        q, w = queries(2, seed=step)
+        static_seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        static_q.copy_(q)
+        static_w.copy_(w)
+        graph.replay()
+        want = ref.select(cache, table, static_seq, q, w)
+        assert as_sets(static_out) == as_sets(want), step
+        assert int(sel.stats.stale.sum()) == 0
