@@ -176,8 +176,10 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         if profile:
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(dg_logits(), lengths, topk))
         ms["deepgemm_best"] = min(ms["deepgemm_logits_topk"], ms["deepgemm_logits_fast_topk"])
-    ms["engine_paged"], modes["engine_paged"] = engine_paged_step(fp8, scales, codes, codebooks, q, w, topk,
-                                                                  candidates, prefilter, graphs)
+    ms["engine_paged"], modes["engine_paged"], paged_profile = engine_paged_step(
+        fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs, profile)
+    if paged_profile is not None:
+        profiles["engine_paged"] = paged_profile
     cache_pages = table = None
     pq_cache_bytes = group.gpu_bytes()["cache"]
     group = None
@@ -237,8 +239,10 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     }
 
 
-def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs) -> tuple[float, str]:
-    """Median ms of the engine plugins' step over the engines' paged cache of the same keys and codes."""
+def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs,
+                      profile: bool = False) -> tuple[float, str, Any]:
+    """(median ms, timing mode, kernel profile or None) of the engine plugins' step over the engines' paged
+    cache of the same keys and codes."""
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -253,10 +257,10 @@ def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, pre
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
     step = lambda: selector.select(cache, table, lengths, q, w, eager_refresh=False)  # noqa: E731
     step()
-    result = timed(step, graphs)
+    ms, mode = timed(step, graphs)
     if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):
         raise RuntimeError("the paged selector found stale pages in the benchmark's adopted codes")
-    return result
+    return ms, mode, kernel_profile(step) if profile else None
 
 
 def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: int, prefilter: int, cache: int,

@@ -50,19 +50,26 @@ from dsaindex.kernels.fp8_score import (
     fp8_gather_scores_reference,
     paged_keys_reference,
 )
+from dsaindex.kernels.paged_codes import (
+    encode_pages,
+    encode_pages_reference,
+    page_words,
+    signature_words,
+    stale_pages,
+    stale_pages_reference,
+    whitened_codebooks,
+)
 from dsaindex.kernels.pq_select import (
     paged_codes_reference,
     pq_candidate_scores,
     pq_candidate_scores_reference,
-    pq_encode,
     pq_linear_topc,
     pq_linear_topc_reference,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
-from dsaindex.pq import PQCodec, encode
+from dsaindex.pq import PQCodec
 
 PAGE = 64
-SIGNATURE_WORDS = 4  # int64 words per page signature
 
 
 def page_rows(cache: torch.Tensor, head_dim: int = 128) -> torch.Tensor:
@@ -120,6 +127,8 @@ class PagedCacheSelector:
             raise DsaIndexError(f"The PQ codebooks cover D={m * d}, the engine's index keys have D={head_dim}.",
                                 "load the artifacts trained for this model's indexer.")
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # the device tensors report: cuda:N
+            dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
@@ -130,40 +139,31 @@ class PagedCacheSelector:
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)
         self.metric = None if codec.metric is None else codec.metric.to(dev)
+        self.whitened, self.lt = whitened_codebooks(self.codebooks, self.metric)  # once: no factorization in a graph
         self.codes = torch.zeros(num_pages + 1, PAGE, m, dtype=torch.uint8, device=dev)  # + one scratch page
-        self.signature = torch.zeros(num_pages + 1, SIGNATURE_WORDS, dtype=torch.int64, device=dev)
-        self.valid = torch.zeros(num_pages + 1, dtype=torch.bool, device=dev)
-        width = PAGE * (head_dim + 4)
-        # int64 words of a page read for its signature: keys 0, 31 and 63 (first 8 bytes), the last 2 scales
-        self._sig_words = torch.tensor([0, 31 * head_dim // 8, 63 * head_dim // 8, width // 8 - 1], device=dev)
+        self.signature = torch.zeros(num_pages + 1, len(signature_words(head_dim)), dtype=torch.int64, device=dev)
+        self.valid = torch.zeros(num_pages + 1, dtype=torch.uint8, device=dev)  # 1: the page holds codes
+        self._sig_words = torch.tensor(signature_words(head_dim), device=dev)
         self.stats: PagedStats | None = None
         self.encoded_pages = 0  # pages encoded by prepare() (a host counter, for logs and tests)
 
     # ---- codes of the engine's pages ----------------------------------------------------------------
-    def _signatures(self, rows: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """Signatures [..., 4] int64 of physical ``pages`` (any shape, int64) of the page rows."""
-        words = rows.view(torch.int64) if rows.is_contiguous() else _int64_rows(rows)
-        return words[pages.unsqueeze(-1), self._sig_words]
-
-    def _stale(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(physical page [B, W] int64, stale [B, W] bool): completed pages whose codes are missing or made
-        from other bytes."""
-        w = table.shape[1]
-        phys = table.long().clamp(0, max(0, self.num_pages - 1))
-        done = torch.arange(w, device=table.device)[None, :] < (lengths // PAGE)[:, None]
-        same = (self.signature[phys] == self._signatures(rows, phys)).all(-1)
-        return phys, done & ~(self.valid[phys] & same)
+    def _stale(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first ``e`` stale completed pages of each request [B, e] int64, scratch past them; stale pages
+        in all [B] int32)."""
+        find = stale_pages if self.use_triton else stale_pages_reference
+        return find(rows, table, lengths, self.signature, self.valid, e, self.head_dim)
 
     def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
-        """Encode physical ``pages`` [n] int64 (``num_pages`` = the scratch page: encodes page 0 into it)."""
+        """Encode physical ``pages`` [n] int64 (``num_pages``, the scratch page, is skipped) and record the
+        bytes their codes were made from."""
+        if self.use_triton:
+            encode_pages(rows, pages, self.whitened, self.lt, self.codes, self.head_dim)
+        else:
+            encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim)
         src = pages.clamp_max(max(0, self.num_pages - 1))
-        keys, scales = paged_keys_reference(rows, src[None, :].to(torch.int32), self.head_dim)
-        exact = keys[0].view(torch.float8_e4m3fn).float() * scales[0, :, None]
-        codes = pq_encode(exact, self.codebooks, self.metric) if self.use_triton else \
-            encode(exact, self.codebooks, self.metric)
-        self.codes[pages] = codes.view(-1, PAGE, self.codes.shape[2])
-        self.signature[pages] = self._signatures(rows, src)
-        self.valid[pages] = True
+        self.signature[pages] = page_words(rows)[src.unsqueeze(-1), self._sig_words]
+        self.valid.index_fill_(0, pages, 1)  # a fill kernel: no host-to-device copy inside a graph
 
     def prepare(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor,
                 batch_pages: int = 4096) -> int:
@@ -173,10 +173,14 @@ class PagedCacheSelector:
         self._check_cache(rows)
         if page_table.numel() == 0:
             return 0
-        table = page_table.to(rows.device, torch.int32)
-        lengths = seqlens.reshape(-1).to(rows.device, torch.int64)
-        phys, stale = self._stale(rows, table, lengths)
-        todo = torch.unique(phys[stale])
+        table = page_table.to(rows.device, torch.int32).contiguous()
+        lengths = seqlens.reshape(-1).to(rows.device, torch.int32).contiguous()
+        _, count = self._stale(rows, table, lengths, 1)
+        most = int(count.max())  # the sync: how many pages a request lacks at most
+        if most == 0:
+            return 0
+        pick, _ = self._stale(rows, table, lengths, most)
+        todo = torch.unique(pick[pick != self.num_pages])
         for start in range(0, todo.numel(), batch_pages):
             self._encode_pages(rows, todo[start : start + batch_pages])
         self.encoded_pages += int(todo.numel())
@@ -193,23 +197,15 @@ class PagedCacheSelector:
                                 f"expected [{pages.shape[0]}, {PAGE}, {self.codes.shape[2]}] uint8.",
                                 "pass one page of PQ codes per page.")
         self.codes[pages] = codes.to(self.device)
-        self.signature[pages] = self._signatures(rows, pages)
-        self.valid[pages] = True
+        self.signature[pages] = page_words(rows)[pages.unsqueeze(-1), self._sig_words]
+        self.valid.index_fill_(0, pages, 1)
 
     def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync.
         Returns (pages encoded [B], stale pages left [B])."""
-        b = table.shape[0]
-        e = self.catch_up
-        phys, stale = self._stale(rows, table, lengths)
-        order = stale.long().cumsum(1) - 1
-        take = stale & (order < e)
-        scratch = self.num_pages
-        pick = torch.full((b, e + 1), scratch, dtype=torch.long, device=table.device)
-        pick.scatter_(1, torch.where(take, order, e), torch.where(take, phys, scratch))
-        self._encode_pages(rows, pick[:, :e].reshape(-1))
-        n_stale = stale.sum(1)
-        return n_stale.clamp_max(e), (n_stale - e).clamp_min(0)
+        pick, count = self._stale(rows, table, lengths, self.catch_up)
+        self._encode_pages(rows, pick.reshape(-1))
+        return count.clamp_max(self.catch_up), (count - self.catch_up).clamp_min(0)
 
     def _check_cache(self, rows: torch.Tensor) -> None:
         if rows.shape[0] != self.num_pages:
@@ -235,12 +231,12 @@ class PagedCacheSelector:
         dev = rows.device
         b, w = page_table.shape
         table = page_table.to(dev, torch.int32).contiguous()
-        lengths = seqlens.reshape(-1).to(dev, torch.int32)
+        lengths = seqlens.reshape(-1).to(dev, torch.int32).contiguous()
         if eager_refresh is None:
             eager_refresh = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if eager_refresh:
             self.prepare(cache, table, lengths)
-        encoded, stale = self._catch_up(rows, table, lengths.long())
+        encoded, stale = self._catch_up(rows, table, lengths)
         q = queries.to(dev).float().to(torch.bfloat16).contiguous() if queries.dtype == torch.float8_e4m3fn \
             else queries.to(dev, torch.bfloat16).contiguous()
         wt = head_weights.reshape(b, -1).to(dev, torch.float32).contiguous()
@@ -299,16 +295,6 @@ class PagedCacheSelector:
     def gpu_bytes(self) -> int:
         """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
-
-
-def _int64_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Page rows [P, width] uint8 with a page stride larger than the width, as int64 words [P, width / 8]."""
-    if rows.stride(0) % 8:
-        raise DsaIndexError(f"The index-K pages start every {rows.stride(0)} bytes, not on 8-byte boundaries.",
-                            "pass the engine's index-K buffer (its pages are 8-byte aligned).")
-    base = rows.as_strided((rows.shape[0] * rows.stride(0),), (1,)) if rows.shape[0] else rows.reshape(-1)
-    words = base.view(torch.int64)
-    return words.as_strided((rows.shape[0], rows.shape[1] // 8), (rows.stride(0) // 8, 1))
 
 
 def _forced(lengths: torch.Tensor, init_tokens: int, local_tokens: int) -> torch.Tensor | None:

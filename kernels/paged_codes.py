@@ -1,0 +1,144 @@
+"""PQ codes kept beside an engine's paged index-K cache: which pages need codes, and their encoding,
+each beside its torch reference (the spec). The jit code is in :mod:`dsaindex.kernels.paged_codes_kernel`.
+
+An engine's index-K cache is rows of one 64-key page each, ``[P, 64 * (D + 4)]`` uint8 (64 x D FP8 e4m3
+bytes then 64 float32 scales), possibly further apart than their width. Codes are kept per physical
+page, ``[P + 1, 64, M]`` (the last page is scratch), with the signature each page's codes were made
+from: ``SIGNATURE_WORDS`` int64 words of the page at fixed offsets (:func:`signature_words`).
+
+* :func:`stale_pages`: for each request, its completed pages whose codes are missing or were made from
+  other bytes; the first ``e`` listed (scratch past them) and the count.
+* :func:`encode_pages`: codes of the listed pages read in place (the scratch page skipped), the subspace
+  metric's whitening precomputed once (:func:`dsaindex.pq.whitening`), so nothing here synchronizes
+  with the host or factorizes a matrix: both run inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaindex.kernels import checks
+from dsaindex.pq import PQSpec, whitening
+
+PAGE = 64
+SIGNATURE_WORDS = 4
+
+
+def signature_words(head_dim: int) -> list[int]:
+    """Word offsets (int64) of a page's signature: the first 8 bytes of keys 0, 31 and 63, and the page's
+    last 8 bytes (the scales of keys 62 and 63)."""
+    width = PAGE * (head_dim + 4)
+    return [0, 31 * head_dim // 8, 63 * head_dim // 8, width // 8 - 1]
+
+
+def page_words(rows: torch.Tensor) -> torch.Tensor:
+    """Page rows [P, width] uint8 (page stride a multiple of 8 bytes) as int64 words [P, width / 8]."""
+    if rows.stride(0) % 8 or rows.stride(1) != 1:
+        raise ValueError(f"index-K pages with strides {tuple(rows.stride())}: pages must be contiguous and start "
+                         "on 8-byte boundaries.")
+    if rows.is_contiguous():
+        return rows.view(torch.int64)
+    base = rows.as_strided((rows.shape[0] * rows.stride(0),), (1,)) if rows.shape[0] else rows.reshape(-1)
+    return base.view(torch.int64).as_strided((rows.shape[0], rows.shape[1] // 8), (rows.stride(0) // 8, 1))
+
+
+def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
+                          valid: torch.Tensor, e: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pick [B, e] int64: the first ``e`` stale completed pages of each request in table order, the scratch
+    page ``P`` past them; count [B] int32: stale pages in all). A page is stale when it has no codes
+    (``valid`` 0) or its signature words differ from ``signature``. The spec of :func:`stale_pages`."""
+    b, w = table.shape
+    n_pages = rows.shape[0]
+    phys = table.long().clamp(0, max(0, n_pages - 1))
+    done = torch.arange(w, device=table.device)[None, :] < (lengths.long() // PAGE)[:, None]
+    offsets = torch.tensor(signature_words(head_dim), device=rows.device)
+    now = page_words(rows)[phys.unsqueeze(-1), offsets]
+    stale = done & ~((valid[phys] != 0) & (signature[phys] == now).all(-1))
+    order = stale.long().cumsum(1) - 1
+    take = stale & (order < e)
+    pick = torch.full((b, e + 1), n_pages, dtype=torch.long, device=table.device)
+    pick.scatter_(1, torch.where(take, order, e), torch.where(take, phys, n_pages))
+    return pick[:, :e].contiguous(), stale.sum(1).to(torch.int32)
+
+
+def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
+                valid: torch.Tensor, e: int, head_dim: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stale_pages_reference` in one Triton launch, one program per request. ``rows`` [P, 64 * (D + 4)]
+    uint8 (pages 8-byte aligned), ``table`` [B, W] int32, ``lengths`` [B] int32, ``signature`` [P + 1, 4]
+    int64, ``valid`` [P + 1] uint8; one device. Raises ``ValueError`` on bad input."""
+    import triton
+
+    from dsaindex.kernels.paged_codes_kernel import stale_pages_kernel
+
+    checks.rank("table", table, 2, "B, W")
+    checks.dtype("table", table, torch.int32)
+    b = table.shape[0]
+    checks.shape("lengths", lengths, (b,), "B")
+    checks.dtype("lengths", lengths, torch.int32)
+    checks.shape("signature", signature, (rows.shape[0] + 1, SIGNATURE_WORDS), "P + 1, 4")
+    checks.dtype("valid", valid, torch.uint8)
+    checks.same_device(rows=rows, table=table, lengths=lengths, signature=signature, valid=valid)
+    words = page_words(rows)
+    pick = torch.empty(b, e, dtype=torch.long, device=rows.device)
+    count = torch.empty(b, dtype=torch.int32, device=rows.device)
+    if b:
+        w = signature_words(head_dim)
+        stale_pages_kernel[(b,)](words, words.stride(0), table.contiguous(), table.shape[1], lengths.contiguous(),
+                                 signature, valid, pick, count, rows.shape[0], rows.shape[0], *w,
+                                 E=e, E_PAD=max(2, triton.next_power_of_2(e)), BLOCK=block)
+    return pick, count
+
+
+def whitened_codebooks(codebooks: torch.Tensor, metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codebooks [M, K, d] in the metric's whitened space, L^T [M, d, d] or None): computed once, so
+    encoding inside a CUDA graph never factorizes a matrix."""
+    spec = PQSpec.of(codebooks)
+    cb = codebooks.float()
+    white = whitening(metric, spec, codebooks.device)
+    if white is None:
+        return cb.contiguous(), None
+    return torch.bmm(cb, white[0].transpose(1, 2)).contiguous(), white[0].contiguous()
+
+
+def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor,
+                           metric: torch.Tensor | None, codes: torch.Tensor, head_dim: int) -> None:
+    """Write ``codes[p]`` [64, M] for every listed page ``p`` of ``pages`` [n] int64 other than the scratch
+    page (``codes.shape[0] - 1``): the nearest centroid of each of the page's FP8 keys (:func:`dsaindex.pq.encode`).
+    The spec of :func:`encode_pages`."""
+    from dsaindex.pq import encode
+
+    scratch = codes.shape[0] - 1
+    real = pages[pages != scratch]
+    if real.numel() == 0:
+        return
+    mine = rows[real]
+    n = real.shape[0]
+    keys = mine[:, : PAGE * head_dim].reshape(n * PAGE, head_dim).view(torch.float8_e4m3fn).float()
+    scales = mine[:, PAGE * head_dim :].contiguous().view(torch.float32).reshape(n * PAGE, 1)
+    codes[real] = encode(keys * scales, codebooks, metric).view(n, PAGE, -1)
+
+
+def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor, lt: torch.Tensor | None,
+                 codes: torch.Tensor, head_dim: int) -> None:
+    """:func:`encode_pages_reference` in one Triton launch, one program per (page, subspace), reading the
+    keys in place; ``whitened`` / ``lt`` from :func:`whitened_codebooks`. Raises ``ValueError`` on bad input."""
+    from dsaindex.kernels.paged_codes_kernel import encode_pages_kernel
+
+    checks.rank("whitened codebooks", whitened, 3, "M, K, D/M")
+    m, k, d = whitened.shape
+    checks.power_of_two("codebooks.shape[1] (centroids K)", k)
+    checks.at_most("codebooks.shape[1] (centroids K)", k, 256, "codes are uint8")
+    checks.shape("codes", codes, (None, PAGE, m), "P + 1, 64, M")
+    checks.dtype("pages", pages, torch.int64)
+    checks.same_device(rows=rows, pages=pages, whitened=whitened, codes=codes)
+    if m * d != head_dim:
+        raise ValueError(f"codebooks cover D={m * d}; the pages hold keys of D={head_dim}.")
+    if rows.stride(1) != 1 or rows.stride(0) % 4:
+        raise ValueError(f"index-K pages with strides {tuple(rows.stride())}: pages must be contiguous rows.")
+    n = pages.numel()
+    if n == 0 or rows.shape[0] == 0:
+        return
+    scales = rows[0].view(torch.float32)[16 * head_dim :]
+    encode_pages_kernel[(n, m)](rows, scales, rows.stride(0), pages.contiguous(), whitened,
+                                lt if lt is not None else whitened, codes, codes.shape[0] - 1,
+                                D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=lt is not None)

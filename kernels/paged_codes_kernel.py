@@ -1,0 +1,91 @@
+"""Triton kernels of the PQ codes kept beside an engine's paged index-K cache (jit code only).
+
+``stale_pages_kernel``: one program per request walks its completed pages, compares each page's
+signature words with those its codes were made from, and lists the first ``E`` stale pages.
+``encode_pages_kernel``: one program per (listed page, subspace) reads the page's 64 FP8 keys in place,
+whitens the subspace, and writes the nearest centroid of each key; the scratch page is skipped.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def stale_pages_kernel(
+    words_ptr,  # the cache as int64 words; page p's word j at p * page_words + j
+    page_words,
+    table_ptr,  # [B, table_width] int32 pages of each request
+    table_width,
+    lengths_ptr,  # [B] int32 keys per request
+    sig_ptr,  # [P + 1, 4] int64 signatures the codes were made from
+    valid_ptr,  # [P + 1] uint8: 1 where a page holds codes
+    pick_ptr,  # [B, E] int64 out: the first E stale pages (scratch past them)
+    count_ptr,  # [B] int32 out: stale pages in all
+    n_pages,
+    scratch,
+    w0, w1, w2, w3,  # word offsets of the signature within a page
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    full = tl.load(lengths_ptr + b) // 64
+    e_idx = tl.arange(0, E_PAD)
+    tl.store(pick_ptr + b * E + e_idx, tl.full([E_PAD], scratch, tl.int64), mask=e_idx < E)
+    found = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    for start in range(0, full, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        live = (cols < full) & (cols < table_width)
+        page = tl.load(table_ptr + b * table_width + cols, mask=live, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), n_pages - 1)
+        ok = tl.load(valid_ptr + page, mask=live, other=0) != 0
+        base = words_ptr + page * page_words
+        ok = ok & (tl.load(base + w0, mask=live, other=0) == tl.load(sig_ptr + page * 4, mask=live, other=1))
+        ok = ok & (tl.load(base + w1, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 1, mask=live, other=1))
+        ok = ok & (tl.load(base + w2, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 2, mask=live, other=1))
+        ok = ok & (tl.load(base + w3, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 3, mask=live, other=1))
+        stale = (live & ~ok).to(tl.int32)
+        order = found + tl.cumsum(stale, axis=0) - stale
+        tl.store(pick_ptr + b * E + order, page, mask=(stale > 0) & (order < E))
+        found += tl.sum(stale, axis=0)
+    tl.store(count_ptr + b, found)
+
+
+@triton.jit
+def encode_pages_kernel(
+    keys_ptr,  # uint8 FP8 bits of the cache: page p's key r at p * page_stride + r * D
+    scales_ptr,  # float32 view starting at page 0's scales: page p's scale r at p * page_stride / 4 + r
+    page_stride,  # bytes between pages
+    pages_ptr,  # [n] int64 pages to encode (scratch: skipped)
+    codebook_ptr,  # [M, K, DSUB] float32 centroids, whitened (HAS_METRIC)
+    white_ptr,  # [M, DSUB, DSUB] float32 L^T of each subspace's metric (HAS_METRIC)
+    codes_ptr,  # [P + 1, 64, M] uint8 out
+    scratch,
+    D: tl.constexpr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    DSUB: tl.constexpr,
+    HAS_METRIC: tl.constexpr,
+):
+    i = tl.program_id(0)
+    m = tl.program_id(1)
+    page = tl.load(pages_ptr + i)
+    if page != scratch:
+        rows = tl.arange(0, 64)
+        key_at = keys_ptr + page * page_stride + rows * D + m * DSUB
+        scale = tl.load(scales_ptr + page * (page_stride // 4) + rows)
+        cents = tl.arange(0, K)
+        dist = tl.zeros([64, K], dtype=tl.float32)
+        for a in tl.static_range(DSUB):
+            if HAS_METRIC:  # whitened coordinate a: sum_j x_j L^T[a, j]
+                x = tl.zeros([64], dtype=tl.float32)
+                for j in tl.static_range(DSUB):
+                    xj = tl.load(key_at + j).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+                    x += xj * tl.load(white_ptr + (m * DSUB + a) * DSUB + j)
+            else:
+                x = tl.load(key_at + a).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+            c = tl.load(codebook_ptr + (m * K + cents) * DSUB + a)
+            diff = x[:, None] - c[None, :]
+            dist += diff * diff
+        best = tl.argmin(dist, axis=1)
+        tl.store(codes_ptr + (page * 64 + rows) * M + m, best.to(tl.uint8))
