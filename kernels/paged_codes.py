@@ -7,7 +7,7 @@ page, ``[P + 1, 64, M]`` (the last page is scratch), with the signature each pag
 from: ``SIGNATURE_WORDS`` int64 words of the page at fixed offsets (:func:`signature_words`).
 
 * :func:`stale_pages`: for each request, its completed pages whose codes are missing or were made from
-  other bytes; the first ``e`` listed (scratch past them) and the count.
+  other bytes; ``e`` of them listed (scratch past them) and the count.
 * :func:`encode_pages`: codes of the listed pages read in place (the scratch page skipped), the subspace
   metric's whitening precomputed once (:func:`dsaindex.pq.whitening`), so nothing here synchronizes
   with the host or factorizes a matrix: both run inside a captured CUDA graph.
@@ -46,7 +46,8 @@ def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torc
                           valid: torch.Tensor, e: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pick [B, e] int64: the first ``e`` stale completed pages of each request in table order, the scratch
     page ``P`` past them; count [B] int32: stale pages in all). A page is stale when it has no codes
-    (``valid`` 0) or its signature words differ from ``signature``. The spec of :func:`stale_pages`."""
+    (``valid`` 0) or its signature words differ from ``signature``. The spec of :func:`stale_pages`, which
+    lists the same pages when a request has at most ``e`` stale, else ``e`` of them in no set order."""
     b, w = table.shape
     n_pages = rows.shape[0]
     phys = table.long().clamp(0, max(0, n_pages - 1))
@@ -62,8 +63,9 @@ def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torc
 
 
 def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
-                valid: torch.Tensor, e: int, head_dim: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`stale_pages_reference` in one Triton launch, one program per request. ``rows`` [P, 64 * (D + 4)]
+                valid: torch.Tensor, e: int, head_dim: int, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stale_pages_reference` in one Triton launch (and two fills), one program per request and
+    ``block`` table columns. ``rows`` [P, 64 * (D + 4)]
     uint8 (pages 8-byte aligned), ``table`` [B, W] int32, ``lengths`` [B] int32, ``signature`` [P + 1, 4]
     int64, ``valid`` [P + 1] uint8; one device. Raises ``ValueError`` on bad input."""
     import triton
@@ -79,13 +81,13 @@ def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, 
     checks.dtype("valid", valid, torch.uint8)
     checks.same_device(rows=rows, table=table, lengths=lengths, signature=signature, valid=valid)
     words = page_words(rows)
-    pick = torch.empty(b, e, dtype=torch.long, device=rows.device)
-    count = torch.empty(b, dtype=torch.int32, device=rows.device)
-    if b:
+    pick = torch.full((b, e), rows.shape[0], dtype=torch.long, device=rows.device)
+    count = torch.zeros(b, dtype=torch.int32, device=rows.device)
+    if b and table.shape[1]:
         w = signature_words(head_dim)
-        stale_pages_kernel[(b,)](words, words.stride(0), table.contiguous(), table.shape[1], lengths.contiguous(),
-                                 signature, valid, pick, count, rows.shape[0], rows.shape[0], *w,
-                                 E=e, E_PAD=max(2, triton.next_power_of_2(e)), BLOCK=block)
+        stale_pages_kernel[(b, triton.cdiv(table.shape[1], block))](
+            words, words.stride(0), table.contiguous(), table.shape[1], lengths.contiguous(), signature, valid,
+            pick, count, rows.shape[0], *w, E=e, BLOCK=block)
     return pick, count
 
 

@@ -1,7 +1,8 @@
 """Triton kernels of the PQ codes kept beside an engine's paged index-K cache (jit code only).
 
-``stale_pages_kernel``: one program per request walks its completed pages, compares each page's
-signature words with those its codes were made from, and lists the first ``E`` stale pages.
+``stale_pages_kernel``: one program per (request, tile of its page table) compares each completed
+page's signature words with those its codes were made from, counts the stale ones and lists up to
+``E`` of them (slots reserved by one atomic per tile).
 ``encode_pages_kernel``: one program per (listed page, subspace) reads the page's 64 FP8 keys in place,
 whitens the subspace, and writes the nearest centroid of each key; the scratch page is skipped.
 """
@@ -19,36 +20,34 @@ def stale_pages_kernel(
     lengths_ptr,  # [B] int32 keys per request
     sig_ptr,  # [P + 1, 4] int64 signatures the codes were made from
     valid_ptr,  # [P + 1] uint8: 1 where a page holds codes
-    pick_ptr,  # [B, E] int64 out: the first E stale pages (scratch past them)
-    count_ptr,  # [B] int32 out: stale pages in all
+    pick_ptr,  # [B, E] int64, scratch on entry: E of the stale pages written here
+    count_ptr,  # [B] int32, zero on entry: stale pages in all
     n_pages,
-    scratch,
     w0, w1, w2, w3,  # word offsets of the signature within a page
     E: tl.constexpr,
-    E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # one program per (request, tile of BLOCK table columns); tiles reserve their slots by one atomic
     b = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * BLOCK
     full = tl.load(lengths_ptr + b) // 64
-    e_idx = tl.arange(0, E_PAD)
-    tl.store(pick_ptr + b * E + e_idx, tl.full([E_PAD], scratch, tl.int64), mask=e_idx < E)
-    found = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
-    for start in range(0, full, BLOCK):
+    if start < full:
         cols = start + tl.arange(0, BLOCK)
         live = (cols < full) & (cols < table_width)
         page = tl.load(table_ptr + b * table_width + cols, mask=live, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), n_pages - 1)
         ok = tl.load(valid_ptr + page, mask=live, other=0) != 0
         base = words_ptr + page * page_words
-        ok = ok & (tl.load(base + w0, mask=live, other=0) == tl.load(sig_ptr + page * 4, mask=live, other=1))
-        ok = ok & (tl.load(base + w1, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 1, mask=live, other=1))
-        ok = ok & (tl.load(base + w2, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 2, mask=live, other=1))
-        ok = ok & (tl.load(base + w3, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 3, mask=live, other=1))
+        ok = ok & (tl.load(base + w0, mask=live, other=0) == tl.load(sig_ptr + page * 4, mask=live, other=0))
+        ok = ok & (tl.load(base + w1, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 1, mask=live, other=0))
+        ok = ok & (tl.load(base + w2, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 2, mask=live, other=0))
+        ok = ok & (tl.load(base + w3, mask=live, other=0) == tl.load(sig_ptr + page * 4 + 3, mask=live, other=0))
         stale = (live & ~ok).to(tl.int32)
-        order = found + tl.cumsum(stale, axis=0) - stale
-        tl.store(pick_ptr + b * E + order, page, mask=(stale > 0) & (order < E))
-        found += tl.sum(stale, axis=0)
-    tl.store(count_ptr + b, found)
+        n_stale = tl.sum(stale, axis=0)
+        if n_stale > 0:
+            first = tl.atomic_add(count_ptr + b, n_stale)
+            order = first + tl.cumsum(stale, axis=0) - stale
+            tl.store(pick_ptr + b * E + order, page, mask=(stale > 0) & (order < E))
 
 
 @triton.jit

@@ -42,9 +42,11 @@ from dsaindex_vllm.plugin import ENV_ARTIFACTS
 logger = logging.getLogger("dsaindex_vllm")
 
 OP_NAME = "SparseAttnIndexer"  # the key CustomOp.__new__ looks up: the in-tree class's __name__
+OP_QUALNAME = "vllm::dsaindex_sparse_attn_indexer"  # the torch op the served layers run
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _lock = threading.Lock()
 _served: dict[tuple, Any] = {}
+_LAYERS: dict[str, Any] = {}  # layer name -> the plugin's op instance, for the registered torch op
 
 
 def settings() -> dict[str, Any]:
@@ -96,6 +98,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.selector: PagedCacheSelector | None = None
         self.candidates = max(s["candidates"] or 2 * topk_tokens, topk_tokens)
         self.prefilter = s["prefilter"]
+        self._engine_layer: bool | None = None
         if not s["uri"]:
             return
         model_config = get_current_vllm_config().model_config
@@ -110,16 +113,32 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).name == "pq":
             self.codec = loaded.layers[self.layer_id]
 
+        _LAYERS[self.k_cache.prefix] = self
+
     # vLLM's CustomOp dispatch: CUDA (and platforms vLLM does not know) call forward_cuda, the CPU build
-    # forward_cpu; forward_native (custom op disabled in the compilation config) calls one of them.
+    # forward_cpu; forward_native (custom op disabled in the compilation config) calls one of them. Layers
+    # the plugin serves go through one registered torch op (OP_QUALNAME): opaque to torch.compile, and one
+    # of the ops vLLM splits its piecewise graphs at, as vLLM's own indexer op is.
     def forward_cuda(self, hidden_states, q_quant, k, weights):
-        return self._forward(SparseAttnIndexer.forward_cuda, hidden_states, q_quant, k, weights)
+        if self._engine_only(q_quant):
+            return SparseAttnIndexer.forward_cuda(self, hidden_states, q_quant, k, weights)
+        return torch.ops.vllm.dsaindex_sparse_attn_indexer(hidden_states, self.k_cache.prefix, q_quant, k, weights,
+                                                           self.topk_indices_buffer)
 
     def forward_cpu(self, hidden_states, q_quant, k, weights):
-        return self._forward(SparseAttnIndexer.forward_cpu, hidden_states, q_quant, k, weights)
+        if self._engine_only(q_quant):
+            return SparseAttnIndexer.forward_cpu(self, hidden_states, q_quant, k, weights)
+        return torch.ops.vllm.dsaindex_sparse_attn_indexer(hidden_states, self.k_cache.prefix, q_quant, k, weights,
+                                                           self.topk_indices_buffer)
 
     def _engine_only(self, q_quant) -> bool:
-        if self.codec is None or isinstance(q_quant, tuple) or self.use_fp4_cache:
+        """Whether vLLM's own op serves this call (decided once per layer, plus the FP4 query form)."""
+        if self._engine_layer is None:
+            self._engine_layer = self._decide_engine_only()
+        return self._engine_layer or isinstance(q_quant, tuple)
+
+    def _decide_engine_only(self) -> bool:
+        if self.codec is None or self.use_fp4_cache:
             return True
         if self.dcp_world_size > 1 or self.use_pcp or self.candidate_blocks is not None:
             return True
@@ -131,8 +150,6 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             return False
 
     def _forward(self, engine, hidden_states, q_quant, k, weights):
-        if self._engine_only(q_quant):
-            return engine(self, hidden_states, q_quant, k, weights)
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict):  # profiling / dummy run
             return engine(self, hidden_states, q_quant, k, weights)
@@ -183,8 +200,37 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
                                       self.quant_block_size, self.scale_fmt)
 
 
+def _op_impl(hidden_states: torch.Tensor, layer_name: str, q_quant: torch.Tensor, k: torch.Tensor | None,
+             weights: torch.Tensor, topk_indices_buffer: torch.Tensor) -> torch.Tensor:
+    """``vllm::dsaindex_sparse_attn_indexer``: the layer's :meth:`DsaIndexSparseAttnIndexer._forward`, with
+    vLLM's own op (for the engine's part) of the tensors' device."""
+    layer = _LAYERS[layer_name]
+    engine = SparseAttnIndexer.forward_cpu if hidden_states.device.type == "cpu" else SparseAttnIndexer.forward_cuda
+    return layer._forward(engine, hidden_states, q_quant, k, weights)
+
+
+def _op_fake(hidden_states, layer_name, q_quant, k, weights, topk_indices_buffer):
+    return topk_indices_buffer
+
+
+def register_op() -> None:
+    """Register ``vllm::dsaindex_sparse_attn_indexer`` (vLLM's ``direct_register_custom_op``, as its own
+    indexer op) and make it one of the ops vLLM splits piecewise CUDA graphs at
+    (``CompilationConfig._attention_ops``, config/compilation.py): batches with prefill run it eagerly,
+    so prompts' pages are encoded there; full decode graphs capture it."""
+    from vllm.config.compilation import CompilationConfig
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    if not hasattr(torch.ops.vllm, "dsaindex_sparse_attn_indexer"):
+        direct_register_custom_op(op_name="dsaindex_sparse_attn_indexer", op_func=_op_impl,
+                                  mutates_args=["topk_indices_buffer"], fake_impl=_op_fake)
+    if OP_QUALNAME not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(OP_QUALNAME)
+
+
 def install() -> None:
-    """Register :class:`DsaIndexSparseAttnIndexer` for ``SparseAttnIndexer`` (idempotent)."""
+    """Register :class:`DsaIndexSparseAttnIndexer` for ``SparseAttnIndexer`` and its torch op (idempotent)."""
+    register_op()
     have = op_registry_oot.get(OP_NAME)
     if have is DsaIndexSparseAttnIndexer:
         return

@@ -154,7 +154,13 @@ def test_vllm_builds_the_plugin_class_for_its_indexer(plugin):
     assert type(op) is DsaIndexSparseAttnIndexer and isinstance(op, SparseAttnIndexer)
     assert op.codec is not None and op.layer_id == 1
     vllm.plugins.load_general_plugins()  # a second call in one process changes nothing
-    from dsaindex_vllm.op import install
+    from vllm.config.compilation import CompilationConfig
+
+    from dsaindex_vllm.op import OP_QUALNAME, install
+
+    # served layers run one registered torch op, split out of vLLM's piecewise graphs like vLLM's own
+    assert hasattr(torch.ops.vllm, "dsaindex_sparse_attn_indexer")
+    assert CompilationConfig._attention_ops.count(OP_QUALNAME) == 1
 
     install()
     assert op_registry_oot["SparseAttnIndexer"] is DsaIndexSparseAttnIndexer
@@ -202,6 +208,33 @@ def test_decode_selection_is_exact_when_every_key_is_a_candidate_and_keeps_most_
     assert 4096 <= stage1[1] < lens[1] // PAGE * PAGE
     assert op.selector.encoded_pages == sum(n // PAGE for n in lens)
     assert int(op.selector.stats.stale.sum()) == 0
+
+
+def test_torch_compile_traces_the_layer_to_one_opaque_op(plugin):
+    """vLLM compiles the model: the served layer must trace (fullgraph) to the registered op, whose fake
+    implementation stands in for it, and the compiled call must select as the eager one."""
+    op, cache, buffer = build_layer(vllm_config(CFG))
+    lens = [3000, 900]
+    block_table = torch.arange(2 * 47, dtype=torch.int32).view(2, 47)
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    for b, n in enumerate(lens):
+        write_keys(pages_flat, block_table[b].tolist(), synthetic_keys(n, seed=60 + b))
+    q = (synthetic_keys(2 * H, seed=61).view(2, H, D) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.rand(2, H) * (D**-0.5) * (H**-0.5)
+    hidden = torch.zeros(2, 16, dtype=torch.bfloat16)
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    with set_forward_context({cache.prefix: decode_metadata(block_table, lens)}, vllm_config(CFG)):
+        eager = op(hidden, q, None, weights)[:2].clone()
+        buffer.fill_(7)
+        compiled = torch.compile(lambda h, qq, w: op(h, qq, None, w), backend=backend, fullgraph=True)
+        out = compiled(hidden, q, weights)
+    assert [t for t in traced[0] if "dsaindex" in str(t)] == [torch.ops.vllm.dsaindex_sparse_attn_indexer]
+    assert torch.equal(out[:2], eager)
 
 
 def test_reused_pages_are_encoded_again(plugin):
