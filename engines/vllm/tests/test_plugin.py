@@ -154,9 +154,8 @@ def test_vllm_builds_the_plugin_class_for_its_indexer(plugin):
     assert type(op) is DsaIndexSparseAttnIndexer and isinstance(op, SparseAttnIndexer)
     assert op.codec is not None and op.layer_id == 1
     vllm.plugins.load_general_plugins()  # a second call in one process changes nothing
-    from vllm.config.compilation import CompilationConfig
-
     from dsaindex_vllm.op import OP_QUALNAME, install
+    from vllm.config.compilation import CompilationConfig
 
     # served layers run one registered torch op, split out of vLLM's piecewise graphs like vLLM's own
     assert hasattr(torch.ops.vllm, "dsaindex_sparse_attn_indexer")
