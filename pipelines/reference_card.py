@@ -14,34 +14,42 @@ def model_card(metrics: dict[str, Any]) -> str:
     """``MODEL_CARD.md`` text from a ``metrics.json`` dictionary."""
     m, d, t = metrics["model"], metrics["data"], metrics["training"]
     cfg = m["config"]
+    vocab = m.get("vocabulary") or {}
+    bpt = float(vocab.get("heldout_bytes_per_token") or 1.0)  # train losses are per token: per byte below
+    bpe = bool(vocab.get("tokenizer"))
+    trained_on = ("the long-range v2 corpus (code, novels, addresses, mail threads, a dictionary, synthetic "
+                  "long-range tasks) with a byte-level BPE tokenizer" if bpe else "byte-level Python source")
+    tokens_note = ([f"`tokenizer.json` (shipped beside the weights) is a byte-level BPE of {vocab['entries']} entries; "
+                    f"<|bos|> = {vocab['bos']}, <|eos|> = {vocab['eos']} (document separator), <|pad|> = {vocab['pad']}; "
+                    f"training windows start with <|bos|>; {bpt:.3f} bytes of held-out text per token."]
+                   if bpe else
+                   ["There is no tokenizer file: tokens are UTF-8 bytes 0..255, 256 = BOS, 257 = EOS (document separator);",
+                    "training windows start with BOS."])
     lines = [
         "# dsaindex reference DSA checkpoint",
         "",
-        "A small `DeepseekV32ForCausalLM` (transformers) trained from scratch on byte-level Python source",
+        f"A small `DeepseekV32ForCausalLM` (transformers) trained from scratch on {trained_on}",
         "with DeepSeek-V3.2's lightning-indexer recipe: dense pre-training, dense indexer warm-up (KL to the",
         "main attention, main model frozen), sparse training with top-k attention. The indexer has the",
         f"production V3.2 geometry: {cfg['index_n_heads']} heads x {cfg['index_head_dim']} dims, RoPE on the first "
         f"{cfg['qk_rope_head_dim']} dims (half-split), top-{cfg['index_topk']} keys at a {t['seq_len']}-token context.",
         "",
-        "Load offline on CPU: `AutoModelForCausalLM.from_pretrained(dir, local_files_only=True)`. There is no",
-        "tokenizer file: tokens are UTF-8 bytes 0..255, 256 = BOS, 257 = EOS (document separator); training",
-        "windows start with BOS.",
+        "Load offline on CPU: `AutoModelForCausalLM.from_pretrained(dir, local_files_only=True)`.",
+        *tokens_note,
         "",
         "## Model",
         "",
         f"- parameters: {m['parameters']:,} ({m['indexer_parameters']:,} in the indexers); "
-        f"`model.safetensors` {m['safetensors_bytes'] / 1e6:.1f} MB (bf16; indexer `weights_proj` fp32)",
+        f"`model*.safetensors` {m['safetensors_bytes'] / 1e6:.1f} MB (bf16; indexer `weights_proj` fp32)",
         f"- hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers (dense MLPs, intermediate "
         f"{cfg['intermediate_size']}), MLA with {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, "
         f"kv_lora_rank {cfg['kv_lora_rank']}, qk {cfg['qk_nope_head_dim']}+{cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}; "
-        f"vocab {cfg['vocab_size']}",
+        f"vocab {cfg['vocab_size']}; RoPE {cfg.get('rope_parameters') or 'base 1e4'}, positions up to "
+        f"{cfg.get('max_position_embeddings', 'n/a')}",
         "",
         "## Data and split",
         "",
-        f"- sources: {'; '.join(d['roots'])} (all `.py` files up to 400 kB; raw bytes, files joined with EOS)",
-        f"- {d['files_available']:,} files available; training read {d['train_files']:,} files "
-        f"({d['train_tokens'] / 1e6:.1f}M tokens), held-out {d['heldout_files']:,} files ({d['heldout_tokens'] / 1e6:.2f}M tokens)",
-        f"- split: {d['split']} (heldout_percent = {d['heldout_percent']})",
+        *(_corpus_lines(d, metrics.get("corpus")) if bpe else _source_lines(d)),
         "",
         "## Training",
         "",
@@ -59,7 +67,7 @@ def model_card(metrics: dict[str, Any]) -> str:
             att = f"top-{s['config']['topk']}"
         losses = []
         if s["final_lm_loss"] is not None:
-            losses.append(f"{s['final_lm_loss'] / 0.6931471805599453:.3f} bits/byte")
+            losses.append(f"{s['final_lm_loss'] / 0.6931471805599453 / bpt:.3f} bits/byte")
         if s["final_kl"] is not None:
             losses.append(f"KL {s['final_kl']:.4f}")
         lines.append(
@@ -99,6 +107,23 @@ def model_card(metrics: dict[str, Any]) -> str:
             per = ", ".join(f"{v:.3f}" for v in c["per_layer"]["coverage"])
             lines.append(f"| {ctx} | {c['coverage']:.4f} | {c['oracle']:.4f} | {c['window']:.4f} | {per} |")
         lines.append("")
+    gates = metrics.get("gates")
+    if gates:
+        lines += [
+            "## Long-context gates (dense attention, held-out text)",
+            "",
+            f"`{gates.get('command', 'dsaindex reference gates')}`: needle retrieval (teacher-forced exact value), "
+            "loss on the last tokens after the true vs a block-shuffled prefix (nats per token; positive gain: far "
+            "context used), bits per byte:",
+            "",
+            "| context | needle accuracy | loss, true prefix | loss, shuffled prefix | gain | bits per byte |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for ctx, g in gates["results"].items():
+            sp = g["shuffled_prefix"]
+            lines.append(f"| {ctx} | {g['needle_accuracy_dense']:.2f} | {sp['true']:.4f} | {sp['shuffled']:.4f} | "
+                         f"{sp['gain']:+.4f} | {g['bits_per_byte_dense']:.4f} |")
+        lines.append("")
     for extra in metrics.get("extra_evals", []):
         r = extra["result"]
         b = r["bits_per_byte"]
@@ -132,3 +157,30 @@ def model_card(metrics: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _source_lines(d: dict[str, Any]) -> list[str]:
+    """The data section of a checkpoint trained on Python sources as bytes (v1)."""
+    return [
+        f"- sources: {'; '.join(d['roots'])} (all `.py` files up to 400 kB; raw bytes, files joined with EOS)",
+        f"- {d['files_available']:,} files available; training read {d['train_files']:,} files "
+        f"({d['train_tokens'] / 1e6:.1f}M tokens), held-out {d['heldout_files']:,} files ({d['heldout_tokens'] / 1e6:.2f}M tokens)",
+        f"- split: {d['split']} (heldout_percent = {d['heldout_percent']})",
+    ]
+
+
+def _corpus_lines(d: dict[str, Any], corpus: dict[str, Any] | None) -> list[str]:
+    """The data section of a checkpoint trained on a ``dsaindex reference corpus`` folder (v2): its
+    sources table (``corpus.json``) with versions, licenses and sizes."""
+    lines = [
+        f"- corpus: `{d['corpus']}`, {d['train_documents']:,} training documents ({d['train_tokens'] / 1e6:.1f}M tokens), "
+        f"{d['heldout_documents']:,} held-out documents ({d['heldout_tokens'] / 1e6:.2f}M tokens); {d['tokenizer']}",
+        f"- split: {d['split']}",
+    ]
+    if corpus and corpus.get("sources"):
+        lines += ["", "| source | origin | license | documents | MB | held-out documents | held-out MB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in corpus["sources"]:
+            lines.append(f"| {r['name']} | {r['origin']} | {r['license']} | {r['documents']} | {r['bytes'] / 1e6:.1f} | "
+                         f"{r['heldout_documents']} | {r['heldout_bytes'] / 1e6:.1f} |")
+    return lines

@@ -70,6 +70,14 @@ def train_cmd(
         "spread over several runs; optimizer state starts afresh)."
     ),
     stages: str = typer.Option(_TRAIN.stages, help="Stages to run, in order (comma-separated)."),
+    corpus: Path = typer.Option(
+        _TRAIN.corpus, help="Train on a `dsaindex reference corpus` folder with its BPE tokenizer (the v2 data); "
+        "--max-train-mb / --max-heldout-mb then count millions of tokens."
+    ),
+    rope_theta: float = typer.Option(_TRAIN.rope_theta, help="RoPE base of a fresh model (long contexts need more)."),
+    max_position: int = typer.Option(
+        _TRAIN.max_position, help="Position limit of a fresh model (default: the geometry's, or --seq-len if longer)."
+    ),
 ) -> None:
     """Train the reference checkpoint with the DSA recipe and write it with its reports to OUT."""
     from dsaindex.pipelines.reference_eval import evaluate
@@ -82,10 +90,47 @@ def train_cmd(
         warmup_lr=warmup_lr, sparse_lr=sparse_lr, sparse_indexer_lr=sparse_indexer_lr, query_chunk=query_chunk,
         max_train_mb=max_train_mb, max_heldout_mb=max_heldout_mb, heldout_percent=heldout_percent,
         eval_windows=eval_windows, coverage_windows=coverage_windows, tiny=tiny, log_every=log_every, seed=seed,
-        device=device, init_from=init_from, stages=stages,
+        device=device, init_from=init_from, stages=stages, corpus=corpus, rope_theta=rope_theta,
+        max_position=max_position,
         command="python -m dsaindex.pipelines.reference_cli " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     train_reference(options, log=_echo, evaluator=evaluate if evaluate_after else None)
+
+
+@reference_app.command("gates")
+def gates_cmd(
+    model: Path = typer.Option(..., help="A checkpoint folder trained on a v2 corpus (it holds tokenizer.json)."),
+    corpus: Path = typer.Option(..., help="The `dsaindex reference corpus` folder it was trained on (held-out split)."),
+    contexts: str = typer.Option("4096,32768", help="Context lengths to measure, comma-separated."),
+    needles: int = typer.Option(20, help="Needle prompts per context."),
+    windows: int = typer.Option(4, help="Held-out windows per context for the shuffled-prefix and bits-per-byte "
+                                        "measures."),
+    topk: int = typer.Option(None, help="Also measure with top-k sparse attention by the model's indexer."),
+    device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """The long-context gates: needle retrieval, loss after the true vs a shuffled prefix, bits per byte."""
+    import torch
+
+    from dsaindex.console import resolve_device
+    from dsaindex.pipelines.reference_gates import evaluate_gates
+    from dsaindex.pipelines.reference_train import corpus_token_streams, load_checkpoint
+
+    dev = resolve_device(device)
+    streams, vocab = corpus_token_streams(corpus)
+    heldout = torch.from_numpy(streams.heldout).to(dev)
+    net = load_checkpoint(model, dev)
+    lengths = [int(x) for x in contexts.split(",") if x.strip()]
+    result = {str(n): evaluate_gates(net, heldout, vocab.tokenizer, n, vocab.bytes_per_token, bos=vocab.bos,
+                                     needles=needles, windows=windows, topk=topk) for n in lengths}
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    for n, g in result.items():
+        sp = g["shuffled_prefix"]
+        typer.echo(f"context {n}: needle accuracy {g['needle_accuracy_dense']:.2f} (dense), loss after the true prefix "
+                   f"{sp['true']:.4f} vs shuffled {sp['shuffled']:.4f} (gain {sp['gain']:+.4f} nats/token), "
+                   f"bits per byte {g['bits_per_byte_dense']:.4f}")
 
 
 @reference_app.command("eval")

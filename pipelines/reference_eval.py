@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dsaindex.pipelines.reference_train import (
+    BOS_ID,
     ROPE_LAYOUT,
     _chunk_index_scores,
     build_token_streams,
@@ -178,29 +179,33 @@ def evaluate(
     contexts: Sequence[int] | None = None,
     query_count: int = 256,
     batch: int = 2,
+    bos: int = BOS_ID,
+    bytes_per_token: float = 1.0,
 ) -> dict[str, Any]:
     """Held-out bits per byte dense vs sparse and attention-mass coverage at each of ``contexts``
     (default: :func:`coverage_contexts`; lengths above ``seq_len`` are left out).
 
-    heldout_stream : 1-D int tensor of held-out tokens on the model's device.
+    heldout_stream : 1-D int tensor of held-out tokens on the model's device; ``bos`` the id each window
+    starts with; ``bytes_per_token`` converts bits per token to bits per byte (1 for byte tokens).
     """
     contexts = coverage_contexts(seq_len) if contexts is None else contexts
-    input_ids, labels = heldout_windows(heldout_stream, seq_len, bpb_windows)
+    input_ids, labels = heldout_windows(heldout_stream, seq_len, bpb_windows, bos)
     if input_ids.shape[0] == 0:
         raise ValueError(
             f"held-out stream of {heldout_stream.numel()} tokens is shorter than one window of {seq_len}"
         )
-    dense = bits_per_byte(model, input_ids, labels, index_topk=seq_len, batch=batch)
-    sparse = bits_per_byte(model, input_ids, labels, index_topk=topk, batch=batch)
+    dense = bits_per_byte(model, input_ids, labels, index_topk=seq_len, batch=batch) / bytes_per_token
+    sparse = bits_per_byte(model, input_ids, labels, index_topk=topk, batch=batch) / bytes_per_token
     result: dict[str, Any] = {
         "seq_len": seq_len,
         "topk": topk,
         "windows": int(input_ids.shape[0]),
         "tokens": int(labels.numel()),
+        "bytes_per_token": bytes_per_token,
         "bits_per_byte": {"dense": dense, "sparse": sparse, "sparse_over_dense": sparse / dense},
         "coverage": {},
     }
-    cov_ids, _ = heldout_windows(heldout_stream, seq_len, coverage_windows)
+    cov_ids, _ = heldout_windows(heldout_stream, seq_len, coverage_windows, bos)
     for ctx in contexts:
         if ctx > seq_len:
             continue

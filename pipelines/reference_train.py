@@ -154,7 +154,104 @@ def build_token_streams(
     return TokenStreams(streams["train"], streams["heldout"], info)
 
 
-def sample_windows(stream, batch: int, seq_len: int, generator) -> tuple[Any, Any]:
+@dataclass
+class Vocabulary:
+    """The tokens of a run: ``size`` entries, the BOS / EOS / PAD ids, the tokenizer (None: raw bytes) and
+    the bytes of text per token on held-out text (bits per byte = bits per token / bytes_per_token)."""
+
+    size: int
+    bos: int
+    eos: int
+    pad: int
+    tokenizer: Path | None = None
+    bytes_per_token: float = 1.0
+
+
+BYTE_VOCABULARY = Vocabulary(size=260, bos=BOS_ID, eos=EOS_ID, pad=259)
+TOKEN_CACHE = "tokens.npz"
+
+
+def corpus_vocabulary(corpus: Path) -> Vocabulary:
+    """The vocabulary of a corpus built by ``dsaindex reference corpus`` (its ``tokenizer.json``, whose
+    special tokens are ``<|bos|>``, ``<|eos|>``, ``<|pad|>``)."""
+    from tokenizers import Tokenizer
+
+    from dsaindex.errors import DsaIndexError
+
+    path = corpus / "tokenizer.json"
+    if not path.is_file():
+        raise DsaIndexError(f"{corpus} has no tokenizer.json: it is not a corpus built by `dsaindex reference corpus`.",
+                            f"build one with `dsaindex reference corpus {corpus}`, or pass its folder.")
+    tok = Tokenizer.from_file(str(path))
+    ids = [tok.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|pad|>")]
+    if None in ids:
+        raise DsaIndexError(f"{path} lacks the special tokens <|bos|>, <|eos|>, <|pad|>.",
+                            "rebuild the corpus with `dsaindex reference corpus`.")
+    return Vocabulary(size=tok.get_vocab_size(), bos=ids[0], eos=ids[1], pad=ids[2], tokenizer=path)
+
+
+def corpus_token_streams(corpus: Path, max_train_tokens: int | None = None,
+                         max_heldout_tokens: int | None = None) -> tuple[TokenStreams, Vocabulary]:
+    """Token streams of a ``dsaindex reference corpus`` folder: its ``train.jsonl`` / ``heldout.jsonl``
+    documents in file order, each tokenized with the folder's ``tokenizer.json`` and followed by EOS.
+
+    The tokens are cached in ``tokens.npz`` beside them, keyed by the tokenizer's and the documents'
+    digests; a folder holding only ``tokenizer.json`` and a matching ``tokens.npz`` (a copy carried to a
+    machine without the text) is enough. Returns the streams (uint16) and the vocabulary, with
+    ``bytes_per_token`` measured on the held-out split."""
+    import numpy as np
+
+    from dsaindex.errors import DsaIndexError
+
+    vocab = corpus_vocabulary(corpus)
+    tok_digest = hashlib.sha256(vocab.tokenizer.read_bytes()).hexdigest()[:16]
+    texts = {split: corpus / f"{split}.jsonl" for split in ("train", "heldout")}
+    have_text = all(p.is_file() for p in texts.values())
+    text_digest = (hashlib.sha256(b"".join(str(p.stat().st_size).encode() for p in texts.values())).hexdigest()[:16]
+                   if have_text else None)
+    cache = corpus / TOKEN_CACHE
+    cached = None
+    if cache.is_file():
+        with np.load(cache) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta["tokenizer"] == tok_digest and (text_digest is None or meta["text"] == text_digest):
+                cached = {"train": z["train"], "heldout": z["heldout"], "meta": meta}
+    if cached is None:
+        if not have_text:
+            raise DsaIndexError(f"{corpus} has neither its documents (train.jsonl, heldout.jsonl) nor tokens "
+                                f"({TOKEN_CACHE}) of this tokenizer.", "pass the folder `dsaindex reference corpus` wrote.")
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(vocab.tokenizer))
+        arrays, counts = {}, {}
+        for split, path in texts.items():
+            docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+            parts = []
+            for start in range(0, len(docs), 256):
+                for enc in tok.encode_batch(docs[start : start + 256]):
+                    parts += [np.asarray(enc.ids, dtype=np.uint16), np.array([vocab.eos], dtype=np.uint16)]
+            arrays[split] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+            counts[split] = {"documents": len(docs), "bytes": sum(len(d.encode()) for d in docs)}
+        meta = {"tokenizer": tok_digest, "text": text_digest, "documents": counts}
+        tmp = cache.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, train=arrays["train"], heldout=arrays["heldout"],
+                            meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+        tmp.replace(cache)
+        cached = {**arrays, "meta": meta}
+    meta = cached["meta"]
+    held = meta["documents"]["heldout"]
+    vocab.bytes_per_token = held["bytes"] / max(1, cached["heldout"].size - held["documents"])
+    train = cached["train"] if max_train_tokens is None else cached["train"][:max_train_tokens]
+    heldout = cached["heldout"] if max_heldout_tokens is None else cached["heldout"][:max_heldout_tokens]
+    info = {"corpus": str(corpus), "tokenizer": f"byte-level BPE, {vocab.size} entries (sha256 {tok_digest})",
+            "train_documents": meta["documents"]["train"]["documents"],
+            "heldout_documents": held["documents"], "train_tokens": int(train.size),
+            "heldout_tokens": int(heldout.size), "heldout_bytes_per_token": round(vocab.bytes_per_token, 4),
+            "split": "whole documents, as the corpus builder held them out"}
+    return TokenStreams(train.astype(np.int32), heldout.astype(np.int32), info), vocab
+
+
+def sample_windows(stream, batch: int, seq_len: int, generator, bos: int = BOS_ID) -> tuple[Any, Any]:
     """Random training windows.
 
     Parameters
@@ -164,7 +261,7 @@ def sample_windows(stream, batch: int, seq_len: int, generator) -> tuple[Any, An
 
     Returns
     -------
-    input_ids [batch, seq_len] int64 (BOS, then ``seq_len - 1`` stream tokens) and labels
+    input_ids [batch, seq_len] int64 (``bos``, then ``seq_len - 1`` stream tokens) and labels
     [batch, seq_len] int64 (the next token at every position).
     """
     import torch
@@ -172,11 +269,11 @@ def sample_windows(stream, batch: int, seq_len: int, generator) -> tuple[Any, An
     starts = torch.randint(0, stream.numel() - seq_len, (batch,), device=stream.device, generator=generator)
     idx = starts[:, None] + torch.arange(seq_len, device=stream.device)[None, :]
     chunk = stream[idx].long()  # [B, S]
-    bos = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=stream.device)
-    return torch.cat([bos, chunk[:, :-1]], dim=1), chunk
+    first = torch.full((batch, 1), bos, dtype=torch.long, device=stream.device)
+    return torch.cat([first, chunk[:, :-1]], dim=1), chunk
 
 
-def heldout_windows(stream, seq_len: int, max_windows: int) -> tuple[Any, Any]:
+def heldout_windows(stream, seq_len: int, max_windows: int, bos: int = BOS_ID) -> tuple[Any, Any]:
     """Consecutive non-overlapping held-out windows, same layout as :func:`sample_windows`.
 
     Returns input_ids [N, seq_len] and labels [N, seq_len] (int64, on the stream's device).
@@ -185,8 +282,8 @@ def heldout_windows(stream, seq_len: int, max_windows: int) -> tuple[Any, Any]:
 
     n = min(max_windows, stream.numel() // seq_len)
     chunk = stream[: n * seq_len].view(n, seq_len).long()
-    bos = torch.full((n, 1), BOS_ID, dtype=torch.long, device=stream.device)
-    return torch.cat([bos, chunk[:, :-1]], dim=1), chunk
+    first = torch.full((n, 1), bos, dtype=torch.long, device=stream.device)
+    return torch.cat([first, chunk[:, :-1]], dim=1), chunk
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -528,6 +625,7 @@ def run_stage(
     autocast: bool = False,
     log: Callable[[str], None] | None = None,
     log_every: int = 25,
+    bos: int = BOS_ID,
 ) -> StageResult:
     """Train one stage until ``max_steps`` or ``seconds``; appends ``{step, stage, lm, kl, time}`` rows to
     ``history`` (losses synchronized every ``log_every`` steps, to keep the GPU busy in between)."""
@@ -565,7 +663,7 @@ def run_stage(
         factor = lr_factor(cfg, step, elapsed)
         for g in optimizer.param_groups:
             g["lr"] = g["base_lr"] * factor
-        input_ids, labels = sample_windows(stream, cfg.batch, cfg.seq_len, generator)
+        input_ids, labels = sample_windows(stream, cfg.batch, cfg.seq_len, generator, bos)
         res = train_step(model, optimizer, input_ids, labels, cfg, autocast)
         pending.append((step, res, elapsed))
         step += 1
@@ -587,8 +685,8 @@ def run_stage(
 
 
 def save_checkpoint(model, out_dir: Path, index_topk: int) -> dict:
-    """``config.json`` + ``model.safetensors`` (bf16; indexer ``weights_proj`` kept fp32 as the class
-    loads it), with ``index_topk`` in the config. Returns ``{"params", "safetensors_bytes"}``."""
+    """``config.json`` + ``model.safetensors`` (bf16, in shards of 15 MB at most; indexer ``weights_proj``
+    kept fp32 as the class loads it), with ``index_topk`` in the config. Returns ``{"params", "safetensors_bytes"}``."""
     import copy
 
     import torch
@@ -600,9 +698,10 @@ def save_checkpoint(model, out_dir: Path, index_topk: int) -> dict:
         layer.self_attn.indexer.weights_proj.float()
     set_index_topk(clone, index_topk)
     clone.config.use_cache = True
-    clone.save_pretrained(str(out_dir), safe_serialization=True)
-    st = out_dir / "model.safetensors"
-    return {"params": sum(p.numel() for p in model.parameters()), "safetensors_bytes": st.stat().st_size}
+    # shards of at most 15 MB: small enough to travel back from a GPU machine one file at a time
+    clone.save_pretrained(str(out_dir), safe_serialization=True, max_shard_size="15MB")
+    size = sum(p.stat().st_size for p in out_dir.glob("model*.safetensors"))
+    return {"params": sum(p.numel() for p in model.parameters()), "safetensors_bytes": size}
 
 
 def plot_loss_curve(history: list[dict], path: Path) -> None:
@@ -649,6 +748,10 @@ class ReferenceTrainOptions:
     the first limit reached ends a stage. ``stages`` lists the stages to run, comma-separated; with
     ``init_from`` the run continues the checkpoint saved there and keeps the lineage of its runs.
     ``command`` is recorded in ``metrics.json`` and the model card as the way to reproduce the run.
+    ``corpus`` trains on a ``dsaindex reference corpus`` folder with its BPE tokenizer (the v2 data;
+    ``max_train_mb`` / ``max_heldout_mb`` then count millions of tokens) instead of Python sources as bytes;
+    ``rope_theta`` and ``max_position`` set a fresh model's RoPE base and position limit (a continued
+    checkpoint keeps its own).
     """
 
     out: Path = Path("reference_model")
@@ -681,6 +784,9 @@ class ReferenceTrainOptions:
     init_from: Path | None = None
     stages: str = "dense,warmup,sparse"
     command: str = ""
+    corpus: Path | None = None
+    rope_theta: float = 10000.0
+    max_position: int | None = None
 
 
 STAGES = ("dense", "warmup", "sparse")
@@ -761,9 +867,14 @@ def train_reference(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     t0 = time.perf_counter()
-    streams = build_token_streams(
-        int(options.max_train_mb * 1e6), int(options.max_heldout_mb * 1e6), heldout_percent=options.heldout_percent
-    )
+    if options.corpus is not None:
+        streams, vocab = corpus_token_streams(options.corpus, int(options.max_train_mb * 1e6),
+                                              int(options.max_heldout_mb * 1e6))
+    else:
+        streams = build_token_streams(
+            int(options.max_train_mb * 1e6), int(options.max_heldout_mb * 1e6), heldout_percent=options.heldout_percent
+        )
+        vocab = BYTE_VOCABULARY
     log(f"data: {json.dumps(streams.info)} ({time.perf_counter() - t0:.1f}s)")
     train_stream = torch.from_numpy(streams.train).to(dev)
     heldout_stream = torch.from_numpy(streams.heldout).to(dev)
@@ -775,10 +886,17 @@ def train_reference(
         set_index_topk(model, topk)
         log(f"continuing from {options.init_from}")
     else:
+        limit = options.max_position or max(base["max_position_embeddings"], seq_len)
         config = reference_config(
-            base, index_topk=topk, max_position_embeddings=max(base["max_position_embeddings"], seq_len)
+            base, index_topk=topk, max_position_embeddings=limit, rope_theta=options.rope_theta,
+            vocab_size=vocab.size, bos_token_id=vocab.bos, eos_token_id=vocab.eos, pad_token_id=vocab.pad,
         )
         model = build_model(config, seed=options.seed, device=dev)
+    if model.config.vocab_size != vocab.size:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"The checkpoint has {model.config.vocab_size} token entries; this run's data has "
+                            f"{vocab.size}.", "continue a checkpoint on the data (and tokenizer) it was trained on.")
     prior_stages, prior_runs = earlier_lineage(options.init_from)
     n_params = sum(p.numel() for p in model.parameters())
     n_index = sum(p.numel() for p in indexer_parameters(model))
@@ -791,7 +909,7 @@ def train_reference(
     offset = 0
     for cfg in [c for c in stage_configs(options) if c.name in run_stages]:
         res = run_stage(model, train_stream, cfg, generator, history, offset, autocast=cuda, log=log,
-                        log_every=options.log_every)
+                        log_every=options.log_every, bos=vocab.bos)
         offset += res.steps
         results.append(res)
         log(
@@ -802,6 +920,12 @@ def train_reference(
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     saved = save_checkpoint(model, out, index_topk=topk)
+    if vocab.tokenizer is not None:  # shipped beside the weights, with the corpus's sources table
+        import shutil
+
+        shutil.copyfile(vocab.tokenizer, out / "tokenizer.json")
+        if (vocab.tokenizer.parent / "corpus.json").is_file():
+            shutil.copyfile(vocab.tokenizer.parent / "corpus.json", out / "corpus.json")
     plot_loss_curve(history, out / "loss_curve.png")
     metrics: dict[str, Any] = {
         "model": {
@@ -809,7 +933,13 @@ def train_reference(
             "parameters": n_params,
             "indexer_parameters": n_index,
             "safetensors_bytes": saved["safetensors_bytes"],
-            "config": {k: v for k, v in base.items() if k != "rope_theta"} | {"index_topk": topk},
+            "config": {k: v for k, v in base.items() if k != "rope_theta"} | {
+                "index_topk": topk, "vocab_size": int(model.config.vocab_size),
+                "max_position_embeddings": int(model.config.max_position_embeddings),
+                "rope_parameters": dict(getattr(model.config, "rope_parameters", None) or {})},
+            "vocabulary": {"entries": vocab.size, "bos": vocab.bos, "eos": vocab.eos, "pad": vocab.pad,
+                           "tokenizer": None if vocab.tokenizer is None else "tokenizer.json",
+                           "heldout_bytes_per_token": vocab.bytes_per_token},
         },
         "data": streams.info,
         "training": {
@@ -822,6 +952,7 @@ def train_reference(
             "history": [r for j, r in enumerate(history) if j % 10 == 0 or j == len(history) - 1],
         },
         "machine": machine_description(dev),
+        "corpus": (json.loads((out / "corpus.json").read_text()) if (out / "corpus.json").is_file() else None),
         "command": options.command,
         "earlier_runs": prior_runs,
     }
@@ -837,6 +968,8 @@ def train_reference(
             topk=topk,
             bpb_windows=options.eval_windows,
             coverage_windows=options.coverage_windows,
+            bos=vocab.bos,
+            bytes_per_token=vocab.bytes_per_token,
         )
         metrics["eval"]["seconds"] = time.perf_counter() - t1
         log("eval: " + json.dumps({k: v for k, v in metrics["eval"].items() if k != "coverage"}))

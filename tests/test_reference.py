@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -355,3 +356,112 @@ def test_committed_checkpoint_coverage_target_at_4k():
 
 def model_topk() -> int:
     return json.loads((REFERENCE_DIR / "config.json").read_text())["index_topk"]
+
+
+def _tiny_corpus(folder):
+    """A corpus folder as `dsaindex reference corpus` writes it: documents, a BPE tokenizer (384 entries)."""
+    from dsaindex.pipelines.reference_corpus import train_tokenizer
+
+    folder.mkdir()
+    files = [p for k, p in rt.list_python_files() if k.startswith("stdlib/")][:60]
+    docs = [{"source": "code", "title": p.name, "text": p.read_text(errors="replace")} for p in files]
+    for name, part in (("train", docs[:50]), ("heldout", docs[50:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in part))
+    train_tokenizer(lambda: (d["text"] for d in docs[:50]), 384, folder / "tokenizer.json")
+    (folder / "corpus.json").write_text(json.dumps({"sources": []}))
+    return folder
+
+
+def test_v2_data_is_the_corpus_tokenized_and_cached(tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    corpus = _tiny_corpus(tmp_path / "corpus")
+    streams, vocab = rt.corpus_token_streams(corpus)
+    tok = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    assert (vocab.size, vocab.bos, vocab.eos) == (tok.get_vocab_size(), tok.token_to_id("<|bos|>"),
+                                                  tok.token_to_id("<|eos|>"))
+    first = json.loads((corpus / "train.jsonl").read_text().splitlines()[0])["text"]
+    ids = tok.encode(first).ids
+    assert streams.train[: len(ids)].tolist() == ids and int(streams.train[len(ids)]) == vocab.eos
+    assert (streams.heldout == vocab.eos).sum() == 10  # one EOS after each held-out document
+    assert 1.5 < vocab.bytes_per_token < 6  # a BPE packs several bytes per token
+    # a folder carried without its text: the tokens cache alone
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("tokenizer.json", rt.TOKEN_CACHE):
+        shutil.copy(corpus / name, bare / name)
+    again, vocab2 = rt.corpus_token_streams(bare)
+    assert np.array_equal(again.train, streams.train) and vocab2.bytes_per_token == vocab.bytes_per_token
+    (bare / rt.TOKEN_CACHE).unlink()
+    with pytest.raises(Exception, match="neither its documents"):
+        rt.corpus_token_streams(bare)
+
+
+def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
+    from typer.testing import CliRunner
+
+    from dsaindex.pipelines.reference_cli import reference_app
+
+    corpus = _tiny_corpus(tmp_path / "corpus")
+    out = tmp_path / "v2"
+    args = ("train --tiny --device cpu --seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 "
+            "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --eval-windows 1 --coverage-windows 1 "
+            "--query-chunk 32 --rope-theta 500000 --max-position 2048").split()
+    result = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 384 and config["max_position_embeddings"] == 2048
+    assert config["rope_parameters"]["rope_theta"] == 500000
+    assert (out / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
+    metrics = json.loads((out / "metrics.json").read_text())
+    vocab = metrics["model"]["vocabulary"]
+    assert vocab["entries"] == 384 and vocab["tokenizer"] == "tokenizer.json"
+    bpt = metrics["eval"]["bytes_per_token"]
+    assert bpt == vocab["heldout_bytes_per_token"] > 1.5
+    # bits per byte are bits per token over bytes per token: a fresh model is near log2(384) per token
+    assert 0.5 * 8.58 / bpt < metrics["eval"]["bits_per_byte"]["dense"] < 1.2 * 8.58 / bpt
+    gates = CliRunner().invoke(reference_app, ["gates", "--model", str(out), "--corpus", str(corpus), "--contexts",
+                                               "512", "--needles", "2", "--windows", "1", "--device", "cpu", "--json"])
+    assert gates.exit_code == 0, gates.output
+    g = json.loads(gates.stdout)["512"]
+    assert 0 <= g["needle_accuracy_dense"] <= 1 and g["shuffled_prefix"]["tail"] == 128 and g["bits_per_byte_dense"] > 0
+    # the byte-level run cannot be continued on this data
+    bad = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--init-from", str(REFERENCE_DIR),
+                                             "--stages", "dense", "--no-eval", "--out", str(tmp_path / "no")])
+    assert bad.exit_code != 0 and "260 token entries" in str(bad.exception)
+
+
+def test_gates_forward_needles_and_shuffled_prefix(tmp_path):
+    """The gates' forward is the transformers forward (dense and top-k sparse); needle prompts hold every
+    statement and end with the asked value; the shuffled-prefix measure compares the same tail."""
+    from tokenizers import Tokenizer
+
+    from dsaindex.pipelines import reference_gates as rg
+
+    corpus = _tiny_corpus(tmp_path / "corpus")
+    streams, vocab = rt.corpus_token_streams(corpus)
+    config = reference_config(TINY_REFERENCE_CONFIG, vocab_size=vocab.size, bos_token_id=vocab.bos,
+                              eos_token_id=vocab.eos, pad_token_id=vocab.pad, index_topk=8)
+    model = rt.build_model(config, seed=3).eval()
+    held = torch.from_numpy(streams.heldout)
+    ids = held[:150][None].long()
+    for topk in (4096, 8):
+        rt.set_index_topk(model, topk)
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits.float()
+        got = rg.model_logits(model, ids, None if topk == 4096 else topk)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    tok = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    prompts = rg.needle_prompts(corpus / "tokenizer.json", held, 400, 3, keys=3, bos=vocab.bos)
+    for prompt, first, n in prompts:
+        assert prompt.shape == (400,) and int(prompt[0]) == vocab.bos and first + n == 400
+        text = tok.decode(prompt.tolist())
+        asked = text.rsplit("passkey for ", 1)[1].split(" is")[0]
+        value = tok.decode(prompt[first:].tolist()).strip()
+        assert text.count("The passkey for") == 3 and f"The passkey for {asked} is {value}." in text
+    assert 0.0 <= rg.needle_accuracy(model, prompts) <= 1.0
+    gain = rg.shuffled_prefix_gain(model, held, 256, 2, bos=vocab.bos)
+    assert gain["tail"] == 64 and math.isfinite(gain["gain"]) and gain["true"] > 0
+    assert gain["gain"] == pytest.approx(gain["shuffled"] - gain["true"])

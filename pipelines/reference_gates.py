@@ -1,0 +1,161 @@
+"""Gates of the long-context reference checkpoint (v2): does its attention reach far back?
+
+Measured at the checkpoint's long context on held-out data, through the training forward of
+:mod:`dsaindex.pipelines.reference_train` (fused attention kernels, so 32K tokens fit; dense attention,
+or top-k sparse attention selected by the model's own indexer):
+
+* **needle retrieval**: prompts of ``seq_len`` tokens of held-out text with ``keys`` passkey statements
+  at random depths, in the corpus's needle format (``The passkey for NAME is VALUE. Remember it.``),
+  ending with the question and ``Answer: the passkey for NAME is``; a prompt counts as retrieved when
+  every token of the value is the model's argmax (teacher forced). The asked statement lies at least
+  ``seq_len / (keys + 1)`` tokens back.
+* **true vs shuffled prefix**: the loss on the last ``tail`` tokens of held-out windows, once after their
+  own prefix and once after the same prefix with its 256-token blocks shuffled. A model that uses far
+  context does better with the true prefix.
+* **bits per byte** at the long context, dense and (with ``topk``) sparse.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from dsaindex.pipelines.reference_train import heldout_windows, indexer_kl_layer, mla_qkv
+
+
+def model_logits(model, input_ids, topk: int | None = None, positions: Any = None, query_chunk: int = 256):
+    """Logits [B, len(positions), V] float32 of ``model`` (a ``DeepseekV32ForCausalLM``) at ``positions``
+    (default: every position), with dense causal attention, or with ``topk`` the top-k keys of each
+    layer's indexer (its causal prefix; as sparse training attends)."""
+    import torch
+    import torch.nn.functional as F
+
+    core = model.model
+    b, s = input_ids.shape
+    with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16,
+                                         enabled=input_ids.device.type == "cuda"):
+        h = core.embed_tokens(input_ids)
+        position_ids = torch.arange(s, device=input_ids.device)[None, :].expand(b, -1)
+        cos, sin = core.rotary_emb(h, position_ids)
+        for layer in core.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
+            if topk is None or topk >= s:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+            else:
+                _, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if positions is not None:
+            h = h[:, positions]
+        return model.lm_head(core.norm(h)).float()
+
+
+def needle_prompts(tokenizer_path: Path, filler: Any, seq_len: int, count: int, keys: int = 4, bos: int = 0,
+                   seed: int = 0) -> list[tuple[Any, int, int]]:
+    """``count`` needle prompts of ``seq_len`` tokens: (input ids [seq_len] int64, first answer position,
+    answer tokens). ``filler`` is a 1-D int tensor of held-out tokens (each prompt takes its own slice)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    rng = random.Random(seed)
+    alphabet = "abcdefghjkmnpqrstuvwxyz23456789"
+    prompts = []
+    for i in range(count):
+        values = {"".join(rng.choice(alphabet) for _ in range(5)): str(rng.randrange(10**5, 10**6)) for _ in range(keys)}
+        asked = rng.choice(list(values))
+        statements = [tok.encode(f"\nThe passkey for {n} is {v}. Remember it.\n").ids for n, v in values.items()]
+        question = tok.encode(f"\nQuestion: what is the passkey for {asked}?\nAnswer: the passkey for {asked} is").ids
+        answer = tok.encode(f" {values[asked]}.").ids[:-1] or tok.encode(f" {values[asked]}").ids
+        room = seq_len - 1 - sum(map(len, statements)) - len(question) - len(answer)
+        if room < 4 * (keys + 1):
+            raise ValueError(f"a context of {seq_len} tokens cannot hold {keys} needle statements, the question and "
+                             "filler between them; measure needles at a longer context.")
+        start = (i * 7919 * seq_len) % max(1, filler.numel() - room)
+        text = filler[start : start + room].tolist()
+        # statements at depths spread over the prompt: the i-th in the i-th of keys + 1 equal parts
+        cuts = sorted(rng.randrange(j * room // (keys + 1), (j + 1) * room // (keys + 1)) for j in range(keys))
+        ids, last = [bos], 0
+        for cut, statement in zip(cuts, statements, strict=True):
+            ids += text[last:cut] + statement
+            last = cut
+        ids += text[last:] + question
+        first = len(ids)
+        ids += answer
+        prompts.append((torch.tensor(ids, dtype=torch.long), first, len(answer)))
+    return prompts
+
+
+def needle_accuracy(model, prompts: list[tuple[Any, int, int]], topk: int | None = None) -> float:
+    """Share of ``prompts`` whose every answer token is the model's argmax (teacher forced)."""
+    import torch
+
+    device = next(model.parameters()).device
+    hits = 0
+    for ids, first, n in prompts:
+        positions = torch.arange(first - 1, first - 1 + n, device=device)
+        logits = model_logits(model, ids[None].to(device), topk, positions)
+        hits += int(torch.equal(logits[0].argmax(-1).cpu(), ids[first : first + n]))
+    return hits / max(1, len(prompts))
+
+
+def shuffled_prefix_gain(model, stream: Any, seq_len: int, windows: int, tail: int = 1024, block: int = 256,
+                         bos: int = 0, seed: int = 0) -> dict[str, float]:
+    """Mean loss (nats per token) on the last ``tail`` tokens of held-out windows after their true prefix
+    and after it shuffled in ``block``-token blocks; ``gain`` = shuffled - true (positive: far context used)."""
+    import torch
+    import torch.nn.functional as F
+
+    tail = min(tail, seq_len // 4)
+    ids, labels = heldout_windows(stream, seq_len, windows, bos)
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    positions = torch.arange(seq_len - tail, seq_len, device=device)
+    losses = {"true": 0.0, "shuffled": 0.0}
+    for w in range(ids.shape[0]):
+        row, lab = ids[w].to(device), labels[w, seq_len - tail :].to(device)
+        n_blocks = (seq_len - tail - 1) // block
+        order = torch.randperm(n_blocks, generator=g)
+        body = row[1 : 1 + n_blocks * block].view(n_blocks, block)[order.to(device)].reshape(-1)
+        shuffled = torch.cat([row[:1], body, row[1 + n_blocks * block :]])
+        for name, x in (("true", row), ("shuffled", shuffled)):
+            logits = model_logits(model, x[None], positions=positions)[0]
+            losses[name] += float(F.cross_entropy(logits, lab)) / ids.shape[0]
+    return {**losses, "gain": losses["shuffled"] - losses["true"], "windows": int(ids.shape[0]), "tail": tail}
+
+
+def long_bits_per_byte(model, stream: Any, seq_len: int, windows: int, bytes_per_token: float, topk: int | None = None,
+                       bos: int = 0) -> float:
+    """Held-out bits per byte over every position of ``windows`` windows of ``seq_len`` tokens."""
+    import torch.nn.functional as F
+
+    ids, labels = heldout_windows(stream, seq_len, windows, bos)
+    device = next(model.parameters()).device
+    total = 0.0
+    for w in range(ids.shape[0]):
+        logits = model_logits(model, ids[w : w + 1].to(device), topk)[0]
+        total += float(F.cross_entropy(logits, labels[w].to(device)))
+    return total / max(1, ids.shape[0]) / math.log(2) / bytes_per_token
+
+
+def evaluate_gates(model, heldout: Any, tokenizer_path: Path, seq_len: int, bytes_per_token: float, bos: int = 0,
+                   needles: int = 20, windows: int = 4, topk: int | None = None) -> dict[str, Any]:
+    """The gates measurable from the forward alone (dense, and sparse with ``topk``), as a dict."""
+    prompts = needle_prompts(tokenizer_path, heldout, seq_len, needles, bos=bos)
+    result: dict[str, Any] = {
+        "seq_len": seq_len,
+        "needle_accuracy_dense": needle_accuracy(model, prompts),
+        "shuffled_prefix": shuffled_prefix_gain(model, heldout, seq_len, windows, bos=bos),
+        "bits_per_byte_dense": long_bits_per_byte(model, heldout, seq_len, windows, bytes_per_token, bos=bos),
+    }
+    if topk is not None:
+        result["topk"] = topk
+        result["needle_accuracy_sparse"] = needle_accuracy(model, prompts, topk)
+        result["bits_per_byte_sparse"] = long_bits_per_byte(model, heldout, seq_len, windows, bytes_per_token, topk,
+                                                            bos=bos)
+    return result
