@@ -78,6 +78,12 @@ def train_cmd(
     max_position: int = typer.Option(
         _TRAIN.max_position, help="Position limit of a fresh model (default: the geometry's, or --seq-len if longer)."
     ),
+    kl_queries: int = typer.Option(
+        _TRAIN.kl_queries, help="Indexer KL on this many sampled queries per window (long contexts; default: all)."
+    ),
+    attn_chunk: int = typer.Option(
+        _TRAIN.attn_chunk, help="Sparse training's main attention over query chunks of this many rows (long contexts)."
+    ),
 ) -> None:
     """Train the reference checkpoint with the DSA recipe and write it with its reports to OUT."""
     from dsaindex.pipelines.reference_eval import evaluate
@@ -91,7 +97,7 @@ def train_cmd(
         max_train_mb=max_train_mb, max_heldout_mb=max_heldout_mb, heldout_percent=heldout_percent,
         eval_windows=eval_windows, coverage_windows=coverage_windows, tiny=tiny, log_every=log_every, seed=seed,
         device=device, init_from=init_from, stages=stages, corpus=corpus, rope_theta=rope_theta,
-        max_position=max_position,
+        max_position=max_position, kl_queries=kl_queries, attn_chunk=attn_chunk,
         command="python -m dsaindex.pipelines.reference_cli " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     train_reference(options, log=_echo, evaluator=evaluate if evaluate_after else None)

@@ -454,6 +454,90 @@ def indexer_kl_layer(
     return kl_sum / (b * s), allowed_full
 
 
+def topk_allowed(indexer, x, q_resid, cos, sin, topk: int, query_chunk: int = 256):
+    """[B, S, S] bool: the keys each query may attend with top-``topk`` sparse attention (the indexer's
+    top-k of its causal prefix), computed without gradients, chunk by chunk (long contexts)."""
+    import torch
+
+    from dsaindex.indexer import mla_indexer_tensors
+
+    b, s, _ = x.shape
+    with torch.no_grad():
+        keys, queries, weights = mla_indexer_tensors(indexer, ROPE_LAYOUT, x, q_resid, cos, sin)
+        allowed = torch.zeros(b, s, s, dtype=torch.bool, device=x.device)
+        positions = torch.arange(s, device=x.device)
+        for s0 in range(0, s, query_chunk):
+            s1 = min(s, s0 + query_chunk)
+            scores = _chunk_index_scores(queries[:, s0:s1], keys[:, :s1], weights[:, s0:s1])
+            causal = positions[:s1][None, :] <= positions[s0:s1][:, None]
+            idx = scores.masked_fill(~causal, -math.inf).topk(min(topk, s1), dim=-1).indices
+            chunk = torch.zeros(b, s1 - s0, s1, dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
+            allowed[:, s0:s1, :s1] = chunk & causal
+    return allowed
+
+
+def indexer_kl_sampled(indexer, x, q_resid, cos, sin, q, k, scaling: float, rows, allowed=None):
+    """KL of one layer's indexer against its main attention at the query positions ``rows`` [n] only
+    (sorted, int64): what makes the indexer losses of a 32K window fit. ``allowed`` [B, S, S] (sparse
+    training) restricts both distributions to each query's selected keys; None: the causal prefix.
+    Returns the mean KL over the sampled queries (a scalar with gradients into the indexer only)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dsaindex.indexer import mla_indexer_tensors
+
+    b = x.shape[0]
+    t = int(rows[-1]) + 1  # keys past the last sampled query are never visible
+    keys, queries, weights = mla_indexer_tensors(indexer, ROPE_LAYOUT, x.detach(), q_resid.detach(), cos, sin,
+                                                 query_rows=rows)
+    scores = _chunk_index_scores(queries, keys[:, :t], weights)  # [B, n, t]
+    visible = torch.arange(t, device=x.device)[None, :] <= rows[:, None]  # [n, t]
+    mask = visible.expand(b, -1, -1) if allowed is None else allowed[:, rows, :t] & visible
+    with torch.no_grad():
+        logits = torch.matmul(q.detach()[:, :, rows].float(), k.detach()[:, :, :t].float().transpose(-1, -2)) * scaling
+        p = torch.softmax(logits.masked_fill(~mask[:, None], -math.inf), dim=-1).mean(1)  # [B, n, t]
+        log_p = torch.log(p.clamp_min(1e-30))
+    log_q = F.log_softmax(scores.masked_fill(~mask, -math.inf), dim=-1).masked_fill(~mask, 0.0)
+    return (p * (log_p - log_q)).masked_fill(~mask, 0.0).sum(-1).mean()
+
+
+def chunked_attention(q, k, v, scale: float, allowed=None, chunk: int = 2048):
+    """Causal (or ``allowed`` [B, S, S]-masked) attention over query chunks of ``chunk`` rows, each one
+    recomputed in backward: a 32K window's masked attention without a [B, heads, S, S] intermediate."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    s = q.shape[2]
+    positions = torch.arange(s, device=q.device)
+    outs = []
+    for s0 in range(0, s, chunk):
+        s1 = min(s, s0 + chunk)
+        if allowed is None:
+            mask = (positions[:s1][None, :] <= positions[s0:s1][:, None])[None, None]
+        else:
+            mask = allowed[:, None, s0:s1, :s1]
+        args = (q[:, :, s0:s1], k[:, :, :s1], v[:, :, :s1])
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(F.scaled_dot_product_attention, *args, attn_mask=mask, scale=scale,
+                                   use_reentrant=False))
+        else:
+            outs.append(F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale))
+    return torch.cat(outs, dim=2)
+
+
+def sampled_rows(seq_len: int, count: int, generator, device) -> Any:
+    """``count`` distinct query positions of a window, sorted (int64), drawn uniformly; always including
+    the last (the longest prefix)."""
+    import torch
+
+    if count >= seq_len:
+        return torch.arange(seq_len, device=device)
+    g_dev = getattr(generator, "device", torch.device("cpu"))
+    picks = torch.randperm(seq_len - 1, generator=generator, device=g_dev)[: count - 1].to(device)
+    return torch.cat([picks.sort().values, torch.tensor([seq_len - 1], device=device)])
+
+
 @dataclass
 class ForwardResult:
     """Losses of one training forward: ``lm`` (mean next-token cross-entropy, nats) and ``kl`` (mean over
@@ -463,7 +547,8 @@ class ForwardResult:
     kl: Any = None
 
 
-def training_forward(model, input_ids, labels, mode: str, topk: int | None = None, query_chunk: int = 256):
+def training_forward(model, input_ids, labels, mode: str, topk: int | None = None, query_chunk: int = 256,
+                     kl_rows=None, attn_chunk: int | None = None):
     """One forward pass of the recipe.
 
     Parameters
@@ -473,6 +558,10 @@ def training_forward(model, input_ids, labels, mode: str, topk: int | None = Non
     mode : ``dense`` (LM loss, dense causal attention), ``warmup`` (indexer KL over the causal prefix; the
         main model's output and LM loss are not computed), ``sparse`` (LM loss with top-``topk`` sparse
         attention + indexer KL over the selected set)
+    kl_rows : [n] sorted query positions: the indexer KL is computed at these queries only
+        (:func:`indexer_kl_sampled`; long windows), the top-k for every query without gradients
+    attn_chunk : main attention over query chunks of this many rows (:func:`chunked_attention`), so a
+        sparse 32K window needs no [B, heads, S, S] intermediate
     """
     import torch
     import torch.nn.functional as F
@@ -494,19 +583,29 @@ def training_forward(model, input_ids, labels, mode: str, topk: int | None = Non
         if mode == "dense":
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
         elif mode == "warmup":
-            kl, _ = indexer_kl_layer(
-                attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk
-            )
+            if kl_rows is not None:
+                kl = indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, kl_rows)
+            else:
+                kl, _ = indexer_kl_layer(
+                    attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk
+                )
             kls.append(kl)
             if i == n_layers - 1:
                 break
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
         else:
-            kl, allowed = indexer_kl_layer(
-                attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk
-            )
+            if kl_rows is not None:
+                allowed = topk_allowed(attn.indexer, x.detach(), q_resid.detach(), cos, sin, topk, query_chunk)
+                kl = indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, kl_rows, allowed)
+            else:
+                kl, allowed = indexer_kl_layer(
+                    attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk
+                )
             kls.append(kl)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
+            if attn_chunk:
+                o = chunked_attention(q, k, v, attn.scaling, allowed, attn_chunk)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     result = ForwardResult(kl=torch.stack(kls).mean() if kls else None)
@@ -538,6 +637,8 @@ class StageConfig:
     indexer_lr: float | None = None  # sparse stage: learning rate of the indexer parameters
     topk: int | None = None
     query_chunk: int = 256
+    kl_queries: int | None = None  # indexer KL on this many sampled queries per window (None: every query)
+    attn_chunk: int | None = None  # sparse main attention over query chunks of this many rows
 
 
 @dataclass
@@ -596,14 +697,17 @@ def lr_factor(cfg: StageConfig, step: int, elapsed: float) -> float:
 
 
 def train_step(
-    model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False
+    model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False, generator=None
 ) -> ForwardResult:
     """One optimizer step of a stage; returns the (detached) losses."""
     import torch
 
     device_type = input_ids.device.type
+    rows = None
+    if cfg.kl_queries and cfg.mode in ("warmup", "sparse"):
+        rows = sampled_rows(input_ids.shape[1], cfg.kl_queries, generator, input_ids.device)
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=autocast):
-        res = training_forward(model, input_ids, labels, cfg.mode, cfg.topk, cfg.query_chunk)
+        res = training_forward(model, input_ids, labels, cfg.mode, cfg.topk, cfg.query_chunk, rows, cfg.attn_chunk)
     loss = sum(x for x in (res.lm, res.kl) if x is not None)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -664,7 +768,7 @@ def run_stage(
         for g in optimizer.param_groups:
             g["lr"] = g["base_lr"] * factor
         input_ids, labels = sample_windows(stream, cfg.batch, cfg.seq_len, generator, bos)
-        res = train_step(model, optimizer, input_ids, labels, cfg, autocast)
+        res = train_step(model, optimizer, input_ids, labels, cfg, autocast, generator)
         pending.append((step, res, elapsed))
         step += 1
         if step % log_every == 0:
@@ -787,6 +891,8 @@ class ReferenceTrainOptions:
     corpus: Path | None = None
     rope_theta: float = 10000.0
     max_position: int | None = None
+    kl_queries: int | None = None
+    attn_chunk: int | None = None
 
 
 STAGES = ("dense", "warmup", "sparse")
@@ -806,7 +912,8 @@ def parse_stages(stages: str) -> list[str]:
 def stage_configs(options: ReferenceTrainOptions) -> list[StageConfig]:
     """The recipe's three stages with the run's batch shapes, learning rates and limits."""
     budget = options.minutes * 60.0
-    common = dict(seq_len=options.seq_len, query_chunk=options.query_chunk)
+    common = dict(seq_len=options.seq_len, query_chunk=options.query_chunk, kl_queries=options.kl_queries,
+                  attn_chunk=options.attn_chunk)
     return [
         StageConfig("dense", "dense", options.dense_batch, lr=options.dense_lr, max_steps=options.dense_steps,
                     seconds=budget * options.dense_frac, warmup_steps=50, **common),

@@ -465,3 +465,71 @@ def test_gates_forward_needles_and_shuffled_prefix(tmp_path):
     gain = rg.shuffled_prefix_gain(model, held, 256, 2, bos=vocab.bos)
     assert gain["tail"] == 64 and math.isfinite(gain["gain"]) and gain["true"] > 0
     assert gain["gain"] == pytest.approx(gain["shuffled"] - gain["true"])
+
+
+def _layer_inputs(model, ids):
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    h = model.model.embed_tokens(ids)
+    cos, sin = model.model.rotary_emb(h, torch.arange(ids.shape[1])[None])
+    x = layer.input_layernorm(h)
+    q, k, v, q_resid = rt.mla_qkv(attn, x, cos, sin)
+    return attn, x, q_resid, cos, sin, q, k, v
+
+
+def test_sampled_query_kl_and_chunked_attention_are_the_full_ones_on_every_row():
+    """The long-context variants (KL on sampled queries, top-k for every query without gradients, masked
+    attention by query chunks) equal the full computation when every row is sampled, and the sampled KL
+    is the mean of the per-query KL at the sampled rows."""
+    model = _tiny_model(topk=8).eval()
+    _peaked_main_attention(model)
+    with torch.no_grad():
+        for p in rt.indexer_parameters(model):
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    ids, _ = _batch(batch=2)
+    attn, x, q_resid, cos, sin, q, k, v = _layer_inputs(model, ids)
+    every = torch.arange(SEQ)
+    for topk in (None, 8):
+        kl, allowed = rt.indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, 16)
+        mine_allowed = None if topk is None else rt.topk_allowed(attn.indexer, x, q_resid, cos, sin, topk, 16)
+        if topk is not None:
+            assert (mine_allowed == allowed).float().mean() > 0.99
+        kl_all = rt.indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, every,
+                                       None if topk is None else allowed)
+        torch.testing.assert_close(kl_all, kl, rtol=1e-4, atol=1e-6)
+    # a sample: the mean over its rows of the full per-query KL (one query at a time)
+    rows = rt.sampled_rows(SEQ, 5, torch.Generator().manual_seed(2), "cpu")
+    assert rows.shape == (5,) and int(rows[-1]) == SEQ - 1 and torch.equal(rows, rows.sort().values)
+    per_row = [rt.indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, rows[i : i + 1])
+               for i in range(5)]
+    torch.testing.assert_close(rt.indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, rows),
+                               torch.stack(per_row).mean(), rtol=1e-4, atol=1e-6)
+    # attention by query chunks, causal and top-k masked, forward and gradients
+    for mask in (None, allowed):
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        full_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None] if mask is None else mask[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=full_mask, scale=attn.scaling)
+        want.square().sum().backward()
+        grads = [t.grad.clone() for t in (qq, kk, vv)]
+        for t in (qq, kk, vv):
+            t.grad = None
+        got = rt.chunked_attention(qq, kk, vv, attn.scaling, mask, chunk=24)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, (qq.grad, kk.grad, vv.grad), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_long_context_stage_options_train_the_indexer_on_sampled_queries():
+    model = _tiny_model(topk=8)
+    _peaked_main_attention(model)
+    stream = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
+    history: list[dict] = []
+    cfg = rt.StageConfig("sparse", "sparse", batch=2, seq_len=SEQ, lr=1e-3, max_steps=12, topk=8, query_chunk=16,
+                         kl_queries=16, attn_chunk=24, warmup_steps=2, indexer_lr=1e-2)
+    before = _snapshot(rt.indexer_parameters(model))
+    res = rt.run_stage(model, stream, cfg, torch.Generator().manual_seed(1), history, log_every=1)
+    assert res.steps == 12 and all(_changed(before, rt.indexer_parameters(model)))
+    kls = [r["kl"] for r in history]
+    assert all(math.isfinite(k) for k in kls) and sum(kls[-3:]) < sum(kls[:3])
