@@ -124,6 +124,11 @@ def model_card(metrics: dict[str, Any]) -> str:
             lines.append(f"| {ctx} | {g['needle_accuracy_dense']:.2f} | {sp['true']:.4f} | {sp['shuffled']:.4f} | "
                          f"{sp['gain']:+.4f} | {g['bits_per_byte_dense']:.4f} |")
         lines.append("")
+        for ctx, g in gates["results"].items():
+            if "needle_accuracy_sparse" in g:
+                lines += [f"With top-{g['topk']} sparse attention at {ctx}: needle accuracy {g['needle_accuracy_sparse']:.2f}, "
+                          f"bits per byte {g['bits_per_byte_sparse']:.4f} "
+                          f"({g['bits_per_byte_sparse'] / g['bits_per_byte_dense']:.4f} x dense).", ""]
     for extra in metrics.get("extra_evals", []):
         r = extra["result"]
         b = r["bits_per_byte"]
