@@ -533,3 +533,26 @@ def test_long_context_stage_options_train_the_indexer_on_sampled_queries():
     assert res.steps == 12 and all(_changed(before, rt.indexer_parameters(model)))
     kls = [r["kl"] for r in history]
     assert all(math.isfinite(k) for k in kls) and sum(kls[-3:]) < sum(kls[:3])
+
+
+def test_committed_v2_card_reports_its_gates_and_tokenizer():
+    """The v2 checkpoint (not the default) ships its tokenizer and sources, and its card renders the
+    metrics: every stage, the tokenizer, the sources table and the gates, dense and sparse."""
+    from dsaindex.pipelines.reference_card import model_card
+
+    v2 = REFERENCE_DIR.parent / "reference_model_v2"
+    if not (v2 / "metrics.json").is_file():
+        pytest.skip("the v2 checkpoint is not committed")
+    metrics = json.loads((v2 / "metrics.json").read_text())
+    card = model_card(metrics)
+    stages = metrics["training"]["earlier_stages"] + metrics["training"]["stages"]
+    assert [s["name"] for s in stages] == ["dense", "dense", "warmup", "sparse"]
+    assert card.count("\n| dense |") == 2 and "| sparse | top-512 |" in card
+    assert f"byte-level BPE of {metrics['model']['vocabulary']['entries']} entries" in card
+    assert "| sotu |" in card and "| austen |" in card  # the corpus's sources table
+    g = metrics["gates"]["results"]["32768"]
+    assert f"needle accuracy {g['needle_accuracy_sparse']:.2f}" in card
+    assert f"{g['bits_per_byte_sparse'] / g['bits_per_byte_dense']:.4f} x dense" in card
+    config = json.loads((v2 / "config.json").read_text())
+    assert config["vocab_size"] == 8192 and (v2 / "tokenizer.json").is_file()
+    assert sum(p.stat().st_size for p in v2.glob("model*.safetensors")) < 40e6
