@@ -111,15 +111,24 @@ def gates_cmd(
     needles: int = typer.Option(20, help="Needle prompts per context."),
     windows: int = typer.Option(4, help="Held-out windows per context for the shuffled-prefix and bits-per-byte "
                                         "measures."),
-    topk: int = typer.Option(None, help="Also measure with top-k sparse attention by the model's indexer."),
+    topk: int = typer.Option(None, help="Also measure with top-k sparse attention by the model's indexer, and where "
+                                        "its top-k lies (keys per block, far share, coverage)."),
+    queries: int = typer.Option(64, help="Last queries per window for the top-k structure."),
+    structure_only: bool = typer.Option(False, "--structure-only", help="Only the top-k structure (needs --topk)."),
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """The long-context gates: needle retrieval, loss after the true vs a shuffled prefix, bits per byte."""
+    """The long-context gates: needle retrieval, loss after the true vs a shuffled prefix, bits per byte,
+    and (with --topk) sparse attention and where the indexer's top-k lies."""
     import torch
 
     from dsaindex.console import resolve_device
-    from dsaindex.pipelines.reference_gates import evaluate_gates
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.reference_gates import evaluate_gates, topk_structure
+
+    if structure_only and topk is None:
+        raise DsaIndexError("--structure-only measures the indexer's top-k, but no --topk was given.",
+                            "pass --topk K (the checkpoint's index_topk, e.g. 512).")
     from dsaindex.pipelines.reference_train import corpus_token_streams, load_checkpoint
 
     dev = resolve_device(device)
@@ -127,16 +136,27 @@ def gates_cmd(
     heldout = torch.from_numpy(streams.heldout).to(dev)
     net = load_checkpoint(model, dev)
     lengths = [int(x) for x in contexts.split(",") if x.strip()]
-    result = {str(n): evaluate_gates(net, heldout, vocab.tokenizer, n, vocab.bytes_per_token, bos=vocab.bos,
-                                     needles=needles, windows=windows, topk=topk) for n in lengths}
+    result = {}
+    for n in lengths:
+        result[str(n)] = g = {} if structure_only else evaluate_gates(
+            net, heldout, vocab.tokenizer, n, vocab.bytes_per_token, bos=vocab.bos, needles=needles, windows=windows,
+            topk=topk)
+        if topk is not None:
+            g["topk_structure"] = topk_structure(net, heldout, n, windows, topk, queries=queries, bos=vocab.bos)
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
     for n, g in result.items():
-        sp = g["shuffled_prefix"]
-        typer.echo(f"context {n}: needle accuracy {g['needle_accuracy_dense']:.2f} (dense), loss after the true prefix "
-                   f"{sp['true']:.4f} vs shuffled {sp['shuffled']:.4f} (gain {sp['gain']:+.4f} nats/token), "
-                   f"bits per byte {g['bits_per_byte_dense']:.4f}")
+        if "shuffled_prefix" in g:
+            sp = g["shuffled_prefix"]
+            typer.echo(f"context {n}: needle accuracy {g['needle_accuracy_dense']:.2f} (dense), loss after the true "
+                       f"prefix {sp['true']:.4f} vs shuffled {sp['shuffled']:.4f} (gain {sp['gain']:+.4f} nats/token), "
+                       f"bits per byte {g['bits_per_byte_dense']:.4f}")
+        if "topk_structure" in g:
+            t = g["topk_structure"]
+            typer.echo(f"context {n}, indexer top-{t['topk']}: {t['keys_per_block']:.2f} keys per touched "
+                       f"{t['block']}-key block, {t['far_share']:.1%} more than {t['far']} back; coverage "
+                       f"{t['coverage']:.4f} (oracle {t['oracle']:.4f}, window {t['window']:.4f})")
 
 
 @reference_app.command("eval")

@@ -13,6 +13,11 @@ or top-k sparse attention selected by the model's own indexer):
   own prefix and once after the same prefix with its 256-token blocks shuffled. A model that uses far
   context does better with the true prefix.
 * **bits per byte** at the long context, dense and (with ``topk``) sparse.
+* **where each layer's exact top-k lies** (:func:`topk_structure`): for the last queries of held-out
+  windows, the indexer's top-k over the causal prefix: keys per touched 128-key block (few means the
+  selection is scattered, as content retrieval is; many means contiguous runs, which blocks route as
+  well as clusters), the share more than 4K positions back, and the main attention's mass inside the
+  top-k (coverage) beside the best k keys (oracle) and the most recent k (window).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-from dsaindex.pipelines.reference_train import heldout_windows, indexer_kl_layer, mla_qkv
+from dsaindex.pipelines.reference_train import (
+    ROPE_LAYOUT,
+    _chunk_index_scores,
+    heldout_windows,
+    indexer_kl_layer,
+    mla_qkv,
+)
 
 
 def model_logits(model, input_ids, topk: int | None = None, positions: Any = None, query_chunk: int = 256):
@@ -159,3 +170,58 @@ def evaluate_gates(model, heldout: Any, tokenizer_path: Path, seq_len: int, byte
         result["bits_per_byte_sparse"] = long_bits_per_byte(model, heldout, seq_len, windows, bytes_per_token, topk,
                                                             bos=bos)
     return result
+
+
+def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, queries: int = 64, bos: int = 0,
+                   block: int = 128, far: int = 4096) -> dict[str, Any]:
+    """Per layer, for the last ``queries`` queries of ``windows`` held-out windows: keys per touched
+    ``block``-key block of the indexer's top-``topk``, the share of it more than ``far`` positions back,
+    and the main attention's mass (dense forward, probabilities summed over heads, L1-normalized) inside
+    the top-k (``coverage``), inside its own best k (``oracle``) and inside the last k keys (``window``).
+    Means over queries; ``layers`` lists them per layer, the top level averages the layers."""
+    import torch
+    import torch.nn.functional as F
+
+    from dsaindex.indexer import mla_indexer_tensors
+
+    ids, _ = heldout_windows(stream, seq_len, windows, bos)
+    device = next(model.parameters()).device
+    core = model.model
+    n_layers = len(core.layers)
+    sums = [{"keys_per_block": 0.0, "far_share": 0.0, "coverage": 0.0, "oracle": 0.0, "window": 0.0}
+            for _ in range(n_layers)]
+    count = 0
+    rows = torch.arange(seq_len - queries, seq_len, device=device)
+    for w in range(ids.shape[0]):
+        x_ids = ids[w : w + 1].to(device)
+        with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            h = core.embed_tokens(x_ids)
+            cos, sin = core.rotary_emb(h, torch.arange(seq_len, device=device)[None])
+            for i, layer in enumerate(core.layers):
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
+                keys, qi, wi = mla_indexer_tensors(attn.indexer, ROPE_LAYOUT, x, q_resid, cos, sin, query_rows=rows)
+                scores = _chunk_index_scores(qi, keys, wi)[0]  # [n, S]
+                visible = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
+                kk = min(topk, seq_len)
+                top = scores.masked_fill(~visible, float("-inf")).topk(kk, dim=-1).indices  # [n, k]
+                logits = torch.matmul(q[0][:, rows].float(), k[0].float().transpose(-1, -2)) * attn.scaling
+                p = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1).sum(0)
+                p = p / p.sum(-1, keepdim=True)  # [n, S]
+                blocks = torch.zeros(rows.shape[0], -(-seq_len // block), device=device).scatter_(1, top // block, 1.0)
+                s = sums[i]
+                s["keys_per_block"] += float((kk / blocks.sum(-1)).sum())
+                s["far_share"] += float(((rows[:, None] - top) > far).float().mean(-1).sum())
+                s["coverage"] += float(p.gather(1, top).sum(-1).sum())
+                s["oracle"] += float(p.topk(kk, dim=-1).values.sum(-1).sum())
+                recent = (torch.arange(seq_len, device=device)[None, :] > rows[:, None] - kk) & visible
+                s["window"] += float((p * recent).sum(-1).sum())
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+                h = h + attn.o_proj(o.transpose(1, 2).reshape(1, seq_len, -1))
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        count += rows.shape[0]
+    layers = [{name: value / max(1, count) for name, value in s.items()} for s in sums]
+    mean = {name: sum(layer[name] for layer in layers) / n_layers for name in layers[0]}
+    return {"seq_len": seq_len, "topk": topk, "queries": count, "block": block, "far": far, **mean,
+            "layers": layers}

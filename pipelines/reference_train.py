@@ -808,6 +808,17 @@ def save_checkpoint(model, out_dir: Path, index_topk: int) -> dict:
     return {"params": sum(p.numel() for p in model.parameters()), "safetensors_bytes": size}
 
 
+def save_tokenizer(vocab: Vocabulary, out_dir: Path) -> None:
+    """The run's BPE tokenizer as transformers loads it beside the weights (``tokenizer.json`` and a
+    ``tokenizer_config.json`` naming its BOS / EOS / PAD tokens), so ``AutoTokenizer`` and capture
+    separate documents with the right EOS."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(vocab.tokenizer), bos_token="<|bos|>", eos_token="<|eos|>",
+                                  pad_token="<|pad|>")
+    tok.save_pretrained(str(out_dir))
+
+
 def plot_loss_curve(history: list[dict], path: Path) -> None:
     """Loss curve: LM loss in bits per byte (dense and sparse stages) and indexer KL (warm-up, sparse)."""
     import matplotlib
@@ -1030,7 +1041,7 @@ def train_reference(
     if vocab.tokenizer is not None:  # shipped beside the weights, with the corpus's sources table
         import shutil
 
-        shutil.copyfile(vocab.tokenizer, out / "tokenizer.json")
+        save_tokenizer(vocab, out)
         if (vocab.tokenizer.parent / "corpus.json").is_file():
             shutil.copyfile(vocab.tokenizer.parent / "corpus.json", out / "corpus.json")
     plot_loss_curve(history, out / "loss_curve.png")

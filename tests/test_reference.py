@@ -400,6 +400,7 @@ def test_v2_data_is_the_corpus_tokenized_and_cached(tmp_path):
 
 
 def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
     from typer.testing import CliRunner
 
     from dsaindex.pipelines.reference_cli import reference_app
@@ -414,7 +415,12 @@ def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 384 and config["max_position_embeddings"] == 2048
     assert config["rope_parameters"]["rope_theta"] == 500000
-    assert (out / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
+    from dsaindex.pipelines.models import load_model
+
+    text = "def spam(eggs):\n    return eggs * 2\n"
+    loaded = load_model(str(out))  # the checkpoint's own tokenizer, as capture reads it
+    assert loaded.tokenizer.encode(text) == Tokenizer.from_file(str(corpus / "tokenizer.json")).encode(text).ids
+    assert loaded.tokenizer.eos_id == json.loads((out / "config.json").read_text())["eos_token_id"]
     metrics = json.loads((out / "metrics.json").read_text())
     vocab = metrics["model"]["vocabulary"]
     assert vocab["entries"] == 384 and vocab["tokenizer"] == "tokenizer.json"
@@ -556,3 +562,27 @@ def test_committed_v2_card_reports_its_gates_and_tokenizer():
     config = json.loads((v2 / "config.json").read_text())
     assert config["vocab_size"] == 8192 and (v2 / "tokenizer.json").is_file()
     assert sum(p.stat().st_size for p in v2.glob("model*.safetensors")) < 40e6
+
+
+def test_topk_structure_coverage_is_the_evaluations_and_blocks_count_keys():
+    from dsaindex.pipelines import reference_gates as rg
+    from dsaindex.pipelines.reference_eval import attention_coverage
+
+    model = _tiny_model(topk=8).eval()
+    _peaked_main_attention(model)
+    with torch.no_grad():
+        for p in rt.indexer_parameters(model):
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    stream = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(4)).long()
+    got = rg.topk_structure(model, stream, 128, 2, topk=8, queries=16, bos=rt.BOS_ID, block=16, far=32)
+    ids, _ = rt.heldout_windows(stream, 128, 2)
+    want = attention_coverage(model, ids, 8, query_count=16)
+    for name in ("coverage", "oracle", "window"):
+        for a, b in zip((layer[name] for layer in got["layers"]), want["per_layer"][name], strict=True):
+            assert a == pytest.approx(b, abs=1e-4), name
+    assert got["queries"] == 32 and got["oracle"] >= got["coverage"]
+    for layer in got["layers"]:
+        assert 1.0 <= layer["keys_per_block"] <= 8.0 and 0.0 <= layer["far_share"] <= 1.0
+    one = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=1, far=0)
+    assert one["keys_per_block"] == pytest.approx(1.0)  # blocks of one key: one key per touched block
