@@ -124,6 +124,13 @@ def model_card(metrics: dict[str, Any]) -> str:
             lines.append(f"| {ctx} | {g['needle_accuracy_dense']:.2f} | {sp['true']:.4f} | {sp['shuffled']:.4f} | "
                          f"{sp['gain']:+.4f} | {g['bits_per_byte_dense']:.4f} |")
         lines.append("")
+        for ctx, g in gates.get("topk_structure", {}).items():
+            per = ", ".join(f"{layer['keys_per_block']:.1f}" for layer in g["layers"])
+            far = ", ".join(f"{layer['far_share']:.0%}" for layer in g["layers"])
+            lines += [f"Where each layer's indexer top-{g['topk']} lies at {ctx} (last {g['queries']} queries of held-out "
+                      f"windows): {g['keys_per_block']:.2f} keys per touched {g['block']}-key block (per layer {per}); "
+                      f"{g['far_share']:.1%} more than {g['far']} positions back (per layer {far}); main-attention "
+                      f"coverage {g['coverage']:.4f} (oracle {g['oracle']:.4f}, recent window {g['window']:.4f}).", ""]
         for ctx, g in gates["results"].items():
             if "needle_accuracy_sparse" in g:
                 lines += [f"With top-{g['topk']} sparse attention at {ctx}: needle accuracy {g['needle_accuracy_sparse']:.2f}, "
