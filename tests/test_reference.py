@@ -30,6 +30,17 @@ def _peaked_main_attention(model, factor: float = 8.0) -> None:
             layer.self_attn.kv_b_proj.weight.mul_(factor)
 
 
+def _trained_looking_model():
+    """A tiny model whose main attention is peaked and whose indexer weights are spread (few score ties)."""
+    model = _tiny_model(topk=8).eval()
+    _peaked_main_attention(model)
+    with torch.no_grad():
+        for p in rt.indexer_parameters(model):
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    return model
+
+
 def _batch(batch: int = 2, seq: int = SEQ, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, 256, (4096,), generator=g, dtype=torch.int16)
@@ -487,12 +498,7 @@ def test_sampled_query_kl_and_chunked_attention_are_the_full_ones_on_every_row()
     """The long-context variants (KL on sampled queries, top-k for every query without gradients, masked
     attention by query chunks) equal the full computation when every row is sampled, and the sampled KL
     is the mean of the per-query KL at the sampled rows."""
-    model = _tiny_model(topk=8).eval()
-    _peaked_main_attention(model)
-    with torch.no_grad():
-        for p in rt.indexer_parameters(model):
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5)
+    model = _trained_looking_model()
     ids, _ = _batch(batch=2)
     attn, x, q_resid, cos, sin, q, k, v = _layer_inputs(model, ids)
     every = torch.arange(SEQ)
@@ -568,12 +574,7 @@ def test_topk_structure_coverage_is_the_evaluations_and_blocks_count_keys():
     from dsaindex.pipelines import reference_gates as rg
     from dsaindex.pipelines.reference_eval import attention_coverage
 
-    model = _tiny_model(topk=8).eval()
-    _peaked_main_attention(model)
-    with torch.no_grad():
-        for p in rt.indexer_parameters(model):
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5)
+    model = _trained_looking_model()
     stream = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(4)).long()
     got = rg.topk_structure(model, stream, 128, 2, topk=8, queries=16, bos=rt.BOS_ID, block=16, far=32)
     ids, _ = rt.heldout_windows(stream, 128, 2)
