@@ -113,9 +113,10 @@ def eval_pq_compare_cmd(
     store: Path = typer.Argument(..., help="Capture store to train and evaluate on (its own held-out split)."),
     subspaces: str = typer.Option("16,32,64", help="PQ subspace counts to compare (comma-separated; bytes per "
                                                    "key; each must divide the key dim)."),
-    variants: str = typer.Option("plain,score-aware", help="Codebook variants to compare: plain (k-means on keys) "
-                                                           "and/or score-aware (k-means under the score-gradient "
-                                                           "metric)."),
+    variants: str = typer.Option("plain,score-aware", help="Codebook variants to compare: plain (k-means on keys), "
+                                                           "score-aware (k-means under the score-gradient metric), "
+                                                           "opq and opq-score-aware (the same after a learned "
+                                                           "rotation of the keys, OPQ)."),
     trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
     iterations: int = typer.Option(20, callback=at_least(1), help="k-means iterations."),
     max_train_keys: int = typer.Option(262144, callback=at_least(1024),
@@ -137,19 +138,25 @@ def eval_pq_compare_cmd(
     from dsaindex.errors import DsaIndexError
     from dsaindex.train.pq_job import PAPER_K, check_options, train_pq
 
+    known = ("plain", "score-aware", "opq", "opq-score-aware")
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
-    unknown = sorted(set(chosen) - {"plain", "score-aware"})
+    unknown = sorted(set(chosen) - set(known))
     if unknown or not chosen:
-        raise DsaIndexError(f"--variants {variants!r} names no known variant.", "pass plain and/or score-aware.")
-    cases = [_pq_options(m, trainer, iterations, variant == "score-aware", max_train_keys, eval_queries, device,
-                         candidates)
-             for m in parse_ints(subspaces, "--subspaces", minimum=1) for variant in chosen]
+        raise DsaIndexError(f"--variants {variants!r} names no known variant. Unknown: {', '.join(unknown) or 'none'}.",
+                            f"pass some of {', '.join(known)}.")
+    cases = []
+    for m in parse_ints(subspaces, "--subspaces", minimum=1):
+        for variant in chosen:
+            opts = _pq_options(m, trainer, iterations, variant.endswith("score-aware"), max_train_keys, eval_queries,
+                               device, candidates)
+            opts.rotate = variant.startswith("opq")
+            cases.append(opts)
     geometry = CaptureStore.open(store).manifest.model.geometry
     for opts in cases:  # every case's options before the first one trains
         check_options(opts, geometry.head_dim)
     results = {}
     for opts in cases:
-        name = f"PQ{opts.subspaces} {'score-aware' if opts.score_aware else 'plain'}"
+        name = f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces} {'score-aware' if opts.score_aware else 'plain'}"
         with progress_bar(name, enabled=not as_json, unit="layers") as update:
             report = train_pq(store, opts, progress=update)
         results[name] = report["mean"] | {

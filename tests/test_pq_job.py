@@ -121,3 +121,33 @@ def test_recall_tables_fit_80_columns_and_say_what_the_columns_mean(trained):
     assert "@32 " not in proc.stdout  # C = top-k: the top-C is the direct top-k, left out
     assert "fetch@C:" in proc.stdout and "-:" in proc.stdout  # the caption
     assert "fetch_" not in proc.stdout
+
+
+def test_pq_compare_trains_opq_beside_pq_and_bundles_refuse_rotated_codes(trained, tmp_path):
+    """`eval pq-compare --variants opq,...` learns a rotation per layer and reports its recall beside plain
+    PQ's on the same split; a rotated result cannot be written as a bundle (the rotation has no place in it)."""
+    import torch
+
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.train.pq_job import PQOptions, train_pq, write_pq_bundle
+
+    root, store, bundle, uri, result = trained
+    out = tmp_path / "compare.json"
+    proc = run_cli("eval", "pq-compare", str(store), "--subspaces", "16", "--variants", "plain,opq,opq-score-aware",
+                   "--trainer", "torch", "--iterations", "6", "--eval-queries", "16", "--candidates", "64",
+                   "--device", "cpu", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"PQ16 plain", "OPQ16 plain", "OPQ16 score-aware"}
+    for row in rows.values():
+        assert 0.0 < row["k32/direct"] <= 1.0 and row["relative_mse"] > 0
+    # the rotation lowers the reconstruction error of the same PQ size
+    assert rows["OPQ16 plain"]["relative_mse"] < rows["PQ16 plain"]["relative_mse"]
+    opts = PQOptions(subspaces=16, trainer="torch", iterations=4, score_aware=False, rotate=True, max_eval_queries=8,
+                     candidates=(64,))
+    report = train_pq(store, opts)
+    rot = report["results"][0].rotation
+    torch.testing.assert_close(rot @ rot.t(), torch.eye(rot.shape[0]), atol=1e-4, rtol=0)
+    with pytest.raises(DsaIndexError, match="rotated keys"):
+        write_pq_bundle(report, opts, tmp_path / "never")
+    assert not (tmp_path / "never").exists()

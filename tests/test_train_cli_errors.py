@@ -42,7 +42,7 @@ def test_nonsense_counts_are_refused_on_one_line(args, first_line):
 
 def test_variants_and_trainer_are_checked_before_training(tmp_path):
     proc = run_cli("eval", "pq-compare", STORE, "--variants", "plain,fancy")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --variants 'plain,fancy' names no known variant.")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --variants 'plain,fancy' names no known variant. Unknown: fancy.")
 
 
 def test_bench_decode_recall_inputs_are_checked_before_any_timing(tmp_path):

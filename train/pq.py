@@ -151,3 +151,43 @@ def score_gradient_metric(
         acc += torch.bmm(gs.transpose(1, 2), gs)
         pairs += g.shape[0]
     return acc / max(1, pairs)
+
+
+def balanced_pca_rotation(keys: torch.Tensor, spec: PQSpec) -> torch.Tensor:
+    """An orthogonal [D, D] whose rows are the keys' principal directions, dealt to the subspaces so each
+    gets a similar product of variances (OPQ's eigenvalue allocation: the largest direction goes to the
+    subspace with the smallest log-variance sum that still has room)."""
+    x = keys.double() - keys.double().mean(0, keepdim=True)
+    values, vectors = torch.linalg.eigh(x.t() @ x / max(1, x.shape[0] - 1))
+    order = values.argsort(descending=True)
+    slots: list[list[int]] = [[] for _ in range(spec.subspaces)]
+    load = [0.0] * spec.subspaces
+    for i in order.tolist():
+        room = [j for j in range(spec.subspaces) if len(slots[j]) < spec.sub_dim]
+        j = min(room, key=lambda s: load[s])
+        slots[j].append(i)
+        load[j] += float(torch.log(values[i].clamp_min(1e-12)))
+    rows = [vectors[:, i] for s in slots for i in s]
+    return torch.stack(rows).float()
+
+
+def train_rotation(keys: torch.Tensor, spec: PQSpec, trainer: str = "torch", rounds: int = 6, iterations: int = 4,
+                   seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    """OPQ (non-parametric, Ge et al. 2013): an orthogonal R [D, D] such that PQ of the rotated keys
+    ``keys @ R.T`` reconstructs them best. Starts from :func:`balanced_pca_rotation`, then alternates PQ
+    codebooks on the rotated keys and R from the orthogonal Procrustes problem ``min ||X R^T - Y||``
+    (``Y`` the rotated keys' reconstructions: R^T = U V^T for X^T Y = U S V^T). The score is unchanged by
+    R when queries are rotated the same way (``q . k = (R q) . (R k)``). Returns R on CPU."""
+    from dsaindex.pq import decode, encode
+
+    check_keys(keys, spec)
+    dev = torch.device(device if trainer == "torch" else "cpu")
+    x = keys.float().to(dev)
+    rot = balanced_pca_rotation(x, spec).to(dev)
+    for r in range(rounds):
+        xr = x @ rot.t()
+        codebooks = train_codebooks(xr, spec, trainer, iterations, seed + r, None, device).to(dev)
+        y = decode(encode(xr, codebooks), codebooks)
+        u, _, vh = torch.linalg.svd(x.t().double() @ y.double())
+        rot = (u @ vh).t().float()
+    return rot.cpu()

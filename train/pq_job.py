@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dsaindex.pq import PQSpec, decode, encode, relative_mse
-from dsaindex.train.pq import score_gradient_metric, train_codebooks
+from dsaindex.train.pq import score_gradient_metric, train_codebooks, train_rotation
 from dsaindex.train.recall import (
     CANDIDATES,
     PAPER_K,
@@ -43,6 +43,7 @@ class PQOptions:
     trainer: str = "faiss"
     iterations: int = 20
     score_aware: bool = True
+    rotate: bool = False  # OPQ: a learned rotation before PQ (compared by `eval pq-compare`; not in bundles yet)
     max_train_keys: int = 262144
     metric_queries: int = 256
     eval_fraction: float = 0.2
@@ -66,6 +67,7 @@ class LayerResult:
     train_keys: int
     train_seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
+    rotation: torch.Tensor | None = None  # [D, D] orthogonal: codes are of keys @ rotation.T
 
 
 def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
@@ -76,8 +78,9 @@ def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
 
 
 def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
-                     max_queries: int, topk: int) -> torch.Tensor:
-    """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys."""
+                     max_queries: int, topk: int, rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys
+    (in the rotated space when ``rotation`` is given: queries and keys rotated alike)."""
     from dsaindex.geometry import visible_key_count
     from dsaindex.quant import engine_keys
     from dsaindex.score import indexer_scores
@@ -103,6 +106,9 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
         keys = engine_keys(store.as_float(raw[start : start + visible]), key_format)
         scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
         chosen.append(keys[scores.topk(min(2 * topk, visible)).indices])
+    if rotation is not None:
+        queries = queries.float() @ rotation.t()
+        chosen = [c.float() @ rotation.t() for c in chosen]
     return score_gradient_metric(queries, weights, chosen, spec)
 
 
@@ -115,28 +121,38 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     spec = PQSpec(dim=geometry.head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
     step("reading keys")
     keys = _subsample(layer_keys(store, layer, train_seq, key_format), opts.max_train_keys, opts.seed + layer)
+    t0 = time.perf_counter()
+    rotation = None
+    if opts.rotate:
+        step("OPQ rotation")
+        rotation = train_rotation(keys, spec, opts.trainer, seed=opts.seed + layer, device=opts.device)
+        keys = keys.float() @ rotation.t()
+    rotate_seconds = time.perf_counter() - t0
     metric = None
     if opts.score_aware:
         step("score-aware metric")
-        metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk)
+        metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk, rotation)
     step(f"k-means ({opts.trainer}, {keys.shape[0]:,} keys, {opts.iterations} iterations)")
     t0 = time.perf_counter()
     codebooks = train_codebooks(keys, spec, opts.trainer, opts.iterations, opts.seed + layer, metric, opts.device)
-    seconds = time.perf_counter() - t0
-    result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds)
+    seconds = time.perf_counter() - t0 + rotate_seconds
+    result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds, rotation=rotation)
     step("held-out recall")
-    result.metrics = evaluate_layer(store, layer, eval_seq, codebooks, metric, opts, key_format, topk)
+    result.metrics = evaluate_layer(store, layer, eval_seq, codebooks, metric, opts, key_format, topk, rotation)
     return result
 
 
 def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codebooks: torch.Tensor,
                    metric: torch.Tensor | None, opts: PQOptions,
-                   key_format: str, topk: int) -> dict[str, float]:
+                   key_format: str, topk: int, rotation: torch.Tensor | None = None) -> dict[str, float]:
+    """Held-out recall of one layer's codec; with ``rotation`` the keys are coded rotated and their
+    reconstructions rotated back (the score is the same either way)."""
     ks = tuple(sorted({PAPER_K, topk}))
     data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries)
-    codes = encode(data.keys, codebooks, metric)
-    metrics = evaluate_selection(data, decode(codes, codebooks), ks, opts.candidates)
-    metrics["relative_mse"] = relative_mse(data.keys, codebooks)
+    keys = data.keys if rotation is None else data.keys.float() @ rotation.t()
+    coarse = decode(encode(keys, codebooks, metric), codebooks)
+    metrics = evaluate_selection(data, coarse if rotation is None else coarse @ rotation, ks, opts.candidates)
+    metrics["relative_mse"] = relative_mse(keys, codebooks)
     return metrics
 
 
@@ -235,6 +251,12 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
         params = {"subspaces": opts.subspaces, "centroids": opts.centroids, "score_aware": opts.score_aware,
                   "trainer": opts.trainer, "train_keys": r.train_keys, "train_seconds": round(r.train_seconds, 3)}
         layers[str(layer)] = LayerArtifact(kind="pq", params=params)
+        if r.rotation is not None:
+            from dsaindex.errors import DsaIndexError
+
+            raise DsaIndexError(f"Layer {layer}'s codebooks are of rotated keys (OPQ); bundles cannot carry the "
+                                "rotation yet, and without it the codes would be wrong.",
+                                "compare OPQ with `dsaindex eval pq-compare --variants opq`; train bundles without it.")
         arrays[layer] = {"codebooks": r.codebooks.numpy().astype(np.float32)}
         if r.metric is not None:
             arrays[layer]["metric"] = r.metric.float().numpy()
