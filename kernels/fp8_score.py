@@ -204,28 +204,33 @@ def fp8_logits_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: to
     """:func:`fp8_logits` over keys in the engines' paged layout (inputs as :func:`fp8_topk_paged`):
     [B, W * 64] float32, -inf at and past each length. With :func:`~dsaindex.kernels.topk.rows_topk`, the
     exact scorer where DeepGEMM does not import."""
-    pages, scales, strides = _paged_layout(pages, block_table, lengths, queries, head_weights)
+    pages, scales, strides = _paged_layout(pages, block_table, queries, head_weights, lengths)
     return _logits(pages, scales, lengths, queries, head_weights, block_table.shape[1] * 64, strides,
                    block_table.contiguous(), query_fp8, block_n, iters, num_warps, num_stages)
 
 
-def _paged_layout(pages, block_table, lengths, queries, head_weights):
-    """Check the engines' pages and block table; (pages, the scales' base view, the kernel's strides)."""
+def _paged_layout(pages, block_table, queries, head_weights, lengths=None):
+    """Check the engines' pages and block table; (pages, the scales' base view, the kernel's strides).
+    Pages may sit further apart than their width (a cache that is a strided view of a larger allocation),
+    each page contiguous; they are read in place."""
     checks.rank("pages", pages, 2, "P, 64 * (D + 4)")
     checks.dtype("pages (FP8 bits and scales)", pages, torch.uint8)
+    checks.rank("queries", queries, 3, "B, H, D")
     d = queries.shape[2]
     checks.key_dim("queries.shape[2] (key dim D)", d)
     checks.shape("pages", pages, (None, 64 * (d + 4)), "P, 64 * (D + 4)")
     b = queries.shape[0]
     checks.shape("block_table", block_table, (b, None), "B, W")
     checks.dtype("block_table", block_table, torch.int32)
-    checks.shape("lengths", lengths, (b,), "B")
+    if lengths is not None:
+        checks.shape("lengths", lengths, (b,), "B")
     checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "B, H")
     checks.same_device(pages=pages, block_table=block_table, queries=queries, head_weights=head_weights)
-    pages = pages.contiguous()
-    width = pages.shape[1]
-    scales = pages.view(torch.float32).view(-1)[16 * d :]  # page 0's scales; the page stride does the rest
-    return pages, scales, (0, width, 0, width // 4)
+    if pages.stride(1) != 1 or pages.stride(0) % 4:
+        pages = pages.contiguous()
+    stride = pages.stride(0)
+    scales = pages[0].view(torch.float32)[16 * d :] if pages.shape[0] else pages.new_empty(0).view(torch.float32)
+    return pages, scales, (0, stride, 0, stride // 4)  # page 0's scales; the page stride reaches the others
 
 
 def fp8_topk_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
@@ -236,7 +241,7 @@ def fp8_topk_paged(pages: torch.Tensor, block_table: torch.Tensor, lengths: torc
     [P, 64 * (D + 4)] uint8, each page 64 x D FP8 bytes then 64 float32 scales; ``block_table`` [B, W]
     int32, request b's i-th page. Returns (scores [B, k], positions [B, k] int64), -inf / -1 past a short
     request."""
-    pages, scales, strides = _paged_layout(pages, block_table, lengths, queries, head_weights)
+    pages, scales, strides = _paged_layout(pages, block_table, queries, head_weights, lengths)
     target = max(target, k)
     checks.at_least("capacity", capacity, 2 * target, f"twice the threshold's target max(target, k) = {target}")
     return _topk(pages, scales, lengths, queries, head_weights, k, capacity, target, block_n, iters, num_warps,
@@ -309,34 +314,20 @@ def fp8_gather_scores_paged(pages: torch.Tensor, block_table: torch.Tensor, posi
     """Exact scores [B, R] float32 of request-local key ``positions`` [B, R] (int32 or int64, -1 = none:
     -inf) read in place from an engine's paged index-K cache: ``pages`` [P, 64 * (D + 4)] uint8 (each page
     64 x D FP8 bytes then 64 float32 scales; pages may sit further apart than their width, as in a cache
-    that is a strided view of a larger allocation, but each page must be contiguous), ``block_table``
+    that is a strided view of a larger allocation), ``block_table``
     [B, W] int32 (request b's i-th page). FP8 x FP8 products with FP8-rounded queries by default, the
     engines' logits (``query_fp8=False``: bf16). The spec is :func:`fp8_gather_scores_reference` over
     :func:`paged_keys_reference`. Raises ``ValueError`` on bad input."""
-    checks.rank("pages", pages, 2, "P, 64 * (D + 4)")
-    checks.dtype("pages (FP8 bits and scales)", pages, torch.uint8)
-    checks.rank("queries", queries, 3, "B, H, D")
-    b, _, d = queries.shape
-    checks.key_dim("queries.shape[2] (key dim D)", d)
-    checks.shape("pages", pages, (None, 64 * (d + 4)), "P, 64 * (D + 4)")
-    if pages.stride(1) != 1 or pages.stride(0) % 4:
-        raise ValueError(f"pages has strides {tuple(pages.stride())}: each page must be contiguous and start on "
-                         "a 4-byte boundary; pass the cache as [P, 64 * (D + 4)] rows of one allocation.")
-    checks.shape("block_table", block_table, (b, None), "B, W")
-    checks.dtype("block_table", block_table, torch.int32)
+    pages, scales, strides = _paged_layout(pages, block_table, queries, head_weights)
+    b = queries.shape[0]
     checks.shape("positions", positions, (b, None), "B, R")
     checks.dtype("positions", positions, torch.int32, torch.int64)
-    checks.shape("head_weights", head_weights, (b, queries.shape[1]), "B, H")
-    checks.same_device(pages=pages, block_table=block_table, positions=positions, queries=queries,
-                       head_weights=head_weights)
+    checks.same_device(pages=pages, positions=positions)
     r = positions.shape[1]
     out = torch.empty(b, r, dtype=torch.float32, device=pages.device)
     if r == 0 or b == 0:
         return out
-    page_stride = pages.stride(0)
-    scales = pages[0].view(torch.float32)[16 * d :]  # page 0's scales; the page stride reaches the others
     _launch(2, pages, scales, None, queries, head_weights, rows=positions.to(torch.int32).contiguous(),
-            out_score=out, n_out=r, block_n=block_n, iters=1, num_warps=num_warps,
-            strides=(0, page_stride, 0, page_stride // 4), n_keys=r, table=block_table.contiguous(),
-            query_fp8=query_fp8)
+            out_score=out, n_out=r, block_n=block_n, iters=1, num_warps=num_warps, strides=strides, n_keys=r,
+            table=block_table.contiguous(), query_fp8=query_fp8)
     return out

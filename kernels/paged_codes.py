@@ -107,17 +107,16 @@ def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: t
     """Write ``codes[p]`` [64, M] for every listed page ``p`` of ``pages`` [n] int64 other than the scratch
     page (``codes.shape[0] - 1``): the nearest centroid of each of the page's FP8 keys (:func:`dsaindex.pq.encode`).
     The spec of :func:`encode_pages`."""
+    from dsaindex.kernels.fp8_score import paged_keys_reference
     from dsaindex.pq import encode
 
     scratch = codes.shape[0] - 1
     real = pages[pages != scratch]
     if real.numel() == 0:
         return
-    mine = rows[real]
-    n = real.shape[0]
-    keys = mine[:, : PAGE * head_dim].reshape(n * PAGE, head_dim).view(torch.float8_e4m3fn).float()
-    scales = mine[:, PAGE * head_dim :].contiguous().view(torch.float32).reshape(n * PAGE, 1)
-    codes[real] = encode(keys * scales, codebooks, metric).view(n, PAGE, -1)
+    keys, scales = paged_keys_reference(rows, real[None].to(torch.int32), head_dim)
+    exact = keys[0].view(torch.float8_e4m3fn).float() * scales[0, :, None]
+    codes[real] = encode(exact, codebooks, metric).view(real.shape[0], PAGE, -1)
 
 
 def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor, lt: torch.Tensor | None,

@@ -276,6 +276,33 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     return out
 
 
+def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                   codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
+                   centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
+                   max_len: int | None = None, linear_config: dict | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode step's two coarse stages and its top C, on Triton: stage 1 keeps every key above a
+    sampled threshold aiming at ``c1`` (int8 tables, :func:`pq_linear_topc` with ``keep_all``), stage 2
+    scores those with every head (:func:`pq_candidate_scores`), and the best ``c`` are kept
+    (:func:`~dsaindex.kernels.topk.small_topk` reading only the filled slots). Inputs as
+    :func:`pq_linear_topc` (``page_table``: codes kept per physical page). Returns (scores [B, c] float32,
+    rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
+    from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
+
+    _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
+                                       max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
+                                       centroid_norms=centroid_norms, page_table=page_table, **(linear_config or {}))
+    table = codebooks if codebooks_bf16 is None else codebooks_bf16
+    coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
+                                 page_table=page_table)
+    c = min(c, coarse.shape[1])
+    if coarse.shape[1] <= SMALL_TOPK_MAX:  # slots past a row's count were never written: not read either
+        scores, rows = small_topk(coarse, c, rows1, counts=counts1)
+    else:  # stage 2 wrote -inf past each count
+        scores, rows = small_topk_reference(coarse, c, rows1)
+    return scores, rows, counts1
+
+
 def pq_encode_reference(keys: torch.Tensor, codebooks: torch.Tensor,
                         metric: torch.Tensor | None = None) -> torch.Tensor:
     """Codes [N, M] uint8 of ``keys`` [N, D] float: the nearest of the K centroids of ``codebooks``

@@ -26,11 +26,11 @@ _BUDGETS_HELP = "Candidate budgets to evaluate (comma-separated, keys per query)
 
 
 def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool, max_train_keys: int,
-                eval_queries: int, device: str, candidates: str = _CANDIDATES):
+                eval_queries: int, device: str, candidates: str = _CANDIDATES, rotate: bool = False):
     from dsaindex.console import parse_ints, resolve_device
     from dsaindex.train.pq_job import PQOptions
 
-    return PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
+    return PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware, rotate=rotate,
                      max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=resolve_device(device),
                      candidates=tuple(sorted(set(parse_ints(candidates, "--candidates", minimum=1)))))
 
@@ -147,10 +147,8 @@ def eval_pq_compare_cmd(
     cases = []
     for m in parse_ints(subspaces, "--subspaces", minimum=1):
         for variant in chosen:
-            opts = _pq_options(m, trainer, iterations, variant.endswith("score-aware"), max_train_keys, eval_queries,
-                               device, candidates)
-            opts.rotate = variant.startswith("opq")
-            cases.append(opts)
+            cases.append(_pq_options(m, trainer, iterations, variant.endswith("score-aware"), max_train_keys,
+                                     eval_queries, device, candidates, rotate=variant.startswith("opq")))
     geometry = CaptureStore.open(store).manifest.model.geometry
     for opts in cases:  # every case's options before the first one trains
         check_options(opts, geometry.head_dim)

@@ -61,9 +61,8 @@ from dsaindex.kernels.paged_codes import (
 )
 from dsaindex.kernels.pq_select import (
     paged_codes_reference,
-    pq_candidate_scores,
     pq_candidate_scores_reference,
-    pq_linear_topc,
+    pq_coarse_topc,
     pq_linear_topc_reference,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
@@ -276,16 +275,10 @@ class PagedCacheSelector:
         """Stages 1 and 2 over the completed pages: (C candidate positions [B, C] int64, -1 none; stage-1
         counts [B] int32)."""
         if self.use_triton:
-            _, rows1, counts1 = pq_linear_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, capacity=2 * self.c1,
-                                               return_counts=True, keep_all=True, table_dtype=torch.int8,
-                                               centroid_norms=self.centroid_norms, page_table=table)
-            counts1 = counts1.clamp_max(2 * self.c1)
-            coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1, block_n=128,
-                                         page_table=table)
-            if coarse.shape[1] <= SMALL_TOPK_MAX:
-                return small_topk(coarse, self.candidates, rows1, counts=counts1)[1], counts1
-            filled = torch.arange(coarse.shape[1], device=q.device)[None, :] < counts1[:, None]
-            return small_topk_reference(coarse.masked_fill(~filled, float("-inf")), self.candidates, rows1)[1], counts1
+            _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
+                                              codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
+                                              page_table=table)
+            return cand, counts1
         codes = paged_codes_reference(self.codes, table)
         _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1)
         coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)

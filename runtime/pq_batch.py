@@ -43,10 +43,9 @@ from dsaindex.kernels.fp8_score import (
     paged_keys_reference,
 )
 from dsaindex.kernels.pq_select import (
-    pq_candidate_scores,
     pq_candidate_scores_reference,
+    pq_coarse_topc,
     pq_encode,
-    pq_linear_topc,
     pq_linear_topc_reference,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
@@ -384,21 +383,16 @@ class PQDecodeGroup:
         if longest:
             if self.use_triton:
                 # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
-                _, rows1, counts1 = pq_linear_topc(self.codes, self.n_encoded, q, w, self.codebooks, self.c1,
-                                                   capacity=2 * self.c1, max_len=longest, return_counts=True,
-                                                   keep_all=True, table_dtype=torch.int8,
-                                                   centroid_norms=self.centroid_norms, **self.linear_config)
-                coarse = pq_candidate_scores(self.codes, rows1, q, w, self.codebooks_bf16, counts=counts1, block_n=128)
+                cand_scores, cand, counts1 = pq_coarse_topc(
+                    self.codes, self.n_encoded, q, w, self.codebooks, self.c1, self.candidates,
+                    codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms, max_len=longest,
+                    linear_config=self.linear_config)
             else:
                 codes = self.codes[:, :longest]
                 _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q, w, self.codebooks, self.c1)
                 counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=dev))
                 coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
-            c = min(self.candidates, coarse.shape[1])
-            if self.use_triton and coarse.shape[1] <= SMALL_TOPK_MAX:  # reads only each row's filled slots
-                cand_scores, cand = small_topk(coarse, c, rows1, counts=counts1)
-            else:
-                cand_scores, cand = small_topk_reference(coarse, c, rows1)
+                cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
                                                      self.miss_filter, spill=self.spill, set_count=self.set_count)
