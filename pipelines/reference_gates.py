@@ -31,8 +31,8 @@ from dsaindex.pipelines.reference_train import (
     ROPE_LAYOUT,
     _chunk_index_scores,
     heldout_windows,
-    indexer_kl_layer,
-    mla_qkv,
+    run_layers,
+    topk_allowed,
 )
 
 
@@ -43,27 +43,20 @@ def model_logits(model, input_ids, topk: int | None = None, positions: Any = Non
     import torch
     import torch.nn.functional as F
 
-    core = model.model
-    b, s = input_ids.shape
+    s = input_ids.shape[1]
+
+    def attend(i, attn, x, q, k, v, q_resid, cos, sin):
+        if topk is None or topk >= s:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+        allowed = topk_allowed(attn.indexer, x, q_resid, cos, sin, topk, query_chunk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
+
     with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16,
                                          enabled=input_ids.device.type == "cuda"):
-        h = core.embed_tokens(input_ids)
-        position_ids = torch.arange(s, device=input_ids.device)[None, :].expand(b, -1)
-        cos, sin = core.rotary_emb(h, position_ids)
-        for layer in core.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
-            if topk is None or topk >= s:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-            else:
-                _, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = run_layers(model, input_ids, attend)
         if positions is not None:
             h = h[:, positions]
-        return model.lm_head(core.norm(h)).float()
+        return model.lm_head(model.model.norm(h)).float()
 
 
 def needle_prompts(tokenizer_path: Path, filler: Any, seq_len: int, count: int, keys: int = 4, bos: int = 0,
@@ -186,41 +179,34 @@ def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, qu
 
     ids, _ = heldout_windows(stream, seq_len, windows, bos)
     device = next(model.parameters()).device
-    core = model.model
-    n_layers = len(core.layers)
+    n_layers = len(model.model.layers)
     sums = [{"keys_per_block": 0.0, "far_share": 0.0, "coverage": 0.0, "oracle": 0.0, "window": 0.0}
             for _ in range(n_layers)]
-    count = 0
     rows = torch.arange(seq_len - queries, seq_len, device=device)
+    visible = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
+    kk = min(topk, seq_len)
+
+    def measure(i, attn, x, q, k, v, q_resid, cos, sin):
+        """Layer ``i``'s top-k statistics for the measured queries, then its dense attention."""
+        keys, qi, wi = mla_indexer_tensors(attn.indexer, ROPE_LAYOUT, x, q_resid, cos, sin, query_rows=rows)
+        top = _chunk_index_scores(qi, keys, wi)[0].masked_fill(~visible, float("-inf")).topk(kk, dim=-1).indices
+        logits = torch.matmul(q[0][:, rows].float(), k[0].float().transpose(-1, -2)) * attn.scaling
+        p = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1).sum(0)
+        p = p / p.sum(-1, keepdim=True)  # [n, S]: the heads' attention, summed and normalized
+        blocks = torch.zeros(rows.shape[0], -(-seq_len // block), device=device).scatter_(1, top // block, 1.0)
+        recent = (torch.arange(seq_len, device=device)[None, :] > rows[:, None] - kk) & visible
+        s = sums[i]
+        s["keys_per_block"] += float((kk / blocks.sum(-1)).sum())
+        s["far_share"] += float(((rows[:, None] - top) > far).float().mean(-1).sum())
+        s["coverage"] += float(p.gather(1, top).sum(-1).sum())
+        s["oracle"] += float(p.topk(kk, dim=-1).values.sum(-1).sum())
+        s["window"] += float((p * recent).sum(-1).sum())
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+
     for w in range(ids.shape[0]):
-        x_ids = ids[w : w + 1].to(device)
         with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            h = core.embed_tokens(x_ids)
-            cos, sin = core.rotary_emb(h, torch.arange(seq_len, device=device)[None])
-            for i, layer in enumerate(core.layers):
-                attn = layer.self_attn
-                x = layer.input_layernorm(h)
-                q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
-                keys, qi, wi = mla_indexer_tensors(attn.indexer, ROPE_LAYOUT, x, q_resid, cos, sin, query_rows=rows)
-                scores = _chunk_index_scores(qi, keys, wi)[0]  # [n, S]
-                visible = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
-                kk = min(topk, seq_len)
-                top = scores.masked_fill(~visible, float("-inf")).topk(kk, dim=-1).indices  # [n, k]
-                logits = torch.matmul(q[0][:, rows].float(), k[0].float().transpose(-1, -2)) * attn.scaling
-                p = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1).sum(0)
-                p = p / p.sum(-1, keepdim=True)  # [n, S]
-                blocks = torch.zeros(rows.shape[0], -(-seq_len // block), device=device).scatter_(1, top // block, 1.0)
-                s = sums[i]
-                s["keys_per_block"] += float((kk / blocks.sum(-1)).sum())
-                s["far_share"] += float(((rows[:, None] - top) > far).float().mean(-1).sum())
-                s["coverage"] += float(p.gather(1, top).sum(-1).sum())
-                s["oracle"] += float(p.topk(kk, dim=-1).values.sum(-1).sum())
-                recent = (torch.arange(seq_len, device=device)[None, :] > rows[:, None] - kk) & visible
-                s["window"] += float((p * recent).sum(-1).sum())
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-                h = h + attn.o_proj(o.transpose(1, 2).reshape(1, seq_len, -1))
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-        count += rows.shape[0]
+            run_layers(model, ids[w : w + 1].to(device), measure)
+    count = ids.shape[0] * rows.shape[0]
     layers = [{name: value / max(1, count) for name, value in s.items()} for s in sums]
     mean = {name: sum(layer[name] for layer in layers) / n_layers for name in layers[0]}
     return {"seq_len": seq_len, "topk": topk, "queries": count, "block": block, "far": far, **mean,

@@ -547,6 +547,31 @@ class ForwardResult:
     kl: Any = None
 
 
+def run_layers(model, input_ids, attend: Callable[..., Any]):
+    """The decoder stack of a ``DeepseekV32ForCausalLM`` as its forward runs it, with each layer's attention
+    chosen by the caller: ``attend(i, attn, x, q, k, v, q_resid, cos, sin)`` returns the attention output
+    [B, heads, S, v_dim] of layer ``i`` (``x`` its normed input, ``q``/``k``/``v`` from :func:`mla_qkv`), or
+    None to stop there. Returns the last hidden state [B, S, hidden] (before the final norm), or None when
+    stopped."""
+    import torch
+
+    core = model.model
+    b, s = input_ids.shape
+    h = core.embed_tokens(input_ids)
+    position_ids = torch.arange(s, device=input_ids.device)[None, :].expand(b, -1)
+    cos, sin = core.rotary_emb(h, position_ids)
+    for i, layer in enumerate(core.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
+        o = attend(i, attn, x, q, k, v, q_resid, cos, sin)
+        if o is None:
+            return None
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h
+
+
 def training_forward(model, input_ids, labels, mode: str, topk: int | None = None, query_chunk: int = 256,
                      kl_rows=None, attn_chunk: int | None = None):
     """One forward pass of the recipe.
@@ -569,48 +594,35 @@ def training_forward(model, input_ids, labels, mode: str, topk: int | None = Non
     assert mode in ("dense", "warmup", "sparse"), mode
     if mode == "sparse":
         assert topk is not None
-    core = model.model
-    b, s = input_ids.shape
-    h = core.embed_tokens(input_ids)
-    position_ids = torch.arange(s, device=input_ids.device)[None, :].expand(b, -1)
-    cos, sin = core.rotary_emb(h, position_ids)
     kls = []
-    n_layers = len(core.layers)
-    for i, layer in enumerate(core.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
+    n_layers = len(model.model.layers)
+
+    def attend(i, attn, x, q, k, v, q_resid, cos, sin):
         if mode == "dense":
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
-        elif mode == "warmup":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+        if mode == "warmup":
             if kl_rows is not None:
                 kl = indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, kl_rows)
             else:
-                kl, _ = indexer_kl_layer(
-                    attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk
-                )
+                kl, _ = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, None, query_chunk)
             kls.append(kl)
             if i == n_layers - 1:
-                break
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+                return None  # the warm-up needs no output
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+        if kl_rows is not None:
+            allowed = topk_allowed(attn.indexer, x.detach(), q_resid.detach(), cos, sin, topk, query_chunk)
+            kl = indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, kl_rows, allowed)
         else:
-            if kl_rows is not None:
-                allowed = topk_allowed(attn.indexer, x.detach(), q_resid.detach(), cos, sin, topk, query_chunk)
-                kl = indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, kl_rows, allowed)
-            else:
-                kl, allowed = indexer_kl_layer(
-                    attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk
-                )
-            kls.append(kl)
-            if attn_chunk:
-                o = chunked_attention(q, k, v, attn.scaling, allowed, attn_chunk)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+            kl, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, query_chunk)
+        kls.append(kl)
+        if attn_chunk:
+            return chunked_attention(q, k, v, attn.scaling, allowed, attn_chunk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling)
+
+    h = run_layers(model, input_ids, attend)
     result = ForwardResult(kl=torch.stack(kls).mean() if kls else None)
     if mode != "warmup":
-        logits = model.lm_head(core.norm(h)).float()
+        logits = model.lm_head(model.model.norm(h)).float()
         result.lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
     return result
 
