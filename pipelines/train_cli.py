@@ -97,8 +97,11 @@ def eval_pq_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
-    from dsaindex.console import print_json, print_recall_tables
-    from dsaindex.train.pq_job import evaluate_bundle
+    from rich.console import Console
+
+    from dsaindex.console import print_json, print_recall_tables, print_tables, recall_table
+    from dsaindex.train.pq_job import PAPER_K, evaluate_bundle
+    from dsaindex.train.recall import band_rows
 
     opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)  # only the evaluation's fields count
     result = evaluate_bundle(bundle, store, opts)
@@ -106,6 +109,11 @@ def eval_pq_cmd(
         print_json({"per_layer": {str(k): v for k, v in result["per_layer"].items()}, "mean": result["mean"]})
         return
     print_recall_tables(result["per_layer"], result["mean"], result["ks"], opts.candidates)
+    by_band = band_rows([("mean", result["mean"])], PAPER_K)
+    if len(by_band) > 1:
+        print_tables([recall_table(by_band, PAPER_K, opts.candidates,
+                                   f"mean recall of the exact top-{PAPER_K} by prefix band (keys)", caption=False)],
+                     Console())
 
 
 @eval_app.command("pq-compare")
@@ -137,6 +145,7 @@ def eval_pq_compare_cmd(
     from dsaindex.console import parse_ints, print_tables, progress_bar, recall_table
     from dsaindex.errors import DsaIndexError
     from dsaindex.train.pq_job import PAPER_K, check_options, train_pq
+    from dsaindex.train.recall import band_rows
 
     known = ("plain", "score-aware", "opq", "opq-score-aware")
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
@@ -166,8 +175,13 @@ def eval_pq_compare_cmd(
     if as_json:
         print(text)
         return
-    print_tables([recall_table(list(results.items()), k, cases[0].candidates, f"mean recall of the exact top-{k}",
-                               caption=False) for k in sorted({PAPER_K, geometry.topk})], Console())
+    tables = [recall_table(list(results.items()), k, cases[0].candidates, f"mean recall of the exact top-{k}",
+                           caption=False) for k in sorted({PAPER_K, geometry.topk})]
+    by_band = band_rows(list(results.items()), PAPER_K)
+    if len({name.rsplit(", ", 1)[1] for name, _ in by_band}) > 1:
+        tables.append(recall_table(by_band, PAPER_K, cases[0].candidates,
+                                   f"mean recall of the exact top-{PAPER_K} by prefix band (keys)", caption=False))
+    print_tables(tables, Console())
 
 
 @train_app.command("ivf")

@@ -7,7 +7,7 @@ from dsaindex.errors import DsaIndexError
 from dsaindex.pq import PQSpec, decode, encode, quantization_mse, relative_mse
 from dsaindex.score import indexer_scores
 from dsaindex.train.pq import score_gradient_metric, train_codebooks
-from dsaindex.train.recall import HeldOut, evaluate_selection, split_sequences
+from dsaindex.train.recall import HeldOut, band_rows, evaluate_selection, prefix_band, split_sequences
 
 
 def clustered_keys(n=4096, dim=64, seed=0):
@@ -106,6 +106,24 @@ def test_recall_evaluation_bounds():
     assert near["k16/rerank@64"] > 0.95 and near["k16/direct"] > bad["k16/direct"]
     # C at or above the prefix is exhaustive, not reported
     assert "k16/rerank@600" not in evaluate_selection(data, data.keys, ks=(16,), candidates=(600,))
+
+
+def test_recall_by_prefix_band():
+    assert [prefix_band(n) for n in (0, 16383, 16384, 40000, 131072, 1048575, 1 << 21)] == [
+        "0-16K", "0-16K", "16K-32K", "32K-64K", "128K-256K", "512K-1M", "1M-max"]
+    data = heldout(n_keys=40000, n_queries=8)
+    data.visible = torch.tensor([8000, 9000, 20000, 30000, 33000, 39000, 40000, 40000])
+    noise = torch.randn_like(data.keys)
+    out = evaluate_selection(data, data.keys + 0.3 * noise, ks=(16,), candidates=(64,))
+    counts = {band: out[f"k16@{band}/queries"] for band in ("0-16K", "16K-32K", "32K-64K")}
+    assert counts == {"0-16K": 2, "16K-32K": 2, "32K-64K": 4} and out["k16/queries"] == 8
+    for name in ("direct", "rerank@64", "fetch@64"):  # the overall figure is the query-weighted band mean
+        weighted = sum(out[f"k16@{band}/{name}"] * n for band, n in counts.items()) / 8
+        assert abs(weighted - out[f"k16/{name}"]) < 1e-9
+    rows = band_rows([("a", out), ("b", out)], 16)
+    assert [name for name, _ in rows] == ["a, 0-16K", "b, 0-16K", "a, 16K-32K", "b, 16K-32K", "a, 32K-64K",
+                                          "b, 32K-64K"]
+    assert rows[4][1]["k16/direct"] == out["k16@32K-64K/direct"] and "k16/queries" in rows[4][1]
 
 
 def test_split_sequences():

@@ -11,6 +11,10 @@ For each held-out query whose causal prefix holds at least ``4 * k`` keys:
   scores) are dropped before the exact rescore; ``fetch@C`` is the share of candidates kept (what a
   cold cache would read from host).
 
+Each metric is also reported per prefix band (``k512@32K-64K/rerank@2048``: queries whose causal prefix
+holds 32K to 64K keys, see :func:`prefix_band`), since recall falls as prefixes grow and an average over
+short and long prefixes hides that.
+
 ``rerank@C``, ``filter@C`` and ``fetch@C`` are left out where ``C <= k`` (the top-C then is the direct
 top-k, so reranking it changes nothing) and for queries whose prefix is not longer than ``C`` (reranking
 would score every key: exhaustive, not coarse-to-fine).
@@ -34,6 +38,37 @@ if TYPE_CHECKING:
 
 CANDIDATES = (1024, 2048, 4096)
 PAPER_K = 512
+BAND_EDGES = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # prefix lengths (keys) where bands meet
+
+
+def _kilo(n: int) -> str:
+    return f"{n // 1048576}M" if n >= 1048576 else f"{n // 1024}K"
+
+
+def prefix_band(n: int) -> str:
+    """The band of a causal prefix of ``n`` keys: ``0-16K``, ``16K-32K``, ..., ``512K-1M``, ``1M-max``
+    (lower edge included; names MLflow takes as they are)."""
+    lower = [e for e in BAND_EDGES if e <= n]
+    if not lower:
+        return f"0-{_kilo(BAND_EDGES[0])}"
+    if lower[-1] == BAND_EDGES[-1]:
+        return f"{_kilo(BAND_EDGES[-1])}-max"
+    return f"{_kilo(lower[-1])}-{_kilo(BAND_EDGES[len(lower)])}"
+
+
+def band_rows(rows: list[tuple[str, dict]], k: int) -> list[tuple[str, dict]]:
+    """Per prefix band, shortest first, the rows of named :func:`evaluate_selection` results renamed
+    ``"<name>, <band>"`` with that band's metrics under the overall names (``k512@32K-64K/direct`` ->
+    ``k512/direct``), for a recall table by band."""
+    order = [prefix_band(0), *(prefix_band(e) for e in BAND_EDGES)]
+    out = []
+    for band in order:
+        tag = f"k{k}@{band}/"
+        for name, metrics in rows:
+            picked = {f"k{k}/" + key[len(tag):]: v for key, v in metrics.items() if key.startswith(tag)}
+            if picked:
+                out.append((f"{name}, {band}", picked))
+    return out
 
 
 @dataclass
@@ -124,18 +159,21 @@ def evaluate_selection(
     Returns
     -------
     {"k512/direct": r, "k512/rerank@2048": r, "k512/filter@2048": r, "k512/fetch@2048": share,
-     "k512/queries": n, ...} (means over queries whose prefix holds at least 4k keys)
+     "k512/queries": n, ...} (means over queries whose prefix holds at least 4k keys), and the same per
+    prefix band: {"k512@32K-64K/direct": r, ..., "k512@32K-64K/queries": n}
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
 
-    def add(name: str, value: float) -> None:
-        sums[name] = sums.get(name, 0.0) + value
-        counts[name] = counts.get(name, 0) + 1
+    def add(name: str, value: float) -> None:  # overall, and in the query's prefix band
+        for key in (name, name.replace("/", f"@{band}/", 1)):
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
 
     keys, coarse_all = data.keys.to(device), coarse_keys.to(device)
     for i in range(data.queries.shape[0]):
         start, n = int(data.key_start[i]), int(data.visible[i])
+        band = prefix_band(n)
         q, w = data.queries[i : i + 1].to(device), data.head_weights[i : i + 1].to(device)
         exact = indexer_scores(q, keys[start : start + n], w)[0]
         coarse = indexer_scores(q, coarse_all[start : start + n], w)[0]
@@ -157,8 +195,10 @@ def evaluate_selection(
                 add(f"{tag}/filter@{c}", _recall(filtered, truth))
                 add(f"{tag}/fetch@{c}", kept.numel() / cand.numel())
     out = {name: sums[name] / counts[name] for name in sums}
+    for name in [n for n in counts if n.endswith("/direct")]:
+        out[name.replace("/direct", "/queries")] = float(counts[name])
     for k in ks:
-        out[f"k{k}/queries"] = float(counts.get(f"k{k}/direct", 0))
+        out.setdefault(f"k{k}/queries", 0.0)
     return out
 
 
