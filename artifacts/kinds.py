@@ -8,8 +8,9 @@ dispatch through :func:`get_kind`, so a new kind (cross-layer reuse plans, say) 
 
 Built in:
 
-* ``pq``: per-layer PQ codebooks (:class:`dsaindex.pq.PQCodec`), arrays ``codebooks`` [M, K, D/M] and,
-  for score-aware codebooks, ``metric`` [M, D/M, D/M];
+* ``pq``: per-layer PQ codebooks (:class:`dsaindex.pq.PQCodec`), arrays ``codebooks`` [M, K, D/M],
+  for score-aware codebooks ``metric`` [M, D/M, D/M], and for OPQ codebooks (``params["rotate"]``)
+  ``rotation`` [D, D] (orthogonal; the codes are of ``keys @ rotation.T``);
 * ``ivf``: a causal-IVF routing encoder (:class:`IVFLayer`): the encoder's arrays
   (:data:`ENCODER_ARRAYS`) and the index settings it was trained with (:class:`IVFIndexSettings`);
 * ``reuse``: cross-layer top-k reuse plans (:class:`ReusePlans`), a model-level artifact: see
@@ -86,26 +87,43 @@ def get_kind(name: str) -> ArtifactKind:
 
 # ---- pq --------------------------------------------------------------------------------------------
 class PQParams(BaseModel):
-    """Parameters of a ``pq`` layer; training notes (trainer, train_keys, ...) ride along as extras."""
+    """Parameters of a ``pq`` layer; training notes (trainer, train_keys, ...) ride along as extras.
+    ``rotate``: the codes are of rotated keys (OPQ) and the layer stores the ``rotation`` array."""
 
     model_config = ConfigDict(extra="allow")
     subspaces: int
     centroids: int = 256
     score_aware: bool = False
+    rotate: bool = False
 
 
 def _place_pq(params: PQParams, tensors: dict[str, Any]):
+    from dsaindex.errors import CorruptBundleError
     from dsaindex.pq import PQCodec
 
-    return PQCodec(tensors["codebooks"], tensors.get("metric"))
+    fix = "train the layer again (`dsaindex train pq STORE --rotate` for OPQ codebooks, without it for plain PQ)."
+    rotation = tensors.get("rotation")
+    if params.rotate and rotation is None:
+        raise CorruptBundleError("The pq layer's params say its codes are of rotated keys (rotate=true, OPQ), but "
+                                 "it stores no 'rotation' array: without it keys and queries would be coded in the "
+                                 "wrong basis.", fix)
+    if rotation is not None and not params.rotate:
+        raise CorruptBundleError("The pq layer stores a 'rotation' array, but its params do not say rotate=true: "
+                                 "whether its codes are of rotated keys is ambiguous.", fix)
+    try:
+        return PQCodec(tensors["codebooks"], tensors.get("metric"), rotation)
+    except DsaIndexError as err:  # a rotation of the wrong shape, or not orthogonal
+        raise CorruptBundleError(err.problem, fix) from None
 
 
 def _summarize_pq(codec) -> dict[str, Any]:
-    return {"kind": "pq", "subspaces": codec.subspaces, "score_aware": codec.metric is not None}
+    return {"kind": "pq", "subspaces": codec.subspaces, "score_aware": codec.metric is not None,
+            "rotate": codec.rotation is not None}
 
 
 def _describe_pq(codec) -> str:
-    return f"PQ{codec.subspaces}{' score-aware' if codec.metric is not None else ''}"
+    name = f"{'OPQ' if codec.rotation is not None else 'PQ'}{codec.subspaces}"
+    return f"{name}{' score-aware' if codec.metric is not None else ''}"
 
 
 # ---- ivf -------------------------------------------------------------------------------------------
@@ -171,7 +189,7 @@ def _describe_ivf(layer: IVFLayer) -> str:
 
 
 register_kind(ArtifactKind("pq", PQParams, ("codebooks",), _place_pq, _summarize_pq, _describe_pq,
-                           optional_arrays=("metric",)))
+                           optional_arrays=("metric", "rotation")))
 register_kind(ArtifactKind("ivf", IVFParams, ENCODER_ARRAYS, _place_ivf, _summarize_ivf, _describe_ivf))
 
 
@@ -219,6 +237,21 @@ class ReusePlan(BaseModel):
     kept: list[int]
     sources: list[int]
     recall: float = Field(ge=0.0, le=1.0)
+
+
+def lagged_sources(layers: list[int], kept: list[int]) -> list[int]:
+    """The Multi-layer Indexer's lag: per layer of ``layers`` (ascending), the kept layer whose selection it
+    attends when every kept indexer runs one layer early, on a side stream under its own layer's attention
+    and feed-forward: the nearest kept layer strictly before it; the first kept layer (and any layer
+    before it) attends its own. With every layer kept (MLI alone) layer ``l`` attends layer ``l - 1``'s
+    selection; with an IndexCache plan the kept layer's selection serves the layers after it up to and
+    including the next kept layer."""
+    order = sorted(kept)
+    out = []
+    for layer in layers:
+        earlier = [k for k in order if k < layer]
+        out.append(earlier[-1] if earlier else layer)
+    return out
 
 
 class ReuseParams(BaseModel):

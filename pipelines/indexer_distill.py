@@ -66,7 +66,9 @@ def _prelude(model, input_ids):
 
 def plan_forward_loss(model, input_ids, labels, sources: list[int], topk: int) -> tuple[float, list[float]]:
     """Sparse attention under a plan: layer ``i`` attends the top-``topk`` keys of each query's causal
-    prefix scored by the indexer of layer ``sources[i]`` (``sources[i] == i``: its own). Returns (the mean
+    prefix scored by the indexer of layer ``sources[i]`` (``sources[i] == i``: its own; an earlier layer
+    that also attends another's, as under the MLI lag, :func:`dsaindex.artifacts.kinds.lagged_sources`).
+    Returns (the mean
     next-token cross-entropy in nats, per layer the share of the top-k its own indexer would choose that
     the one it attends keeps: the retained recall, 1 for a kept layer). No gradient."""
     import torch
@@ -80,6 +82,7 @@ def plan_forward_loss(model, input_ids, labels, sources: list[int], topk: int) -
         core, h, cos, sin, causal = _prelude(model, input_ids)
         b, s = input_ids.shape
         masks: dict[int, torch.Tensor] = {}
+        wanted = set(sources)
         recall = []
         for i, layer in enumerate(core.layers):
             attn, x, q, k, v, q_resid = _layer_tensors(layer, h, cos, sin)
@@ -87,7 +90,7 @@ def plan_forward_loss(model, input_ids, labels, sources: list[int], topk: int) -
             if src != i and src not in masks:
                 raise ValueError(f"layer {i} reuses layer {src}, which is not an earlier kept layer")
             own = top_mask(_index_scores(attn.indexer, x, q_resid, cos, sin))
-            if src == i:
+            if i in wanted:  # a kept layer: it or later layers attend its selection (the MLI lag: later only)
                 masks[i] = own
             recall.append(float((own & masks[src]).sum()) / max(1, int(own.sum())))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[src][:, None], scale=attn.scaling)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dsaindex.artifacts.kinds import lagged_sources
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
@@ -102,6 +103,11 @@ class ServedIndex(ModuleHooks):
     artifact's plan): a layer that reuses takes that layer's final selection of the same forward
     (the runtime's or the model's own) instead of its own; ``measure_recall`` logs how much of its own
     top-k the reused one keeps. Its own indexer still runs in transformers (its output is replaced)
+    lag : the Multi-layer Indexer's schedule over the kept layers (those not in ``reuse``; all of them
+    without a plan): every layer attends the selection of the nearest kept layer before it
+    (:func:`dsaindex.artifacts.kinds.lagged_sources`), so a kept layer's own selection is first used by
+    the next layer and its indexer can run under its own layer's attention; the first kept layer
+    attends its own
     """
 
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
@@ -109,7 +115,7 @@ class ServedIndex(ModuleHooks):
                  prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
                  pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
-                 reuse: dict[int, int] | None = None):
+                 reuse: dict[int, int] | None = None, lag: bool = False):
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
@@ -125,7 +131,13 @@ class ServedIndex(ModuleHooks):
             raise ArtifactMismatchError(f"The reuse plan {self.reuse} names layers that are not earlier indexer "
                                         f"layers of the served model ({sorted(self.indexers)}).",
                                         "serve a reuse plan trained for this model.")
-        self._sources = set(self.reuse.values())
+        order = sorted(self.indexers)
+        kept = [layer for layer in order if layer not in self.reuse]
+        self.lag = lag
+        # the layer whose selection each layer attends (absent: its own)
+        self.attend = ({layer: src for layer, src in zip(order, lagged_sources(order, kept), strict=True)
+                        if src != layer} if lag else dict(self.reuse))
+        self._sources = set(self.attend.values())
         self._last: dict[int, torch.Tensor] = {}
         self._past_rows: list[int] = [0]
         # a layer that reuses another's selection needs no state of its own
@@ -178,15 +190,16 @@ class ServedIndex(ModuleHooks):
                 if layer not in self.reuse:
                     by_path.setdefault(getattr(p, phase), []).append(layer)
             parts += [f"{phase} {path}: layers {_ranges(layers)}" for path, layers in sorted(by_path.items())]
-        if self.reuse:
-            parts.append("reuse: " + ", ".join(f"{layer} <- {src}" for layer, src in sorted(self.reuse.items())))
+        if self.attend:
+            parts.append(("attends (MLI lag): " if self.lag else "reuse: ")
+                         + ", ".join(f"{layer} <- {src}" for layer, src in sorted(self.attend.items())))
         return "; ".join(parts)
 
     # ---- hooks -------------------------------------------------------------------------------------
     def attach(self) -> None:
         for layer, module in self.indexers.items():
             if (layer in self.decode_layers or layer in self.prefill_layers or self.streamer is not None
-                    or layer in self.reuse or layer in self._sources):
+                    or layer in self.attend or layer in self._sources):
                 self.register(module, pre=self._before(layer), post=self._after(layer))
 
     def remove(self) -> None:
@@ -304,12 +317,16 @@ class ServedIndex(ModuleHooks):
         def hook(mod: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:
             if self.streamer is not None:
                 self.streamer.release(layer)
-            source = self.reuse.get(layer, layer)
-            if source != layer:
+            source = self.attend.get(layer, layer)
+            if layer in self.reuse:  # no selection of its own
                 return self._reused(layer, source, output)
             result = self._replacement(layer, output)
+            own = output if result is None else result
+            if source != layer:  # a kept layer under the lag attends an earlier kept layer's selection
+                lagged = self._reused(layer, source, output)
+                result = result if lagged is None else lagged
             if layer in self._sources:  # later layers take this selection
-                self._last[layer] = output if result is None else result
+                self._last[layer] = own
             return result
 
         return hook

@@ -89,6 +89,12 @@ def test_plan_quality_attends_the_source_layers_selection(reference):
     assert abs(loss / 0.6931471805599453 - dense) < 2e-3
     with pytest.raises(ValueError, match="not an earlier kept layer"):
         plan_forward_loss(net, ids, labels, [0, 2, 2, 2], TOPK)
+    # the MLI lag: kept layer 2 attends layer 0's selection, layer 3 attends layer 2's own
+    lagged = plan_quality(net, ids, labels, [0, 0, 0, 2], TOPK)
+    plain = plan_quality(net, ids, labels, [0, 0, 2, 2], TOPK)
+    assert lagged["retained_recall"][:2] == plain["retained_recall"][:2] == [1.0, shared["retained_recall"][1]]
+    assert lagged["retained_recall"][2] < 1.0 == plain["retained_recall"][2]
+    assert lagged["bits_per_byte"] != plain["bits_per_byte"]
 
 
 def test_overlay_loads_onto_its_checkpoint_only(reference, tmp_path):

@@ -272,6 +272,40 @@ def test_cross_layer_reuse_takes_the_kept_layers_selection(served):
         ServedIndex(net, {}, {}, reuse={1: 2})
 
 
+def test_mli_lag_attends_the_previous_kept_layers_selection(served):
+    """Under the Multi-layer Indexer's lag, a layer attends the selection the nearest kept layer before it
+    made in the same forward (a kept layer too), while kept layers still compute their own for the next."""
+    from dsaindex.artifacts.kinds import lagged_sources
+    from dsaindex.runtime.serving import ServedIndex
+
+    assert lagged_sources([0, 1, 2, 3], [0, 1, 2, 3]) == [0, 0, 1, 2]  # MLI alone
+    assert lagged_sources([0, 1, 2, 3], [0, 2]) == [0, 0, 0, 2]  # IndexCache 1/2 + MLI: 2 attends 0
+    net, _, _ = served
+    index = ServedIndex(net, {}, {}, use_triton=False, reuse={1: 0, 3: 2}, lag=True)
+    assert index.attend == {1: 0, 2: 0, 3: 2}
+    assert index.describe().endswith("attends (MLI lag): 1 <- 0, 2 <- 0, 3 <- 2")
+    own: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+    attended: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+    indexers = [net.model.layers[i].self_attn.indexer for i in range(4)]
+    # hooks run in the order they were registered: before the runtime's, the model's own selection; after
+    # it, what the layer attends
+    handles = [m.register_forward_hook(lambda mod, args, out, i=i: own[i].append(out.clone()))
+               for i, m in enumerate(indexers)]
+    try:
+        with index:
+            handles += [m.register_forward_hook(lambda mod, args, out, i=i: attended[i].append(out.clone()))
+                        for i, m in enumerate(indexers)]
+            _generate(net, _text(11_000, 300), 4)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(attended[3]) == 4  # the prompt, then a forward per new token but the last
+    for layer, source in ((0, 0), (1, 0), (2, 0), (3, 2)):
+        for a, b in zip(attended[layer], own[source], strict=True):
+            assert torch.equal(a, b), (layer, source)
+    assert not torch.equal(own[2][0], own[0][0])  # kept layer 2 still chooses its own, for layer 3
+
+
 def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
     import numpy as np
 
