@@ -36,6 +36,9 @@ def serve_cmd(
     retention: str = typer.Option(None, help="With a reuse bundle among --artifacts: the plan to serve ('1/2', "
                                              "'1/4', ...): layers without an indexer in it take their kept "
                                              "layer's selection."),
+    lag: bool = typer.Option(False, "--lag", help="The Multi-layer Indexer: every layer attends the nearest kept "
+                                                  "layer before it, each kept layer's selection running on a side "
+                                                  "stream under its own layer (CUDA)."),
     basis: str = typer.Option("hadamard", help="Key basis the artifacts were trained in."),
     allow_other_weights: bool = typer.Option(False, "--allow-other-weights",
                                              help="Serve artifacts trained for another model of the same geometry."),
@@ -59,7 +62,8 @@ def serve_cmd(
         set_index_topk(net, topk)
     index = load(artifacts, net, name=loaded.name, device=dev, basis=basis, allow_other_weights=allow_other_weights,
                  tracking_uri=tracking_uri, served=identity, candidates=candidates, prefilter=prefilter,
-                 ivf_budget=ivf_budget, exact_below=exact_below, stream_prefix=stream_prefix, retention=retention)
+                 ivf_budget=ivf_budget, exact_below=exact_below, stream_prefix=stream_prefix, retention=retention,
+                 lag=lag)
     index.attach()
     name = model_id or f"dsaindex/{loaded.name}"
     typer.echo(f"serving {name} ({loaded.name}, top-{index.topk}) on http://{host}:{port}/v1 with "

@@ -108,6 +108,10 @@ class ServedIndex(ModuleHooks):
     (:func:`dsaindex.artifacts.kinds.lagged_sources`), so a kept layer's own selection is first used by
     the next layer and its indexer can run under its own layer's attention; the first kept layer
     attends its own
+    side_stream : with ``lag`` on a CUDA device (the default there), each lagged kept layer's selection
+    (the model's indexer and the runtime's own work for that layer) runs on a side stream, forked when
+    the layer's indexer is called and joined where a later layer first attends it; the layer itself
+    attends the earlier selection on the main stream meanwhile. Not with ``stream_prefix``
     """
 
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
@@ -115,7 +119,7 @@ class ServedIndex(ModuleHooks):
                  prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
                  pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
-                 reuse: dict[int, int] | None = None, lag: bool = False):
+                 reuse: dict[int, int] | None = None, lag: bool = False, side_stream: bool | None = None):
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
@@ -138,6 +142,8 @@ class ServedIndex(ModuleHooks):
         self.attend = ({layer: src for layer, src in zip(order, lagged_sources(order, kept), strict=True)
                         if src != layer} if lag else dict(self.reuse))
         self._sources = set(self.attend.values())
+        # MLI on a side stream: the kept layers whose selection is first attended by a later layer
+        self.forked = {layer for layer in kept if self.attend.get(layer, layer) != layer and layer in self._sources}
         self._last: dict[int, torch.Tensor] = {}
         self._past_rows: list[int] = [0]
         # a layer that reuses another's selection needs no state of its own
@@ -162,6 +168,17 @@ class ServedIndex(ModuleHooks):
         self.ivf: dict[int, list[IVFPrefillIndexer | None]] = {layer: [None] * slots for layer in self.prefill_layers}
         self.log = ServingLog()
         self._chosen: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self.side = None
+        self._main: Any = None
+        self._done: dict[int, Any] = {}  # kept layer -> the side stream's event after its selection
+        if side_stream is None:
+            side_stream = lag and self.device.type == "cuda"
+        if side_stream:
+            if not lag or self.device.type != "cuda" or stream_prefix:
+                raise DsaIndexError("A side stream serves the MLI lag on a CUDA device, without streamed prefill "
+                                    f"(lag={lag}, device {self.device}, stream_prefix={stream_prefix}).",
+                                    "pass lag=True on a CUDA device and stream_prefix=False, or side_stream=False.")
+            self.side = torch.cuda.Stream(self.device)
         self.streamer = None
         if stream_prefix:
             if slots != 1:
@@ -205,6 +222,12 @@ class ServedIndex(ModuleHooks):
     def remove(self) -> None:
         """Detach the hooks and free every request's state."""
         super().remove()
+        if self._main is not None:  # a forward stopped between a fork and its join
+            torch.cuda.set_stream(self._main)
+            self._main = None
+        if self.side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self._done.clear()
         for group in self.groups.values():
             group.free_all()
         for indexers in self.ivf.values():
@@ -277,6 +300,14 @@ class ServedIndex(ModuleHooks):
                                             "load the runtime with slots >= the server's batch size.")
             past = self._past(a, new)
             self._past_rows = past
+            if self.side is not None:
+                if layer == min(self.indexers):  # a new forward: every selection of the last one is joined
+                    main = torch.cuda.current_stream(self.device)
+                    for done in self._done.values():
+                        main.wait_event(done)
+                    self._done.clear()
+                if layer in self.forked:
+                    self._fork(a)
             if self.streamer is not None:
                 self._stream(layer, a, new, past[0])
             if layer in self.reuse or (layer not in self.groups and layer not in self.ivf):
@@ -322,8 +353,12 @@ class ServedIndex(ModuleHooks):
                 return self._reused(layer, source, output)
             result = self._replacement(layer, output)
             own = output if result is None else result
+            if self._main is not None:  # this layer's selection ran on the side stream: back to the main one
+                own = self._join(layer, own)
             if source != layer:  # a kept layer under the lag attends an earlier kept layer's selection
                 lagged = self._reused(layer, source, output)
+                if lagged is None and layer in self._done:  # it attends its own after all: wait for it
+                    torch.cuda.current_stream(self.device).wait_event(self._done[layer])
                 result = result if lagged is None else lagged
             if layer in self._sources:  # later layers take this selection
                 self._last[layer] = own
@@ -331,8 +366,34 @@ class ServedIndex(ModuleHooks):
 
         return hook
 
+    def _fork(self, a: dict[str, Any]) -> None:
+        """Make the side stream current for this layer's selection, after the main stream's work so far (the
+        layer's inputs); the inputs are marked as read there."""
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
+        for value in a.values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(self.side)
+        self._main = main
+        torch.cuda.set_stream(self.side)
+
+    def _join(self, layer: int, own: torch.Tensor) -> torch.Tensor:
+        """Back to the main stream after ``layer``'s selection was queued on the side stream; later layers
+        wait for the event recorded here before they attend it."""
+        done = torch.cuda.Event()
+        done.record(self.side)
+        self._done[layer] = done
+        own.record_stream(self._main)
+        torch.cuda.set_stream(self._main)
+        if self.measure_recall:  # the log compares the layer's own choice on the main stream now
+            self._main.wait_event(done)
+        self._main = None
+        return own
+
     def _reused(self, layer: int, source: int, output: torch.Tensor) -> torch.Tensor | None:
         """The selection of the kept layer ``source`` in place of ``layer``'s own (IndexCache reuse)."""
+        if source in self._done:  # queued on the side stream: the main stream waits for it here
+            torch.cuda.current_stream(self.device).wait_event(self._done[source])
         chosen = self._last.get(source)
         if chosen is None or chosen.shape != output.shape:
             return None

@@ -306,6 +306,34 @@ def test_mli_lag_attends_the_previous_kept_layers_selection(served):
     assert not torch.equal(own[2][0], own[0][0])  # kept layer 2 still chooses its own, for layer 3
 
 
+@pytest.mark.gpu
+def test_mli_on_a_side_stream_selects_as_the_lag_in_line(served):
+    """On a CUDA device the lagged kept layers' selections run on a side stream, joined where a later
+    layer attends them: generation equals the same lag computed in line, with the model's own indexers
+    under a plan and with PQ decode on every layer."""
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.reference_train import set_index_topk
+    from dsaindex.runtime.serving import ServedIndex, load
+
+    _, paths, identity = served
+    net = load_model("reference", dtype="float32", device="cuda").model
+    set_index_topk(net, TOPK)
+    prompt = _text(11_000, 300).cuda()
+    for make in (lambda side: ServedIndex(net, {}, {}, reuse={1: 0, 3: 2}, lag=True, side_stream=side),
+                 lambda side: load(paths[:1], net, served=identity, lag=True, side_stream=side)):
+        tokens = {}
+        for side in (False, True):
+            index = make(side)
+            assert (index.side is not None) == side
+            with index:
+                tokens[side] = _generate(net, prompt, 8)
+            assert not index._done and index._main is None
+        assert torch.equal(tokens[True], tokens[False])
+    assert make(True).forked == {1, 2}  # MLI alone: layer 3's own selection is attended by no layer
+    with pytest.raises(Exception, match="side stream"):
+        ServedIndex(net, {}, {}, side_stream=True)
+
+
 def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
     import numpy as np
 
