@@ -8,6 +8,13 @@ encode and decode with the same object, so none of them imports training code.
 Score-aware codebooks carry a per-subspace metric ``A_j`` (see :mod:`dsaindex.train.pq`); a key is
 encoded to the centroid nearest under that metric, which is plain nearest-centroid search after
 whitening both sides with the Cholesky factor of ``A_j``.
+
+OPQ codecs carry an orthogonal ``rotation`` R [D, D] learned before PQ (:func:`dsaindex.train.pq.train_rotation`):
+the codes are of the rotated keys ``k @ R.T``. :meth:`PQCodec.encode` rotates keys first and
+:meth:`PQCodec.decode` rotates reconstructions back, so decoded keys live in the original space and score
+against raw queries as before. A kernel that scores codes from the codebooks directly (lookup tables, decoded
+tiles) rotates the queries instead, once per step (:meth:`PQCodec.rotate_queries`): ``q . k = (q R^T) . (k R^T)``.
+:func:`rotate` is the one implementation of that product.
 """
 
 from __future__ import annotations
@@ -70,10 +77,41 @@ def whitening(metric: torch.Tensor | None, spec: PQSpec, device: torch.device | 
     return lt.float(), torch.linalg.inv(lt).float()
 
 
+def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., D] into an OPQ codec's code space: ``x @ rotation.T`` as one [prod(...), D] x [D, D]
+    float32 product (``rotation`` [D, D], moved to ``x``'s device if elsewhere); ``x`` itself when
+    ``rotation`` is None. No host synchronization and an output shaped by ``x`` alone (CUDA-graph safe)."""
+    if rotation is None:
+        return x
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim).float() @ rotation.to(x.device, torch.float32).t()
+    return flat.reshape(x.shape)
+
+
+def check_rotation(rotation: torch.Tensor, dim: int, tolerance: float = 1e-3) -> None:
+    """Refuse a rotation that is not an orthogonal [dim, dim] float matrix with finite entries."""
+    fix = ("pass the [D, D] rotation learned with these codebooks (`train_rotation`, stored per layer as the "
+           "bundle array 'rotation'), or None for plain PQ.")
+    if rotation.dim() != 2 or tuple(rotation.shape) != (dim, dim):
+        raise DsaIndexError(f"The PQ rotation has shape {list(rotation.shape)}; the codebooks cover keys of "
+                            f"D={dim}, so it must be [{dim}, {dim}].", fix)
+    if not rotation.is_floating_point():
+        raise DsaIndexError(f"The PQ rotation is {rotation.dtype}; it must be a float matrix.", fix)
+    r = rotation.detach().double()
+    if not bool(torch.isfinite(r).all()):
+        raise DsaIndexError("The PQ rotation holds NaN or inf.", fix)
+    error = float((r @ r.t() - torch.eye(dim, dtype=torch.float64, device=r.device)).abs().max())
+    if error > tolerance:
+        raise DsaIndexError(f"The PQ rotation is not orthogonal (R R^T differs from I by up to {error:.3g}, more "
+                            f"than {tolerance:g}): codes of rotated keys would no longer score like the keys.", fix)
+
+
 def encode(
-    keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None, block: int = 65536
+    keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None, block: int = 65536,
+    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Nearest centroid per subspace (under ``metric`` if given). keys [N, D] -> codes [N, M] uint8."""
+    """Nearest centroid per subspace (under ``metric`` if given) of the keys, rotated first by ``rotation``
+    [D, D] if given (OPQ: codes of ``keys @ rotation.T``). keys [N, D] -> codes [N, M] uint8."""
     spec = PQSpec.of(codebooks)
     white = whitening(metric, spec, keys.device)
     cb = codebooks.to(keys.device).float()
@@ -82,7 +120,7 @@ def encode(
     cb_sq = (cb * cb).sum(-1).unsqueeze(1)  # [M, 1, K]
     codes = torch.empty(keys.shape[0], spec.subspaces, dtype=torch.uint8, device=keys.device)
     for start in range(0, keys.shape[0], block):
-        x = split_subspaces(keys[start : start + block], spec)
+        x = split_subspaces(rotate(keys[start : start + block], rotation), spec)
         if white is not None:
             x = torch.bmm(x, white[0].transpose(1, 2))
         dist = cb_sq - 2 * torch.bmm(x, cb.transpose(1, 2))
@@ -90,34 +128,47 @@ def encode(
     return codes
 
 
-def decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
-    """codes [N, M] uint8 -> reconstructed keys [N, D] float32."""
+def decode(codes: torch.Tensor, codebooks: torch.Tensor, rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [N, M] uint8 -> reconstructed keys [N, D] float32, rotated back to the original space
+    (``@ rotation``) when the codes are of rotated keys."""
     m, _, d = codebooks.shape
     cb = codebooks.to(codes.device).float()
     parts = cb[torch.arange(m, device=codes.device).unsqueeze(0), codes.long()]  # [N, M, d]
-    return parts.reshape(codes.shape[0], m * d)
+    out = parts.reshape(codes.shape[0], m * d)
+    return out if rotation is None else out @ rotation.to(out.device, torch.float32)
 
 
-def quantization_mse(keys: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor | None = None) -> float:
-    """Mean squared reconstruction error per key (sum over dims), fp32."""
-    codes = encode(keys, codebooks) if codes is None else codes
-    return float(((decode(codes, codebooks) - keys.float()) ** 2).sum(-1).mean())
+def quantization_mse(keys: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor | None = None,
+                     rotation: torch.Tensor | None = None) -> float:
+    """Mean squared reconstruction error per key (sum over dims), fp32 (codes of the rotated keys when
+    ``rotation`` is given; the error is the same in either space)."""
+    codes = encode(keys, codebooks, rotation=rotation) if codes is None else codes
+    return float(((decode(codes, codebooks, rotation) - keys.float()) ** 2).sum(-1).mean())
 
 
-def relative_mse(keys: torch.Tensor, codebooks: torch.Tensor) -> float:
+def relative_mse(keys: torch.Tensor, codebooks: torch.Tensor, rotation: torch.Tensor | None = None) -> float:
     """Reconstruction MSE over the keys' mean squared norm (0 = perfect)."""
-    return quantization_mse(keys, codebooks) / max(float((keys.float() ** 2).sum(-1).mean()), math.ulp(1.0))
+    return quantization_mse(keys, codebooks, rotation=rotation) / max(float((keys.float() ** 2).sum(-1).mean()),
+                                                                       math.ulp(1.0))
 
 
 @dataclass
 class PQCodec:
     """One layer's product quantizer: what training produces, a bundle stores and the runtime serves.
 
-    codebooks : [M, K, D/M] float32; metric : optional [M, D/M, D/M] float32 (score-aware encoding)
+    codebooks : [M, K, D/M] float32; metric : optional [M, D/M, D/M] float32 (score-aware encoding);
+    rotation : optional [D, D] float32 orthogonal (OPQ: the codes are of ``keys @ rotation.T``; checked on
+    construction, a :class:`DsaIndexError` otherwise)
     """
 
     codebooks: torch.Tensor
     metric: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.rotation is not None:
+            check_rotation(self.rotation, self.spec.dim)
+            self.rotation = self.rotation.float()
 
     @property
     def spec(self) -> PQSpec:
@@ -130,15 +181,28 @@ class PQCodec:
     @property
     def nbytes(self) -> int:
         """Bytes of the parameters (float32)."""
-        return 4 * (self.codebooks.numel() + (0 if self.metric is None else self.metric.numel()))
+        extra = sum(0 if t is None else t.numel() for t in (self.metric, self.rotation))
+        return 4 * (self.codebooks.numel() + extra)
 
     def encode(self, keys: torch.Tensor) -> torch.Tensor:
-        """keys [N, D] -> codes [N, M] uint8 (see :func:`encode`)."""
-        return encode(keys, self.codebooks, self.metric)
+        """keys [N, D] (original space) -> codes [N, M] uint8 (see :func:`encode`; rotated first for OPQ)."""
+        return encode(keys, self.codebooks, self.metric, rotation=self.rotation)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, M] uint8 -> keys [N, D] float32."""
-        return decode(codes, self.codebooks)
+        """codes [N, M] uint8 -> keys [N, D] float32 in the original space (rotated back for OPQ)."""
+        return decode(codes, self.codebooks, self.rotation)
+
+    def rotate_queries(self, queries: torch.Tensor) -> torch.Tensor:
+        """Queries [..., D] into the code space, ``queries @ rotation.T`` (float32; the input itself without a
+        rotation), for scores computed from the codebooks directly: ``rotate_queries(q) . C[codes]`` equals
+        ``q . decode(codes)``. See :func:`rotate`."""
+        return rotate(queries, self.rotation)
+
+    def relative_mse(self, keys: torch.Tensor) -> float:
+        """Plain (Euclidean) reconstruction error of ``keys`` [N, D] over their mean squared norm (see
+        :func:`relative_mse`)."""
+        return relative_mse(keys, self.codebooks, self.rotation)
 
     def to(self, device: torch.device | str) -> PQCodec:
-        return PQCodec(self.codebooks.to(device), None if self.metric is None else self.metric.to(device))
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PQCodec(self.codebooks.to(device), move(self.metric), move(self.rotation))

@@ -10,7 +10,10 @@ from: ``SIGNATURE_WORDS`` int64 words of the page at fixed offsets (:func:`signa
   other bytes; ``e`` of them listed (scratch past them) and the count.
 * :func:`encode_pages`: codes of the listed pages read in place (the scratch page skipped), the subspace
   metric's whitening precomputed once (:func:`dsaindex.pq.whitening`), so nothing here synchronizes
-  with the host or factorizes a matrix: both run inside a captured CUDA graph.
+  with the host or factorizes a matrix: both run inside a captured CUDA graph. An OPQ codec's rotation
+  is folded into that whitening (:func:`whitened_codebooks`): subspace j's whitened coordinates of the
+  rotated key are ``L_j^T R_j k``, with ``R_j`` the rotation's rows of subspace j, one [D/M, D] matrix
+  per subspace, exact (the same product, associated differently).
 """
 
 from __future__ import annotations
@@ -91,22 +94,30 @@ def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, 
     return pick, count
 
 
-def whitened_codebooks(codebooks: torch.Tensor, metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(codebooks [M, K, d] in the metric's whitened space, L^T [M, d, d] or None): computed once, so
-    encoding inside a CUDA graph never factorizes a matrix."""
+def whitened_codebooks(codebooks: torch.Tensor, metric: torch.Tensor | None,
+                       rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codebooks [M, K, d] in the metric's whitened space, the keys' transform into that space): computed
+    once, so encoding inside a CUDA graph never factorizes a matrix. The transform is None (Euclidean, no
+    rotation), L^T [M, d, d] per subspace (a metric), or with a ``rotation`` R [D, D] the projection
+    [M, d, D] of a whole key into each subspace's whitened coordinates, ``L_j^T R[j d : (j + 1) d]`` (R's
+    rows alone without a metric)."""
     spec = PQSpec.of(codebooks)
     cb = codebooks.float()
     white = whitening(metric, spec, codebooks.device)
-    if white is None:
-        return cb.contiguous(), None
-    return torch.bmm(cb, white[0].transpose(1, 2)).contiguous(), white[0].contiguous()
+    if white is not None:
+        cb = torch.bmm(cb, white[0].transpose(1, 2))
+    if rotation is None:
+        return cb.contiguous(), None if white is None else white[0].contiguous()
+    rows = rotation.to(codebooks.device, torch.float32).reshape(spec.subspaces, spec.sub_dim, spec.dim)
+    return cb.contiguous(), (rows if white is None else torch.bmm(white[0], rows)).contiguous()
 
 
 def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: torch.Tensor,
-                           metric: torch.Tensor | None, codes: torch.Tensor, head_dim: int) -> None:
+                           metric: torch.Tensor | None, codes: torch.Tensor, head_dim: int,
+                           rotation: torch.Tensor | None = None) -> None:
     """Write ``codes[p]`` [64, M] for every listed page ``p`` of ``pages`` [n] int64 other than the scratch
-    page (``codes.shape[0] - 1``): the nearest centroid of each of the page's FP8 keys (:func:`dsaindex.pq.encode`).
-    The spec of :func:`encode_pages`."""
+    page (``codes.shape[0] - 1``): the nearest centroid of each of the page's FP8 keys, rotated first by
+    ``rotation`` [D, D] if given (:func:`dsaindex.pq.encode`). The spec of :func:`encode_pages`."""
     from dsaindex.kernels.fp8_score import paged_keys_reference
     from dsaindex.pq import encode
 
@@ -116,13 +127,16 @@ def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: t
         return
     keys, scales = paged_keys_reference(rows, real[None].to(torch.int32), head_dim)
     exact = keys[0].view(torch.float8_e4m3fn).float() * scales[0, :, None]
-    codes[real] = encode(exact, codebooks, metric).view(real.shape[0], PAGE, -1)
+    codes[real] = encode(exact, codebooks, metric, rotation=rotation).view(real.shape[0], PAGE, -1)
 
 
-def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor, lt: torch.Tensor | None,
+def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor, transform: torch.Tensor | None,
                  codes: torch.Tensor, head_dim: int) -> None:
     """:func:`encode_pages_reference` in one Triton launch, one program per (page, subspace), reading the
-    keys in place; ``whitened`` / ``lt`` from :func:`whitened_codebooks`. Raises ``ValueError`` on bad input."""
+    keys in place; ``whitened`` / ``transform`` from :func:`whitened_codebooks`. A transform of
+    shape [M, d, D] (a rotation, the whitening folded in) projects each whole FP8 key (D a power of two)
+    into the subspace's coordinates in the kernel; without one the kernel reads only the subspace's own
+    d bytes of each key, as before. Raises ``ValueError`` on bad input."""
     from dsaindex.kernels.paged_codes_kernel import encode_pages_kernel
 
     checks.rank("whitened codebooks", whitened, 3, "M, K, D/M")
@@ -134,6 +148,12 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
     checks.same_device(rows=rows, pages=pages, whitened=whitened, codes=codes)
     if m * d != head_dim:
         raise ValueError(f"codebooks cover D={m * d}; the pages hold keys of D={head_dim}.")
+    rotate = transform is not None and transform.shape[-1] != d  # [M, d, D]: a rotation, whitening folded in
+    if transform is not None:
+        checks.shape("transform", transform, (m, d, head_dim if rotate else d), "M, D/M, D (rotation) or M, D/M, D/M")
+        checks.same_device(rows=rows, transform=transform)
+    if rotate:
+        checks.power_of_two("head_dim (D, rotated keys are loaded whole)", head_dim)
     if rows.stride(1) != 1 or rows.stride(0) % 4:
         raise ValueError(f"index-K pages with strides {tuple(rows.stride())}: pages must be contiguous rows.")
     n = pages.numel()
@@ -141,5 +161,6 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
         return
     scales = rows[0].view(torch.float32)[16 * head_dim :]
     encode_pages_kernel[(n, m)](rows, scales, rows.stride(0), pages.contiguous(), whitened,
-                                lt if lt is not None else whitened, codes, codes.shape[0] - 1,
-                                D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=lt is not None)
+                                transform if transform is not None else whitened, codes, codes.shape[0] - 1,
+                                D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=transform is not None and not rotate,
+                                ROTATE=rotate)

@@ -4,7 +4,8 @@
 page's signature words with those its codes were made from, counts the stale ones and lists up to
 ``E`` of them (slots reserved by one atomic per tile).
 ``encode_pages_kernel``: one program per (listed page, subspace) reads the page's 64 FP8 keys in place,
-whitens the subspace, and writes the nearest centroid of each key; the scratch page is skipped.
+whitens the subspace (with ``ROTATE``: projects each whole key through the subspace's rows of the OPQ
+rotation, whitening folded in), and writes the nearest centroid of each key; the scratch page is skipped.
 """
 
 import triton
@@ -56,8 +57,8 @@ def encode_pages_kernel(
     scales_ptr,  # float32 view starting at page 0's scales: page p's scale r at p * page_stride / 4 + r
     page_stride,  # bytes between pages
     pages_ptr,  # [n] int64 pages to encode (scratch: skipped)
-    codebook_ptr,  # [M, K, DSUB] float32 centroids, whitened (HAS_METRIC)
-    white_ptr,  # [M, DSUB, DSUB] float32 L^T of each subspace's metric (HAS_METRIC)
+    codebook_ptr,  # [M, K, DSUB] float32 centroids, whitened where the codec has a metric
+    white_ptr,  # [M, DSUB, DSUB] float32 L^T of each subspace's metric (HAS_METRIC), or [M, DSUB, D] (ROTATE)
     codes_ptr,  # [P + 1, 64, M] uint8 out
     scratch,
     D: tl.constexpr,
@@ -65,6 +66,7 @@ def encode_pages_kernel(
     K: tl.constexpr,
     DSUB: tl.constexpr,
     HAS_METRIC: tl.constexpr,
+    ROTATE: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     m = tl.program_id(1)
@@ -75,8 +77,14 @@ def encode_pages_kernel(
         scale = tl.load(scales_ptr + page * (page_stride // 4) + rows)
         cents = tl.arange(0, K)
         dist = tl.zeros([64, K], dtype=tl.float32)
+        if ROTATE:  # the page's whole keys [64, D], dequantized once per program
+            dims = tl.arange(0, D)
+            page_keys = tl.load(keys_ptr + page * page_stride + rows[:, None] * D + dims[None, :])
+            page_keys = page_keys.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
         for a in tl.static_range(DSUB):
-            if HAS_METRIC:  # whitened coordinate a: sum_j x_j L^T[a, j]
+            if ROTATE:  # coordinate a of the subspace: the key . row a of the projection (DSUB < 16: no tl.dot)
+                x = tl.sum(page_keys * tl.load(white_ptr + (m * DSUB + a) * D + dims)[None, :], axis=1)
+            elif HAS_METRIC:  # whitened coordinate a: sum_j x_j L^T[a, j]
                 x = tl.zeros([64], dtype=tl.float32)
                 for j in tl.static_range(DSUB):
                     xj = tl.load(key_at + j).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale

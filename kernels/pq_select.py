@@ -13,6 +13,10 @@ caller keeps the top C for the exact rerank.
 :func:`pq_encode`: nearest centroid per subspace for newly completed pages; its reference
 :func:`pq_encode_reference` is the core codec's :func:`dsaindex.pq.encode`.
 
+OPQ codecs (:attr:`dsaindex.pq.PQCodec.rotation`): the coarse stages score codes straight from the
+codebooks, so they take queries already in the code space (the caller rotates them once per step,
+:func:`dsaindex.pq.rotate`); :func:`pq_encode` takes the rotation and rotates the keys.
+
 Each Triton wrapper ``X`` has its torch reference ``X_reference`` (the spec: same data arguments, same
 return) in this module; the jit code is in :mod:`dsaindex.kernels.pq_select_kernel`.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from dsaindex.kernels import checks, select
-from dsaindex.pq import PQSpec, encode, split_subspaces, whitening
+from dsaindex.pq import PQSpec, encode, rotate, split_subspaces, whitening
 
 
 def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
@@ -303,21 +307,23 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     return scores, rows, counts1
 
 
-def pq_encode_reference(keys: torch.Tensor, codebooks: torch.Tensor,
-                        metric: torch.Tensor | None = None) -> torch.Tensor:
+def pq_encode_reference(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
+                        rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Codes [N, M] uint8 of ``keys`` [N, D] float: the nearest of the K centroids of ``codebooks``
     [M, K, D/M] in each subspace, under the per-subspace ``metric`` [M, D/M, D/M] if given (else
-    Euclidean). The spec of :func:`pq_encode`; it is the core codec's :func:`dsaindex.pq.encode`, to
-    which it delegates (one encoder for training, evaluation and serving)."""
-    return encode(keys, codebooks, metric)
+    Euclidean), of the keys rotated by ``rotation`` [D, D] first if given (OPQ). The spec of
+    :func:`pq_encode`; it is the core codec's :func:`dsaindex.pq.encode`, to which it delegates (one
+    encoder for training, evaluation and serving)."""
+    return encode(keys, codebooks, metric, rotation=rotation)
 
 
 def pq_encode(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
-              block_n: int = 64) -> torch.Tensor:
+              block_n: int = 64, rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Codes [N, M] uint8 of ``keys`` [N, D] float, like :func:`pq_encode_reference` (float ties aside).
-    ``codebooks`` [M, K, D/M] (K a power of two, at most 256) and ``metric`` [M, D/M, D/M] are moved to
-    the keys' device, as the reference does. The whitening is a small batched matmul in torch; the
-    kernel does the distance and argmin. Raises ``ValueError`` on an input of the wrong dtype or shape."""
+    ``codebooks`` [M, K, D/M] (K a power of two, at most 256), ``metric`` [M, D/M, D/M] and ``rotation``
+    [D, D] are moved to the keys' device, as the reference does. The rotation (one [N, D] x [D, D]
+    product) and the whitening (a small batched matmul) run in torch; the kernel does the distance and
+    argmin. Raises ``ValueError`` on an input of the wrong dtype or shape."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_encode_kernel
@@ -330,10 +336,12 @@ def pq_encode(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor 
     checks.shape("keys", keys, (None, m * d), "N, D")
     if metric is not None:
         checks.shape("metric", metric, (m, d, d), "M, D/M, D/M")
+    if rotation is not None:
+        checks.shape("rotation", rotation, (m * d, m * d), "D, D")
     spec = PQSpec.of(codebooks)
     white = whitening(metric, spec, keys.device)
     cb = codebooks.to(keys.device).float()
-    x = split_subspaces(keys.float(), spec)  # [M, N, d]
+    x = split_subspaces(rotate(keys.float(), rotation), spec)  # [M, N, d]
     if white is not None:
         cb = torch.bmm(cb, white[0].transpose(1, 2))
         x = torch.bmm(x, white[0].transpose(1, 2))

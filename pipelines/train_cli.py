@@ -54,7 +54,8 @@ def train_pq_cmd(
     store: Path = typer.Argument(..., help="Capture store to train on."),
     model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
     out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
-                                                        "runs/bundles/<store>-pq<M>[-sa], with -2, -3, ... if taken)."),
+                                                        "runs/bundles/<store>-pq<M>[-sa], -opq<M>[-sa] with "
+                                                        "--rotate, with -2, -3, ... if taken)."),
     subspaces: int = typer.Option(32, callback=at_least(1),
                                   help="PQ subspaces (bytes per key): 16, 32 or 64 for 128-d keys."),
     trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
@@ -63,6 +64,10 @@ def train_pq_cmd(
         True, "--score-aware/--plain",
         help="Score-aware codebooks (k-means under the score-gradient metric; default: it lifts held-out recall "
         "at equal bytes) or plain k-means on keys."),
+    rotate: bool = typer.Option(
+        False, "--rotate/--no-rotate", "--opq",
+        help="OPQ: learn an orthogonal rotation of the keys before PQ (stored in the bundle; the runtime rotates "
+             "new keys and each step's queries with it). Same bytes per key, lower quantization error."),
     max_train_keys: int = typer.Option(262144, callback=at_least(1024),
                                        help="Keys per layer to train on (deterministic subsample; at least "
                                             "4 per centroid, 1024)."),
@@ -76,16 +81,17 @@ def train_pq_cmd(
 ) -> None:
     """Train per-layer PQ codebooks, evaluate recall on held-out sequences, write and register a bundle."""
     from dsaindex.console import print_json, print_pq_job, progress_bar
-    from dsaindex.train.pq_job import run_pq_job
+    from dsaindex.train.pq_job import pq_label, run_pq_job
 
-    opts = _pq_options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates)
+    opts = _pq_options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates,
+                       rotate=rotate)
     _check_target_model(store, model)
-    with progress_bar(f"PQ{subspaces}", enabled=not as_json, unit="layers") as update:
+    with progress_bar(pq_label(opts), enabled=not as_json, unit="layers") as update:
         result = run_pq_job(store, opts, out, register, tracking_uri, progress=update)
     if as_json:
         print_json(result.as_dict())
         return
-    print_pq_job(result, f"PQ{subspaces}")
+    print_pq_job(result, pq_label(opts))
 
 
 @eval_app.command("pq")
@@ -365,6 +371,9 @@ def train_indexer_distill_cmd(
                              help="Keys each layer attends (default: the model's index_topk)."),
     objective: str = typer.Option("dense", help="dense: match the served layers' whole attention; selected: "
                                                 "that attention on the union of their own top-k keys."),
+    lag: bool = typer.Option(False, "--lag", help="The Multi-layer Indexer's schedule: every layer attends the "
+                                                  "nearest kept layer before it (a kept layer too), so each "
+                                                  "kept indexer serves the layers after it."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
@@ -377,7 +386,7 @@ def train_indexer_distill_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from dsaindex.artifacts.kinds import ReusePlans
+    from dsaindex.artifacts.kinds import ReusePlans, lagged_sources
     from dsaindex.console import print_json, progress_bar, resolve_device
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.indexer_distill import distill, plan_quality, write_overlay
@@ -397,6 +406,8 @@ def train_indexer_distill_cmd(
     chosen = plans.plan(retention, method)
     by_layer = dict(zip(plans.layers, chosen.sources, strict=True))
     sources = [by_layer.get(i, i) for i in range(len(net.model.layers))]
+    if lag:
+        sources = lagged_sources(list(range(len(sources))), chosen.kept)
     topk = int(net.config.index_topk) if topk is None else topk
     streams = build_token_streams(8_000_000, 2_000_000)
     train = torch.from_numpy(streams.train).to(dev)
@@ -416,13 +427,13 @@ def train_indexer_distill_cmd(
     metrics = {"unmodified": before["unmodified"], "plan": before["plan"], "distilled": after,
                "gap_closed": None if closed is None else round(closed, 4)}
     lineage = {"plan": {"uri": str(plan), "bundle_id": bundle.manifest.bundle_id, "retention": retention,
-                        "method": method, "kept": chosen.kept, "sources": sources},
+                        "method": method, "kept": chosen.kept, "sources": sources, "lag": lag},
                "base_checkpoint": loaded.fingerprint.model_dump(),
                "training": {"steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "objective": objective,
                             "history": history,
                             "corpus": streams.info}}
     manifest = write_overlay(net, chosen.kept, out, lineage, metrics)
-    result = {"overlay": str(out), "kept": chosen.kept, "sources": sources, "topk": topk,
+    result = {"overlay": str(out), "kept": chosen.kept, "sources": sources, "lag": lag, "topk": topk,
               "eval_windows": [int(ids.shape[0]), int(ids.shape[1])], **metrics,
               "weights_sha256": manifest["weights_sha256"]}
     if as_json:
@@ -432,8 +443,9 @@ def train_indexer_distill_cmd(
                         f"{ids.shape[0]} x {ids.shape[1]} tokens")
     for col in ("indexers", "bits per byte", *[f"recall L{i}" for i in range(len(sources))]):
         table.add_column(col, justify="left" if col == "indexers" else "right")
-    for name, row in (("every layer its own", metrics["unmodified"]), ("plan", metrics["plan"]),
-                      ("plan, distilled", metrics["distilled"])):
+    plan_name = "plan + MLI lag" if lag else "plan"
+    for name, row in (("every layer its own", metrics["unmodified"]), (plan_name, metrics["plan"]),
+                      (f"{plan_name}, distilled", metrics["distilled"])):
         table.add_row(name, f"{row['bits_per_byte']:.4f}", *[f"{r:.3f}" for r in row["retained_recall"]])
     Console().print(table)
     print(f"gap closed by distillation: {'n/a' if closed is None else f'{100 * closed:.1f}%'}")

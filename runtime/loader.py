@@ -102,7 +102,7 @@ def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") ->
     float32 tensors, then built into the kind's object."""
     import torch
 
-    from dsaindex.errors import CorruptBundleError
+    from dsaindex.errors import CorruptBundleError, DsaIndexError
 
     layers = {}
     for layer_id, art in manifest.layers.items():
@@ -117,5 +117,8 @@ def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") ->
             raise CorruptBundleError(f"{where} is not a valid {art.kind} artifact ({problem}).",
                                      "train the artifacts again with this dsaindex version.") from None
         tensors = {k: torch.from_numpy(v).to(device=device, dtype=torch.float32) for k, v in arrays[layer].items()}
-        layers[layer] = kind.place(params, tensors)
+        try:
+            layers[layer] = kind.place(params, tensors)
+        except DsaIndexError as err:  # the kind refuses arrays that contradict its params (named with the layer)
+            raise CorruptBundleError(f"{where}: {err.problem}", err.fix) from None
     return layers

@@ -32,6 +32,11 @@ Pages that complete outside decode steps (a prefill, a prefix-cache hit) are enc
 ``catch_up`` pages per request per step; ``stats.stale`` counts, per request, the pages still scored by
 stale codes after it (zero in the steady state), so a missed ``prepare`` is visible, not silent.
 
+An OPQ codec (:attr:`dsaindex.pq.PQCodec.rotation`) codes rotated keys: the page encoder folds the rotation
+into its whitening and projects each whole FP8 key in the kernel (:func:`~dsaindex.kernels.paged_codes.whitened_codebooks`),
+and each step rotates the queries once (one [B*H, D] x [D, D] product) for stages 1 and 2; the exact
+rescoring reads the engine's queries and keys as they are.
+
 Scores are the engines': ``sum_h w_h relu(q_h . k)`` with their FP8 queries and their head weights (which
 carry the query's scale and the softmax scale). The torch references of the same kernels run the same
 algorithm on a CPU (``use_triton=False``; the plugins' contract tests).
@@ -66,7 +71,7 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc_reference,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
-from dsaindex.pq import PQCodec
+from dsaindex.pq import PQCodec, rotate
 
 PAGE = 64
 
@@ -138,7 +143,9 @@ class PagedCacheSelector:
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)
         self.metric = None if codec.metric is None else codec.metric.to(dev)
-        self.whitened, self.lt = whitened_codebooks(self.codebooks, self.metric)  # once: no factorization in a graph
+        self.rotation = None if codec.rotation is None else codec.rotation.to(dev, torch.float32).contiguous()
+        # once: no factorization in a graph (an OPQ rotation folded into the whitening: [M, D/M, D])
+        self.whitened, self.transform = whitened_codebooks(self.codebooks, self.metric, self.rotation)
         self.codes = torch.zeros(num_pages + 1, PAGE, m, dtype=torch.uint8, device=dev)  # + one scratch page
         self.signature = torch.zeros(num_pages + 1, len(signature_words(head_dim)), dtype=torch.int64, device=dev)
         self.valid = torch.zeros(num_pages + 1, dtype=torch.uint8, device=dev)  # 1: the page holds codes
@@ -157,9 +164,9 @@ class PagedCacheSelector:
         """Encode physical ``pages`` [n] int64 (``num_pages``, the scratch page, is skipped) and record the
         bytes their codes were made from."""
         if self.use_triton:
-            encode_pages(rows, pages, self.whitened, self.lt, self.codes, self.head_dim)
+            encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim)
         else:
-            encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim)
+            encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim, self.rotation)
         src = pages.clamp_max(max(0, self.num_pages - 1))
         self.signature[pages] = page_words(rows)[src.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)  # a fill kernel: no host-to-device copy inside a graph
@@ -242,8 +249,9 @@ class PagedCacheSelector:
         n_coded = (lengths // PAGE) * PAGE
         groups = []
         stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
-        if w:
-            cand, stage1 = self._coarse(table, n_coded, q, wt)
+        if w:  # the coarse stages score codes in the codebooks' space: OPQ queries rotated once
+            q_code = q if self.rotation is None else rotate(q, self.rotation).to(torch.bfloat16)
+            cand, stage1 = self._coarse(table, n_coded, q_code, wt)
             groups.append(cand)
         tail = n_coded[:, None].long() + torch.arange(PAGE, device=dev)[None, :]
         groups.append(torch.where(tail < lengths[:, None], tail, torch.full_like(tail, -1)))

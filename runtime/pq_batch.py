@@ -19,6 +19,10 @@ rows for the kept misses (least recently used of their set, or a spill row); hos
 misses copied in by one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and
 the tail; top-k (``small_topk``). 10 kernels in all, no host synchronization.
 
+An OPQ codec (:attr:`PQCodec.rotation`) codes rotated keys: completed pages are encoded through its
+rotation, and each step rotates the queries once (one [S*H, D] x [D, D] product, :func:`dsaindex.pq.rotate`)
+before the coarse stages build their tables; the exact rescoring reads the raw queries and exact keys.
+
 :class:`RequestGroups` runs several groups' steps on separate CUDA streams, so one group's host reads
 overlap another group's scoring. ``PQDecodeIndexer`` in ``tests/pq_decode_reference.py`` is the
 per-request torch reference of the same algorithm (tests only: no server imports it); its cache is a
@@ -49,7 +53,7 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc_reference,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
-from dsaindex.pq import PQCodec, encode
+from dsaindex.pq import PQCodec, encode, rotate
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
 
@@ -140,6 +144,7 @@ class PQDecodeGroup:
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)  # the int8 stage-1 tables' bound
         self.metric = None if layer.metric is None else layer.metric.to(dev)
+        self.rotation = None if layer.rotation is None else layer.rotation.to(dev, torch.float32).contiguous()
         self.slots, self.max_keys = slots, max_keys
         max_pages = -(-max_keys // self.page)
         self.codes = torch.zeros(slots, max_pages * self.page, m, dtype=torch.uint8, device=dev)
@@ -341,8 +346,13 @@ class PQDecodeGroup:
 
     def _encode(self, exact: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            return pq_encode(exact, self.codebooks, self.metric)
-        return encode(exact, self.codebooks, self.metric)
+            return pq_encode(exact, self.codebooks, self.metric, rotation=self.rotation)
+        return encode(exact, self.codebooks, self.metric, rotation=self.rotation)
+
+    def _code_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries [S, H, D] bf16 in the codes' space: rotated (OPQ, one product; shapes fixed, no sync) or as
+        they are."""
+        return q if self.rotation is None else rotate(q, self.rotation).to(torch.bfloat16)
 
     def gpu_bytes(self) -> dict[str, int]:
         """Device bytes per request: the index (codes of ``max_keys``) and the fixed cache + tail state."""
@@ -381,17 +391,18 @@ class PQDecodeGroup:
         longest = max(self.encoded_host) if self.slots else 0
         plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:
+            q_code = self._code_queries(q)  # the coarse stages score codes in the codebooks' space
             if self.use_triton:
                 # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
                 cand_scores, cand, counts1 = pq_coarse_topc(
-                    self.codes, self.n_encoded, q, w, self.codebooks, self.c1, self.candidates,
+                    self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
                     codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms, max_len=longest,
                     linear_config=self.linear_config)
             else:
                 codes = self.codes[:, :longest]
-                _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q, w, self.codebooks, self.c1)
+                _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
                 counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=dev))
-                coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
+                coarse = pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
                 cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
@@ -406,7 +417,7 @@ class PQDecodeGroup:
                                                              self.page)
             stats = StepStats.zeros(s, dev)
         rescore = fp8_gather_scores if self.use_triton else fp8_gather_scores_reference
-        exact = rescore(self.pool_fp8, self.pool_scales, rows, q, w)
+        exact = rescore(self.pool_fp8, self.pool_scales, rows, q, w)  # raw queries against exact keys
         k = min(self.topk, exact.shape[1])
         top = small_topk if self.use_triton and exact.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
         _, picked = top(exact, k, positions)

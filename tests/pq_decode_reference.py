@@ -161,7 +161,8 @@ class PQDecodeIndexer:
         n_encoded = req.codes.shape[0]
         positions, keys = [], []
         if n_encoded:
-            coarse = pq_coarse_scores(q, w, req.codes, self.layer.codebooks)
+            # codes score against the codebooks: an OPQ codec's queries go into the code space first
+            coarse = pq_coarse_scores(self.layer.rotate_queries(q), w, req.codes, self.layer.codebooks)
             c = min(self.candidates, n_encoded)
             cand_scores, cand = coarse.topk(c)
             stats.candidates = c

@@ -295,13 +295,15 @@ def test_bad_input_names_the_problem():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps():
+@pytest.mark.parametrize("opq", [False, True])
+def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps(opq):
     """The engines capture their decode step: the selection must replay with new lengths, pages and
-    queries, and synchronize with the host nowhere."""
+    queries, and synchronize with the host nowhere (an OPQ codec's query rotation and page encoding too)."""
     lengths = [64 * 40 + 9, 64 * 25]
     cache, table, _ = engine_cache(lengths, 80, strided=True, room=70)
-    sel = PagedCacheSelector(codec(), 80, topk=32, candidates=256, head_dim=D, device=DEV)
-    ref = PagedCacheSelector(codec(), 80, topk=32, candidates=256, head_dim=D, device=DEV)
+    layer = opq_codec() if opq else codec()
+    sel = PagedCacheSelector(layer, 80, topk=32, candidates=256, head_dim=D, device=DEV)
+    ref = PagedCacheSelector(layer, 80, topk=32, candidates=256, head_dim=D, device=DEV)
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     static_q, static_w = queries(2)
     sel.prepare(cache, table, static_seq)
@@ -334,3 +336,74 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps():
         want = ref.select(cache, table, static_seq, q, w)
         assert as_sets(static_out) == as_sets(want), step
         assert int(sel.stats.stale.sum()) == 0
+
+
+# ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
+def opq_codec(seed=0):
+    from dsaindex.pq import rotate
+    from dsaindex.train.pq import train_codebooks, train_rotation
+
+    keys = clustered(3000, torch.Generator().manual_seed(seed))
+    spec = PQSpec(dim=D, subspaces=8)
+    rotation = train_rotation(keys, spec, "torch", rounds=2, iterations=3, seed=seed)
+    return PQCodec(train_codebooks(rotate(keys, rotation), spec, "torch", 6), rotation=rotation)
+
+
+@pytest.mark.parametrize("with_metric", [False, True])
+def test_page_encoding_of_an_opq_codec_matches_the_codec(with_metric):
+    """The rotation folded into the whitening ([M, D/M, D] per subspace), whole keys projected in the kernel."""
+    from dsaindex.kernels.paged_codes import encode_pages, encode_pages_reference, whitened_codebooks
+
+    cache, table, keys = engine_cache([64 * 5], 8, strided=True)
+    opq = opq_codec()
+    cb, rot = opq.codebooks.to(DEV), opq.rotation.to(DEV)
+    metric = None
+    if with_metric:
+        a = torch.randn(8, 4, 4, generator=torch.Generator().manual_seed(4))
+        metric = (a @ a.transpose(1, 2) + 0.5 * torch.eye(4)).to(DEV)
+    whitened, projection = whitened_codebooks(cb, metric, rot)
+    assert projection.shape == (8, 4, D)
+    pages = torch.cat([table[0, [3, 0, 2]].long().cpu(), torch.tensor([8])]).to(DEV)  # 8: the scratch page
+    got = torch.full((9, 64, 8), 77, dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    encode_pages(cache, pages, whitened, projection, got, D)
+    encode_pages_reference(cache, pages, cb, metric, want, D, rot)
+    listed = table[0, [3, 0, 2]].long()
+    assert (got[listed] == want[listed]).float().mean() > 0.99  # float ties aside
+    assert (got[8] == 77).all() and (got[table[0, 1].long()] == 77).all()
+    # the reference is the codec's own encoder of the page's FP8 keys (rotated), not of the raw keys
+    fp8_keys, scales = paged_keys_reference(cache, table[:, :1], D)
+    page_keys = fp8_keys[0].view(torch.float8_e4m3fn).float() * scales[0, :, None]
+    codec = PQCodec(cb, metric, rot)
+    assert torch.equal(want[table[0, 0].long()], codec.encode(page_keys))
+    assert not torch.equal(want[table[0, 0].long()], PQCodec(cb, metric).encode(page_keys))
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_opq_codec_every_key_a_candidate_is_the_exact_topk(use_triton):
+    lengths = [300, 131, 40]
+    cache, table, _ = engine_cache(lengths, 16)
+    q, w = queries(3)
+    sel = PagedCacheSelector(opq_codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV, use_triton=use_triton)
+    got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
+    assert as_sets(got) == as_sets(exact(cache, table, lengths, q, w, 24))
+
+
+def test_opq_codec_long_requests_keep_the_exact_topk_and_both_paths_agree():
+    """C well below the history: the coarse stages decide, so the queries must be rotated into the codes'
+    space (the same codes scored with unrotated queries lose much of the top-k)."""
+    lengths = [2000, 1500]
+    cache, table, _ = engine_cache(lengths, 60)
+    q, w = queries(2)
+    want = exact(cache, table, lengths, q, w, 32)
+    codec = opq_codec()
+    picks = []
+    for use_triton in (True, False):
+        sel = PagedCacheSelector(codec, 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV,
+                                 use_triton=use_triton)
+        picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
+        assert recall(picks[-1], want) >= 0.9, use_triton
+    assert recall(picks[0], picks[1]) >= 0.95
+    assert torch.equal(sel.rotation, codec.rotation.to(DEV))
+    sel.rotation = None  # the same (rotated) codes, queries left unrotated
+    assert recall(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w), want) < 0.8

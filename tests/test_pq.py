@@ -132,3 +132,70 @@ def test_split_sequences():
     with pytest.raises(DsaIndexError, match="at least 2"):
         split_sequences(1)
     assert split_sequences(7)[1] == [6] and split_sequences(13)[1] == [10, 11, 12]
+
+
+# ---- OPQ: a codec with a rotation ------------------------------------------------------------------
+def random_rotation(dim, seed):
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+@pytest.mark.parametrize("with_metric", [False, True])
+def test_rotated_codec_codes_rotated_keys_and_decodes_to_the_original_space(with_metric):
+    from dsaindex.pq import PQCodec
+
+    keys = clustered_keys(n=1500, dim=32, seed=5)
+    spec = PQSpec(dim=32, subspaces=8, centroids=32)
+    rot = random_rotation(32, 1)
+    cb = train_codebooks(keys @ rot.t(), spec, "torch", iterations=6)
+    metric = None
+    if with_metric:
+        a = torch.randn(8, 4, 4, generator=torch.Generator().manual_seed(2))
+        metric = a @ a.transpose(1, 2) + 0.5 * torch.eye(4)
+    codec = PQCodec(cb, metric, rot)
+    codes = codec.encode(keys)
+    # the codes are PQ of the rotated keys; decoding rotates the reconstruction back
+    assert torch.equal(codes, encode(keys @ rot.t(), cb, metric))
+    torch.testing.assert_close(codec.decode(codes), decode(codes, cb) @ rot, rtol=0, atol=1e-5)
+    assert not torch.equal(codes, encode(keys, cb, metric))  # the rotation is not ignored
+    # in the original space, the reconstruction is as close to the keys as it is in the rotated one
+    err = float(((codec.decode(codes) - keys) ** 2).sum(-1).mean())
+    assert err == pytest.approx(quantization_mse(keys @ rot.t(), cb, codes), rel=1e-4)
+    assert codec.relative_mse(keys) == pytest.approx(relative_mse(keys @ rot.t(), cb), rel=1e-4)
+
+
+def test_rotated_codec_scores_alike_in_either_space():
+    """q . decode(k) in the original space equals rotate_queries(q) . C[codes] read from the codebooks."""
+    from dsaindex.pq import PQCodec
+
+    keys = clustered_keys(n=1200, dim=64, seed=6)
+    rot = random_rotation(64, 3)
+    codec = PQCodec(train_codebooks(keys @ rot.t(), PQSpec(dim=64, subspaces=16, centroids=32), "torch", 5),
+                    rotation=rot)
+    g = torch.Generator().manual_seed(7)
+    q, w = torch.randn(5, 3, 64, generator=g), torch.rand(5, 3, generator=g)
+    codes = codec.encode(keys)
+    original = indexer_scores(q, codec.decode(codes), w)
+    code_space = indexer_scores(codec.rotate_queries(q), decode(codes, codec.codebooks), w)
+    torch.testing.assert_close(code_space, original, rtol=1e-4, atol=1e-4)
+    assert codec.rotate_queries(q).shape == q.shape
+    # unrotated queries against the codebooks give other scores: the rotation matters
+    assert not torch.allclose(indexer_scores(q, decode(codes, codec.codebooks), w), original, atol=1e-2)
+    plain = PQCodec(codec.codebooks)
+    assert plain.rotate_queries(q) is q and plain.nbytes + 4 * 64 * 64 == codec.nbytes
+    moved = codec.to("cpu")
+    assert torch.equal(moved.rotation, rot) and torch.equal(moved.encode(keys), codes)
+
+
+def test_rotated_codec_refuses_a_bad_rotation():
+    from dsaindex.pq import PQCodec
+
+    cb = torch.randn(8, 16, 4)
+    with pytest.raises(DsaIndexError, match=r"shape \[32, 16\].*must be \[32, 32\]") as err:
+        PQCodec(cb, rotation=torch.eye(32)[:, :16])
+    assert "rotation" in err.value.fix
+    with pytest.raises(DsaIndexError, match="not orthogonal"):
+        PQCodec(cb, rotation=torch.eye(32) * 1.1)
+    with pytest.raises(DsaIndexError, match="NaN"):
+        PQCodec(cb, rotation=torch.full((32, 32), float("nan")))
+    assert PQCodec(cb, rotation=random_rotation(32, 0).double()).rotation.dtype == torch.float32

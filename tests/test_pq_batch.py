@@ -251,3 +251,71 @@ def test_policy_per_batch_size_sends_large_batches_to_pq():
     assert overlap(picked.cpu(), want) >= 0.75
     group.free(0)  # two live again: exact
     assert group.select(q, w)[1].totals()["candidates"] == 0
+
+
+# ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
+def opq_layer(seed=0):
+    """An OPQ codec trained on the clustered keys: rotation first, then codebooks of the rotated keys."""
+    from dsaindex.pq import PQSpec, rotate
+    from dsaindex.train.pq import train_codebooks, train_rotation
+
+    keys = clustered(4000, torch.Generator().manual_seed(seed))
+    spec = PQSpec(dim=D, subspaces=32)
+    rotation = train_rotation(keys, spec, "torch", rounds=2, iterations=3, seed=seed)
+    return PQCodec(train_codebooks(rotate(keys, rotation), spec, "torch", 6), rotation=rotation)
+
+
+def opq_group(lengths, topk, candidates, prefilter=2, use_triton=None, codec=None):
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    pages = sum(-(-n // 64) for n in lengths) + 4
+    group = PQDecodeGroup(codec or opq_layer(), HostKeyStore(pages, D), len(lengths), max(lengths) + 64, topk,
+                          candidates=candidates, prefilter=prefilter, cache_capacity=max(candidates, 128), device=DEV,
+                          use_triton=use_triton)
+    keys = histories(lengths, seed=11)
+    for slot, x in enumerate(keys):
+        group.admit(slot)
+        group.append(slot, x[:100])
+        group.append(slot, x[100:])
+    return group, keys
+
+
+@pytest.mark.parametrize("use_triton", [None, False])
+def test_opq_codec_every_key_a_candidate_is_the_exact_topk(use_triton):
+    lengths = [300, 129, 10]
+    group, keys = opq_group(lengths, topk=16, candidates=320, use_triton=use_triton)
+    assert group.rotation is not None
+    # the pages were encoded through the rotation, as the codec encodes them
+    exact = group.host.fp8[torch.tensor(group.pages[0])].reshape(-1, D).view(torch.float8_e4m3fn).float()
+    exact = exact * group.host.scales[torch.tensor(group.pages[0])].reshape(-1, 1)
+    codes = group.codes[0, :256].cpu()
+    assert (codes == group.layer.encode(exact)).float().mean() > 0.999
+    q, w = queries(3, 12)
+    picked, _ = group.select(q, w)
+    assert overlap(picked.cpu(), exact_topk(keys, q, w, 16)) >= 0.98
+
+
+def test_opq_codec_keeps_the_recall_with_few_candidates_and_paths_agree():
+    """With C well below the history the coarse stages decide: they must score in the codes' space
+    (queries rotated once per step), else the candidates are close to random."""
+    from pq_decode_reference import PQDecodeIndexer
+
+    lengths = [1000, 700]
+    codec = opq_layer()
+    group, keys = opq_group(lengths, topk=16, candidates=128, codec=codec)
+    plain, _ = opq_group(lengths, topk=16, candidates=128, use_triton=False, codec=codec)
+    assert (plain.codes == group.codes).float().mean() > 0.999
+    q, w = queries(2, 13)
+    picked, _ = group.select(q, w)
+    assert overlap(picked.cpu(), exact_topk(keys, q, w, 16)) >= 0.9
+    assert overlap(plain.select(q, w)[0], picked) >= 15 / 16
+    ref = PQDecodeIndexer(codec, HostKeyStore(40, D), topk=16, candidates=128, cache_capacity=128)
+    for slot, x in enumerate(keys):
+        ref.admit(slot)
+        ref.append(slot, x)
+        want, _ = ref.select(slot, q[slot].float(), w[slot])
+        assert len(set(picked[slot].tolist()) & set(want.tolist())) >= 15
+    # the same codes scored with unrotated queries: the coarse stage loses the top keys
+    unrotated, _ = opq_group(lengths, topk=16, candidates=128, use_triton=False, codec=codec)
+    unrotated.rotation = None  # codes stay those of rotated keys
+    assert overlap(unrotated.select(q, w)[0], exact_topk(keys, q, w, 16)) < 0.8

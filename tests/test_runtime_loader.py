@@ -24,9 +24,11 @@ def preset_fingerprint(preset="tiny-v32"):
     return load_model(f"preset:{preset}").fingerprint
 
 
-def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0, model=None):
+def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0, model=None,
+              rotations=None, rotate=None):
     """A PQ bundle for a preset's geometry, with random codebooks, trained (so its manifest says) for
-    ``model`` (default: the preset's own fingerprint)."""
+    ``model`` (default: the preset's own fingerprint). ``rotations``: layer -> array stored as the layer's
+    ``rotation`` (OPQ); ``rotate``: the layers whose params say rotate=true (default: those with one)."""
     geometry = geometry_from_config(preset_config(preset))
     model = model or preset_fingerprint(preset)
     layer_ids = geometry.indexer_layers if layers is None else layers
@@ -34,9 +36,14 @@ def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=
     sub = geometry.head_dim // subspaces
     arrays = {i: {"codebooks": rng.standard_normal((subspaces, 256, sub)).astype(np.float32),
                   "metric": np.tile(np.eye(sub, dtype=np.float32), (subspaces, 1, 1))} for i in layer_ids}
+    rotations = rotations or {}
+    for i, rotation in rotations.items():
+        arrays[i]["rotation"] = rotation
+    rotate = set(rotations) if rotate is None else set(rotate)
     manifest = new_bundle_manifest(
         model, basis, geometry.key_format,
-        {str(i): LayerArtifact(kind="pq", params={"subspaces": subspaces, "score_aware": True}) for i in layer_ids},
+        {str(i): LayerArtifact(kind="pq", params={"subspaces": subspaces, "score_aware": True, "rotate": i in rotate})
+         for i in layer_ids},
         Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                 train_sequences=[0], eval_sequences=[1]),
     )
@@ -55,6 +62,41 @@ def test_load_places_codebooks_and_reports_startup(tmp_path):
     assert loaded.device_bytes == 4 * (32 * 256 * 4 + 32 * 16) * 4
     assert 0 < loaded.startup_seconds < 30
     assert loaded.summary()["layers"]["3"]["score_aware"] is True
+
+
+def orthogonal(dim, seed):
+    q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((dim, dim)))
+    return q.astype(np.float32)
+
+
+def test_an_opq_bundle_loads_its_rotations_and_a_bundle_without_them_is_refused(tmp_path):
+    rotations = {i: orthogonal(128, i) for i in (0, 2)}
+    arrays = pq_bundle(tmp_path / "opq", rotations=rotations)
+    loaded = load(tmp_path / "opq", preset_config("tiny-v32"))
+    for i, layer in loaded.layers.items():
+        if i in rotations:
+            np.testing.assert_array_equal(layer.rotation.numpy(), rotations[i])
+        else:
+            assert layer.rotation is None
+    assert loaded.device_bytes == 4 * (32 * 256 * 4 + 32 * 16) * 4 + 2 * 4 * 128 * 128
+    assert loaded.summary()["layers"]["2"]["rotate"] is True and loaded.summary()["layers"]["1"]["rotate"] is False
+    assert "0 (OPQ32 score-aware), 1 (PQ32 score-aware)" in loaded.describe_layers()
+    np.testing.assert_array_equal(loaded.layers[0].codebooks.numpy(), arrays[0]["codebooks"])
+    # params say rotate, the array is missing: refused, naming the layer and the array
+    pq_bundle(tmp_path / "missing", rotations={0: rotations[0]}, rotate=(0, 3))
+    with pytest.raises(CorruptBundleError, match=r"layer 3: .*rotate=true.*no 'rotation' array") as err:
+        load(tmp_path / "missing", preset_config("tiny-v32"))
+    assert "--rotate" in err.value.fix
+    # an array without the params' word, a wrong shape, a matrix that is not a rotation: refused as well
+    pq_bundle(tmp_path / "unsaid", rotations={1: rotations[0]}, rotate=())
+    with pytest.raises(CorruptBundleError, match="layer 1: .*do not say rotate=true"):
+        load(tmp_path / "unsaid", preset_config("tiny-v32"))
+    pq_bundle(tmp_path / "shape", rotations={2: rotations[0][:64, :64].copy()})
+    with pytest.raises(CorruptBundleError, match=r"layer 2: .*shape \[64, 64\].*must be \[128, 128\]"):
+        load(tmp_path / "shape", preset_config("tiny-v32"))
+    pq_bundle(tmp_path / "scaled", rotations={2: 2 * rotations[2]})
+    with pytest.raises(CorruptBundleError, match="layer 2: .*not orthogonal"):
+        load(tmp_path / "scaled", preset_config("tiny-v32"))
 
 
 def test_loading_a_local_bundle_does_not_import_mlflow(tmp_path):

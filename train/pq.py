@@ -178,16 +178,16 @@ def train_rotation(keys: torch.Tensor, spec: PQSpec, trainer: str = "torch", rou
     codebooks on the rotated keys and R from the orthogonal Procrustes problem ``min ||X R^T - Y||``
     (``Y`` the rotated keys' reconstructions: R^T = U V^T for X^T Y = U S V^T). The score is unchanged by
     R when queries are rotated the same way (``q . k = (R q) . (R k)``). Returns R on CPU."""
-    from dsaindex.pq import decode, encode
+    from dsaindex.pq import decode, encode, rotate
 
     check_keys(keys, spec)
     dev = torch.device(device if trainer == "torch" else "cpu")
     x = keys.float().to(dev)
     rot = balanced_pca_rotation(x, spec).to(dev)
     for r in range(rounds):
-        xr = x @ rot.t()
+        xr = rotate(x, rot)
         codebooks = train_codebooks(xr, spec, trainer, iterations, seed + r, None, device).to(dev)
-        y = decode(encode(xr, codebooks), codebooks)
+        y = decode(encode(xr, codebooks), codebooks)  # the reconstructions in the rotated space
         u, _, vh = torch.linalg.svd(x.t().double() @ y.double())
         rot = (u @ vh).t().float()
     return rot.cpu()

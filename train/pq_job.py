@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsaindex.pq import PQSpec, decode, encode, relative_mse
+from dsaindex.pq import PQCodec, PQSpec, rotate
 from dsaindex.train.pq import score_gradient_metric, train_codebooks, train_rotation
 from dsaindex.train.recall import (
     CANDIDATES,
@@ -43,7 +43,7 @@ class PQOptions:
     trainer: str = "faiss"
     iterations: int = 20
     score_aware: bool = True
-    rotate: bool = False  # OPQ: a learned rotation before PQ (compared by `eval pq-compare`; not in bundles yet)
+    rotate: bool = False  # OPQ: a learned orthogonal rotation before PQ, stored in the bundle beside the codebooks
     max_train_keys: int = 262144
     metric_queries: int = 256
     eval_fraction: float = 0.2
@@ -68,6 +68,11 @@ class LayerResult:
     train_seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
     rotation: torch.Tensor | None = None  # [D, D] orthogonal: codes are of keys @ rotation.T
+
+    @property
+    def codec(self) -> PQCodec:
+        """The layer's codec, as a bundle stores it and the runtime serves it."""
+        return PQCodec(self.codebooks, self.metric, self.rotation)
 
 
 def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
@@ -106,10 +111,7 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
         keys = engine_keys(store.as_float(raw[start : start + visible]), key_format)
         scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
         chosen.append(keys[scores.topk(min(2 * topk, visible)).indices])
-    if rotation is not None:
-        queries = queries.float() @ rotation.t()
-        chosen = [c.float() @ rotation.t() for c in chosen]
-    return score_gradient_metric(queries, weights, chosen, spec)
+    return score_gradient_metric(rotate(queries, rotation), weights, [rotate(c, rotation) for c in chosen], spec)
 
 
 def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
@@ -126,7 +128,7 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     if opts.rotate:
         step("OPQ rotation")
         rotation = train_rotation(keys, spec, opts.trainer, seed=opts.seed + layer, device=opts.device)
-        keys = keys.float() @ rotation.t()
+        keys = rotate(keys, rotation)  # the codebooks are trained in the rotated space
     rotate_seconds = time.perf_counter() - t0
     metric = None
     if opts.score_aware:
@@ -138,21 +140,18 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     seconds = time.perf_counter() - t0 + rotate_seconds
     result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds, rotation=rotation)
     step("held-out recall")
-    result.metrics = evaluate_layer(store, layer, eval_seq, codebooks, metric, opts, key_format, topk, rotation)
+    result.metrics = evaluate_layer(store, layer, eval_seq, result.codec, opts, key_format, topk)
     return result
 
 
-def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codebooks: torch.Tensor,
-                   metric: torch.Tensor | None, opts: PQOptions,
-                   key_format: str, topk: int, rotation: torch.Tensor | None = None) -> dict[str, float]:
-    """Held-out recall of one layer's codec; with ``rotation`` the keys are coded rotated and their
-    reconstructions rotated back (the score is the same either way)."""
+def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: PQCodec, opts: PQOptions,
+                   key_format: str, topk: int) -> dict[str, float]:
+    """Held-out recall of one layer's codec (an OPQ codec codes the keys rotated and decodes them back to the
+    original space, where they score against the raw queries)."""
     ks = tuple(sorted({PAPER_K, topk}))
     data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries)
-    keys = data.keys if rotation is None else data.keys.float() @ rotation.t()
-    coarse = decode(encode(keys, codebooks, metric), codebooks)
-    metrics = evaluate_selection(data, coarse if rotation is None else coarse @ rotation, ks, opts.candidates)
-    metrics["relative_mse"] = relative_mse(keys, codebooks)
+    metrics = evaluate_selection(data, codec.decode(codec.encode(data.keys)), ks, opts.candidates)
+    metrics["relative_mse"] = codec.relative_mse(data.keys)
     return metrics
 
 
@@ -242,24 +241,22 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None 
 
 
 def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
-    """Write the trained codebooks (and score-aware metrics) as an artifact bundle; returns its manifest."""
+    """Write the trained codebooks (and score-aware metrics, and OPQ rotations) as an artifact bundle;
+    returns its manifest. A rotated layer stores ``rotation`` [D, D] float32 and ``params["rotate"]=True``."""
     from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
 
     store = report["store"]
     layers, arrays = {}, {}
     for layer, r in report["results"].items():
         params = {"subspaces": opts.subspaces, "centroids": opts.centroids, "score_aware": opts.score_aware,
-                  "trainer": opts.trainer, "train_keys": r.train_keys, "train_seconds": round(r.train_seconds, 3)}
+                  "rotate": r.rotation is not None, "trainer": opts.trainer, "train_keys": r.train_keys,
+                  "train_seconds": round(r.train_seconds, 3)}
         layers[str(layer)] = LayerArtifact(kind="pq", params=params)
-        if r.rotation is not None:
-            from dsaindex.errors import DsaIndexError
-
-            raise DsaIndexError(f"Layer {layer}'s codebooks are of rotated keys (OPQ); bundles cannot carry the "
-                                "rotation yet, and without it the codes would be wrong.",
-                                "compare OPQ with `dsaindex eval pq-compare --variants opq`; train bundles without it.")
         arrays[layer] = {"codebooks": r.codebooks.numpy().astype(np.float32)}
         if r.metric is not None:
             arrays[layer]["metric"] = r.metric.float().numpy()
+        if r.rotation is not None:
+            arrays[layer]["rotation"] = r.rotation.float().numpy()
     metrics = {f"layer{layer}/{name}": float(v) for layer, m in report["per_layer"].items() for name, v in m.items()}
     metrics.update({f"mean/{name}": float(v) for name, v in report["mean"].items()})
     lineage = store_lineage(store, report["split"])
@@ -275,12 +272,17 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
     return write_bundle(out, manifest, arrays)
 
 
+def pq_label(opts: PQOptions) -> str:
+    """``PQ32``, or ``OPQ32`` with a learned rotation: the name of the codec the options train."""
+    return f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces}"
+
+
 def default_bundle_path(store_path: str | Path, opts: PQOptions) -> Path:
-    """``runs/bundles/<store name>-pq<M>[-sa]``, or with ``-2``, ``-3``, ... where that is taken (a
-    rerun writes a new bundle beside the earlier one)."""
+    """``runs/bundles/<store name>-pq<M>[-sa]`` (``-opq<M>[-sa]`` with a rotation), or with ``-2``, ``-3``,
+    ... where that is taken (a rerun writes a new bundle beside the earlier one)."""
     from dsaindex.artifacts.bundle import fresh_bundle_path
 
-    name = f"{Path(store_path).name}-pq{opts.subspaces}{'-sa' if opts.score_aware else ''}"
+    name = f"{Path(store_path).name}-{pq_label(opts).lower()}{'-sa' if opts.score_aware else ''}"
     return fresh_bundle_path(Path("runs/bundles") / name)
 
 
@@ -335,7 +337,7 @@ def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None,
         ensure_reachable(tracking_uri)
     report = train_pq(store_path, opts, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
-    title = title or f"PQ{opts.subspaces}{' score-aware' if opts.score_aware else ''} on {Path(store_path).name}"
+    title = title or f"{pq_label(opts)}{' score-aware' if opts.score_aware else ''} on {Path(store_path).name}"
     topk = report["store"].manifest.model.geometry.topk
     plots = [p for k in sorted({PAPER_K, topk})
              if (p := recall_plot(report["per_layer"], out.parent / f"{out.name}-recall-k{k}.png", title, k))]
@@ -363,7 +365,6 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions)
     check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
     _, eval_seq = split_sequences(store.committed.sequences)
     topk = manifest.model.geometry.topk
-    per_layer = {layer: evaluate_layer(store, layer, eval_seq, codec.codebooks, codec.metric, opts,
-                                       manifest.key_format, topk)
+    per_layer = {layer: evaluate_layer(store, layer, eval_seq, codec, opts, manifest.key_format, topk)
                  for layer, codec in place_layers(manifest, arrays).items()}
     return {"per_layer": per_layer, "mean": mean_metrics(per_layer), "ks": sorted({PAPER_K, topk})}
