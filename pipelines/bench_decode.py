@@ -58,7 +58,15 @@ def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int
     return fp8, scales, codes, codebooks, q, w
 
 
-def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0):
+def synthetic_rotation(dim: int = 128, seed: int = 0):
+    """A random orthogonal [dim, dim] matrix (an OPQ codec's rotation, for timing)."""
+    import torch
+
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0, rotation=None):
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
     ``keys`` a whole number of 64-key pages), with the length policy at ``exact_below`` keys."""
     from dsaindex.pq import PQCodec
@@ -67,7 +75,8 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
 
     batch, keys, dim = fp8.shape
     host = HostKeyStore(batch * -(-keys // 64), dim)
-    group = PQDecodeGroup(PQCodec(codebooks.float().cpu()), host, batch, keys, topk, candidates=candidates,
+    group = PQDecodeGroup(PQCodec(codebooks.float().cpu(), rotation=rotation), host, batch, keys, topk,
+                          candidates=candidates,
                           prefilter=prefilter, cache_capacity=cache, device="cuda", exact_below=exact_below)
     for b in range(batch):
         group.admit(b)
@@ -114,7 +123,7 @@ def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], g
 
 def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
               subspaces: int = 32, graphs: bool = True, profile: bool = False, exact_below: int = 0,
-              pq_from: dict[int, int] | None = None) -> dict:
+              pq_from: dict[int, int] | None = None, opq: bool = False) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -123,7 +132,8 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
-    group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache)
+    rotation = synthetic_rotation() if opq else None  # OPQ: one query rotation more per step
+    group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, rotation=rotation)
     ms: dict[str, float] = {}
     modes: dict[str, str] = {}
 
@@ -177,7 +187,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(dg_logits(), lengths, topk))
         ms["deepgemm_best"] = min(ms["deepgemm_logits_topk"], ms["deepgemm_logits_fast_topk"])
     ms["engine_paged"], modes["engine_paged"], paged_profile = engine_paged_step(
-        fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs, profile)
+        fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs, profile, rotation=rotation)
     if paged_profile is not None:
         profiles["engine_paged"] = paged_profile
     cache_pages = table = None
@@ -185,7 +195,8 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     group = None
     torch.cuda.empty_cache()
     # the length policy's exact path: the same group with every request below its length
-    short_group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=keys)
+    short_group = pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=keys,
+                                rotation=rotation)
     # the scheduling metadata depends only on the lengths: computed once per step for every layer, as
     # the engines do (and as the DeepGEMM baseline above is timed)
     exact_schedule = short_group.exact_schedule(heads)
@@ -240,7 +251,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
 
 
 def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs,
-                      profile: bool = False) -> tuple[float, str, Any]:
+                      profile: bool = False, rotation=None) -> tuple[float, str, Any]:
     """(median ms, timing mode, kernel profile or None) of the engine plugins' step over the engines' paged
     cache of the same keys and codes."""
     import torch
@@ -251,7 +262,8 @@ def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, pre
 
     batch, keys, _ = fp8.shape
     cache, table = deepgemm.paged_cache(fp8, scales)
-    selector = PagedCacheSelector(PQCodec(codebooks.float().cpu()), cache.shape[0], topk, candidates=candidates,
+    selector = PagedCacheSelector(PQCodec(codebooks.float().cpu(), rotation=rotation), cache.shape[0], topk,
+                                  candidates=candidates,
                                   prefilter=prefilter, device="cuda")
     selector.adopt(cache, table.reshape(-1), codes.reshape(-1, 64, codes.shape[2]))
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
@@ -428,6 +440,8 @@ def bench_decode(
                                                            "(torch.profiler, eager) to the JSON."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the timing table as markdown to this file."),
+    opq: bool = typer.Option(False, "--opq", help="Time the PQ paths with an OPQ codec (a rotation of the queries "
+                                                  "before the coarse stages, one [B*H, D] x [D, D] product)."),
 ) -> None:
     """Decode-step selection latency: PQ coarse-to-fine vs exact FP8 (DeepGEMM's and Triton's logits with the
     threshold top-k) vs torch, per batch size and history length, with HBM floors, GPU bytes per request
@@ -459,11 +473,11 @@ def bench_decode(
     for n in key_counts:
         for b in batch_sizes:
             row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile,
-                            exact_below=exact_below, pq_from=pq_limits)
+                            exact_below=exact_below, pq_from=pq_limits, opq=opq)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()
-    report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
+    report = {"device": torch.cuda.get_device_name(), "opq": opq, "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below, "pq_from": pq_limits,
               "break_even_keys": break_even(rows), "rows": rows}
     if recall_store is not None:
