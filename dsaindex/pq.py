@@ -77,14 +77,16 @@ def whitening(metric: torch.Tensor | None, spec: PQSpec, device: torch.device | 
     return lt.float(), torch.linalg.inv(lt).float()
 
 
-def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+def rotate(x: torch.Tensor, rotation: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x`` [..., D] into an OPQ codec's code space: ``x @ rotation.T`` as one [prod(...), D] x [D, D]
-    float32 product (``rotation`` [D, D], moved to ``x``'s device if elsewhere); ``x`` itself when
-    ``rotation`` is None. No host synchronization and an output shaped by ``x`` alone (CUDA-graph safe)."""
+    product in ``dtype`` (``rotation`` [D, D], moved to ``x``'s device and ``dtype`` if elsewhere); ``x``
+    itself when ``rotation`` is None. No host synchronization and an output shaped by ``x`` alone
+    (CUDA-graph safe). The decode runtime rotates its bf16 queries in bf16 with a bf16 rotation: one
+    GEMM launch, for the coarse stages only (the exact rescoring reads the raw queries)."""
     if rotation is None:
         return x
     dim = x.shape[-1]
-    flat = x.reshape(-1, dim).float() @ rotation.to(x.device, torch.float32).t()
+    flat = x.reshape(-1, dim).to(dtype) @ rotation.to(x.device, dtype).t()
     return flat.reshape(x.shape)
 
 

@@ -144,6 +144,7 @@ class PagedCacheSelector:
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)
         self.metric = None if codec.metric is None else codec.metric.to(dev)
         self.rotation = None if codec.rotation is None else codec.rotation.to(dev, torch.float32).contiguous()
+        self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
         # once: no factorization in a graph (an OPQ rotation folded into the whitening: [M, D/M, D])
         self.whitened, self.transform = whitened_codebooks(self.codebooks, self.metric, self.rotation)
         self.codes = torch.zeros(num_pages + 1, PAGE, m, dtype=torch.uint8, device=dev)  # + one scratch page
@@ -250,7 +251,7 @@ class PagedCacheSelector:
         groups = []
         stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
         if w:  # the coarse stages score codes in the codebooks' space: OPQ queries rotated once
-            q_code = q if self.rotation is None else rotate(q, self.rotation).to(torch.bfloat16)
+            q_code = q if self.rotation is None else rotate(q, self.rotation_bf16, torch.bfloat16)
             cand, stage1 = self._coarse(table, n_coded, q_code, wt)
             groups.append(cand)
         tail = n_coded[:, None].long() + torch.arange(PAGE, device=dev)[None, :]

@@ -145,6 +145,7 @@ class PQDecodeGroup:
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)  # the int8 stage-1 tables' bound
         self.metric = None if layer.metric is None else layer.metric.to(dev)
         self.rotation = None if layer.rotation is None else layer.rotation.to(dev, torch.float32).contiguous()
+        self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
         self.slots, self.max_keys = slots, max_keys
         max_pages = -(-max_keys // self.page)
         self.codes = torch.zeros(slots, max_pages * self.page, m, dtype=torch.uint8, device=dev)
@@ -352,7 +353,7 @@ class PQDecodeGroup:
     def _code_queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries [S, H, D] bf16 in the codes' space: rotated (OPQ, one product; shapes fixed, no sync) or as
         they are."""
-        return q if self.rotation is None else rotate(q, self.rotation).to(torch.bfloat16)
+        return q if self.rotation is None else rotate(q, self.rotation_bf16, torch.bfloat16)
 
     def gpu_bytes(self) -> dict[str, int]:
         """Device bytes per request: the index (codes of ``max_keys``) and the fixed cache + tail state."""
