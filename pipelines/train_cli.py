@@ -100,19 +100,43 @@ def eval_pq_cmd(
     store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to evaluate on."),
     eval_queries: int = typer.Option(128, callback=at_least(1), help="Held-out queries per layer."),
     candidates: str = typer.Option(_CANDIDATES, help=_CANDIDATES_HELP),
+    warm: bool = typer.Option(False, "--warm", help="Also replay the held-out decode windows (consecutive "
+                                                    "positions) through the runtime's group and cache: recall "
+                                                    "with the miss filter on a warm cache, and the host fetches."),
+    warm_candidates: int = typer.Option(2048, callback=at_least(1), help="--warm: C, candidates per step."),
+    prefilter: int = typer.Option(4, callback=at_least(1), help="--warm: stage 1 keeps prefilter x C keys."),
+    cache: int = typer.Option(4096, callback=at_least(4), help="--warm: exact keys cached per request (a "
+                                                               "multiple of 4, at least C)."),
+    min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "
+                                                                 "keys."),
+    device: str = typer.Option("auto", help="--warm: cpu, cuda or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
     from rich.console import Console
 
-    from dsaindex.console import print_json, print_recall_tables, print_tables, recall_table
-    from dsaindex.train.pq_job import PAPER_K, evaluate_bundle
+    from dsaindex.console import (
+        print_json,
+        print_recall_tables,
+        print_tables,
+        progress_bar,
+        recall_table,
+        resolve_device,
+    )
+    from dsaindex.train.pq_job import PAPER_K, evaluate_bundle, evaluate_bundle_warm
     from dsaindex.train.recall import band_rows
 
     opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)  # only the evaluation's fields count
     result = evaluate_bundle(bundle, store, opts)
+    steady = None
+    if warm:
+        with progress_bar("decode windows", enabled=not as_json, unit="windows") as update:
+            steady = evaluate_bundle_warm(bundle, store, warm_candidates, prefilter, cache, min_prefix,
+                                          resolve_device(device), progress=update)
     if as_json:
-        print_json({"per_layer": {str(k): v for k, v in result["per_layer"].items()}, "mean": result["mean"]})
+        print_json({"per_layer": {str(k): v for k, v in result["per_layer"].items()}, "mean": result["mean"]}
+                   | ({"warm": steady | {"per_layer": {str(k): v for k, v in steady["per_layer"].items()}}}
+                      if steady else {}))
         return
     print_recall_tables(result["per_layer"], result["mean"], result["ks"], opts.candidates)
     by_band = band_rows([("mean", result["mean"])], PAPER_K)
@@ -120,6 +144,30 @@ def eval_pq_cmd(
         print_tables([recall_table(by_band, PAPER_K, opts.candidates,
                                    f"mean recall of the exact top-{PAPER_K} by prefix band (keys)", caption=False)],
                      Console())
+    if steady is not None:
+        Console().print(_warm_table(steady))
+
+
+def _warm_table(steady: dict):
+    """The steady-state decode table of ``eval pq --warm``: a row per layer, then the mean."""
+    from rich.table import Table
+
+    if not steady["per_layer"]:
+        return "[dim]no held-out decode window (capture with --windows, --window-len)[/dim]"
+    table = Table(title=f"decode windows through the runtime's cache: {steady['windows']} windows x "
+                        f"{steady['steps_per_window']} steps, top-{steady['topk']}, C={steady['candidates']}, "
+                        f"cache {steady['cache']}", title_justify="left")
+    cols = [("warm_recall_rerank", "recall, no filter", ".2%"), ("warm_recall_filter", "recall, filter", ".2%"),
+            ("warm_filter_loss", "loss (pts)", ".2f"), ("warm_fetch_share", "fetched", ".1%"),
+            ("warm_hit_share", "hits", ".1%"), ("cold_recall_filter", "first step: recall", ".2%"),
+            ("cold_fetch_share", "first step: fetched", ".1%")]
+    table.add_column("")
+    for _, name, _ in cols:
+        table.add_column(name, justify="right")
+    rows = [(f"layer {layer}", m) for layer, m in sorted(steady["per_layer"].items())] + [("mean", steady["mean"])]
+    for label, m in rows:
+        table.add_row(label, *[format(m[key], fmt) for key, _, fmt in cols])
+    return table
 
 
 @eval_app.command("pq-compare")

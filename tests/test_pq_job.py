@@ -208,3 +208,25 @@ def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(t
                               torch.full((3,), keys.shape[0]), queries.to(torch.bfloat16).float(), weights, 32)[1]
     for got, exact in zip(picked.tolist(), want.tolist(), strict=True):
         assert len(set(got) & set(exact)) >= 31
+
+
+def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained):
+    """`eval pq --warm`: the held-out decode windows step through the runtime's group. With every key a
+    candidate the selection is the exact top-k; later steps find most candidates in the cache and fetch
+    fewer than the first (cold) step."""
+    root, store, bundle, uri, result = trained
+    proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
+                   "--warm", "--warm-candidates", "1024", "--cache", "1024", "--prefilter", "1", "--device", "cpu",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    steady = json.loads(proc.stdout)["warm"]
+    assert steady["windows"] == 2 and steady["steps_per_window"] == 16  # the capture's default windows
+    for m in steady["per_layer"].values():
+        assert m["warm_recall_rerank"] >= 0.99 and m["cold_recall_filter"] <= 1.0
+        assert m["warm_hit_share"] > 0.5 and m["warm_fetch_share"] < m["cold_fetch_share"]
+        assert len(m["fetch_share_by_step"]) == 16 and m["fetch_share_by_step"][0] == m["cold_fetch_share"]
+    proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
+                   "--warm", "--warm-candidates", "64", "--cache", "128", "--prefilter", "2", "--device", "cpu",
+                   "--json")
+    small = json.loads(proc.stdout)["warm"]["mean"]
+    assert small["warm_recall_rerank"] < steady["mean"]["warm_recall_rerank"]  # fewer candidates, less recall

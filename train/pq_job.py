@@ -368,3 +368,24 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions)
     per_layer = {layer: evaluate_layer(store, layer, eval_seq, codec, opts, manifest.key_format, topk)
                  for layer, codec in place_layers(manifest, arrays).items()}
     return {"per_layer": per_layer, "mean": mean_metrics(per_layer), "ks": sorted({PAPER_K, topk})}
+
+
+def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates: int = 2048, prefilter: int = 4,
+                         cache: int = 4096, min_prefix: int = 0, device: str = "cpu",
+                         progress: Progress | None = None) -> dict:
+    """Steady-state decode recall of a PQ bundle on a store's held-out decode windows, replayed through
+    the runtime's group and cache (:func:`dsaindex.train.warm_cache.warm_window_recall`)."""
+    from dsaindex.artifacts.bundle import read_bundle
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.artifacts.compat import check_store_for_bundle
+    from dsaindex.artifacts.registry import load_uri
+    from dsaindex.runtime.loader import place_layers
+    from dsaindex.train.warm_cache import warm_window_recall
+
+    manifest, arrays = read_bundle(load_uri(bundle))
+    store = CaptureStore.open(store_path)
+    check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
+    _, eval_seq = split_sequences(store.committed.sequences)
+    return warm_window_recall(store, place_layers(manifest, arrays), eval_seq, manifest.model.geometry.topk,
+                              candidates, prefilter, cache, min_prefix, device=device, progress=progress)
+

@@ -1,0 +1,150 @@
+"""Steady-state decode recall: the captured decode windows replayed through the runtime's own cache.
+
+The recall of :mod:`dsaindex.train.recall` scores each held-out query alone, so its miss filter sees a
+cold cache: every candidate is a miss, and the filter drops the weakest of them. A decode server runs
+step after step over the same request, and LeanSparse's filter runs on a warm cache: candidates the
+cache holds are always kept, only misses can be dropped, and only misses are fetched from host.
+
+A capture records, besides scattered queries, windows of consecutive positions (decode-like steps,
+``--windows`` / ``--window-len`` of ``dsaindex capture``). :func:`warm_window_recall` replays each
+held-out window through a :class:`dsaindex.runtime.pq_batch.PQDecodeGroup` built from the layer's codec,
+the same object a server runs: the request's keys up to the window's first position, then one key
+and one selection per step, its set-associative cache carried from step to step. Per step it compares
+the selection with the exact top-k of the FP8 keys the step sees, with the miss filter and without it
+(every candidate rescored), and records the share of the candidates read from host (the fetches) and
+the share the cache held (the hits). The first step of a window runs on a cold cache; later steps are
+the steady state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dsaindex.geometry import visible_key_count
+from dsaindex.quant import engine_keys
+from dsaindex.train.recall import sequence_key_offsets
+
+if TYPE_CHECKING:
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.pq import PQCodec
+
+
+def decode_windows(store: CaptureStore, sequences: list[int]) -> list[tuple[int, np.ndarray]]:
+    """(sequence, row indices of its recorded queries in position order) per decode window of
+    ``sequences``."""
+    seq_of = store.array("query_sequence").astype(np.int64)
+    window = store.array("query_window").astype(np.int64)
+    position = store.array("query_position").astype(np.int64)
+    out = []
+    for seq in sequences:
+        for w in sorted(set(window[(seq_of == seq) & (window >= 0)].tolist())):
+            rows = np.nonzero((seq_of == seq) & (window == w))[0]
+            out.append((seq, rows[np.argsort(position[rows], kind="stable")]))
+    return out
+
+
+def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: torch.Tensor, weights: torch.Tensor,
+            topk: int, candidates: int, prefilter: int, cache: int, miss_filter: bool, device: str,
+            use_triton: bool | None) -> list[dict[str, float]]:
+    """One window's steps through a fresh one-request group: per step the selection's recall of the exact
+    top-k, and the shares of the candidates fetched from host and held by the cache."""
+    from dsaindex.kernels.fp8_score import fp8_topk_reference
+    from dsaindex.quant import fp8_quantize
+    from dsaindex.runtime.host_store import HostKeyStore
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    n = visible[-1]
+    group = PQDecodeGroup(codec, HostKeyStore(-(-n // 64) + 1, keys.shape[1]), 1, n, topk, candidates=candidates,
+                          prefilter=prefilter, cache_capacity=cache, miss_filter=miss_filter, device=device,
+                          use_triton=use_triton)
+    group.admit(0)
+    fp8, scales = fp8_quantize(keys[:n].to(device).float())
+    fp8 = fp8.view(torch.uint8)[None]
+    scales = scales.reshape(1, -1)
+    steps, seen = [], 0
+    for i, upto in enumerate(visible):
+        group.append(0, keys[seen:upto].to(device))
+        seen = upto
+        q, w = queries[i : i + 1].to(device), weights[i : i + 1].to(device)
+        picked, stats = group.select(q, w)
+        lengths = torch.tensor([upto], device=device)
+        _, want = fp8_topk_reference(fp8[:, :upto], scales[:, :upto], lengths, q, w, min(topk, upto))
+        truth = set(want[0].tolist())
+        cand = max(1.0, float(stats.candidates.sum()))
+        steps.append({"recall": len(truth & set(picked[0].tolist())) / max(1, len(truth)),
+                      "fetch": float(stats.fetched.sum()) / cand, "hit": float(stats.hits.sum()) / cand,
+                      "prefix": upto})
+    return steps
+
+
+def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequences: list[int], topk: int,
+                       candidates: int = 2048, prefilter: int = 4, cache: int = 4096, min_prefix: int = 0,
+                       max_windows: int | None = None, device: str = "cpu", use_triton: bool | None = None,
+                       progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Replay the decode windows of held-out ``sequences`` through each layer's runtime group (module
+    docstring). Windows whose first step sees fewer than ``min_prefix`` keys are skipped.
+
+    Returns {"per_layer": {layer: metrics}, "mean": metrics, "windows", "steps_per_window"}, metrics:
+    ``warm_recall_filter`` / ``warm_recall_rerank`` (steps after a window's first, with the miss filter /
+    every candidate rescored), ``warm_filter_loss`` (their difference, in points), ``warm_fetch_share``
+    and ``warm_hit_share`` (shares of the candidates per step), ``cold_recall_filter`` and
+    ``cold_fetch_share`` (the first steps), ``fetch_share_by_step`` (mean per step index)."""
+    key_format = store.manifest.model.geometry.key_format
+    position = store.array("query_position").astype(np.int64)
+    offsets = sequence_key_offsets(store)
+    windows = []
+    for seq, rows in decode_windows(store, sequences):
+        visible = [int(v) for v in visible_key_count(position[rows])]
+        if rows.size and visible[0] >= min_prefix and visible[0] > topk:
+            windows.append((seq, rows, visible))
+    windows = windows[:max_windows] if max_windows else windows
+    per_layer: dict[int, dict] = {}
+    total = len(codecs) * len(windows)
+    done = 0
+    for layer, codec in codecs.items():
+        raw = store.keys(layer)
+        runs: dict[bool, list[list[dict]]] = {True: [], False: []}
+        for seq, rows, visible in windows:
+            keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), key_format)
+            queries = store.as_float(store.queries(layer)[rows])
+            weights = torch.from_numpy(store.head_weights(layer)[rows])
+            for miss_filter in (True, False):
+                runs[miss_filter].append(_replay(codec, keys, visible, queries, weights, topk, candidates, prefilter,
+                                                 cache, miss_filter, device, use_triton))
+            done += 1
+            if progress:
+                progress(done, total, f"layer {layer}")
+        if windows:
+            per_layer[layer] = _summarize(runs)
+    names = [k for k in next(iter(per_layer.values()), {}) if k != "fetch_share_by_step"]
+    mean = {k: round(float(np.mean([m[k] for m in per_layer.values()])), 5) for k in names}
+    if per_layer:
+        by_step = [m["fetch_share_by_step"] for m in per_layer.values()]
+        mean["fetch_share_by_step"] = [round(float(np.mean(col)), 4) for col in zip(*by_step, strict=False)]
+    return {"per_layer": per_layer, "mean": mean, "windows": len(windows),
+            "steps_per_window": len(windows[0][2]) if windows else 0,
+            "topk": topk, "candidates": candidates, "prefilter": prefilter, "cache": cache}
+
+
+def _summarize(runs: dict[bool, list[list[dict]]]) -> dict:
+    def mean(values: list[float]) -> float:
+        return round(float(np.mean(values)), 5) if values else float("nan")
+
+    warm = {f: [s for steps in runs[f] for s in steps[1:]] for f in (True, False)}
+    first = [steps[0] for steps in runs[True]]
+    width = max(len(steps) for steps in runs[True])
+    out = {"warm_recall_filter": mean([s["recall"] for s in warm[True]]),
+           "warm_recall_rerank": mean([s["recall"] for s in warm[False]]),
+           "warm_fetch_share": mean([s["fetch"] for s in warm[True]]),
+           "warm_hit_share": mean([s["hit"] for s in warm[True]]),
+           "cold_recall_filter": mean([s["recall"] for s in first]),
+           "cold_fetch_share": mean([s["fetch"] for s in first]),
+           "mean_prefix": mean([s["prefix"] for steps in runs[True] for s in steps])}
+    out["warm_filter_loss"] = round(100 * (out["warm_recall_rerank"] - out["warm_recall_filter"]), 3)
+    out["fetch_share_by_step"] = [mean([steps[i]["fetch"] for steps in runs[True] if i < len(steps)])
+                                  for i in range(width)]
+    return out
