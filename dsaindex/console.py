@@ -76,6 +76,12 @@ def emit_report(report: dict, out: Path | None = None, markdown: Path | None = N
     print(text)
 
 
+def markdown_rows(headers: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the header row, its rule, then one line per row of cells."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

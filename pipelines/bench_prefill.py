@@ -186,12 +186,14 @@ def deepgemm_times(keys, queries, weights, positions, topk: int, repeats: int, d
 
 
 def markdown_table(report: dict) -> str:
+    from dsaindex.console import markdown_rows
+
     budgets = report["budgets"]
     head = ["prefix", "DeepGEMM logits ms", "DeepGEMM + topk ms", "exhaustive ms",
             *[f"IVF {b // 1024}K ms (x)" for b in budgets], "maintenance ms/chunk",
             *[f"(IVF {b // 1024}K + maint.) / DeepGEMM + topk" for b in budgets],
             *[f"maint./saved {b // 1024}K" for b in budgets]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for r in report["rows"]:
         dg = r.get("deepgemm", {})
         dg_topk = dg.get("logits_topk_seconds")
@@ -204,8 +206,8 @@ def markdown_table(report: dict) -> str:
         cells += [f"{(r['ivf'][str(b)]['seconds'] + maintenance) / dg_topk:.2f}" if dg_topk else "n/a"
                   for b in budgets]
         cells += [f"{r['ivf'][str(b)]['maintenance_share']}" for b in budgets]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        table.append(cells)
+    return markdown_rows(head, table) + "\n"
 
 
 def bench_prefill_select(

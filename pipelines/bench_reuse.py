@@ -339,9 +339,10 @@ def bench_decode_reuse(
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| B | retention | arm | kept layers | ms / step | tokens/s | vs every indexer | MLI / IndexCache |\n"
-            "|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['batch']} | {r['retention']} | {r['arm']} | {len(r['kept'])} | {r['ms_per_step']:.3f} | "
-             f"{r['tokens_per_s']:,.1f} | {r.get('speedup_vs_all_indexers') or math.nan:.3f}x | "
-             f"{r['mli_over_indexcache']:.3f}x |" for r in rows]
-    return "\n".join([head, *lines])
+    from dsaindex.console import markdown_rows
+
+    head = ["B", "retention", "arm", "kept layers", "ms / step", "tokens/s", "vs every indexer", "MLI / IndexCache"]
+    return markdown_rows(head, [[str(r["batch"]), r["retention"], r["arm"], str(len(r["kept"])),
+                                 f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:,.1f}",
+                                 f"{r.get('speedup_vs_all_indexers') or math.nan:.3f}x",
+                                 f"{r['mli_over_indexcache']:.3f}x"] for r in rows])

@@ -237,9 +237,11 @@ def time_stack_copy(host, device_rows, repeats: int) -> float:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| prefix | chunk | compute ms/layer | streamed ms/layer | load ms | exposed wait ms/layer | "
-            "predicted wait ms | wait / compute | without the prefetch |\n|---|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['prefix']:,} | {r['chunk']:,} | {r['compute_ms_per_layer']:.3f} | {r['streamed_ms_per_layer']:.3f} "
-             f"| {r['load_ms']:.3f} | {r['wait_ms_per_layer']:.3f} | {r['predicted_wait_ms']:.3f} | "
-             f"{100 * r['wait_share']:.1f}% | {100 * r['wait_share_no_prefetch']:.1f}% |" for r in rows]
-    return "\n".join([head, *lines])
+    from dsaindex.console import markdown_rows
+
+    head = ["prefix", "chunk", "compute ms/layer", "streamed ms/layer", "load ms", "exposed wait ms/layer",
+            "predicted wait ms", "wait / compute", "without the prefetch"]
+    return markdown_rows(head, [[f"{r['prefix']:,}", f"{r['chunk']:,}", f"{r['compute_ms_per_layer']:.3f}",
+                                 f"{r['streamed_ms_per_layer']:.3f}", f"{r['load_ms']:.3f}", f"{r['wait_ms_per_layer']:.3f}",
+                                 f"{r['predicted_wait_ms']:.3f}", f"{100 * r['wait_share']:.1f}%",
+                                 f"{100 * r['wait_share_no_prefetch']:.1f}%"] for r in rows])

@@ -3,7 +3,7 @@ that each layer attends the selection its schedule names, computed from the sour
 
 import torch
 
-from dsaindex.pipelines.bench_reuse import Stack, arms, weight_bytes
+from dsaindex.pipelines.bench_reuse import Stack, _table, arms, weight_bytes
 
 
 def test_weight_model_grows_with_the_experts_the_batch_hits():
@@ -42,3 +42,11 @@ def test_each_layer_attends_its_sources_selection_of_that_layers_input():
             assert chosen.shape == (2, 2048)
     assert not torch.allclose(finals[("mli", 2)], finals[("indexcache", 2)])
     assert not torch.allclose(finals[("indexcache", 1)], finals[("indexcache", 2)])
+
+
+def test_table_has_a_line_per_arm():
+    rows = [{"batch": 1, "retention": f"1/{n}", "arm": arm, "kept": kept, "ms_per_step": 2.0 + n, "tokens_per_s": 1.0,
+             "speedup_vs_all_indexers": 1.1, "mli_over_indexcache": 1.2} for arm, n, kept, _ in arms(8, [1, 2])]
+    lines = _table(rows).splitlines()
+    assert len(lines) == 2 + 4 and lines[1] == "|" + "---|" * 8
+    assert lines[3].startswith("| 1 | 1/1 | mli | 8 | 3.000 |") and lines[3].endswith("| 1.100x | 1.200x |")

@@ -194,11 +194,13 @@ def test_page_rows_takes_both_engine_layouts_and_refuses_others():
 
 # ---- the selector ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("use_triton", [True, False])
-def test_every_key_a_candidate_is_the_exact_topk(use_triton):
+@pytest.mark.parametrize("opq", [False, True])
+def test_every_key_a_candidate_is_the_exact_topk(use_triton, opq):
     lengths = [300, 131, 40]
     cache, table, _ = engine_cache(lengths, 16)
     q, w = queries(3)
-    sel = PagedCacheSelector(codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV, use_triton=use_triton)
+    sel = PagedCacheSelector(opq_codec() if opq else codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV,
+                             use_triton=use_triton)
     got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
     assert got.dtype == torch.int32 and got.shape == (3, 24)
     assert as_sets(got) == as_sets(exact(cache, table, lengths, q, w, 24))
@@ -377,16 +379,6 @@ def test_page_encoding_of_an_opq_codec_matches_the_codec(with_metric):
     codec = PQCodec(cb, metric, rot)
     assert torch.equal(want[table[0, 0].long()], codec.encode(page_keys))
     assert not torch.equal(want[table[0, 0].long()], PQCodec(cb, metric).encode(page_keys))
-
-
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_opq_codec_every_key_a_candidate_is_the_exact_topk(use_triton):
-    lengths = [300, 131, 40]
-    cache, table, _ = engine_cache(lengths, 16)
-    q, w = queries(3)
-    sel = PagedCacheSelector(opq_codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV, use_triton=use_triton)
-    got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
-    assert as_sets(got) == as_sets(exact(cache, table, lengths, q, w, 24))
 
 
 def test_opq_codec_long_requests_keep_the_exact_topk_and_both_paths_agree():
