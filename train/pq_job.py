@@ -351,9 +351,9 @@ def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None,
     return PQJobResult(opts, report, out, manifest, plots, registered)
 
 
-def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions) -> dict:
-    """Held-out recall of a trained PQ bundle (path or ``models:/`` URI) on a store of its model, with
-    the store's own split. Returns ``{per_layer, mean, ks}``."""
+def _bundle_on_store(bundle: str | Path, store_path: str | Path) -> tuple[object, dict, CaptureStore, list[int]]:
+    """A PQ bundle (path or ``models:/`` URI) and a store of its model, checked against each other: (the
+    manifest, the placed codecs by layer, the store, its held-out sequences)."""
     from dsaindex.artifacts.bundle import read_bundle
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.artifacts.compat import check_store_for_bundle
@@ -364,9 +364,16 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions)
     store = CaptureStore.open(store_path)
     check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
     _, eval_seq = split_sequences(store.committed.sequences)
+    return manifest, place_layers(manifest, arrays), store, eval_seq
+
+
+def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions) -> dict:
+    """Held-out recall of a trained PQ bundle (path or ``models:/`` URI) on a store of its model, with
+    the store's own split. Returns ``{per_layer, mean, ks}``."""
+    manifest, codecs, store, eval_seq = _bundle_on_store(bundle, store_path)
     topk = manifest.model.geometry.topk
     per_layer = {layer: evaluate_layer(store, layer, eval_seq, codec, opts, manifest.key_format, topk)
-                 for layer, codec in place_layers(manifest, arrays).items()}
+                 for layer, codec in codecs.items()}
     return {"per_layer": per_layer, "mean": mean_metrics(per_layer), "ks": sorted({PAPER_K, topk})}
 
 
@@ -375,17 +382,8 @@ def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates:
                          progress: Progress | None = None) -> dict:
     """Steady-state decode recall of a PQ bundle on a store's held-out decode windows, replayed through
     the runtime's group and cache (:func:`dsaindex.train.warm_cache.warm_window_recall`)."""
-    from dsaindex.artifacts.bundle import read_bundle
-    from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.artifacts.compat import check_store_for_bundle
-    from dsaindex.artifacts.registry import load_uri
-    from dsaindex.runtime.loader import place_layers
     from dsaindex.train.warm_cache import warm_window_recall
 
-    manifest, arrays = read_bundle(load_uri(bundle))
-    store = CaptureStore.open(store_path)
-    check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
-    _, eval_seq = split_sequences(store.committed.sequences)
-    return warm_window_recall(store, place_layers(manifest, arrays), eval_seq, manifest.model.geometry.topk,
-                              candidates, prefilter, cache, min_prefix, device=device, progress=progress)
-
+    manifest, codecs, store, eval_seq = _bundle_on_store(bundle, store_path)
+    return warm_window_recall(store, codecs, eval_seq, manifest.model.geometry.topk, candidates, prefilter, cache,
+                              min_prefix, device=device, progress=progress)
