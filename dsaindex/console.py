@@ -42,6 +42,26 @@ def parse_ints(text: str, option: str, minimum: int | None = None) -> list[int]:
     return values
 
 
+def parse_floats(text: str, option: str, minimum: float | None = None) -> list[float]:
+    """``"1,1.5"`` -> ``[1.0, 1.5]``; anything else (a value that is not finite, or below ``minimum``) is a
+    :class:`DsaIndexError` naming ``option``."""
+    import math
+
+    from dsaindex.errors import DsaIndexError
+
+    try:
+        values = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) for v in values):
+        raise DsaIndexError(f"{option} {text!r} is not a comma-separated list of numbers.",
+                            f"pass e.g. {option} 1,1.5.")
+    if minimum is not None and min(values) < minimum:
+        raise DsaIndexError(f"{option} {text!r} holds {min(values)}, below the least sensible value {minimum}.",
+                            f"pass values of {minimum} or more to {option}.")
+    return values
+
+
 def at_least(minimum: int) -> Callable[[Any, Any, Any], Any]:
     """A typer option callback that refuses a value below ``minimum`` with a one-line
     :class:`DsaIndexError` (exit code 2) while the command line is parsed, before any work starts.

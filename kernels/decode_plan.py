@@ -4,7 +4,7 @@ Given each request's C candidates (positions and coarse scores, in any order), :
 decides, per request:
 
 * LeanSparse's miss filter (:func:`dsaindex.coarse.miss_filter_keep`: a miss below the k-th best coarse
-  score minus one standard deviation is dropped); hits are always kept;
+  score minus ``filter_width`` standard deviations is dropped); hits are always kept;
 * the cache lookup. The cache is set-associative: ``cap`` rows in ``cap / ways`` sets of ``ways`` rows,
   and a position ``p`` can only live in set ``p % sets``. A lookup reads ``ways`` rows, so no sort and no
   search is needed, whatever the cache size;
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaindex.coarse import miss_filter_keep
+from dsaindex.coarse import FILTER_WIDTH, check_filter_width, miss_filter_keep
 from dsaindex.kernels import checks
 
 WAYS = 4
@@ -35,7 +35,7 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
                           cache_stamp: torch.Tensor, step: torch.Tensor, n_encoded: torch.Tensor,
                           tail_len: torch.Tensor, topk: int, page: int, miss_filter: bool = True, ways: int = WAYS,
                           spill: int = 256, set_count: torch.Tensor | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          filter_width: float = FILTER_WIDTH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec of :func:`decode_plan` (inputs described there; ``set_count`` is unused).
 
     Returns (src [B, C] int64 positions to fetch or -1, dst [B, C] int64 pool rows or ``cap``,
@@ -56,7 +56,7 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
     if miss_filter and c > 1:
         order = cand_scores.argsort(dim=1, descending=True)
         ranked = cand_scores.gather(1, order)
-        keep_ranked = miss_filter_keep(ranked, valid.gather(1, order), topk)
+        keep_ranked = miss_filter_keep(ranked, valid.gather(1, order), topk, filter_width)
         keep = hit | torch.zeros_like(valid).scatter(1, order, keep_ranked)
     else:
         keep = valid.clone()
@@ -108,7 +108,7 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
 def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.Tensor, cache_stamp: torch.Tensor,
                 step: torch.Tensor, n_encoded: torch.Tensor, tail_len: torch.Tensor, topk: int, page: int,
                 miss_filter: bool = True, ways: int = WAYS, spill: int = 256, set_count: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                filter_width: float = FILTER_WIDTH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_plan_reference` in one Triton launch (one program per request).
 
     cand [B, C] int64 positions (-1 = none), cand_scores [B, C] float32 (-inf for none), any order;
@@ -118,7 +118,8 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     topk : keys the step selects (the miss filter's k); page : keys per page (a power of two, the tail's
     capacity); ways : rows per cache set (a power of two dividing cap); spill : pool rows past the tail
     for misses whose set is full; set_count : [B, cap / ways] int32
-    zeros, a scratch the kernel leaves zeroed (allocated per call if not given). All on one device. The
+    zeros, a scratch the kernel leaves zeroed (allocated per call if not given); filter_width : the miss
+    filter's margin below the k-th coarse score, in standard deviations. All on one device. The
     pool needs ``cap + 1 + page + spill`` rows. Raises ``ValueError`` on an input of the wrong dtype,
     shape or device.
     """
@@ -142,6 +143,7 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     checks.dtype("cache_stamp", cache_stamp, torch.int64)
     checks.floating("cand_scores", cand_scores)
     checks.power_of_two("page", page)
+    filter_width = check_filter_width(filter_width)
     checks.power_of_two("ways", ways)
     if cap % ways or cap < ways:
         raise ValueError(f"cache_pos.shape[1] (cap): got {cap}, want a multiple of ways ({ways})")
@@ -160,7 +162,7 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     decode_plan_kernel[(b,)](
         cand.contiguous(), cand_scores.float().contiguous(), cache_pos, cache_stamp, set_count, step,
         n_encoded.to(torch.int32).contiguous(), tail_len.to(torch.int32).contiguous(),
-        src, dst, rows, positions, stats, c, max(1, min(topk, c)),
+        src, dst, rows, positions, stats, c, max(1, min(topk, c)), filter_width,
         CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=max(16, triton.next_power_of_2(c)),
         MISS_FILTER=bool(miss_filter and c > 1), num_warps=8 if c > 1024 else 4)
     return src, dst, rows, positions, stats

@@ -24,6 +24,7 @@ def decode_plan_kernel(
     stats_ptr,  # [B, 4] int32 out: valid, hits, fetched, dropped
     c,
     topk,
+    filter_width,  # the miss filter's margin, in standard deviations
     CAP: tl.constexpr,
     WAYS: tl.constexpr,
     PAGE: tl.constexpr,
@@ -49,7 +50,7 @@ def decode_plan_kernel(
     hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
     hit_row = tl.sum(tl.where(match, way_rows, 0), axis=1)
     keep = hit | valid
-    if MISS_FILTER:  # LeanSparse: drop misses below (k-th best coarse score - one std of the scores)
+    if MISS_FILTER:  # LeanSparse: drop misses below (k-th best coarse score - filter_width std of the scores)
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
         n_div = tl.maximum(n_valid, 2).to(tl.float32)
         mean = tl.sum(tl.where(valid, score, 0.0), axis=0) / n_div
@@ -57,7 +58,7 @@ def decode_plan_kernel(
         std = tl.sqrt(tl.sum(centred * centred, axis=0) / (n_div - 1.0))
         kth = key_value(kth_key(order_keys(score), valid, topk))
         kth = tl.where(n_valid >= topk, kth, float("-inf"))
-        keep = hit | (valid & (score >= kth - std))
+        keep = hit | (valid & (score >= kth - filter_width * std))
     fetch = keep & (hit == 0)
     # phase 1: this step's hits are used now (their rows are not replaced below)
     tl.store(cache_stamp_ptr + b * CAP + hit_row, step, mask=hit)

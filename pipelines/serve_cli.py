@@ -30,6 +30,9 @@ def serve_cmd(
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
     exact_below: int = typer.Option(0, callback=at_least(0),
                                     help="Decode: score requests of at most this many keys exactly (0: never)."),
+    filter_width: float = typer.Option(1.5, min=0.0, help="Decode: the miss filter's margin below the k-th coarse "
+                                                          "score, in standard deviations (wider: more host "
+                                                          "reads, less recall lost)."),
     stream_prefix: bool = typer.Option(False, "--stream-prefix",
                                        help="Keep the model's indexer keys in pinned host memory and stream each "
                                             "layer's prefix through two device buffers (LeanSparse's prefill)."),
@@ -63,7 +66,7 @@ def serve_cmd(
     index = load(artifacts, net, name=loaded.name, device=dev, basis=basis, allow_other_weights=allow_other_weights,
                  tracking_uri=tracking_uri, served=identity, candidates=candidates, prefilter=prefilter,
                  ivf_budget=ivf_budget, exact_below=exact_below, stream_prefix=stream_prefix, retention=retention,
-                 lag=lag)
+                 lag=lag, filter_width=filter_width)
     index.attach()
     name = model_id or f"dsaindex/{loaded.name}"
     typer.echo(f"serving {name} ({loaded.name}, top-{index.topk}) on http://{host}:{port}/v1 with "

@@ -110,12 +110,16 @@ def eval_pq_cmd(
     min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "
                                                                  "keys."),
     device: str = typer.Option("auto", help="--warm: cpu, cuda or auto."),
+    filter_width: str = typer.Option("1.5", help="--warm: the miss filter's margin below the k-th coarse score, "
+                                                 "in standard deviations (comma-separated: one replay each; "
+                                                 "the first is the headline; LeanSparse's is 1)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
     from rich.console import Console
 
     from dsaindex.console import (
+        parse_floats,
         print_json,
         print_recall_tables,
         print_tables,
@@ -127,12 +131,13 @@ def eval_pq_cmd(
     from dsaindex.train.recall import band_rows
 
     opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)  # only the evaluation's fields count
+    widths = tuple(parse_floats(filter_width, "--filter-width", minimum=0.0))
     result = evaluate_bundle(bundle, store, opts)
     steady = None
     if warm:
         with progress_bar("decode windows", enabled=not as_json, unit="windows") as update:
             steady = evaluate_bundle_warm(bundle, store, warm_candidates, prefilter, cache, min_prefix,
-                                          resolve_device(device), progress=update)
+                                          resolve_device(device), progress=update, filter_widths=widths)
     if as_json:
         print_json({"per_layer": {str(k): v for k, v in result["per_layer"].items()}, "mean": result["mean"]}
                    | ({"warm": steady | {"per_layer": {str(k): v for k, v in steady["per_layer"].items()}}}
@@ -150,6 +155,7 @@ def eval_pq_cmd(
 
 def _warm_table(steady: dict):
     """The steady-state decode table of ``eval pq --warm``: a row per layer, then the mean."""
+    from rich.console import Group
     from rich.table import Table
 
     if not steady["per_layer"]:
@@ -167,7 +173,18 @@ def _warm_table(steady: dict):
     rows = [(f"layer {layer}", m) for layer, m in sorted(steady["per_layer"].items())] + [("mean", steady["mean"])]
     for label, m in rows:
         table.add_row(label, *[format(m[key], fmt) for key, _, fmt in cols])
-    return table
+    widths = steady["mean"].get("by_width", {})
+    if len(widths) < 2:
+        return table
+    by_width = Table(title="the miss filter's width (standard deviations below the k-th coarse score), mean "
+                           "over layers", title_justify="left")
+    keep = [c for c in cols if c[0] != "warm_recall_rerank"]
+    by_width.add_column("width")
+    for _, name, _ in keep:
+        by_width.add_column(name, justify="right")
+    for w, m in widths.items():
+        by_width.add_row(w, *[format(m[key], fmt) for key, _, fmt in keep])
+    return Group(table, by_width)
 
 
 @eval_app.command("pq-compare")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaindex.coarse import FILTER_WIDTH, check_filter_width
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm, select
 from dsaindex.kernels.checks import KernelInputError
@@ -97,6 +98,8 @@ class PQDecodeGroup:
     max_keys : keys per request the group is sized for; topk : keys selected per step
     candidates : C, the keys reranked exactly; prefilter : stage 1 keeps ``prefilter * C``
     cache_capacity : exact keys cached on the device per request (at least C)
+    miss_filter : drop weak cache misses before the host reads (LeanSparse's filter); filter_width : its
+        margin below the k-th coarse score, in standard deviations (wider: more fetches, less recall lost)
     linear_config : launch shape of the stage-1 kernel (``block_n``, ``iters``, ``num_warps`` of
         :func:`pq_linear_topc`)
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
@@ -121,7 +124,7 @@ class PQDecodeGroup:
                  candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None,
-                 pq_from: dict[int, int] | None = None):
+                 pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH):
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -136,6 +139,11 @@ class PQDecodeGroup:
         self.layer, self.host, self.device = layer, host, dev
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.cache_capacity, self.miss_filter = cache_capacity, miss_filter
+        try:
+            self.filter_width = check_filter_width(filter_width)
+        except ValueError as err:
+            raise DsaIndexError(f"The miss filter's width is wrong: {err}.",
+                                "pass a width of at least 0 standard deviations (1 is the default).") from None
         self.linear_config = dict(linear_config or {})
         self.page = host.page_size
         m, _, d = layer.codebooks.shape
@@ -407,7 +415,8 @@ class PQDecodeGroup:
                 cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
-                                                     self.miss_filter, spill=self.spill, set_count=self.set_count)
+                                                     self.miss_filter, spill=self.spill, set_count=self.set_count,
+                                                     filter_width=self.filter_width)
             self._read_host(src, dst)
             stats = StepStats(counts, counts1.to(torch.int32))
         else:

@@ -269,9 +269,10 @@ def plan_inputs(b, c, cap, seed, positions=10_000):
     return cand, scores, cache_pos, cache_stamp, torch.full((b,), 6), n_encoded, tail_len
 
 
-@pytest.mark.parametrize("c,cap,miss_filter", [(1, 4, True), (37, 256, True), (300, 2048, False), (2048, 4096, True),
-                                               (300, 128, True)])
-def test_decode_plan_matches_reference(c, cap, miss_filter):
+@pytest.mark.parametrize("c,cap,miss_filter,width", [(1, 4, True, 1.0), (37, 256, True, 1.0), (300, 2048, False, 1.0),
+                                                     (2048, 4096, True, 1.0), (300, 128, True, 1.0),
+                                                     (2048, 4096, True, 0.25), (300, 2048, True, 2.5)])
+def test_decode_plan_matches_reference(c, cap, miss_filter, width):
     """Same hits, drops, fetches and rescoring list as the reference; rows assigned inside the right set
     (in the kernel, the misses of one set may take its rows in another order), spills past the tail."""
     from dsaindex.kernels.decode_plan import decode_plan, decode_plan_reference
@@ -280,10 +281,11 @@ def test_decode_plan_matches_reference(c, cap, miss_filter):
     inputs = plan_inputs(3, c, cap, seed=c)
     want_state = [inputs[2].clone(), inputs[3].clone(), inputs[4].clone()]
     want = decode_plan_reference(inputs[0], inputs[1], *want_state, *inputs[5:], topk=16, page=page,
-                                 miss_filter=miss_filter, spill=32)
+                                 miss_filter=miss_filter, spill=32, filter_width=width)
     got_state = [inputs[2].to(DEV).clone(), inputs[3].to(DEV).clone(), inputs[4].to(DEV).clone()]
     args = [t.to(DEV) for t in inputs]
-    got = decode_plan(args[0], args[1], *got_state, *args[5:], topk=16, page=page, miss_filter=miss_filter, spill=32)
+    got = decode_plan(args[0], args[1], *got_state, *args[5:], topk=16, page=page, miss_filter=miss_filter, spill=32,
+                      filter_width=width)
     src, dst, rows, positions, stats = (t.cpu() for t in got)
     assert torch.equal(stats, want[4])
     assert (got_state[2].cpu() == 7).all() and (want_state[2] == 7).all()  # each request's step advanced
@@ -310,6 +312,30 @@ def test_decode_plan_matches_reference(c, cap, miss_filter):
         assert drops.sum() > 0
     # the cache now holds every cached miss where the plan put it
     assert torch.equal(got_state[0].cpu().gather(1, dst.clamp_max(cap - 1))[cached], src[cached])
+
+
+def test_miss_filter_width_sets_the_margin():
+    """Width 0 keeps exactly the top k of distinct scores; a wider margin keeps a superset; a margin past
+    the spread keeps every valid candidate; a negative or infinite width is refused, by the kernel too."""
+    from dsaindex.coarse import check_filter_width, miss_filter_keep
+    from dsaindex.kernels.decode_plan import decode_plan
+
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 200, generator=g).sort(dim=1, descending=True).values
+    valid = torch.ones_like(scores, dtype=torch.bool)
+    valid[2, 150:] = False
+    kept = [miss_filter_keep(scores, valid, 16, w) for w in (0.0, 0.5, 1.0, 3.0, 1e6)]
+    assert (kept[0].sum(1) == 16).all()
+    for narrow, wide in zip(kept, kept[1:], strict=False):
+        assert (narrow <= wide).all()
+    assert kept[1].sum() > kept[0].sum() and kept[3].sum() > kept[2].sum()
+    assert torch.equal(kept[4], valid)
+    for bad in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="filter width"):
+            check_filter_width(bad)
+    inputs = plan_inputs(2, 40, 256, seed=1)
+    with pytest.raises(ValueError, match="filter width"):
+        decode_plan(*[t.to(DEV) for t in inputs], topk=16, page=64, filter_width=-1.0)
 
 
 def test_decode_plan_second_step_hits_what_the_first_fetched():

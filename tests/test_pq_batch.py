@@ -129,6 +129,11 @@ def test_bad_use_gives_clear_errors_and_other_requests_keep_running():
     picked, _ = group.select(q, w)
     assert (picked[1] == -1).all() and (picked[0] >= 0).all()
     assert overlap(picked[:1].cpu(), exact_topk(keys[:1], q[:1], w[:1], 8)) >= 0.85
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    with pytest.raises(DsaIndexError, match="miss filter's width"):
+        PQDecodeGroup(group.layer, HostKeyStore(4, D), 1, 128, 8, candidates=64, cache_capacity=64, device=DEV,
+                      filter_width=-1)
 
 
 def test_index_bytes_per_key_are_a_quarter_of_exact():

@@ -227,6 +227,15 @@ def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained):
         assert len(m["fetch_share_by_step"]) == 16 and m["fetch_share_by_step"][0] == m["cold_fetch_share"]
     proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
                    "--warm", "--warm-candidates", "64", "--cache", "128", "--prefilter", "2", "--device", "cpu",
-                   "--json")
+                   "--filter-width", "1,1e9", "--json")
     small = json.loads(proc.stdout)["warm"]["mean"]
     assert small["warm_recall_rerank"] < steady["mean"]["warm_recall_rerank"]  # fewer candidates, less recall
+    # one replay per filter width, the first the headline; a margin past every score's spread drops nothing:
+    # the same selections as no filter at all, and more fetches than the default margin
+    narrow, wide = small["by_width"]["1"], small["by_width"]["1e+09"]
+    assert narrow["warm_recall_filter"] == small["warm_recall_filter"]
+    assert wide["warm_recall_filter"] == small["warm_recall_rerank"] and wide["warm_filter_loss"] == 0
+    assert wide["warm_fetch_share"] > narrow["warm_fetch_share"]
+    proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--warm",
+                   "--device", "cpu", "--filter-width", "1,-2")
+    assert proc.returncode != 0 and "--filter-width" in proc.stderr and "Traceback" not in proc.stderr

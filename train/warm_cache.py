@@ -14,6 +14,9 @@ the selection with the exact top-k of the FP8 keys the step sees, with the miss 
 (every candidate rescored), and records the share of the candidates read from host (the fetches) and
 the share the cache held (the hits). The first step of a window runs on a cold cache; later steps are
 the steady state.
+
+The filter's margin (``filter_widths``, standard deviations below the k-th coarse score) trades host
+reads for recall; each width is a replay of its own, its cache filled by its own fetches.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dsaindex.coarse import FILTER_WIDTH
 from dsaindex.geometry import visible_key_count
 from dsaindex.quant import engine_keys
 from dsaindex.train.recall import sequence_key_offsets
@@ -48,10 +52,11 @@ def decode_windows(store: CaptureStore, sequences: list[int]) -> list[tuple[int,
 
 
 def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: torch.Tensor, weights: torch.Tensor,
-            topk: int, candidates: int, prefilter: int, cache: int, miss_filter: bool, device: str,
+            topk: int, candidates: int, prefilter: int, cache: int, filter_width: float | None, device: str,
             use_triton: bool | None) -> list[dict[str, float]]:
     """One window's steps through a fresh one-request group: per step the selection's recall of the exact
-    top-k, and the shares of the candidates fetched from host and held by the cache."""
+    top-k, and the shares of the candidates fetched from host and held by the cache. ``filter_width``
+    None: no miss filter."""
     from dsaindex.kernels.fp8_score import fp8_topk_reference
     from dsaindex.quant import fp8_quantize
     from dsaindex.runtime.host_store import HostKeyStore
@@ -59,7 +64,8 @@ def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: tor
 
     n = visible[-1]
     group = PQDecodeGroup(codec, HostKeyStore(-(-n // 64) + 1, keys.shape[1]), 1, n, topk, candidates=candidates,
-                          prefilter=prefilter, cache_capacity=cache, miss_filter=miss_filter, device=device,
+                          prefilter=prefilter, cache_capacity=cache, miss_filter=filter_width is not None,
+                          filter_width=FILTER_WIDTH if filter_width is None else filter_width, device=device,
                           use_triton=use_triton)
     group.admit(0)
     fp8, scales = fp8_quantize(keys[:n].to(device).float())
@@ -84,7 +90,8 @@ def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: tor
 def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequences: list[int], topk: int,
                        candidates: int = 2048, prefilter: int = 4, cache: int = 4096, min_prefix: int = 0,
                        max_windows: int | None = None, device: str = "cpu", use_triton: bool | None = None,
-                       progress: Callable[[int, int, str], None] | None = None) -> dict:
+                       progress: Callable[[int, int, str], None] | None = None,
+                       filter_widths: tuple[float, ...] = (FILTER_WIDTH,)) -> dict:
     """Replay the decode windows of held-out ``sequences`` through each layer's runtime group (module
     docstring). Windows whose first step sees fewer than ``min_prefix`` keys are skipped.
 
@@ -92,7 +99,9 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
     ``warm_recall_filter`` / ``warm_recall_rerank`` (steps after a window's first, with the miss filter /
     every candidate rescored), ``warm_filter_loss`` (their difference, in points), ``warm_fetch_share``
     and ``warm_hit_share`` (shares of the candidates per step), ``cold_recall_filter`` and
-    ``cold_fetch_share`` (the first steps), ``fetch_share_by_step`` (mean per step index)."""
+    ``cold_fetch_share`` (the first steps), ``fetch_share_by_step`` (mean per step index), all for the
+    first of ``filter_widths``; ``by_width`` {width: the filter's metrics} for each of them."""
+    widths = tuple(float(w) for w in filter_widths) or (FILTER_WIDTH,)
     key_format = store.manifest.model.geometry.key_format
     position = store.array("query_position").astype(np.int64)
     offsets = sequence_key_offsets(store)
@@ -107,44 +116,58 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
     done = 0
     for layer, codec in codecs.items():
         raw = store.keys(layer)
-        runs: dict[bool, list[list[dict]]] = {True: [], False: []}
+        runs: dict[float | None, list[list[dict]]] = {w: [] for w in (*widths, None)}
         for seq, rows, visible in windows:
             keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), key_format)
             queries = store.as_float(store.queries(layer)[rows])
             weights = torch.from_numpy(store.head_weights(layer)[rows])
-            for miss_filter in (True, False):
-                runs[miss_filter].append(_replay(codec, keys, visible, queries, weights, topk, candidates, prefilter,
-                                                 cache, miss_filter, device, use_triton))
+            for width in runs:
+                runs[width].append(_replay(codec, keys, visible, queries, weights, topk, candidates, prefilter,
+                                           cache, width, device, use_triton))
             done += 1
             if progress:
                 progress(done, total, f"layer {layer}")
         if windows:
-            per_layer[layer] = _summarize(runs)
-    names = [k for k in next(iter(per_layer.values()), {}) if k != "fetch_share_by_step"]
+            per_layer[layer] = _summarize(runs, widths)
+    names = [k for k in next(iter(per_layer.values()), {}) if k not in ("fetch_share_by_step", "by_width")]
     mean = {k: round(float(np.mean([m[k] for m in per_layer.values()])), 5) for k in names}
+    if per_layer:
+        mean["by_width"] = {w: {k: round(float(np.mean([m["by_width"][w][k] for m in per_layer.values()])), 5)
+                                for k in _WIDTH_KEYS} for w in next(iter(per_layer.values()))["by_width"]}
     if per_layer:
         by_step = [m["fetch_share_by_step"] for m in per_layer.values()]
         mean["fetch_share_by_step"] = [round(float(np.mean(col)), 4) for col in zip(*by_step, strict=False)]
     return {"per_layer": per_layer, "mean": mean, "windows": len(windows),
             "steps_per_window": len(windows[0][2]) if windows else 0,
-            "topk": topk, "candidates": candidates, "prefilter": prefilter, "cache": cache}
+            "topk": topk, "candidates": candidates, "prefilter": prefilter, "cache": cache,
+            "filter_width": widths[0]}
 
 
-def _summarize(runs: dict[bool, list[list[dict]]]) -> dict:
+_WIDTH_KEYS = ("warm_recall_filter", "warm_filter_loss", "warm_fetch_share", "warm_hit_share", "cold_recall_filter",
+               "cold_fetch_share")
+
+
+def _summarize(runs: dict[float | None, list[list[dict]]], widths: tuple[float, ...]) -> dict:
     def mean(values: list[float]) -> float:
         return round(float(np.mean(values)), 5) if values else float("nan")
 
-    warm = {f: [s for steps in runs[f] for s in steps[1:]] for f in (True, False)}
-    first = [steps[0] for steps in runs[True]]
-    width = max(len(steps) for steps in runs[True])
-    out = {"warm_recall_filter": mean([s["recall"] for s in warm[True]]),
-           "warm_recall_rerank": mean([s["recall"] for s in warm[False]]),
-           "warm_fetch_share": mean([s["fetch"] for s in warm[True]]),
-           "warm_hit_share": mean([s["hit"] for s in warm[True]]),
-           "cold_recall_filter": mean([s["recall"] for s in first]),
-           "cold_fetch_share": mean([s["fetch"] for s in first]),
-           "mean_prefix": mean([s["prefix"] for steps in runs[True] for s in steps])}
-    out["warm_filter_loss"] = round(100 * (out["warm_recall_rerank"] - out["warm_recall_filter"]), 3)
-    out["fetch_share_by_step"] = [mean([steps[i]["fetch"] for steps in runs[True] if i < len(steps)])
-                                  for i in range(width)]
+    def filtered(width: float) -> dict:
+        warm = [s for steps in runs[width] for s in steps[1:]]
+        first = [steps[0] for steps in runs[width]]
+        out = {"warm_recall_filter": mean([s["recall"] for s in warm]),
+               "warm_fetch_share": mean([s["fetch"] for s in warm]),
+               "warm_hit_share": mean([s["hit"] for s in warm]),
+               "cold_recall_filter": mean([s["recall"] for s in first]),
+               "cold_fetch_share": mean([s["fetch"] for s in first])}
+        out["warm_filter_loss"] = round(100 * (rerank - out["warm_recall_filter"]), 3)
+        return out
+
+    rerank = mean([s["recall"] for steps in runs[None] for s in steps[1:]])
+    main = widths[0]
+    steps_per_window = max(len(steps) for steps in runs[main])
+    out = filtered(main) | {"warm_recall_rerank": rerank,
+                            "mean_prefix": mean([s["prefix"] for steps in runs[main] for s in steps])}
+    out["fetch_share_by_step"] = [mean([steps[i]["fetch"] for steps in runs[main] if i < len(steps)])
+                                  for i in range(steps_per_window)]
+    out["by_width"] = {f"{w:g}": filtered(w) for w in widths}
     return out
