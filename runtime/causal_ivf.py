@@ -13,6 +13,13 @@ reserved slots; clusters are ranked by the exact indexer score of their represen
 (``sum_h w_h relu(q_h . r_c)``; the cluster mean, or a learned one); their members fill the rest of
 the candidate budget in rank order; the candidates are scored exactly and the top-k returned.
 
+Keys are kept in one of two forms (``key_storage``): ``float32`` (a float32 copy and an FP8 copy; what
+training and evaluation use), or ``fp8`` only, the engines' index-K format of 132 bytes a key (the
+runtime's prefill index: a fifth of the device bytes). In the ``fp8`` form, clustering and learned
+representatives read keys dequantized on demand: a seal the window it groups, a refit the sealed prefix,
+:attr:`CausalIVF.keys` the whole prefix, kept until the next :meth:`CausalIVF.append` or
+:meth:`CausalIVF.release_float`.
+
 :class:`BlockIndex` is the contiguous-block baseline (HiSA): fixed blocks of ``cluster_size`` keys
 in position order, represented by their mean, routed the same way.
 """
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.quant import fp8_quantize
+from dsaindex.quant import fp8_dequantize, fp8_quantize
 from dsaindex.runtime.clustering import (
     Bounds,
     KMeansStats,
@@ -77,6 +84,9 @@ def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[tor
     return positions[by_cluster], starts
 
 
+KEY_STORAGE = ("float32", "fp8")
+
+
 class CausalIVF:
     """The causal IVF index of one request and layer.
 
@@ -89,11 +99,13 @@ class CausalIVF:
         ``incremental`` keeps each one's center unless a new center is closer (distance work for new
         keys x all centers + old keys x new centers; not plain Lloyd's), ``exact`` also re-searches
         every key the bounds do not certify (plain Lloyd's result)
+    key_storage : ``float32`` (float32 and FP8 copies) or ``fp8`` (FP8 alone, 132 bytes a key; float
+        views dequantized when clustering needs them); module docstring
     """
 
     def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, refit_every: int = 16384,
                  sinks: int = 4, iterations: int = 8, refit_iterations: int = 1, refit_search: str = "incremental",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", key_storage: str = "float32"):
         if window % cluster_size:
             raise DsaIndexError(f"window {window} is not a multiple of cluster_size {cluster_size}.",
                                 "pick a window that is a whole number of clusters (1024 and 128, say).")
@@ -102,8 +114,13 @@ class CausalIVF:
         if refit_search not in ("incremental", "exact"):
             raise DsaIndexError(f"unknown refit search {refit_search!r}.", "pass 'incremental' or 'exact'.")
         self.refit_iterations, self.refit_search = refit_iterations, refit_search
+        if key_storage not in KEY_STORAGE:
+            raise DsaIndexError(f"unknown key storage {key_storage!r}.", f"pass one of {', '.join(KEY_STORAGE)}.")
+        self.key_storage = key_storage
         self.device = torch.device(device)
-        self._keys = torch.empty(window, dim, device=self.device)  # grows by doubling: appends stay O(n)
+        # grows by doubling: appends stay O(n); none in the fp8 form
+        self._keys = torch.empty(window if key_storage == "float32" else 0, dim, device=self.device)
+        self._float: torch.Tensor | None = None  # the fp8 form's dequantized prefix, while a reader needs it
         # the same keys in the engines' FP8 format (e4m3 bits + one power-of-two scale each): what the
         # Triton prefill path scores, as DeepGEMM scores the engines' index-K cache
         self._fp8 = torch.empty(window, dim, dtype=torch.uint8, device=self.device)
@@ -123,8 +140,41 @@ class CausalIVF:
 
     @property
     def keys(self) -> torch.Tensor:
-        """Every key appended so far, [length, D] float32 (a view)."""
-        return self._keys[: self._length]
+        """Every key appended so far, [length, D] float32: a view, or in the ``fp8`` form the keys
+        dequantized (kept until the next append or :meth:`release_float`)."""
+        if self.key_storage == "float32":
+            return self._keys[: self._length]
+        if self._float is None or self._float.shape[0] != self._length:
+            self._float = self._rows(0, self._length)
+        return self._float
+
+    def _rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Keys ``[lo, hi)`` as float32 [hi - lo, D] (dequantized from FP8 in the ``fp8`` form)."""
+        if self.key_storage == "float32":
+            return self._keys[lo:hi]
+        if self._float is not None and self._float.shape[0] >= hi:
+            return self._float[lo:hi]
+        return fp8_dequantize(self._fp8[lo:hi].view(torch.float8_e4m3fn), self._scales[lo:hi, None])
+
+    def release_float(self) -> None:
+        """Drop the ``fp8`` form's dequantized prefix (the index keeps 132 bytes a key again)."""
+        self._float = None
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes the index holds now: ``keys`` (its key storage, allocated capacity included),
+        ``float_view`` (the ``fp8`` form's dequantized prefix, while kept), ``versions`` (their centers,
+        member lists and offsets) and ``bounds`` (the refit's per-key bounds)."""
+        def size(*tensors: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        seen: dict[int, torch.Tensor] = {}
+        for v in self.versions:
+            for t in (v.centers, v.order, v.starts):
+                seen[id(t)] = t
+        bounds = self._bounds
+        return {"keys": size(self._keys, self._fp8, self._scales), "float_view": size(self._float),
+                "versions": size(*seen.values()),
+                "bounds": size(bounds.nearest, bounds.upper, bounds.lower) if bounds is not None else 0}
 
     @property
     def keys_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,18 +184,21 @@ class CausalIVF:
     def append(self, keys: torch.Tensor) -> None:
         """Add keys [n, D]; seals (and refits) happen as whole windows complete."""
         end = self._length + keys.shape[0]
-        if end > self._keys.shape[0]:
-            size = max(end, 2 * self._keys.shape[0])
-            grown = torch.empty(size, self.dim, device=self.device)
-            grown[: self._length] = self.keys
-            self._keys = grown
+        self._float = None
+        if end > self._fp8.shape[0]:
+            size = max(end, 2 * self._fp8.shape[0])
+            if self.key_storage == "float32":
+                grown = torch.empty(size, self.dim, device=self.device)
+                grown[: self._length] = self.keys
+                self._keys = grown
             grown_fp8 = torch.empty(size, self.dim, dtype=torch.uint8, device=self.device)
             grown_fp8[: self._length] = self._fp8[: self._length]
             grown_scales = torch.empty(size, device=self.device)
             grown_scales[: self._length] = self._scales[: self._length]
             self._fp8, self._scales = grown_fp8, grown_scales
         new = keys.to(self.device, torch.float32)
-        self._keys[self._length : end] = new
+        if self.key_storage == "float32":
+            self._keys[self._length : end] = new
         codes, scales = fp8_quantize(new)
         self._fp8[self._length : end] = codes.view(torch.uint8)
         self._scales[self._length : end] = scales.reshape(-1)
@@ -154,7 +207,7 @@ class CausalIVF:
         if not windows:
             return
         starts = [self.sealed + i * self.window for i in range(windows)]
-        x = self.keys[self.sealed : self.sealed + windows * self.window].view(windows, self.window, self.dim)
+        x = self._rows(self.sealed, self.sealed + windows * self.window).view(windows, self.window, self.dim)
         assign, centers = self._group_windows(x, starts)  # every completed window at once
         for i in range(windows):
             self._seal(assign[i], centers[i])
@@ -183,12 +236,12 @@ class CausalIVF:
         previous refit keep their bounds: new keys search every center, old keys only the new
         centers, and (``exact``) the keys the bounds no longer certify search again."""
         prev = self.versions[-1]
-        x = self.keys[self.sinks : self.sealed]
+        x = self._rows(self.sinks, self.sealed)
         k = -(-x.shape[0] // self.cluster_size)
         init = prev.centers[:k]  # the last refit's means (its bounds hold against them), then the seals' means
         if init.shape[0] < k:
             g = torch.Generator(device="cpu").manual_seed(self.sealed)
-            recent = self.keys[self.last_refit or self.sinks : self.sealed]
+            recent = x[(self.last_refit or self.sinks) - self.sinks :]
             pick = torch.randperm(recent.shape[0], generator=g)[: k - init.shape[0]].to(self.device)
             init = torch.cat([init, recent[pick]])
         stats = KMeansStats()

@@ -134,10 +134,13 @@ class IVFPrefillIndexer:
     settings : fields of :class:`dsaindex.artifacts.kinds.IVFIndexSettings` (window, cluster_size,
         refit_every, sinks) that override the layer's (or the defaults, without a layer)
     use_triton : score with the Triton kernels (default: on a CUDA device)
+    key_storage : ``fp8`` (default: the keys in the engines' 132-byte format alone, float views
+        dequantized while a chunk is processed and released after it) or ``float32`` (also a float32
+        copy); see :class:`CausalIVF`
     """
 
     def __init__(self, dim: int, topk: int, budget: int, layer=None, device: str | torch.device = "cpu",
-                 use_triton: bool | None = None, **settings):
+                 use_triton: bool | None = None, key_storage: str = "fp8", **settings):
         from pydantic import ValidationError
 
         from dsaindex.artifacts.kinds import IVFIndexSettings
@@ -153,7 +156,7 @@ class IVFPrefillIndexer:
         if budget < topk:
             raise DsaIndexError(f"a candidate budget of {budget} cannot hold the top-{topk}.",
                                 "pass a budget of at least top-k keys (4-32x top-k is usual).")
-        self.index = CausalIVF(dim, device=device, **chosen.model_dump())
+        self.index = CausalIVF(dim, device=device, key_storage=key_storage, **chosen.model_dump())
         self.topk, self.budget = topk, budget
         self.use_triton = torch.device(device).type == "cuda" if use_triton is None else use_triton
         self.representatives = LearnedRepresentatives(layer.params, self.index) if layer is not None else None
@@ -168,5 +171,11 @@ class IVFPrefillIndexer:
         self.index.forget_before(int(positions.min()))
         if self.representatives is not None:
             self.representatives.keep(self.index.versions)
-        return select_chunk(self.index, queries, head_weights, positions, self.budget, self.topk,
-                            self.representatives, self.use_triton)
+        picked = select_chunk(self.index, queries, head_weights, positions, self.budget, self.topk,
+                              self.representatives, self.use_triton)
+        self.index.release_float()  # between chunks the index holds its FP8 keys and versions only
+        return picked
+
+    def device_bytes(self) -> dict[str, int]:
+        """What the index holds on its device now (:meth:`CausalIVF.device_bytes`)."""
+        return self.index.device_bytes()

@@ -207,3 +207,37 @@ def test_version_cluster_maps_agree_with_members():
     for c in (0, 5, v.clusters - 1):
         assert sorted((of == c).nonzero().squeeze(1).tolist()) == sorted(v.members(c).tolist())
     assert (of[:4] == -1).all() and (of[v.upto :] == -1).all()  # sinks and the open window
+
+
+def test_fp8_key_storage_holds_a_fifth_of_the_bytes_and_routes_alike():
+    """The runtime's form keeps the engines' 132-byte FP8 keys alone: its float view is the FP8 copy of
+    the float32 form dequantized, it is released on demand, and the index is built and routes as the
+    float32 form does on the same (dequantized) keys."""
+    from dsaindex.quant import fp8_dequantize
+
+    keys = interleaved_keys(3000)
+    full = CausalIVF(D, window=256, cluster_size=32, refit_every=1024, sinks=4)
+    lean = CausalIVF(D, window=256, cluster_size=32, refit_every=1024, sinks=4, key_storage="fp8")
+    for lo in range(0, 3000, 700):  # chunks that cut windows
+        full.append(keys[lo : lo + 700])
+        lean.append(keys[lo : lo + 700])
+    fp8, scales = full.keys_fp8
+    dequantized = fp8_dequantize(fp8.view(torch.float8_e4m3fn), scales[:, None])
+    assert torch.equal(lean.keys, dequantized)
+    assert lean.device_bytes()["float_view"] == dequantized.numel() * 4
+    lean.release_float()
+    held, full_held = lean.device_bytes(), full.device_bytes()
+    capacity = full._fp8.shape[0]
+    assert held["float_view"] == 0 and held["keys"] == capacity * (D + 4) == lean._fp8.shape[0] * (D + 4)
+    assert full_held["keys"] == capacity * (4 * D + D + 4)  # float32 and FP8 copies
+    assert held["versions"] > 0 and held["bounds"] > 0
+    # the same seals and refits: same versions, clusters over the same positions
+    assert [v.upto for v in lean.versions] == [v.upto for v in full.versions] and lean.refits == full.refits
+    # built from the dequantized keys, it equals a float32 index given those keys
+    twin = CausalIVF(D, window=256, cluster_size=32, refit_every=1024, sinks=4)
+    for lo in range(0, 3000, 700):
+        twin.append(dequantized[lo : lo + 700])
+    for a, b in zip(lean.versions, twin.versions, strict=True):
+        assert torch.equal(a.order, b.order) and torch.allclose(a.centers, b.centers, atol=1e-5)
+    with pytest.raises(DsaIndexError, match="key storage"):
+        CausalIVF(D, key_storage="bf16")

@@ -145,7 +145,7 @@ def test_prefill_indexer_routes_with_the_loaded_encoder(trained):
     queries, weights = torch.randn(3000, 4, 128, generator=g), torch.rand(3000, 4, generator=g)
     learned = IVFPrefillIndexer(128, topk=16, budget=300, layer=layer)
     plain = IVFPrefillIndexer(128, topk=16, budget=300, **layer.settings.model_dump())
-    whole = CausalIVF(128, **layer.settings.model_dump())
+    whole = CausalIVF(128, **layer.settings.model_dump(), key_storage="fp8")  # the runtime's key form
     whole.append(keys)
     differ = 0
     for lo in range(0, 3000, 500):  # prefill chunks: keys first, then the chunk's queries
@@ -156,6 +156,8 @@ def test_prefill_indexer_routes_with_the_loaded_encoder(trained):
         want = select_chunk(whole, queries[pos], weights[pos], pos, 300, 16,
                             representatives=lambda v: representatives(params, whole.keys, v))
         assert torch.equal(got, want)
+        held = learned.device_bytes()  # between chunks: 132-byte FP8 keys, no float copy
+        assert held["float_view"] == 0 and held["keys"] == learned.index._fp8.shape[0] * (128 + 4)
         assert torch.equal(plain.select(queries[pos], weights[pos], pos),
                            select_chunk(whole, queries[pos], weights[pos], pos, 300, 16))
         differ += int((got != plain.select(queries[pos], weights[pos], pos)).any(1).sum())

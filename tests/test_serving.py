@@ -86,7 +86,9 @@ def _generate(net, prompt, n):
 
 def test_whole_requests_select_through_ivf_and_pq(served):
     """Prefill through IVF and decode through PQ, per layer; with budgets that cover every key the
-    selection is the model's own (recall 1 up to FP8 ties) and generation matches exhaustive selection."""
+    selection is the model's own up to FP8 rounding (both keep the engines' 132-byte FP8 keys and rescore
+    from them, where the model scores its float keys: near-ties flip) and generation matches exhaustive
+    selection."""
     from dsaindex.runtime.serving import LayerPaths, load
 
     net, paths, identity = served
@@ -107,7 +109,7 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     assert queries["prefill"] == {i: 301 + 201 for i in range(4)}  # every prompt position, both requests
     assert queries["decode"] == {i: 11 + 3 for i in range(4)}
     recall = index.log.recall()
-    assert min(recall["prefill"].values()) >= 0.99 and min(recall["decode"].values()) >= 0.97, recall
+    assert min(recall["prefill"].values()) >= 0.98 and min(recall["decode"].values()) >= 0.97, recall
     assert all(not m.self_attn.indexer._forward_hooks for m in net.model.layers)
 
 
@@ -378,8 +380,8 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     assert chunked["teacher_forced"]["token_agreement"] == 1.0
     recall = chunked["selection_recall"]
     assert set(recall) == {"prefill", "decode"} and set(recall["prefill"]) == {"0", "1", "2", "3"}
-    # decode reranks FP8 keys (the model scores bf16 ones): near-ties at top-32 differ, 5 steps x 32 keys
-    assert min(recall["prefill"].values()) >= 0.99 and min(recall["decode"].values()) >= 0.95
+    # both phases rescore FP8 keys (the model scores bf16 ones): near-ties at top-32 differ
+    assert min(recall["prefill"].values()) >= 0.97 and min(recall["decode"].values()) >= 0.95
     whole = greedy_agreement(net, {}, prompt, 5, selection=lambda: load(
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
         measure_recall=True))
