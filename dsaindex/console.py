@@ -27,35 +27,28 @@ def resolve_device(name: str) -> str:
 def parse_ints(text: str, option: str, minimum: int | None = None) -> list[int]:
     """``"1024,2048"`` -> ``[1024, 2048]``; anything else, or a value below ``minimum``, is a
     :class:`DsaIndexError` naming ``option``."""
-    from dsaindex.errors import DsaIndexError
-
-    try:
-        values = [int(part) for part in str(text).split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise DsaIndexError(f"{option} {text!r} is not a comma-separated list of integers.",
-                            f"pass e.g. {option} 1024,2048.")
-    if minimum is not None and min(values) < minimum:
-        raise DsaIndexError(f"{option} {text!r} holds {min(values)}, below the least sensible value {minimum}.",
-                            f"pass values of {minimum} or more to {option}.")
-    return values
+    return _parse_list(text, option, int, "integers", "1024,2048", minimum)
 
 
 def parse_floats(text: str, option: str, minimum: float | None = None) -> list[float]:
     """``"1,1.5"`` -> ``[1.0, 1.5]``; anything else (a value that is not finite, or below ``minimum``) is a
     :class:`DsaIndexError` naming ``option``."""
+    return _parse_list(text, option, float, "numbers", "1,1.5", minimum)
+
+
+def _parse_list(text: str, option: str, cast: Callable[[str], Any], what: str, example: str,
+                minimum: float | None) -> list:
     import math
 
     from dsaindex.errors import DsaIndexError
 
     try:
-        values = [float(part) for part in str(text).split(",") if part.strip()]
+        values = [cast(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
         values = []
     if not values or not all(math.isfinite(v) for v in values):
-        raise DsaIndexError(f"{option} {text!r} is not a comma-separated list of numbers.",
-                            f"pass e.g. {option} 1,1.5.")
+        raise DsaIndexError(f"{option} {text!r} is not a comma-separated list of {what}.",
+                            f"pass e.g. {option} {example}.")
     if minimum is not None and min(values) < minimum:
         raise DsaIndexError(f"{option} {text!r} holds {min(values)}, below the least sensible value {minimum}.",
                             f"pass values of {minimum} or more to {option}.")
