@@ -54,10 +54,15 @@ class LayerPaths:
 @dataclass
 class ServingLog:
     """Per layer: queries the runtime selected for, by phase, and (with ``measure_recall``) the summed
-    share of the model's own top-k each selection kept."""
+    share of the model's own top-k each selection kept. ``prefill_index_peak``: the most device bytes
+    the prefill indexes of every layer and request held at once (each layer's dequantized prefix counted
+    while its chunk is selected), with the keys they held then (``prefill_index_keys``, summed over
+    layers and requests)."""
 
     queries: dict[str, dict[int, int]] = field(default_factory=lambda: {"prefill": {}, "decode": {}})
     kept: dict[str, dict[int, float]] = field(default_factory=lambda: {"prefill": {}, "decode": {}})
+    prefill_index_peak: int = 0
+    prefill_index_keys: int = 0
 
     def add(self, phase: str, layer: int, queries: int, kept: float | None) -> None:
         self.queries[phase][layer] = self.queries[phase].get(layer, 0) + queries
@@ -341,11 +346,31 @@ class ServedIndex(ModuleHooks):
                                                        weights[slot].to(self.device), positions[slot])
                           for slot in range(rows)]
                 self._chosen[layer] = ("prefill", torch.stack(picked), positions)
+                self._note_prefill_bytes(layer, rows)
             elif not prefill and layer in self.groups:
                 picked, _ = self.groups[layer].select(to_basis(queries[:, -1].float(), self.basis), weights[:, -1])
                 self._chosen[layer] = ("decode", picked[:rows].unsqueeze(1), positions)
 
         return hook
+
+    def _note_prefill_bytes(self, layer: int, rows: int) -> None:
+        """Update the log's peak of prefill index bytes after ``layer`` selected a chunk: every layer's
+        index as it is now, plus this layer's dequantized prefix of the selection just made."""
+        live = [ix.index for indexers in self.ivf.values() for ix in indexers if ix is not None]
+        held = sum(sum(ix.device_bytes().values()) for ix in live)
+        transient = sum(ix.index.length * ix.index.dim * 4 for ix in self.ivf[layer][:rows]
+                        if ix is not None and ix.index.key_storage == "fp8")
+        if held + transient > self.log.prefill_index_peak:
+            self.log.prefill_index_peak = held + transient
+            self.log.prefill_index_keys = sum(ix.length for ix in live)
+
+    def memory(self) -> dict[str, int]:
+        """Device bytes of the runtime's own state: ``prefill_index_peak`` and ``prefill_index_keys``
+        (:class:`ServingLog`), ``decode_state`` (every decode group: PQ codes sized for ``max_keys`` per
+        slot, the caches and tails)."""
+        decode = sum(sum(g.gpu_bytes().values()) * g.slots for g in self.groups.values())
+        return {"prefill_index_peak": self.log.prefill_index_peak, "prefill_index_keys": self.log.prefill_index_keys,
+                "decode_state": decode}
 
     def _after(self, layer: int) -> PostHook:
         def hook(mod: torch.nn.Module, output: torch.Tensor) -> torch.Tensor | None:

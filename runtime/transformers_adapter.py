@@ -168,7 +168,9 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
       the share of steps whose argmax agrees. Greedy decoding of a small model often settles into a
       loop that any selection reproduces; real text keeps every step informative;
     * ``selection_recall``: per layer, the share of the model's own top-k the runtime selected (on
-      the real text when given, else on the exhaustive run's tokens).
+      the real text when given, else on the exhaustive run's tokens);
+    * ``index_bytes`` (a served index): its ``memory()`` after the teacher-forced run, the peak of the
+      prefill indexes' device bytes among them.
 
     ``progress(tokens done, tokens in all, which run)`` is called after every generated token of the
     three (five with ``continuation``) runs. ``selection()``, if given, makes the runtime of each run
@@ -213,6 +215,7 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
             # argmax[i] is the prediction of text[i] (the prompt, then text[:i], came before it)
             "exhaustive_accuracy": round(float((exhaustive_text["argmax"] == text.cpu()).float().mean()), 4),
         }
+    memory = forced_run.memory() if hasattr(forced_run, "memory") else None
     same = free["fed"] == reference["fed"]
     first = int((~same).nonzero()[0]) if (~same).any() else new_tokens
     distinct = len(set(reference["fed"].tolist()))
@@ -226,6 +229,7 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
         "on_text": on_text,
         "greedy_distinct_tokens": distinct,
         "selection_recall": _recall_report(recall_log.recall()),
+        **({"index_bytes": memory} if memory is not None else {}),
         "reference_text": bytes(t for t in reference["fed"].tolist() if t < 256).decode("utf-8", "replace"),
         "runtime_text": bytes(t for t in free["fed"].tolist() if t < 256).decode("utf-8", "replace"),
     }

@@ -382,6 +382,12 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     assert set(recall) == {"prefill", "decode"} and set(recall["prefill"]) == {"0", "1", "2", "3"}
     # both phases rescore FP8 keys (the model scores bf16 ones): near-ties at top-32 differ
     assert min(recall["prefill"].values()) >= 0.97 and min(recall["decode"].values()) >= 0.95
+    # the prefill indexes' peak: every layer's prompt keys in FP8 (132 B) with one layer's dequantized
+    # prefix, well under the float32 copy alone (512 B a key) that they kept before
+    memory, n = chunked["index_bytes"], prompt.numel()
+    assert memory["prefill_index_keys"] == 4 * n
+    assert 4 * n * 132 + n * 128 * 4 <= memory["prefill_index_peak"] < 4 * n * 512
+    assert memory["decode_state"] > 0
     whole = greedy_agreement(net, {}, prompt, 5, selection=lambda: load(
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
         measure_recall=True))
