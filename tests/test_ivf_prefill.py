@@ -28,8 +28,9 @@ def keys_queries(n, q, seed=0, d=D, h=H, device="cpu"):
     return keys.to(device), queries.to(device), torch.rand(q, h, generator=g).to(device)
 
 
-def built_index(keys, device="cpu"):
-    ivf = CausalIVF(keys.shape[1], window=128, cluster_size=16, refit_every=512, sinks=4, device=device)
+def built_index(keys, device="cpu", key_storage="float32"):
+    ivf = CausalIVF(keys.shape[1], window=128, cluster_size=16, refit_every=512, sinks=4, device=device,
+                    key_storage=key_storage)
     ivf.append(keys)
     return ivf
 
@@ -50,13 +51,16 @@ def test_candidate_table_equals_the_per_query_reference():
             assert got[got >= 0].tolist() == want.tolist(), (budget, p)
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
-def test_select_chunk_equals_per_query_selection(triton_path):
+@pytest.mark.parametrize("triton_path,key_storage", [(False, "float32"), (True, "float32"), (False, "fp8"),
+                                                     (True, "fp8")])
+def test_select_chunk_equals_per_query_selection(triton_path, key_storage):
+    """The batched selection of a chunk against the per-query reference, on the float32 keys or (the
+    runtime's form) the FP8 keys alone, whose float view is dequantized."""
     if triton_path and not KERNELS:
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     dev = DEV if triton_path else "cpu"
     keys, queries, w = keys_queries(1500, len(POSITIONS), device=dev)
-    ivf = built_index(keys, device=dev)
+    ivf = built_index(keys, device=dev, key_storage=key_storage)
     positions = torch.tensor(POSITIONS, device=dev)
     learned = {}
 
