@@ -7,12 +7,17 @@ kept. The width of that margin, in standard deviations, is a parameter here (``w
 fetches more misses and loses less recall. LeanSparse's 1 lost 0.72 points of warm-cache recall at
 118K-token prefixes of the reference checkpoint (OPQ32, C=2048; 0.06 at 12K); 1.5, the default, lost
 0.09 there while fetching 28% of the candidates per step, against 33% with no filter
-(docs/results.md, warm-cache decode recall). The kernel :func:`dsaindex.kernels.decode_plan.decode_plan` applies the same rule in one launch.
+(docs/results.md, warm-cache decode recall). The kernel :func:`dsaindex.kernels.decode_plan.decode_plan`
+applies the same rule in one launch. (torch is imported where it is used: the CLI reads the default
+width without loading it.)
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FILTER_WIDTH = 1.5  # the margin below the k-th coarse score, in standard deviations (LeanSparse: 1)
 
@@ -41,6 +46,8 @@ def miss_filter_keep(cand_scores: torch.Tensor, valid: torch.Tensor, k: int, wid
     [B, C] bool. A row with fewer than ``k`` candidates has a k-th score of -inf and keeps all its
     valid ones; the standard deviation is the sample one over the valid candidates.
     """
+    import torch
+
     c = cand_scores.shape[1]
     n_valid = valid.sum(1, keepdim=True).clamp_min(2)
     mean = torch.where(valid, cand_scores, torch.zeros_like(cand_scores)).sum(1, keepdim=True) / n_valid

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import typer
 
+from dsaindex.coarse import FILTER_WIDTH
 from dsaindex.console import at_least
 
 
@@ -30,7 +31,7 @@ def serve_cmd(
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
     exact_below: int = typer.Option(0, callback=at_least(0),
                                     help="Decode: score requests of at most this many keys exactly (0: never)."),
-    filter_width: float = typer.Option(1.5, min=0.0, help="Decode: the miss filter's margin below the k-th coarse "
+    filter_width: float = typer.Option(FILTER_WIDTH, min=0.0, help="Decode: the miss filter's margin below the k-th coarse "
                                                           "score, in standard deviations (wider: more host "
                                                           "reads, less recall lost)."),
     stream_prefix: bool = typer.Option(False, "--stream-prefix",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from dsaindex.coarse import FILTER_WIDTH
 from dsaindex.console import at_least
 
 train_app = typer.Typer(no_args_is_help=True)
@@ -110,7 +111,7 @@ def eval_pq_cmd(
     min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "
                                                                  "keys."),
     device: str = typer.Option("auto", help="--warm: cpu, cuda or auto."),
-    filter_width: str = typer.Option("1.5", help="--warm: the miss filter's margin below the k-th coarse score, "
+    filter_width: str = typer.Option(f"{FILTER_WIDTH:g}", help="--warm: the miss filter's margin below the k-th coarse score, "
                                                  "in standard deviations (comma-separated: one replay each; "
                                                  "the first is the headline; LeanSparse's is 1)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),

@@ -134,7 +134,6 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
     if per_layer:
         mean["by_width"] = {w: {k: round(float(np.mean([m["by_width"][w][k] for m in per_layer.values()])), 5)
                                 for k in _WIDTH_KEYS} for w in next(iter(per_layer.values()))["by_width"]}
-    if per_layer:
         by_step = [m["fetch_share_by_step"] for m in per_layer.values()]
         mean["fetch_share_by_step"] = [round(float(np.mean(col)), 4) for col in zip(*by_step, strict=False)]
     return {"per_layer": per_layer, "mean": mean, "windows": len(windows),
