@@ -346,7 +346,8 @@ class ServedIndex(ModuleHooks):
                                                        weights[slot].to(self.device), positions[slot])
                           for slot in range(rows)]
                 self._chosen[layer] = ("prefill", torch.stack(picked), positions)
-                self._note_prefill_bytes(layer, rows)
+                if layer == max(self.ivf):  # every prefill index has taken the chunk's keys
+                    self._note_prefill_bytes(layer, rows)
             elif not prefill and layer in self.groups:
                 picked, _ = self.groups[layer].select(to_basis(queries[:, -1].float(), self.basis), weights[:, -1])
                 self._chosen[layer] = ("decode", picked[:rows].unsqueeze(1), positions)
@@ -354,8 +355,10 @@ class ServedIndex(ModuleHooks):
         return hook
 
     def _note_prefill_bytes(self, layer: int, rows: int) -> None:
-        """Update the log's peak of prefill index bytes after ``layer`` selected a chunk: every layer's
-        index as it is now, plus this layer's dequantized prefix of the selection just made."""
+        """Update the log's peak of prefill index bytes once per chunk, after the last prefill layer
+        selected: every layer's index as it is now, plus that layer's dequantized prefix of the selection
+        just made. (Indexes only grow within a prefill and every layer's prefix has the same length, so
+        no earlier moment of the chunk holds more.)"""
         live = [ix.index for indexers in self.ivf.values() for ix in indexers if ix is not None]
         held = sum(sum(ix.device_bytes().values()) for ix in live)
         transient = sum(ix.index.length * ix.index.dim * 4 for ix in self.ivf[layer][:rows]

@@ -383,10 +383,8 @@ def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates:
     """Steady-state decode recall of a PQ bundle on a store's held-out decode windows, replayed through
     the runtime's group and cache (:func:`dsaindex.train.warm_cache.warm_window_recall`), once per miss
     filter width."""
-    from dsaindex.coarse import FILTER_WIDTH
     from dsaindex.train.warm_cache import warm_window_recall
 
     manifest, codecs, store, eval_seq = _bundle_on_store(bundle, store_path)
     return warm_window_recall(store, codecs, eval_seq, manifest.model.geometry.topk, candidates, prefilter, cache,
-                              min_prefix, device=device, progress=progress,
-                              filter_widths=filter_widths or (FILTER_WIDTH,))
+                              min_prefix, device=device, progress=progress, filter_widths=filter_widths)

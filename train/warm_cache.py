@@ -91,7 +91,7 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
                        candidates: int = 2048, prefilter: int = 4, cache: int = 4096, min_prefix: int = 0,
                        max_windows: int | None = None, device: str = "cpu", use_triton: bool | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
-                       filter_widths: tuple[float, ...] = (FILTER_WIDTH,)) -> dict:
+                       filter_widths: tuple[float, ...] | None = None) -> dict:
     """Replay the decode windows of held-out ``sequences`` through each layer's runtime group (module
     docstring). Windows whose first step sees fewer than ``min_prefix`` keys are skipped.
 
@@ -100,8 +100,9 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
     every candidate rescored), ``warm_filter_loss`` (their difference, in points), ``warm_fetch_share``
     and ``warm_hit_share`` (shares of the candidates per step), ``cold_recall_filter`` and
     ``cold_fetch_share`` (the first steps), ``fetch_share_by_step`` (mean per step index), all for the
-    first of ``filter_widths``; ``by_width`` {width: the filter's metrics} for each of them."""
-    widths = tuple(float(w) for w in filter_widths) or (FILTER_WIDTH,)
+    first of ``filter_widths`` (default: :data:`dsaindex.coarse.FILTER_WIDTH` alone); ``by_width``
+    {width: the filter's metrics} for each of them."""
+    widths = tuple(float(w) for w in filter_widths) if filter_widths else (FILTER_WIDTH,)
     key_format = store.manifest.model.geometry.key_format
     position = store.array("query_position").astype(np.int64)
     offsets = sequence_key_offsets(store)
