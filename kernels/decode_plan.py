@@ -35,7 +35,8 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
                           cache_stamp: torch.Tensor, step: torch.Tensor, n_encoded: torch.Tensor,
                           tail_len: torch.Tensor, topk: int, page: int, miss_filter: bool = True, ways: int = WAYS,
                           spill: int = 256, set_count: torch.Tensor | None = None,
-                          filter_width: float = FILTER_WIDTH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          filter_width: float = FILTER_WIDTH, num_warps: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec of :func:`decode_plan` (inputs described there; ``set_count`` is unused).
 
     Returns (src [B, C] int64 positions to fetch or -1, dst [B, C] int64 pool rows or ``cap``,
@@ -108,7 +109,8 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
 def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.Tensor, cache_stamp: torch.Tensor,
                 step: torch.Tensor, n_encoded: torch.Tensor, tail_len: torch.Tensor, topk: int, page: int,
                 miss_filter: bool = True, ways: int = WAYS, spill: int = 256, set_count: torch.Tensor | None = None,
-                filter_width: float = FILTER_WIDTH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                filter_width: float = FILTER_WIDTH, num_warps: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_plan_reference` in one Triton launch (one program per request).
 
     cand [B, C] int64 positions (-1 = none), cand_scores [B, C] float32 (-inf for none), any order;
@@ -119,7 +121,8 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     capacity); ways : rows per cache set (a power of two dividing cap); spill : pool rows past the tail
     for misses whose set is full; set_count : [B, cap / ways] int32
     zeros, a scratch the kernel leaves zeroed (allocated per call if not given); filter_width : the miss
-    filter's margin below the k-th coarse score, in standard deviations. All on one device. The
+    filter's margin below the k-th coarse score, in standard deviations; num_warps : the launch's warps
+    (default by C). All on one device. The
     pool needs ``cap + 1 + page + spill`` rows. Raises ``ValueError`` on an input of the wrong dtype,
     shape or device.
     """
@@ -164,5 +167,5 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
         n_encoded.to(torch.int32).contiguous(), tail_len.to(torch.int32).contiguous(),
         src, dst, rows, positions, stats, c, max(1, min(topk, c)), filter_width,
         CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=max(16, triton.next_power_of_2(c)),
-        MISS_FILTER=bool(miss_filter and c > 1), num_warps=8 if c > 1024 else 4)
+        MISS_FILTER=bool(miss_filter and c > 1), num_warps=num_warps or (8 if c > 1024 else 4))
     return src, dst, rows, positions, stats

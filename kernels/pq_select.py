@@ -3,7 +3,10 @@ page encoding, each beside its torch reference.
 
 Stage 1, :func:`pq_linear_topc`: the head-folded score ``(sum_h w_h q_h) . k`` of every PQ-coded key,
 one [M, K] lookup table per request (32 lookups per key for PQ32, against 2048 for the 64-head score),
-with the top-C1 selection fused (sampled threshold + append, :mod:`dsaindex.kernels.select`). The fold
+with the top-C1 selection fused (sampled threshold + append, :mod:`dsaindex.kernels.select`). With int8
+tables the scores are integers in [-127 M, 127 M], so the sampling pass counts them in a histogram and
+reads the threshold off it in the same launch (the rank of
+:func:`~dsaindex.kernels.select.thresholds_from_samples`, exactly): no threshold kernel in between. The fold
 drops the ReLU, so it is only a pre-filter: C1 is a few times C.
 
 Stage 2, :func:`pq_candidate_scores`: the full coarse score ``sum_h w_h relu(q_h . k_hat)`` of the
@@ -42,7 +45,7 @@ TABLE_DTYPES = (torch.float32, torch.float16, torch.int8)
 
 def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor,
                   dtype: torch.dtype = torch.float32, centroid_norms: torch.Tensor | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`folded_lookup_tables` in one Triton launch: (tables [B, M, K] of ``dtype``, scale [B] or None).
 
     * float32: the tables themselves, scale None;
@@ -55,7 +58,9 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
       centroid norm per subspace) is computed here if not given (a caller that keeps the codebook passes it).
 
     Scores summed from a scaled table come out divided by ``scale``. Inputs as
-    :func:`folded_lookup_tables`, on one device, heads and D/M any size."""
+    :func:`folded_lookup_tables`, on one device, heads and D/M any size. ``zero`` [B, Z + M] int32
+    (Z a power of two, at least M) is zeroed in the same launch: the stage-1 sampling pass's histogram
+    and counters (:func:`pq_linear_topc`), so a step needs no memset of its own."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import lookup_table_kernel
@@ -75,7 +80,12 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
     if int8 and centroid_norms is None:
         centroid_norms = cb.norm(dim=2).amax(dim=1)
     folded = None
+    if zero is not None:
+        checks.shape("zero", zero, (b, None), "B, Z + M")
+        checks.dtype("zero", zero, torch.int32)
     if any(triton.next_power_of_2(x) != x for x in (d, dim, m, k)):  # odd shapes: the torch tables
+        if zero is not None:
+            zero.zero_()
         lut = folded_lookup_tables(queries, head_weights, codebooks.to(dev))
         if not scaled:
             return lut, None
@@ -90,7 +100,7 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
     lookup_table_kernel[(b, m)](
         queries.contiguous(), head_weights.float().contiguous(), cb, norms, out, scale if scaled else out,
         N_HEADS=h, H_PAD=max(2, triton.next_power_of_2(h)), D=dim, M=m, K=k, DSUB=d, HALF=dtype == torch.float16,
-        INT8=int8)
+        INT8=int8, zero_ptr=zero, ZERO_N=0 if zero is None else zero.shape[1] - m)
     return out, scale
 
 
@@ -162,6 +172,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
+                   chunk: int | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -186,7 +197,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     per physical 64-key page, ``codes`` [P, 64, M], and request b's row r is row ``r % 64`` of page
     ``page_table[b, r // 64]`` (an engine's paged cache; N is then W * 64, and the reference reads
     :func:`paged_codes_reference`). The launch depends on shapes only, never on the lengths' values, so
-    it can be captured in a CUDA graph.
+    it can be captured in a CUDA graph. ``chunk``: code bytes of a row each lane loads at once (default
+    16 where M is a multiple of 16, else M). With 16, one lane holds 16 codes of one row, so a warp's
+    table lookups at a time all read one subspace's table (two cache lines) instead of several.
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -203,10 +216,16 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     checks.at_least("capacity", capacity, 2 * c, "twice the candidates c")
     codes = codes.contiguous()
     lengths = lengths.to(device=codes.device, dtype=torch.int32)
-    lut, scale = lookup_tables(queries, head_weights, codebooks, dtype=table_dtype, centroid_norms=centroid_norms)
+    int_table = table_dtype == torch.int8
+    # int8 tables give integer scores in [-127 M, 127 M]: the sampling pass counts them in a histogram
+    # and its last program per request reads the threshold off it (no threshold kernel)
+    n_bins = triton.next_power_of_2(2 * 127 * m + 1)
+    hist = torch.empty(b, n_bins + m, dtype=torch.int32, device=codes.device) if int_table else None
+    lut, scale = lookup_tables(queries, head_weights, codebooks, dtype=table_dtype, centroid_norms=centroid_norms,
+                               zero=hist)
     stride = select.sample_stride(n)
     n_samples = -(-n // stride)
-    samples = torch.empty(b, n_samples, dtype=torch.float32, device=codes.device)
+    samples = None if int_table else torch.empty(b, n_samples, dtype=torch.float32, device=codes.device)
     dummy_i = torch.empty(1, dtype=torch.int32, device=codes.device)
     dummy_f = torch.empty(1, dtype=torch.float32, device=codes.device)
     if keep_all:  # slots past the count are never read (the count travels with the buffer)
@@ -215,14 +234,20 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         counts = torch.empty(b, dtype=torch.int32, device=codes.device)
     else:
         buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device, zero_counts=False)
-    int_table = table_dtype == torch.int8
     table = dummy_i if page_table is None else page_table.contiguous()
-    paged = dict(HAS_TABLE=page_table is not None)
-    pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n * iters)), b)](  # also zeroes the counts
-        codes, lengths, lut, dummy_f, samples, dummy_i, counts, table, table.shape[-1], n_rows, n_samples, stride,
-        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=1, SAMPLE=True, INT_TABLE=int_table,
-        num_warps=num_warps, **paged)
-    thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
+    chunk = (16 if m % 16 == 0 else m) if chunk is None else chunk
+    if chunk < 1 or m % chunk or triton.next_power_of_2(chunk) != chunk:
+        raise ValueError(f"chunk: got {chunk}, want a power of two dividing the {m} subspaces")
+    paged = dict(HAS_TABLE=page_table is not None, CHUNK=chunk)
+    thr = torch.empty(b, dtype=torch.float32, device=codes.device) if int_table else dummy_f
+    # the sampling pass reads a few thousand scattered rows: one tile per program, so they run at once
+    pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n)), b)](  # also zeroes the counts
+        codes, lengths, lut, thr, dummy_f if int_table else samples, dummy_i, counts, table, table.shape[-1],
+        n_rows, n_samples, stride, M=m, K=k, BLOCK_N=block_n, ITERS=1, CAPACITY=1, SAMPLE=True,
+        INT_TABLE=int_table, num_warps=num_warps, hist_ptr=hist, target=c, capacity=capacity,
+        HIST=int_table, NBINS=n_bins, **paged)
+    if not int_table:
+        thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
     pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
         codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, table.shape[-1], n_rows, 0, 1,
         M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, INT_TABLE=int_table,

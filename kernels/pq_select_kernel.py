@@ -2,7 +2,8 @@
 
 ``pq_linear_kernel``: one lookup table per request (the head-folded query against every centroid), 32
 lookups per key (int8 tables summed as integers); sampling or threshold-append mode like
-:mod:`fp8_score_kernel`.
+:mod:`fp8_score_kernel`. With int8 tables the sampling mode also counts the integer scores in a histogram,
+and the last sampling program of a request turns it into the request's threshold.
 ``pq_candidate_kernel``: candidates' keys decoded from their codes into a bf16 tile, then every head
 on tensor cores (``sum_h w_h relu(q_h . k)``); scores written per candidate.
 ``pq_encode_kernel``: nearest centroid per subspace (page encoding).
@@ -48,14 +49,21 @@ def pq_linear_kernel(
     SAMPLE: tl.constexpr,
     INT_TABLE: tl.constexpr = False,
     HAS_TABLE: tl.constexpr = False,
+    hist_ptr=None,  # [B, NBINS + M] int32 (HIST): the samples' histogram by integer score, then a done counter
+    target=0,  # (HIST) keys the threshold aims at, before ``oversample``
+    capacity=0,  # (HIST) buffer slots: a request of at most this many keys takes every key (-inf)
+    oversample=1.5,
+    HIST: tl.constexpr = False,
+    NBINS: tl.constexpr = 1,
+    CHUNK: tl.constexpr = 0,  # code bytes per load of a row (0: all M)
 ):
-    # a warp reads one row's M code bytes, a lane each, and looks each up in its subspace's table
-    # (codes read 4 or 8 bytes per lane and split in registers measured twice as slow on the H200)
+    # a lane reads CH code bytes of one row at once (one 16-byte load for CH = 16), so a warp's lookups at a
+    # time all read one subspace's table, two cache lines (a lane per code byte, the old layout, spread a
+    # warp's lookups over 16 tables: 4% slower at 32 x 1M on the H200; bytes split from wider words, twice)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     length = tl.load(lengths_ptr + b)
-    sub = tl.arange(0, M)
-    lut = lut_ptr + b * M * K + sub[None, :] * K
+    CH: tl.constexpr = M if CHUNK == 0 else CHUNK
     if SAMPLE and pid == 0:
         tl.store(count_ptr + b, 0)  # the selecting pass that follows appends from zero
     thr = 0.0
@@ -71,13 +79,49 @@ def pq_linear_kernel(
             idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
             rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
             flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
-            codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
-            score = tl.sum(_entry(lut + codes.to(tl.int32), INT_TABLE), axis=1).to(tl.float32)
-            if SAMPLE:
+            exact = _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, 0, M, K, CH, INT_TABLE)
+            for h in tl.static_range(1, M // CH):
+                exact += _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, h, M, K, CH, INT_TABLE)
+            score = exact.to(tl.float32)
+            if HIST:  # int8 tables: integer scores in [-127 M, 127 M], one bin each
+                bins = tl.minimum(tl.maximum(exact + NBINS // 2, 0), NBINS - 1)
+                tl.atomic_add(hist_ptr + b * (NBINS + M) + bins, 1, mask=valid, sem="relaxed")
+            elif SAMPLE:
                 tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
             else:
                 append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
                              count_ptr + b, CAPACITY)
+    if HIST:
+        _threshold_of_histogram(hist_ptr + b * (NBINS + M), thr_ptr + b, length, stride, target, capacity,
+                                oversample, NBINS)
+
+
+@triton.jit
+def _threshold_of_histogram(hist_ptr, thr_ptr, length, stride, target, capacity, oversample, NBINS: tl.constexpr):
+    """The last sampling program of a request to finish turns the request's histogram into its threshold:
+    the rank-th largest sample score (the rank of :func:`dsaindex.kernels.select.thresholds_from_samples`),
+    which for integer scores is the largest bin whose suffix count reaches the rank. It replaces a
+    bisection over the samples in a kernel of its own. Counter and histogram are zeroed by the lookup
+    table kernel of the same step."""
+    tl.debug_barrier()  # every thread's histogram atomics are issued before the counter's release
+    done = tl.atomic_add(hist_ptr + NBINS, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        h = tl.load(hist_ptr + tl.arange(0, NBINS), volatile=True)  # read through to L2: the other programs' adds
+        suffix = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # samples at or above each bin
+        n_sampled = tl.maximum((length + stride - 1) // stride, 1)
+        want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
+        rank = tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
+        top = tl.sum((suffix >= rank).to(tl.int32), axis=0) - 1 - NBINS // 2
+        tl.store(thr_ptr, tl.where(length <= capacity, float("-inf"), top.to(tl.float32)))
+
+
+@triton.jit
+def _chunk_sum(codes_ptr, lut_ptr, flat, valid, h, M: tl.constexpr, K: tl.constexpr, CH: tl.constexpr,
+               INT_TABLE: tl.constexpr):
+    """Table lookups of code bytes ``[h CH, (h + 1) CH)`` of each row, summed per row."""
+    sub = h * CH + tl.arange(0, CH)
+    codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
+    return tl.sum(_entry(lut_ptr + sub[None, :] * K + codes.to(tl.int32), INT_TABLE), axis=1)
 
 
 @triton.jit
@@ -194,9 +238,15 @@ def lookup_table_kernel(
     DSUB: tl.constexpr,
     HALF: tl.constexpr,
     INT8: tl.constexpr = False,
+    zero_ptr=None,  # [B, ZERO_N + M] int32 scratch zeroed here (ZERO_N > 0): a histogram and M counters
+    ZERO_N: tl.constexpr = 0,
 ):
     b = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
+    if ZERO_N > 0:  # each program zeroes a slice of the histogram and one counter
+        row = zero_ptr + b * (ZERO_N + M)
+        tl.store(row + m * (ZERO_N // M) + tl.arange(0, ZERO_N // M), tl.zeros([ZERO_N // M], dtype=tl.int32))
+        tl.store(row + ZERO_N + m, 0)
     heads = tl.arange(0, H_PAD)
     live = heads < N_HEADS
     w = tl.load(w_ptr + b * N_HEADS + heads, mask=live, other=0.0)

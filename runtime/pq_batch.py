@@ -13,11 +13,12 @@ device tensors so a step is a fixed sequence of kernel launches with no host syn
 
 A step (LeanSparse §5 with a two-stage coarse score, see :mod:`dsaindex.kernels.pq_select`):
 int8 lookup tables (one kernel); stage 1 folded-query scan of all codes, keeping the keys above a
-sampled threshold (sample pass, threshold kernel, select pass); stage 2 full coarse score of those,
+sampled threshold (sample pass, which also reads the threshold off a histogram of its integer scores;
+select pass); stage 2 full coarse score of those,
 top-C (:func:`dsaindex.kernels.topk.small_topk`, no sort); one plan kernel: miss filter, cache lookup,
 rows for the kept misses (least recently used of their set, or a spill row); host rows of the kept
 misses copied in by one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and
-the tail; top-k (``small_topk``). 10 kernels in all, no host synchronization.
+the tail; top-k (``small_topk``). 9 kernels in all, no host synchronization.
 
 An OPQ codec (:attr:`PQCodec.rotation`) codes rotated keys: completed pages are encoded through its
 rotation, and each step rotates the queries once (one [S*H, D] x [D, D] product, :func:`dsaindex.pq.rotate`)

@@ -127,6 +127,51 @@ def test_pq_linear_topc_matches_reference(b, n, m, c, table):
         assert set(best) - {-1} <= set(kept[:n_kept]), "keep_all lost one of the top c"
 
 
+@pytest.mark.parametrize("b,n,m,c,block_n,iters,paged", [(3, 5000, 32, 64, 32, 2, False),
+                                                          (2, 3000, 16, 100, 64, 1, True)])
+def test_int8_stage1_threshold_is_the_sample_rank_of_integer_scores(b, n, m, c, block_n, iters, paged):
+    """With int8 tables the sampling pass reads its threshold off a histogram of integer scores (several
+    programs per request, the last one to finish deciding): it must equal the rank-th largest sample, the
+    rule of ``thresholds_from_samples``, so the buffer holds exactly the keys at or above it."""
+    from dsaindex.kernels.pq_select import lookup_tables, paged_codes_reference, pq_linear_topc
+    from dsaindex.kernels.select import sample_stride, thresholds_from_samples
+
+    codes, cb, q, w = pq_inputs(b, n, 8, m=m, d=128 // m, seed=3)
+    lengths = torch.tensor([n - 700 * i for i in range(b - 1)] + [2 * c], dtype=torch.int32, device=DEV)
+    table = None
+    if paged:  # codes per physical page, pages in shuffled order
+        pages = n // 64
+        perm = torch.randperm(b * pages, generator=torch.Generator().manual_seed(1)).to(DEV)
+        store = torch.empty(b * pages, 64, m, dtype=torch.uint8, device=DEV)
+        store[perm] = codes[:, : pages * 64].reshape(b * pages, 64, m)
+        table = perm.view(b, pages).to(torch.int32)
+        codes, n = paged_codes_reference(store, table), pages * 64
+        lengths = lengths.clamp_max(n)
+    lut, _ = lookup_tables(q, w, cb, dtype=torch.int8)
+    exact = lut.long().unsqueeze(1).expand(b, n, m, lut.shape[2]).gather(3, codes.long().unsqueeze(-1)).sum((2, 3))
+    stride = sample_stride(n)
+    samples = exact[:, ::stride].float()
+    samples = samples.masked_fill(torch.arange(samples.shape[1], device=DEV)[None, :] * stride >= lengths[:, None],
+                                  float("-inf"))
+    capacity = 2 * c
+    thr = thresholds_from_samples(samples, lengths, stride, c, capacity)
+    assert thr[-1] == float("-inf") and torch.isfinite(thr[:-1]).all()
+    source = store if paged else codes
+    scores, rows, counts = pq_linear_topc(source, lengths, q, w, cb, c, capacity=capacity, keep_all=True,
+                                          return_counts=True, table_dtype=torch.int8, block_n=block_n, iters=iters,
+                                          page_table=table)
+    for i in range(b):
+        live = exact[i, : lengths[i]]
+        want = set((live >= thr[i]).nonzero().flatten().tolist())
+        assert int(counts[i]) == len(want), (i, int(counts[i]), len(want))
+        kept = rows[i, : min(int(counts[i]), capacity)].tolist()
+        assert set(kept) == want if len(want) <= capacity else set(kept) <= want
+        assert torch.equal(scores[i, : len(kept)], exact[i, kept].float())
+    again = pq_linear_topc(source, lengths, q, w, cb, c, capacity=capacity, keep_all=True, return_counts=True,
+                           table_dtype=torch.int8, block_n=block_n, iters=iters, page_table=table)[2]
+    assert torch.equal(again, counts)  # the step's scratch (histogram, counters) starts from zero every time
+
+
 @pytest.mark.parametrize("m,heads", [(32, 64), (16, 5)])
 def test_scaled_lookup_tables_round_the_folded_tables(m, heads):
     """float16 / int8 tables times their scale are the float32 tables up to the type's rounding; an int8
