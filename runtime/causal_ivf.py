@@ -13,9 +13,12 @@ reserved slots; clusters are ranked by the exact indexer score of their represen
 (``sum_h w_h relu(q_h . r_c)``; the cluster mean, or a learned one); their members fill the rest of
 the candidate budget in rank order; the candidates are scored exactly and the top-k returned.
 
-Keys are kept in one of two forms (``key_storage``): ``float32`` (a float32 copy and an FP8 copy; what
-training and evaluation use), or ``fp8`` only, the engines' index-K format of 132 bytes a key (the
-runtime's prefill index: a fifth of the device bytes). In the ``fp8`` form, clustering and learned
+Keys are kept in one of three forms (``key_storage``): ``float32`` (a float32 copy and an FP8 copy; what
+training and evaluation use), ``fp8`` only, the engines' index-K format of 132 bytes a key (the
+runtime's prefill index: a fifth of the device bytes), or ``streamed``: the FP8 bytes live in a buffer
+the caller lends for the time of a chunk (:meth:`CausalIVF.attach`, a layer's device buffer of a
+:class:`dsaindex.runtime.streaming.PrefixStreamer`, whose host copy holds them between chunks) and only
+the scales stay with the index. In the ``fp8`` and ``streamed`` forms, clustering and learned
 representatives read keys dequantized on demand: a seal the window it groups, a refit the sealed prefix,
 :attr:`CausalIVF.keys` the whole prefix, kept until the next :meth:`CausalIVF.append` or
 :meth:`CausalIVF.release_float`.
@@ -84,7 +87,7 @@ def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[tor
     return positions[by_cluster], starts
 
 
-KEY_STORAGE = ("float32", "fp8")
+KEY_STORAGE = ("float32", "fp8", "streamed")
 
 
 class CausalIVF:
@@ -99,8 +102,9 @@ class CausalIVF:
         ``incremental`` keeps each one's center unless a new center is closer (distance work for new
         keys x all centers + old keys x new centers; not plain Lloyd's), ``exact`` also re-searches
         every key the bounds do not certify (plain Lloyd's result)
-    key_storage : ``float32`` (float32 and FP8 copies) or ``fp8`` (FP8 alone, 132 bytes a key; float
-        views dequantized when clustering needs them); module docstring
+    key_storage : ``float32`` (float32 and FP8 copies), ``fp8`` (FP8 alone, 132 bytes a key; float
+        views dequantized when clustering needs them) or ``streamed`` (FP8 bytes in a buffer lent per chunk
+        by :meth:`attach`); module docstring
     """
 
     def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, refit_every: int = 16384,
@@ -123,7 +127,9 @@ class CausalIVF:
         self._float: torch.Tensor | None = None  # the fp8 form's dequantized prefix, while a reader needs it
         # the same keys in the engines' FP8 format (e4m3 bits + one power-of-two scale each): what the
         # Triton prefill path scores, as DeepGEMM scores the engines' index-K cache
-        self._fp8 = torch.empty(window, dim, dtype=torch.uint8, device=self.device)
+        self._fp8: torch.Tensor | None = None
+        if key_storage != "streamed":
+            self._fp8 = torch.empty(window, dim, dtype=torch.uint8, device=self.device)
         self._scales = torch.empty(window, device=self.device)
         self._length = 0
         self.versions: list[Version] = []
@@ -149,12 +155,39 @@ class CausalIVF:
         return self._float
 
     def _rows(self, lo: int, hi: int) -> torch.Tensor:
-        """Keys ``[lo, hi)`` as float32 [hi - lo, D] (dequantized from FP8 in the ``fp8`` form)."""
+        """Keys ``[lo, hi)`` as float32 [hi - lo, D] (dequantized from FP8 in the ``fp8`` and ``streamed`` forms)."""
         if self.key_storage == "float32":
             return self._keys[lo:hi]
         if self._float is not None and self._float.shape[0] >= hi:
             return self._float[lo:hi]
-        return fp8_dequantize(self._fp8[lo:hi].view(torch.float8_e4m3fn), self._scales[lo:hi, None])
+        return fp8_dequantize(self._fp8_rows()[lo:hi].view(torch.float8_e4m3fn), self._scales[lo:hi, None])
+
+    def _fp8_rows(self) -> torch.Tensor:
+        if self._fp8 is None:
+            raise DsaIndexError("This streamed index has no key buffer attached: its keys are on the host now.",
+                                "attach() the layer's streamed buffer (holding the index's keys) before "
+                                "appending or selecting, and detach() it after.")
+        return self._fp8
+
+    def attach(self, buffer: torch.Tensor) -> None:
+        """Lend a ``streamed`` index its FP8 bytes for one chunk: ``buffer`` [capacity, D] uint8 on the index's
+        device, whose first :attr:`length` rows are the index's keys (a streamed layer buffer). Appends write
+        the new keys' bytes into it behind them; the caller writes them back to the host."""
+        if self.key_storage != "streamed":
+            raise DsaIndexError(f"attach() lends key bytes to a streamed index; this one keeps its own "
+                                f"({self.key_storage}).", "create the index with key_storage='streamed'.")
+        if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape[1] != self.dim \
+                or buffer.shape[0] < self._length or buffer.device != self.device:
+            raise DsaIndexError(f"A streamed key buffer must be uint8 [>= {self._length}, {self.dim}] on "
+                                f"{self.device}; got {tuple(buffer.shape)} {buffer.dtype} on {buffer.device}.",
+                                "pass the layer's streamer buffer, sized for the longest request.")
+        self._fp8 = buffer
+
+    def detach(self) -> None:
+        """Take the lent buffer back (a ``streamed`` index between chunks keeps no key bytes on the device)."""
+        if self.key_storage == "streamed":
+            self._fp8 = None
+            self._float = None
 
     def release_float(self) -> None:
         """Drop the ``fp8`` form's dequantized prefix (the index keeps 132 bytes a key again)."""
@@ -172,30 +205,38 @@ class CausalIVF:
             for t in (v.centers, v.order, v.starts):
                 seen[id(t)] = t
         bounds = self._bounds
-        return {"keys": size(self._keys, self._fp8, self._scales), "float_view": size(self._float),
+        owned = None if self.key_storage == "streamed" else self._fp8  # a lent buffer is its lender's
+        return {"keys": size(self._keys, owned, self._scales), "float_view": size(self._float),
                 "versions": size(*seen.values()),
                 "bounds": size(bounds.nearest, bounds.upper, bounds.lower) if bounds is not None else 0}
 
     @property
     def keys_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key as FP8 e4m3 bits [length, D] uint8 and its scale [length] float32 (views)."""
-        return self._fp8[: self._length], self._scales[: self._length]
+        return self._fp8_rows()[: self._length], self._scales[: self._length]
 
     def append(self, keys: torch.Tensor) -> None:
-        """Add keys [n, D]; seals (and refits) happen as whole windows complete."""
+        """Add keys [n, D]; seals (and refits) happen as whole windows complete. A ``streamed`` index
+        writes the new keys' FP8 bytes into its attached buffer (rows ``[length, length + n)``)."""
         end = self._length + keys.shape[0]
         self._float = None
-        if end > self._fp8.shape[0]:
-            size = max(end, 2 * self._fp8.shape[0])
+        fp8 = self._fp8_rows()
+        if self.key_storage == "streamed" and end > fp8.shape[0]:
+            raise DsaIndexError(f"The streamed key buffer holds {fp8.shape[0]} keys; appending makes {end}.",
+                                "size the streamer for the longest request (prefix + chunk).")
+        if end > self._scales.shape[0]:
+            size = max(end, 2 * self._scales.shape[0])
             if self.key_storage == "float32":
                 grown = torch.empty(size, self.dim, device=self.device)
                 grown[: self._length] = self.keys
                 self._keys = grown
-            grown_fp8 = torch.empty(size, self.dim, dtype=torch.uint8, device=self.device)
-            grown_fp8[: self._length] = self._fp8[: self._length]
+            if self.key_storage != "streamed":
+                grown_fp8 = torch.empty(size, self.dim, dtype=torch.uint8, device=self.device)
+                grown_fp8[: self._length] = self._fp8[: self._length]
+                self._fp8 = grown_fp8
             grown_scales = torch.empty(size, device=self.device)
             grown_scales[: self._length] = self._scales[: self._length]
-            self._fp8, self._scales = grown_fp8, grown_scales
+            self._scales = grown_scales
         new = keys.to(self.device, torch.float32)
         if self.key_storage == "float32":
             self._keys[self._length : end] = new

@@ -104,7 +104,10 @@ class ServedIndex(ModuleHooks):
     reach the device through two buffers, the next layer's copy overlapping this layer's compute;
     the model's cache keeps no indexer keys. A layer whose selection the runtime replaces in this
     forward (IVF prefill, PQ decode) reads no prefix (its exact scores are unused), unless
-    ``measure_recall`` needs them
+    ``measure_recall`` needs them. The IVF prefill indexes' FP8 key bytes stream the same way (a second
+    streamer, rows of D bytes): each layer's index borrows its buffer for the chunk
+    (:meth:`CausalIVF.attach`), so between chunks the device holds only their scales, versions and
+    refit bounds
     reuse : cross-layer reuse (IndexCache), layer -> the kept layer whose selection it takes (a ``reuse``
     artifact's plan): a layer that reuses takes that layer's final selection of the same forward
     (the runtime's or the model's own) instead of its own; ``measure_recall`` logs how much of its own
@@ -188,6 +191,7 @@ class ServedIndex(ModuleHooks):
                                     "pass lag=True on a CUDA device and stream_prefix=False, or side_stream=False.")
             self.side = torch.cuda.Stream(self.device)
         self.streamer = None
+        self.ivf_streamer = None
         if stream_prefix:
             if slots != 1:
                 raise DsaIndexError(f"Streamed prefill serves one request at a time; got slots={slots}.",
@@ -197,6 +201,9 @@ class ServedIndex(ModuleHooks):
             dtype = next(model.parameters()).dtype
             self.streamer = PrefixStreamer(sorted(self.indexers), (self.geometry.head_dim,), dtype, self.max_keys,
                                            self.device)
+            if self.ivf:  # the IVF indexes' FP8 key bytes too: on the host between chunks
+                self.ivf_streamer = PrefixStreamer(sorted(self.ivf), (self.geometry.head_dim,), torch.uint8,
+                                                   self.max_keys, self.device)
 
     # ---- what the runtime does per layer ---------------------------------------------------------
     def paths(self) -> dict[int, LayerPaths]:
@@ -249,9 +256,10 @@ class ServedIndex(ModuleHooks):
                 group.free(slot)
             group.admit(slot)
         if layer in self.ivf:
-            self.ivf[layer][slot] = IVFPrefillIndexer(self.geometry.head_dim, self.topk, self.ivf_budget,
-                                                      layer=self.prefill_layers[layer], device=self.device,
-                                                      use_triton=self.use_triton)
+            self.ivf[layer][slot] = IVFPrefillIndexer(
+                self.geometry.head_dim, self.topk, self.ivf_budget, layer=self.prefill_layers[layer],
+                device=self.device, use_triton=self.use_triton,
+                key_storage="fp8" if self.ivf_streamer is None else "streamed")
 
     @staticmethod
     def _past(a: dict[str, Any], new: int) -> list[int]:
@@ -335,6 +343,8 @@ class ServedIndex(ModuleHooks):
                 keys, queries, weights = mla_indexer_tensors(mod, self.geometry.rope_layout, hidden, a["q_resid"],
                                                              cos, sin, query_rows)
             keys = to_basis(keys.float(), self.basis)
+            if routed and self.ivf_streamer is not None:
+                self._lend_ivf_keys(layer, past[0])
             for slot in range(rows):
                 if layer in self.groups:
                     self.groups[layer].append(slot, keys[slot])
@@ -348,11 +358,26 @@ class ServedIndex(ModuleHooks):
                 self._chosen[layer] = ("prefill", torch.stack(picked), positions)
                 if layer == max(self.ivf):  # every prefill index has taken the chunk's keys
                     self._note_prefill_bytes(layer, rows)
+                if self.ivf_streamer is not None:  # the chunk's new key bytes go back to the host
+                    index = self.ivf[layer][0].index
+                    self.ivf_streamer.commit(layer, index.length)
+                    index.detach()
+                    self.ivf_streamer.release(layer)
             elif not prefill and layer in self.groups:
                 picked, _ = self.groups[layer].select(to_basis(queries[:, -1].float(), self.basis), weights[:, -1])
                 self._chosen[layer] = ("decode", picked[:rows].unsqueeze(1), positions)
 
         return hook
+
+    def _lend_ivf_keys(self, layer: int, past: int) -> None:
+        """Streamed IVF keys: the layer's index borrows its streamed buffer (prefix loaded, the next IVF
+        layer's load issued) for this chunk; the first IVF layer of a chunk opens it."""
+        if layer == min(self.ivf):
+            if past == 0:
+                self.ivf_streamer.reset()
+            self.ivf_streamer.begin_chunk()
+        self.ivf_streamer.acquire(layer)
+        self.ivf[layer][0].index.attach(self.ivf_streamer.buffer(layer))
 
     def _note_prefill_bytes(self, layer: int, rows: int) -> None:
         """Update the log's peak of prefill index bytes once per chunk, after the last prefill layer
@@ -361,8 +386,10 @@ class ServedIndex(ModuleHooks):
         no earlier moment of the chunk holds more.)"""
         live = [ix.index for indexers in self.ivf.values() for ix in indexers if ix is not None]
         held = sum(sum(ix.device_bytes().values()) for ix in live)
+        if self.ivf_streamer is not None:  # every layer's key bytes pass through its two buffers
+            held += self.ivf_streamer.device_bytes()
         transient = sum(ix.index.length * ix.index.dim * 4 for ix in self.ivf[layer][:rows]
-                        if ix is not None and ix.index.key_storage == "fp8")
+                        if ix is not None and ix.index.key_storage != "float32")
         if held + transient > self.log.prefill_index_peak:
             self.log.prefill_index_peak = held + transient
             self.log.prefill_index_keys = sum(ix.length for ix in live)

@@ -11,7 +11,8 @@ prefill chunk, in layer order:
   released, so a buffer is never overwritten while a kernel still reads it;
 * :meth:`extend` writes the chunk's new rows behind the prefix in the buffer (what the layer then
   reads: prefix + chunk) and copies them back to host on the copy stream (the write-back is ordered
-  before the next load into that buffer on the same stream);
+  before the next load into that buffer on the same stream); a caller that writes them in place
+  (:meth:`buffer`) calls :meth:`commit` instead;
 * :meth:`release` records that the compute stream is done with the layer's buffer.
 
 With ``prefetch`` (the default), acquiring the last layer also issues the first layer's load for the
@@ -99,15 +100,28 @@ class PrefixStreamer:
     def extend(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Append the chunk's ``rows`` [n, *row_shape] (on the device) to the layer: written behind the
         prefix in its buffer and back to host; returns prefix + chunk rows on the device."""
+        start = self.length[layer]
+        self._check_room(layer, start + rows.shape[0])
+        self.buffers[self._slot[layer]][start : start + rows.shape[0]] = rows
+        return self.commit(layer, start + rows.shape[0])
+
+    def buffer(self, layer: int) -> torch.Tensor:
+        """The whole device buffer holding the acquired ``layer`` ([capacity, *row_shape]; its first
+        ``length[layer]`` rows are the prefix): for a caller that writes the chunk's rows in place and
+        then calls :meth:`commit`."""
+        if layer not in self._slot:
+            raise DsaIndexError(f"Layer {layer}'s prefix was never loaded in this chunk.",
+                                "call begin_chunk() before the first layer and acquire layers in order.")
+        return self.buffers[self._slot[layer]]
+
+    def commit(self, layer: int, end: int) -> torch.Tensor:
+        """Rows ``[length, end)`` of the layer's buffer were written in place (:meth:`buffer`): copy them
+        back to host and make them part of the prefix; returns prefix + chunk rows on the device."""
         slot, start = self._slot[layer], self.length[layer]
-        end = start + rows.shape[0]
-        if end > self.capacity:
-            raise DsaIndexError(f"Layer {layer} would hold {end} rows; the streamer was sized for {self.capacity}.",
-                                "size the streamer for the longest request (prefix + chunk).")
+        self._check_room(layer, end)
         buf = self.buffers[slot]
-        buf[start:end] = rows
         if self.copy_stream is None:
-            self.host[layer][start:end] = rows.cpu()
+            self.host[layer][start:end] = buf[start:end].cpu()
         else:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.device))
@@ -116,6 +130,11 @@ class PrefixStreamer:
                 self.host[layer][start:end].copy_(buf[start:end], non_blocking=True)
         self.length[layer] = end
         return buf[:end]
+
+    def _check_room(self, layer: int, end: int) -> None:
+        if end > self.capacity:
+            raise DsaIndexError(f"Layer {layer} would hold {end} rows; the streamer was sized for {self.capacity}.",
+                                "size the streamer for the longest request (prefix + chunk).")
 
     def release(self, layer: int) -> None:
         """The compute stream has issued every read of the layer's buffer."""

@@ -241,3 +241,63 @@ def test_fp8_key_storage_holds_a_fifth_of_the_bytes_and_routes_alike():
         assert torch.equal(a.order, b.order) and torch.allclose(a.centers, b.centers, atol=1e-5)
     with pytest.raises(DsaIndexError, match="key storage"):
         CausalIVF(D, key_storage="bf16")
+
+
+def test_streamed_key_storage_borrows_a_streamer_buffer_per_chunk_and_equals_fp8_storage():
+    """The served runtime's streamed form: each layer's index borrows their layer's buffer of a
+    PrefixStreamer for each chunk (prefix loaded from the host, the chunk's bytes written in place and
+    committed back). Chunk after chunk (seals, refits, learned-style representatives) they select exactly
+    as the resident FP8 form does; between chunks they hold only scales, versions and bounds, and the
+    host holds every key's bytes."""
+    from dsaindex.runtime.ivf_prefill import select_chunk
+    from dsaindex.runtime.streaming import PrefixStreamer
+
+    n, chunk = 3000, 700
+    layers = (0, 1, 2)  # three layers over two buffers: a layer's buffer changes from chunk to chunk
+    keys = {layer: interleaved_keys(n, seed=layer) for layer in layers}
+    g = torch.Generator().manual_seed(5)
+    queries = torch.randn(n, 3, D, generator=g)
+    weights = torch.rand(n, 3, generator=g)
+    settings = dict(window=256, cluster_size=32, refit_every=1024, sinks=4)
+    resident = {layer: CausalIVF(D, key_storage="fp8", **settings) for layer in layers}
+    streamed = {layer: CausalIVF(D, key_storage="streamed", **settings) for layer in layers}
+    streamer = PrefixStreamer(list(layers), (D,), torch.uint8, n, "cpu")
+    with pytest.raises(DsaIndexError, match="no key buffer attached"):
+        streamed[0].append(keys[0][:10])
+
+    def reps(v):  # a deterministic function of the version and its members' keys, as learned routing reads
+        return v.centers * 1.5 + 0.1
+
+    for lo in range(0, n, chunk):
+        positions = torch.arange(lo, min(n, lo + chunk))
+        streamer.begin_chunk()
+        for layer in layers:
+            want_index, got_index = resident[layer], streamed[layer]
+            streamer.acquire(layer)
+            got_index.attach(streamer.buffer(layer))
+            want_index.append(keys[layer][positions])
+            got_index.append(keys[layer][positions])
+            want = select_chunk(want_index, queries[positions], weights[positions], positions, 96, 16, reps)
+            got = select_chunk(got_index, queries[positions], weights[positions], positions, 96, 16, reps)
+            assert torch.equal(got, want), (lo, layer)
+            assert torch.equal(got_index.keys, want_index.keys)
+            streamer.commit(layer, got_index.length)
+            got_index.detach()
+            streamer.release(layer)
+            held = got_index.device_bytes()
+            assert held["keys"] == got_index._scales.numel() * 4 and held["float_view"] == 0
+            with pytest.raises(DsaIndexError, match="no key buffer attached"):
+                _ = got_index.keys_fp8
+    for layer in layers:
+        want_fp8, _ = resident[layer].keys_fp8
+        assert streamer.length[layer] == n and torch.equal(streamer.host[layer][:n], want_fp8)
+        assert [v.upto for v in streamed[layer].versions] == [v.upto for v in resident[layer].versions]
+        assert streamed[layer].refits == resident[layer].refits == 2
+    small = torch.zeros(10, D, dtype=torch.uint8)
+    streamed[0].attach(streamer.buffers[0][: n + 0])
+    with pytest.raises(DsaIndexError, match="uint8"):
+        streamed[0].attach(small)  # shorter than the index's keys
+    with pytest.raises(DsaIndexError, match="streamed key buffer holds"):
+        streamed[0].append(keys[0][:1])
+    with pytest.raises(DsaIndexError, match="lends key bytes to a streamed index"):
+        resident[0].attach(streamer.buffers[0])

@@ -243,6 +243,44 @@ def test_streamed_prefill_selects_as_the_resident_cache_does(served):
         load(paths[:1], net, stream_prefix=True, slots=2, **settings)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_streamed_ivf_keys_select_as_resident_ones_and_leave_the_device_between_chunks(served, device):
+    """With streamed prefill the IVF indexes' FP8 key bytes stream too: chunk after chunk each layer's index
+    borrows its buffer, so generation and every selection equal the resident indexes', while the peak
+    of prefill index bytes drops to two buffers plus per-key scales, versions and bounds. On CUDA: copies
+    on the copy stream, the Triton selection reading the borrowed buffer."""
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.reference_train import set_index_topk
+    from dsaindex.runtime.serving import load
+    from dsaindex.runtime.transformers_adapter import greedy_agreement
+
+    net, paths, identity = served
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        net = load_model("reference", dtype="float32", device="cuda").model
+        set_index_topk(net, TOPK)
+    prompt = _text(5000, 700).to(device)
+    runs = {}
+    for streamed in (False, True):
+        runs[streamed] = greedy_agreement(net, {}, prompt, 4, selection=lambda streamed=streamed: load(
+            paths, net, served=identity, candidates=4 * TOPK, prefilter=2, ivf_budget=4 * TOPK,
+            use_triton=device == "cuda", measure_recall=True, stream_prefix=streamed, max_keys=1024),
+            prefill_chunk=256)
+    resident, streamed = runs[False], runs[True]
+    assert streamed["runtime_text"] == resident["runtime_text"]
+    assert streamed["selection_recall"] == resident["selection_recall"]  # the same choices, layer by layer
+    assert resident["selection_recall"]["prefill"]["0"] < 1.0  # a budget that routes (not every key)
+    n = prompt.numel()
+    peak, before = streamed["index_bytes"]["prefill_index_peak"], resident["index_bytes"]["prefill_index_peak"]
+    buffers = 2 * 1024 * 128
+    assert streamed["index_bytes"]["prefill_index_keys"] == resident["index_bytes"]["prefill_index_keys"] == 4 * n
+    # streaming saves each layer's 128 FP8 bytes a key (at least), and holds the two buffers and one
+    # layer's dequantized prefix; the scales, versions and bounds stay on the device in both
+    assert before - peak >= 4 * n * 128 - buffers
+    assert peak >= buffers + 4 * n * 4 + n * 128 * 4
+
+
 def test_cross_layer_reuse_takes_the_kept_layers_selection(served):
     """With a reuse plan, a layer attends the selection its kept layer made in the same forward, and the
     log says how much of its own top-k that keeps; a plan pointing forward is refused."""
