@@ -78,6 +78,25 @@ class Version:
         return out
 
 
+class _Growing:
+    """Append-only rows that successive seal versions share: each version views a prefix of one buffer
+    (grown by doubling; a version made before a growth keeps the old buffer), instead of a copy of all
+    earlier clusters per seal."""
+
+    def __init__(self, first: torch.Tensor):
+        self.buf, self.n = first, first.shape[0]
+
+    def extend(self, rows: torch.Tensor) -> torch.Tensor:
+        need = self.n + rows.shape[0]
+        if need > self.buf.shape[0]:  # never writes into ``first`` or a buffer an older version outgrew
+            grown = self.buf.new_empty((max(need, 2 * self.buf.shape[0]), *self.buf.shape[1:]))
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : need] = rows
+        self.n = need
+        return self.buf[:need]
+
+
 def _grouped(assign: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Members of each cluster in one array: (order [N] positions sorted by cluster, starts [k + 1])."""
     by_cluster = assign.argsort(stable=True)
@@ -139,6 +158,8 @@ class CausalIVF:
         self._bounds: Bounds | None = None  # Hamerly bounds of keys [sinks, last_refit) against the refit's centers
         self._refit_k = 0
         self.refit_stats: list[KMeansStats] = []
+        self._shared: tuple[_Growing, _Growing, _Growing] | None = None  # the seal versions' buffers
+        self._shared_by: Version | None = None  # the version that last extended them
 
     @property
     def length(self) -> int:
@@ -200,14 +221,14 @@ class CausalIVF:
         def size(*tensors: torch.Tensor | None) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-        seen: dict[int, torch.Tensor] = {}
+        storages: dict[int, int] = {}  # versions share buffers: each counted once, at its allocated size
         for v in self.versions:
             for t in (v.centers, v.order, v.starts):
-                seen[id(t)] = t
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         bounds = self._bounds
         owned = None if self.key_storage == "streamed" else self._fp8  # a lent buffer is its lender's
         return {"keys": size(self._keys, owned, self._scales), "float_view": size(self._float),
-                "versions": size(*seen.values()),
+                "versions": sum(storages.values()),
                 "bounds": size(bounds.nearest, bounds.upper, bounds.lower) if bounds is not None else 0}
 
     @property
@@ -260,14 +281,20 @@ class CausalIVF:
         return seal_kmeans(x, self.window // self.cluster_size, self.iterations, seeds=starts)
 
     def _seal(self, assign: torch.Tensor, centers: torch.Tensor) -> None:
+        """A version adding the window's clusters to the last one's: on buffers shared with the seals before
+        it since the last refit (each version views a prefix of them)."""
         lo, hi = self.sealed, self.sealed + self.window
         order, starts = _grouped(assign, torch.arange(lo, hi, device=self.device), centers.shape[0])
         prev = self.versions[-1] if self.versions else None
-        if prev is None:
-            version = Version(hi, centers, order, starts)
-        else:
-            version = Version(hi, torch.cat([prev.centers, centers]), torch.cat([prev.order, order]),
-                              torch.cat([prev.starts, starts[1:] + prev.starts[-1]]))
+        if self._shared is None or self._shared_by is not prev:  # after a refit, or the first seal
+            base = ((prev.centers, prev.order, prev.starts) if prev is not None else
+                    (centers[:0], order[:0], torch.zeros(1, dtype=starts.dtype, device=self.device)))
+            self._shared = tuple(_Growing(t) for t in base)
+        shared_centers, shared_order, shared_starts = self._shared
+        offset = shared_starts.buf[shared_starts.n - 1]
+        version = Version(hi, shared_centers.extend(centers), shared_order.extend(order),
+                          shared_starts.extend(starts[1:] + offset))
+        self._shared_by = version
         self.versions.append(version)
         self.sealed = hi
 

@@ -301,3 +301,24 @@ def test_streamed_key_storage_borrows_a_streamer_buffer_per_chunk_and_equals_fp8
         streamed[0].append(keys[0][:1])
     with pytest.raises(DsaIndexError, match="lends key bytes to a streamed index"):
         resident[0].attach(streamer.buffers[0])
+
+
+def test_seal_versions_share_buffers_and_stay_as_they_were():
+    """Seals after a refit extend shared buffers (a version views a prefix; growth by doubling), so a
+    chunk's versions cost about one copy of the clusters, not one each; every version still reads as it
+    was made, whatever later seals and refits did."""
+    keys = interleaved_keys(4096)
+    ivf = CausalIVF(D, window=128, cluster_size=16, refit_every=1024, sinks=4)
+    snapshots = []
+    for lo in range(0, 4096, 256):
+        ivf.append(keys[lo : lo + 256])
+        snapshots += [(v, v.order.clone(), v.starts.clone(), v.centers.clone()) for v in ivf.versions[len(snapshots):]]
+    assert len(snapshots) == len(ivf.versions) == 31 + 3  # 31 seals, 3 refits
+    for v, order, starts, centers in snapshots:
+        assert torch.equal(v.order, order) and torch.equal(v.starts, starts) and torch.equal(v.centers, centers)
+        assert int(v.starts[-1]) == v.order.numel() and v.order.numel() == v.upto - 4
+    storages = {v.order.untyped_storage().data_ptr() for v in ivf.versions}
+    assert len(storages) <= 4 * 4  # per refit era a few doublings, not one copy per seal
+    held = ivf.device_bytes()["versions"]
+    copies = sum(t.numel() * t.element_size() for v in ivf.versions for t in (v.order, v.starts, v.centers))
+    assert held < copies / 2  # one copy per version before
