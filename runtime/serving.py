@@ -86,6 +86,15 @@ def _kept_share(picked: torch.Tensor, own: torch.Tensor) -> float:
     return float((hit.sum(1).float() / (own >= 0).sum(1).clamp_min(1).float()).sum())
 
 
+def _indexer_cache(a: dict[str, Any]) -> Any:
+    """The model's cache among an indexer call's arguments (``cache``, or ``past_key_values`` as some
+    transformers releases name it), or None."""
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if a.get(name) is not None:
+            return a[name]
+    return None
+
+
 class ServedIndex(ModuleHooks):
     """The runtime's selection installed in a transformers DSA model (V3.2, GLM-5 classes).
 
@@ -270,7 +279,7 @@ class ServedIndex(ModuleHooks):
         if ids is not None:
             ids = ids.expand(rows, -1) if ids.shape[0] == 1 else ids
             return [int(x) for x in ids[:, 0]]
-        cache = a.get("cache")
+        cache = _indexer_cache(a)
         seen = int(cache.get_seq_length()) - new if cache is not None else 0
         return [max(0, seen)] * rows
 
@@ -292,7 +301,7 @@ class ServedIndex(ModuleHooks):
             unused = set() if self.measure_recall else {i for i in self.indexers if self._replaces(i, new, past)}
             self.streamer.begin_chunk(skip=unused)
         self.streamer.acquire(layer)
-        cache = a.get("cache")
+        cache = _indexer_cache(a)
         if cache is None:
             raise DsaIndexError("Streamed prefill needs the model's cache (use_cache=True).",
                                 "generate with the cache on, or load the runtime with stream_prefix=False.")

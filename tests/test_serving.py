@@ -260,13 +260,13 @@ def test_streamed_ivf_keys_select_as_resident_ones_and_leave_the_device_between_
             pytest.skip("needs a GPU")
         net = load_model("reference", dtype="float32", device="cuda").model
         set_index_topk(net, TOPK)
-    prompt = _text(5000, 700).to(device)
+    prompt = _text(5000, 700)
     runs = {}
     for streamed in (False, True):
         runs[streamed] = greedy_agreement(net, {}, prompt, 4, selection=lambda streamed=streamed: load(
             paths, net, served=identity, candidates=4 * TOPK, prefilter=2, ivf_budget=4 * TOPK,
             use_triton=device == "cuda", measure_recall=True, stream_prefix=streamed, max_keys=1024),
-            prefill_chunk=256)
+            prefill_chunk=256, device=device)
     resident, streamed = runs[False], runs[True]
     assert streamed["runtime_text"] == resident["runtime_text"]
     assert streamed["selection_recall"] == resident["selection_recall"]  # the same choices, layer by layer
