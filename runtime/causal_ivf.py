@@ -225,7 +225,7 @@ class CausalIVF:
         for v in self.versions:
             for t in (v.centers, v.order, v.starts):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        bounds = self._bounds
+        bounds = self._bounds if self._bounds is not None and not self._parked() else None
         owned = None if self.key_storage == "streamed" else self._fp8  # a lent buffer is its lender's
         return {"keys": size(self._keys, owned, self._scales), "float_view": size(self._float),
                 "versions": sum(storages.values()),
@@ -316,19 +316,45 @@ class CausalIVF:
         bounds = None
         if self._bounds is not None:
             old = self._bounds.nearest.shape[0]
-            kept = warm_bounds(x[:old], self._bounds, init, self._refit_k, stats)
+            kept = warm_bounds(x[:old], self._bounds_here(), init, self._refit_k, stats)
             near, d1, lower = nearest_bounds(x[old:], init)
             stats.computed += (x.shape[0] - old) * k
             bounds = Bounds(torch.cat([kept.nearest, near]), torch.cat([kept.upper, d1]), torch.cat([kept.lower, lower]))
-        assign, centers, self._bounds = capped_kmeans(
+        assign, centers, bounds = capped_kmeans(
             x, k, self.cluster_size + self.cluster_size // 4, self.refit_iterations, init=init, seed=self.sealed,
             bounds=bounds, stats=stats, trust_warm=self.refit_search == "incremental")
+        self._bounds = self._park(bounds)
         self._refit_k = k
         self.refit_stats.append(stats)
         order, starts = _grouped(assign, torch.arange(self.sinks, self.sealed, device=self.device), k)
         self.versions.append(Version(self.sealed, centers, order, starts))
         self.last_refit = self.sealed
         self.refits += 1
+
+    def _park(self, bounds: Bounds) -> Bounds:
+        """Where the refit bounds wait for the next refit, the only reader: on the device, or for a
+        ``streamed`` index in (pinned, where the device is CUDA) host memory. They grow with the cluster
+        count (a lower bound per key and group of 256 centers: 140 B a key at 1M keys), so a streamed
+        index would otherwise hold more per key than its lent keys."""
+        if self.key_storage != "streamed" or self.device.type == "cpu":
+            return bounds
+        pinned = self.device.type == "cuda"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            return out.copy_(t, non_blocking=pinned)
+
+        return Bounds(host(bounds.nearest), host(bounds.upper), host(bounds.lower))
+
+    def _parked(self) -> bool:
+        return self._bounds is not None and self._bounds.nearest.device.type != self.device.type
+
+    def _bounds_here(self) -> Bounds:
+        """The refit bounds on the index's device (copied in for a refit if parked on the host)."""
+        b = self._bounds
+        if not self._parked():
+            return b
+        return Bounds(*(t.to(self.device, non_blocking=True) for t in (b.nearest, b.upper, b.lower)))
 
     def version_for(self, position: int) -> Version | None:
         """The newest version built only from keys ``<= position`` (None before the first seal)."""

@@ -243,25 +243,28 @@ def test_fp8_key_storage_holds_a_fifth_of_the_bytes_and_routes_alike():
         CausalIVF(D, key_storage="bf16")
 
 
-def test_streamed_key_storage_borrows_a_streamer_buffer_per_chunk_and_equals_fp8_storage():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_streamed_key_storage_borrows_a_streamer_buffer_per_chunk_and_equals_fp8_storage(device):
     """The served runtime's streamed form: each layer's index borrows their layer's buffer of a
     PrefixStreamer for each chunk (prefix loaded from the host, the chunk's bytes written in place and
     committed back). Chunk after chunk (seals, refits, learned-style representatives) they select exactly
-    as the resident FP8 form does; between chunks they hold only scales, versions and bounds, and the
-    host holds every key's bytes."""
+    as the resident FP8 form does; between chunks they hold only scales and versions (on CUDA the refit
+    bounds wait on the host), and the host holds every key's bytes."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     from dsaindex.runtime.ivf_prefill import select_chunk
     from dsaindex.runtime.streaming import PrefixStreamer
 
     n, chunk = 3000, 700
     layers = (0, 1, 2)  # three layers over two buffers: a layer's buffer changes from chunk to chunk
-    keys = {layer: interleaved_keys(n, seed=layer) for layer in layers}
+    keys = {layer: interleaved_keys(n, seed=layer).to(device) for layer in layers}
     g = torch.Generator().manual_seed(5)
-    queries = torch.randn(n, 3, D, generator=g)
-    weights = torch.rand(n, 3, generator=g)
+    queries = torch.randn(n, 3, D, generator=g).to(device)
+    weights = torch.rand(n, 3, generator=g).to(device)
     settings = dict(window=256, cluster_size=32, refit_every=1024, sinks=4)
-    resident = {layer: CausalIVF(D, key_storage="fp8", **settings) for layer in layers}
-    streamed = {layer: CausalIVF(D, key_storage="streamed", **settings) for layer in layers}
-    streamer = PrefixStreamer(list(layers), (D,), torch.uint8, n, "cpu")
+    resident = {layer: CausalIVF(D, key_storage="fp8", device=device, **settings) for layer in layers}
+    streamed = {layer: CausalIVF(D, key_storage="streamed", device=device, **settings) for layer in layers}
+    streamer = PrefixStreamer(list(layers), (D,), torch.uint8, n, device)
     with pytest.raises(DsaIndexError, match="no key buffer attached"):
         streamed[0].append(keys[0][:10])
 
@@ -269,7 +272,7 @@ def test_streamed_key_storage_borrows_a_streamer_buffer_per_chunk_and_equals_fp8
         return v.centers * 1.5 + 0.1
 
     for lo in range(0, n, chunk):
-        positions = torch.arange(lo, min(n, lo + chunk))
+        positions = torch.arange(lo, min(n, lo + chunk), device=device)
         streamer.begin_chunk()
         for layer in layers:
             want_index, got_index = resident[layer], streamed[layer]
@@ -279,21 +282,27 @@ def test_streamed_key_storage_borrows_a_streamer_buffer_per_chunk_and_equals_fp8
             got_index.append(keys[layer][positions])
             want = select_chunk(want_index, queries[positions], weights[positions], positions, 96, 16, reps)
             got = select_chunk(got_index, queries[positions], weights[positions], positions, 96, 16, reps)
-            assert torch.equal(got, want), (lo, layer)
+            if device == "cpu":
+                assert torch.equal(got, want), (lo, layer)
+            else:  # k-means on the GPU sums with atomics: two builds may group a few keys differently
+                assert (got == want).float().mean() >= 0.98, (lo, layer)
             assert torch.equal(got_index.keys, want_index.keys)
             streamer.commit(layer, got_index.length)
             got_index.detach()
             streamer.release(layer)
             held = got_index.device_bytes()
             assert held["keys"] == got_index._scales.numel() * 4 and held["float_view"] == 0
+            if device == "cuda" and got_index.refits:  # parked on the host until the next refit
+                assert held["bounds"] == 0 and want_index.device_bytes()["bounds"] > 0
             with pytest.raises(DsaIndexError, match="no key buffer attached"):
                 _ = got_index.keys_fp8
+    streamer.finish()
     for layer in layers:
         want_fp8, _ = resident[layer].keys_fp8
-        assert streamer.length[layer] == n and torch.equal(streamer.host[layer][:n], want_fp8)
+        assert streamer.length[layer] == n and torch.equal(streamer.host[layer][:n], want_fp8.cpu())
         assert [v.upto for v in streamed[layer].versions] == [v.upto for v in resident[layer].versions]
         assert streamed[layer].refits == resident[layer].refits == 2
-    small = torch.zeros(10, D, dtype=torch.uint8)
+    small = torch.zeros(10, D, dtype=torch.uint8, device=device)
     streamed[0].attach(streamer.buffers[0][: n + 0])
     with pytest.raises(DsaIndexError, match="uint8"):
         streamed[0].attach(small)  # shorter than the index's keys
