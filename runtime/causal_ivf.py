@@ -198,7 +198,8 @@ class CausalIVF:
             raise DsaIndexError(f"attach() lends key bytes to a streamed index; this one keeps its own "
                                 f"({self.key_storage}).", "create the index with key_storage='streamed'.")
         if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape[1] != self.dim \
-                or buffer.shape[0] < self._length or buffer.device != self.device:
+                or buffer.shape[0] < self._length or buffer.device.type != self.device.type \
+                or None not in (buffer.device.index, self.device.index) and buffer.device.index != self.device.index:
             raise DsaIndexError(f"A streamed key buffer must be uint8 [>= {self._length}, {self.dim}] on "
                                 f"{self.device}; got {tuple(buffer.shape)} {buffer.dtype} on {buffer.device}.",
                                 "pass the layer's streamer buffer, sized for the longest request.")
