@@ -83,6 +83,10 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
     if zero is not None:
         checks.shape("zero", zero, (b, None), "B, Z + M")
         checks.dtype("zero", zero, torch.int32)
+        z = zero.shape[1] - m
+        if z < m or triton.next_power_of_2(z) != z:
+            raise ValueError(f"zero.shape[1]: got {zero.shape[1]}, want Z + M with Z a power of two of at "
+                             f"least M = {m}")
     if any(triton.next_power_of_2(x) != x for x in (d, dim, m, k)):  # odd shapes: the torch tables
         if zero is not None:
             zero.zero_()

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows, weighted_relu_heads
+from dsaindex.kernels.topk_kernel import sample_rank
 
 
 @triton.jit
@@ -70,7 +71,8 @@ def pq_linear_kernel(
     if not SAMPLE:
         thr = tl.load(thr_ptr + b)
     # the selecting pass skips the tiles past the request's length (a grid sized for the longest request,
-    # or for a preallocated page table, launches them); the sampling pass writes -inf there
+    # or for a preallocated page table, launches them); the sampling pass writes -inf there (or, counting
+    # a histogram, nothing)
     first = pid * ITERS * BLOCK_N
     if SAMPLE:
         first = -1
@@ -108,9 +110,7 @@ def _threshold_of_histogram(hist_ptr, thr_ptr, length, stride, target, capacity,
     if done == tl.num_programs(0) - 1:
         h = tl.load(hist_ptr + tl.arange(0, NBINS), volatile=True)  # read through to L2: the other programs' adds
         suffix = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # samples at or above each bin
-        n_sampled = tl.maximum((length + stride - 1) // stride, 1)
-        want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
-        rank = tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
+        rank = sample_rank(length, stride, target, oversample)
         top = tl.sum((suffix >= rank).to(tl.int32), axis=0) - 1 - NBINS // 2
         tl.store(thr_ptr, tl.where(length <= capacity, float("-inf"), top.to(tl.float32)))
 

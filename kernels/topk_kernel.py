@@ -119,6 +119,16 @@ def row_topk_kernel(
 
 
 @triton.jit
+def sample_rank(length, stride, target, oversample):
+    """The rank among a request's strided samples whose score is its threshold: ``oversample x target``
+    keys scaled to the samples (at least 1, at most the samples), the rule of
+    :func:`dsaindex.kernels.select.thresholds_from_samples`."""
+    n_sampled = tl.maximum((length + stride - 1) // stride, 1)
+    want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
+    return tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
+
+
+@triton.jit
 def sample_threshold_kernel(
     sample_ptr,  # float32 scores of rows 0, stride, 2 stride, ... of each request, at the strides below
     lengths_ptr,  # [B] int32 keys per request
@@ -137,12 +147,9 @@ def sample_threshold_kernel(
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     length = tl.load(lengths_ptr + b)
-    n_sampled = tl.maximum((length + stride - 1) // stride, 1)
     inside = (offs < n_samples) & (offs.to(tl.int64) * stride < length)  # entries past the length are unread
     x = tl.load(sample_ptr + b * row_stride + offs.to(tl.int64) * col_stride, mask=inside, other=float("-inf"))
     if ZERO_COUNTS:
         tl.store(count_ptr + b, 0)
-    want = oversample * target * n_sampled.to(tl.float64) / tl.maximum(length, 1).to(tl.float64)
-    rank = tl.minimum(tl.maximum(tl.ceil(want).to(tl.int32), 1), n_sampled)
-    thr = key_value(kth_key(order_keys(x), inside, rank))
+    thr = key_value(kth_key(order_keys(x), inside, sample_rank(length, stride, target, oversample)))
     tl.store(thr_ptr + b, tl.where(length <= capacity, float("-inf"), thr))

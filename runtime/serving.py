@@ -115,8 +115,8 @@ class ServedIndex(ModuleHooks):
     forward (IVF prefill, PQ decode) reads no prefix (its exact scores are unused), unless
     ``measure_recall`` needs them. The IVF prefill indexes' FP8 key bytes stream the same way (a second
     streamer, rows of D bytes): each layer's index borrows its buffer for the chunk
-    (:meth:`CausalIVF.attach`), so between chunks the device holds only their scales, versions and
-    refit bounds
+    (:meth:`CausalIVF.attach`), and on CUDA their refit bounds wait on the host between refits, so
+    between chunks the device holds only their scales and versions
     reuse : cross-layer reuse (IndexCache), layer -> the kept layer whose selection it takes (a ``reuse``
     artifact's plan): a layer that reuses takes that layer's final selection of the same forward
     (the runtime's or the model's own) instead of its own; ``measure_recall`` logs how much of its own
