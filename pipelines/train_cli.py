@@ -27,11 +27,13 @@ _BUDGETS_HELP = "Candidate budgets to evaluate (comma-separated, keys per query)
 
 
 def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool, max_train_keys: int,
-                eval_queries: int, device: str, candidates: str = _CANDIDATES, rotate: bool = False):
+                eval_queries: int, device: str, candidates: str = _CANDIDATES, rotate: bool = False,
+                centroids: int = 256):
     from dsaindex.console import parse_ints, resolve_device
     from dsaindex.train.pq_job import PQOptions
 
-    return PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware, rotate=rotate,
+    return PQOptions(subspaces=subspaces, centroids=centroids, trainer=trainer, iterations=iterations,
+                     score_aware=score_aware, rotate=rotate,
                      max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=resolve_device(device),
                      candidates=tuple(sorted(set(parse_ints(candidates, "--candidates", minimum=1)))))
 
@@ -192,7 +194,9 @@ def _warm_table(steady: dict):
 def eval_pq_compare_cmd(
     store: Path = typer.Argument(..., help="Capture store to train and evaluate on (its own held-out split)."),
     subspaces: str = typer.Option("16,32,64", help="PQ subspace counts to compare (comma-separated; bytes per "
-                                                   "key; each must divide the key dim)."),
+                                                   "key at 256 centroids; each must divide the key dim)."),
+    centroids: str = typer.Option("256", help="Centroids per subspace to compare (comma-separated powers of two "
+                                              "up to 256): 16 is a 4-bit code, half a byte per subspace."),
     variants: str = typer.Option("plain,score-aware", help="Codebook variants to compare: plain (k-means on keys), "
                                                            "score-aware (k-means under the score-gradient metric), "
                                                            "opq and opq-score-aware (the same after a learned "
@@ -225,21 +229,30 @@ def eval_pq_compare_cmd(
     if unknown or not chosen:
         raise DsaIndexError(f"--variants {variants!r} names no known variant. Unknown: {', '.join(unknown) or 'none'}.",
                             f"pass some of {', '.join(known)}.")
+    sizes = parse_ints(centroids, "--centroids", minimum=2)
+    odd = [k for k in sizes if k > 256 or k & (k - 1)]
+    if odd:
+        raise DsaIndexError(f"--centroids {centroids!r}: {odd} are not powers of two up to 256.",
+                            "pass centroid counts such as 256 (8-bit codes) or 16 (4-bit codes).")
     cases = []
     for m in parse_ints(subspaces, "--subspaces", minimum=1):
-        for variant in chosen:
-            cases.append(_pq_options(m, trainer, iterations, variant.endswith("score-aware"), max_train_keys,
-                                     eval_queries, device, candidates, rotate=variant.startswith("opq")))
+        for k in sizes:
+            for variant in chosen:
+                cases.append(_pq_options(m, trainer, iterations, variant.endswith("score-aware"), max_train_keys,
+                                         eval_queries, device, candidates, rotate=variant.startswith("opq"),
+                                         centroids=k))
     geometry = CaptureStore.open(store).manifest.model.geometry
     for opts in cases:  # every case's options before the first one trains
         check_options(opts, geometry.head_dim)
     results = {}
     for opts in cases:
-        name = f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces} {'score-aware' if opts.score_aware else 'plain'}"
+        bits = opts.centroids.bit_length() - 1
+        name = (f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces}{'' if bits == 8 else f'x{bits}'} "
+                f"{'score-aware' if opts.score_aware else 'plain'}")
         with progress_bar(name, enabled=not as_json, unit="layers") as update:
             report = train_pq(store, opts, progress=update)
         results[name] = report["mean"] | {
-            "train_seconds_per_layer": float(sum(r.train_seconds for r in report["results"].values())
+            "bytes_per_key": opts.subspaces * bits / 8, "train_seconds_per_layer": float(sum(r.train_seconds for r in report["results"].values())
                                              / len(report["results"]))}
     text = json.dumps(results, indent=2)
     if out:

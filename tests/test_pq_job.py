@@ -155,6 +155,21 @@ def test_pq_compare_trains_opq_beside_pq_and_bundles_carry_the_rotation(trained,
         np.testing.assert_array_equal(arrays[layer]["rotation"], r.rotation.numpy())
 
 
+def test_pq_compare_puts_4_bit_codes_beside_8_bit_ones(trained, tmp_path):
+    """`eval pq-compare --centroids 256,16`: 16 centroids per subspace are a 4-bit code (half the bytes at the
+    same subspace count), named and sized as such, with a higher reconstruction error."""
+    _, store, _, _, _ = trained
+    out = tmp_path / "bits.json"
+    proc = run_cli("eval", "pq-compare", str(store), "--subspaces", "32", "--centroids", "256,16", "--variants",
+                   "plain", "--trainer", "torch", "--iterations", "4", "--eval-queries", "8", "--candidates", "64",
+                   "--device", "cpu", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"PQ32 plain", "PQ32x4 plain"}
+    assert rows["PQ32 plain"]["bytes_per_key"] == 32 and rows["PQ32x4 plain"]["bytes_per_key"] == 16
+    assert rows["PQ32x4 plain"]["relative_mse"] > rows["PQ32 plain"]["relative_mse"] > 0
+
+
 def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(trained, tmp_path):
     """`train pq --opq` (alias of --rotate): the default name says OPQ, every layer stores its rotation, the
     loader builds codecs with it, `eval pq` reproduces the training's recall from the bundle alone (it

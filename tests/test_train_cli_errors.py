@@ -28,6 +28,7 @@ STORE = "no-such-store"
     (("eval", "pq", "bundle", "--store", STORE, "--eval-queries", "0"), "error: --eval-queries 0 is below 1."),
     (("eval", "pq-compare", STORE, "--max-train-keys", "0"), "error: --max-train-keys 0 is below 1024."),
     (("eval", "pq-compare", STORE, "--subspaces", "32,0"), "error: --subspaces '32,0' holds 0"),
+    (("eval", "pq-compare", STORE, "--centroids", "256,24"), "error: --centroids '256,24': [24] are not powers"),
     (("eval", "ivf", "bundle", "--store", STORE, "--budgets", "0"), "error: --budgets '0' holds 0"),
     (("runtime", "generate", "-a", "bundle", "--new-tokens", "0"), "error: --new-tokens 0 is below 1."),
     (("bench", "decode", "--batches", "0"), "error: --batches '0' holds 0"),
