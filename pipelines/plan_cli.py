@@ -118,7 +118,8 @@ def render(report: dict[str, Any]) -> tuple[list[Any], str]:
              f"one layer on one GPU of {mc['gpus']} (eta {report['efficiency']:g}, "
              f"host {mc['host_bps'] / 1e9:g} GB/s)")
     adm_title = (f"requests that fit ({size(report['budget']['usable_bytes'])} usable per GPU, weights "
-                 f"{size(report['budget']['weights_bytes'])} per GPU; KV {m['kv_dtype']})")
+                 f"{size(report['budget']['weights_bytes'])} per GPU; KV {m['kv_dtype']}; prefill "
+                 f"{adm.get('prefill', 'exact')})")
     tables, md = [], []
     for head, rows, name in ((stream_head, stream_rows, title), (adm_head, adm_rows, adm_title)):
         table = Table(title=name, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -156,6 +157,9 @@ def plan_memory(
     score_rows: int = typer.Option(None, callback=at_least(1),
                                    help="Queries whose indexer logits are held at once (default: the "
                                         "whole chunk)."),
+    ivf_budget: int = typer.Option(None, callback=at_least(1),
+                                   help="Prefill through the runtime's causal IVF with this many candidates "
+                                        "per query (default: the exact indexer scores every key)."),
     contexts: str = typer.Option("131072,524288,1048576", help="Comma-separated request lengths for the "
                                                                "admission table."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of tables."),
@@ -199,7 +203,7 @@ def plan_memory(
     weights = None if weights_gb is None else weights_gb * 1e9
     prefix = context - chunk
     reservation = {f"{mode}/{kv}": planner.prefill_reservation(dims, machine, chunk, prefix, code,
-                                                               kv == "offloaded", score_rows)
+                                                               kv == "offloaded", score_rows, ivf_budget)
                    for mode, code in modes.items() for kv in planner.KV_MODES}
     weights_per_gpu = (planner.weight_bytes(dims) if weights is None else weights) / machine.gpus
     report = {
@@ -210,8 +214,9 @@ def plan_memory(
         "budget": {"usable_bytes": machine.hbm_bytes * machine.usable_fraction,
                    "weights_bytes": weights_per_gpu},
         "admission": {"code_bytes": modes, "cache_rows": cache_rows, "score_rows": score_rows or chunk,
+                      "prefill": "exact" if ivf_budget is None else f"ivf, {ivf_budget} candidates",
                       "rows": planner.admission_table(dims, machine, lengths, chunk, modes, weights,
-                                                      cache_rows, score_rows)},
+                                                      cache_rows, score_rows, ivf_budget)},
     }
     tables, md = render(report)
     if as_json:

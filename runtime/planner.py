@@ -54,6 +54,14 @@ DECODE_CACHE_ROWS = 4096  # exact keys cached per request and layer by PQ decode
 TAIL_ROWS = 64  # DESIGN.md: completed 64-token pages are encoded, so at most one page of exact tail keys
 MAX_CHUNK = 1 << 20  # the break-even search stops here
 
+# the runtime's IVF prefill (serving's IVFPrefillIndexer with streamed keys): per key and indexer layer, what
+# stays on the GPU while the request prefills, CausalIVF.device_bytes() at window 1024, clusters of 128,
+# 4,096-token chunks (docs/results.md, "Streamed IVF keys"): the FP8 scale (4 B) and the cluster versions
+# (18.1 B); the keys stream, the refit bounds wait on the host
+IVF_STATE_BYTES = 22.1
+CANDIDATE_BYTES = 4 + 4  # per IVF candidate of a query: its int32 position and its fp32 exact score
+FLOAT_KEY_BYTES = 4  # the dequantized float32 view of one layer's prefix while that layer selects
+
 # index mode -> bytes per key and layer resident on the GPU (None: exact FP8 keys, all resident)
 INDEX_MODES: dict[str, float | None] = {"exact": None, "pq32": 32, "pq16": 16}
 KV_MODES = ("resident", "offloaded")
@@ -384,23 +392,35 @@ def activation_bytes(m: ModelDims, machine: Machine, chunk: int) -> float:
 
 
 def prefill_reservation(m: ModelDims, machine: Machine, chunk: int, prefix: int, code_bytes: float | None,
-                        kv_offloaded: bool, score_rows: int | None = None) -> dict[str, float]:
+                        kv_offloaded: bool, score_rows: int | None = None,
+                        ivf_budget: int | None = None) -> dict[str, float]:
     """W_p of Eq. 1 (bytes) for one chunk in flight, with its terms.
 
     I_cap: one layer's prefix and new index keys, when exact keys live on the host (PQ modes; the exact
     mode reads resident keys in place). V_cap: one layer's prefix KV, when offloaded. R_s: the staging
     ring for the chunk's new KV in every layer until written back, when offloaded. W_scratch: the
     indexer's fp32 logits for ``score_rows`` queries at a time (default: the whole chunk) over all keys.
+
+    ``ivf_budget``: the prefill selects through the runtime's causal IVF with that many candidates per
+    query instead of scoring every key. W_scratch is then the candidates' positions and scores, and
+    W_ivf the index state of the request (:data:`IVF_STATE_BYTES` per key in every indexer layer) plus
+    one layer's prefix dequantized while it selects.
     """
     keys = (prefix + chunk) / m.key_stride
     i_cap = keys * m.index_key_bytes if code_bytes is not None else 0.0
     v_cap = prefix / m.key_stride * m.kv_bytes if kv_offloaded else 0.0
     staging = chunk / m.key_stride * m.kv_bytes * m.num_layers if kv_offloaded else 0.0
     w_act = activation_bytes(m, machine, chunk)
-    w_scratch = min(score_rows or chunk, chunk) * keys * LOGIT_BYTES
-    total = 2 * (i_cap + v_cap) + staging + w_act + w_scratch
+    rows = min(score_rows or chunk, chunk)
+    w_ivf = 0.0
+    if ivf_budget is None:
+        w_scratch = rows * keys * LOGIT_BYTES
+    else:
+        w_scratch = rows * min(ivf_budget, keys) * CANDIDATE_BYTES
+        w_ivf = keys * (IVF_STATE_BYTES * m.indexer_layers + FLOAT_KEY_BYTES * m.index_head_dim)
+    total = 2 * (i_cap + v_cap) + staging + w_act + w_scratch + w_ivf
     return {"I_cap": i_cap, "V_cap": v_cap, "R_s": staging, "W_act": w_act, "W_scratch": w_scratch,
-            "W_p": total}
+            "W_ivf": w_ivf, "W_p": total}
 
 
 def request_state_bytes(m: ModelDims, tokens: int, code_bytes: float | None, kv_offloaded: bool,
@@ -422,14 +442,14 @@ def request_state_bytes(m: ModelDims, tokens: int, code_bytes: float | None, kv_
 
 def admission(m: ModelDims, machine: Machine, tokens: int, code_bytes: float | None, kv_offloaded: bool,
               chunk: int, weights: float | None = None, cache_rows: int = DECODE_CACHE_ROWS,
-              score_rows: int | None = None) -> dict[str, float]:
+              score_rows: int | None = None, ivf_budget: int | None = None) -> dict[str, float]:
     """How many requests of ``tokens`` tokens fit: the usable HBM of one GPU, less its share of the
     weights (``weights`` bytes in all; default :func:`weight_bytes`) and the reservation W_p for one
     chunk in flight (the last chunk of such a request, the largest), divided by one request's state.
     Returns the count (0 when nothing fits) and the byte terms."""
     per_gpu_weights = (weight_bytes(m) if weights is None else weights) / machine.gpus
     reserve = prefill_reservation(m, machine, chunk, max(0, tokens - chunk), code_bytes, kv_offloaded,
-                                  score_rows)["W_p"]
+                                  score_rows, ivf_budget)["W_p"]
     budget = machine.hbm_bytes * machine.usable_fraction - per_gpu_weights - reserve
     state = request_state_bytes(m, tokens, code_bytes, kv_offloaded, cache_rows)
     return {"requests": max(0, math.floor(budget / state)), "state_bytes": state, "budget_bytes": budget,
@@ -438,8 +458,8 @@ def admission(m: ModelDims, machine: Machine, tokens: int, code_bytes: float | N
 
 def admission_table(m: ModelDims, machine: Machine, contexts: Sequence[int], chunk: int,
                     modes: Mapping[str, float | None] = INDEX_MODES, weights: float | None = None,
-                    cache_rows: int = DECODE_CACHE_ROWS,
-                    score_rows: int | None = None) -> list[dict[str, Any]]:
+                    cache_rows: int = DECODE_CACHE_ROWS, score_rows: int | None = None,
+                    ivf_budget: int | None = None) -> list[dict[str, Any]]:
     """:func:`admission` for every context length, index mode (name -> code bytes) and KV placement: one
     row per context, ``{"context", "requests": {"<mode>/<kv>": n}, "state_bytes": {...}}``."""
     rows = []
@@ -448,7 +468,7 @@ def admission_table(m: ModelDims, machine: Machine, contexts: Sequence[int], chu
         for mode, code in modes.items():
             for kv in KV_MODES:
                 fit = admission(m, machine, tokens, code, kv == "offloaded", chunk, weights, cache_rows,
-                                score_rows)
+                                score_rows, ivf_budget)
                 counts[f"{mode}/{kv}"], states[f"{mode}/{kv}"] = fit["requests"], fit["state_bytes"]
         rows.append({"context": tokens, "requests": counts, "state_bytes": states})
     return rows

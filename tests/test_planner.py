@@ -89,6 +89,32 @@ def test_pq_codes_admit_more_requests_at_one_million_tokens():
     assert admission(V32, bigger, MILLION, 32, True, 4096)["requests"] > counts["pq32", True]
 
 
+def test_ivf_prefill_trades_the_logits_scratch_for_its_index_state():
+    """With the runtime's IVF prefill the chunk's scratch is its candidates, not logits over every key, and
+    the request's IVF state (per key in every indexer layer, plus one layer's dequantized prefix) is
+    reserved instead: at 1M tokens that admits more requests than exact prefill scoring."""
+    from dsaindex.runtime.planner import (
+        CANDIDATE_BYTES,
+        FLOAT_KEY_BYTES,
+        IVF_STATE_BYTES,
+        prefill_reservation,
+    )
+
+    machine = Machine()
+    exact = prefill_reservation(V32, machine, 4096, PREFIX, 32, True)
+    ivf = prefill_reservation(V32, machine, 4096, PREFIX, 32, True, ivf_budget=16384)
+    assert exact["W_ivf"] == 0 and exact["W_scratch"] == 4096 * MILLION * 4
+    assert ivf["W_scratch"] == 4096 * 16384 * CANDIDATE_BYTES
+    assert ivf["W_ivf"] == pytest.approx(MILLION * (IVF_STATE_BYTES * V32.indexer_layers + FLOAT_KEY_BYTES * 128))
+    assert ivf["W_p"] - exact["W_p"] == pytest.approx(ivf["W_scratch"] + ivf["W_ivf"] - exact["W_scratch"])
+    assert ivf["W_p"] < exact["W_p"]
+    with_ivf = admission(V32, machine, MILLION, 32, True, 4096, ivf_budget=16384)["requests"]
+    assert with_ivf > admission(V32, machine, MILLION, 32, True, 4096)["requests"]
+    # a budget above the prefix scores every key: no more scratch than that
+    tiny = prefill_reservation(V32, machine, 64, 0, 32, True, ivf_budget=16384)
+    assert tiny["W_scratch"] == 64 * 64 * CANDIDATE_BYTES
+
+
 def test_parameter_counts_match_the_published_sizes():
     # 671B: V3's main model (V3.2 adds a 0.85B indexer; the 14B MTP module is not counted)
     assert abs(parameter_count(V32) / 671e9 - 1) < 0.05, parameter_count(V32)
@@ -131,6 +157,12 @@ def test_cli_writes_json_and_markdown(tmp_path):
     assert set(rows[0]["requests"]) == {f"{m}/{kv}" for m in ("exact", "pq32", "pq16")
                                         for kv in ("resident", "offloaded")}
     assert "pq16 offloaded" in md.read_text() and "break-even" in result.output
+    ivf = invoke("--json", "--contexts", "1048576", "--ivf-budget", "16384")
+    assert ivf.exit_code == 0, ivf.output
+    with_ivf = json.loads(ivf.output)
+    assert with_ivf["admission"]["prefill"] == "ivf, 16384 candidates"
+    assert with_ivf["prefill_reservation"]["pq32/offloaded"]["W_ivf"] > 0
+    assert with_ivf["admission"]["rows"][0]["requests"]["pq32/offloaded"] >= rows[1]["requests"]["pq32/offloaded"]
 
 
 def test_cli_reads_a_config_and_a_bundle(tmp_path):
