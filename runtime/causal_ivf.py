@@ -78,6 +78,16 @@ class Version:
         return out
 
 
+def _room(buf: torch.Tensor, used: int, need: int) -> torch.Tensor:
+    """``buf`` if it holds ``need`` rows, else a new buffer of at least twice its rows with its first
+    ``used`` rows copied (appends stay O(n))."""
+    if need <= buf.shape[0]:
+        return buf
+    grown = buf.new_empty((max(need, 2 * buf.shape[0]), *buf.shape[1:]))
+    grown[:used] = buf[:used]
+    return grown
+
+
 class _Growing:
     """Append-only rows that successive seal versions share: each version views a prefix of one buffer
     (grown by doubling; a version made before a growth keeps the old buffer), instead of a copy of all
@@ -88,10 +98,7 @@ class _Growing:
 
     def extend(self, rows: torch.Tensor) -> torch.Tensor:
         need = self.n + rows.shape[0]
-        if need > self.buf.shape[0]:  # never writes into ``first`` or a buffer an older version outgrew
-            grown = self.buf.new_empty((max(need, 2 * self.buf.shape[0]), *self.buf.shape[1:]))
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
+        self.buf = _room(self.buf, self.n, need)  # never writes into ``first`` or a buffer an older version outgrew
         self.buf[self.n : need] = rows
         self.n = need
         return self.buf[:need]
@@ -247,19 +254,11 @@ class CausalIVF:
         if self.key_storage == "streamed" and end > fp8.shape[0]:
             raise DsaIndexError(f"The streamed key buffer holds {fp8.shape[0]} keys; appending makes {end}.",
                                 "size the streamer for the longest request (prefix + chunk).")
-        if end > self._scales.shape[0]:
-            size = max(end, 2 * self._scales.shape[0])
-            if self.key_storage == "float32":
-                grown = torch.empty(size, self.dim, device=self.device)
-                grown[: self._length] = self.keys
-                self._keys = grown
-            if self.key_storage != "streamed":
-                grown_fp8 = torch.empty(size, self.dim, dtype=torch.uint8, device=self.device)
-                grown_fp8[: self._length] = self._fp8[: self._length]
-                self._fp8 = grown_fp8
-            grown_scales = torch.empty(size, device=self.device)
-            grown_scales[: self._length] = self._scales[: self._length]
-            self._scales = grown_scales
+        if self.key_storage == "float32":
+            self._keys = _room(self._keys, self._length, end)
+        if self.key_storage != "streamed":
+            self._fp8 = _room(self._fp8, self._length, end)
+        self._scales = _room(self._scales, self._length, end)
         new = keys.to(self.device, torch.float32)
         if self.key_storage == "float32":
             self._keys[self._length : end] = new
