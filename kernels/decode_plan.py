@@ -122,7 +122,7 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     for misses whose set is full; set_count : [B, cap / ways] int32
     zeros, a scratch the kernel leaves zeroed (allocated per call if not given); filter_width : the miss
     filter's margin below the k-th coarse score, in standard deviations; num_warps : the launch's warps
-    (default by C). All on one device. The
+    (default: 4 candidates a thread, 4 to 16 warps). All on one device. The
     pool needs ``cap + 1 + page + spill`` rows. Raises ``ValueError`` on an input of the wrong dtype,
     shape or device.
     """
@@ -162,10 +162,12 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     stats = torch.empty(b, 4, dtype=torch.int32, device=dev)
     if b == 0:
         return src, dst, rows, positions, stats
+    block_c = max(16, triton.next_power_of_2(c))
+    warps = min(16, max(4, block_c // 128))  # 4 candidates a thread: more spill registers on the H200
     decode_plan_kernel[(b,)](
         cand.contiguous(), cand_scores.float().contiguous(), cache_pos, cache_stamp, set_count, step,
         n_encoded.to(torch.int32).contiguous(), tail_len.to(torch.int32).contiguous(),
         src, dst, rows, positions, stats, c, max(1, min(topk, c)), filter_width,
-        CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=max(16, triton.next_power_of_2(c)),
-        MISS_FILTER=bool(miss_filter and c > 1), num_warps=num_warps or (8 if c > 1024 else 4))
+        CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=block_c,
+        MISS_FILTER=bool(miss_filter and c > 1), num_warps=num_warps or warps)
     return src, dst, rows, positions, stats

@@ -33,22 +33,26 @@ def decode_plan_kernel(
     MISS_FILTER: tl.constexpr,
 ):
     SETS: tl.constexpr = CAP // WAYS
+    # positions, rows and stamps are held as int32 in registers (a position or a step count fits), which
+    # halves the [BLOCK_C, WAYS] tiles: in int64 the kernel spilled registers
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     inside = offs < c
     cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
     score = tl.load(score_ptr + b * c + offs, mask=inside, other=float("-inf"))
     valid = cand >= 0
+    pos32 = cand.to(tl.int32)
     step = tl.load(step_ptr + b) + 1
     tl.store(step_ptr + b, step)
+    step32 = step.to(tl.int32)
     # lookup: a position lives only in set (position % SETS), in any of its WAYS rows
-    home = tl.where(valid, cand % SETS, 0)
+    home = tl.where(valid, pos32 % SETS, 0)
     ways = tl.arange(0, WAYS)
-    way_rows = home[:, None] * WAYS + ways[None, :]  # [BLOCK_C, WAYS]
-    held = tl.load(cache_pos_ptr + b * CAP + way_rows, mask=valid[:, None], other=-2)
-    match = held == cand[:, None]
+    held = tl.load(cache_pos_ptr + b * CAP + home[:, None] * WAYS + ways[None, :], mask=valid[:, None], other=-2)
+    match = held.to(tl.int32) == pos32[:, None]
     hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
-    hit_row = tl.sum(tl.where(match, way_rows, 0), axis=1)
+    hit_row = home * WAYS + tl.sum(tl.where(match, ways[None, :], 0), axis=1)
+    empty_way = held < 0
     keep = hit | valid
     if MISS_FILTER:  # LeanSparse: drop misses below (k-th best coarse score - filter_width std of the scores)
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
@@ -65,10 +69,10 @@ def decode_plan_kernel(
     tl.debug_barrier()
     # phase 2: each kept miss takes a row of its set: empty rows first, then least recently used, never
     # a row hit this step; the misses of one set are numbered by an atomic counter
-    stamp = tl.load(cache_stamp_ptr + b * CAP + way_rows, mask=fetch[:, None], other=0)
-    free = stamp != step
-    prio = tl.where(held < 0, -1, stamp)
-    prio = tl.where(free, prio, 9223372036854775807)
+    stamp = tl.load(cache_stamp_ptr + b * CAP + home[:, None] * WAYS + ways[None, :], mask=fetch[:, None],
+                    other=0).to(tl.int32)
+    free = stamp != step32
+    prio = tl.where(free, tl.where(empty_way, -1, stamp), 2147483647)
     order = tl.zeros([BLOCK_C, WAYS], dtype=tl.int32)
     for i in tl.static_range(WAYS):
         prio_i = tl.sum(tl.where(ways[None, :] == i, prio, 0), axis=1)[:, None]
@@ -76,7 +80,7 @@ def decode_plan_kernel(
     n_free = tl.sum(free.to(tl.int32), axis=1)
     turn = tl.atomic_add(set_count_ptr + b * SETS + home, 1, mask=fetch)
     owner = fetch & (turn < n_free)
-    way_row = tl.sum(tl.where(order == turn[:, None], way_rows, 0), axis=1)
+    way_row = home * WAYS + tl.sum(tl.where(order == turn[:, None], ways[None, :], 0), axis=1)
     tl.debug_barrier()
     # phase 3: reset the counters, claim the rows; a miss whose set is full goes to a spill row (past the
     # SPILL rows, it is dropped)
@@ -88,7 +92,7 @@ def decode_plan_kernel(
     lost = spill & (spill_rank >= SPILL)
     fetch = fetch & (lost == 0)
     keep = keep & (lost == 0)
-    dst = tl.where(owner, way_row, tl.where(fetch, CAP + 1 + PAGE + spill_rank, CAP))
+    dst = tl.where(owner, way_row, tl.where(fetch, CAP + 1 + PAGE + spill_rank, CAP)).to(tl.int64)
     tl.store(src_ptr + b * c + offs, tl.where(fetch, cand, -1), mask=inside)
     tl.store(dst_ptr + b * c + offs, dst, mask=inside)
     row = tl.where(hit, hit_row, tl.where(fetch, dst, -1))

@@ -93,8 +93,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
                num_warps: int | None = None, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk_reference` in one Triton launch, one program per row holding the row in registers
     (rows of at most :data:`SMALL_TOPK_MAX` entries): the k-th largest by bisection on the float bits, then
-    one compaction; no sort, so a single row costs a few microseconds where ``torch.topk`` runs one
-    block for tens. Ties at the k-th value are taken in column order; the result is in column order.
+    one compaction (4,096 entries at a time, prefix sums along 128-entry rows); no sort, so a single row
+    costs a few microseconds where ``torch.topk`` runs one block for tens. Ties at the k-th value are taken
+    in column order; the result is in column order.
     ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
@@ -125,5 +126,5 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
         counts if counts is not None else out_val, n, k,
         BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)), HAS_PAYLOAD=payload is not None,
-        HAS_COUNTS=counts is not None, num_warps=warps)
+        HAS_COUNTS=counts is not None, WIDTH=min(block, 128), CHUNK=min(block, 4096), num_warps=warps)
     return out_val, out_pay

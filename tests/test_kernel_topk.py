@@ -68,6 +68,29 @@ def test_small_topk_takes_ties_in_column_order():
         small_topk(torch.zeros(1, 20000, device=DEV), 4)
 
 
+def test_small_topk_takes_ties_in_column_order_across_a_long_row():
+    """A row longer than one compaction chunk (4,096 entries) whose k-th value is tied thousands of times:
+    exactly k entries come back, every one above the tie and the first tied ones by column, in column
+    order; slots past the count stay unread."""
+    from dsaindex.kernels.topk import small_topk
+
+    g = torch.Generator().manual_seed(5)
+    values = torch.randint(0, 8, (2, 10000), generator=g).float()
+    counts = torch.tensor([10000, 7000], dtype=torch.int32)
+    values[1, 7000:] = 1e30  # past the count: never read
+    payload = torch.arange(10000, dtype=torch.int32).repeat(2, 1) + 5
+    k = 3000
+    got_v, got_p = small_topk(values.to(DEV), k, payload.to(DEV), counts=counts.to(DEV))
+    for row in range(2):
+        live = values[row, : int(counts[row])]
+        kth = live.sort(descending=True).values[k - 1]
+        above = (live > kth).nonzero().squeeze(1)
+        tied = (live == kth).nonzero().squeeze(1)[: k - above.numel()]
+        want = torch.cat([above, tied]).sort().values + 5
+        assert got_p[row].tolist() == want.tolist(), row
+        assert torch.equal(got_v[row].cpu(), live[want - 5])
+
+
 def test_sample_thresholds_kernel_equals_the_torch_rule():
     from dsaindex.kernels.select import sample_thresholds, thresholds_from_samples
 
