@@ -113,7 +113,8 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_plan_reference` in one Triton launch (one program per request).
 
-    cand [B, C] int64 positions (-1 = none), cand_scores [B, C] float32 (-inf for none), any order;
+    cand [B, C] int64 positions (-1 = none; below 2**31: the kernel holds them as int32), cand_scores
+    [B, C] float32 (-inf for none), any order;
     cache_pos [B, cap] int64 (-1 = empty) and cache_stamp [B, cap] int64, updated in place; step [B] int64
     each request's step counter, advanced by one here, the new value this step's stamp (on the device:
     steps replay in CUDA graphs); n_encoded / tail_len [B] int32;
@@ -163,7 +164,7 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     if b == 0:
         return src, dst, rows, positions, stats
     block_c = max(16, triton.next_power_of_2(c))
-    warps = min(16, max(4, block_c // 128))  # 4 candidates a thread: more spill registers on the H200
+    warps = min(16, max(4, block_c // 128))  # 4 candidates a thread: with 8 the kernel spilled on the H200
     decode_plan_kernel[(b,)](
         cand.contiguous(), cand_scores.float().contiguous(), cache_pos, cache_stamp, set_count, step,
         n_encoded.to(torch.int32).contiguous(), tail_len.to(torch.int32).contiguous(),

@@ -132,6 +132,9 @@ class PQDecodeGroup:
         if cache_capacity < candidates:
             raise DsaIndexError(f"cache_capacity {cache_capacity} is below the candidate count {candidates}.",
                                 "give the cache at least as many rows as candidates.")
+        if max_keys >= 2**31:
+            raise DsaIndexError(f"max_keys {max_keys:,} is not below 2**31: the decode plan holds key positions as "
+                                "int32.", "serve contexts of fewer than 2**31 keys per request and layer.")
         if cache_capacity % WAYS:
             raise DsaIndexError(f"cache_capacity {cache_capacity} is not a multiple of {WAYS}: the cache is "
                                 f"{WAYS}-way set-associative.", f"pass a multiple of {WAYS} (4096 is the default).")

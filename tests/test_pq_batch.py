@@ -134,6 +134,8 @@ def test_bad_use_gives_clear_errors_and_other_requests_keep_running():
     with pytest.raises(DsaIndexError, match="miss filter's width"):
         PQDecodeGroup(group.layer, HostKeyStore(4, D), 1, 128, 8, candidates=64, cache_capacity=64, device=DEV,
                       filter_width=-1)
+    with pytest.raises(DsaIndexError, match="int32"):  # the decode plan holds positions as int32
+        PQDecodeGroup(group.layer, HostKeyStore(4, D), 1, 2**31, 8, candidates=64, cache_capacity=64, device=DEV)
 
 
 def test_index_bytes_per_key_are_a_quarter_of_exact():
