@@ -28,12 +28,12 @@ _BUDGETS_HELP = "Candidate budgets to evaluate (comma-separated, keys per query)
 
 def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool, max_train_keys: int,
                 eval_queries: int, device: str, candidates: str = _CANDIDATES, rotate: bool = False,
-                centroids: int = 256):
+                centroids: int = 256, quantizer: str = "pq"):
     from dsaindex.console import parse_ints, resolve_device
     from dsaindex.train.pq_job import PQOptions
 
     return PQOptions(subspaces=subspaces, centroids=centroids, trainer=trainer, iterations=iterations,
-                     score_aware=score_aware, rotate=rotate,
+                     score_aware=score_aware, rotate=rotate, quantizer=quantizer,
                      max_train_keys=max_train_keys, max_eval_queries=eval_queries, device=resolve_device(device),
                      candidates=tuple(sorted(set(parse_ints(candidates, "--candidates", minimum=1)))))
 
@@ -194,13 +194,17 @@ def _warm_table(steady: dict):
 def eval_pq_compare_cmd(
     store: Path = typer.Argument(..., help="Capture store to train and evaluate on (its own held-out split)."),
     subspaces: str = typer.Option("16,32,64", help="PQ subspace counts to compare (comma-separated; bytes per "
-                                                   "key at 256 centroids; each must divide the key dim)."),
+                                                   "key at 256 centroids; each must divide the key dim), also "
+                                                   "the codebook counts of RQ / LSQ codes (any count)."),
     centroids: str = typer.Option("256", help="Centroids per subspace to compare (comma-separated powers of two "
                                               "up to 256): 16 is a 4-bit code, half a byte per subspace."),
     variants: str = typer.Option("plain,score-aware", help="Codebook variants to compare: plain (k-means on keys), "
                                                            "score-aware (k-means under the score-gradient metric), "
                                                            "opq and opq-score-aware (the same after a learned "
-                                                           "rotation of the keys, OPQ)."),
+                                                           "rotation of the keys, OPQ), rq, rq-score-aware, lsq "
+                                                           "and lsq-score-aware (residual / additive codes of "
+                                                           "--subspaces whole-key codebooks, faiss; for "
+                                                           "comparison: the runtime serves PQ)."),
     trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
     iterations: int = typer.Option(20, callback=at_least(1), help="k-means iterations."),
     max_train_keys: int = typer.Option(262144, callback=at_least(1024),
@@ -220,10 +224,10 @@ def eval_pq_compare_cmd(
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.console import parse_ints, print_tables, progress_bar, recall_table
     from dsaindex.errors import DsaIndexError
-    from dsaindex.train.pq_job import PAPER_K, check_options, train_pq
+    from dsaindex.train.pq_job import PAPER_K, check_options, pq_label, train_pq
     from dsaindex.train.recall import band_rows
 
-    known = ("plain", "score-aware", "opq", "opq-score-aware")
+    known = ("plain", "score-aware", "opq", "opq-score-aware", "rq", "rq-score-aware", "lsq", "lsq-score-aware")
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     unknown = sorted(set(chosen) - set(known))
     if unknown or not chosen:
@@ -238,17 +242,17 @@ def eval_pq_compare_cmd(
     for m in parse_ints(subspaces, "--subspaces", minimum=1):
         for k in sizes:
             for variant in chosen:
+                quantizer = variant.split("-")[0] if variant.startswith(("rq", "lsq")) else "pq"
                 cases.append(_pq_options(m, trainer, iterations, variant.endswith("score-aware"), max_train_keys,
                                          eval_queries, device, candidates, rotate=variant.startswith("opq"),
-                                         centroids=k))
+                                         centroids=k, quantizer=quantizer))
     geometry = CaptureStore.open(store).manifest.model.geometry
     for opts in cases:  # every case's options before the first one trains
         check_options(opts, geometry.head_dim)
     results = {}
     for opts in cases:
         bits = opts.centroids.bit_length() - 1
-        name = (f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces}{'' if bits == 8 else f'x{bits}'} "
-                f"{'score-aware' if opts.score_aware else 'plain'}")
+        name = f"{pq_label(opts)}{'' if bits == 8 else f'x{bits}'} {'score-aware' if opts.score_aware else 'plain'}"
         with progress_bar(name, enabled=not as_json, unit="layers") as update:
             report = train_pq(store, opts, progress=update)
         results[name] = report["mean"] | {

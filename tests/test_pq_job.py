@@ -170,6 +170,43 @@ def test_pq_compare_puts_4_bit_codes_beside_8_bit_ones(trained, tmp_path):
     assert rows["PQ32x4 plain"]["relative_mse"] > rows["PQ32 plain"]["relative_mse"] > 0
 
 
+def test_pq_compare_puts_residual_and_additive_codes_beside_pq(trained, tmp_path):
+    """`eval pq-compare --variants rq,...`: residual (RQ) and additive (LSQ) codes of M whole-key codebooks,
+    the same bytes as PQ with M subspaces, reconstruct the keys better than PQ does; the score-aware RQ is
+    trained in the metric's whitened space and decodes back to keys; neither can become a bundle."""
+    import torch
+
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.train.additive import AdditiveCodec
+    from dsaindex.train.pq_job import PQOptions, train_pq, write_pq_bundle
+
+    _, store, _, _, _ = trained
+    out = tmp_path / "additive.json"
+    proc = run_cli("eval", "pq-compare", str(store), "--subspaces", "4", "--centroids", "256,16", "--variants",
+                   "plain,rq,rq-score-aware,lsq", "--trainer", "torch", "--iterations", "6", "--eval-queries", "8",
+                   "--candidates", "64", "--max-train-keys", "2048", "--device", "cpu", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    names = {f"{c}4{b} {v}" for c, v in (("PQ", "plain"), ("RQ", "plain"), ("RQ", "score-aware"), ("LSQ", "plain"))
+             for b in ("", "x4")}
+    assert set(rows) == names
+    for bits, size in (("", 4), ("x4", 2)):
+        pq, rq, lsq = rows[f"PQ4{bits} plain"], rows[f"RQ4{bits} plain"], rows[f"LSQ4{bits} plain"]
+        assert pq["bytes_per_key"] == rq["bytes_per_key"] == lsq["bytes_per_key"] == size
+        assert rq["relative_mse"] < pq["relative_mse"] and lsq["relative_mse"] < pq["relative_mse"]
+        assert 0.0 < rows[f"RQ4{bits} score-aware"]["k32/direct"] <= 1.0
+    opts = PQOptions(subspaces=4, centroids=16, quantizer="rq", score_aware=True, max_train_keys=1024,
+                     max_eval_queries=8, candidates=(64,))
+    report = train_pq(store, opts)
+    codec = report["results"][0].codec
+    assert isinstance(codec, AdditiveCodec) and codec.whiten is not None and codec.bytes_per_key == 2
+    keys = torch.randn(50, codec.whiten.shape[0])
+    torch.testing.assert_close(keys @ codec.whiten @ codec.unwhiten, keys, atol=1e-3, rtol=1e-3)
+    assert codec.encode(keys).shape == (50, 2)
+    with pytest.raises(DsaIndexError, match="comparison only"):
+        write_pq_bundle(report, opts, tmp_path / "rq")
+
+
 def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(trained, tmp_path):
     """`train pq --opq` (alias of --rotate): the default name says OPQ, every layer stores its rotation, the
     loader builds codecs with it, `eval pq` reproduces the training's recall from the bundle alone (it

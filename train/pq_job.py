@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dsaindex.pq import PQCodec, PQSpec, rotate
+from dsaindex.train.additive import QUANTIZERS, AdditiveCodec, full_spec, train_additive
 from dsaindex.train.pq import score_gradient_metric, train_codebooks, train_rotation
 from dsaindex.train.recall import (
     CANDIDATES,
@@ -44,6 +45,7 @@ class PQOptions:
     iterations: int = 20
     score_aware: bool = True
     rotate: bool = False  # OPQ: a learned orthogonal rotation before PQ, stored in the bundle beside the codebooks
+    quantizer: str = "pq"  # or "rq" / "lsq": ``subspaces`` whole-key codebooks (train.additive; comparison only)
     max_train_keys: int = 262144
     metric_queries: int = 256
     eval_fraction: float = 0.2
@@ -68,11 +70,12 @@ class LayerResult:
     train_seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
     rotation: torch.Tensor | None = None  # [D, D] orthogonal: codes are of keys @ rotation.T
+    additive: AdditiveCodec | None = None  # an RQ / LSQ code instead of PQ codebooks (comparison only)
 
     @property
-    def codec(self) -> PQCodec:
-        """The layer's codec, as a bundle stores it and the runtime serves it."""
-        return PQCodec(self.codebooks, self.metric, self.rotation)
+    def codec(self) -> PQCodec | AdditiveCodec:
+        """The layer's codec, as a bundle stores it and the runtime serves it (an RQ / LSQ code: as trained)."""
+        return self.additive if self.additive is not None else PQCodec(self.codebooks, self.metric, self.rotation)
 
 
 def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
@@ -120,9 +123,11 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     step = step or (lambda text: None)
     train_seq, eval_seq = split
     geometry = store.manifest.model.geometry
-    spec = PQSpec(dim=geometry.head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
     step("reading keys")
     keys = _subsample(layer_keys(store, layer, train_seq, key_format), opts.max_train_keys, opts.seed + layer)
+    if opts.quantizer != "pq":
+        return _train_additive_layer(store, layer, split, opts, key_format, topk, keys, step)
+    spec = PQSpec(dim=geometry.head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
     t0 = time.perf_counter()
     rotation = None
     if opts.rotate:
@@ -144,7 +149,25 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     return result
 
 
-def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: PQCodec, opts: PQOptions,
+def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions,
+                          key_format: str, topk: int, keys: torch.Tensor, step: Callable[[str], None]) -> LayerResult:
+    """:func:`train_layer` for an RQ / LSQ code (``opts.quantizer``): ``opts.subspaces`` whole-key codebooks,
+    score-aware under the full D x D metric."""
+    metric = None
+    if opts.score_aware:
+        step("score-aware metric (full)")
+        metric = metric_for_layer(store, layer, split[0], key_format, full_spec(keys.shape[1], opts.centroids),
+                                  opts.metric_queries, topk)
+    step(f"{opts.quantizer.upper()} ({keys.shape[0]:,} keys)")
+    t0 = time.perf_counter()
+    codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer)
+    result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec)
+    step("held-out recall")
+    result.metrics = evaluate_layer(store, layer, split[1], codec, opts, key_format, topk)
+    return result
+
+
+def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: PQCodec | AdditiveCodec, opts: PQOptions,
                    key_format: str, topk: int) -> dict[str, float]:
     """Held-out recall of one layer's codec (an OPQ codec codes the keys rotated and decodes them back to the
     original space, where they score against the raw queries)."""
@@ -194,13 +217,22 @@ def recall_plot(per_layer: dict[int, dict[str, float]], path: Path, title: str, 
 
 def check_options(opts: PQOptions, head_dim: int) -> None:
     """Refuse options no training can use, before any work (named by their command-line options): the
-    trainer, the subspace count (it must divide the key dim), counts below one."""
+    trainer, the subspace count (for PQ it must divide the key dim), the quantizer, counts below one."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.train.pq import TRAINERS
 
     if opts.trainer not in TRAINERS:
         raise DsaIndexError(f"Unknown trainer {opts.trainer!r}.", f"pass --trainer {' or '.join(TRAINERS)}.")
-    PQSpec(dim=head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
+    if opts.quantizer == "pq":
+        PQSpec(dim=head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
+    elif opts.quantizer not in QUANTIZERS:
+        raise DsaIndexError(f"Unknown quantizer {opts.quantizer!r}.", f"pass pq, {', '.join(QUANTIZERS)}.")
+    elif opts.rotate:
+        raise DsaIndexError(f"{opts.quantizer.upper()} codes take no OPQ rotation (their codewords span the whole key).",
+                            "compare rq or lsq without the opq prefix.")
+    elif opts.centroids > 256 or opts.centroids < 2 or opts.centroids & (opts.centroids - 1):
+        raise DsaIndexError(f"{opts.centroids} centroids per codebook is not a power of two from 2 to 256.",
+                            "pass 256 (8-bit codes) or 16 (4-bit codes).")
     for option, value in (("--iterations", opts.iterations), ("--max-train-keys", opts.max_train_keys),
                           ("--eval-queries", opts.max_eval_queries),
                           ("--candidates", min(opts.candidates) if opts.candidates else 0)):
@@ -244,7 +276,11 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
     """Write the trained codebooks (and score-aware metrics, and OPQ rotations) as an artifact bundle;
     returns its manifest. A rotated layer stores ``rotation`` [D, D] float32 and ``params["rotate"]=True``."""
     from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
+    from dsaindex.errors import DsaIndexError
 
+    if opts.quantizer != "pq":
+        raise DsaIndexError(f"{opts.quantizer.upper()} codes are for comparison only: the runtime serves PQ codes.",
+                            "compare them with `dsaindex eval pq-compare`; train PQ or OPQ bundles to serve.")
     store = report["store"]
     layers, arrays = {}, {}
     for layer, r in report["results"].items():
@@ -273,7 +309,10 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
 
 
 def pq_label(opts: PQOptions) -> str:
-    """``PQ32``, or ``OPQ32`` with a learned rotation: the name of the codec the options train."""
+    """``PQ32``, or ``OPQ32`` with a learned rotation (``RQ16`` / ``LSQ16`` for the additive codes): the
+    name of the codec the options train."""
+    if opts.quantizer != "pq":
+        return f"{opts.quantizer.upper()}{opts.subspaces}"
     return f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces}"
 
 
