@@ -32,6 +32,16 @@ def full_spec(dim: int, centroids: int) -> PQSpec:
     return PQSpec(dim=dim, subspaces=1, centroids=centroids)
 
 
+def check_codebook_size(centroids: int) -> None:
+    """Refuse a codebook size an RQ / LSQ code cannot have (a power of two from 2 to 256: one byte or less
+    per codebook)."""
+    from dsaindex.errors import DsaIndexError
+
+    if centroids < 2 or centroids > 256 or centroids & (centroids - 1):
+        raise DsaIndexError(f"{centroids} centroids per codebook is not a power of two from 2 to 256.",
+                            "pass 256 (8-bit codes) or 16 (4-bit codes).")
+
+
 @dataclass
 class AdditiveCodec:
     """A trained RQ or LSQ code of M codebooks of K = 2**bits whole-key codewords. ``whiten`` / ``unwhiten``
@@ -82,10 +92,8 @@ def train_additive(keys: torch.Tensor, kind: str, codebooks: int, centroids: int
 
     if kind not in QUANTIZERS:
         raise DsaIndexError(f"Unknown additive quantizer {kind!r}.", f"pass one of {', '.join(QUANTIZERS)}.")
+    check_codebook_size(centroids)
     bits = centroids.bit_length() - 1
-    if centroids < 2 or centroids != 1 << bits or bits > 8:
-        raise DsaIndexError(f"{centroids} centroids per codebook is not a power of two from 2 to 256.",
-                            "pass 256 (8-bit codes) or 16 (4-bit codes).")
     if keys.shape[0] < 4 * centroids:
         raise DsaIndexError(f"{keys.shape[0]} training keys are fewer than 4 per codeword ({4 * centroids}).",
                             "train on more keys (--max-train-keys) or fewer centroids.")

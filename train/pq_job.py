@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dsaindex.pq import PQCodec, PQSpec, rotate
-from dsaindex.train.additive import QUANTIZERS, AdditiveCodec, full_spec, train_additive
+from dsaindex.train.additive import QUANTIZERS, AdditiveCodec, check_codebook_size, full_spec, train_additive
 from dsaindex.train.pq import score_gradient_metric, train_codebooks, train_rotation
 from dsaindex.train.recall import (
     CANDIDATES,
@@ -230,9 +230,8 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
     elif opts.rotate:
         raise DsaIndexError(f"{opts.quantizer.upper()} codes take no OPQ rotation (their codewords span the whole key).",
                             "compare rq or lsq without the opq prefix.")
-    elif opts.centroids > 256 or opts.centroids < 2 or opts.centroids & (opts.centroids - 1):
-        raise DsaIndexError(f"{opts.centroids} centroids per codebook is not a power of two from 2 to 256.",
-                            "pass 256 (8-bit codes) or 16 (4-bit codes).")
+    else:
+        check_codebook_size(opts.centroids)
     for option, value in (("--iterations", opts.iterations), ("--max-train-keys", opts.max_train_keys),
                           ("--eval-queries", opts.max_eval_queries),
                           ("--candidates", min(opts.candidates) if opts.candidates else 0)):
