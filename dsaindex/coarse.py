@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     import torch
 
 FILTER_WIDTH = 1.5  # the margin below the k-th coarse score, in standard deviations (LeanSparse: 1)
+# decode steps with at most this many live requests read their candidates' exact keys straight from the host
+# store, with no device cache or miss filter (``PQDecodeGroup(direct_upto=...)``; ``bench decode`` measures it)
+DIRECT_UPTO = 2  # H200, 1M keys: faster at 1 and 2 requests, even at 4, slower at 8 (bench decode)
 
 
 def check_filter_width(width: float) -> float:

@@ -6,7 +6,8 @@
 * :func:`fp8_logits` / :func:`fp8_logits_paged` write every key's score (FP8 x FP8 products, as DeepGEMM's
   logits): with :func:`dsaindex.kernels.topk.rows_topk`, the portable exact scorer where DeepGEMM does
   not import (faster than the fused :func:`fp8_topk` on the H200).
-* :func:`fp8_gather_scores` rescores gathered rows (the candidates of the coarse stage) exactly.
+* :func:`fp8_gather_scores` rescores gathered rows (the candidates of the coarse stage) exactly;
+  :func:`fp8_host_select` rescores the direct step's candidates read straight from the pinned host store.
 
 :func:`fp8_scores_reference` is the spec both are checked against. Keys are the engines' layout: FP8
 e4m3 bits as uint8 [.., D] and one ue8m0 scale per key; queries are bf16 (the kernels multiply bf16
@@ -276,6 +277,117 @@ def fp8_gather_scores(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.
     _launch(2, keys_fp8.contiguous(), scales, None, queries, head_weights, rows=rows.to(torch.int32).contiguous(),
             out_score=out, n_out=r, block_n=block_n, iters=1)
     return out
+
+
+def fp8_host_select_reference(host_fp8: torch.Tensor, host_scales: torch.Tensor, page_table: torch.Tensor,
+                              rows: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, sel: torch.Tensor,
+                              pool_fp8: torch.Tensor, pool_scales: torch.Tensor, tail_len: torch.Tensor,
+                              n_encoded: torch.Tensor, tail_row0: int, queries: torch.Tensor,
+                              head_weights: torch.Tensor, capacity: int,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec of :func:`fp8_host_select` (same arguments and return); the candidates in the boundary
+    bin take the room left in slot order, and the kept candidates sit in slot order (the kernel's order
+    depends on its programs' atomics; the set is the same unless the boundary bin overflows)."""
+    b, n_in = rows.shape
+    page = host_fp8.shape[1]
+    dev = pool_fp8.device
+    width = capacity + page
+    scores = torch.full((b, width), float("-inf"), device=dev)
+    positions = torch.full((b, width), -1, dtype=torch.int64, device=dev)
+    sel_c, counts_c = sel.cpu(), counts.cpu()
+    for i in range(b):
+        edge, above, kept = (int(x) for x in sel_c[i, :3])
+        live = torch.arange(n_in) < min(int(counts_c[i]), n_in)
+        bin_i = bins[i].cpu()
+        strict = live & (bin_i > edge)
+        tied = (live & (bin_i == edge)).nonzero().squeeze(1)[: kept - above]
+        pick = torch.cat([strict.nonzero().squeeze(1), tied]).sort().values
+        pos = rows[i].cpu()[pick].long()
+        host_page = page_table[i].cpu().long()[pos // page]
+        keys = host_fp8[host_page, pos % page].to(dev)[None]
+        key_scales = host_scales[host_page, pos % page].to(dev)[None]
+        scores[i, : pick.numel()] = fp8_scores_reference(keys, key_scales, queries[i : i + 1], head_weights[i : i + 1])[0]
+        positions[i, : pick.numel()] = pos.to(dev)
+    j = torch.arange(page, device=dev)
+    live = j[None, :] < tail_len.to(dev)[:, None]
+    tail = fp8_scores_reference(pool_fp8[:, tail_row0 : tail_row0 + page], pool_scales[:, tail_row0 : tail_row0 + page],
+                                queries, head_weights)
+    scores[:, capacity:] = tail.masked_fill(~live, float("-inf"))
+    positions[:, capacity:] = torch.where(live, n_encoded.to(dev).long()[:, None] + j[None, :], -1)
+    kept = sel[:, 2].to(dev, torch.int32)
+    stats = torch.stack([kept, torch.zeros_like(kept), kept, torch.zeros_like(kept)], dim=1)
+    return scores, positions, stats
+
+
+def fp8_host_select(host_fp8: torch.Tensor, host_scales: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor,
+                    bins: torch.Tensor, counts: torch.Tensor, sel: torch.Tensor, scratch: torch.Tensor,
+                    pool_fp8: torch.Tensor, pool_scales: torch.Tensor, tail_len: torch.Tensor, n_encoded: torch.Tensor,
+                    tail_row0: int, queries: torch.Tensor, head_weights: torch.Tensor, capacity: int,
+                    block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rescoring of a direct decode step, in one kernel: of each request's stage-2 candidates (``rows``
+    [B, R] int32 key positions with their score ``bins`` [B, R] int32, ``counts`` [B] int32 filled, and
+    ``sel`` [B, 4] int32 from :func:`~dsaindex.kernels.pq_select.pq_candidate_bins`), the ones above the
+    boundary bin and those in it up to ``capacity`` in all are read straight from the pinned host store
+    and scored exactly; the tail is scored from the device pool. No top-C kernel, no cache, no copy kernel.
+
+    host_fp8 [P, PAGE, D] uint8 / host_scales [P, PAGE] float32 (pinned); page_table [B, W] int32;
+    scratch: the stage-2 scratch [B, BIN_COUNT + 4] int32 (its two append counters, zeroed by stage 2);
+    pool_fp8 [B, R', D] uint8 / pool_scales [B, R'] with the tail at rows ``tail_row0 ..``; tail_len,
+    n_encoded [B] int32; queries [B, H, D], head_weights [B, H].
+
+    Returns (scores [B, capacity + PAGE] float32, positions [B, capacity + PAGE] int64, stats [B, 4] int32):
+    the kept candidates in the first ``sel[:, 2]`` slots (in no particular order), -inf / -1 up to
+    ``capacity``, then the tail; stats: candidates kept, hits (0), rows read from the host (the candidates),
+    dropped (0), as the cached step's plan counts them. Raises ``ValueError`` on bad input."""
+    import triton
+
+    from dsaindex.kernels.fp8_score_kernel import fp8_host_select_kernel
+
+    checks.rank("host_fp8", host_fp8, 3, "P, PAGE, D")
+    p, page, d = host_fp8.shape
+    checks.dtype("host_fp8 (FP8 bits)", host_fp8, torch.uint8)
+    checks.key_dim("host_fp8.shape[2] (key dim D)", d)
+    checks.power_of_two("host_fp8.shape[1] (PAGE)", page)
+    checks.shape("host_scales", host_scales, (p, page), "P, PAGE")
+    checks.dtype("host_scales", host_scales, torch.float32)
+    checks.rank("rows", rows, 2, "B, R")
+    b, n_in = rows.shape
+    for name, t in (("rows", rows), ("bins", bins)):
+        checks.shape(name, t, (b, n_in), "B, R")
+        checks.dtype(name, t, torch.int32)
+    checks.shape("counts", counts, (b,), "B")
+    checks.shape("sel", sel, (b, 4), "B, 4")
+    checks.rank("scratch", scratch, 2, "B, BIN_COUNT + 4")
+    checks.shape("scratch", scratch, (b, None), "B, BIN_COUNT + 4")
+    checks.shape("page_table", page_table, (b, None), "B, W")
+    checks.dtype("page_table", page_table, torch.int32)
+    checks.shape("pool_fp8", pool_fp8, (b, None, d), "B, R, D")
+    checks.dtype("pool_fp8 (FP8 bits)", pool_fp8, torch.uint8)
+    checks.shape("pool_scales", pool_scales, tuple(pool_fp8.shape[:2]), "B, R")
+    checks.at_most("tail_row0 + PAGE", tail_row0 + page, pool_fp8.shape[1], "the pool's rows")
+    checks.shape("queries", queries, (b, None, d), "B, H, D")
+    checks.shape("head_weights", head_weights, tuple(queries.shape[:2]), "B, H")
+    checks.same_device(host_fp8=host_fp8, host_scales=host_scales)
+    checks.same_device(rows=rows, bins=bins, counts=counts, sel=sel, scratch=scratch, page_table=page_table,
+                       pool_fp8=pool_fp8, queries=queries)
+    dev = pool_fp8.device
+    width = capacity + page
+    scores = torch.empty(b, width, dtype=torch.float32, device=dev)
+    positions = torch.empty(b, width, dtype=torch.int64, device=dev)
+    stats = torch.empty(b, 4, dtype=torch.int32, device=dev)
+    if b == 0:
+        return scores, positions, stats
+    h = queries.shape[1]
+    ctr = scratch[:, scratch.shape[1] - 2 :]  # the two append counters (the histogram's scratch row ends with them)
+    fp8_host_select_kernel[(triton.cdiv(n_in, block_n) + 1, b)](
+        host_fp8, host_scales, page_table.contiguous(), rows.contiguous(), bins.contiguous(),
+        counts.to(torch.int32).contiguous(), sel.contiguous(), ctr, pool_fp8.contiguous(), pool_scales.contiguous(),
+        tail_len.to(torch.int32).contiguous(), n_encoded.to(torch.int32).contiguous(),
+        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), scores, positions, stats,
+        page_table.shape[1], n_in, pool_fp8.shape[1], tail_row0, scratch.stride(0),
+        N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=d, PAGE=page, BLOCK_N=block_n, CAPC=capacity,
+        CAPC_PAD=max(16, triton.next_power_of_2(capacity)), F32=select.interpreted())
+    return scores, positions, stats
 
 
 def fp8_gather_scores_shared(keys_fp8: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,

@@ -81,3 +81,84 @@ def fp8_score_kernel(
                          count_ptr + b, CAPACITY)
         else:
             tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
+
+
+@triton.jit
+def fp8_host_select_kernel(
+    host_keys_ptr,  # [P * PAGE, D] uint8 FP8 bits of the host pages (pinned: read through unified addressing)
+    host_scales_ptr,  # [P * PAGE] float32
+    table_ptr,  # [B, table_width] int32 host page of each request page
+    rows_ptr,  # [B, n_in] int32 stage-2 candidates' key positions
+    bins_ptr,  # [B, n_in] int32 their score bins
+    count_ptr,  # [B] int32 filled candidate slots
+    sel_ptr,  # [B, 4] int32 boundary bin, candidates above it, candidates kept, -
+    ctr_ptr,  # append counters: two int32 per request at ctr_ptr + b * ctr_stride, zero on entry
+    pool_keys_ptr,  # [B, pool_rows, D] uint8 device pool: the tail is rows tail_row0 + j
+    pool_scales_ptr,  # [B, pool_rows] float32
+    tail_len_ptr,  # [B] int32 keys in the tail
+    n_encoded_ptr,  # [B] int32 the tail's first position
+    q_ptr,  # [B, N_HEADS, D] bf16 queries
+    w_ptr,  # [B, N_HEADS] float32 effective head weights
+    out_score_ptr,  # [B, CAPC + PAGE] float32 out: kept candidates' exact scores, -inf to CAPC, then the tail
+    out_pos_ptr,  # [B, CAPC + PAGE] int64 out: their positions (-1 for none)
+    stats_ptr,  # [B, 4] int32 out: candidates, hits (0), read from the host, dropped (0)
+    table_width,
+    n_in,
+    pool_rows,
+    tail_row0,
+    ctr_stride,
+    N_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAPC: tl.constexpr,
+    CAPC_PAD: tl.constexpr,
+    F32: tl.constexpr,
+):
+    # programs 0 .. n-2 each take BLOCK_N stage-2 slots: the candidates above the boundary bin, and those in
+    # it while room is left, get slots by one atomic per program and a prefix sum, and are read straight
+    # from their host pages and scored; the last program scores the tail and pads the unused slots
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
+    dims = tl.arange(0, D)
+    width = CAPC + PAGE
+    kept = tl.load(sel_ptr + b * 4 + 2)
+    if pid < tl.num_programs(0) - 1:
+        edge = tl.load(sel_ptr + b * 4)
+        above = tl.load(sel_ptr + b * 4 + 1)
+        idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = idx < tl.minimum(tl.load(count_ptr + b), n_in)
+        bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
+        strict = live & (bins > edge)
+        tied = live & (bins == edge)
+        base_s = tl.atomic_add(ctr_ptr + b * ctr_stride, tl.sum(strict.to(tl.int32), axis=0))
+        base_t = tl.atomic_add(ctr_ptr + b * ctr_stride + 1, tl.sum(tied.to(tl.int32), axis=0))
+        slot = tl.where(strict, base_s + tl.cumsum(strict.to(tl.int32), axis=0) - 1,
+                        above + base_t + tl.cumsum(tied.to(tl.int32), axis=0) - 1)
+        keep = strict | (tied & (slot < kept))
+        pos = tl.load(rows_ptr + b * n_in + idx, mask=keep, other=0).to(tl.int64)
+        page = tl.load(table_ptr + b * table_width + pos // PAGE, mask=keep, other=0).to(tl.int64)
+        host_row = page * PAGE + pos % PAGE
+        raw = tl.load(host_keys_ptr + host_row[:, None] * D + dims[None, :], mask=keep[:, None], other=0)
+        scale = tl.load(host_scales_ptr + host_row, mask=keep, other=0.0)
+        score = weighted_relu_heads(raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), q_t, w, F32) * scale
+        tl.store(out_score_ptr + b * width + slot, score, mask=keep)
+        tl.store(out_pos_ptr + b * width + slot, pos, mask=keep)
+    else:
+        j = tl.arange(0, PAGE)
+        in_tail = j < tl.load(tail_len_ptr + b)
+        pool_row = b * pool_rows + tail_row0 + j
+        raw = tl.load(pool_keys_ptr + pool_row[:, None] * D + dims[None, :], mask=in_tail[:, None], other=0)
+        scale = tl.load(pool_scales_ptr + pool_row, mask=in_tail, other=0.0)
+        score = weighted_relu_heads(raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), q_t, w, F32) * scale
+        first = tl.load(n_encoded_ptr + b).to(tl.int64)
+        tl.store(out_score_ptr + b * width + CAPC + j, tl.where(in_tail, score, float("-inf")))
+        tl.store(out_pos_ptr + b * width + CAPC + j, tl.where(in_tail, first + j, -1))
+        rest = tl.arange(0, CAPC_PAD)
+        empty = (rest >= kept) & (rest < CAPC)
+        tl.store(out_score_ptr + b * width + rest, float("-inf"), mask=empty)
+        tl.store(out_pos_ptr + b * width + rest, -1, mask=empty)
+        four = tl.arange(0, 4)
+        tl.store(stats_ptr + b * 4 + four, tl.where(four % 2 == 0, kept, 0))

@@ -309,6 +309,106 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     return out
 
 
+BIN_COUNT = 8192  # score bins of the direct step's candidate selection (0.1% wide)
+BIN_OCTAVES, BIN_TOP = 12.0, 1.0  # the bins span 12 octaves, ending one octave above the score bound
+
+
+def score_bound(queries: torch.Tensor, head_weights: torch.Tensor, key_bound: float) -> torch.Tensor:
+    """[B] float32: ``sum_h |w_h| |q_h| * key_bound``, a bound of every stage-2 score of a request whose
+    decoded keys have norms at most ``key_bound`` (the scale of :func:`score_bins`)."""
+    norms = queries.to(torch.bfloat16).float().norm(dim=2)
+    return ((head_weights.float().abs() * norms).sum(1) * key_bound).clamp_min(1e-30)
+
+
+def score_bins(scores: torch.Tensor, bound: torch.Tensor, n_bins: int = BIN_COUNT) -> torch.Tensor:
+    """Bins [B, R] int32 of stage-2 ``scores`` [B, R] on a log scale relative to each request's ``bound``
+    [B]: ``n_bins`` bins over [bound * 2**(BIN_TOP - BIN_OCTAVES), bound * 2**BIN_TOP]; scores at or below
+    the bottom (zero, negative, -inf) in bin 0. The torch twin of the stage-2 kernel's ``score_bin``."""
+    ratio = (scores / bound[:, None]).clamp_min(1e-30)
+    at = torch.floor((torch.log2(ratio) + (BIN_OCTAVES - BIN_TOP)) * (n_bins / BIN_OCTAVES))
+    return at.clamp(0, n_bins - 1).to(torch.int32)
+
+
+def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int, capacity: int,
+                     n_bins: int = BIN_COUNT) -> torch.Tensor:
+    """[B, 4] int32 (boundary bin, candidates above it, candidates kept, 0) of each request's ``live``
+    candidates' ``bins`` [B, R]: the boundary is the highest bin whose suffix count reaches ``c`` (0 when
+    fewer), everything above it is kept, and the candidates in it up to ``capacity`` in all."""
+    rows = []
+    for b in range(bins.shape[0]):
+        hist = torch.bincount(bins[b][live[b]].long(), minlength=n_bins)
+        suffix = hist.flip(0).cumsum(0).flip(0)
+        edge = max(int((suffix >= c).sum()) - 1, 0)
+        above = int(suffix[edge + 1]) if edge + 1 < n_bins else 0
+        rows.append([edge, above, min(int(suffix[edge]), capacity), 0])
+    return torch.tensor(rows, dtype=torch.int32, device=bins.device).reshape(-1, 4)
+
+
+def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
+                      head_weights: torch.Tensor, codebooks: torch.Tensor, key_bound: float, c: int, capacity: int,
+                      scratch: torch.Tensor, block_n: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2 with the candidate selection folded in: the scores of :func:`pq_candidate_scores`, each
+    candidate's :func:`score_bins` bin, and the request's (boundary bin, above, kept, 0) of
+    :func:`boundary_of_bins`, computed by the last program of each request from a histogram built with
+    atomics (no top-C kernel). ``rows`` [B, R] int32 with ``counts`` [B] int32 filled (a stage-1
+    buffer); ``key_bound``: the largest norm of a decoded key; ``scratch`` [B, BIN_COUNT + 4] int32 zeros,
+    left zeroed. Returns (scores [B, R] float32, bins [B, R] int32 (set below each count), sel [B, 4]
+    int32)."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
+
+    _check_codes_and_queries(codes, queries, head_weights, codebooks)
+    b, m = queries.shape[0], codes.shape[2]
+    _, k, d = codebooks.shape
+    checks.shape("rows", rows, (b, None), "B, R")
+    checks.dtype("rows", rows, torch.int32)
+    checks.shape("counts", counts, (b,), "B")
+    checks.dtype("counts", counts, torch.int32)
+    checks.shape("scratch", scratch, (b, BIN_COUNT + 4), "B, BIN_COUNT + 4")
+    checks.dtype("scratch", scratch, torch.int32)
+    checks.at_least("capacity", capacity, c, "the candidates wanted")
+    checks.same_device(codes=codes, rows=rows, counts=counts, scratch=scratch)
+    r = rows.shape[1]
+    dev = codes.device
+    out = torch.empty(b, r, dtype=torch.float32, device=dev)
+    bins = torch.empty(b, r, dtype=torch.int32, device=dev)
+    sel = torch.empty(b, 4, dtype=torch.int32, device=dev)
+    table = codebooks.to(torch.bfloat16).contiguous()
+    wide = d == 4
+    h, dim = queries.shape[1], queries.shape[2]
+    pq_candidate_kernel[(max(1, triton.cdiv(r, block_n)), b)](
+        codes.contiguous(), rows.contiguous(), table.view(torch.int64) if wide else table,
+        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out, counts, out, 0,
+        codes.shape[1], r, N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
+        F32=select.interpreted(), HAS_COUNTS=True, WIDE=wide, ITERS=1, bins_ptr=bins, scratch_ptr=scratch,
+        sel_ptr=sel, key_bound=float(key_bound), c=c, capacity=capacity, BINS=True, NBINS=BIN_COUNT)
+    return out, bins, sel
+
+
+def decoded_key_bound(codebooks: torch.Tensor) -> float:
+    """The largest norm a key decoded from ``codebooks`` [M, K, D/M] (as bf16, what stage 2 reads) can have."""
+    cb = codebooks.to(torch.bfloat16).float()
+    return float(cb.pow(2).sum(2).amax(1).sum().sqrt())
+
+
+def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                   codebooks: torch.Tensor, c1: int, c: int, capacity: int, key_bound: float, scratch: torch.Tensor,
+                   codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
+                   max_len: int | None = None, linear_config: dict | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
+    :func:`pq_candidate_bins` (no top-C kernel). Returns (rows [B, 2 c1] int32 key positions, bins
+    [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
+    _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
+                                       max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
+                                       centroid_norms=centroid_norms, **(linear_config or {}))
+    table = codebooks if codebooks_bf16 is None else codebooks_bf16
+    _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
+                                     scratch)
+    return rows1, bins, counts1, sel
+
+
 def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,

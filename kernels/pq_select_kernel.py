@@ -160,6 +160,14 @@ def pq_candidate_kernel(
     WIDE: tl.constexpr = False,
     ITERS: tl.constexpr = 1,
     HAS_TABLE: tl.constexpr = False,
+    bins_ptr=None,  # [B, n_out] int32 out (BINS): each candidate's score bin (score_bin)
+    scratch_ptr=None,  # [B, NBINS + 4] int32 (BINS): histogram, done counter, two append counters; zero on entry and exit
+    sel_ptr=None,  # [B, 4] int32 out (BINS): boundary bin, candidates above it, candidates kept, 0
+    key_bound=1.0,  # (BINS) largest norm of a decoded key: the bins' scale with the queries' norms
+    c=0,  # (BINS) candidates wanted
+    capacity=0,  # (BINS) candidates that may be kept (at least c)
+    BINS: tl.constexpr = False,
+    NBINS: tl.constexpr = 8192,
 ):
     # ITERS consecutive tiles per program: the queries are loaded once for all of them
     pid = tl.program_id(0)
@@ -168,6 +176,10 @@ def pq_candidate_kernel(
     if HAS_COUNTS:  # rows past the request's count are empty: their tiles only write -inf
         n_live = tl.minimum(tl.load(count_ptr + b), n_out)
     q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
+    bound = 1.0
+    if BINS:  # every program computes the same bound of the request's scores: sum_h |w_h| |q_h| max |k|
+        q_f = q_t.to(tl.float32)
+        bound = tl.maximum(tl.sum(tl.abs(w) * tl.sqrt(tl.sum(q_f * q_f, axis=0)), axis=0) * key_bound, 1e-30)
     for it in range(ITERS):
         tile = pid * ITERS + it
         idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,7 +205,49 @@ def pq_candidate_kernel(
                 keys = tl.load(codebook_ptr + (sub_of_dim[None, :] * K + codes.to(tl.int32)) * (D // M)
                                + (dims % (D // M))[None, :])
             score = tl.where(valid, weighted_relu_heads(keys, q_t, w, F32), float("-inf"))
+            if BINS:
+                bins = score_bin(score, bound, NBINS)
+                tl.store(bins_ptr + b * n_out + idx, bins, mask=valid)
+                tl.atomic_add(scratch_ptr + b * (NBINS + 4) + bins, 1, mask=valid, sem="relaxed")
         tl.store(out_ptr + b * n_out + idx, score, mask=idx < n_out)
+    if BINS:
+        _boundary_of_histogram(scratch_ptr + b * (NBINS + 4), sel_ptr + b * 4, c, capacity, NBINS)
+
+
+# the bins of :func:`score_bin`: log-spaced over BIN_OCTAVES octaves ending BIN_TOP octaves above the bound
+BIN_OCTAVES = tl.constexpr(12.0)
+BIN_TOP = tl.constexpr(1.0)
+
+
+@triton.jit
+def score_bin(score, bound, NBINS: tl.constexpr):
+    """Bin of each stage-2 score on a log scale relative to the request's score bound: NBINS bins over
+    [bound * 2**(BIN_TOP - BIN_OCTAVES), bound * 2**BIN_TOP] (0.1% wide for 8192 bins); scores at or below
+    the bottom (zero, negative, none) in bin 0. The torch twin is :func:`dsaindex.kernels.pq_select.score_bins`."""
+    ratio = tl.maximum(score / bound, 1e-30)
+    at = tl.floor((tl.log2(ratio) + (BIN_OCTAVES - BIN_TOP)) * (NBINS / BIN_OCTAVES))
+    return tl.minimum(tl.maximum(at, 0.0), NBINS - 1).to(tl.int32)
+
+
+@triton.jit
+def _boundary_of_histogram(scratch_ptr, sel_ptr, c, capacity, NBINS: tl.constexpr):
+    """The last stage-2 program of a request to finish reads the histogram of its candidates' score bins:
+    the boundary bin is the highest whose suffix count reaches ``c`` (0 when fewer candidates), the
+    candidates above it all fit (fewer than ``c``), and those in it fill the rest up to ``capacity``.
+    It writes (boundary, above, kept, 0) and leaves the histogram and the counters zeroed."""
+    tl.debug_barrier()  # every thread's histogram atomics are issued before the counter's release
+    done = tl.atomic_add(scratch_ptr + NBINS, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        at = tl.arange(0, NBINS)
+        h = tl.load(scratch_ptr + at, volatile=True)  # read through to L2: the other programs' adds
+        suffix = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # candidates in or above each bin
+        edge = tl.maximum(tl.sum((suffix >= c).to(tl.int32), axis=0) - 1, 0)
+        above = tl.sum(tl.where(at == edge + 1, suffix, 0), axis=0)
+        kept = tl.minimum(tl.sum(tl.where(at == edge, suffix, 0), axis=0), capacity)
+        four = tl.arange(0, 4)
+        tl.store(sel_ptr + four, tl.where(four == 0, edge, tl.where(four == 1, above, tl.where(four == 2, kept, 0))))
+        tl.store(scratch_ptr + at, tl.zeros([NBINS], dtype=tl.int32))
+        tl.store(scratch_ptr + NBINS + four, tl.zeros([4], dtype=tl.int32))
 
 
 @triton.jit

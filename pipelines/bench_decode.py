@@ -28,6 +28,7 @@ from typing import Any
 
 import typer
 
+from dsaindex.coarse import DIRECT_UPTO
 from dsaindex.console import at_least
 from dsaindex.pipelines.timing import kernel_profile, median_ms
 
@@ -123,7 +124,7 @@ def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], g
 
 def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
               subspaces: int = 32, graphs: bool = True, profile: bool = False, exact_below: int = 0,
-              pq_from: dict[int, int] | None = None, opq: bool = False) -> dict:
+              pq_from: dict[int, int] | None = None, opq: bool = False, direct_upto: int = 0) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -159,6 +160,13 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     _, stats = cold_step(linear_cfg)()
     cold_stats = stats.totals()
     host_reads = group.host_reads
+    group.direct_upto = batch  # the same step with every candidate read straight from the host store
+    ms["pq_direct"], modes["pq_direct"] = timed(warm_step(linear_cfg), graphs)
+    _, stats = warm_step(linear_cfg)()
+    direct_stats = stats.totals()
+    if profile:
+        profiles["pq_direct"] = kernel_profile(warm_step(linear_cfg))
+    group.direct_upto = 0
 
     def logits_step(cfg):
         return lambda: fp8_logits(fp8, scales, lengths, q, w, **cfg)
@@ -207,7 +215,9 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     from dsaindex.runtime.pq_batch import pq_limit
 
     policy_path = "exact" if keys <= exact_below and keys < pq_limit(pq_from or {}, batch) else "pq"
-    ms["policy"] = ms["exact_path"] if policy_path == "exact" else ms["pq_warm"]
+    if policy_path == "pq" and batch <= direct_upto:
+        policy_path = "pq-direct"
+    ms["policy"] = {"exact": ms["exact_path"], "pq": ms["pq_warm"], "pq-direct": ms["pq_direct"]}[policy_path]
     gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
     group = fp8 = codes = None  # free the device memory the torch baseline needs
     torch.cuda.empty_cache()
@@ -227,9 +237,10 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         "hbm_floor_ms": {k: round(v, 4) for k, v in floors.items()},
         "speedup_vs_exact_fp8": {"pq_warm": round(ms["exact_fp8_triton"] / ms["pq_warm"], 3),
                                  "pq_cold": round(ms["exact_fp8_triton"] / ms["pq_cold"], 3)},
-        "policy": {"exact_below": exact_below, "pq_from": pq_from or {}, "path": policy_path,
+        "policy": {"exact_below": exact_below, "pq_from": pq_from or {}, "direct_upto": direct_upto, "path": policy_path,
                    "exact_scorer": exact_scorer},
         "speedup_vs_deepgemm_topk": ({"pq_warm": round(ms["deepgemm_best"] / ms["pq_warm"], 3),
+                                      "pq_direct": round(ms["deepgemm_best"] / ms["pq_direct"], 3),
                                       "engine_paged": round(ms["deepgemm_best"] / ms["engine_paged"], 3),
                                       "pq_cold": round(ms["deepgemm_best"] / ms["pq_cold"], 3),
                                       "exact_path": round(ms["deepgemm_best"] / ms["exact_path"], 3),
@@ -241,7 +252,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
                                       "and the threshold select of kernels/topk.py; deepgemm_best is the faster"),
         "deepgemm_fast_topk_counts_minmax": [min(fast_counts), max(fast_counts)] if deepgemm_note is None else None,
         "launch_configs": {"pq_stage1": linear_cfg, "triton_fp8_logits": exact_cfg},
-        "pq_step_counts": {"warm": warm, "cold": cold_stats},
+        "pq_step_counts": {"warm": warm, "cold": cold_stats, "direct": direct_stats},
         "pq_host_reads": host_reads,
         "profile": profiles or None,
         "exact_threshold_counts_minmax": [min(exact_counts), max(exact_counts)],
@@ -277,7 +288,8 @@ def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, pre
 
 def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: int, prefilter: int, cache: int,
                     min_prefix: int, max_queries: int, device: str, use_triton: bool | None = None) -> dict:
-    """Recall of one cold PQ step against exact FP8 top-k for held-out queries (per layer and mean)."""
+    """Recall of one cold PQ step against exact FP8 top-k for held-out queries (per layer and mean): with the
+    miss filter, reranking every candidate, and the direct step (candidates read straight from the host)."""
     import torch
 
     from dsaindex.artifacts.bundle import read_bundle
@@ -303,16 +315,17 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
         nq = data.queries.shape[0]
         if nq == 0:
             continue
-        hits = {"filter": 0.0, "rerank": 0.0}
+        hits = {"filter": 0.0, "rerank": 0.0, "direct": 0.0}
         fetched = 0.0
-        for mode in ("filter", "rerank"):
+        for mode in ("filter", "rerank", "direct"):
             for start in range(0, nq, 8):
                 rows = range(start, min(nq, start + 8))
                 lengths = [int(data.visible[i]) for i in rows]
                 host = HostKeyStore(sum(-(-n // 64) for n in lengths) + len(lengths), geometry.head_dim)
                 group = PQDecodeGroup(layer, host, len(lengths), max(lengths), topk, candidates=candidates,
                                       prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
-                                      device=device, use_triton=use_triton)
+                                      device=device, use_triton=use_triton,
+                                      direct_upto=len(lengths) if mode == "direct" else 0)
                 prefixes = []
                 for slot, i in enumerate(rows):
                     s0 = int(data.key_start[i])
@@ -335,10 +348,11 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
                     fetched += float(stats.fetched.sum()) / max(1.0, float(stats.candidates.sum())) * len(lengths)
         per_layer[str(layer_id)] = {"queries": nq, "recall_filter": round(hits["filter"] / nq, 5),
                                     "recall_rerank": round(hits["rerank"] / nq, 5),
+                                    "recall_direct": round(hits["direct"] / nq, 5),
                                     "fetch_share_cold": round(fetched / nq, 4),
                                     "mean_prefix": round(float(data.visible.float().mean()), 1)}
     mean = {k: round(sum(v[k] for v in per_layer.values()) / max(1, len(per_layer)), 5)
-            for k in ("recall_filter", "recall_rerank", "fetch_share_cold")}
+            for k in ("recall_filter", "recall_rerank", "recall_direct", "fetch_share_cold")}
     return {"store": str(store_path), "artifacts": str(artifacts), "topk": topk, "candidates": candidates,
             "prefilter": prefilter, "min_prefix": min_prefix, "per_layer": per_layer, "mean": mean}
 
@@ -358,15 +372,30 @@ def break_even(rows: list[dict]) -> dict[str, int | None]:
     return out
 
 
+def direct_break_even(rows: list[dict]) -> dict[str, int | None]:
+    """Per history length, the largest measured batch size up to which the step that reads its candidates
+    straight from the host store is faster than the cached step at every batch size measured (None: never)."""
+    out: dict[str, int | None] = {}
+    for n in sorted({r["keys"] for r in rows}):
+        last = None
+        for r in sorted((r for r in rows if r["keys"] == n), key=lambda r: r["batch"]):
+            if r["median_ms"]["pq_direct"] >= r["median_ms"]["pq_warm"]:
+                break
+            last = r["batch"]
+        out[str(n)] = last
+    return out
+
+
 def markdown_table(report: dict) -> str:
     lines = [
-        "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | DeepGEMM logits (ms) "
+        "| B | keys/request | PQ step, warm cache (ms) | PQ step, cold cache (ms) | PQ step, direct host reads (ms) "
+        "| DeepGEMM logits (ms) "
         "| DeepGEMM logits + torch.topk (ms) | DeepGEMM logits + threshold top-k (ms) "
         "| Triton FP8 logits (ms) | Triton FP8 logits + threshold top-k (ms) | torch exact (ms) "
         "| HBM floor exact / PQ (ms) | best DeepGEMM + top-k / PQ warm | exact FP8 / PQ warm "
         "| policy's exact path (ms) | policy: path, ms | best DeepGEMM + top-k / policy "
         "| engine plugins' paged step (ms) | best DeepGEMM + top-k / paged step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
         m, f = r["median_ms"], r["hbm_floor_ms"]
@@ -376,7 +405,8 @@ def markdown_table(report: dict) -> str:
         speedup = f"{ratio['pq_warm']:.2f}x" if ratio else "n/a"
         policy = f"{ratio['policy']:.2f}x" if ratio else "n/a"
         paged = f"{ratio['engine_paged']:.2f}x" if ratio else "n/a"
-        lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | {dg[0]} | {dg[1]} | {dg[2]} | "
+        lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['pq_cold']:.3f} | {m['pq_direct']:.3f} | "
+                     f"{dg[0]} | {dg[1]} | {dg[2]} | "
                      f"{m['triton_fp8_logits']:.3f} | {m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
                      f"{speedup} | {r['speedup_vs_exact_fp8']['pq_warm']:.2f}x | {m['exact_path']:.3f} | "
                      f"{r['policy']['path']}, {m['policy']:.3f} | {policy} | {m['engine_paged']:.3f} | {paged} |")
@@ -436,6 +466,10 @@ def bench_decode(
     pq_from: str = typer.Option("32:262144", help="The policy per batch size, 'B:N,...': with at least B "
                                                  "requests, requests of N keys and more go through PQ even "
                                                  "below --exact-below ('' for none)."),
+    direct_upto: int = typer.Option(DIRECT_UPTO, callback=at_least(0),
+                                    help="The policy's PQ steps with at most this many requests read their "
+                                         "candidates straight from the host store (no device cache; 0: never). "
+                                         "Each case also times that path."),
     profile: bool = typer.Option(False, "--profile", help="Add each path's per-kernel device time of one step "
                                                            "(torch.profiler, eager) to the JSON."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
@@ -473,13 +507,14 @@ def bench_decode(
     for n in key_counts:
         for b in batch_sizes:
             row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile,
-                            exact_below=exact_below, pq_from=pq_limits, opq=opq)
+                            exact_below=exact_below, pq_from=pq_limits, opq=opq, direct_upto=direct_upto)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "opq": opq, "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below, "pq_from": pq_limits,
-              "break_even_keys": break_even(rows), "rows": rows}
+              "direct_upto": direct_upto, "break_even_keys": break_even(rows),
+              "direct_faster_upto_batch": direct_break_even(rows), "rows": rows}
     if recall_store is not None:
         report["recall"] = [recall_on_store(recall_store, artifacts, topk, candidates, p, cache,
                                             recall_min_prefix, recall_queries, "cuda")

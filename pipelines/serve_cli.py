@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from dsaindex.coarse import FILTER_WIDTH
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH
 from dsaindex.console import at_least
 
 
@@ -31,6 +31,9 @@ def serve_cmd(
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
     exact_below: int = typer.Option(0, callback=at_least(0),
                                     help="Decode: score requests of at most this many keys exactly (0: never)."),
+    direct_upto: int = typer.Option(DIRECT_UPTO, callback=at_least(0),
+                                    help="Decode: steps with at most this many requests read their candidates "
+                                         "straight from pinned host memory (no device cache; 0: never)."),
     filter_width: float = typer.Option(FILTER_WIDTH, min=0.0, help="Decode: the miss filter's margin below the k-th coarse "
                                                           "score, in standard deviations (wider: more host "
                                                           "reads, less recall lost)."),
@@ -67,7 +70,7 @@ def serve_cmd(
     index = load(artifacts, net, name=loaded.name, device=dev, basis=basis, allow_other_weights=allow_other_weights,
                  tracking_uri=tracking_uri, served=identity, candidates=candidates, prefilter=prefilter,
                  ivf_budget=ivf_budget, exact_below=exact_below, stream_prefix=stream_prefix, retention=retention,
-                 lag=lag, filter_width=filter_width)
+                 lag=lag, filter_width=filter_width, direct_upto=direct_upto)
     index.attach()
     name = model_id or f"dsaindex/{loaded.name}"
     typer.echo(f"serving {name} ({loaded.name}, top-{index.topk}) on http://{host}:{port}/v1 with "

@@ -44,15 +44,23 @@ from dsaindex.kernels.decode_plan import WAYS, decode_plan, decode_plan_referenc
 from dsaindex.kernels.fp8_score import (
     fp8_gather_scores,
     fp8_gather_scores_reference,
+    fp8_host_select,
+    fp8_host_select_reference,
     fp8_logits_paged,
     fp8_topk_reference,
     paged_keys_reference,
 )
 from dsaindex.kernels.pq_select import (
+    BIN_COUNT,
+    boundary_of_bins,
+    decoded_key_bound,
     pq_candidate_scores_reference,
+    pq_coarse_bins,
     pq_coarse_topc,
     pq_encode,
     pq_linear_topc_reference,
+    score_bins,
+    score_bound,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode, rotate
@@ -125,7 +133,7 @@ class PQDecodeGroup:
                  candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None,
-                 pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH):
+                 pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH, direct_upto: int = 0):
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -143,6 +151,8 @@ class PQDecodeGroup:
         self.layer, self.host, self.device = layer, host, dev
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.cache_capacity, self.miss_filter = cache_capacity, miss_filter
+        self.direct_upto = max(0, direct_upto)
+        self.direct_slack = 256  # a direct step's candidate slots past C: the boundary bin's ties (0.1% wide)
         try:
             self.filter_width = check_filter_width(filter_width)
         except ValueError as err:
@@ -155,6 +165,7 @@ class PQDecodeGroup:
         self.codebooks = layer.codebooks.to(dev).float()
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)  # the int8 stage-1 tables' bound
+        self.key_bound = decoded_key_bound(self.codebooks)  # the direct step's score bins' scale
         self.metric = None if layer.metric is None else layer.metric.to(dev)
         self.rotation = None if layer.rotation is None else layer.rotation.to(dev, torch.float32).contiguous()
         self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
@@ -176,6 +187,7 @@ class PQDecodeGroup:
         self.encoded_host = [0] * slots
         self.tail_host = [0] * slots
         self.step = torch.zeros(slots, dtype=torch.long, device=dev)  # on the device: steps replay in CUDA graphs
+        self.bin_scratch = torch.zeros(slots, BIN_COUNT + 4, dtype=torch.int32, device=dev)  # direct steps' histogram
         # the length policy: short requests' exact keys in a shared pool of engine-layout pages
         self.exact_below = max(0, exact_below)
         self.pq_from = dict(sorted((pq_from or {}).items()))
@@ -399,24 +411,62 @@ class PQDecodeGroup:
             picked = torch.where(self.short[:, None], self._select_exact(q, w, exact_schedule), picked)
         return picked, stats
 
+    def _coarse(self, q: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, ...]:
+        """The coarse stages: (scores [S, C], positions [S, C] int64, stage-1 counts [S])."""
+        q_code = self._code_queries(q)  # the coarse stages score codes in the codebooks' space
+        if self.use_triton:
+            # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
+            return pq_coarse_topc(self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
+                                  codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
+                                  max_len=longest, linear_config=self.linear_config)
+        codes = self.codes[:, :longest]
+        _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
+        counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=self.device))
+        coarse = pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
+        cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
+        return cand_scores, cand, counts1
+
+    def _select_direct(self, q: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, StepStats]:
+        """A PQ step whose candidates are read straight from the host store (``direct_upto``): stage 2 bins
+        its scores and picks the boundary bin of the top C on the fly; one kernel reads the candidates
+        above it (and in it, while room is left) from their host pages and scores them."""
+        if self.device.type == "cuda" and not self._host_pinned:
+            raise DsaIndexError("The host key store is not pinned; the device cannot read it directly.",
+                                "create the HostKeyStore with pin=True (the default where CUDA is present).")
+        q_code = self._code_queries(q)
+        capacity = self.candidates + self.direct_slack
+        if self.use_triton:
+            rows1, bins, counts1, sel = pq_coarse_bins(
+                self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
+                self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
+                centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config)
+            exact, positions, counts = fp8_host_select(
+                self.host.fp8, self.host.scales, self.page_table, rows1, bins, counts1, sel, self.bin_scratch,
+                self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, capacity)
+        else:
+            codes = self.codes[:, :longest]
+            _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
+            counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=self.device)).to(torch.int32)
+            coarse = pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
+            bins = score_bins(coarse, score_bound(q_code, w, self.key_bound))
+            live = torch.arange(rows1.shape[1], device=self.device)[None, :] < counts1[:, None]
+            sel = boundary_of_bins(bins, live, self.candidates, capacity)
+            exact, positions, counts = fp8_host_select_reference(
+                self.host.fp8, self.host.scales, self.page_table, rows1.to(torch.int32), bins, counts1, sel,
+                self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, capacity)
+        k = min(self.topk, exact.shape[1])
+        top = small_topk if self.use_triton and exact.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
+        return top(exact, k, positions)[1], StepStats(counts, counts1.to(torch.int32))
+
     def _select_pq(self, q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
         s, dev = self.slots, self.device
         longest = max(self.encoded_host) if self.slots else 0
+        live = sum(pages is not None for pages in self.pages)
+        if longest and live <= self.direct_upto:
+            return self._select_direct(q, w, longest)
         plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:
-            q_code = self._code_queries(q)  # the coarse stages score codes in the codebooks' space
-            if self.use_triton:
-                # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
-                cand_scores, cand, counts1 = pq_coarse_topc(
-                    self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
-                    codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms, max_len=longest,
-                    linear_config=self.linear_config)
-            else:
-                codes = self.codes[:, :longest]
-                _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
-                counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=dev))
-                coarse = pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
-                cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
+            cand_scores, cand, counts1 = self._coarse(q, w, longest)
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
                                                      self.miss_filter, spill=self.spill, set_count=self.set_count,

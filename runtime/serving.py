@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dsaindex.artifacts.kinds import lagged_sources
-from dsaindex.coarse import FILTER_WIDTH
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
@@ -127,6 +127,8 @@ class ServedIndex(ModuleHooks):
     the next layer and its indexer can run under its own layer's attention; the first kept layer
     attends its own
     filter_width : the decode miss filter's margin, in standard deviations (:class:`PQDecodeGroup`)
+    direct_upto : decode steps with at most this many live requests read their candidates straight from the
+    host store (no device cache, no miss filter: :class:`PQDecodeGroup`); 0 never
     side_stream : with ``lag`` on a CUDA device (the default there), each lagged kept layer's selection
     (the model's indexer and the runtime's own work for that layer) runs on a side stream, forked when
     the layer's indexer is called and joined where a later layer first attends it; the layer itself
@@ -139,7 +141,7 @@ class ServedIndex(ModuleHooks):
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
                  pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
                  reuse: dict[int, int] | None = None, lag: bool = False, side_stream: bool | None = None,
-                 filter_width: float = FILTER_WIDTH):
+                 filter_width: float = FILTER_WIDTH, direct_upto: int = DIRECT_UPTO):
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
@@ -182,7 +184,7 @@ class ServedIndex(ModuleHooks):
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
                                  self.topk, candidates=candidates, prefilter=prefilter, cache_capacity=cache_rows,
                                  device=self.device, use_triton=use_triton, exact_below=exact_below,
-                                 pq_from=pq_from, filter_width=filter_width)
+                                 pq_from=pq_from, filter_width=filter_width, direct_upto=direct_upto)
             for layer, codec in self.decode_layers.items()
         }
         self.ivf: dict[int, list[IVFPrefillIndexer | None]] = {layer: [None] * slots for layer in self.prefill_layers}

@@ -30,6 +30,9 @@ def test_recall_of_the_batched_path_on_held_out_queries(store_and_bundle):
     assert set(wide["per_layer"]) == {"0", "1", "2", "3"}
     # every key a candidate and no filter: exhaustive selection (FP8 ties aside)
     assert wide["mean"]["recall_rerank"] >= 0.99
+    # the direct step reranks the top C and its boundary bin's ties: never below reranking the top C
+    assert wide["mean"]["recall_direct"] >= 0.99
+    assert narrow["mean"]["recall_direct"] >= narrow["mean"]["recall_rerank"] - 0.01
     assert 0.6 <= narrow["mean"]["recall_rerank"] <= 1.0 and narrow["mean"]["recall_filter"] <= 1.0
     assert 0.0 < narrow["mean"]["fetch_share_cold"] <= 1.0
     assert all(v["mean_prefix"] >= 512 for v in narrow["per_layer"].values())
@@ -38,7 +41,8 @@ def test_recall_of_the_batched_path_on_held_out_queries(store_and_bundle):
 def test_markdown_table_lists_every_case():
     from dsaindex.pipelines.bench_decode import markdown_table
 
-    row = {"batch": 8, "keys": 262144, "median_ms": {"pq_warm": 0.5, "pq_cold": 0.9, "triton_fp8_logits": 0.8,
+    row = {"batch": 8, "keys": 262144, "median_ms": {"pq_warm": 0.5, "pq_cold": 0.9, "pq_direct": 0.45,
+                                                   "triton_fp8_logits": 0.8,
                                                    "exact_fp8_triton": 1.0, "torch_exact": 3.0, "exact_path": 0.6, "policy": 0.5,
                                                    "engine_paged": 0.4},
            "hbm_floor_ms": {"exact_fp8": 0.07, "pq32": 0.02}, "speedup_vs_exact_fp8": {"pq_warm": 2.0},
@@ -48,10 +52,21 @@ def test_markdown_table_lists_every_case():
                          speedup_vs_deepgemm_topk={"pq_warm": 1.5, "policy": 1.5, "engine_paged": 1.9})
     table = markdown_table({"rows": [row, with_deepgemm]})
     lines = table.strip().splitlines()
-    assert len(lines) == 4 and "| 8 | 262,144 | 0.500 | 0.900 | n/a | n/a | n/a | 0.800 | 1.000 | 3.000 |" in lines[2]
+    assert len(lines) == 4 and "| 8 | 262,144 | 0.500 | 0.900 | 0.450 | n/a | n/a | n/a | 0.800 | 1.000 | 3.000 |" in lines[2]
     assert lines[2].endswith("| n/a | 2.00x | 0.600 | pq, 0.500 | n/a | 0.400 | n/a |")  # no DeepGEMM: said, not invented
-    assert "| 32 | 262,144 | 0.500 | 0.900 | 0.250 | 0.750 | 0.500 | 0.800 | 1.000 | 3.000 |" in lines[3]
+    assert "| 32 | 262,144 | 0.500 | 0.900 | 0.450 | 0.250 | 0.750 | 0.500 | 0.800 | 1.000 | 3.000 |" in lines[3]
     assert lines[3].endswith("| 1.50x | 2.00x | 0.600 | pq, 0.500 | 1.50x | 0.400 | 1.90x |")
+
+
+def test_direct_break_even_is_the_largest_batch_up_to_which_direct_wins():
+    from dsaindex.pipelines.bench_decode import direct_break_even
+
+    def row(b, n, warm, direct):
+        return {"batch": b, "keys": n, "median_ms": {"pq_warm": warm, "pq_direct": direct}}
+
+    rows = [row(1, 1024, 0.1, 0.07), row(2, 1024, 0.13, 0.1), row(4, 1024, 0.16, 0.17), row(8, 1024, 0.2, 0.15),
+            row(1, 64, 0.1, 0.2)]
+    assert direct_break_even(rows) == {"64": None, "1024": 2}  # 8 wins again, but 4 broke the run
 
 
 def test_bench_decode_needs_a_gpu_or_says_so():

@@ -292,6 +292,101 @@ def test_host_row_gather_matches_reference(kernel):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+def test_stage2_bins_find_the_boundary_of_the_top_c():
+    """``pq_candidate_bins``: the stage-2 scores of ``pq_candidate_scores``, each candidate's bin as
+    ``score_bins`` computes it, the boundary of :func:`boundary_of_bins` from the kernel's own histogram,
+    and the scratch left zeroed for the next step."""
+    from dsaindex.kernels.pq_select import (
+        BIN_COUNT,
+        boundary_of_bins,
+        decoded_key_bound,
+        pq_candidate_bins,
+        score_bins,
+        score_bound,
+    )
+
+    b, n, c = 3, 900, 100
+    codes, cb, q, w = pq_inputs(b, n, 16, m=16, d=8, seed=3)
+    g = torch.Generator().manual_seed(8)
+    rows = torch.stack([torch.randperm(n, generator=g)[:600] for _ in range(b)]).to(torch.int32).to(DEV)
+    counts = torch.tensor([600, 80, 350], dtype=torch.int32, device=DEV)  # request 1 has fewer than c
+    scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+    bound = decoded_key_bound(cb)
+    for _ in range(2):  # a second step finds the scratch zeroed by the first
+        scores, bins, sel = pq_candidate_bins(codes, rows, counts, q, w, cb, bound, c, c + 8, scratch)
+        assert int(scratch.abs().sum()) == 0
+    live = torch.arange(600, device=DEV)[None, :] < counts[:, None]
+    want = pq_candidate_scores_reference(codes, rows.masked_fill(~live, -1), q, w, cb)
+    torch.testing.assert_close(scores[live], want[live], rtol=1e-3, atol=1e-3)
+    ref_bins = score_bins(want, score_bound(q, w, bound))
+    assert (bins[live] - ref_bins[live]).abs().max() <= 1  # float rounding at a bin's edge
+    agree = bins[live] == ref_bins[live]
+    assert agree.float().mean() > 0.99
+    want_sel = boundary_of_bins(bins, live, c, c + 8)
+    assert torch.equal(sel.cpu(), want_sel.cpu())
+    edge, above, kept = sel[0, :3].tolist()
+    top = want[0][live[0]].topk(c).values
+    assert above < c <= kept <= c + 8 and edge > 0
+    assert (score_bins(top[None], score_bound(q[:1], w[:1], bound))[0] >= edge - 1).all()
+    assert sel[1, 0] == 0 and sel[1, 2] == 80  # fewer candidates than c: every one kept
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_host_select_reads_the_kept_candidates_from_host_pages_and_the_tail_from_the_pool(kernel):
+    """``fp8_host_select``: candidates above the boundary bin, then the boundary bin's up to the capacity,
+    each scored from its host page (through the page table); the tail from the device pool; -inf / -1 in
+    the unused slots; every score as computed key by key."""
+    from dsaindex.kernels.fp8_score import fp8_host_select, fp8_host_select_reference
+    from dsaindex.kernels.pq_select import BIN_COUNT
+
+    g = torch.Generator().manual_seed(5)
+    d, heads, cap = 32, 5, 6
+    keys, scales, q, w = fp8_inputs(1, 9 * 64, heads, d, seed=6, device="cpu")
+    host_fp8, host_scales = keys[0].reshape(9, 64, d), scales[0].reshape(9, 64).float()
+    table = torch.tensor([[3, 1, 7, 0], [0, 8, 2, 5]], dtype=torch.int32)
+    rows = torch.tensor([[0, 70, 9, 191, 5, 130, 12, 250], [200, 128, 64, 3, 127, 1, 2, 4]], dtype=torch.int32)
+    bins = torch.tensor([[50, 40, 60, 40, 39, 40, 99, 70], [7, 7, 7, 7, 9, 0, 0, 0]], dtype=torch.int32)
+    counts = torch.tensor([7, 5], dtype=torch.int32)  # request 0's last slot is unfilled
+    # request 0: boundary bin 40 (3 candidates in it), 3 above it (50, 60, 99), 6 kept; bin 39 and the unfilled
+    # slot are not; request 1: boundary 7 (4 in it), 1 above (9), 5 kept
+    sel = torch.tensor([[40, 3, 6, 0], [7, 1, 5, 0]], dtype=torch.int32)
+    pool_fp8 = torch.randint(0, 120, (2, 80, d), generator=g, dtype=torch.int32).to(torch.uint8)
+    pool_scales = torch.rand(2, 80, generator=g)
+    tail_len, n_encoded = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([192, 256], dtype=torch.int32)
+    q2, w2 = q.expand(2, heads, d).contiguous(), torch.stack([w[0], -w[0]])
+    scratch = torch.zeros(2, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+    pinned = CUDA and kernel
+    host = (host_fp8.pin_memory(), host_scales.pin_memory()) if pinned else (host_fp8, host_scales)
+    args = [table, rows, bins, counts, sel]
+    if kernel:
+        out = fp8_host_select(*host, *(t.to(DEV) for t in args), scratch, pool_fp8.to(DEV), pool_scales.to(DEV),
+                              tail_len.to(DEV), n_encoded.to(DEV), 10, q2.to(DEV), w2.to(DEV), cap)
+    else:
+        out = fp8_host_select_reference(*host, *args, pool_fp8, pool_scales, tail_len, n_encoded, 10, q2, w2, cap)
+    scores, positions, stats = (t.cpu() for t in out)
+    assert scores.shape == positions.shape == (2, cap + 64)
+    want_pos = [{0, 70, 9, 191, 130, 12}, {200, 128, 64, 3, 127}]
+    for b in range(2):
+        kept = int(sel[b, 2])
+        assert set(positions[b, :kept].tolist()) == want_pos[b]
+        assert (positions[b, kept:cap] == -1).all() and (scores[b, kept:cap] == float("-inf")).all()
+        for i in list(range(kept)) + list(range(cap, cap + 64)):
+            if i >= cap and i - cap >= tail_len[b]:
+                assert positions[b, i] == -1 and scores[b, i] == float("-inf")
+                continue
+            if i < cap:
+                pos = int(positions[b, i])
+                page = int(table[b, pos // 64])
+                key, scale = host_fp8[page, pos % 64], host_scales[page, pos % 64]
+            else:
+                pos = int(n_encoded[b]) + i - cap
+                key, scale = pool_fp8[b, 10 + i - cap], pool_scales[b, 10 + i - cap]
+                assert int(positions[b, i]) == pos
+            want = fp8_scores_reference(key[None, None], scale[None, None], q2[b : b + 1], w2[b : b + 1])[0, 0]
+            torch.testing.assert_close(scores[b, i], want, rtol=1e-3, atol=1e-3)
+    assert stats.tolist() == [[6, 0, 6, 0], [5, 0, 5, 0]]
+
+
 def plan_inputs(b, c, cap, seed, positions=10_000):
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(b, c, generator=g)

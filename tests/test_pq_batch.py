@@ -178,6 +178,50 @@ def test_torch_path_selects_like_the_kernels():
         assert overlap(a, b) >= 15 / 16 and abs(sa.totals()["hits"] - sb.totals()["hits"]) <= 2
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(use_triton):
+    """``direct_upto``: the top C found by stage 2's score bins (no top-C kernel) and read straight from the
+    host store give the cached step's selection when the cached step reranks every candidate (no miss
+    filter); the direct step keeps C candidates and the boundary bin's ties (a few more, never fewer),
+    leaves the cache alone, and counts every candidate as read from the host."""
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    lengths = [900, 333, 70]
+    keys = histories(lengths)
+    groups = []
+    for direct in (0, 3):
+        group = PQDecodeGroup(layer(), HostKeyStore(40, D), 3, 1000, 16, candidates=128, prefilter=2,
+                              cache_capacity=128, device=DEV, miss_filter=False, direct_upto=direct,
+                              use_triton=use_triton)
+        for slot, x in enumerate(keys):
+            group.admit(slot)
+            group.append(slot, x[: x.shape[0] // 2])
+            group.append(slot, x[x.shape[0] // 2 :])  # a partial page: the tail is rescored from the device
+        groups.append(group)
+    cached, direct = groups
+    assert direct.tail_host == [4, 13, 6]
+    q, w = queries(3)
+    want, cached_stats = cached.select(q, w)
+    got, stats = direct.select(q, w)
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    assert (direct.cache_pos == -1).all() and int(direct.step.sum()) == 0  # the cache was not touched
+    totals = stats.totals()
+    per_request = stats.candidates.cpu()
+    assert (per_request >= cached_stats.candidates.cpu()).all() and (per_request <= 128 + direct.direct_slack).all()
+    assert totals["candidates"] == totals["fetched"] <= cached_stats.totals()["candidates"] + 8
+    assert totals["hits"] == totals["dropped"] == 0
+    # a tail key that scores highest is selected: the tail comes from the device pool, not the host
+    boost = direct.tail_host[0]
+    q_boost = q.clone()
+    q_boost[0] = (keys[0][-1] * 4).to(torch.bfloat16)
+    picked, _ = direct.select(q_boost, torch.ones_like(w))
+    assert lengths[0] - 1 in picked[0].tolist() and boost > 0
+    # a larger batch than direct_upto takes the cached path (the plan advances the step counter)
+    direct.direct_upto = 2
+    direct.select(q, w)
+    assert int(direct.step.sum()) == 3
+
+
 def test_load_encoded_history_selects_like_appending_it():
     """A history handed over already encoded (codes + FP8 pages) gives the same state and selection."""
     from dsaindex.errors import DsaIndexError
