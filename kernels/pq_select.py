@@ -309,7 +309,7 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     return out
 
 
-BIN_COUNT = 8192  # score bins of the direct step's candidate selection (0.1% wide)
+BIN_COUNT = 8192  # score bins of the direct step's candidate selection (0.2% wide, each sign)
 BIN_OCTAVES, BIN_TOP = 12.0, 1.0  # the bins span 12 octaves, ending one octave above the score bound
 
 
@@ -321,12 +321,15 @@ def score_bound(queries: torch.Tensor, head_weights: torch.Tensor, key_bound: fl
 
 
 def score_bins(scores: torch.Tensor, bound: torch.Tensor, n_bins: int = BIN_COUNT) -> torch.Tensor:
-    """Bins [B, R] int32 of stage-2 ``scores`` [B, R] on a log scale relative to each request's ``bound``
-    [B]: ``n_bins`` bins over [bound * 2**(BIN_TOP - BIN_OCTAVES), bound * 2**BIN_TOP]; scores at or below
-    the bottom (zero, negative, -inf) in bin 0. The torch twin of the stage-2 kernel's ``score_bin``."""
-    ratio = (scores / bound[:, None]).clamp_min(1e-30)
-    at = torch.floor((torch.log2(ratio) + (BIN_OCTAVES - BIN_TOP)) * (n_bins / BIN_OCTAVES))
-    return at.clamp(0, n_bins - 1).to(torch.int32)
+    """Bins [B, R] int32 of stage-2 ``scores`` [B, R] on a signed log scale relative to each request's
+    ``bound`` [B]: the upper half of the ``n_bins`` bins holds positive scores (and zero), the lower half
+    negative ones (head weights can be negative), each half log-spaced over [bound * 2**(BIN_TOP -
+    BIN_OCTAVES), bound * 2**BIN_TOP]; smaller magnitudes next to zero, -inf in bin 0. The torch twin of
+    the stage-2 kernel's ``score_bin``."""
+    half = n_bins // 2
+    ratio = (scores.abs() / bound[:, None]).clamp_min(1e-30)
+    at = torch.floor((torch.log2(ratio) + (BIN_OCTAVES - BIN_TOP)) * (half / BIN_OCTAVES)).clamp(0, half - 1)
+    return torch.where(scores >= 0, half + at, half - 1 - at).to(torch.int32)
 
 
 def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int, capacity: int,

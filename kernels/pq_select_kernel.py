@@ -221,12 +221,16 @@ BIN_TOP = tl.constexpr(1.0)
 
 @triton.jit
 def score_bin(score, bound, NBINS: tl.constexpr):
-    """Bin of each stage-2 score on a log scale relative to the request's score bound: NBINS bins over
-    [bound * 2**(BIN_TOP - BIN_OCTAVES), bound * 2**BIN_TOP] (0.1% wide for 8192 bins); scores at or below
-    the bottom (zero, negative, none) in bin 0. The torch twin is :func:`dsaindex.kernels.pq_select.score_bins`."""
-    ratio = tl.maximum(score / bound, 1e-30)
-    at = tl.floor((tl.log2(ratio) + (BIN_OCTAVES - BIN_TOP)) * (NBINS / BIN_OCTAVES))
-    return tl.minimum(tl.maximum(at, 0.0), NBINS - 1).to(tl.int32)
+    """Bin of each stage-2 score on a signed log scale relative to the request's score bound: the upper
+    half of the NBINS bins holds positive scores (and zero), the lower half negative ones, each half
+    log-spaced over [bound * 2**(BIN_TOP - BIN_OCTAVES), bound * 2**BIN_TOP] (0.2% wide for 8192 bins);
+    magnitudes below that range sit next to zero, -inf in bin 0. Negative scores are real: head weights
+    can be negative. The torch twin is :func:`dsaindex.kernels.pq_select.score_bins`."""
+    HALF: tl.constexpr = NBINS // 2
+    ratio = tl.maximum(tl.abs(score) / bound, 1e-30)
+    at = tl.floor((tl.log2(ratio) + (BIN_OCTAVES - BIN_TOP)) * (HALF / BIN_OCTAVES))
+    at = tl.minimum(tl.maximum(at, 0.0), HALF - 1).to(tl.int32)
+    return tl.where(score >= 0, HALF + at, HALF - 1 - at)
 
 
 @triton.jit

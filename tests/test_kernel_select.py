@@ -307,6 +307,7 @@ def test_stage2_bins_find_the_boundary_of_the_top_c():
 
     b, n, c = 3, 900, 100
     codes, cb, q, w = pq_inputs(b, n, 16, m=16, d=8, seed=3)
+    w[2] = -w[2]  # negative head weights: every score of request 2 is at most 0
     g = torch.Generator().manual_seed(8)
     rows = torch.stack([torch.randperm(n, generator=g)[:600] for _ in range(b)]).to(torch.int32).to(DEV)
     counts = torch.tensor([600, 80, 350], dtype=torch.int32, device=DEV)  # request 1 has fewer than c
@@ -329,6 +330,12 @@ def test_stage2_bins_find_the_boundary_of_the_top_c():
     assert above < c <= kept <= c + 8 and edge > 0
     assert (score_bins(top[None], score_bound(q[:1], w[:1], bound))[0] >= edge - 1).all()
     assert sel[1, 0] == 0 and sel[1, 2] == 80  # fewer candidates than c: every one kept
+    # negative scores are ranked too: request 2's boundary separates its top c from the rest
+    edge, above, kept = sel[2, :3].tolist()
+    order = want[2][live[2]].sort(descending=True).values
+    assert (order[:c] < 0).any() and above < c <= kept <= c + 8
+    ranked = score_bins(order[None], score_bound(q[2:], w[2:], bound))[0]
+    assert (ranked[:c] >= edge - 1).all() and (ranked[c + 8 :] <= edge + 1).all()
 
 
 @pytest.mark.parametrize("kernel", [True, False])
