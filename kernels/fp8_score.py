@@ -356,9 +356,12 @@ def fp8_host_select(host_fp8: torch.Tensor, host_scales: torch.Tensor, page_tabl
         checks.shape(name, t, (b, n_in), "B, R")
         checks.dtype(name, t, torch.int32)
     checks.shape("counts", counts, (b,), "B")
+    checks.dtype("counts", counts, torch.int32)
     checks.shape("sel", sel, (b, 4), "B, 4")
+    checks.dtype("sel", sel, torch.int32)
     checks.rank("scratch", scratch, 2, "B, BIN_COUNT + 4")
     checks.shape("scratch", scratch, (b, None), "B, BIN_COUNT + 4")
+    checks.dtype("scratch", scratch, torch.int32)
     checks.shape("page_table", page_table, (b, None), "B, W")
     checks.dtype("page_table", page_table, torch.int32)
     checks.shape("pool_fp8", pool_fp8, (b, None, d), "B, R, D")
@@ -381,7 +384,7 @@ def fp8_host_select(host_fp8: torch.Tensor, host_scales: torch.Tensor, page_tabl
     ctr = scratch[:, scratch.shape[1] - 2 :]  # the two append counters (the histogram's scratch row ends with them)
     fp8_host_select_kernel[(triton.cdiv(n_in, block_n) + 1, b)](
         host_fp8, host_scales, page_table.contiguous(), rows.contiguous(), bins.contiguous(),
-        counts.to(torch.int32).contiguous(), sel.contiguous(), ctr, pool_fp8.contiguous(), pool_scales.contiguous(),
+        counts.contiguous(), sel.contiguous(), ctr, pool_fp8.contiguous(), pool_scales.contiguous(),
         tail_len.to(torch.int32).contiguous(), n_encoded.to(torch.int32).contiguous(),
         queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), scores, positions, stats,
         page_table.shape[1], n_in, pool_fp8.shape[1], tail_row0, scratch.stride(0),

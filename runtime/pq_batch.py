@@ -20,6 +20,14 @@ rows for the kept misses (least recently used of their set, or a spill row); hos
 misses copied in by one kernel reading pinned memory; exact FP8 rescoring of the kept candidates and
 the tail; top-k (``small_topk``). 9 kernels in all, no host synchronization.
 
+With at most ``direct_upto`` live requests the step is the direct one, 6 kernels: stage 2 also bins its
+scores (:func:`dsaindex.kernels.pq_select.pq_candidate_bins`) and its last program per request reads the
+top C's boundary bin off the histogram, so no top-C kernel runs; one kernel
+(:func:`dsaindex.kernels.fp8_score.fp8_host_select`) reads the candidates above the boundary, and the
+boundary bin's up to C + ``direct_slack``, straight from their pinned host pages and rescores them with the
+tail; top-k. No cache lookup, miss filter or copy kernel: at one or two requests that bookkeeping costs
+more than the host reads it saves.
+
 An OPQ codec (:attr:`PQCodec.rotation`) codes rotated keys: completed pages are encoded through its
 rotation, and each step rotates the queries once (one [S*H, D] x [D, D] product, :func:`dsaindex.pq.rotate`)
 before the coarse stages build their tables; the exact rescoring reads the raw queries and exact keys.

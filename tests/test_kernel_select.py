@@ -539,6 +539,19 @@ def test_wrappers_name_the_bad_argument():
     table, pos = torch.zeros(2, 1, dtype=torch.int32, device=DEV), torch.zeros(2, 4, dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match="pool_scales: got dtype torch.float64, want torch.float32"):
         gather_host_rows(*host, table, pos, pos, *pool)
+    from dsaindex.kernels.fp8_score import fp8_host_select
+    from dsaindex.kernels.pq_select import BIN_COUNT, pq_candidate_bins
+
+    rows32, counts32 = torch.zeros(2, 4, dtype=torch.int32, device=DEV), lengths.clone()
+    scratch = torch.zeros(2, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=r"scratch: got shape \(2, 8192\), want \[B, BIN_COUNT \+ 4\] = \(2, 8196\)"):
+        pq_candidate_bins(codes, rows32, counts32, pq_q, pq_w, cb, 1.0, 2, 4, scratch[:, :8192])
+    with pytest.raises(ValueError, match="capacity: got 1, want >= 2"):
+        pq_candidate_bins(codes, rows32, counts32, pq_q, pq_w, cb, 1.0, 2, 1, scratch)
+    sel = torch.zeros(2, 4, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="counts: got dtype torch.int64, want torch.int32"):
+        fp8_host_select(*host, table, rows32, rows32, counts32.long(), sel, scratch, pool[0], pool[1].float(),
+                        lengths, lengths, 0, q, w, 4)
 
 
 def test_check_counts_flags_overflow_and_shortfall():
