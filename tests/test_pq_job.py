@@ -202,7 +202,14 @@ def test_pq_compare_puts_residual_and_additive_codes_beside_pq(trained, tmp_path
     assert isinstance(codec, AdditiveCodec) and codec.whiten is not None and codec.bytes_per_key == 2
     keys = torch.randn(50, codec.whiten.shape[0])
     torch.testing.assert_close(keys @ codec.whiten @ codec.unwhiten, keys, atol=1e-3, rtol=1e-3)
-    assert codec.encode(keys).shape == (50, 2)
+    assert codec.encode(keys).shape == (50, 2)  # faiss packs two 4-bit codes a byte
+    # the torch trainer's RQ: one byte a codebook in memory, the same 4-bit size on paper
+    opts_torch = PQOptions(subspaces=4, centroids=16, quantizer="rq", score_aware=True, max_train_keys=1024,
+                           max_eval_queries=8, candidates=(64,), trainer="torch", iterations=4)
+    torch_result = train_pq(store, opts_torch)["results"][0]
+    torch_codec = torch_result.codec
+    assert torch_codec.bytes_per_key == 2 and torch_codec.encode(keys).shape == (50, 4)
+    assert 0 < torch_result.metrics["relative_mse"] < 1  # held-out keys of the store
     with pytest.raises(DsaIndexError, match="comparison only"):
         write_pq_bundle(report, opts, tmp_path / "rq")
 

@@ -9,7 +9,9 @@ of M table lookups (one table of query . codeword per codebook), the form the de
 reads; the runtime has no kernels for them yet, so they are trained only by ``dsaindex eval pq-compare``
 and never written as a bundle.
 
-The codebooks are faiss's (``faiss.ResidualQuantizer``, ``faiss.LocalSearchQuantizer``). The score-aware
+The codebooks are faiss's (``faiss.ResidualQuantizer``, ``faiss.LocalSearchQuantizer``), or for RQ this
+module's own :class:`TorchRQ` (``trainer="torch"``: k-means and beam search in torch, on any device, so a
+GPU trains a layer in seconds where faiss's CPU build takes minutes). The score-aware
 form trains them on keys mapped by the Cholesky factor of the full D x D score-gradient metric (a PQ
 spec of one subspace, :func:`dsaindex.train.pq.score_gradient_metric`) and maps the decoded keys back.
 """
@@ -42,10 +44,80 @@ def check_codebook_size(centroids: int) -> None:
                             "pass 256 (8-bit codes) or 16 (4-bit codes).")
 
 
+class TorchRQ:
+    """A residual quantizer held as torch tensors: ``codebooks`` [M, K, D] whole-key codewords, coded one
+    after another on what the earlier ones left, by beam search of width ``beam`` (the ``beam`` best partial
+    codes kept at each codebook, the best whole code returned). Codes are [N, M] uint8 (K at most 256)."""
+
+    def __init__(self, codebooks: torch.Tensor, beam: int = 5):
+        self.codebooks = codebooks
+        self.beam = beam
+
+    @property
+    def M(self) -> int:  # noqa: N802  (faiss's name, which AdditiveCodec reads)
+        return int(self.codebooks.shape[0])
+
+    def encode(self, keys: torch.Tensor, block: int = 16384) -> torch.Tensor:
+        """Codes [N, M] uint8 of ``keys`` [N, D] (moved to the codebooks' device), in blocks of rows."""
+        x = keys.to(self.codebooks.device, torch.float32)
+        out = [beam_search(x[i : i + block], self.codebooks, self.beam)[0][:, 0] for i in range(0, x.shape[0], block)]
+        return torch.cat(out).to(torch.uint8) if out else torch.empty(0, self.M, dtype=torch.uint8)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Keys [N, D] float32: the sum of each code's codewords."""
+        c = codes.to(self.codebooks.device).long()
+        return self.codebooks[torch.arange(self.M, device=c.device), c].sum(1)
+
+
+def beam_search(x: torch.Tensor, codebooks: torch.Tensor, beam: int,
+                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual coding of ``x`` [n, D] by the codebooks [M, K, D] not yet used in ``state``, keeping the
+    ``beam`` best partial codes. ``state`` (codes [n, b, m] int64, residuals [n, b, D]) continues an earlier
+    search over the first m codebooks. Returns (codes [n, b, M], residuals [n, b, D]), beams best first."""
+    n, d = x.shape
+    if state is None:
+        codes, res = torch.zeros(n, 1, 0, dtype=torch.long, device=x.device), x[:, None, :]
+    else:
+        codes, res = state
+    norms = (codebooks * codebooks).sum(-1)  # [M, K]
+    for m in range(codes.shape[2], codebooks.shape[0]):
+        b, k = res.shape[1], codebooks.shape[1]
+        err = (res * res).sum(-1, keepdim=True) - 2 * res @ codebooks[m].t() + norms[m]  # [n, b, K]
+        best = err.reshape(n, b * k).topk(min(beam, b * k), dim=1, largest=False).indices  # ascending error
+        parent, code = best // k, best % k
+        res = res.gather(1, parent[..., None].expand(-1, -1, d)) - codebooks[m][code]
+        codes = torch.cat([codes.gather(1, parent[..., None].expand(-1, -1, codes.shape[2])), code[..., None]], dim=2)
+    return codes, res
+
+
+def train_rq_torch(x: torch.Tensor, codebooks: int, centroids: int, iterations: int = 20, beam: int = 5,
+                   seed: int = 0, device: str = "cpu", block: int = 16384) -> TorchRQ:
+    """Train a residual quantizer on ``x`` [N, D]: codebook m is k-means (``iterations`` Lloyd rounds) on
+    the residuals the beam search over codebooks 0 .. m-1 leaves on its best path; the beam's state is
+    carried from one codebook to the next, so each training key is coded once per codebook. (Fitting all
+    codebooks at once to the codes by least squares afterwards lowered the training error but not the
+    held-out one, so it is not done.)"""
+    from dsaindex.train.pq import _lloyd_torch
+
+    x = x.to(device, torch.float32)
+    n, d = x.shape
+    books = torch.zeros(0, centroids, d, device=device)
+    states: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * -(-n // block)
+    residual = x
+    for m in range(codebooks):
+        book = _lloyd_torch(residual[None], centroids, iterations, seed + m)[0]
+        books = torch.cat([books, book[None]])
+        for i, start in enumerate(range(0, n, block)):
+            states[i] = beam_search(x[start : start + block], books, beam, states[i])
+        residual = torch.cat([st[1][:, 0] for st in states if st is not None])  # the best path's residuals
+    return TorchRQ(books, beam)
+
+
 @dataclass
 class AdditiveCodec:
-    """A trained RQ or LSQ code of M codebooks of K = 2**bits whole-key codewords. ``whiten`` / ``unwhiten``
-    [D, D] (score-aware): codes are of ``keys @ whiten`` and decode through ``@ unwhiten``."""
+    """A trained RQ or LSQ code of M codebooks of K = 2**bits whole-key codewords (a faiss quantizer, or a
+    :class:`TorchRQ`). ``whiten`` / ``unwhiten`` [D, D] (score-aware): codes are of ``keys @ whiten`` and
+    decode through ``@ unwhiten``."""
 
     kind: str
     quantizer: Any
@@ -61,16 +133,22 @@ class AdditiveCodec:
     def bytes_per_key(self) -> float:
         return self.codebooks * self.bits / 8
 
-    def encode(self, keys: torch.Tensor) -> np.ndarray:
-        """Codes of ``keys`` [N, D] as faiss packs them: [N, bytes] uint8."""
+    def encode(self, keys: torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Codes of ``keys`` [N, D]: faiss's packed [N, bytes] uint8, or [N, M] uint8 for a :class:`TorchRQ`."""
+        if isinstance(self.quantizer, TorchRQ):
+            x = keys.float().to(self.quantizer.codebooks.device)
+            return self.quantizer.encode(x @ self.whiten.to(x.device) if self.whiten is not None else x)
         x = keys.float().cpu()
         if self.whiten is not None:
             x = x @ self.whiten
         return self.quantizer.compute_codes(np.ascontiguousarray(x.numpy(), dtype=np.float32))
 
-    def decode(self, codes: np.ndarray) -> torch.Tensor:
-        """Keys [N, D] float32 back from :meth:`encode`'s codes (the sum of their codewords)."""
-        y = torch.from_numpy(self.quantizer.decode(codes))
+    def decode(self, codes: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Keys [N, D] float32 (on the CPU) back from :meth:`encode`'s codes (the sum of their codewords)."""
+        if isinstance(self.quantizer, TorchRQ):
+            y = self.quantizer.decode(codes).cpu()
+        else:
+            y = torch.from_numpy(self.quantizer.decode(codes))
         return y @ self.unwhiten if self.unwhiten is not None else y
 
     def relative_mse(self, keys: torch.Tensor) -> float:
@@ -82,12 +160,13 @@ class AdditiveCodec:
 
 
 def train_additive(keys: torch.Tensor, kind: str, codebooks: int, centroids: int, metric: torch.Tensor | None = None,
-                   seed: int = 0, beam: int = 5) -> AdditiveCodec:
+                   seed: int = 0, beam: int = 5, trainer: str = "faiss", device: str = "cpu",
+                   iterations: int = 20) -> AdditiveCodec:
     """Train an RQ (``kind="rq"``, beam search of width ``beam``) or LSQ (``"lsq"``) code of ``codebooks``
     codebooks of ``centroids`` (a power of two up to 256) whole-key codewords on ``keys`` [N, D], in the
-    space whitened by ``metric`` [1, D, D] if given (score-aware; see :func:`full_spec`)."""
-    import faiss
-
+    space whitened by ``metric`` [1, D, D] if given (score-aware; see :func:`full_spec`). ``trainer``:
+    ``faiss`` (CPU), or ``torch`` for RQ (:func:`train_rq_torch`, ``iterations`` k-means rounds a codebook,
+    on ``device``); LSQ is faiss's only."""
     from dsaindex.errors import DsaIndexError
 
     if kind not in QUANTIZERS:
@@ -104,6 +183,11 @@ def train_additive(keys: torch.Tensor, kind: str, codebooks: int, centroids: int
         lt, lt_inv = whitening(metric, full_spec(dim, centroids), "cpu")  # [1, D, D] each: L^T, L^-T
         whiten, unwhiten = lt[0].t().contiguous(), lt_inv[0].t().contiguous()  # x @ L, then y @ L^-1
         x = x @ whiten
+    if kind == "rq" and trainer == "torch":
+        return AdditiveCodec(kind, train_rq_torch(x, codebooks, centroids, iterations, beam, seed, device), bits,
+                             whiten, unwhiten)
+    import faiss
+
     if kind == "rq":
         quantizer = faiss.ResidualQuantizer(dim, codebooks, bits)
         quantizer.max_beam_size = beam

@@ -158,9 +158,10 @@ def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int
         step("score-aware metric (full)")
         metric = metric_for_layer(store, layer, split[0], key_format, full_spec(keys.shape[1], opts.centroids),
                                   opts.metric_queries, topk)
-    step(f"{opts.quantizer.upper()} ({keys.shape[0]:,} keys)")
+    step(f"{opts.quantizer.upper()} ({opts.trainer if opts.quantizer == 'rq' else 'faiss'}, {keys.shape[0]:,} keys)")
     t0 = time.perf_counter()
-    codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer)
+    codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer,
+                           trainer=opts.trainer, device=opts.device, iterations=opts.iterations)
     result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec)
     step("held-out recall")
     result.metrics = evaluate_layer(store, layer, split[1], codec, opts, key_format, topk)
