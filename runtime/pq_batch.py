@@ -160,7 +160,7 @@ class PQDecodeGroup:
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.cache_capacity, self.miss_filter = cache_capacity, miss_filter
         self.direct_upto = max(0, direct_upto)
-        self.direct_slack = 256  # a direct step's candidate slots past C: the boundary bin's ties (0.1% wide)
+        self.direct_slack = 256  # a direct step's candidate slots past C: the boundary bin's ties (0.2% wide)
         try:
             self.filter_width = check_filter_width(filter_width)
         except ValueError as err:
@@ -427,12 +427,16 @@ class PQDecodeGroup:
             return pq_coarse_topc(self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
                                   codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
                                   max_len=longest, linear_config=self.linear_config)
-        codes = self.codes[:, :longest]
-        _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
-        counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=self.device))
-        coarse = pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
+        rows1, counts1, coarse = self._coarse_reference(q_code, w, longest)
         cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
         return cand_scores, cand, counts1
+
+    def _coarse_reference(self, q_code: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, ...]:
+        """Both coarse stages in torch: (stage-1 rows [S, C1] int64, their count [S] int32, stage-2 scores)."""
+        codes = self.codes[:, :longest]
+        _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
+        counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=self.device)).to(torch.int32)
+        return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
 
     def _select_direct(self, q: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, StepStats]:
         """A PQ step whose candidates are read straight from the host store (``direct_upto``): stage 2 bins
@@ -452,10 +456,7 @@ class PQDecodeGroup:
                 self.host.fp8, self.host.scales, self.page_table, rows1, bins, counts1, sel, self.bin_scratch,
                 self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, capacity)
         else:
-            codes = self.codes[:, :longest]
-            _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
-            counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=self.device)).to(torch.int32)
-            coarse = pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
+            rows1, counts1, coarse = self._coarse_reference(q_code, w, longest)
             bins = score_bins(coarse, score_bound(q_code, w, self.key_bound))
             live = torch.arange(rows1.shape[1], device=self.device)[None, :] < counts1[:, None]
             sel = boundary_of_bins(bins, live, self.candidates, capacity)
