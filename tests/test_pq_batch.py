@@ -186,11 +186,12 @@ def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(u
     leaves the cache alone, and counts every candidate as read from the host."""
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
-    lengths = [900, 333, 70]
+    lengths = [400, 333, 70]  # stage 1 keeps about 1.5 x 256 keys, stage 2 the top 128 of them
     keys = histories(lengths)
+    codec = layer()
     groups = []
     for direct in (0, 3):
-        group = PQDecodeGroup(layer(), HostKeyStore(40, D), 3, 1000, 16, candidates=128, prefilter=2,
+        group = PQDecodeGroup(codec, HostKeyStore(40, D), 3, 1000, 16, candidates=128, prefilter=2,
                               cache_capacity=128, device=DEV, miss_filter=False, direct_upto=direct,
                               use_triton=use_triton)
         for slot, x in enumerate(keys):
@@ -199,7 +200,7 @@ def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(u
             group.append(slot, x[x.shape[0] // 2 :])  # a partial page: the tail is rescored from the device
         groups.append(group)
     cached, direct = groups
-    assert direct.tail_host == [4, 13, 6]
+    assert direct.tail_host == [16, 13, 6]
     q, w = queries(3)
     want, cached_stats = cached.select(q, w)
     got, stats = direct.select(q, w)
