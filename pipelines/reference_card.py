@@ -53,7 +53,7 @@ def model_card(metrics: dict[str, Any]) -> str:
         "",
         "## Training",
         "",
-        "| stage | attention | trained | steps | windows/step | tokens | seconds | final train loss |",
+        "| stage | attention | trained | steps | windows x tokens per step | tokens | seconds | final train loss |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     what = {
@@ -70,8 +70,14 @@ def model_card(metrics: dict[str, Any]) -> str:
             losses.append(f"{s['final_lm_loss'] / 0.6931471805599453 / bpt:.3f} bits/byte")
         if s["final_kl"] is not None:
             losses.append(f"KL {s['final_kl']:.4f}")
+        if s.get("final_task_loss") is not None:
+            losses.append(f"passkey answers {s['final_task_loss']:.3f} nats")
+        share = s["config"].get("passkey_share") or 0.0
+        if share:
+            trained += f"; passkey tasks in {share:.0%} of windows" + (
+                "" if s["mode"] == "warmup" else f", answers weighted {s['config'].get('answer_weight', 1.0):g}")
         lines.append(
-            f"| {s['name']} | {att} | {trained} | {s['steps']} | {s['config']['batch']} | "
+            f"| {s['name']} | {att} | {trained} | {s['steps']} | {s['config']['batch']} x {s['config']['seq_len']} | "
             f"{s['tokens'] / 1e6:.1f}M | {s['seconds']:.0f} | {', '.join(losses)} |"
         )
     lines += [

@@ -84,6 +84,14 @@ def train_cmd(
     attn_chunk: int = typer.Option(
         _TRAIN.attn_chunk, help="Sparse training's main attention over query chunks of this many rows (long contexts)."
     ),
+    passkey_share: float = typer.Option(
+        _TRAIN.passkey_share, min=0.0, max=1.0, help="Share of training windows that carry fresh passkey tasks "
+        "(statements at random depths, questions at the end; --corpus runs)."
+    ),
+    passkey_weight: float = typer.Option(
+        _TRAIN.passkey_weight, min=0.0, help="Loss weight of a passkey answer token (1: like any token)."
+    ),
+    passkey_questions: int = typer.Option(_TRAIN.passkey_questions, min=1, help="Most questions per passkey task."),
 ) -> None:
     """Train the reference checkpoint with the DSA recipe and write it with its reports to OUT."""
     from dsaindex.pipelines.reference_eval import evaluate
@@ -97,7 +105,8 @@ def train_cmd(
         max_train_mb=max_train_mb, max_heldout_mb=max_heldout_mb, heldout_percent=heldout_percent,
         eval_windows=eval_windows, coverage_windows=coverage_windows, tiny=tiny, log_every=log_every, seed=seed,
         device=device, init_from=init_from, stages=stages, corpus=corpus, rope_theta=rope_theta,
-        max_position=max_position, kl_queries=kl_queries, attn_chunk=attn_chunk,
+        max_position=max_position, kl_queries=kl_queries, attn_chunk=attn_chunk, passkey_share=passkey_share,
+        passkey_weight=passkey_weight, passkey_questions=passkey_questions,
         command="python -m dsaindex.pipelines.reference_cli " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     train_reference(options, log=_echo, evaluator=evaluate if evaluate_after else None)
@@ -117,6 +126,8 @@ def gates_cmd(
     structure_only: bool = typer.Option(False, "--structure-only", help="Only the top-k structure (needs --topk)."),
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    record: bool = typer.Option(False, "--record", help="Also record the result in the checkpoint's metrics.json "
+                                                        "(its gates) and rewrite its MODEL_CARD.md."),
 ) -> None:
     """The long-context gates: needle retrieval, loss after the true vs a shuffled prefix, bits per byte,
     and (with --topk) sparse attention and where the indexer's top-k lies."""
@@ -143,6 +154,8 @@ def gates_cmd(
             topk=topk)
         if topk is not None:
             g["topk_structure"] = topk_structure(net, heldout, n, windows, topk, queries=queries, bos=vocab.bos)
+    if record:
+        _record_gates(model, result, "dsaindex reference " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
@@ -157,6 +170,33 @@ def gates_cmd(
             typer.echo(f"context {n}, indexer top-{t['topk']}: {t['keys_per_block']:.2f} keys per touched "
                        f"{t['block']}-key block, {t['far_share']:.1%} more than {t['far']} back; coverage "
                        f"{t['coverage']:.4f} (oracle {t['oracle']:.4f}, window {t['window']:.4f})")
+
+
+def _record_gates(model: Path, result: dict, command: str) -> None:
+    """Write gate results into a checkpoint's ``metrics.json`` (``gates``: the command, the results per
+    context, the top-k structure per context) and render its card again. Contexts measured earlier and not
+    now are kept; the file is replaced whole, never left half written."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.reference_card import model_card
+
+    path = model / "metrics.json"
+    if not path.is_file():
+        raise DsaIndexError(f"{model} has no metrics.json to record the gates in.",
+                            "pass a checkpoint folder written by `dsaindex reference train`, or leave --record out.")
+    metrics = json.loads(path.read_text())
+    gates = metrics.setdefault("gates", {})
+    gates["command"] = command
+    for ctx, g in result.items():
+        g = dict(g)
+        if "topk_structure" in g:
+            gates.setdefault("topk_structure", {})[ctx] = g.pop("topk_structure")
+        if g:
+            gates.setdefault("results", {})[ctx] = g
+    gates.setdefault("results", {})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(metrics, indent=1) + "\n")
+    tmp.replace(path)
+    (model / "MODEL_CARD.md").write_text(model_card(metrics))
 
 
 @reference_app.command("eval")

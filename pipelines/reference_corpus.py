@@ -410,17 +410,39 @@ def _key(rng: random.Random, n: int = 8) -> str:
     return "".join(rng.choice("abcdefghjkmnpqrstuvwxyz23456789") for _ in range(n))
 
 
+# The passkey task's wording, shared by the corpus's needle documents, the needle gate's prompts
+# (reference_gates) and the tasks spliced into training windows (reference_tasks).
+
+
+def passkeys(rng: random.Random, keys: int) -> dict[str, str]:
+    """``keys`` passkey names (5 characters) and their 6-digit values."""
+    return {_key(rng, 5): str(rng.randrange(10**5, 10**6)) for _ in range(keys)}
+
+
+def passkey_statement(name: str, value: str) -> str:
+    return f"\nThe passkey for {name} is {value}. Remember it.\n"
+
+
+def passkey_question(name: str) -> str:
+    """The question, up to the answer (which :func:`passkey_answer` completes)."""
+    return f"\nQuestion: what is the passkey for {name}?\nAnswer: the passkey for {name} is"
+
+
+def passkey_answer(value: str) -> str:
+    return f" {value}."
+
+
 def needle_document(rng: random.Random, size: int, natural: list[str], keys: int = 4) -> Document:
     """``keys`` passkeys hidden at random depths of natural filler; at the end, one of them is asked for
     and answered (the answer lies at least ``size / (keys + 1)`` bytes back)."""
-    values = {f"{_key(rng, 5)}": str(rng.randrange(10**5, 10**6)) for _ in range(keys)}
+    values = passkeys(rng, keys)
     pieces = []
     for name, value in values.items():
         pieces.append(_filler(rng, size // (keys + 1), natural))
-        pieces.append(f"\nThe passkey for {name} is {value}. Remember it.\n")
+        pieces.append(passkey_statement(name, value))
     pieces.append(_filler(rng, size // (keys + 1), natural))
     asked = rng.choice(list(values))
-    pieces.append(f"\nQuestion: what is the passkey for {asked}?\nAnswer: the passkey for {asked} is {values[asked]}.\n")
+    pieces.append(passkey_question(asked) + passkey_answer(values[asked]) + "\n")
     return Document("synthetic", f"needle x{keys}", "".join(pieces))
 
 

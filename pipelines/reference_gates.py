@@ -27,6 +27,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from dsaindex.pipelines.reference_corpus import passkey_question, passkey_statement, passkeys
+from dsaindex.pipelines.reference_tasks import answer_tokens
 from dsaindex.pipelines.reference_train import (
     ROPE_LAYOUT,
     _chunk_index_scores,
@@ -68,14 +70,13 @@ def needle_prompts(tokenizer_path: Path, filler: Any, seq_len: int, count: int, 
 
     tok = Tokenizer.from_file(str(tokenizer_path))
     rng = random.Random(seed)
-    alphabet = "abcdefghjkmnpqrstuvwxyz23456789"
     prompts = []
     for i in range(count):
-        values = {"".join(rng.choice(alphabet) for _ in range(5)): str(rng.randrange(10**5, 10**6)) for _ in range(keys)}
+        values = passkeys(rng, keys)
         asked = rng.choice(list(values))
-        statements = [tok.encode(f"\nThe passkey for {n} is {v}. Remember it.\n").ids for n, v in values.items()]
-        question = tok.encode(f"\nQuestion: what is the passkey for {asked}?\nAnswer: the passkey for {asked} is").ids
-        answer = tok.encode(f" {values[asked]}.").ids[:-1] or tok.encode(f" {values[asked]}").ids
+        statements = [tok.encode(passkey_statement(n, v)).ids for n, v in values.items()]
+        question = tok.encode(passkey_question(asked)).ids
+        answer = answer_tokens(tok, values[asked])
         room = seq_len - 1 - sum(map(len, statements)) - len(question) - len(answer)
         if room < 4 * (keys + 1):
             raise ValueError(f"a context of {seq_len} tokens cannot hold {keys} needle statements, the question and "

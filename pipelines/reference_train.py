@@ -540,11 +540,15 @@ def sampled_rows(seq_len: int, count: int, generator, device) -> Any:
 
 @dataclass
 class ForwardResult:
-    """Losses of one training forward: ``lm`` (mean next-token cross-entropy, nats) and ``kl`` (mean over
-    layers of the per-query indexer KL); each ``None`` when the mode does not compute it."""
+    """Losses of one training forward: ``lm`` (mean next-token cross-entropy, nats), ``kl`` (mean over
+    layers of the per-query indexer KL), ``task`` (mean cross-entropy of the passkey answer tokens) and
+    ``objective`` (the LM loss minimized: ``lm`` with the answer tokens weighted); each ``None`` when the
+    mode or batch does not compute it."""
 
     lm: Any = None
     kl: Any = None
+    task: Any = None
+    objective: Any = None
 
 
 def run_layers(model, input_ids, attend: Callable[..., Any]):
@@ -573,7 +577,7 @@ def run_layers(model, input_ids, attend: Callable[..., Any]):
 
 
 def training_forward(model, input_ids, labels, mode: str, topk: int | None = None, query_chunk: int = 256,
-                     kl_rows=None, attn_chunk: int | None = None):
+                     kl_rows=None, attn_chunk: int | None = None, answer=None, answer_weight: float = 1.0):
     """One forward pass of the recipe.
 
     Parameters
@@ -587,6 +591,8 @@ def training_forward(model, input_ids, labels, mode: str, topk: int | None = Non
         (:func:`indexer_kl_sampled`; long windows), the top-k for every query without gradients
     attn_chunk : main attention over query chunks of this many rows (:func:`chunked_attention`), so a
         sparse 32K window needs no [B, heads, S, S] intermediate
+    answer : [B, S] bool, the labels that are passkey answers (:mod:`reference_tasks`); their
+        cross-entropy is reported as ``task`` and weighs ``answer_weight`` times a token in ``objective``
     """
     import torch
     import torch.nn.functional as F
@@ -623,7 +629,13 @@ def training_forward(model, input_ids, labels, mode: str, topk: int | None = Non
     result = ForwardResult(kl=torch.stack(kls).mean() if kls else None)
     if mode != "warmup":
         logits = model.lm_head(model.model.norm(h)).float()
-        result.lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        result.lm = result.objective = ce.mean()
+        if answer is not None and bool(answer.any()):
+            mask = answer.reshape(-1)
+            result.task = ce[mask].mean()
+            weights = 1.0 + (answer_weight - 1.0) * mask.float()
+            result.objective = (ce * weights).sum() / weights.sum()
     return result
 
 
@@ -651,6 +663,8 @@ class StageConfig:
     query_chunk: int = 256
     kl_queries: int | None = None  # indexer KL on this many sampled queries per window (None: every query)
     attn_chunk: int | None = None  # sparse main attention over query chunks of this many rows
+    passkey_share: float = 0.0  # share of windows rewritten into passkey tasks (reference_tasks)
+    answer_weight: float = 1.0  # loss weight of passkey answer tokens, against 1 per token
 
 
 @dataclass
@@ -662,6 +676,7 @@ class StageResult:
     seconds: float = 0.0
     final_lm_loss: float | None = None
     final_kl: float | None = None
+    final_task_loss: float | None = None  # passkey answers, mean over the last logged steps (nats)
     peak_memory_gb: float | None = None
     config: dict = field(default_factory=dict)
 
@@ -709,26 +724,30 @@ def lr_factor(cfg: StageConfig, step: int, elapsed: float) -> float:
 
 
 def train_step(
-    model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False, generator=None
+    model, optimizer, input_ids, labels, cfg: StageConfig, autocast: bool = False, generator=None,
+    answer=None, focus=None,
 ) -> ForwardResult:
-    """One optimizer step of a stage; returns the (detached) losses."""
+    """One optimizer step of a stage; returns the (detached) losses. ``answer`` and ``focus`` come from
+    :class:`~dsaindex.pipelines.reference_tasks.PasskeyTasks`: the answer labels (weighted by
+    ``cfg.answer_weight``) and the positions always added to the indexer KL's sampled queries."""
     import torch
 
     device_type = input_ids.device.type
     rows = None
     if cfg.kl_queries and cfg.mode in ("warmup", "sparse"):
         rows = sampled_rows(input_ids.shape[1], cfg.kl_queries, generator, input_ids.device)
+        if focus is not None and focus.numel():
+            rows = torch.unique(torch.cat([rows, focus.to(rows.device)]))  # sorted, the last position kept
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=autocast):
-        res = training_forward(model, input_ids, labels, cfg.mode, cfg.topk, cfg.query_chunk, rows, cfg.attn_chunk)
-    loss = sum(x for x in (res.lm, res.kl) if x is not None)
+        res = training_forward(model, input_ids, labels, cfg.mode, cfg.topk, cfg.query_chunk, rows, cfg.attn_chunk,
+                               answer, cfg.answer_weight)
+    loss = sum(x for x in (res.objective, res.kl) if x is not None)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
-    return ForwardResult(
-        lm=None if res.lm is None else res.lm.detach(), kl=None if res.kl is None else res.kl.detach()
-    )
+    return ForwardResult(*(None if x is None else x.detach() for x in (res.lm, res.kl, res.task)))
 
 
 def run_stage(
@@ -742,9 +761,12 @@ def run_stage(
     log: Callable[[str], None] | None = None,
     log_every: int = 25,
     bos: int = BOS_ID,
+    tasks: Any = None,
 ) -> StageResult:
-    """Train one stage until ``max_steps`` or ``seconds``; appends ``{step, stage, lm, kl, time}`` rows to
-    ``history`` (losses synchronized every ``log_every`` steps, to keep the GPU busy in between)."""
+    """Train one stage until ``max_steps`` or ``seconds``; appends ``{step, stage, lm, kl, task, time}`` rows
+    to ``history`` (losses synchronized every ``log_every`` steps, to keep the GPU busy in between).
+    ``tasks`` (a :class:`~dsaindex.pipelines.reference_tasks.PasskeyTasks`) rewrites a share of the
+    sampled windows into passkey tasks; ``task`` is then the answer tokens' loss."""
     import torch
 
     optimizer = make_optimizer(model, cfg)
@@ -761,13 +783,18 @@ def run_stage(
             row = {"step": step_offset + st, "stage": cfg.name, "time": el}
             row["lm"] = None if res.lm is None else float(res.lm)
             row["kl"] = None if res.kl is None else float(res.kl)
+            row["task"] = None if res.task is None else float(res.task)
             history.append(row)
             result.final_lm_loss, result.final_kl = row["lm"], row["kl"]
+        tasks_seen = [r["task"] for r in history[len(history) - len(pending):] if r["task"] is not None]
+        if tasks_seen:
+            result.final_task_loss = sum(tasks_seen) / len(tasks_seen)
         if pending and log:
             r = history[-1]
             lm = "-" if r["lm"] is None else f"{r['lm'] / math.log(2):.4f} bits"
             kl = "-" if r["kl"] is None else f"{r['kl']:.4f}"
-            log(f"[{cfg.name}] step {r['step'] - step_offset} t={r['time']:.0f}s lm={lm} kl={kl}")
+            task = "" if not tasks_seen else f" answers={sum(tasks_seen) / len(tasks_seen):.3f} nats"
+            log(f"[{cfg.name}] step {r['step'] - step_offset} t={r['time']:.0f}s lm={lm} kl={kl}{task}")
         pending.clear()
 
     while True:
@@ -780,7 +807,11 @@ def run_stage(
         for g in optimizer.param_groups:
             g["lr"] = g["base_lr"] * factor
         input_ids, labels = sample_windows(stream, cfg.batch, cfg.seq_len, generator, bos)
-        res = train_step(model, optimizer, input_ids, labels, cfg, autocast, generator)
+        answer = focus = None
+        if tasks is not None:
+            batch = tasks.apply(input_ids, labels)
+            input_ids, labels, answer, focus = batch.input_ids, batch.labels, batch.answer, batch.focus
+        res = train_step(model, optimizer, input_ids, labels, cfg, autocast, generator, answer, focus)
         pending.append((step, res, elapsed))
         step += 1
         if step % log_every == 0:
@@ -878,7 +909,9 @@ class ReferenceTrainOptions:
     ``corpus`` trains on a ``dsaindex reference corpus`` folder with its BPE tokenizer (the v2 data;
     ``max_train_mb`` / ``max_heldout_mb`` then count millions of tokens) instead of Python sources as bytes;
     ``rope_theta`` and ``max_position`` set a fresh model's RoPE base and position limit (a continued
-    checkpoint keeps its own).
+    checkpoint keeps its own). ``passkey_share`` of the windows (a corpus run only) carry fresh passkey
+    tasks (:class:`~dsaindex.pipelines.reference_tasks.PasskeyTasks`, up to ``passkey_questions`` questions
+    each) whose answer tokens weigh ``passkey_weight`` in the loss.
     """
 
     out: Path = Path("reference_model")
@@ -916,6 +949,9 @@ class ReferenceTrainOptions:
     max_position: int | None = None
     kl_queries: int | None = None
     attn_chunk: int | None = None
+    passkey_share: float = 0.0
+    passkey_weight: float = 1.0
+    passkey_questions: int = 4
 
 
 STAGES = ("dense", "warmup", "sparse")
@@ -936,7 +972,8 @@ def stage_configs(options: ReferenceTrainOptions) -> list[StageConfig]:
     """The recipe's three stages with the run's batch shapes, learning rates and limits."""
     budget = options.minutes * 60.0
     common = dict(seq_len=options.seq_len, query_chunk=options.query_chunk, kl_queries=options.kl_queries,
-                  attn_chunk=options.attn_chunk)
+                  attn_chunk=options.attn_chunk, passkey_share=options.passkey_share,
+                  answer_weight=options.passkey_weight)
     return [
         StageConfig("dense", "dense", options.dense_batch, lr=options.dense_lr, max_steps=options.dense_steps,
                     seconds=budget * options.dense_frac, warmup_steps=50, **common),
@@ -991,6 +1028,11 @@ def train_reference(
     from dsaindex.pipelines.reference_card import model_card
 
     run_stages = parse_stages(options.stages)
+    if options.passkey_share and options.corpus is None:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError("Passkey tasks need a corpus run: they are tokenized with the corpus's tokenizer.",
+                            "pass --corpus, or leave --passkey-share at 0.")
     dev = resolve_device(options.device)
     cuda = dev.startswith("cuda")
     if cuda:
@@ -1034,12 +1076,18 @@ def train_reference(
 
     generator = torch.Generator(device=dev)
     generator.manual_seed(options.seed)
+    tasks = None
+    if options.passkey_share:
+        from dsaindex.pipelines.reference_tasks import PasskeyTasks
+
+        tasks = PasskeyTasks(vocab.tokenizer, options.passkey_share, seed=options.seed,
+                             max_questions=options.passkey_questions)
     history: list[dict[str, Any]] = []
     results = []
     offset = 0
     for cfg in [c for c in stage_configs(options) if c.name in run_stages]:
         res = run_stage(model, train_stream, cfg, generator, history, offset, autocast=cuda, log=log,
-                        log_every=options.log_every, bos=vocab.bos)
+                        log_every=options.log_every, bos=vocab.bos, tasks=tasks)
         offset += res.steps
         results.append(res)
         log(

@@ -7,6 +7,8 @@ pipelines, where models are resolved; the runtime package itself only ever recei
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from dsaindex.console import at_least
@@ -22,7 +24,6 @@ _ALLOW_HELP = ("Serve artifacts trained for another model of the same geometry (
 def _model_config(model: str) -> object:
     """The transformers config (object or ``config.json`` dict) of a model reference, without weights."""
     import json
-    from pathlib import Path
 
     from dsaindex.pipelines.models import preset_config, resolve_model_dir
 
@@ -79,6 +80,28 @@ def check_cmd(
                f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
 
 
+def _heldout_text(corpus: Path | None, config, tokens: int):
+    """(held-out tokens, begin token, decoder of token lists to text) of the byte-level reference corpus,
+    or of a ``dsaindex reference corpus`` folder whose vocabulary must be the model's."""
+    from dsaindex.pipelines.models import BOS_ID
+    from dsaindex.pipelines.reference_train import build_token_streams, corpus_token_streams
+
+    if corpus is None:
+        from dsaindex.runtime.transformers_adapter import byte_text
+
+        return build_token_streams(0, max(200_000, 2 * tokens)).heldout, BOS_ID, byte_text
+    from tokenizers import Tokenizer
+
+    from dsaindex.errors import DsaIndexError
+
+    streams, vocab = corpus_token_streams(corpus)
+    if vocab.size != config.vocab_size:
+        raise DsaIndexError(f"{corpus} has a vocabulary of {vocab.size:,} entries; the model has {config.vocab_size:,}.",
+                            "pass the corpus the model was trained on, or leave --corpus out for the byte-level "
+                            "reference checkpoint.")
+    return streams.heldout, vocab.bos, Tokenizer.from_file(str(vocab.tokenizer)).decode
+
+
 @runtime_app.command("generate")
 def generate_cmd(
     artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
@@ -86,6 +109,9 @@ def generate_cmd(
     prompt_tokens: int = typer.Option(3072, callback=at_least(2),
                                       help="Prompt length in tokens (a begin token, then held-out text of the "
                                            "reference corpus; the reference model's tokens are UTF-8 bytes)."),
+    corpus: Path = typer.Option(None, help="Take the prompt and its continuation from the held-out split of this "
+                                           "`dsaindex reference corpus` folder, in its tokens (the v2 reference "
+                                           "checkpoint's data) instead of the byte-level reference corpus."),
     prompt_offset: int = typer.Option(0, callback=at_least(0),
                                       help="Where in the held-out text the prompt starts (tokens)."),
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
@@ -116,24 +142,23 @@ def generate_cmd(
     (free running, teacher forced, and on the real held-out continuation) and per-layer recall of the
     model's own top-k."""
     import json
-    from pathlib import Path
 
     import torch
 
     from dsaindex.console import progress_bar, resolve_device
-    from dsaindex.pipelines.models import BOS_ID, load_model
-    from dsaindex.pipelines.reference_train import build_token_streams, set_index_topk
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.reference_train import set_index_topk
     from dsaindex.runtime.loader import load
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     dev = resolve_device(device)
     loaded_model = load_model(model, device=dev, dtype="float32")
+    heldout, bos, decode = _heldout_text(corpus, loaded_model.model.config, prompt_offset + prompt_tokens + new_tokens)
     net = loaded_model.model
     served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting, not another model
     if topk is not None:
         set_index_topk(net, topk)
     loaded = load(artifacts, net.config, device=dev, basis=basis, served=served, allow_other_weights=allow_other_weights)
-    heldout = build_token_streams(0, max(200_000, 2 * (prompt_offset + prompt_tokens + new_tokens))).heldout
     if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
         from dsaindex.errors import DsaIndexError
 
@@ -141,7 +166,7 @@ def generate_cmd(
                             f"--prompt-tokens + --new-tokens ({prompt_offset + prompt_tokens + new_tokens:,}).",
                             "lower --prompt-offset, --prompt-tokens or --new-tokens.")
     window = [int(t) for t in heldout[prompt_offset : prompt_offset + prompt_tokens - 1 + new_tokens]]
-    prompt = torch.tensor([BOS_ID] + window[: prompt_tokens - 1], dtype=torch.long)
+    prompt = torch.tensor([bos] + window[: prompt_tokens - 1], dtype=torch.long)
     continuation = torch.tensor(window[prompt_tokens - 1 :], dtype=torch.long)
     selection = None
     if ivf_artifacts is not None:
@@ -156,7 +181,8 @@ def generate_cmd(
     with progress_bar("generate", enabled=progress) as update:
         result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
                                   prefilter=prefilter, device=dev, continuation=continuation, progress=update,
-                                  exact_below=exact_below, selection=selection, prefill_chunk=prefill_chunk)
+                                  exact_below=exact_below, selection=selection, prefill_chunk=prefill_chunk,
+                                  decode=decode)
     if ivf_artifacts is not None:
         result["ivf_artifacts"] = ivf_artifacts
         result["served"] = selection().describe()

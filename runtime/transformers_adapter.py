@@ -154,11 +154,17 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
     return {"argmax": torch.tensor(argmax), "fed": torch.tensor(fed)}
 
 
+def byte_text(ids: list[int]) -> str:
+    """The byte-level reference checkpoint's tokens as text (ids below 256 are UTF-8 bytes)."""
+    return bytes(t for t in ids if t < 256).decode("utf-8", "replace")
+
+
 def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
                      candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
                      use_triton: bool | None = None, continuation: torch.Tensor | None = None, exact_below: int = 0,
                      progress: Callable[[int, int, str], None] | None = None,
-                     selection: Callable[[], Any] | None = None, prefill_chunk: int | None = None) -> dict:
+                     selection: Callable[[], Any] | None = None, prefill_chunk: int | None = None,
+                     decode: Callable[[list[int]], str] | None = None) -> dict:
     """Token agreement of runtime selection with exhaustive selection over ``new_tokens`` greedy steps.
 
     * ``free_running``: both decode on their own; share of equal tokens and the first divergence;
@@ -176,8 +182,10 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
     three (five with ``continuation``) runs. ``selection()``, if given, makes the runtime of each run
     instead of a decode-only :class:`RuntimeSelection` of ``layers`` (e.g. a fresh
     :class:`dsaindex.runtime.serving.ServedIndex`: IVF prefill and PQ decode, whose recall is then
-    reported per phase); ``prefill_chunk`` as :func:`greedy_decode`.
+    reported per phase); ``prefill_chunk`` as :func:`greedy_decode`. ``decode`` turns token ids into the
+    reported texts (default: ids below 256 as UTF-8 bytes, the byte-level reference checkpoint's tokens).
     """
+    decode = decode or byte_text
     prompt = prompt.to(device)
     text = continuation[:new_tokens].to(device) if continuation is not None else None
     runs = [("exhaustive", new_tokens), ("runtime, free running", new_tokens), ("runtime, teacher forced", new_tokens)]
@@ -230,8 +238,8 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
         "greedy_distinct_tokens": distinct,
         "selection_recall": _recall_report(recall_log.recall()),
         **({"index_bytes": memory} if memory is not None else {}),
-        "reference_text": bytes(t for t in reference["fed"].tolist() if t < 256).decode("utf-8", "replace"),
-        "runtime_text": bytes(t for t in free["fed"].tolist() if t < 256).decode("utf-8", "replace"),
+        "reference_text": decode(reference["fed"].tolist()),
+        "runtime_text": decode(free["fed"].tolist()),
     }
 
 

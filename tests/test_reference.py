@@ -440,14 +440,42 @@ def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
     # bits per byte are bits per token over bytes per token: a fresh model is near log2(384) per token
     assert 0.5 * 8.58 / bpt < metrics["eval"]["bits_per_byte"]["dense"] < 1.2 * 8.58 / bpt
     gates = CliRunner().invoke(reference_app, ["gates", "--model", str(out), "--corpus", str(corpus), "--contexts",
-                                               "512", "--needles", "2", "--windows", "1", "--device", "cpu", "--json"])
+                                               "512", "--needles", "2", "--windows", "1", "--device", "cpu", "--json",
+                                               "--record"])
     assert gates.exit_code == 0, gates.output
     g = json.loads(gates.stdout)["512"]
     assert 0 <= g["needle_accuracy_dense"] <= 1 and g["shuffled_prefix"]["tail"] == 128 and g["bits_per_byte_dense"] > 0
+    recorded = json.loads((out / "metrics.json").read_text())["gates"]
+    assert recorded["results"]["512"] == g and recorded["command"].startswith("dsaindex reference ")
+    assert "## Long-context gates" in (out / "MODEL_CARD.md").read_text()
     # the byte-level run cannot be continued on this data
     bad = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--init-from", str(REFERENCE_DIR),
                                              "--stages", "dense", "--no-eval", "--out", str(tmp_path / "no")])
     assert bad.exit_code != 0 and "260 token entries" in str(bad.exception)
+
+
+def test_cli_trains_with_passkey_tasks_and_reports_their_loss(tmp_path):
+    """--passkey-share rewrites windows into passkey tasks in every stage (the warm-up has no LM loss, so no
+    answer loss: its tasks feed the indexer KL's queries); the answer loss reaches the metrics and the card."""
+    from typer.testing import CliRunner
+
+    from dsaindex.pipelines.reference_cli import reference_app
+
+    corpus = _tiny_corpus(tmp_path / "corpus")
+    out = tmp_path / "v2"
+    args = ("train --tiny --device cpu --seq-len 384 --topk 16 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 "
+            "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --kl-queries 16 --attn-chunk 128 --query-chunk 64 "
+            "--no-eval --log-every 1 --passkey-share 1 --passkey-weight 4 --passkey-questions 2").split()
+    result = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "answers=" in result.output
+    stages = {s["name"]: s for s in json.loads((out / "metrics.json").read_text())["training"]["stages"]}
+    assert stages["dense"]["final_task_loss"] > 0 and stages["sparse"]["final_task_loss"] > 0
+    assert stages["warmup"]["final_task_loss"] is None
+    assert stages["dense"]["config"]["passkey_share"] == 1.0 and stages["dense"]["config"]["answer_weight"] == 4.0
+    assert "passkey tasks in 100% of windows, answers weighted 4" in (out / "MODEL_CARD.md").read_text()
+    bad = CliRunner().invoke(reference_app, [*args[:-6], "--passkey-share", "1.5", "--corpus", str(corpus)])
+    assert bad.exit_code == 2 and "passkey-share" in bad.output
 
 
 def test_gates_forward_needles_and_shuffled_prefix(tmp_path):
