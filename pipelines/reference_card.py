@@ -25,9 +25,11 @@ def model_card(metrics: dict[str, Any]) -> str:
                    if bpe else
                    ["There is no tokenizer file: tokens are UTF-8 bytes 0..255, 256 = BOS, 257 = EOS (document separator);",
                     "training windows start with BOS."])
+    status = metrics.get("status")  # a line on where the checkpoint stands (e.g. which gates it misses)
     lines = [
         "# dsaindex reference DSA checkpoint",
         "",
+        *([f"**Status:** {status}", ""] if status else []),
         f"A small `DeepseekV32ForCausalLM` (transformers) trained from scratch on {trained_on}",
         "with DeepSeek-V3.2's lightning-indexer recipe: dense pre-training, dense indexer warm-up (KL to the",
         "main attention, main model frozen), sparse training with top-k attention. The indexer has the",

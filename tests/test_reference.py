@@ -586,8 +586,9 @@ def test_committed_v2_card_reports_its_gates_and_tokenizer():
     metrics = json.loads((v2 / "metrics.json").read_text())
     card = model_card(metrics)
     stages = metrics["training"]["earlier_stages"] + metrics["training"]["stages"]
-    assert [s["name"] for s in stages] == ["dense", "dense", "warmup", "sparse"]
-    assert card.count("\n| dense |") == 2 and "| sparse | top-512 |" in card
+    assert [s["name"] for s in stages] == ["dense", "dense", "warmup", "sparse"] * 2  # two passes
+    assert card.count("\n| dense |") == 4 and card.count("| sparse | top-512 |") == 2
+    assert "passkey tasks in 50% of windows" in card and card.startswith("# dsaindex reference DSA checkpoint\n\n**Status:**")
     assert f"byte-level BPE of {metrics['model']['vocabulary']['entries']} entries" in card
     assert "| sotu |" in card and "| austen |" in card  # the corpus's sources table
     g = metrics["gates"]["results"]["32768"]
