@@ -410,19 +410,30 @@ def test_v2_data_is_the_corpus_tokenized_and_cached(tmp_path):
         rt.corpus_token_streams(bare)
 
 
-def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
-    from tokenizers import Tokenizer
+def _train_on_tiny_corpus(tmp_path, options: str):
+    """`reference train --tiny --device cpu OPTIONS` on a tiny corpus: (corpus, out folder, the call's args)."""
     from typer.testing import CliRunner
 
     from dsaindex.pipelines.reference_cli import reference_app
 
     corpus = _tiny_corpus(tmp_path / "corpus")
     out = tmp_path / "v2"
-    args = ("train --tiny --device cpu --seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 "
-            "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --eval-windows 1 --coverage-windows 1 "
-            "--query-chunk 32 --rope-theta 500000 --max-position 2048").split()
+    args = ["train", "--tiny", "--device", "cpu", *options.split()]
     result = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--out", str(out)])
     assert result.exit_code == 0, result.output
+    return corpus, out, args, result.output
+
+
+def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+    from typer.testing import CliRunner
+
+    from dsaindex.pipelines.reference_cli import reference_app
+
+    corpus, out, args, _ = _train_on_tiny_corpus(
+        tmp_path, "--seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 --dense-batch 2 "
+        "--warmup-batch 1 --sparse-batch 1 --eval-windows 1 --coverage-windows 1 --query-chunk 32 "
+        "--rope-theta 500000 --max-position 2048")
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 384 and config["max_position_embeddings"] == 2048
     assert config["rope_parameters"]["rope_theta"] == 500000
@@ -461,14 +472,11 @@ def test_cli_trains_with_passkey_tasks_and_reports_their_loss(tmp_path):
 
     from dsaindex.pipelines.reference_cli import reference_app
 
-    corpus = _tiny_corpus(tmp_path / "corpus")
-    out = tmp_path / "v2"
-    args = ("train --tiny --device cpu --seq-len 384 --topk 16 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 "
-            "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --kl-queries 16 --attn-chunk 128 --query-chunk 64 "
-            "--no-eval --log-every 1 --passkey-share 1 --passkey-weight 4 --passkey-questions 2").split()
-    result = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    assert "answers=" in result.output
+    corpus, out, args, output = _train_on_tiny_corpus(
+        tmp_path, "--seq-len 384 --topk 16 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 --dense-batch 2 "
+        "--warmup-batch 1 --sparse-batch 1 --kl-queries 16 --attn-chunk 128 --query-chunk 64 --no-eval "
+        "--log-every 1 --passkey-share 1 --passkey-weight 4 --passkey-questions 2")
+    assert "answers=" in output
     stages = {s["name"]: s for s in json.loads((out / "metrics.json").read_text())["training"]["stages"]}
     assert stages["dense"]["final_task_loss"] > 0 and stages["sparse"]["final_task_loss"] > 0
     assert stages["warmup"]["final_task_loss"] is None
