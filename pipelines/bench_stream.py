@@ -17,6 +17,14 @@ T_load - T_comp), T_load = payload / bandwidth). The break-even chunk is the sma
 wait is at most 5% of its compute, and the predicted one where T_comp >= T_load. The device memory
 of prefix state is measured as allocated: the two buffers plus every layer's PQ32 codes, against every
 layer's exact keys resident. ``--timeline`` plots two chunks' copy and compute streams.
+
+``--model M`` measures the same on a real checkpoint (the reference one, or any DSA checkpoint) inside
+the served runtime: :class:`dsaindex.runtime.serving.ServedIndex` with ``stream_prefix=True`` keeps the
+model's own indexer keys in pinned host memory and streams them per layer, against the model run as is
+(keys resident in its cache). Per chunk size the prompt is random tokens, the prefix prefilled untimed
+and the next chunk timed, whole forward passes; beside the times, the largest difference of the chunk's
+logits between the two runs (streaming must change nothing). Runs on CPU too (timings there only show
+that it works).
 """
 
 from __future__ import annotations
@@ -141,9 +149,13 @@ def bench_prefill_stream(
     markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
     timeline: Path = typer.Option(None, help="Also plot two chunks' copy and compute streams (PNG), at the "
                                              "longest prefix and the chunk nearest its measured break-even."),
+    model: str = typer.Option(None, "--model", "-m", help="Measure a real checkpoint (`reference`, a folder, a "
+                                                          "preset) inside the served runtime instead of the stack."),
+    device: str = typer.Option("auto", help="With --model: cuda, cpu or auto."),
 ) -> None:
-    """Streamed prefill's exposed load wait vs chunk size on a production-size synthetic stack, against
-    the LeanSparse model's prediction from the measured host bandwidth. Needs a CUDA device."""
+    """Streamed prefill's exposed load wait vs chunk size on a production-size synthetic stack (or with
+    --model a real checkpoint in the served runtime), against the LeanSparse model's prediction from the
+    measured host bandwidth. The stack needs a CUDA device."""
     import torch
 
     from dsaindex.console import emit_report, parse_ints
@@ -152,6 +164,12 @@ def bench_prefill_stream(
 
     prefix_list = parse_ints(prefixes, "--prefixes", minimum=64)
     chunk_list = parse_ints(chunks, "--chunks", minimum=16)
+    if model is not None:
+        from dsaindex.console import resolve_device
+
+        report = bench_model_stream(model, prefix_list, chunk_list, repeats, resolve_device(device))
+        emit_report(report, out, markdown, _table(report["rows"]))
+        return
     if layers < 2:
         raise DsaIndexError(f"--layers {layers}: streaming needs at least 2 layers.", "pass --layers 2 or more.")
     if not torch.cuda.is_available():
@@ -218,6 +236,96 @@ def bench_prefill_stream(
     emit_report(report, out, markdown, _table(rows))
 
 
+def bench_model_stream(model_ref: str, prefixes: list[int], chunks: list[int], repeats: int, device: str) -> dict:
+    """The streamed-prefill measurement on a real checkpoint in the served runtime (see the module notes):
+    per (prefix, chunk), medians of ``repeats`` timed chunks (after a warm-up) with the prefix resident
+    and streamed, the exposed wait per layer, the predicted one and the break-even chunks, as the stack's
+    report; ``prefix_state_memory`` compares the streamer's two buffers with every layer's keys resident."""
+    import statistics
+    import time
+
+    import torch
+
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.runtime.serving import ServedIndex
+
+    cuda = device.startswith("cuda")
+    net = load_model(model_ref, device=device, dtype="bfloat16" if cuda else "float32").model.eval()
+    limit = int(getattr(net.config, "max_position_embeddings", 0) or 0)
+    if limit and max(prefixes) + max(chunks) > limit:
+        raise DsaIndexError(f"A {max(prefixes):,}-token prefix and a {max(chunks):,}-token chunk exceed the model's "
+                            f"{limit:,} positions.", "pass shorter --prefixes or --chunks.")
+    fill = 2048  # the prefix is prefilled in pieces of at most this many tokens (untimed)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def run(ids: torch.Tensor, prefix: int, streamed: bool) -> tuple[float, torch.Tensor, ServedIndex | None]:
+        runtime = ServedIndex(net, {}, {}, stream_prefix=True, max_keys=ids.shape[1], device=device) if streamed else None
+        if runtime is not None:
+            runtime.attach()
+        try:
+            with torch.no_grad():
+                cache = None
+                for start in range(0, prefix, fill):
+                    cache = net(input_ids=ids[:, start : min(prefix, start + fill)], past_key_values=cache,
+                                use_cache=True).past_key_values
+                sync()
+                t0 = time.perf_counter()
+                logits = net(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits
+                sync()
+                return (time.perf_counter() - t0) * 1e3, logits[0, -1].float().cpu(), runtime
+        finally:
+            if runtime is not None:
+                runtime.remove()
+
+    gen = torch.Generator().manual_seed(0)
+    rows, memory, load_ms = [], {}, {}
+    layers = row_bytes = None
+    for prefix in prefixes:
+        for chunk in chunks:
+            ids = torch.randint(3, int(net.config.vocab_size), (1, prefix + chunk), generator=gen).to(device)
+            times, last = {}, {}
+            for mode in ("resident", "streamed"):
+                runs = [run(ids, prefix, mode == "streamed") for _ in range(repeats + 1)]
+                times[mode] = statistics.median(r[0] for r in runs[1:])
+                last[mode] = runs[-1][1]
+                runtime = runs[-1][2]
+                if runtime is not None:
+                    layers, streamer = len(runtime.indexers), runtime.streamer
+                    first = streamer.host[streamer.layers[0]]  # [capacity, head_dim] rows of the model's dtype
+                    row_bytes = first[0].numel() * first.element_size()
+                    memory[str(prefix)] = {"streamed_two_buffers_bytes": streamer.device_bytes(),
+                                           "all_layers_resident_bytes": layers * (prefix + chunk) * row_bytes}
+                    if cuda and str(prefix) not in load_ms:
+                        load_ms[str(prefix)] = time_stack_copy(first[:prefix], torch.empty_like(first[:prefix],
+                                                                                               device=device), repeats)
+            per_layer = times["resident"] / layers
+            wait = max(0.0, (times["streamed"] - times["resident"]) / layers)
+            load = load_ms.get(str(prefix))
+            rows.append({"prefix": prefix, "chunk": chunk, "compute_ms_per_layer": round(per_layer, 4),
+                         "streamed_ms_per_layer": round(times["streamed"] / layers, 4),
+                         "load_ms": None if load is None else round(load, 4),
+                         "wait_ms_per_layer": round(wait, 4),
+                         "predicted_wait_ms": None if load is None else round(max(0.0, load - per_layer), 4),
+                         "wait_share": round(wait / max(per_layer, 1e-9), 4), "wait_share_no_prefetch": None,
+                         "max_logit_difference": float((last["streamed"] - last["resident"]).abs().max())})
+    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model_ref, "layers": layers,
+              "key_bytes": row_bytes, "chunks_per_timed_run": 1, "host_bandwidth_gbps": {}, "break_even_chunk": {},
+              "prefix_state_memory": memory, "rows": rows}
+    for prefix in prefixes:
+        mine = [r for r in rows if r["prefix"] == prefix]
+        if mine[0]["load_ms"]:
+            report["host_bandwidth_gbps"][str(prefix)] = round(prefix * row_bytes / (mine[0]["load_ms"] * 1e-3) / 1e9, 2)
+        report["break_even_chunk"][str(prefix)] = {
+            "measured": min((r["chunk"] for r in mine if r["wait_share"] <= 0.05), default=None),
+            "predicted": min((r["chunk"] for r in mine if r["load_ms"] is not None
+                              and r["compute_ms_per_layer"] >= r["load_ms"]), default=None)}
+    return report
+
+
 def time_stack_copy(host, device_rows, repeats: int) -> float:
     """Median ms of one pinned host -> device copy of a layer's prefix (the load of Eq. 3)."""
     import statistics
@@ -241,7 +349,12 @@ def _table(rows: list[dict]) -> str:
 
     head = ["prefix", "chunk", "compute ms/layer", "streamed ms/layer", "load ms", "exposed wait ms/layer",
             "predicted wait ms", "wait / compute", "without the prefetch"]
+    def num(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     return markdown_rows(head, [[f"{r['prefix']:,}", f"{r['chunk']:,}", f"{r['compute_ms_per_layer']:.3f}",
-                                 f"{r['streamed_ms_per_layer']:.3f}", f"{r['load_ms']:.3f}", f"{r['wait_ms_per_layer']:.3f}",
-                                 f"{r['predicted_wait_ms']:.3f}", f"{100 * r['wait_share']:.1f}%",
-                                 f"{100 * r['wait_share_no_prefetch']:.1f}%"] for r in rows])
+                                 f"{r['streamed_ms_per_layer']:.3f}", num(r["load_ms"], ".3f"),
+                                 f"{r['wait_ms_per_layer']:.3f}", num(r["predicted_wait_ms"], ".3f"),
+                                 f"{100 * r['wait_share']:.1f}%",
+                                 num(None if r["wait_share_no_prefetch"] is None else 100 * r["wait_share_no_prefetch"],
+                                     ".1f") + ("%" if r["wait_share_no_prefetch"] is not None else "")] for r in rows])

@@ -1,6 +1,7 @@
 """Layer-wise streamed prefill: every layer sees exactly its prefix, whatever the buffer it lands in; the
 host holds every row written back; the device holds two layers' buffers."""
 
+import json
 import pytest
 import torch
 
@@ -109,3 +110,25 @@ def test_stream_bench_sizes_layers_as_v32_and_refuses_a_cpu():
     if not CUDA:
         result = run_cli("bench", "prefill-stream", "--prefixes", "4096")
         assert result.returncode == 2 and "needs a CUDA device" in result.stderr
+
+
+def test_stream_bench_on_a_checkpoint_serves_it_streamed_and_changes_no_logit(tmp_path):
+    """`bench prefill-stream --model` times real forward passes with the served runtime streaming the
+    model's own indexer keys, against the model as is: the chunk's logits are the same, and the
+    streamed prefix state is two layers' rows against every layer's."""
+    from helpers import run_cli
+
+    out = tmp_path / "stream.json"
+    result = run_cli("bench", "prefill-stream", "--model", "preset:tiny-v32", "--prefixes", "128", "--chunks", "32,64",
+                     "--repeats", "1", "--device", "cpu", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [(r["prefix"], r["chunk"]) for r in report["rows"]] == [(128, 32), (128, 64)]
+    assert all(r["max_logit_difference"] == 0.0 and r["compute_ms_per_layer"] > 0 for r in report["rows"])
+    memory = report["prefix_state_memory"]["128"]
+    layers, row = report["layers"], report["key_bytes"]
+    assert layers == 4 and row == 128 * 4  # float32 keys of 128 dims on the CPU
+    assert memory["all_layers_resident_bytes"] == layers * (128 + 64) * row
+    assert memory["streamed_two_buffers_bytes"] == 2 * (128 + 64) * row
+    too_long = run_cli("bench", "prefill-stream", "--model", "preset:tiny-v32", "--prefixes", "70000", "--device", "cpu")
+    assert too_long.returncode == 2 and "exceed the model's 65,536 positions" in too_long.stderr
