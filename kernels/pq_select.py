@@ -395,6 +395,16 @@ def decoded_key_bound(codebooks: torch.Tensor) -> float:
     return float(cb.pow(2).sum(2).amax(1).sum().sqrt())
 
 
+def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,
+            linear_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 of both coarse forms: every key above a sampled threshold aiming at ``c1`` (int8 tables,
+    up to 2 c1 kept). Returns (rows [B, 2 c1] int32, counts [B] int32)."""
+    _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
+                                       max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
+                                       centroid_norms=centroid_norms, page_table=page_table, **(linear_config or {}))
+    return rows1, counts1
+
+
 def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c1: int, c: int, capacity: int, key_bound: float, scratch: torch.Tensor,
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
@@ -403,9 +413,8 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
     :func:`pq_candidate_bins` (no top-C kernel). Returns (rows [B, 2 c1] int32 key positions, bins
     [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
-    _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
-                                       max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
-                                       centroid_norms=centroid_norms, **(linear_config or {}))
+    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, None, max_len,
+                             linear_config)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
                                      scratch)
@@ -425,9 +434,8 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
 
-    _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
-                                       max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
-                                       centroid_norms=centroid_norms, page_table=page_table, **(linear_config or {}))
+    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
+                             max_len, linear_config)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
                                  page_table=page_table)
