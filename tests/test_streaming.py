@@ -2,6 +2,7 @@
 host holds every row written back; the device holds two layers' buffers."""
 
 import json
+
 import pytest
 import torch
 
