@@ -227,12 +227,7 @@ def bench_prefill_stream(
     for prefix in prefix_list:
         mine = [r for r in rows if r["prefix"] == prefix]
         report["host_bandwidth_gbps"][str(prefix)] = round(prefix * KEY_BYTES / (mine[0]["load_ms"] * 1e-3) / 1e9, 2)
-        measured = [r["chunk"] for r in mine if r["wait_share"] <= 0.05]
-        without = [r["chunk"] for r in mine if r["wait_share_no_prefetch"] <= 0.05]
-        predicted = [r["chunk"] for r in mine if r["compute_ms_per_layer"] >= r["load_ms"]]
-        report["break_even_chunk"][str(prefix)] = {"measured": min(measured, default=None),
-                                                   "measured_no_prefetch": min(without, default=None),
-                                                   "predicted": min(predicted, default=None)}
+        report["break_even_chunk"][str(prefix)] = _break_even(mine)
     emit_report(report, out, markdown, _table(rows))
 
 
@@ -319,11 +314,22 @@ def bench_model_stream(model_ref: str, prefixes: list[int], chunks: list[int], r
         mine = [r for r in rows if r["prefix"] == prefix]
         if mine[0]["load_ms"]:
             report["host_bandwidth_gbps"][str(prefix)] = round(prefix * row_bytes / (mine[0]["load_ms"] * 1e-3) / 1e9, 2)
-        report["break_even_chunk"][str(prefix)] = {
-            "measured": min((r["chunk"] for r in mine if r["wait_share"] <= 0.05), default=None),
-            "predicted": min((r["chunk"] for r in mine if r["load_ms"] is not None
-                              and r["compute_ms_per_layer"] >= r["load_ms"]), default=None)}
+        report["break_even_chunk"][str(prefix)] = _break_even(mine)
     return report
+
+
+def _break_even(rows: list[dict]) -> dict:
+    """The smallest chunk of one prefix's rows whose exposed wait is at most 5% of its compute (with the
+    prefetch, and without it where measured), and the smallest whose compute per layer covers the load."""
+    def smallest(keep) -> int | None:
+        return min((r["chunk"] for r in rows if keep(r)), default=None)
+
+    out = {"measured": smallest(lambda r: r["wait_share"] <= 0.05)}
+    if any(r["wait_share_no_prefetch"] is not None for r in rows):
+        out["measured_no_prefetch"] = smallest(lambda r: r["wait_share_no_prefetch"] is not None
+                                               and r["wait_share_no_prefetch"] <= 0.05)
+    out["predicted"] = smallest(lambda r: r["load_ms"] is not None and r["compute_ms_per_layer"] >= r["load_ms"])
+    return out
 
 
 def time_stack_copy(host, device_rows, repeats: int) -> float:

@@ -133,3 +133,17 @@ def test_stream_bench_on_a_checkpoint_serves_it_streamed_and_changes_no_logit(tm
     assert memory["streamed_two_buffers_bytes"] == 2 * (128 + 64) * row
     too_long = run_cli("bench", "prefill-stream", "--model", "preset:tiny-v32", "--prefixes", "70000", "--device", "cpu")
     assert too_long.returncode == 2 and "exceed the model's 65,536 positions" in too_long.stderr
+
+
+def test_break_even_is_the_smallest_chunk_that_hides_the_load():
+    from dsaindex.pipelines.bench_stream import _break_even
+
+    def row(chunk, share, share_without, compute, load):
+        return {"chunk": chunk, "wait_share": share, "wait_share_no_prefetch": share_without,
+                "compute_ms_per_layer": compute, "load_ms": load}
+
+    stack = [row(64, 0.5, 0.9, 0.1, 0.4), row(256, 0.04, 0.3, 0.5, 0.4), row(1024, 0.0, 0.02, 2.0, 0.4)]
+    assert _break_even(stack) == {"measured": 256, "measured_no_prefetch": 1024, "predicted": 256}
+    # the model mode has no no-prefetch column, and no load time on a CPU
+    model = [row(64, 0.2, None, 0.1, None), row(256, 0.3, None, 0.5, None)]
+    assert _break_even(model) == {"measured": None, "predicted": None}
