@@ -7,12 +7,48 @@ import sys
 PRESETS = ("preset:tiny-v32", "preset:tiny-glm5", "preset:tiny-v4")
 
 
-def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m dsaindex ARGS`` in a subprocess, as a user would (``env``: variables to set there)."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "dsaindex", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+            isolated: bool = False) -> subprocess.CompletedProcess:
+    """Run the command line ``dsaindex ARGS`` as a user would, and return its exit code and output.
+
+    By default it runs in this process through the same ``main()`` that ``python -m dsaindex`` calls
+    (stdout and stderr captured, the exit code taken from its ``SystemExit``), which spares each call a
+    fresh interpreter's torch import. ``isolated=True``, an ``env``, or ``DSAINDEX_TEST_SUBPROCESS=1`` in
+    the environment run it in a subprocess instead (``timeout`` applies there only)."""
+    if isolated or env or os.environ.get("DSAINDEX_TEST_SUBPROCESS") == "1":
+        env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
+        return subprocess.run(
+            [sys.executable, "-m", "dsaindex", *args], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    return _run_in_process(list(args))
+
+
+def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+    import traceback
+    import warnings
+
+    from dsaindex.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, code = sys.argv, 0
+    sys.argv = ["dsaindex", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, int | None):
+                    print(exc.code, file=sys.stderr)
+            except Exception:  # an uncaught error: what the interpreter would print, and its exit code
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["dsaindex", *args], code, out.getvalue(), err.getvalue())
 
 
 def text_corpus(root, files: int = 2, words: int = 600, seed: int = 1):
