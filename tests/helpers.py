@@ -1,5 +1,6 @@
 """Shared test helpers (importable: tests/ is on pytest's pythonpath)."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -83,3 +84,27 @@ def model_index_keys(net, tokens):
             hooks.register(layer.self_attn.indexer, pre=grab)
         net(input_ids=tokens.unsqueeze(0), use_cache=False)
     return keys
+
+
+def reference_bytes(skip: int, n: int):
+    """``n`` bytes of a fixed Python source from ``skip`` on, as reference-checkpoint tokens (BOS 256 first)."""
+    import inspect
+
+    import torch
+
+    data = inspect.getsource(inspect).encode()[skip : skip + n]
+    return torch.tensor([256] + list(data), dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=1)
+def reference_pq_codebooks() -> dict:
+    """Plain PQ32 codebooks (8 torch Lloyd rounds) per layer of the reference checkpoint, trained on its
+    index keys of 3,000 bytes of a text no test prompt reads: layer -> [32, 256, 4] float32 tensor. Computed
+    once per test session (the 3,000-token forward is most of the cost) and shared by the runtime tests."""
+    from dsaindex.pipelines.models import load_model
+    from dsaindex.pq import PQSpec
+    from dsaindex.train.pq import train_codebooks
+
+    net = load_model("reference", dtype="float32").model
+    keys = model_index_keys(net, reference_bytes(20_000, 3000))
+    return {i: train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8) for i, k in keys.items()}

@@ -25,15 +25,12 @@ def model_and_layers():
     """The reference model at top-32 and PQ32 codebooks trained on its keys of another text."""
     from dsaindex.pipelines.models import load_model
     from dsaindex.pipelines.reference_train import set_index_topk
-    from dsaindex.pq import PQCodec, PQSpec
-    from dsaindex.train.pq import train_codebooks
-    from helpers import model_index_keys
+    from dsaindex.pq import PQCodec
+    from helpers import reference_pq_codebooks
 
     net = load_model("reference", dtype="float32").model
     set_index_topk(net, TOPK)
-    keys = model_index_keys(net, _text(20_000, 3000))
-    layers = {i: PQCodec(train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8)) for i, k in keys.items()}
-    return net, layers
+    return net, {i: PQCodec(codebooks) for i, codebooks in reference_pq_codebooks().items()}
 
 
 def test_all_keys_as_candidates_reproduces_exhaustive_generation(model_and_layers):
@@ -91,7 +88,8 @@ def bundles(model_and_layers, tmp_path_factory):
     return paths
 
 
-def test_generate_cli_shows_progress_per_token(bundles):
+def test_generate_cli_shows_progress_per_token(bundles, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path: the kernels have tests of their own
     proc = run_cli("runtime", "generate", "-a", str(bundles["own"]), "--topk", str(TOPK), "--candidates", "64",
                    "--prompt-tokens", "200", "--new-tokens", "2", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr

@@ -32,18 +32,15 @@ def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3)):
     from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
     from dsaindex.artifacts.kinds import ENCODER_ARRAYS
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.pq import PQSpec
-    from dsaindex.train.pq import train_codebooks
-    from helpers import model_index_keys
+    from helpers import reference_pq_codebooks
 
     geometry = geometry_from_config(net.config)
     lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                       train_sequences=[0], eval_sequences=[1])
     paths = []
-    if pq:
-        keys = model_index_keys(net, _text(20_000, 3000))
-        arrays = {i: {"codebooks": train_codebooks(keys[i], PQSpec(dim=128, subspaces=32), "torch", 8).numpy()}
-                  for i in layers}
+    if pq:  # the reference checkpoint's codebooks (``net`` is the reference model in every test here)
+        codebooks = reference_pq_codebooks()
+        arrays = {i: {"codebooks": codebooks[i].numpy()} for i in layers}
         manifest = new_bundle_manifest(fingerprint, "hadamard", geometry.key_format,
                                        {str(i): LayerArtifact(kind="pq", params={"subspaces": 32, "score_aware": False})
                                         for i in layers}, lineage)
@@ -415,8 +412,8 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     net, paths, identity = served
-    prompt = _text(2000, 700)
-    chunked = greedy_agreement(net, {}, prompt, 5, selection=lambda: load(
+    prompt = _text(2000, 400)
+    chunked = greedy_agreement(net, {}, prompt, 4, selection=lambda: load(
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
         measure_recall=True), prefill_chunk=256)
     assert chunked["free_running"]["token_agreement"] == 1.0
@@ -431,7 +428,7 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     assert memory["prefill_index_keys"] == 4 * n
     assert 4 * n * 132 + n * 128 * 4 <= memory["prefill_index_peak"] < 4 * n * 512
     assert memory["decode_state"] > 0
-    whole = greedy_agreement(net, {}, prompt, 5, selection=lambda: load(
+    whole = greedy_agreement(net, {}, prompt, 4, selection=lambda: load(
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
         measure_recall=True))
     assert whole["runtime_text"] == chunked["runtime_text"]  # chunking the prompt changes no token here

@@ -113,12 +113,13 @@ def test_stream_bench_sizes_layers_as_v32_and_refuses_a_cpu():
         assert result.returncode == 2 and "needs a CUDA device" in result.stderr
 
 
-def test_stream_bench_on_a_checkpoint_serves_it_streamed_and_changes_no_logit(tmp_path):
+def test_stream_bench_on_a_checkpoint_serves_it_streamed_and_changes_no_logit(tmp_path, monkeypatch):
     """`bench prefill-stream --model` times real forward passes with the served runtime streaming the
     model's own indexer keys, against the model as is: the chunk's logits are the same, and the
     streamed prefix state is two layers' rows against every layer's."""
     from helpers import run_cli
 
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path: the kernels have tests of their own
     out = tmp_path / "stream.json"
     result = run_cli("bench", "prefill-stream", "--model", "preset:tiny-v32", "--prefixes", "128", "--chunks", "32,64",
                      "--repeats", "1", "--device", "cpu", "--out", str(out))
