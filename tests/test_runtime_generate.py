@@ -1,6 +1,5 @@
 """The runtime chooses the reference checkpoint's decode-time top-k inside transformers generation."""
 
-import inspect
 import json
 from pathlib import Path
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from dsaindex.pipelines.models import REFERENCE_DIR
-from helpers import run_cli
+from helpers import reference_bytes, run_cli
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
@@ -16,8 +15,7 @@ TOPK = 32
 
 
 def _text(skip: int, n: int) -> torch.Tensor:
-    data = inspect.getsource(inspect).encode()[skip : skip + n]
-    return torch.tensor([256] + list(data), dtype=torch.long)
+    return reference_bytes(skip, n)
 
 
 @pytest.fixture(scope="module")

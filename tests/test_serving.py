@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsaindex.pipelines.models import REFERENCE_DIR
+from helpers import reference_bytes
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
@@ -22,8 +23,7 @@ TOPK = 32
 
 
 def _text(skip: int, n: int) -> torch.Tensor:
-    data = inspect.getsource(inspect).encode()[skip : skip + n]
-    return torch.tensor([256] + list(data), dtype=torch.long)
+    return reference_bytes(skip, n)
 
 
 def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3)):
