@@ -86,9 +86,14 @@ def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
 
 
 def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
-                     max_queries: int, topk: int, rotation: torch.Tensor | None = None) -> torch.Tensor:
+                     max_queries: int, topk: int, rotation: torch.Tensor | None = None,
+                     device: str | torch.device = "cpu") -> torch.Tensor:
     """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys
-    (in the rotated space when ``rotation`` is given: queries and keys rotated alike)."""
+    (in the rotated space when ``rotation`` is given: queries and keys rotated alike).
+
+    Each sequence's keys are read and put in engine form once, up to its longest sampled prefix, and the
+    exact scores are computed on ``device``: at 1M-key sequences, reading each query's prefix again and
+    scoring it on the host would cost minutes a layer."""
     from dsaindex.geometry import visible_key_count
     from dsaindex.quant import engine_keys
     from dsaindex.score import indexer_scores
@@ -103,17 +108,20 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
     queries = store.as_float(store.queries(layer)[rows])
     weights = torch.from_numpy(store.head_weights(layer)[rows])
     raw = store.keys(layer)
-    chosen = []
-    for i, r in enumerate(rows):
-        visible = visible_key_count(positions[r], stride)
-        start = offsets[seq_of[r]]
-        visible = min(int(visible), int(offsets[seq_of[r] + 1] - start))
-        if visible <= 0:
-            chosen.append(torch.zeros(0, spec.dim))
+    dev = torch.device(device)
+    chosen = [torch.zeros(0, spec.dim)] * len(rows)
+    for seq in np.unique(seq_of[rows]):
+        mine = np.nonzero(seq_of[rows] == seq)[0]
+        start, length = int(offsets[seq]), int(offsets[seq + 1] - offsets[seq])
+        visible = [min(int(visible_key_count(positions[rows[i]], stride)), length) for i in mine]
+        if max(visible) <= 0:
             continue
-        keys = engine_keys(store.as_float(raw[start : start + visible]), key_format)
-        scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
-        chosen.append(keys[scores.topk(min(2 * topk, visible)).indices])
+        keys = engine_keys(store.as_float(raw[start : start + max(visible)]), key_format).to(dev)
+        for i, count in zip(mine, visible, strict=True):
+            if count <= 0:
+                continue
+            scores = indexer_scores(queries[i : i + 1].to(dev), keys[:count], weights[i : i + 1].to(dev))[0]
+            chosen[i] = keys[scores.topk(min(2 * topk, count)).indices].cpu()
     return score_gradient_metric(rotate(queries, rotation), weights, [rotate(c, rotation) for c in chosen], spec)
 
 
@@ -136,13 +144,14 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
         keys = rotate(keys, rotation)  # the codebooks are trained in the rotated space
     rotate_seconds = time.perf_counter() - t0
     metric = None
+    t0 = time.perf_counter()
     if opts.score_aware:
         step("score-aware metric")
-        metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk, rotation)
+        metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk, rotation,
+                                  opts.device)
     step(f"k-means ({opts.trainer}, {keys.shape[0]:,} keys, {opts.iterations} iterations)")
-    t0 = time.perf_counter()
     codebooks = train_codebooks(keys, spec, opts.trainer, opts.iterations, opts.seed + layer, metric, opts.device)
-    seconds = time.perf_counter() - t0 + rotate_seconds
+    seconds = time.perf_counter() - t0 + rotate_seconds  # rotation, metric and codebooks
     result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds, rotation=rotation)
     step("held-out recall")
     result.metrics = evaluate_layer(store, layer, eval_seq, result.codec, opts, key_format, topk)
@@ -154,12 +163,12 @@ def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int
     """:func:`train_layer` for an RQ / LSQ code (``opts.quantizer``): ``opts.subspaces`` whole-key codebooks,
     score-aware under the full D x D metric."""
     metric = None
+    t0 = time.perf_counter()
     if opts.score_aware:
         step("score-aware metric (full)")
         metric = metric_for_layer(store, layer, split[0], key_format, full_spec(keys.shape[1], opts.centroids),
-                                  opts.metric_queries, topk)
+                                  opts.metric_queries, topk, device=opts.device)
     step(f"{opts.quantizer.upper()} ({opts.trainer if opts.quantizer == 'rq' else 'faiss'}, {keys.shape[0]:,} keys)")
-    t0 = time.perf_counter()
     codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer,
                            trainer=opts.trainer, device=opts.device, iterations=opts.iterations)
     result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec)
