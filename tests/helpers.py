@@ -15,7 +15,9 @@ def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
     By default it runs in this process through the same ``main()`` that ``python -m dsaindex`` calls
     (stdout and stderr captured, the exit code taken from its ``SystemExit``), which spares each call a
     fresh interpreter's torch import. ``isolated=True``, an ``env``, or ``DSAINDEX_TEST_SUBPROCESS=1`` in
-    the environment run it in a subprocess instead (``timeout`` applies there only)."""
+    the environment run it in a subprocess instead (``timeout`` applies there only). Commands run at the
+    same time from several threads need ``isolated=True``: the in-process form swaps the process's
+    ``sys.argv``, stdout and stderr."""
     if isolated or env or os.environ.get("DSAINDEX_TEST_SUBPROCESS") == "1":
         env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
         return subprocess.run(

@@ -253,8 +253,8 @@ def test_default_tracking_uri(monkeypatch, tmp_path):
 def test_cli(reg):
     name, uri = reg["first"]["name"], reg["uri"]
     with ThreadPoolExecutor(2) as pool:  # two interpreter start-ups at once
-        listing = pool.submit(run_cli, "registry", "list", "--json", "--tracking-uri", uri)
-        showing = pool.submit(run_cli, "registry", "show", name, "@nope", "--tracking-uri", uri)
+        listing = pool.submit(run_cli, "registry", "list", "--json", "--tracking-uri", uri, isolated=True)
+        showing = pool.submit(run_cli, "registry", "show", name, "@nope", "--tracking-uri", uri, isolated=True)
         listed, bad = listing.result(), showing.result()
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)
