@@ -309,34 +309,15 @@ def test_score_aware_metric_reads_each_sequence_once_and_matches_a_per_query_pre
     import torch
 
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.geometry import visible_key_count
     from dsaindex.pq import PQSpec
-    from dsaindex.quant import engine_keys
-    from dsaindex.score import indexer_scores
-    from dsaindex.train.pq import score_gradient_metric
-    from dsaindex.train.pq_job import metric_for_layer
-    from dsaindex.train.recall import sequence_key_offsets
+    from dsaindex.train.pq_job import metric_for_layer, metric_for_layer_reference, metric_rows
 
     _, store_path, _, _, _ = trained
     store = CaptureStore.open(store_path)
     key_format = store.manifest.model.geometry.key_format
     spec, topk, layer, train = PQSpec(dim=128, subspaces=32), 32, 1, [0, 2, 3]
-    got = metric_for_layer(store, layer, train, key_format, spec, 40, topk)
-    positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
-    offsets = sequence_key_offsets(store)
-    rows = np.nonzero(np.isin(seq_of, train))[0]
-    rows = rows[np.linspace(0, len(rows) - 1, 40).round().astype(np.int64)]
-    assert set(seq_of[rows]) == set(train)  # queries of every training sequence, none of the others
-    queries = store.as_float(store.queries(layer)[rows])
-    weights = torch.from_numpy(store.head_weights(layer)[rows])
-    chosen = []
-    for i, r in enumerate(rows):
-        start = offsets[seq_of[r]]
-        count = min(int(visible_key_count(positions[r], store.manifest.model.geometry.key_stride)),
-                    int(offsets[seq_of[r] + 1] - start))
-        keys = engine_keys(store.as_float(store.keys(layer)[start : start + count]), key_format)
-        scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
-        chosen.append(keys[scores.topk(min(2 * topk, count)).indices])
-    want = score_gradient_metric(queries, weights, chosen, spec)
+    assert set(seq_of[metric_rows(store, train, 40)]) == set(train)  # every training sequence, no other
+    got = metric_for_layer(store, layer, train, key_format, spec, 40, topk)
+    want = metric_for_layer_reference(store, layer, train, key_format, spec, 40, topk)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)

@@ -102,9 +102,7 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
     seq_of = store.array("query_sequence").astype(np.int64)
     stride = store.manifest.model.geometry.key_stride
     offsets = sequence_key_offsets(store)
-    rows = np.nonzero(np.isin(seq_of, train_sequences))[0]
-    if len(rows) > max_queries:
-        rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
+    rows = metric_rows(store, train_sequences, max_queries)
     queries = store.as_float(store.queries(layer)[rows])
     weights = torch.from_numpy(store.head_weights(layer)[rows])
     raw = store.keys(layer)
@@ -123,6 +121,41 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
             scores = indexer_scores(queries[i : i + 1].to(dev), keys[:count], weights[i : i + 1].to(dev))[0]
             chosen[i] = keys[scores.topk(min(2 * topk, count)).indices].cpu()
     return score_gradient_metric(rotate(queries, rotation), weights, [rotate(c, rotation) for c in chosen], spec)
+
+
+def metric_rows(store: CaptureStore, train_sequences: list[int], max_queries: int) -> np.ndarray:
+    """The store rows of the queries the score-aware metric samples: at most ``max_queries``, evenly spread
+    over the training sequences' queries."""
+    seq_of = store.array("query_sequence").astype(np.int64)
+    rows = np.nonzero(np.isin(seq_of, train_sequences))[0]
+    if len(rows) > max_queries:
+        rows = rows[np.linspace(0, len(rows) - 1, max_queries).round().astype(np.int64)]
+    return rows
+
+
+def metric_for_layer_reference(store: CaptureStore, layer: int, train_sequences: list[int], key_format: str,
+                               spec: PQSpec, max_queries: int, topk: int) -> torch.Tensor:
+    """The spec of :func:`metric_for_layer` (no rotation, on the host): each sampled query's causal prefix
+    read from the store and put in engine form on its own, then scored."""
+    from dsaindex.geometry import visible_key_count
+    from dsaindex.quant import engine_keys
+    from dsaindex.score import indexer_scores
+
+    positions = store.array("query_position").astype(np.int64)
+    seq_of = store.array("query_sequence").astype(np.int64)
+    offsets = sequence_key_offsets(store)
+    rows = metric_rows(store, train_sequences, max_queries)
+    queries = store.as_float(store.queries(layer)[rows])
+    weights = torch.from_numpy(store.head_weights(layer)[rows])
+    chosen = []
+    for i, r in enumerate(rows):
+        start = offsets[seq_of[r]]
+        count = min(int(visible_key_count(positions[r], store.manifest.model.geometry.key_stride)),
+                    int(offsets[seq_of[r] + 1] - start))
+        keys = engine_keys(store.as_float(store.keys(layer)[start : start + count]), key_format)
+        scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
+        chosen.append(keys[scores.topk(min(2 * topk, count)).indices])
+    return score_gradient_metric(queries, weights, chosen, spec)
 
 
 def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
