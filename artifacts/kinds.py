@@ -10,7 +10,8 @@ Built in:
 
 * ``pq``: per-layer PQ codebooks (:class:`dsaindex.pq.PQCodec`), arrays ``codebooks`` [M, K, D/M],
   for score-aware codebooks ``metric`` [M, D/M, D/M], and for OPQ codebooks (``params["rotate"]``)
-  ``rotation`` [D, D] (orthogonal; the codes are of ``keys @ rotation.T``);
+  ``rotation`` [D, D] (orthogonal; the codes are of ``keys @ rotation.T``); residual codes
+  (``params["quantizer"] == "rq"``) store whole-key ``codebooks`` [M, K, D] and a full ``metric`` [1, D, D];
 * ``ivf``: a causal-IVF routing encoder (:class:`IVFLayer`): the encoder's arrays
   (:data:`ENCODER_ARRAYS`) and the index settings it was trained with (:class:`IVFIndexSettings`);
 * ``reuse``: cross-layer top-k reuse plans (:class:`ReusePlans`), a model-level artifact: see
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -88,20 +89,25 @@ def get_kind(name: str) -> ArtifactKind:
 # ---- pq --------------------------------------------------------------------------------------------
 class PQParams(BaseModel):
     """Parameters of a ``pq`` layer; training notes (trainer, train_keys, ...) ride along as extras.
-    ``rotate``: the codes are of rotated keys (OPQ) and the layer stores the ``rotation`` array."""
+    ``rotate``: the codes are of rotated keys (OPQ) and the layer stores the ``rotation`` array.
+    ``quantizer``: ``pq`` (product: a key is the concatenation of its M codewords) or ``rq`` (residual: the
+    sum of M whole-key codewords, coded by beam search of width ``beam``)."""
 
     model_config = ConfigDict(extra="allow")
     subspaces: int
     centroids: int = 256
     score_aware: bool = False
     rotate: bool = False
+    quantizer: Literal["pq", "rq"] = "pq"
+    beam: int = Field(5, ge=1)
 
 
 def _place_pq(params: PQParams, tensors: dict[str, Any]):
     from dsaindex.errors import CorruptBundleError
     from dsaindex.pq import PQCodec
 
-    fix = "train the layer again (`dsaindex train pq STORE --rotate` for OPQ codebooks, without it for plain PQ)."
+    fix = ("train the layer again (`dsaindex train pq STORE`: --rotate for OPQ codebooks, --quantizer rq for a "
+           "residual code, neither for plain PQ).")
     rotation = tensors.get("rotation")
     if params.rotate and rotation is None:
         raise CorruptBundleError("The pq layer's params say its codes are of rotated keys (rotate=true, OPQ), but "
@@ -110,20 +116,24 @@ def _place_pq(params: PQParams, tensors: dict[str, Any]):
     if rotation is not None and not params.rotate:
         raise CorruptBundleError("The pq layer stores a 'rotation' array, but its params do not say rotate=true: "
                                  "whether its codes are of rotated keys is ambiguous.", fix)
+    codebooks = tensors["codebooks"]
+    residual = params.quantizer == "rq"
+    if codebooks.dim() != 3 or codebooks.shape[0] != params.subspaces:
+        raise CorruptBundleError(f"The pq layer's codebooks have shape {list(codebooks.shape)}; its params say "
+                                 f"{params.subspaces} {'codebooks' if residual else 'subspaces'}.", fix)
     try:
-        return PQCodec(tensors["codebooks"], tensors.get("metric"), rotation)
-    except DsaIndexError as err:  # a rotation of the wrong shape, or not orthogonal
+        return PQCodec(codebooks, tensors.get("metric"), rotation, residual=residual, beam=params.beam)
+    except DsaIndexError as err:  # a rotation of the wrong shape or not orthogonal; a metric of the wrong shape
         raise CorruptBundleError(err.problem, fix) from None
 
 
 def _summarize_pq(codec) -> dict[str, Any]:
     return {"kind": "pq", "subspaces": codec.subspaces, "score_aware": codec.metric is not None,
-            "rotate": codec.rotation is not None}
+            "rotate": codec.rotation is not None, "quantizer": "rq" if codec.residual else "pq"}
 
 
 def _describe_pq(codec) -> str:
-    name = f"{'OPQ' if codec.rotation is not None else 'PQ'}{codec.subspaces}"
-    return f"{name}{' score-aware' if codec.metric is not None else ''}"
+    return codec.label
 
 
 # ---- ivf -------------------------------------------------------------------------------------------

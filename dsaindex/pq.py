@@ -15,6 +15,14 @@ the codes are of the rotated keys ``k @ R.T``. :meth:`PQCodec.encode` rotates ke
 against raw queries as before. A kernel that scores codes from the codebooks directly (lookup tables, decoded
 tiles) rotates the queries instead, once per step (:meth:`PQCodec.rotate_queries`): ``q . k = (q R^T) . (k R^T)``.
 :func:`rotate` is the one implementation of that product.
+
+Residual codecs (``PQCodec(residual=True)``, RQ) give each of the M bytes a codebook of whole D-dimensional
+codewords instead of a slice of the key: a key is the sum of its M codewords, coded one codebook after
+another on what the earlier ones left (:func:`beam_search`, keeping the ``beam`` best partial codes).
+``codebooks`` is then [M, K, D], in the keys' own space; a score-aware residual codec carries the full
+[1, D, D] metric and encodes under it (:func:`residual_encode`). Its score against a query is still a sum of
+M table lookups, so the decode runtime's coarse stages take either form (see
+:mod:`dsaindex.kernels.pq_select`); only the page encoder differs.
 """
 
 from __future__ import annotations
@@ -154,31 +162,128 @@ def relative_mse(keys: torch.Tensor, codebooks: torch.Tensor, rotation: torch.Te
                                                                        math.ulp(1.0))
 
 
+def beam_search(x: torch.Tensor, codebooks: torch.Tensor, beam: int,
+                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual coding of ``x`` [n, D] by the whole-key codebooks [M, K, D] not yet used in ``state``, keeping
+    the ``beam`` best partial codes at each codebook. ``state`` (codes [n, b, m] int64, residuals [n, b, D])
+    continues an earlier search over the first m codebooks (training adds one codebook at a time). Returns
+    (codes [n, b, M] int64, residuals [n, b, D]), beams best first."""
+    n, d = x.shape
+    if state is None:
+        codes, res = torch.zeros(n, 1, 0, dtype=torch.long, device=x.device), x[:, None, :]
+    else:
+        codes, res = state
+    norms = (codebooks * codebooks).sum(-1)  # [M, K]
+    for m in range(codes.shape[2], codebooks.shape[0]):
+        b, k = res.shape[1], codebooks.shape[1]
+        err = (res * res).sum(-1, keepdim=True) - 2 * res @ codebooks[m].t() + norms[m]  # [n, b, K]
+        best = err.reshape(n, b * k).topk(min(beam, b * k), dim=1, largest=False).indices  # ascending error
+        parent, code = best // k, best % k
+        res = res.gather(1, parent[..., None].expand(-1, -1, d)) - codebooks[m][code]
+        codes = torch.cat([codes.gather(1, parent[..., None].expand(-1, -1, codes.shape[2])), code[..., None]], dim=2)
+    return codes, res
+
+
+def residual_whitening(metric: torch.Tensor | None, dim: int, device: torch.device | str) -> torch.Tensor | None:
+    """The [D, D] map ``L`` (``A + eps I = L L^T``, normalized as :func:`whitening` does) under which a
+    score-aware residual code's distances are Euclidean: keys and codewords are coded as ``x @ L``. None
+    for the plain metric. ``metric`` is the full [1, D, D] one."""
+    if metric is None:
+        return None
+    lt, _ = whitening(metric, PQSpec(dim=dim, subspaces=1), device)
+    return lt[0].t().contiguous()
+
+
+def residual_encode(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None, beam: int = 5,
+                    block: int = 16384) -> torch.Tensor:
+    """Residual codes [N, M] uint8 of ``keys`` [N, D]: beam search of width ``beam`` over the whole-key
+    ``codebooks`` [M, K, D] (moved to the keys' device), under the full ``metric`` [1, D, D] if given (both
+    sides mapped by :func:`residual_whitening`), in blocks of ``block`` rows."""
+    dim = codebooks.shape[2]
+    books = codebooks.to(keys.device, torch.float32)
+    white = residual_whitening(metric, dim, keys.device)
+    if white is not None:
+        books = books @ white
+    codes = torch.empty(keys.shape[0], codebooks.shape[0], dtype=torch.uint8, device=keys.device)
+    for start in range(0, keys.shape[0], block):
+        x = keys[start : start + block].float()
+        codes[start : start + block] = beam_search(x if white is None else x @ white, books, beam)[0][:, 0]
+    return codes
+
+
+def residual_decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """codes [N, M] uint8 -> keys [N, D] float32: the sum of each key's M codewords of ``codebooks`` [M, K, D]."""
+    cb = codebooks.to(codes.device).float()
+    return cb[torch.arange(cb.shape[0], device=codes.device).unsqueeze(0), codes.long()].sum(1)
+
+
 @dataclass
 class PQCodec:
-    """One layer's product quantizer: what training produces, a bundle stores and the runtime serves.
+    """One layer's key code: what training produces, a bundle stores and the runtime serves.
 
-    codebooks : [M, K, D/M] float32; metric : optional [M, D/M, D/M] float32 (score-aware encoding);
-    rotation : optional [D, D] float32 orthogonal (OPQ: the codes are of ``keys @ rotation.T``; checked on
-    construction, a :class:`DsaIndexError` otherwise)
+    Product form (default): codebooks [M, K, D/M] float32; metric : optional [M, D/M, D/M] float32
+    (score-aware encoding); rotation : optional [D, D] float32 orthogonal (OPQ: the codes are of
+    ``keys @ rotation.T``; checked on construction, a :class:`DsaIndexError` otherwise).
+
+    Residual form (``residual=True``, RQ): codebooks [M, K, D] whole-key codewords in the keys' space, a key
+    the sum of its M codewords; metric : optional full [1, D, D] (score-aware encoding); no rotation; codes
+    are found by beam search of width ``beam``. Both forms cost M bytes per key and score as M table lookups.
     """
 
     codebooks: torch.Tensor
     metric: torch.Tensor | None = None
     rotation: torch.Tensor | None = None
+    residual: bool = False
+    beam: int = 5
 
     def __post_init__(self):
+        fix = ("pass codebooks [M, K, D/M] with an optional metric [M, D/M, D/M] for a product code, or "
+               "residual=True with codebooks [M, K, D] and an optional metric [1, D, D].")
+        if self.codebooks.dim() != 3:
+            raise DsaIndexError(f"Codebooks of shape {list(self.codebooks.shape)} are not [M, K, d].", fix)
+        m, k, d = self.codebooks.shape
+        if self.residual:
+            if self.rotation is not None:
+                raise DsaIndexError("A residual code was given an OPQ rotation; its codewords span the whole key.",
+                                    "drop the rotation (train RQ without --rotate).")
+            if self.beam < 1:
+                raise DsaIndexError(f"The residual code's beam is {self.beam}.", "pass a beam of 1 or more (5 is usual).")
+            want = (1, d, d)
+        else:
+            want = (m, d, d)
+        if self.metric is not None and tuple(self.metric.shape) != want:
+            raise DsaIndexError(f"The {'residual' if self.residual else 'product'} code's metric has shape "
+                                f"{list(self.metric.shape)}; with codebooks {list(self.codebooks.shape)} it must be "
+                                f"{list(want)}.", fix)
+        if not 2 <= k <= 256:
+            raise DsaIndexError(f"{k} codewords per codebook do not fit 8-bit codes.", "use at most 256 codewords.")
         if self.rotation is not None:
-            check_rotation(self.rotation, self.spec.dim)
+            check_rotation(self.rotation, self.dim)
             self.rotation = self.rotation.float()
 
     @property
+    def dim(self) -> int:
+        """D, the dims of the keys coded."""
+        m, _, d = self.codebooks.shape
+        return d if self.residual else m * d
+
+    @property
     def spec(self) -> PQSpec:
+        """The product code's shape (a residual code has no subspaces: :class:`DsaIndexError`)."""
+        if self.residual:
+            raise DsaIndexError("A residual code has no subspace split.", "read .dim and .subspaces instead.")
         return PQSpec.of(self.codebooks)
 
     @property
     def subspaces(self) -> int:
+        """M: subspaces (product form) or codebooks (residual form), one byte each per key."""
         return int(self.codebooks.shape[0])
+
+    @property
+    def label(self) -> str:
+        """``PQ32``, ``OPQ32`` or ``RQ32``, with `` score-aware`` when it has a metric."""
+        name = "RQ" if self.residual else "OPQ" if self.rotation is not None else "PQ"
+        return f"{name}{self.subspaces}{' score-aware' if self.metric is not None else ''}"
 
     @property
     def nbytes(self) -> int:
@@ -187,11 +292,17 @@ class PQCodec:
         return 4 * (self.codebooks.numel() + extra)
 
     def encode(self, keys: torch.Tensor) -> torch.Tensor:
-        """keys [N, D] (original space) -> codes [N, M] uint8 (see :func:`encode`; rotated first for OPQ)."""
+        """keys [N, D] (original space) -> codes [N, M] uint8 (see :func:`encode`; rotated first for OPQ;
+        :func:`residual_encode` for the residual form)."""
+        if self.residual:
+            return residual_encode(keys, self.codebooks, self.metric, self.beam)
         return encode(keys, self.codebooks, self.metric, rotation=self.rotation)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [N, M] uint8 -> keys [N, D] float32 in the original space (rotated back for OPQ)."""
+        """codes [N, M] uint8 -> keys [N, D] float32 in the original space (rotated back for OPQ; the sum of
+        the codewords for the residual form)."""
+        if self.residual:
+            return residual_decode(codes, self.codebooks)
         return decode(codes, self.codebooks, self.rotation)
 
     def rotate_queries(self, queries: torch.Tensor) -> torch.Tensor:
@@ -203,8 +314,12 @@ class PQCodec:
     def relative_mse(self, keys: torch.Tensor) -> float:
         """Plain (Euclidean) reconstruction error of ``keys`` [N, D] over their mean squared norm (see
         :func:`relative_mse`)."""
+        if self.residual:
+            x = keys.float()
+            err = ((self.decode(self.encode(x)) - x) ** 2).sum(-1).mean()
+            return float(err / (x**2).sum(-1).mean().clamp_min(math.ulp(1.0)))
         return relative_mse(keys, self.codebooks, self.rotation)
 
     def to(self, device: torch.device | str) -> PQCodec:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PQCodec(self.codebooks.to(device), move(self.metric), move(self.rotation))
+        return PQCodec(self.codebooks.to(device), move(self.metric), move(self.rotation), self.residual, self.beam)

@@ -16,6 +16,13 @@ caller keeps the top C for the exact rerank.
 :func:`pq_encode`: nearest centroid per subspace for newly completed pages; its reference
 :func:`pq_encode_reference` is the core codec's :func:`dsaindex.pq.encode`.
 
+Residual codes (RQ, ``PQCodec(residual=True)``): ``codebooks`` [M, K, D] of whole-key codewords instead of
+[M, K, D/M] slices (told apart by shape against the queries' D, :func:`is_residual`; with M = 1 the two
+forms are one). Stage 1 is unchanged but for its tables (the folded query against whole codewords);
+stage 2 decodes a candidate as the sum of its M codewords (M rows of D values read, where a product code
+reads D values in all); pages are encoded by the codec's beam search (:meth:`dsaindex.pq.PQCodec.encode`),
+not by :func:`pq_encode`.
+
 OPQ codecs (:attr:`dsaindex.pq.PQCodec.rotation`): the coarse stages score codes straight from the
 codebooks, so they take queries already in the code space (the caller rotates them once per step,
 :func:`dsaindex.pq.rotate`); :func:`pq_encode` takes the rotation and rotates the keys.
@@ -32,11 +39,20 @@ from dsaindex.kernels import checks, select
 from dsaindex.pq import PQSpec, encode, rotate, split_subspaces, whitening
 
 
+def is_residual(codebooks: torch.Tensor, dim: int) -> bool:
+    """Whether ``codebooks`` [M, K, d] are a residual code's whole-key codewords (d == D, M > 1) rather than
+    a product code's [M, K, D/M] slices, for keys of ``dim`` = D dims."""
+    return codebooks.shape[0] > 1 and codebooks.shape[2] == dim
+
+
 def folded_lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
-    """[B, H, D] queries, [B, H] weights, [M, K, D/M] codebooks -> [B, M, K] float32 tables of the
-    folded query ``sum_h w_h q_h`` against every centroid."""
+    """[B, H, D] queries, [B, H] weights, [M, K, D/M] codebooks (or a residual code's [M, K, D]) -> [B, M, K]
+    float32 tables of the folded query ``sum_h w_h q_h`` (its m-th slice, or all of it) against every
+    codeword."""
     m, _, d = codebooks.shape
     folded = torch.einsum("bh,bhd->bd", head_weights.float(), queries.float())
+    if is_residual(codebooks, queries.shape[2]):
+        return torch.einsum("bd,mkd->bmk", folded, codebooks.float()).contiguous()
     return torch.einsum("bmd,mkd->bmk", folded.view(folded.shape[0], m, d), codebooks.float()).contiguous()
 
 
@@ -56,6 +72,7 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
       knows it without the others). A lookup reads 1 byte; a sum of 32 entries has a rounding error of
       about 1.6 scale, against a score spread of hundreds of scales. ``centroid_norms`` [M] (the largest
       centroid norm per subspace) is computed here if not given (a caller that keeps the codebook passes it).
+      For a residual code ([M, K, D] codebooks) B is |folded query| x the largest codeword norm.
 
     Scores summed from a scaled table come out divided by ``scale``. Inputs as
     :func:`folded_lookup_tables`, on one device, heads and D/M any size. ``zero`` [B, Z + M] int32
@@ -87,6 +104,7 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
         if z < m or triton.next_power_of_2(z) != z:
             raise ValueError(f"zero.shape[1]: got {zero.shape[1]}, want Z + M with Z a power of two of at "
                              f"least M = {m}")
+    whole = is_residual(codebooks, dim)
     if any(triton.next_power_of_2(x) != x for x in (d, dim, m, k)):  # odd shapes: the torch tables
         if zero is not None:
             zero.zero_()
@@ -97,14 +115,18 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
         if dtype == torch.float16:
             scale = folded.norm(dim=1).clamp_min(1e-30)
             return (lut / scale[:, None, None]).half(), scale
-        parts = folded.view(b, m, d).norm(dim=2) * centroid_norms.to(dev, torch.float32)[None, :]
+        if whole:
+            parts = folded.norm(dim=1, keepdim=True) * centroid_norms.to(dev, torch.float32)[None, :]
+        else:
+            parts = folded.view(b, m, d).norm(dim=2) * centroid_norms.to(dev, torch.float32)[None, :]
         scale = parts.amax(dim=1).clamp_min(1e-30) / 127
         return torch.floor(lut / scale[:, None, None] + 0.5).to(torch.int8), scale
     norms = centroid_norms.to(dev, torch.float32).contiguous() if int8 else cb
     lookup_table_kernel[(b, m)](
         queries.contiguous(), head_weights.float().contiguous(), cb, norms, out, scale if scaled else out,
         N_HEADS=h, H_PAD=max(2, triton.next_power_of_2(h)), D=dim, M=m, K=k, DSUB=d, HALF=dtype == torch.float16,
-        INT8=int8, zero_ptr=zero, ZERO_N=0 if zero is None else zero.shape[1] - m)
+        INT8=int8, zero_ptr=zero, ZERO_N=0 if zero is None else zero.shape[1] - m, WHOLE=whole,
+        K_BLOCK=min(k, max(1, 4096 // d)))
     return out, scale
 
 
@@ -130,13 +152,18 @@ def pq_linear_scores_reference(codes: torch.Tensor, queries: torch.Tensor, head_
 def pq_candidate_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor,
                                   head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     """Stage-2 scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none: -inf); keys decoded in
-    bf16 as the kernel does, products in float32."""
+    bf16 as the kernel does (a residual code's codewords summed in float32, then rounded to bf16),
+    products in float32."""
     m, k, d = codebooks.shape
     b, r = rows.shape
     safe = rows.clamp_min(0).long()
     cand_codes = codes.gather(1, safe.unsqueeze(-1).expand(b, r, m)).long()  # [B, R, M]
     cb = codebooks.to(torch.bfloat16).float()
-    keys = cb[torch.arange(m, device=codes.device), cand_codes].reshape(b, r, m * d)
+    words = cb[torch.arange(m, device=codes.device), cand_codes]  # [B, R, M, d]
+    if is_residual(codebooks, queries.shape[2]):
+        keys = words.sum(2).to(torch.bfloat16).float()
+    else:
+        keys = words.reshape(b, r, m * d)
     dots = torch.einsum("brd,bhd->brh", keys, queries.to(torch.bfloat16).float())
     scores = (torch.relu(dots) * head_weights.float().unsqueeze(1)).sum(-1)
     return scores.masked_fill(rows < 0, float("-inf"))
@@ -144,19 +171,21 @@ def pq_candidate_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queri
 
 def _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table=None) -> None:
     """The preconditions both coarse stages share (:mod:`dsaindex.kernels.checks`). With a
-    ``page_table`` [B, W] int32 the codes are kept per physical page, [P, 64, M]."""
-    checks.rank("codebooks", codebooks, 3, "M, K, D/M")
+    ``page_table`` [B, W] int32 the codes are kept per physical page, [P, 64, M]. ``codebooks`` [M, K, D/M]
+    (product code) or [M, K, D] (residual code)."""
+    checks.rank("codebooks", codebooks, 3, "M, K, D/M (or M, K, D for a residual code)")
     m, k, d = codebooks.shape
     checks.power_of_two("codebooks.shape[0] (subspaces M)", m)
     checks.power_of_two("codebooks.shape[1] (centroids K)", k)
     checks.dtype("codes", codes, torch.uint8)
+    checks.rank("queries", queries, 3, "B, H, D")
+    dim = d if is_residual(codebooks, queries.shape[2]) else m * d
     if page_table is None:
         checks.shape("codes", codes, (None, None, m), "B, N, M")
-        checks.shape("queries", queries, (codes.shape[0], None, m * d), "B, H, D")
+        checks.shape("queries", queries, (codes.shape[0], None, dim), "B, H, D")
     else:
         checks.shape("codes", codes, (None, 64, m), "P, 64, M (codes per physical page)")
-        checks.rank("queries", queries, 3, "B, H, D")
-        checks.shape("queries", queries, (None, None, m * d), "B, H, D")
+        checks.shape("queries", queries, (None, None, dim), "B, H, D")
         checks.shape("page_table", page_table, (queries.shape[0], None), "B, W")
         checks.dtype("page_table", page_table, torch.int32)
         checks.same_device(codes=codes, page_table=page_table)
@@ -297,7 +326,8 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     if r == 0:
         return out
     table = codebooks.to(torch.bfloat16).contiguous()
-    wide = d == 4  # one 8-byte load per subspace instead of four 2-byte ones
+    residual = is_residual(codebooks, dim)
+    wide = d == 4 and not residual  # one 8-byte load per subspace instead of four 2-byte ones
     pages = out if page_table is None else page_table.contiguous()
     pq_candidate_kernel[(triton.cdiv(r, block_n * iters), b)](
         codes.contiguous(), rows.to(torch.int32).contiguous(), table.view(torch.int64) if wide else table,
@@ -305,7 +335,7 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         counts if counts is not None else out, pages, pages.shape[-1], n, r,
         N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
         F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide, ITERS=iters,
-        HAS_TABLE=page_table is not None)
+        HAS_TABLE=page_table is not None, RESIDUAL=residual)
     return out
 
 
@@ -378,21 +408,24 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     bins = torch.empty(b, r, dtype=torch.int32, device=dev)
     sel = torch.empty(b, 4, dtype=torch.int32, device=dev)
     table = codebooks.to(torch.bfloat16).contiguous()
-    wide = d == 4
     h, dim = queries.shape[1], queries.shape[2]
+    residual = is_residual(codebooks, dim)
+    wide = d == 4 and not residual
     pq_candidate_kernel[(max(1, triton.cdiv(r, block_n)), b)](
         codes.contiguous(), rows.contiguous(), table.view(torch.int64) if wide else table,
         queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out, counts, out, 0,
         codes.shape[1], r, N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
         F32=select.interpreted(), HAS_COUNTS=True, WIDE=wide, ITERS=1, bins_ptr=bins, scratch_ptr=scratch,
-        sel_ptr=sel, key_bound=float(key_bound), c=c, capacity=capacity, BINS=True, NBINS=BIN_COUNT)
+        sel_ptr=sel, key_bound=float(key_bound), c=c, capacity=capacity, BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual)
     return out, bins, sel
 
 
-def decoded_key_bound(codebooks: torch.Tensor) -> float:
-    """The largest norm a key decoded from ``codebooks`` [M, K, D/M] (as bf16, what stage 2 reads) can have."""
-    cb = codebooks.to(torch.bfloat16).float()
-    return float(cb.pow(2).sum(2).amax(1).sum().sqrt())
+def decoded_key_bound(codebooks: torch.Tensor, residual: bool = False) -> float:
+    """A bound of the norm of a key decoded from ``codebooks`` [M, K, D/M] (as bf16, what stage 2 reads):
+    the largest such norm; for a residual code's [M, K, D] (``residual``), the sum over codebooks of the
+    largest codeword norm (the triangle inequality)."""
+    norms = codebooks.to(torch.bfloat16).float().pow(2).sum(2).amax(1)  # [M] largest squared codeword norm
+    return float(norms.sqrt().sum()) if residual else float(norms.sum().sqrt())
 
 
 def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,

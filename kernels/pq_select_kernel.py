@@ -4,8 +4,9 @@
 lookups per key (int8 tables summed as integers); sampling or threshold-append mode like
 :mod:`fp8_score_kernel`. With int8 tables the sampling mode also counts the integer scores in a histogram,
 and the last sampling program of a request turns it into the request's threshold.
-``pq_candidate_kernel``: candidates' keys decoded from their codes into a bf16 tile, then every head
-on tensor cores (``sum_h w_h relu(q_h . k)``); scores written per candidate.
+``pq_candidate_kernel``: candidates' keys decoded from their codes into a bf16 tile (a residual code's
+as the sum of its whole-key codewords), then every head on tensor cores (``sum_h w_h relu(q_h . k)``);
+scores written per candidate.
 ``pq_encode_kernel``: nearest centroid per subspace (page encoding).
 ``lookup_table_kernel``: the stage-1 tables, one program per request and subspace (float32; float16 or
 int8 scaled per request).
@@ -140,7 +141,7 @@ def _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE: tl.cons
 def pq_candidate_kernel(
     codes_ptr,  # [B, n_rows, M] uint8 PQ codes
     rows_ptr,  # [B, n_out] int32 candidate rows (-1 = none)
-    codebook_ptr,  # [M, K, D // M] bf16 codebooks (WIDE: viewed as [M, K] int64, D // M == 4)
+    codebook_ptr,  # [M, K, D // M] bf16 codebooks (WIDE: viewed as [M, K] int64, D // M == 4; RESIDUAL: [M, K, D])
     q_ptr,  # [B, N_HEADS, D] bf16 queries
     w_ptr,  # [B, N_HEADS] float32 effective head weights
     out_ptr,  # [B, n_out] float32 scores (-inf for none)
@@ -168,6 +169,7 @@ def pq_candidate_kernel(
     capacity=0,  # (BINS) candidates that may be kept (at least c)
     BINS: tl.constexpr = False,
     NBINS: tl.constexpr = 8192,
+    RESIDUAL: tl.constexpr = False,  # codebook [M, K, D] whole-key codewords: a key is their sum
 ):
     # ITERS consecutive tiles per program: the queries are loaded once for all of them
     pid = tl.program_id(0)
@@ -188,7 +190,14 @@ def pq_candidate_kernel(
             rows = tl.load(rows_ptr + b * n_out + idx, mask=idx < n_live, other=-1)
             valid = rows >= 0
             flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
-            if WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
+            if RESIDUAL:  # a key is the sum of its M whole-key codewords (rows of D bf16 values), in float32
+                dims = tl.arange(0, D)
+                acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+                for j in range(M):
+                    code = tl.load(codes_ptr + flat * M + j, mask=valid, other=0).to(tl.int32)
+                    acc += tl.load(codebook_ptr + (j * K + code)[:, None] * D + dims[None, :]).to(tl.float32)
+                keys = acc.to(tl.bfloat16)
+            elif WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
                 sub = tl.arange(0, M)
                 codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
                 words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32))  # [BLOCK_N, M] int64
@@ -284,7 +293,7 @@ def pq_encode_kernel(
 def lookup_table_kernel(
     q_ptr,  # [B, N_HEADS, D] bf16 / float queries
     w_ptr,  # [B, N_HEADS] float32 head weights
-    codebook_ptr,  # [M, K, DSUB] float32
+    codebook_ptr,  # [M, K, DSUB] float32 (WHOLE: DSUB == D, whole-key codewords of a residual code)
     cmax_ptr,  # [M] float32 largest centroid norm of each subspace (INT8)
     out_ptr,  # [B, M, K] float32, float16 (HALF) or int8 (INT8): the table, divided by the request's scale if scaled
     scale_ptr,  # [B] float32 out (HALF, INT8): what each table entry was divided by
@@ -298,6 +307,8 @@ def lookup_table_kernel(
     INT8: tl.constexpr = False,
     zero_ptr=None,  # [B, ZERO_N + M] int32 scratch zeroed here (ZERO_N > 0): a histogram and M counters
     ZERO_N: tl.constexpr = 0,
+    WHOLE: tl.constexpr = False,  # residual code: every codebook m scores against the whole folded query
+    K_BLOCK: tl.constexpr = 256,  # codewords per pass (a [K_BLOCK, DSUB] tile of the codebook at a time)
 ):
     b = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
@@ -308,28 +319,39 @@ def lookup_table_kernel(
     heads = tl.arange(0, H_PAD)
     live = heads < N_HEADS
     w = tl.load(w_ptr + b * N_HEADS + heads, mask=live, other=0.0)
-    part = m * DSUB + tl.arange(0, DSUB)
+    first = m * DSUB
+    if WHOLE:
+        first = 0
+    part = first + tl.arange(0, DSUB)
     q = tl.load(q_ptr + b * N_HEADS * D + heads[:, None] * D + part[None, :], mask=live[:, None], other=0.0)
-    folded = tl.sum(w[:, None] * q.to(tl.float32), axis=0)  # [DSUB]: this subspace of sum_h w_h q_h
-    cents = tl.arange(0, K)
-    cb = tl.load(codebook_ptr + (m * K + cents[:, None]) * DSUB + tl.arange(0, DSUB)[None, :])
-    table = tl.sum(cb * folded[None, :], axis=1)
+    folded = tl.sum(w[:, None] * q.to(tl.float32), axis=0)  # [DSUB]: this subspace of sum_h w_h q_h (WHOLE: all)
+    scale = 1.0
     if HALF or INT8:
         dims = tl.arange(0, D)
         q_all = tl.load(q_ptr + b * N_HEADS * D + heads[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
         whole = tl.sum(w[:, None] * q_all.to(tl.float32), axis=0)  # [D] the folded query
         if INT8:
             # a bound on every entry of the request's table, known to each program without the others:
-            # |folded_m . c| <= |folded_m| * (largest centroid norm of subspace m), maximized over m
-            parts = tl.reshape(whole * whole, [M, DSUB])
-            bound = tl.max(tl.sqrt(tl.sum(parts, axis=1)) * tl.load(cmax_ptr + tl.arange(0, M)), axis=0)
+            # |folded_m . c| <= |folded_m| * (largest centroid norm of subspace m), maximized over m (WHOLE:
+            # |folded| * the largest codeword norm of any codebook)
+            if WHOLE:
+                bound = tl.sqrt(tl.sum(whole * whole, axis=0)) * tl.max(tl.load(cmax_ptr + tl.arange(0, M)), axis=0)
+            else:
+                parts = tl.reshape(whole * whole, [M, DSUB])
+                bound = tl.max(tl.sqrt(tl.sum(parts, axis=1)) * tl.load(cmax_ptr + tl.arange(0, M)), axis=0)
             scale = tl.maximum(bound, 1e-30) / 127.0
-            tl.store(out_ptr + (b * M + m) * K + cents, tl.floor(table / scale + 0.5).to(tl.int8))
         else:
             # divided by |folded|, an entry is at most its centroid's norm: well inside float16's range
             scale = tl.maximum(tl.sqrt(tl.sum(whole * whole, axis=0)), 1e-30)
-            tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
         if m == 0:
             tl.store(scale_ptr + b, scale)
-    else:
-        tl.store(out_ptr + (b * M + m) * K + cents, table)
+    for kb in tl.static_range(K // K_BLOCK):
+        cents = kb * K_BLOCK + tl.arange(0, K_BLOCK)
+        cb = tl.load(codebook_ptr + (m * K + cents[:, None]) * DSUB + tl.arange(0, DSUB)[None, :])
+        table = tl.sum(cb * folded[None, :], axis=1)
+        if INT8:
+            tl.store(out_ptr + (b * M + m) * K + cents, tl.floor(table / scale + 0.5).to(tl.int8))
+        elif HALF:
+            tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
+        else:
+            tl.store(out_ptr + (b * M + m) * K + cents, table)

@@ -67,16 +67,18 @@ def synthetic_rotation(dim: int = 128, seed: int = 0):
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
-def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0, rotation=None):
+def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0, rotation=None,
+                  residual=False):
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
-    ``keys`` a whole number of 64-key pages), with the length policy at ``exact_below`` keys."""
+    ``keys`` a whole number of 64-key pages), with the length policy at ``exact_below`` keys; a residual
+    codec (RQ) when ``residual`` (``codebooks`` [M, K, D])."""
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
     batch, keys, dim = fp8.shape
     host = HostKeyStore(batch * -(-keys // 64), dim)
-    group = PQDecodeGroup(PQCodec(codebooks.float().cpu(), rotation=rotation), host, batch, keys, topk,
+    group = PQDecodeGroup(PQCodec(codebooks.float().cpu(), rotation=rotation, residual=residual), host, batch, keys, topk,
                           candidates=candidates,
                           prefilter=prefilter, cache_capacity=cache, device="cuda", exact_below=exact_below)
     for b in range(batch):
@@ -124,7 +126,7 @@ def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], g
 
 def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int, cache: int,
               subspaces: int = 32, graphs: bool = True, profile: bool = False, exact_below: int = 0,
-              pq_from: dict[int, int] | None = None, opq: bool = False, direct_upto: int = 0) -> dict:
+              pq_from: dict[int, int] | None = None, opq: bool = False, direct_upto: int = 0, rq: bool = False) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -167,6 +169,10 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     if profile:
         profiles["pq_direct"] = kernel_profile(warm_step(linear_cfg))
     group.direct_upto = 0
+    rq_stats = None
+    if rq:  # the same codes read as a residual code's: whole-key codewords, summed in stage 2
+        rq_stats = _time_residual(fp8, scales, codes, topk, candidates, prefilter, cache, q, w, linear_cfg, graphs,
+                                  ms, modes, profiles if profile else None)
 
     def logits_step(cfg):
         return lambda: fp8_logits(fp8, scales, lengths, q, w, **cfg)
@@ -245,6 +251,8 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
                                       "pq_cold": round(ms["deepgemm_best"] / ms["pq_cold"], 3),
                                       "exact_path": round(ms["deepgemm_best"] / ms["exact_path"], 3),
                                       "policy": round(ms["deepgemm_best"] / ms["policy"], 3)}
+                                     | ({k: round(ms["deepgemm_best"] / ms[k], 3) for k in ("rq_warm", "rq_direct")}
+                                        if rq else {})
                                      if deepgemm_note is None else None),
         "triton_logits_vs_deepgemm_logits": (round(ms["triton_fp8_logits"] / ms["deepgemm_logits"], 3)
                                              if deepgemm_note is None else None),
@@ -253,12 +261,43 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         "deepgemm_fast_topk_counts_minmax": [min(fast_counts), max(fast_counts)] if deepgemm_note is None else None,
         "launch_configs": {"pq_stage1": linear_cfg, "triton_fp8_logits": exact_cfg},
         "pq_step_counts": {"warm": warm, "cold": cold_stats, "direct": direct_stats},
+        "rq_step_counts": rq_stats,
         "pq_host_reads": host_reads,
         "profile": profiles or None,
         "exact_threshold_counts_minmax": [min(exact_counts), max(exact_counts)],
         "gpu_bytes_per_request": {"exact_fp8": keys * 132, "pq_index": keys * subspaces,
                                   "pq_cache_and_tail": pq_cache_bytes},
     }
+
+
+def _time_residual(fp8, scales, codes, topk, candidates, prefilter, cache, q, w, linear_cfg, graphs, ms, modes,
+                   profiles) -> dict:
+    """Time the decode step with a residual codec (RQ, M whole-key codebooks of 256 codewords) over the same
+    keys and codes as the PQ step, in its warm, cold and direct forms: ``ms["rq_warm"]`` etc. Returns the
+    steps' counts."""
+    import torch
+
+    m, dim = codes.shape[2], fp8.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    books = torch.randn(m, 256, dim, device="cuda", generator=g) * m**-0.5  # decoded keys of about unit scale
+    group = pq_group_over(fp8, scales, codes, books, topk, candidates, prefilter, cache, residual=True)
+    group.linear_config = linear_cfg
+    group.select(q, w)  # compile, fill the cache
+
+    def cold():
+        group.cache_pos.fill_(-1)
+        return group.select(q, w)
+
+    ms["rq_warm"], modes["rq_warm"] = timed(lambda: group.select(q, w), graphs)
+    counts = {"warm": group.select(q, w)[1].totals()}
+    if profiles is not None:
+        profiles["rq_warm"] = kernel_profile(lambda: group.select(q, w))
+    ms["rq_cold"], modes["rq_cold"] = timed(cold, graphs)
+    counts["cold"] = cold()[1].totals()
+    group.direct_upto = fp8.shape[0]
+    ms["rq_direct"], modes["rq_direct"] = timed(lambda: group.select(q, w), graphs)
+    counts["direct"] = group.select(q, w)[1].totals()
+    return counts
 
 
 def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs,
@@ -410,6 +449,16 @@ def markdown_table(report: dict) -> str:
                      f"{m['triton_fp8_logits']:.3f} | {m['exact_fp8_triton']:.3f} | {m['torch_exact']:.3f} | {f['exact_fp8']:.3f} / {f['pq32']:.3f} | "
                      f"{speedup} | {r['speedup_vs_exact_fp8']['pq_warm']:.2f}x | {m['exact_path']:.3f} | "
                      f"{r['policy']['path']}, {m['policy']:.3f} | {policy} | {m['engine_paged']:.3f} | {paged} |")
+    if any("rq_warm" in r["median_ms"] for r in report["rows"]):
+        lines += ["", "| B | keys/request | PQ step, warm (ms) | RQ step, warm (ms) | RQ / PQ | PQ direct (ms) "
+                  "| RQ direct (ms) | RQ cold (ms) | best DeepGEMM + top-k / RQ warm |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in report["rows"]:
+            m, ratio = r["median_ms"], r.get("speedup_vs_deepgemm_topk")
+            vs_deepgemm = f"{ratio['rq_warm']:.2f}x" if ratio else "n/a"
+            lines.append(f"| {r['batch']} | {r['keys']:,} | {m['pq_warm']:.3f} | {m['rq_warm']:.3f} | "
+                         f"{m['rq_warm'] / m['pq_warm']:.2f}x | {m['pq_direct']:.3f} | {m['rq_direct']:.3f} | "
+                         f"{m['rq_cold']:.3f} | {vs_deepgemm} |")
     return "\n".join(lines) + "\n"
 
 
@@ -476,6 +525,9 @@ def bench_decode(
     markdown: Path = typer.Option(None, help="Also write the timing table as markdown to this file."),
     opq: bool = typer.Option(False, "--opq", help="Time the PQ paths with an OPQ codec (a rotation of the queries "
                                                   "before the coarse stages, one [B*H, D] x [D, D] product)."),
+    rq: bool = typer.Option(False, "--rq", help="Also time the step with a residual code (RQ32: 32 whole-key "
+                                                "codebooks, the bytes of PQ32; stage 2 sums 32 codewords per "
+                                                "candidate) beside the PQ step, over the same keys, in the same run."),
 ) -> None:
     """Decode-step selection latency: PQ coarse-to-fine vs exact FP8 (DeepGEMM's and Triton's logits with the
     threshold top-k) vs torch, per batch size and history length, with HBM floors, GPU bytes per request
@@ -507,11 +559,11 @@ def bench_decode(
     for n in key_counts:
         for b in batch_sizes:
             row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile,
-                            exact_below=exact_below, pq_from=pq_limits, opq=opq, direct_upto=direct_upto)
+                            exact_below=exact_below, pq_from=pq_limits, opq=opq, direct_upto=direct_upto, rq=rq)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()
-    report = {"device": torch.cuda.get_device_name(), "opq": opq, "heads": heads, "topk": topk, "candidates": candidates,
+    report = {"device": torch.cuda.get_device_name(), "opq": opq, "rq": rq, "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below, "pq_from": pq_limits,
               "direct_upto": direct_upto, "break_even_keys": break_even(rows),
               "direct_faster_upto_batch": direct_break_even(rows), "rows": rows}

@@ -71,6 +71,10 @@ def train_pq_cmd(
         False, "--rotate/--no-rotate", "--opq",
         help="OPQ: learn an orthogonal rotation of the keys before PQ (stored in the bundle; the runtime rotates "
              "new keys and each step's queries with it). Same bytes per key, lower quantization error."),
+    quantizer: str = typer.Option(
+        "pq", help="pq: product codes (each byte codes a slice of the key); rq: residual codes (each byte picks "
+                   "one of 256 whole-key codewords, summed; found by beam search). Same bytes per key; RQ "
+                   "ranks better at long prefixes and encodes new pages more slowly."),
     max_train_keys: int = typer.Option(262144, callback=at_least(1024),
                                        help="Keys per layer to train on (deterministic subsample; at least "
                                             "4 per centroid, 1024)."),
@@ -86,8 +90,13 @@ def train_pq_cmd(
     from dsaindex.console import print_json, print_pq_job, progress_bar
     from dsaindex.train.pq_job import pq_label, run_pq_job
 
+    if quantizer not in ("pq", "rq"):
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"--quantizer {quantizer!r} is not a code the runtime serves.",
+                            "pass --quantizer pq or rq (compare LSQ with `dsaindex eval pq-compare`).")
     opts = _pq_options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates,
-                       rotate=rotate)
+                       rotate=rotate, quantizer=quantizer)
     _check_target_model(store, model)
     with progress_bar(pq_label(opts), enabled=not as_json, unit="layers") as update:
         result = run_pq_job(store, opts, out, register, tracking_uri, progress=update)

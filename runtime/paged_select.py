@@ -106,6 +106,18 @@ class PagedStats:
     stage1: torch.Tensor
 
 
+def check_paged_codes(layers: dict) -> None:
+    """Refuse served layers the paged selector cannot take: ``layers`` maps a layer id to its served object
+    (a :class:`PQCodec` for ``pq`` layers; others are skipped). The engine plugins call this when they load
+    a bundle, so a server with RQ codes fails at startup, not at its first decode step."""
+    residual = sorted(str(layer) for layer, codec in layers.items() if isinstance(codec, PQCodec) and codec.residual)
+    if residual:
+        raise DsaIndexError(f"The bundle's layers {', '.join(residual)} hold residual codes (RQ); the engines' paged "
+                            "selector encodes pages with product codes only (PQ, OPQ).",
+                            "serve RQ bundles with `dsaindex serve` or the transformers adapter, or train a PQ or "
+                            "OPQ bundle (`dsaindex train pq`, --quantizer pq) for SGLang and vLLM.")
+
+
 class PagedCacheSelector:
     """One layer's PQ coarse-to-fine decode selection over an engine's paged index-K cache.
 
@@ -126,6 +138,7 @@ class PagedCacheSelector:
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
+        check_paged_codes({None: codec})
         m, _, d = codec.codebooks.shape
         if m * d != head_dim:
             raise DsaIndexError(f"The PQ codebooks cover D={m * d}, the engine's index keys have D={head_dim}.",

@@ -28,6 +28,9 @@ boundary bin's up to C + ``direct_slack``, straight from their pinned host pages
 tail; top-k. No cache lookup, miss filter or copy kernel: at one or two requests that bookkeeping costs
 more than the host reads it saves.
 
+A residual codec (RQ, :attr:`PQCodec.residual`) is served by the same kernels (see
+:mod:`dsaindex.kernels.pq_select`); its completed pages are encoded by the codec's beam search in torch.
+
 An OPQ codec (:attr:`PQCodec.rotation`) codes rotated keys: completed pages are encoded through its
 rotation, and each step rotates the queries once (one [S*H, D] x [D, D] product, :func:`dsaindex.pq.rotate`)
 before the coarse stages build their tables; the exact rescoring reads the raw queries and exact keys.
@@ -168,12 +171,14 @@ class PQDecodeGroup:
                                 "pass a width of at least 0 standard deviations (1 is the default).") from None
         self.linear_config = dict(linear_config or {})
         self.page = host.page_size
-        m, _, d = layer.codebooks.shape
-        self.dim = m * d
-        self.codebooks = layer.codebooks.to(dev).float()
+        m = layer.subspaces
+        self.dim = layer.dim
+        self.residual = layer.residual  # RQ: codebooks [M, K, D], pages encoded by the codec's beam search
+        self.codec = layer.to(dev)
+        self.codebooks = self.codec.codebooks.float()
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)  # the int8 stage-1 tables' bound
-        self.key_bound = decoded_key_bound(self.codebooks)  # the direct step's score bins' scale
+        self.key_bound = decoded_key_bound(self.codebooks, self.residual)  # the direct step's score bins' scale
         self.metric = None if layer.metric is None else layer.metric.to(dev)
         self.rotation = None if layer.rotation is None else layer.rotation.to(dev, torch.float32).contiguous()
         self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
@@ -378,6 +383,8 @@ class PQDecodeGroup:
         self.encoded_host[slot] = start + codes.shape[0]
 
     def _encode(self, exact: torch.Tensor) -> torch.Tensor:
+        if self.residual:  # beam search over whole-key codebooks: torch on the group's device
+            return self.codec.encode(exact)
         if self.use_triton:
             return pq_encode(exact, self.codebooks, self.metric, rotation=self.rotation)
         return encode(exact, self.codebooks, self.metric, rotation=self.rotation)

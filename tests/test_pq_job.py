@@ -173,7 +173,8 @@ def test_pq_compare_puts_4_bit_codes_beside_8_bit_ones(trained, tmp_path):
 def test_pq_compare_puts_residual_and_additive_codes_beside_pq(trained, tmp_path):
     """`eval pq-compare --variants rq,...`: residual (RQ) and additive (LSQ) codes of M whole-key codebooks,
     the same bytes as PQ with M subspaces, reconstruct the keys better than PQ does; the score-aware RQ is
-    trained in the metric's whitened space and decodes back to keys; neither can become a bundle."""
+    trained in the metric's whitened space and decodes back to keys; faiss's RQ codebooks serve through the
+    core's beam search (the residual codec a bundle holds); LSQ cannot become a bundle."""
     import torch
 
     from dsaindex.errors import DsaIndexError
@@ -198,20 +199,23 @@ def test_pq_compare_puts_residual_and_additive_codes_beside_pq(trained, tmp_path
     opts = PQOptions(subspaces=4, centroids=16, quantizer="rq", score_aware=True, max_train_keys=1024,
                      max_eval_queries=8, candidates=(64,))
     report = train_pq(store, opts)
-    codec = report["results"][0].codec
+    codec = report["results"][0].additive
     assert isinstance(codec, AdditiveCodec) and codec.whiten is not None and codec.bytes_per_key == 2
     keys = torch.randn(50, codec.whiten.shape[0])
+    served = report["results"][0].codec  # what a bundle stores and the runtime encodes with
+    assert served.residual and served.codebooks.shape == (4, 16, 128) and served.metric.shape == (1, 128, 128)
+    assert served.relative_mse(keys) == pytest.approx(codec.relative_mse(keys), rel=0.05)
     torch.testing.assert_close(keys @ codec.whiten @ codec.unwhiten, keys, atol=1e-3, rtol=1e-3)
     assert codec.encode(keys).shape == (50, 2)  # faiss packs two 4-bit codes a byte
     # the torch trainer's RQ: one byte a codebook in memory, the same 4-bit size on paper
     opts_torch = PQOptions(subspaces=4, centroids=16, quantizer="rq", score_aware=True, max_train_keys=1024,
                            max_eval_queries=8, candidates=(64,), trainer="torch", iterations=4)
     torch_result = train_pq(store, opts_torch)["results"][0]
-    torch_codec = torch_result.codec
+    torch_codec = torch_result.additive
     assert torch_codec.bytes_per_key == 2 and torch_codec.encode(keys).shape == (50, 4)
     assert 0 < torch_result.metrics["relative_mse"] < 1  # held-out keys of the store
     with pytest.raises(DsaIndexError, match="comparison only"):
-        write_pq_bundle(report, opts, tmp_path / "rq")
+        write_pq_bundle(report, PQOptions(subspaces=4, quantizer="lsq"), tmp_path / "lsq")
 
 
 def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(trained, tmp_path):

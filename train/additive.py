@@ -5,9 +5,10 @@ each byte a codebook of whole D-dimensional vectors, coded one after another on 
 left (beam search over partial codes); local search quantization (LSQ) learns all M codebooks jointly
 and encodes by iterated local search. Both decode a key as the sum of its M codewords, so at equal
 bytes they can fit keys that PQ's independent slices cannot. Their score against a query is still a sum
-of M table lookups (one table of query . codeword per codebook), the form the decode runtime's stage 1
-reads; the runtime has no kernels for them yet, so they are trained only by ``dsaindex eval pq-compare``
-and never written as a bundle.
+of M table lookups (one table of query . codeword per codebook), the form the decode runtime's coarse
+stages read. An RQ code is served as a residual :class:`dsaindex.pq.PQCodec` (:meth:`AdditiveCodec.served`):
+``dsaindex train pq --quantizer rq`` writes it as a bundle. LSQ codes are compared only
+(``dsaindex eval pq-compare``): their encoder is an iterated local search no server runs.
 
 The codebooks are faiss's (``faiss.ResidualQuantizer``, ``faiss.LocalSearchQuantizer``), or for RQ this
 module's own :class:`TorchRQ` (``trainer="torch"``: k-means and beam search in torch, on any device, so a
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsaindex.pq import PQSpec, whitening
+from dsaindex.pq import PQCodec, PQSpec, beam_search, residual_decode, whitening
 
 QUANTIZERS = ("rq", "lsq")
 
@@ -65,29 +66,7 @@ class TorchRQ:
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Keys [N, D] float32: the sum of each code's codewords."""
-        c = codes.to(self.codebooks.device).long()
-        return self.codebooks[torch.arange(self.M, device=c.device), c].sum(1)
-
-
-def beam_search(x: torch.Tensor, codebooks: torch.Tensor, beam: int,
-                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual coding of ``x`` [n, D] by the codebooks [M, K, D] not yet used in ``state``, keeping the
-    ``beam`` best partial codes. ``state`` (codes [n, b, m] int64, residuals [n, b, D]) continues an earlier
-    search over the first m codebooks. Returns (codes [n, b, M], residuals [n, b, D]), beams best first."""
-    n, d = x.shape
-    if state is None:
-        codes, res = torch.zeros(n, 1, 0, dtype=torch.long, device=x.device), x[:, None, :]
-    else:
-        codes, res = state
-    norms = (codebooks * codebooks).sum(-1)  # [M, K]
-    for m in range(codes.shape[2], codebooks.shape[0]):
-        b, k = res.shape[1], codebooks.shape[1]
-        err = (res * res).sum(-1, keepdim=True) - 2 * res @ codebooks[m].t() + norms[m]  # [n, b, K]
-        best = err.reshape(n, b * k).topk(min(beam, b * k), dim=1, largest=False).indices  # ascending error
-        parent, code = best // k, best % k
-        res = res.gather(1, parent[..., None].expand(-1, -1, d)) - codebooks[m][code]
-        codes = torch.cat([codes.gather(1, parent[..., None].expand(-1, -1, codes.shape[2])), code[..., None]], dim=2)
-    return codes, res
+        return residual_decode(codes.to(self.codebooks.device), self.codebooks)
 
 
 def train_rq_torch(x: torch.Tensor, codebooks: int, centroids: int, iterations: int = 20, beam: int = 5,
@@ -157,6 +136,38 @@ class AdditiveCodec:
         x = keys.float().cpu()
         err = ((self.decode(self.encode(x)) - x) ** 2).sum(-1).mean()
         return float(err / (x**2).sum(-1).mean().clamp_min(1e-30))
+
+    def served(self, metric: torch.Tensor | None = None) -> PQCodec:
+        """The residual :class:`~dsaindex.pq.PQCodec` the runtime serves for this RQ code: its codebooks
+        [M, K, D] mapped back to the keys' space (``@ unwhiten``) and ``metric`` (the full [1, D, D] one the
+        code was whitened by, or None), which the codec encodes under. Its codes come from the core's beam
+        search (width :attr:`beam`), the same search the torch trainer codes with."""
+        from dsaindex.errors import DsaIndexError
+
+        if self.kind != "rq":
+            raise DsaIndexError(f"{self.kind.upper()} codes are not served: their encoder is an iterated local "
+                                "search.", "train an RQ or PQ code to serve (`dsaindex train pq --quantizer rq`).")
+        if (metric is None) != (self.whiten is None):
+            raise ValueError("served(): pass the metric the code was trained under (score-aware), and only then")
+        if isinstance(self.quantizer, TorchRQ):
+            books = self.quantizer.codebooks.detach().float().cpu()
+        else:
+            import faiss
+
+            dim = int(self.quantizer.d)
+            books = torch.from_numpy(faiss.vector_to_array(self.quantizer.codebooks).reshape(
+                self.codebooks, 2**self.bits, dim).copy())
+        if self.unwhiten is not None:
+            books = books @ self.unwhiten
+        return PQCodec(books.contiguous(), None if metric is None else metric.float().cpu(), residual=True,
+                       beam=self.beam)
+
+    @property
+    def beam(self) -> int:
+        """Beam width of the code's search (faiss's ``max_beam_size``; 1 for LSQ)."""
+        if isinstance(self.quantizer, TorchRQ):
+            return self.quantizer.beam
+        return int(getattr(self.quantizer, "max_beam_size", 1))
 
 
 def train_additive(keys: torch.Tensor, kind: str, codebooks: int, centroids: int, metric: torch.Tensor | None = None,

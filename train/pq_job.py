@@ -45,7 +45,7 @@ class PQOptions:
     iterations: int = 20
     score_aware: bool = True
     rotate: bool = False  # OPQ: a learned orthogonal rotation before PQ, stored in the bundle beside the codebooks
-    quantizer: str = "pq"  # or "rq" / "lsq": ``subspaces`` whole-key codebooks (train.additive; comparison only)
+    quantizer: str = "pq"  # or "rq" / "lsq": ``subspaces`` whole-key codebooks (train.additive; LSQ compared only)
     max_train_keys: int = 262144
     metric_queries: int = 256
     eval_fraction: float = 0.2
@@ -70,11 +70,15 @@ class LayerResult:
     train_seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
     rotation: torch.Tensor | None = None  # [D, D] orthogonal: codes are of keys @ rotation.T
-    additive: AdditiveCodec | None = None  # an RQ / LSQ code instead of PQ codebooks (comparison only)
+    additive: AdditiveCodec | None = None  # an RQ / LSQ code instead of PQ codebooks
+    residual: PQCodec | None = None  # an RQ code as the runtime serves it (AdditiveCodec.served)
 
     @property
     def codec(self) -> PQCodec | AdditiveCodec:
-        """The layer's codec, as a bundle stores it and the runtime serves it (an RQ / LSQ code: as trained)."""
+        """The layer's codec, as a bundle stores it and the runtime serves it (RQ: the residual codec; LSQ: as
+        trained, compared only)."""
+        if self.residual is not None:
+            return self.residual
         return self.additive if self.additive is not None else PQCodec(self.codebooks, self.metric, self.rotation)
 
 
@@ -204,7 +208,8 @@ def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int
     step(f"{opts.quantizer.upper()} ({opts.trainer if opts.quantizer == 'rq' else 'faiss'}, {keys.shape[0]:,} keys)")
     codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer,
                            trainer=opts.trainer, device=opts.device, iterations=opts.iterations)
-    result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec)
+    result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec,
+                         residual=codec.served(metric) if opts.quantizer == "rq" else None)
     step("held-out recall")
     result.metrics = evaluate_layer(store, layer, split[1], codec, opts, key_format, topk)
     return result
@@ -213,11 +218,17 @@ def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int
 def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: PQCodec | AdditiveCodec, opts: PQOptions,
                    key_format: str, topk: int) -> dict[str, float]:
     """Held-out recall of one layer's codec (an OPQ codec codes the keys rotated and decodes them back to the
-    original space, where they score against the raw queries)."""
+    original space, where they score against the raw queries). Coding and scoring run on ``opts.device``."""
     ks = tuple(sorted({PAPER_K, topk}))
     data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries)
-    metrics = evaluate_selection(data, codec.decode(codec.encode(data.keys)), ks, opts.candidates)
-    metrics["relative_mse"] = codec.relative_mse(data.keys)
+    keys = data.keys.to(opts.device)
+    if isinstance(codec, PQCodec):
+        codec = codec.to(opts.device)
+    decoded = codec.decode(codec.encode(keys)).to(opts.device)
+    metrics = evaluate_selection(data, decoded, ks, opts.candidates, device=opts.device)
+    keys = keys.float()
+    error = ((decoded - keys) ** 2).sum(-1).mean() / (keys**2).sum(-1).mean().clamp_min(1e-30)
+    metrics["relative_mse"] = float(error)  # plain (Euclidean) reconstruction error over the mean squared norm
     return metrics
 
 
@@ -316,25 +327,31 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None 
 
 def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
     """Write the trained codebooks (and score-aware metrics, and OPQ rotations) as an artifact bundle;
-    returns its manifest. A rotated layer stores ``rotation`` [D, D] float32 and ``params["rotate"]=True``."""
+    returns its manifest. A rotated layer stores ``rotation`` [D, D] float32 and ``params["rotate"]=True``; an
+    RQ layer stores whole-key ``codebooks`` [M, K, D], its full ``metric`` [1, D, D] if score-aware, and
+    ``params["quantizer"]="rq"`` with the beam width."""
     from dsaindex.artifacts.bundle import LayerArtifact, new_bundle_manifest, store_lineage, write_bundle
     from dsaindex.errors import DsaIndexError
 
-    if opts.quantizer != "pq":
-        raise DsaIndexError(f"{opts.quantizer.upper()} codes are for comparison only: the runtime serves PQ codes.",
-                            "compare them with `dsaindex eval pq-compare`; train PQ or OPQ bundles to serve.")
+    if opts.quantizer not in ("pq", "rq"):
+        raise DsaIndexError(f"{opts.quantizer.upper()} codes are for comparison only: the runtime serves PQ, OPQ "
+                            "and RQ codes.", "compare them with `dsaindex eval pq-compare`; train PQ, OPQ or RQ "
+                            "bundles to serve.")
     store = report["store"]
     layers, arrays = {}, {}
     for layer, r in report["results"].items():
+        codec = r.codec
         params = {"subspaces": opts.subspaces, "centroids": opts.centroids, "score_aware": opts.score_aware,
-                  "rotate": r.rotation is not None, "trainer": opts.trainer, "train_keys": r.train_keys,
+                  "rotate": codec.rotation is not None, "trainer": opts.trainer, "train_keys": r.train_keys,
                   "train_seconds": round(r.train_seconds, 3)}
+        if codec.residual:
+            params |= {"quantizer": "rq", "beam": codec.beam}
         layers[str(layer)] = LayerArtifact(kind="pq", params=params)
-        arrays[layer] = {"codebooks": r.codebooks.numpy().astype(np.float32)}
-        if r.metric is not None:
-            arrays[layer]["metric"] = r.metric.float().numpy()
-        if r.rotation is not None:
-            arrays[layer]["rotation"] = r.rotation.float().numpy()
+        arrays[layer] = {"codebooks": codec.codebooks.float().cpu().numpy()}
+        if codec.metric is not None:
+            arrays[layer]["metric"] = codec.metric.float().cpu().numpy()
+        if codec.rotation is not None:
+            arrays[layer]["rotation"] = codec.rotation.float().cpu().numpy()
     metrics = {f"layer{layer}/{name}": float(v) for layer, m in report["per_layer"].items() for name, v in m.items()}
     metrics.update({f"mean/{name}": float(v) for name, v in report["mean"].items()})
     lineage = store_lineage(store, report["split"])

@@ -38,6 +38,9 @@ class PluginState:
         tracking = os.environ.get("DSAINDEX_TRACKING_URI") or None
         loaded = load(self.uri, hf_config, device="cpu", basis=os.environ.get("DSAINDEX_BASIS", "hadamard"),
                       tracking_uri=tracking, allow_other_weights=allow)
+        from dsaindex.runtime.paged_select import check_paged_codes
+
+        check_paged_codes(loaded.layers)  # RQ layers: refused at startup, not at the first decode step
         topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
         candidates = int(os.environ.get("DSAINDEX_CANDIDATES", 0) or 2 * topk)
         prefilter = int(os.environ.get("DSAINDEX_PREFILTER", 4) or 4)

@@ -36,7 +36,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
-from dsaindex.runtime.paged_select import PagedCacheSelector
+from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex_vllm.plugin import ENV_ARTIFACTS
 
 logger = logging.getLogger("dsaindex_vllm")
@@ -73,6 +73,7 @@ def served_artifacts(hf_config: Any, device: torch.device | str) -> Any:
         if key not in _served:
             loaded = load(s["uri"], hf_config, device=str(device), basis=s["basis"], cache_dir=s["cache_dir"],
                           allow_other_weights=s["allow_other_weights"])
+            check_paged_codes(loaded.layers)  # RQ layers: refused when the artifacts load
             logger.info("dsaindex: %s (bundle %s) serves decode selection of layers %s",
                         s["uri"], loaded.manifest.bundle_id, loaded.describe_layers())
             _served[key] = loaded
