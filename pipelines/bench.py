@@ -12,6 +12,7 @@ from dsaindex.pipelines.bench_decode import bench_decode
 from dsaindex.pipelines.bench_prefill import bench_prefill_select
 from dsaindex.pipelines.bench_reuse import bench_decode_reuse
 from dsaindex.pipelines.bench_stream import bench_prefill_stream
+from dsaindex.pipelines.bench_train import bench_pq_job
 from dsaindex.pipelines.timing import time_call
 
 bench_app = typer.Typer(no_args_is_help=True)
@@ -19,6 +20,7 @@ bench_app.command("decode")(bench_decode)
 bench_app.command("decode-reuse")(bench_decode_reuse)
 bench_app.command("prefill-select")(bench_prefill_select)
 bench_app.command("prefill-stream")(bench_prefill_stream)
+bench_app.command("pq-job")(bench_pq_job)
 
 
 @bench_app.command("capture")
