@@ -20,8 +20,8 @@ Residual codes (RQ, ``PQCodec(residual=True)``): ``codebooks`` [M, K, D] of whol
 [M, K, D/M] slices (told apart by shape against the queries' D, :func:`is_residual`; with M = 1 the two
 forms are one). Stage 1 is unchanged but for its tables (the folded query against whole codewords);
 stage 2 decodes a candidate as the sum of its M codewords (M rows of D values read, where a product code
-reads D values in all); pages are encoded by the codec's beam search (:meth:`dsaindex.pq.PQCodec.encode`),
-not by :func:`pq_encode`.
+reads D values in all); pages are encoded by beam search (:func:`rq_encode`, one launch; its reference is
+the core codec's :func:`dsaindex.pq.residual_encode`), not by :func:`pq_encode`.
 
 OPQ codecs (:attr:`dsaindex.pq.PQCodec.rotation`): the coarse stages score codes straight from the
 codebooks, so they take queries already in the code space (the caller rotates them once per step,
@@ -36,7 +36,15 @@ from __future__ import annotations
 import torch
 
 from dsaindex.kernels import checks, select
-from dsaindex.pq import PQSpec, encode, rotate, split_subspaces, whitening
+from dsaindex.pq import (
+    PQSpec,
+    encode,
+    residual_encode,
+    residual_whitening,
+    rotate,
+    split_subspaces,
+    whitening,
+)
 
 
 def is_residual(codebooks: torch.Tensor, dim: int) -> bool:
@@ -122,11 +130,11 @@ def lookup_tables(queries: torch.Tensor, head_weights: torch.Tensor, codebooks: 
         scale = parts.amax(dim=1).clamp_min(1e-30) / 127
         return torch.floor(lut / scale[:, None, None] + 0.5).to(torch.int8), scale
     norms = centroid_norms.to(dev, torch.float32).contiguous() if int8 else cb
-    lookup_table_kernel[(b, m)](
+    k_block = min(k, max(1, 4096 // d))  # a [k_block, D/M] tile per program: whole-key codewords split K
+    lookup_table_kernel[(b, m, k // k_block)](
         queries.contiguous(), head_weights.float().contiguous(), cb, norms, out, scale if scaled else out,
         N_HEADS=h, H_PAD=max(2, triton.next_power_of_2(h)), D=dim, M=m, K=k, DSUB=d, HALF=dtype == torch.float16,
-        INT8=int8, zero_ptr=zero, ZERO_N=0 if zero is None else zero.shape[1] - m, WHOLE=whole,
-        K_BLOCK=min(k, max(1, 4096 // d)))
+        INT8=int8, zero_ptr=zero, ZERO_N=0 if zero is None else zero.shape[1] - m, WHOLE=whole, K_BLOCK=k_block)
     return out, scale
 
 
@@ -523,4 +531,59 @@ def pq_encode(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor 
     if keys.shape[0]:
         pq_encode_kernel[(triton.cdiv(keys.shape[0], block_n), m)](
             x, cb.contiguous(), codes, keys.shape[0], M=m, K=k, DSUB=d, BLOCK_N=block_n)
+    return codes
+
+
+def rq_encode_reference(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None,
+                        beam: int = 5) -> torch.Tensor:
+    """Codes [N, M] uint8 of ``keys`` [N, D] under a residual code's whole-key ``codebooks`` [M, K, D]: beam
+    search of width ``beam``, under the full ``metric`` [1, D, D] if given. The spec of :func:`rq_encode`;
+    it is the core codec's :func:`dsaindex.pq.residual_encode`."""
+    return residual_encode(keys, codebooks, metric, beam)
+
+
+def rq_whitened(codebooks: torch.Tensor, metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codebooks [M, K, D] float32 mapped by the metric's whitening ``L``, ``L`` [D, D] or None): what
+    :func:`rq_encode` searches in. A server computes it once per layer (a Cholesky factorization)."""
+    books = codebooks.float()
+    white = residual_whitening(metric, codebooks.shape[2], codebooks.device)
+    return (books if white is None else books @ white).contiguous(), white
+
+
+def rq_encode(keys: torch.Tensor, codebooks: torch.Tensor, metric: torch.Tensor | None = None, beam: int = 5,
+              whitened: tuple[torch.Tensor, torch.Tensor | None] | None = None, programs: int = 2048,
+              kc: int | None = None) -> torch.Tensor:
+    """Codes [N, M] uint8 of ``keys`` [N, D] float, like :func:`rq_encode_reference` (float ties aside), in
+    one launch: each program codes keys one at a time, its beams' errors against every codeword of a
+    codebook in a scratch row of K x max(16, beam) floats. ``codebooks`` [M, K, D] on the keys' device (K a
+    power of two, at most 256; D a power of two of at least 16); ``whitened``: :func:`rq_whitened`'s result,
+    computed here from ``metric`` if not given; ``programs``: at most this many programs (the scratch is
+    theirs). Raises ``ValueError`` on an input of the wrong dtype, shape or device."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import rq_encode_kernel
+
+    checks.rank("codebooks", codebooks, 3, "M, K, D")
+    m, k, d = codebooks.shape
+    checks.power_of_two("codebooks.shape[1] (codewords K)", k)
+    checks.at_most("codebooks.shape[1] (codewords K)", k, 256, "codes are uint8")
+    checks.key_dim("codebooks.shape[2] (key dim D)", d)
+    checks.floating("keys", keys)
+    checks.shape("keys", keys, (None, d), "N, D")
+    checks.at_least("beam", beam, 1, "one partial code kept")
+    if metric is not None:
+        checks.shape("metric", metric, (1, d, d), "1, D, D")
+    books, white = rq_whitened(codebooks.to(keys.device), metric) if whitened is None else whitened
+    checks.same_device(keys=keys, codebooks=books)
+    x = keys.float() if white is None else keys.float() @ white
+    n = keys.shape[0]
+    codes = torch.empty(n, m, dtype=torch.uint8, device=keys.device)
+    if n == 0:
+        return codes
+    bp = max(16, triton.next_power_of_2(beam))
+    kc = (k if select.interpreted() else 64) if kc is None else kc  # the interpreter: fewer, larger steps
+    grid = min(n, programs)
+    scratch = torch.empty(grid, bp, k, dtype=torch.float32, device=keys.device)
+    rq_encode_kernel[(grid,)](x.contiguous(), books, (books * books).sum(-1).contiguous(), scratch, codes, n, M=m,
+                              MP=max(16, triton.next_power_of_2(m)), K=k, D=d, BEAM=beam, BP=bp, KC=min(kc, k))
     return codes

@@ -8,8 +8,8 @@ and the last sampling program of a request turns it into the request's threshold
 as the sum of its whole-key codewords), then every head on tensor cores (``sum_h w_h relu(q_h . k)``);
 scores written per candidate.
 ``pq_encode_kernel``: nearest centroid per subspace (page encoding).
-``lookup_table_kernel``: the stage-1 tables, one program per request and subspace (float32; float16 or
-int8 scaled per request).
+``lookup_table_kernel``: the stage-1 tables, one program per request, subspace and block of codewords
+(float32; float16 or int8 scaled per request).
 """
 
 import triton
@@ -308,11 +308,12 @@ def lookup_table_kernel(
     zero_ptr=None,  # [B, ZERO_N + M] int32 scratch zeroed here (ZERO_N > 0): a histogram and M counters
     ZERO_N: tl.constexpr = 0,
     WHOLE: tl.constexpr = False,  # residual code: every codebook m scores against the whole folded query
-    K_BLOCK: tl.constexpr = 256,  # codewords per pass (a [K_BLOCK, DSUB] tile of the codebook at a time)
+    K_BLOCK: tl.constexpr = 256,  # codewords per program (grid axis 2: K / K_BLOCK programs per table row)
 ):
     b = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
-    if ZERO_N > 0:  # each program zeroes a slice of the histogram and one counter
+    kb = tl.program_id(2)  # this program's K_BLOCK codewords (one block for product codes' small tiles)
+    if ZERO_N > 0 and kb == 0:  # each program zeroes a slice of the histogram and one counter
         row = zero_ptr + b * (ZERO_N + M)
         tl.store(row + m * (ZERO_N // M) + tl.arange(0, ZERO_N // M), tl.zeros([ZERO_N // M], dtype=tl.int32))
         tl.store(row + ZERO_N + m, 0)
@@ -343,15 +344,77 @@ def lookup_table_kernel(
         else:
             # divided by |folded|, an entry is at most its centroid's norm: well inside float16's range
             scale = tl.maximum(tl.sqrt(tl.sum(whole * whole, axis=0)), 1e-30)
-        if m == 0:
+        if m == 0 and kb == 0:
             tl.store(scale_ptr + b, scale)
-    for kb in tl.static_range(K // K_BLOCK):
-        cents = kb * K_BLOCK + tl.arange(0, K_BLOCK)
-        cb = tl.load(codebook_ptr + (m * K + cents[:, None]) * DSUB + tl.arange(0, DSUB)[None, :])
-        table = tl.sum(cb * folded[None, :], axis=1)
-        if INT8:
-            tl.store(out_ptr + (b * M + m) * K + cents, tl.floor(table / scale + 0.5).to(tl.int8))
-        elif HALF:
-            tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
-        else:
-            tl.store(out_ptr + (b * M + m) * K + cents, table)
+    cents = kb * K_BLOCK + tl.arange(0, K_BLOCK)
+    cb = tl.load(codebook_ptr + (m * K + cents[:, None]) * DSUB + tl.arange(0, DSUB)[None, :])
+    table = tl.sum(cb * folded[None, :], axis=1)
+    if INT8:
+        tl.store(out_ptr + (b * M + m) * K + cents, tl.floor(table / scale + 0.5).to(tl.int8))
+    elif HALF:
+        tl.store(out_ptr + (b * M + m) * K + cents, (table / scale).to(tl.float16))
+    else:
+        tl.store(out_ptr + (b * M + m) * K + cents, table)
+
+
+@triton.jit
+def rq_encode_kernel(
+    x_ptr,  # [N, D] float32 keys in the residual code's (whitened) space
+    cb_ptr,  # [M, K, D] float32 whole-key codebooks in the same space
+    norm_ptr,  # [M, K] float32 squared codeword norms
+    scratch_ptr,  # [P, BP, K] float32: each program's candidate errors for one codebook at a time
+    codes_ptr,  # [N, M] uint8 out: the best beam's codes
+    n_keys,
+    M: tl.constexpr,
+    MP: tl.constexpr,  # M padded to a power of two of at least 16 (a tensor-core dot's width)
+    K: tl.constexpr,
+    D: tl.constexpr,
+    BEAM: tl.constexpr,
+    BP: tl.constexpr,  # BEAM padded to a power of two of at least 16
+    KC: tl.constexpr,  # codewords per dot (a [KC, D] tile of the codebook at a time)
+):
+    # beam search, one key per program at a time (grid-stride): for each codebook, the error of every live
+    # beam's residual against every codeword goes to the program's scratch rows, the BEAM smallest become
+    # the next beams (one-hot products gather their parents' residuals and codes)
+    pid = tl.program_id(0)
+    dims = tl.arange(0, D)
+    beams = tl.arange(0, BP)
+    flat = tl.arange(0, BP * K)
+    cols = tl.arange(0, MP)
+    scratch = scratch_ptr + pid.to(tl.int64) * BP * K
+    first = pid.to(tl.int64)
+    step = tl.num_programs(0)
+    for i in range(0, tl.cdiv(n_keys - pid, step)):
+        row = first + i * step
+        x = tl.load(x_ptr + row * D + dims)
+        res = tl.where(beams[:, None] == 0, x[None, :], 0.0)  # [BP, D]
+        live = beams == 0
+        history = tl.zeros([BP, MP], dtype=tl.float32)  # each beam's codes so far (integers, exact in float32)
+        for m in range(M):
+            sq = tl.sum(res * res, axis=1)
+            for c in tl.static_range(K // KC):
+                cents = c * KC + tl.arange(0, KC)
+                cb = tl.load(cb_ptr + (m * K + cents)[:, None] * D + dims[None, :])  # [KC, D]
+                dots = tl.dot(res, tl.trans(cb), input_precision="ieee")  # [BP, KC]
+                err = sq[:, None] - 2 * dots + tl.load(norm_ptr + m * K + cents)[None, :]
+                tl.store(scratch + beams[:, None] * K + cents[None, :], tl.where(live[:, None], err, float("inf")))
+            tl.debug_barrier()  # every thread's errors are written before any is read back
+            errs = tl.load(scratch + flat)
+            tl.debug_barrier()  # read before the next codebook's errors overwrite them
+            parent = tl.zeros([BP], dtype=tl.int32)
+            code = tl.zeros([BP], dtype=tl.int32)
+            chosen = tl.full([BP], float("inf"), dtype=tl.float32)  # each new beam's error (inf: none)
+            for j in tl.static_range(BEAM):
+                best = tl.argmin(errs, axis=0)
+                chosen = tl.where(beams == j, tl.min(errs, axis=0), chosen)
+                parent = tl.where(beams == j, best // K, parent)
+                code = tl.where(beams == j, best % K, code)
+                errs = tl.where(flat == best, float("inf"), errs)
+            pick = (parent[:, None] == beams[None, :]).to(tl.float32)  # row j: a one-hot of beam j's parent
+            word = tl.load(cb_ptr + (m * K + code)[:, None] * D + dims[None, :])
+            res = tl.dot(pick, res, input_precision="ieee") - word
+            history = tl.dot(pick, history, input_precision="ieee")
+            history = tl.where(cols[None, :] == m, code.to(tl.float32)[:, None], history)
+            live = chosen < float("inf")
+        best_codes = tl.sum(tl.where(beams[:, None] == 0, history, 0.0), axis=0)  # beam 0: the smallest error
+        tl.store(codes_ptr + row * M + cols, best_codes.to(tl.int32).to(tl.uint8), mask=cols < M)

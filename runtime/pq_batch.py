@@ -29,7 +29,8 @@ tail; top-k. No cache lookup, miss filter or copy kernel: at one or two requests
 more than the host reads it saves.
 
 A residual codec (RQ, :attr:`PQCodec.residual`) is served by the same kernels (see
-:mod:`dsaindex.kernels.pq_select`); its completed pages are encoded by the codec's beam search in torch.
+:mod:`dsaindex.kernels.pq_select`); its completed pages are encoded by beam search
+(:func:`~dsaindex.kernels.pq_select.rq_encode`).
 
 An OPQ codec (:attr:`PQCodec.rotation`) codes rotated keys: completed pages are encoded through its
 rotation, and each step rotates the queries once (one [S*H, D] x [D, D] product, :func:`dsaindex.pq.rotate`)
@@ -70,6 +71,8 @@ from dsaindex.kernels.pq_select import (
     pq_coarse_topc,
     pq_encode,
     pq_linear_topc_reference,
+    rq_encode,
+    rq_whitened,
     score_bins,
     score_bound,
 )
@@ -175,6 +178,7 @@ class PQDecodeGroup:
         self.dim = layer.dim
         self.residual = layer.residual  # RQ: codebooks [M, K, D], pages encoded by the codec's beam search
         self.codec = layer.to(dev)
+        self.rq_search = rq_whitened(self.codec.codebooks, self.codec.metric) if self.residual else None  # once
         self.codebooks = self.codec.codebooks.float()
         self.codebooks_bf16 = self.codebooks.to(torch.bfloat16)
         self.centroid_norms = self.codebooks.norm(dim=2).amax(dim=1)  # the int8 stage-1 tables' bound
@@ -383,7 +387,11 @@ class PQDecodeGroup:
         self.encoded_host[slot] = start + codes.shape[0]
 
     def _encode(self, exact: torch.Tensor) -> torch.Tensor:
-        if self.residual:  # beam search over whole-key codebooks: torch on the group's device
+        if self.residual:  # beam search over whole-key codebooks
+            # (the CPU interpreter runs the search's kernel a key at a time: minutes for a few pages, so its
+            # reference codes there; tests check the kernel against it directly)
+            if self.use_triton and not select.interpreted():
+                return rq_encode(exact, self.codec.codebooks, beam=self.codec.beam, whitened=self.rq_search)
             return self.codec.encode(exact)
         if self.use_triton:
             return pq_encode(exact, self.codebooks, self.metric, rotation=self.rotation)

@@ -163,6 +163,25 @@ def test_stage_one_selects_by_the_folded_score_of_whole_codewords():
     torch.testing.assert_close(scores[:, :8], ref_scores[:, :8], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("score_aware", [False, True])
+def test_encode_kernel_finds_the_beam_searchs_codes(score_aware):
+    codec, _, _ = trained_rq(score_aware)
+    keys = clustered(7 if DEV == "cpu" else 999, torch.Generator().manual_seed(21)).to(DEV)  # the interpreter is slow
+    want = pq_select.rq_encode_reference(keys, codec.codebooks.to(DEV), None if codec.metric is None else
+                                         codec.metric.to(DEV), codec.beam)
+    # a grid of fewer programs than keys: each program codes several keys in turn
+    got = pq_select.rq_encode(keys, codec.codebooks.to(DEV), None if codec.metric is None else codec.metric.to(DEV),
+                              codec.beam, programs=3)
+    assert got.dtype == torch.uint8 and got.shape == (keys.shape[0], M)
+    assert (got == want).float().mean() > 0.96  # float ties aside
+    error = lambda c: (codec.decode(c.cpu()) - keys.cpu()).pow(2).sum(1).mean()  # noqa: E731
+    assert error(got) <= error(want) * 1.01
+    if codec.metric is None:  # width 1: greedy, no better than the beam (Euclidean errors compared)
+        assert error(pq_select.rq_encode(keys, codec.codebooks.to(DEV), beam=1)) >= error(want) * 0.999
+    with pytest.raises(ValueError, match="keys"):
+        pq_select.rq_encode(keys[:, :64], codec.codebooks.to(DEV))
+
+
 # ---- the decode group ---------------------------------------------------------------------------------
 def exact_topk(keys_list, q, w, k):
     n = max(x.shape[0] for x in keys_list)
