@@ -297,9 +297,10 @@ def _time_residual(fp8, scales, codes, topk, candidates, prefilter, cache, q, w,
     group.direct_upto = fp8.shape[0]
     ms["rq_direct"], modes["rq_direct"] = timed(lambda: group.select(q, w), graphs)
     counts["direct"] = group.select(q, w)[1].totals()
-    # a completed page's encoding (once per 64 decode steps of a request), beam search against PQ's argmin
+    # a completed page's encoding as the group runs it (once per 64 decode steps of a request): the beam
+    # search kernel, against PQ's argmin kernel
     page = torch.randn(64, dim, device="cuda", generator=g)
-    ms["rq_page_encode"], modes["rq_page_encode"] = median_ms(lambda: group.codec.encode(page)), "eager"
+    ms["rq_page_encode"], modes["rq_page_encode"] = median_ms(lambda: group.encode_keys(page)), "eager"
     from dsaindex.kernels.pq_select import pq_encode
 
     pq_books = torch.randn(m, 256, dim // m, device="cuda", generator=g)

@@ -121,7 +121,8 @@ def eval_pq_cmd(
                                                                "multiple of 4, at least C)."),
     min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "
                                                                  "keys."),
-    device: str = typer.Option("auto", help="--warm: cpu, cuda or auto."),
+    device: str = typer.Option("auto", help="Where the held-out keys are coded and scored, and --warm replays: "
+                                            "cpu, cuda or auto."),
     filter_width: str = typer.Option(f"{FILTER_WIDTH:g}", help="--warm: the miss filter's margin below the k-th coarse score, "
                                                  "in standard deviations (comma-separated: one replay each; "
                                                  "the first is the headline; LeanSparse's is 1)."),
@@ -142,7 +143,9 @@ def eval_pq_cmd(
     from dsaindex.train.pq_job import PAPER_K, evaluate_bundle, evaluate_bundle_warm
     from dsaindex.train.recall import band_rows
 
-    opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, "cpu", candidates)  # only the evaluation's fields count
+    # only the evaluation's fields count; the held-out keys are coded and scored on --device (an RQ code's
+    # beam search over a 128K-key sequence takes minutes on a CPU, a second on a GPU)
+    opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, device, candidates)
     widths = tuple(parse_floats(filter_width, "--filter-width", minimum=0.0))
     result = evaluate_bundle(bundle, store, opts)
     steady = None

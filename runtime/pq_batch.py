@@ -350,7 +350,7 @@ class PQDecodeGroup:
             page_fp8 = all_fp8[:done].view(full, self.page, self.dim)
             page_scales = all_scales[:done].view(full, self.page)
             exact = page_fp8.reshape(done, self.dim).view(torch.float8_e4m3fn).float() * page_scales.reshape(done, 1)
-            self._commit_pages(slot, new_pages, page_fp8, page_scales, self._encode(exact))
+            self._commit_pages(slot, new_pages, page_fp8, page_scales, self.encode_keys(exact))
             all_fp8, all_scales = all_fp8[done:], all_scales[done:]
         rest = all_fp8.shape[0]
         self.pool_fp8[slot, self.cache_capacity + 1 : self.cache_capacity + 1 + rest] = all_fp8
@@ -386,7 +386,8 @@ class PQDecodeGroup:
         self._pages(slot).extend(new_pages)
         self.encoded_host[slot] = start + codes.shape[0]
 
-    def _encode(self, exact: torch.Tensor) -> torch.Tensor:
+    def encode_keys(self, exact: torch.Tensor) -> torch.Tensor:
+        """Codes [n, M] uint8 of exact keys [n, D] on the group's device, as completed pages are encoded."""
         if self.residual:  # beam search over whole-key codebooks
             # (the CPU interpreter runs the search's kernel a key at a time: minutes for a few pages, so its
             # reference codes there; tests check the kernel against it directly)
