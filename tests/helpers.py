@@ -110,3 +110,27 @@ def reference_pq_codebooks() -> dict:
     net = load_model("reference", dtype="float32").model
     keys = model_index_keys(net, reference_bytes(20_000, 3000))
     return {i: train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8) for i, k in keys.items()}
+
+
+def exact_fp8_topk(keys_list, queries, head_weights, k: int):
+    """Exhaustive FP8 top-k positions [B, k] of each request's keys (``keys_list``: one [n_b, D] tensor a
+    request) for ``queries`` [B, H, D] and ``head_weights`` [B, H]: what every selection is judged against."""
+    import torch
+
+    from dsaindex.kernels.fp8_score import fp8_topk_reference
+    from dsaindex.quant import fp8_quantize
+
+    n, dim = max(x.shape[0] for x in keys_list), keys_list[0].shape[1]
+    fp8 = torch.zeros(len(keys_list), n, dim, dtype=torch.uint8)
+    scales = torch.zeros(len(keys_list), n)
+    for i, x in enumerate(keys_list):
+        codes, s = fp8_quantize(x.cpu())
+        fp8[i, : x.shape[0]], scales[i, : x.shape[0]] = codes.view(torch.uint8), s.reshape(-1)
+    lengths = torch.tensor([x.shape[0] for x in keys_list])
+    return fp8_topk_reference(fp8, scales, lengths, queries.float().cpu(), head_weights.cpu(), k)[1]
+
+
+def selection_overlap(a, b) -> float:
+    """Share of ``b``'s selected positions (rows of [B, k]; -1 = none) that ``a`` also selected."""
+    rows = [(set(x) - {-1}, set(y) - {-1}) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
+    return sum(len(x & y) for x, y in rows) / sum(len(y) for _, y in rows)

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from dsaindex.kernels.fp8_score import fp8_topk_reference  # noqa: E402
 from dsaindex.pq import PQCodec  # noqa: E402
-from dsaindex.quant import fp8_quantize  # noqa: E402
 from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError  # noqa: E402
+from helpers import exact_fp8_topk as exact_topk  # noqa: E402
+from helpers import selection_overlap as overlap  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -40,18 +40,6 @@ def histories(lengths, seed=1):
     return [clustered(n, g) for n in lengths]
 
 
-def exact_topk(keys_list, q, w, k):
-    """Exhaustive FP8 top-k per request (the reference every selection is judged against)."""
-    n = max(x.shape[0] for x in keys_list)
-    fp8 = torch.zeros(len(keys_list), n, D, dtype=torch.uint8)
-    scales = torch.zeros(len(keys_list), n)
-    for i, x in enumerate(keys_list):
-        c, s = fp8_quantize(x)
-        fp8[i, : x.shape[0]], scales[i, : x.shape[0]] = c.view(torch.uint8), s.reshape(-1)
-    lengths = torch.tensor([x.shape[0] for x in keys_list])
-    return fp8_topk_reference(fp8, scales, lengths, q.float().cpu(), w.cpu(), k)[1]
-
-
 def make_group(lengths, topk, candidates, cache=None, pages=64, prefilter=2):
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
@@ -69,12 +57,6 @@ def make_group(lengths, topk, candidates, cache=None, pages=64, prefilter=2):
 def queries(b, seed=2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(b, H, D, generator=g).to(torch.bfloat16), torch.rand(b, H, generator=g)
-
-
-def overlap(a, b):
-    """Share of ``b``'s selected positions (-1 = none) that ``a`` also selected."""
-    rows = [(set(x) - {-1}, set(y) - {-1}) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
-    return sum(len(x & y) for x, y in rows) / sum(len(y) for _, y in rows)
 
 
 def test_equals_exhaustive_when_every_key_is_a_candidate():

@@ -13,11 +13,11 @@ pytest.importorskip("triton")
 
 from dsaindex.errors import DsaIndexError  # noqa: E402
 from dsaindex.kernels import pq_select  # noqa: E402
-from dsaindex.kernels.fp8_score import fp8_topk_reference  # noqa: E402
 from dsaindex.pq import PQCodec  # noqa: E402
-from dsaindex.quant import fp8_quantize  # noqa: E402
 from dsaindex.runtime.host_store import HostKeyStore  # noqa: E402
+from helpers import exact_fp8_topk as exact_topk  # noqa: E402
 from helpers import run_cli  # noqa: E402
+from helpers import selection_overlap as overlap  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -183,22 +183,6 @@ def test_encode_kernel_finds_the_beam_searchs_codes(score_aware):
 
 
 # ---- the decode group ---------------------------------------------------------------------------------
-def exact_topk(keys_list, q, w, k):
-    n = max(x.shape[0] for x in keys_list)
-    fp8 = torch.zeros(len(keys_list), n, D, dtype=torch.uint8)
-    scales = torch.zeros(len(keys_list), n)
-    for i, x in enumerate(keys_list):
-        c, s = fp8_quantize(x)
-        fp8[i, : x.shape[0]], scales[i, : x.shape[0]] = c.view(torch.uint8), s.reshape(-1)
-    lengths = torch.tensor([x.shape[0] for x in keys_list])
-    return fp8_topk_reference(fp8, scales, lengths, q.float().cpu(), w.cpu(), k)[1]
-
-
-def overlap(a, b):
-    rows = [(set(x) - {-1}, set(y) - {-1}) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
-    return sum(len(x & y) for x, y in rows) / sum(len(y) for _, y in rows)
-
-
 def rq_group(lengths, topk, candidates, use_triton=None, score_aware=True, **kwargs):
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
