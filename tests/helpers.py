@@ -67,25 +67,32 @@ def text_corpus(root, files: int = 2, words: int = 600, seed: int = 1):
     return d
 
 
-def model_index_keys(net, tokens):
+def model_index_keys(net, tokens, chunk_len: int = 512):
     """Every indexer layer's keys [N, D] of ``net`` (a V3.2-class transformers model) for ``tokens`` [N],
-    as the indexer scores them, in the Hadamard basis: layer id -> float32 tensor."""
+    as the indexer scores them, in the Hadamard basis: layer id -> float32 tensor. The tokens go through
+    the KV cache ``chunk_len`` at a time (the same keys as one pass, as capture's chunks; the indexer's
+    [chunk, heads, prefix] scores of a chunk stay small, where one pass of 3,000 tokens scores 3,000^2)."""
     import torch
 
     from dsaindex.hooks import ModuleHooks
-    from dsaindex.indexer import mla_indexer_tensors
+    from dsaindex.indexer import cache_argument, mla_indexer_tensors
     from dsaindex.quant import to_basis
 
-    keys = {}
+    keys: dict[int, list] = {}
+    cache_kw = cache_argument(net.model)
     with ModuleHooks() as hooks, torch.no_grad():
         for i, layer in enumerate(net.model.layers):
             def grab(mod, a, i=i):
                 cos, sin = a["position_embeddings"]
                 k, _, _ = mla_indexer_tensors(mod, "half_split_head", a["hidden_states"], a["q_resid"], cos, sin)
-                keys[i] = to_basis(k[0].float(), "hadamard")
+                keys.setdefault(i, []).append(to_basis(k[0].float(), "hadamard"))
             hooks.register(layer.self_attn.indexer, pre=grab)
-        net(input_ids=tokens.unsqueeze(0), use_cache=False)
-    return keys
+        cache = None
+        for start in range(0, tokens.numel(), chunk_len):
+            out = net.model(input_ids=tokens[start : start + chunk_len].unsqueeze(0), use_cache=True,
+                            **{cache_kw: cache})
+            cache = getattr(out, cache_kw) if cache_kw == "cache" else out.past_key_values
+    return {i: torch.cat(chunks) for i, chunks in keys.items()}
 
 
 def reference_bytes(skip: int, n: int):

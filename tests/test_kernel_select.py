@@ -99,8 +99,8 @@ def test_fp8_gather_scores_match_reference():
     torch.testing.assert_close(fp8_gather_scores(keys, scales, rows, q, w), want, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("b,n,m,c,table", [(1, 50, 16, 8, torch.float32), (3, 3000, 32, 64, torch.float32),
-                                           (3, 3000, 32, 64, torch.float16), (3, 3000, 32, 64, torch.int8),
+@pytest.mark.parametrize("b,n,m,c,table", [(1, 50, 16, 8, torch.float32), (3, 1111, 32, 64, torch.float32),
+                                           (3, 1111, 32, 64, torch.float16), (3, 1111, 32, 64, torch.int8),
                                            (2, 700, 16, 64, torch.int8)])
 def test_pq_linear_topc_matches_reference(b, n, m, c, table):
     from dsaindex.kernels.pq_select import pq_linear_topc
@@ -127,8 +127,8 @@ def test_pq_linear_topc_matches_reference(b, n, m, c, table):
         assert set(best) - {-1} <= set(kept[:n_kept]), "keep_all lost one of the top c"
 
 
-@pytest.mark.parametrize("b,n,m,c,block_n,iters,paged", [(3, 5000, 32, 64, 32, 2, False),
-                                                          (2, 3000, 16, 100, 64, 1, True)])
+@pytest.mark.parametrize("b,n,m,c,block_n,iters,paged", [(3, 1300, 32, 64, 32, 2, False),
+                                                          (2, 1500, 16, 100, 64, 1, True)])
 def test_int8_stage1_threshold_is_the_sample_rank_of_integer_scores(b, n, m, c, block_n, iters, paged):
     """With int8 tables the sampling pass reads its threshold off a histogram of integer scores (several
     programs per request, the last one to finish deciding): it must equal the rank-th largest sample, the

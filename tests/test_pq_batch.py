@@ -1,5 +1,6 @@
 """Batched Triton decode path (runtime/pq_batch.py) against exhaustive selection and the torch reference."""
 
+import functools
 import os
 
 import pytest
@@ -27,12 +28,28 @@ def clustered(n, g):
     return CENTERS[torch.randint(0, CENTERS.shape[0], (n,), generator=g)] + 0.5 * torch.randn(n, D, generator=g)
 
 
+@functools.cache
 def layer(seed=0):
+    """A PQ32 codec of the clustered keys (trained once per seed; tests only read it)."""
     from dsaindex.pq import PQSpec
     from dsaindex.train.pq import train_codebooks
 
     keys = clustered(4000, torch.Generator().manual_seed(seed))
     return PQCodec(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=32), "torch", 6))
+
+
+@pytest.fixture
+def torch_encoding(monkeypatch):
+    """Completed pages encoded by the encoder's reference (the codec's own ``encode``) where the kernel
+    would run interpreted (about a second a page on the CPU), for tests of selection, not of encoding.
+    The kernel's codes in a group are compared with the reference's in
+    ``test_torch_path_selects_like_the_kernels`` and ``test_opq_codec_every_key_a_candidate_is_the_exact_topk``
+    (and the kernel alone in test_kernel_select.py)."""
+    import dsaindex.runtime.pq_batch as pq_batch
+    from dsaindex.kernels.pq_select import pq_encode_reference
+
+    if not CUDA:
+        monkeypatch.setattr(pq_batch, "pq_encode", pq_encode_reference)
 
 
 def histories(lengths, seed=1):
@@ -59,6 +76,7 @@ def queries(b, seed=2):
     return torch.randn(b, H, D, generator=g).to(torch.bfloat16), torch.rand(b, H, generator=g)
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_equals_exhaustive_when_every_key_is_a_candidate():
     lengths = [300, 129, 64, 10]
     group, keys, _ = make_group(lengths, topk=16, candidates=320, prefilter=2)
@@ -71,6 +89,7 @@ def test_equals_exhaustive_when_every_key_is_a_candidate():
     assert stats.totals()["hits"] == 0 and stats.totals()["fetched"] > 0
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_recall_with_few_candidates_and_cache_hits_on_the_next_step():
     lengths = [1000, 700]
     group, keys, _ = make_group(lengths, topk=16, candidates=128, pages=40)
@@ -82,6 +101,7 @@ def test_recall_with_few_candidates_and_cache_hits_on_the_next_step():
     assert second.totals()["hits"] >= first.totals()["fetched"] * 0.9 and second.totals()["fetched"] <= 2
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_matches_the_torch_reference_indexer():
     from pq_decode_reference import PQDecodeIndexer
 
@@ -97,6 +117,7 @@ def test_matches_the_torch_reference_indexer():
         assert len(set(picked[slot].tolist()) & set(want.tolist())) >= 15
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_bad_use_gives_clear_errors_and_other_requests_keep_running():
     from dsaindex.errors import DsaIndexError
 
@@ -120,6 +141,7 @@ def test_bad_use_gives_clear_errors_and_other_requests_keep_running():
         PQDecodeGroup(group.layer, HostKeyStore(4, D), 1, 2**31, 8, candidates=64, cache_capacity=64, device=DEV)
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_index_bytes_per_key_are_a_quarter_of_exact():
     group, _, _ = make_group([128], topk=8, candidates=64)
     per_key = group.gpu_bytes()["index"] / group.codes.shape[1]
@@ -160,6 +182,7 @@ def test_torch_path_selects_like_the_kernels():
         assert overlap(a, b) >= 15 / 16 and abs(sa.totals()["hits"] - sb.totals()["hits"]) <= 2
 
 
+@pytest.mark.usefixtures("torch_encoding")
 @pytest.mark.parametrize("use_triton", [True, False])
 def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(use_triton):
     """``direct_upto``: the top C found by stage 2's score bins (no top-C kernel) and read straight from the
@@ -205,6 +228,7 @@ def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(u
     assert int(direct.step.sum()) == 3
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_load_encoded_history_selects_like_appending_it():
     """A history handed over already encoded (codes + FP8 pages) gives the same state and selection."""
     from dsaindex.errors import DsaIndexError
@@ -225,6 +249,7 @@ def test_load_encoded_history_selects_like_appending_it():
         loaded.load_encoded(0, appended.codes[0, :64], appended.host.fp8[0].reshape(64, D), appended.host.scales[0])
 
 
+@pytest.mark.usefixtures("torch_encoding")
 @pytest.mark.parametrize("use_triton", [True, False])
 def test_length_policy_scores_short_requests_exactly(use_triton):
     """Requests up to ``exact_below`` keys are scored exactly from device pages; a request that grows past
@@ -261,6 +286,7 @@ def test_length_policy_scores_short_requests_exactly(use_triton):
     assert len(group.exact_free) == 30
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_policy_per_batch_size_sends_large_batches_to_pq():
     """``pq_from``: with enough live requests, short requests at or past its length go through PQ (the
     step's stats count their candidates); a smaller batch of the same requests is scored exactly."""
@@ -288,6 +314,7 @@ def test_policy_per_batch_size_sends_large_batches_to_pq():
 
 
 # ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
+@functools.cache
 def opq_layer(seed=0):
     """An OPQ codec trained on the clustered keys: rotation first, then codebooks of the rotated keys."""
     from dsaindex.pq import PQSpec, rotate
@@ -329,6 +356,7 @@ def test_opq_codec_every_key_a_candidate_is_the_exact_topk(use_triton):
     assert overlap(picked.cpu(), exact_topk(keys, q, w, 16)) >= 0.98
 
 
+@pytest.mark.usefixtures("torch_encoding")
 def test_opq_codec_keeps_the_recall_with_few_candidates_and_paths_agree():
     """With C well below the history the coarse stages decide: they must score in the codes' space
     (queries rotated once per step), else the candidates are close to random."""

@@ -133,9 +133,10 @@ def test_pq_compare_trains_opq_beside_pq_and_bundles_carry_the_rotation(trained,
 
     root, store, bundle, uri, result = trained
     out = tmp_path / "compare.json"
+    # 1,024 training keys a layer (of 2,560): OPQ's rounds retrain the codebooks six times a layer
     proc = run_cli("eval", "pq-compare", str(store), "--subspaces", "16", "--variants", "plain,opq,opq-score-aware",
                    "--trainer", "torch", "--iterations", "6", "--eval-queries", "16", "--candidates", "64",
-                   "--device", "cpu", "--out", str(out), "--json")
+                   "--max-train-keys", "1024", "--device", "cpu", "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     assert set(rows) == {"PQ16 plain", "OPQ16 plain", "OPQ16 score-aware"}
@@ -144,7 +145,7 @@ def test_pq_compare_trains_opq_beside_pq_and_bundles_carry_the_rotation(trained,
     # the rotation lowers the reconstruction error of the same PQ size
     assert rows["OPQ16 plain"]["relative_mse"] < rows["PQ16 plain"]["relative_mse"]
     opts = PQOptions(subspaces=16, trainer="torch", iterations=4, score_aware=False, rotate=True, max_eval_queries=8,
-                     candidates=(64,))
+                     candidates=(64,), max_train_keys=1024)
     report = train_pq(store, opts)
     rot = report["results"][0].rotation
     torch.testing.assert_close(rot @ rot.t(), torch.eye(rot.shape[0]), atol=1e-4, rtol=0)

@@ -41,11 +41,20 @@ def test_all_keys_as_candidates_reproduces_exhaustive_generation(model_and_layer
     assert min(result["selection_recall"].values()) >= 0.97, result["selection_recall"]
 
 
-def test_coarse_to_fine_keeps_most_of_the_models_own_selection(model_and_layers):
-    from dsaindex.runtime.transformers_adapter import RuntimeSelection, greedy_agreement
+@pytest.fixture(scope="module")
+def coarse_to_fine(model_and_layers):
+    """Greedy agreement of PQ selection with C = 2 x top-k on a 400-token prompt (two tests read it)."""
+    from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     net, layers = model_and_layers
-    result = greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False)
+    return greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False)
+
+
+def test_coarse_to_fine_keeps_most_of_the_models_own_selection(model_and_layers, coarse_to_fine):
+    from dsaindex.runtime.transformers_adapter import RuntimeSelection
+
+    net, layers = model_and_layers
+    result = coarse_to_fine
     assert 0.6 <= min(result["selection_recall"].values()) <= 1.0
     assert sum(result["selection_recall"].values()) / 4 >= 0.8, result["selection_recall"]
     assert result["teacher_forced"]["token_agreement"] >= 0.75
@@ -103,13 +112,13 @@ def test_generate_refuses_artifacts_of_other_weights(bundles):
     assert first.startswith("error: The artifacts were trained for reference") and "weights_digest" in first
 
 
-def test_length_policy_in_generation_scores_exactly(model_and_layers):
+def test_length_policy_in_generation_scores_exactly(model_and_layers, coarse_to_fine):
     """With every request under the length policy, the runtime's selection is the exact FP8 top-k: the
     model's own top-k up to FP8 key rounding."""
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     net, layers = model_and_layers
-    pq = greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False)
+    pq = coarse_to_fine  # the same prompt and settings through PQ
     exact = greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False,
                              exact_below=10_000)
     assert min(exact["selection_recall"].values()) >= 0.97, exact["selection_recall"]

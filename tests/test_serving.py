@@ -91,7 +91,9 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     net, paths, identity = served
     prompt = _text(0, 300)
     want = _generate(net, prompt, 12)
-    index = load(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
+    # budgets past the longest request (313 keys): every key a candidate (a larger IVF budget pads each
+    # query's candidate list with unused rows, and the CPU refine scores them all)
+    index = load(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
                  measure_recall=True)
     assert index.paths() == {i: LayerPaths("ivf", "pq") for i in range(4)}
     assert index.describe() == "prefill ivf: layers 0-3; decode pq: layers 0-3"
@@ -413,8 +415,10 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
 
     net, paths, identity = served
     prompt = _text(2000, 400)
+    # budgets past the 405 keys of the longest run (a larger IVF budget only pads each query's candidate
+    # list with unused rows, which the CPU refine scores all the same)
     chunked = greedy_agreement(net, {}, prompt, 4, selection=lambda: load(
-        paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
+        paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
         measure_recall=True), prefill_chunk=256)
     assert chunked["free_running"]["token_agreement"] == 1.0
     assert chunked["teacher_forced"]["token_agreement"] == 1.0
@@ -429,6 +433,6 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     assert 4 * n * 132 + n * 128 * 4 <= memory["prefill_index_peak"] < 4 * n * 512
     assert memory["decode_state"] > 0
     whole = greedy_agreement(net, {}, prompt, 4, selection=lambda: load(
-        paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=4096, use_triton=False,
+        paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
         measure_recall=True))
     assert whole["runtime_text"] == chunked["runtime_text"]  # chunking the prompt changes no token here
