@@ -312,6 +312,45 @@ def check_inputs(keys: int, seq_len: int, opts: PQOptions, head_dim: int) -> int
     return sequences
 
 
+def _timed_job(run_dir: Path, opts: PQOptions, device: str, target_seconds: float, keep_store: bool) -> dict:
+    """One ``train pq`` job on the built store, timed by step: its options, timing and mean recall."""
+    import torch
+
+    from dsaindex.console import progress_bar
+    from dsaindex.train.pq_job import pq_label, run_pq_job
+
+    cuda = device.startswith("cuda")
+    label = pq_label(opts)
+    with progress_bar(label, unit="layers") as update:
+        clock = StepClock(update, device)
+        result = run_pq_job(run_dir / "store", opts, out=run_dir / f"bundle-{label}", register=False,
+                            progress=clock)
+        end = time.perf_counter()
+    seconds = end - clock.start
+    phases, wall = clock.phases(end)
+    train_seconds = [r.train_seconds for r in result.report["results"].values()]
+    evaluation = sum(s for name, s in phases.items() if "recall" in name)
+    outside = phases.get("opening the store", 0.0) + phases.get("plots and bundle", 0.0)
+    return {
+        "options": opts.params() | {"device": device, "label": label},
+        "job": {
+            "seconds": round(seconds, 3),
+            "target_seconds": target_seconds,
+            "target_met": seconds <= target_seconds,
+            "train_seconds_per_layer": _spread(train_seconds),
+            "wall_seconds_per_layer": _spread(list(wall.values())),
+            "training_seconds": round(seconds - evaluation - outside, 3),
+            "evaluation_seconds": round(evaluation, 3),
+            "phases": {name: round(s, 3) for name, s in phases.items()},
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+            "bundle": str(result.bundle) if keep_store else None,
+        },
+        "recall_mean": {name: round(v, 5) for name, v in result.report["mean"].items()
+                        if "@" not in name.split("/")[0]},
+    }
+
+
 def bench_pq_job(
     layers: int = typer.Option(61, callback=at_least(1), help="Indexer layers of the synthetic model "
                                                                 "(DeepSeek-V3.2: 61)."),
@@ -326,7 +365,8 @@ def bench_pq_job(
                                              "default: a temporary folder). Removed after unless --keep-store."),
     keep_store: bool = typer.Option(False, "--keep-store", help="Keep the store, bundle and plots."),
     subspaces: int = typer.Option(32, callback=at_least(1), help="PQ subspaces (RQ: codebooks)."),
-    quantizer: str = typer.Option("pq", help="pq (what the runtime serves) or rq (residual codes)."),
+    quantizer: str = typer.Option("pq", help="pq (what the runtime serves) or rq (residual codes); a comma list "
+                                             "(pq,rq) times each job in turn on the one store."),
     rotate: bool = typer.Option(False, "--rotate/--no-rotate", "--opq", help="OPQ: a learned rotation first."),
     score_aware: bool = typer.Option(True, "--score-aware/--plain", help="Score-aware codebooks or plain k-means."),
     trainer: str = typer.Option("torch", help="torch (GPU-capable batched Lloyd) or faiss (CPU)."),
@@ -345,14 +385,14 @@ def bench_pq_job(
 
     from dsaindex.console import emit_report, human_bytes, progress_bar, resolve_device
     from dsaindex.errors import DsaIndexError
-    from dsaindex.train.pq_job import PQOptions, pq_label, run_pq_job
+    from dsaindex.train.pq_job import PQOptions
 
     device = resolve_device(device)
-    opts = PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
-                     rotate=rotate, quantizer=quantizer, max_train_keys=max_train_keys,
-                     max_eval_queries=eval_queries, device=device)
+    all_opts = [PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
+                          rotate=rotate, quantizer=q.strip(), max_train_keys=max_train_keys,
+                          max_eval_queries=eval_queries, device=device) for q in quantizer.split(",")]
     geometry = synthetic_geometry(layers)
-    sequences = check_inputs(keys, seq_len, opts, geometry.head_dim)
+    sequences = [check_inputs(keys, seq_len, opts, geometry.head_dim) for opts in all_opts][0]
     parent = Path(work_dir) if work_dir is not None else Path(tempfile.gettempdir())
     if parent.exists() and not parent.is_dir():
         raise DsaIndexError(f"--work-dir {parent} is a file.", "pass a folder (it is created if missing).")
@@ -376,18 +416,7 @@ def bench_pq_job(
             built = build_store(run_dir / "store", geometry, source, sequences, seq_len, queries_per_seq, update)
         described = source.description
         del source  # a tiled store's keys leave the device before the job
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        with progress_bar(pq_label(opts), unit="layers") as update:
-            clock = StepClock(update, device)
-            result = run_pq_job(run_dir / "store", opts, out=run_dir / "bundle", register=False, progress=clock)
-            end = time.perf_counter()
-        seconds = end - clock.start
-        phases, wall = clock.phases(end)
-        train_seconds = [r.train_seconds for r in result.report["results"].values()]
-        evaluation = sum(s for name, s in phases.items() if "recall" in name)
-        outside = phases.get("opening the store", 0.0) + phases.get("plots and bundle", 0.0)
+        runs: list[dict] = []
         report = {
             "model": f"{MODEL} indexer shape: {layers} layers, {geometry.n_heads} heads x {geometry.head_dim}, "
                      f"top-{geometry.topk}, keys {geometry.key_format}",
@@ -402,23 +431,16 @@ def bench_pq_job(
                       "key_bytes": built["key_bytes"],
                       "keys_per_s_all_layers": round(layers * built["keys_per_layer"] / built["seconds"], 1),
                       "path": str(run_dir / "store") if keep_store else None},
-            "options": opts.params() | {"device": device, "label": pq_label(opts)},
-            "job": {
-                "seconds": round(seconds, 3),
-                "target_seconds": target_seconds,
-                "target_met": seconds <= target_seconds,
-                "train_seconds_per_layer": _spread(train_seconds),
-                "wall_seconds_per_layer": _spread(list(wall.values())),
-                "training_seconds": round(seconds - evaluation - outside, 3),
-                "evaluation_seconds": round(evaluation, 3),
-                "phases": {name: round(s, 3) for name, s in phases.items()},
-                "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-                "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
-                "bundle": str(result.bundle) if keep_store else None,
-            },
-            "recall_mean": {name: round(v, 5) for name, v in result.report["mean"].items()
-                            if "@" not in name.split("/")[0]},
+            "runs": runs,  # every job; the first one's options, timing and recall also at the top
         }
+        for job_opts in all_opts:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            runs.append(_timed_job(run_dir, job_opts, device, target_seconds, keep_store))
+            report.update(runs[0])
+            if out is not None and len(runs) < len(all_opts):  # the jobs done so far survive a later failure
+                out.write_text(json.dumps(report, indent=2))
     finally:
         if not keep_store:
             shutil.rmtree(run_dir, ignore_errors=True)

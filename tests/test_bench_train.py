@@ -17,7 +17,7 @@ def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("benchpqjob")
     work, out = root / "work", root / "report.json"
     proc = run_cli("bench", "pq-job", "--layers", "2", "--keys", "8192", "--seq-len", "4096", *TINY,
-                   "--work-dir", str(work), "--out", str(out))
+                   "--quantizer", "pq,rq", "--work-dir", str(work), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return work, json.loads(proc.stdout), json.loads(out.read_text())
 
@@ -43,6 +43,17 @@ def test_report_times_every_layer_of_the_whole_job(tiny_run):
     assert 0 < job["training_seconds"] < job["seconds"]
     assert job["target_met"] is (job["seconds"] <= job["target_seconds"])
     assert job["peak_gpu_bytes"] is None and job["bundle"] is None and store["path"] is None
+
+
+def test_each_quantizer_is_timed_on_the_one_store(tiny_run):
+    report = tiny_run[1]
+    runs = report["runs"]
+    assert [r["options"]["label"] for r in runs] == ["PQ8", "RQ8"]
+    assert runs[0]["job"] == report["job"] and runs[0]["recall_mean"] == report["recall_mean"]
+    rq = runs[1]["job"]
+    assert {"reading keys", "score-aware metric", "RQ", "held-out recall"} <= set(rq["phases"])
+    assert sum(rq["phases"].values()) == pytest.approx(rq["seconds"], abs=0.01)
+    assert runs[1]["options"]["quantizer"] == "rq" and 0 < runs[1]["recall_mean"]["k512/direct"] <= 1
 
 
 def test_recall_comes_from_held_out_queries(tiny_run):

@@ -139,9 +139,9 @@ def score_gradient_metric(
 
     Returns
     -------
-    [M, D/M, D/M] float64
+    [M, D/M, D/M] float64, on the queries' device
     """
-    acc = torch.zeros(spec.subspaces, spec.sub_dim, spec.sub_dim, dtype=torch.float64)
+    acc = torch.zeros(spec.subspaces, spec.sub_dim, spec.sub_dim, dtype=torch.float64, device=queries.device)
     pairs = 0
     for s, keys in enumerate(keys_per_query):
         q = queries[s].float()  # [H, D]

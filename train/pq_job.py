@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,13 +92,14 @@ def _subsample(keys: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
 
 def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int], key_format: str, spec: PQSpec,
                      max_queries: int, topk: int, rotation: torch.Tensor | None = None,
-                     device: str | torch.device = "cpu") -> torch.Tensor:
+                     device: str | torch.device = "cpu", raw: np.ndarray | None = None,
+                     query_block: int = 32) -> torch.Tensor:
     """Score-aware metric from the training sequences' sampled queries and their exact top-(2 topk) keys
     (in the rotated space when ``rotation`` is given: queries and keys rotated alike).
 
-    Each sequence's keys are read and put in engine form once, up to its longest sampled prefix, and the
-    exact scores are computed on ``device``: at 1M-key sequences, reading each query's prefix again and
-    scoring it on the host would cost minutes a layer."""
+    Each sequence's keys are put in engine form once, up to its longest sampled prefix, and scored on
+    ``device`` ``query_block`` queries at a time (causal prefixes masked); the metric is accumulated there
+    too. ``raw``: the layer's stored keys when already read (``store.keys(layer)``)."""
     from dsaindex.geometry import visible_key_count
     from dsaindex.quant import engine_keys
     from dsaindex.score import indexer_scores
@@ -107,24 +109,29 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
     stride = store.manifest.model.geometry.key_stride
     offsets = sequence_key_offsets(store)
     rows = metric_rows(store, train_sequences, max_queries)
-    queries = store.as_float(store.queries(layer)[rows])
-    weights = torch.from_numpy(store.head_weights(layer)[rows])
-    raw = store.keys(layer)
     dev = torch.device(device)
-    chosen = [torch.zeros(0, spec.dim)] * len(rows)
+    queries = store.as_float(store.queries(layer)[rows]).to(dev)
+    weights = torch.from_numpy(store.head_weights(layer)[rows]).to(dev)
+    raw = store.keys(layer) if raw is None else raw
+    chosen = [torch.zeros(0, spec.dim, device=dev)] * len(rows)
     for seq in np.unique(seq_of[rows]):
         mine = np.nonzero(seq_of[rows] == seq)[0]
         start, length = int(offsets[seq]), int(offsets[seq + 1] - offsets[seq])
-        visible = [min(int(visible_key_count(positions[rows[i]], stride)), length) for i in mine]
-        if max(visible) <= 0:
+        visible = np.minimum(visible_key_count(positions[rows[mine]], stride), length)
+        mine, visible = mine[visible > 0], visible[visible > 0]
+        if not len(mine):
             continue
-        keys = engine_keys(store.as_float(raw[start : start + max(visible)]), key_format).to(dev)
-        for i, count in zip(mine, visible, strict=True):
-            if count <= 0:
-                continue
-            scores = indexer_scores(queries[i : i + 1].to(dev), keys[:count], weights[i : i + 1].to(dev))[0]
-            chosen[i] = keys[scores.topk(min(2 * topk, count)).indices].cpu()
-    return score_gradient_metric(rotate(queries, rotation), weights, [rotate(c, rotation) for c in chosen], spec)
+        keys = engine_keys(store.as_float(raw[start : start + int(visible.max())]), key_format).to(dev)
+        for lo in range(0, len(mine), query_block):
+            block, counts = mine[lo : lo + query_block], visible[lo : lo + query_block]
+            width = int(counts.max())
+            outside = torch.arange(width, device=dev)[None, :] >= torch.from_numpy(counts).to(dev)[:, None]
+            scores = indexer_scores(queries[block], keys[:width], weights[block]).masked_fill(outside, float("-inf"))
+            top = scores.topk(min(2 * topk, width)).indices  # sorted: a row's in-prefix keys come first
+            for j, (i, count) in enumerate(zip(block, counts, strict=True)):
+                chosen[i] = keys[top[j, : min(2 * topk, int(count))]]
+    return score_gradient_metric(rotate(queries, rotation), weights, [rotate(c, rotation) for c in chosen],
+                                 spec).cpu()
 
 
 def metric_rows(store: CaptureStore, train_sequences: list[int], max_queries: int) -> np.ndarray:
@@ -163,15 +170,17 @@ def metric_for_layer_reference(store: CaptureStore, layer: int, train_sequences:
 
 
 def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions, key_format: str,
-                topk: int, step: Callable[[str], None] | None = None) -> LayerResult:
-    """Train and evaluate one layer; ``step(text)`` is told each step as it starts."""
+                topk: int, step: Callable[[str], None] | None = None, raw: np.ndarray | None = None) -> LayerResult:
+    """Train and evaluate one layer; ``step(text)`` is told each step as it starts. ``raw``: the layer's
+    stored keys (``store.keys(layer)``) when already read; the layer is read once either way."""
     step = step or (lambda text: None)
     train_seq, eval_seq = split
     geometry = store.manifest.model.geometry
     step("reading keys")
-    keys = _subsample(layer_keys(store, layer, train_seq, key_format), opts.max_train_keys, opts.seed + layer)
+    raw = store.keys(layer) if raw is None else raw
+    keys = _subsample(layer_keys(store, layer, train_seq, key_format, raw), opts.max_train_keys, opts.seed + layer)
     if opts.quantizer != "pq":
-        return _train_additive_layer(store, layer, split, opts, key_format, topk, keys, step)
+        return _train_additive_layer(store, layer, split, opts, key_format, topk, keys, step, raw)
     spec = PQSpec(dim=geometry.head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
     t0 = time.perf_counter()
     rotation = None
@@ -185,18 +194,19 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     if opts.score_aware:
         step("score-aware metric")
         metric = metric_for_layer(store, layer, train_seq, key_format, spec, opts.metric_queries, topk, rotation,
-                                  opts.device)
+                                  opts.device, raw)
     step(f"k-means ({opts.trainer}, {keys.shape[0]:,} keys, {opts.iterations} iterations)")
     codebooks = train_codebooks(keys, spec, opts.trainer, opts.iterations, opts.seed + layer, metric, opts.device)
     seconds = time.perf_counter() - t0 + rotate_seconds  # rotation, metric and codebooks
     result = LayerResult(layer, codebooks, metric, keys.shape[0], seconds, rotation=rotation)
     step("held-out recall")
-    result.metrics = evaluate_layer(store, layer, eval_seq, result.codec, opts, key_format, topk)
+    result.metrics = evaluate_layer(store, layer, eval_seq, result.codec, opts, key_format, topk, raw)
     return result
 
 
 def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[int]], opts: PQOptions,
-                          key_format: str, topk: int, keys: torch.Tensor, step: Callable[[str], None]) -> LayerResult:
+                          key_format: str, topk: int, keys: torch.Tensor, step: Callable[[str], None],
+                          raw: np.ndarray | None = None) -> LayerResult:
     """:func:`train_layer` for an RQ / LSQ code (``opts.quantizer``): ``opts.subspaces`` whole-key codebooks,
     score-aware under the full D x D metric."""
     metric = None
@@ -204,23 +214,24 @@ def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int
     if opts.score_aware:
         step("score-aware metric (full)")
         metric = metric_for_layer(store, layer, split[0], key_format, full_spec(keys.shape[1], opts.centroids),
-                                  opts.metric_queries, topk, device=opts.device)
+                                  opts.metric_queries, topk, device=opts.device, raw=raw)
     step(f"{opts.quantizer.upper()} ({opts.trainer if opts.quantizer == 'rq' else 'faiss'}, {keys.shape[0]:,} keys)")
     codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer,
                            trainer=opts.trainer, device=opts.device, iterations=opts.iterations)
     result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec,
                          residual=codec.served(metric) if opts.quantizer == "rq" else None)
     step("held-out recall")
-    result.metrics = evaluate_layer(store, layer, split[1], codec, opts, key_format, topk)
+    result.metrics = evaluate_layer(store, layer, split[1], codec, opts, key_format, topk, raw)
     return result
 
 
 def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: PQCodec | AdditiveCodec, opts: PQOptions,
-                   key_format: str, topk: int) -> dict[str, float]:
+                   key_format: str, topk: int, raw: np.ndarray | None = None) -> dict[str, float]:
     """Held-out recall of one layer's codec (an OPQ codec codes the keys rotated and decodes them back to the
-    original space, where they score against the raw queries). Coding and scoring run on ``opts.device``."""
+    original space, where they score against the raw queries). Coding and scoring run on ``opts.device``.
+    ``raw``: the layer's stored keys when already read."""
     ks = tuple(sorted({PAPER_K, topk}))
-    data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries)
+    data = held_out(store, layer, eval_seq, 4 * min(ks), key_format, opts.max_eval_queries, raw)
     keys = data.keys.to(opts.device)
     if isinstance(codec, PQCodec):
         codec = codec.to(opts.device)
@@ -306,12 +317,18 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None 
     split = split_sequences(store.committed.sequences, opts.eval_fraction)
     results = {}
     layers = list(store.layers)
-    for done, layer in enumerate(layers):
-        def step(text: str, done: int = done, layer: int = layer) -> None:
-            if progress:
-                progress(done, len(layers), f"layer {layer}: {text}")
+    # the next layer's keys are read (and decompressed) on a thread while this one trains
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        pending = reader.submit(store.keys, layers[0]) if layers else None
+        for done, layer in enumerate(layers):
+            def step(text: str, done: int = done, layer: int = layer) -> None:
+                if progress:
+                    progress(done, len(layers), f"layer {layer}: {text}")
 
-        results[layer] = train_layer(store, layer, split, opts, key_format, geometry.topk, step)
+            step("reading keys")
+            raw = pending.result()
+            pending = reader.submit(store.keys, layers[done + 1]) if done + 1 < len(layers) else None
+            results[layer] = train_layer(store, layer, split, opts, key_format, geometry.topk, step, raw)
     if progress:
         progress(len(layers), len(layers), "done")
     per_layer = {layer: r.metrics for layer, r in results.items()}

@@ -104,17 +104,20 @@ def sequence_key_offsets(store: CaptureStore) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)])
 
 
-def layer_keys(store: CaptureStore, layer: int, sequences: list[int], key_format: str) -> torch.Tensor:
-    """Engine-form keys [N, D] of the given sequences of one layer, concatenated in order."""
+def layer_keys(store: CaptureStore, layer: int, sequences: list[int], key_format: str,
+               raw: np.ndarray | None = None) -> torch.Tensor:
+    """Engine-form keys [N, D] of the given sequences of one layer, concatenated in order; ``raw``: the
+    layer's stored keys (``store.keys(layer)``) when already read."""
     offsets = sequence_key_offsets(store)
-    raw = store.keys(layer)
+    raw = store.keys(layer) if raw is None else raw
     parts = [raw[offsets[s] : offsets[s + 1]] for s in sequences]
     return engine_keys(store.as_float(np.concatenate(parts)), key_format)
 
 
 def held_out(store: CaptureStore, layer: int, eval_sequences: list[int], min_prefix: int, key_format: str,
-             max_queries: int = 256) -> HeldOut:
-    """Held-out queries with a causal prefix of at least ``min_prefix`` keys (at most ``max_queries``)."""
+             max_queries: int = 256, raw: np.ndarray | None = None) -> HeldOut:
+    """Held-out queries with a causal prefix of at least ``min_prefix`` keys (at most ``max_queries``);
+    ``raw``: as for :func:`layer_keys`."""
     stride = store.manifest.model.geometry.key_stride
     positions = store.array("query_position").astype(np.int64)
     seq_of = store.array("query_sequence").astype(np.int64)
@@ -134,12 +137,14 @@ def held_out(store: CaptureStore, layer: int, eval_sequences: list[int], min_pre
         head_weights=torch.from_numpy(store.head_weights(layer)[rows]) if len(rows) else torch.zeros(0),
         visible=torch.from_numpy(visible[rows]),
         key_start=torch.from_numpy(local_start[seq_of[rows]]),
-        keys=layer_keys(store, layer, eval_sequences, key_format),
+        keys=layer_keys(store, layer, eval_sequences, key_format, raw),
     )
 
 
-def _recall(chosen: torch.Tensor, truth: torch.Tensor) -> float:
-    return float(np.intersect1d(chosen.cpu().numpy(), truth.cpu().numpy()).size) / truth.numel()
+def _hits(truth_mask: torch.Tensor, chosen: torch.Tensor, k: int) -> list[float]:
+    """Per row, the share of the row's exact top-``k`` (``truth_mask`` [Q, N] bool) among ``chosen`` [Q, k]
+    distinct key indices."""
+    return (truth_mask.gather(1, chosen).sum(1).float() / k).tolist()
 
 
 def evaluate_selection(
@@ -148,6 +153,7 @@ def evaluate_selection(
     ks: tuple[int, ...],
     candidates: tuple[int, ...] = CANDIDATES,
     device: str = "cpu",
+    query_block: int = 64,
 ) -> dict[str, float]:
     """Recall of coarse-to-fine selection for each k in ``ks``.
 
@@ -155,6 +161,8 @@ def evaluate_selection(
     ----------
     data : held-out queries and engine keys; coarse_keys : [N, D] the keys the coarse stage sees (PQ
         decoded), row-aligned with ``data.keys``
+    query_block : queries of one sequence scored together (their [block, prefix] score rows are held
+        at once, causal prefixes masked)
 
     Returns
     -------
@@ -165,35 +173,50 @@ def evaluate_selection(
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
 
-    def add(name: str, value: float) -> None:  # overall, and in the query's prefix band
-        for key in (name, name.replace("/", f"@{band}/", 1)):
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+    def add(name: str, values: list[float], bands: list[str]) -> None:  # overall, and in each query's band
+        for value, band in zip(values, bands, strict=True):
+            for key in (name, name.replace("/", f"@{band}/", 1)):
+                sums[key] = sums.get(key, 0.0) + value
+                counts[key] = counts.get(key, 0) + 1
 
     keys, coarse_all = data.keys.to(device), coarse_keys.to(device)
-    for i in range(data.queries.shape[0]):
-        start, n = int(data.key_start[i]), int(data.visible[i])
-        band = prefix_band(n)
-        q, w = data.queries[i : i + 1].to(device), data.head_weights[i : i + 1].to(device)
-        exact = indexer_scores(q, keys[start : start + n], w)[0]
-        coarse = indexer_scores(q, coarse_all[start : start + n], w)[0]
-        for k in ks:
-            if n < 4 * k:
-                continue
-            truth = exact.topk(k).indices
-            tag = f"k{k}"
-            add(f"{tag}/direct", _recall(coarse.topk(k).indices, truth))
-            for c in candidates:
-                if c >= n or c <= k:  # exhaustive (the whole prefix reranked), or the direct top-k again
+    starts, visible = data.key_start.long(), data.visible.long()
+    for start in sorted(set(starts.tolist())):  # queries of one sequence share its keys
+        rows = torch.nonzero(starts == start).flatten()
+        for block in rows.split(query_block):
+            n_rows = visible[block]
+            width = int(n_rows.max())
+            q, w = data.queries[block].to(device), data.head_weights[block].to(device)
+            outside = torch.arange(width, device=device)[None, :] >= n_rows.to(device)[:, None]  # past the prefix
+            exact = indexer_scores(q, keys[start : start + width], w).masked_fill(outside, float("-inf"))
+            coarse = indexer_scores(q, coarse_all[start : start + width], w).masked_fill(outside, float("-inf"))
+            for k in ks:
+                live = torch.nonzero(n_rows >= 4 * k).flatten()
+                if live.numel() == 0:
                     continue
-                cand = coarse.topk(c).indices
-                rerank = cand[exact[cand].topk(min(k, cand.numel())).indices]
-                add(f"{tag}/rerank@{c}", _recall(rerank, truth))
-                cand_scores = coarse[cand].unsqueeze(0)  # sorted descending: cand is a top-C
-                kept = cand[miss_filter_keep(cand_scores, torch.ones_like(cand_scores, dtype=torch.bool), k)[0]]
-                filtered = kept[exact[kept].topk(min(k, kept.numel())).indices]
-                add(f"{tag}/filter@{c}", _recall(filtered, truth))
-                add(f"{tag}/fetch@{c}", kept.numel() / cand.numel())
+                ex, co, n_live = exact[live.to(device)], coarse[live.to(device)], n_rows[live].tolist()
+                bands = [prefix_band(n) for n in n_live]
+                truth = torch.zeros_like(ex, dtype=torch.bool).scatter_(1, ex.topk(k).indices, True)
+                tag = f"k{k}"
+                add(f"{tag}/direct", _hits(truth, co.topk(k).indices, k), bands)
+                for c in candidates:
+                    # C at or above the prefix is exhaustive, C at or below k the direct top-k again
+                    use = [i for i, n in enumerate(n_live) if k < c < n]
+                    if not use:
+                        continue
+                    pick = torch.tensor(use, device=device)
+                    cand_scores, cand = co[pick].topk(c)  # sorted descending
+                    cand_exact = ex[pick].gather(1, cand)
+                    hits = truth[pick]
+                    rerank = cand.gather(1, cand_exact.topk(k).indices)
+                    kept = miss_filter_keep(cand_scores, torch.ones_like(cand_scores, dtype=torch.bool), k)
+                    # the filter keeps at least the top k candidates, so the exact top-k of the kept ones
+                    # never reaches a dropped one
+                    filtered = cand.gather(1, cand_exact.masked_fill(~kept, float("-inf")).topk(k).indices)
+                    picked_bands = [bands[i] for i in use]
+                    add(f"{tag}/rerank@{c}", _hits(hits, rerank, k), picked_bands)
+                    add(f"{tag}/filter@{c}", _hits(hits, filtered, k), picked_bands)
+                    add(f"{tag}/fetch@{c}", (kept.sum(1).float() / c).tolist(), picked_bands)
     out = {name: sums[name] / counts[name] for name in sums}
     for name in [n for n in counts if n.endswith("/direct")]:
         out[name.replace("/direct", "/queries")] = float(counts[name])
