@@ -245,17 +245,17 @@ def test_train_pq_rq_writes_a_bundle_the_runtime_loads_and_serves(tmp_path, monk
     bundle = tmp_path / "rq"
     proc = run_cli("train", "pq", str(store), "--quantizer", "rq", "--subspaces", "4", "--trainer", "torch",
                    "--iterations", "3", "--max-train-keys", "1024", "--eval-queries", "4", "--candidates", "64",
-                   "--device", "cpu", "--no-register", "--out", str(bundle), "--json")
+                   "--beam", "8", "--device", "cpu", "--no-register", "--out", str(bundle), "--json")
     assert proc.returncode == 0, proc.stderr
     trained = json.loads(proc.stdout)
     manifest, arrays = read_bundle(bundle)
     for layer in manifest.layer_ids:
         params = manifest.layers[str(layer)].params
-        assert params["quantizer"] == "rq" and params["beam"] == 5 and params["rotate"] is False
+        assert params["quantizer"] == "rq" and params["beam"] == 8 and params["rotate"] is False
         assert arrays[layer]["codebooks"].shape == (4, 256, 128) and arrays[layer]["metric"].shape == (1, 128, 128)
     loaded = load(bundle, preset_config("tiny-v32"))
     codec = loaded.layers[manifest.layer_ids[0]]
-    assert codec.residual and codec.metric is not None and codec.label == "RQ4 score-aware"
+    assert codec.residual and codec.metric is not None and codec.label == "RQ4 score-aware" and codec.beam == 8
     # `eval pq` reproduces the training's held-out figures from the bundle alone
     again = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
                     "--json")
@@ -280,6 +280,10 @@ def test_train_pq_rq_writes_a_bundle_the_runtime_loads_and_serves(tmp_path, monk
     # LSQ stays a comparison: a clear refusal names the codes that can be served
     proc = run_cli("train", "pq", str(store), "--quantizer", "lsq", "--no-register", "--device", "cpu")
     assert proc.returncode != 0 and "--quantizer pq or rq" in proc.stderr and "Traceback" not in proc.stderr
+    # a beam width is for residual codes: refused with PQ, before any training
+    proc = run_cli("train", "pq", str(store), "--beam", "8", "--no-register", "--device", "cpu")
+    assert proc.returncode != 0 and "--beam 8 applies to residual codes only" in proc.stderr
+    assert "--quantizer rq" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_engines_paged_selector_refuses_residual_codes_at_load():

@@ -47,6 +47,7 @@ class PQOptions:
     score_aware: bool = True
     rotate: bool = False  # OPQ: a learned orthogonal rotation before PQ, stored in the bundle beside the codebooks
     quantizer: str = "pq"  # or "rq" / "lsq": ``subspaces`` whole-key codebooks (train.additive; LSQ compared only)
+    beam: int = 5  # rq: beam width of the residual search, in training and in the served codec's page encoding
     max_train_keys: int = 262144
     metric_queries: int = 256
     eval_fraction: float = 0.2
@@ -217,7 +218,7 @@ def _train_additive_layer(store: CaptureStore, layer: int, split: tuple[list[int
                                   opts.metric_queries, topk, device=opts.device, raw=raw)
     step(f"{opts.quantizer.upper()} ({opts.trainer if opts.quantizer == 'rq' else 'faiss'}, {keys.shape[0]:,} keys)")
     codec = train_additive(keys, opts.quantizer, opts.subspaces, opts.centroids, metric, seed=opts.seed + layer,
-                           trainer=opts.trainer, device=opts.device, iterations=opts.iterations)
+                           beam=opts.beam, trainer=opts.trainer, device=opts.device, iterations=opts.iterations)
     result = LayerResult(layer, torch.empty(0), metric, keys.shape[0], time.perf_counter() - t0, additive=codec,
                          residual=codec.served(metric) if opts.quantizer == "rq" else None)
     step("held-out recall")
@@ -288,6 +289,9 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
 
     if opts.trainer not in TRAINERS:
         raise DsaIndexError(f"Unknown trainer {opts.trainer!r}.", f"pass --trainer {' or '.join(TRAINERS)}.")
+    if opts.beam != PQOptions.beam and opts.quantizer != "rq":
+        raise DsaIndexError(f"--beam {opts.beam} applies to residual codes only, not {opts.quantizer.upper()}.",
+                            "drop --beam, or pass --quantizer rq.")
     if opts.quantizer == "pq":
         PQSpec(dim=head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
     elif opts.quantizer not in QUANTIZERS:
@@ -298,6 +302,7 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
     else:
         check_codebook_size(opts.centroids)
     for option, value in (("--iterations", opts.iterations), ("--max-train-keys", opts.max_train_keys),
+                          ("--beam", opts.beam),
                           ("--eval-queries", opts.max_eval_queries),
                           ("--candidates", min(opts.candidates) if opts.candidates else 0)):
         if value < 1:
