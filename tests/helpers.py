@@ -26,6 +26,12 @@ def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
     return _run_in_process(list(args))
 
 
+def run_cli_in_process(*args: str) -> subprocess.CompletedProcess:
+    """``dsaindex ARGS`` as :func:`run_cli` runs it in this process, whatever ``DSAINDEX_TEST_SUBPROCESS``
+    says: for a command run with part of the package patched, which a fresh interpreter would not see."""
+    return _run_in_process(list(args))
+
+
 def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     import contextlib
     import io

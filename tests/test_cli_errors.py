@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dsaindex.artifacts.capture_store import CaptureStore
-from helpers import run_cli, text_corpus
+from helpers import run_cli, run_cli_in_process, text_corpus
 
 TINY = ("-m", "preset:tiny-v32", "--seq-len", "200", "--chunk-len", "100", "--no-progress")
 
@@ -202,27 +202,20 @@ def test_ctrl_c_reports_what_was_kept_and_exits_130(tmp_path):
 
 
 # ---- 3. CUDA out of memory ---------------------------------------------------------------------------
-OOM_DRIVER = """
-import sys
-import torch
-from dsaindex.pipelines import capture
+def test_cuda_out_of_memory_names_the_chunk_len(tmp_path, monkeypatch):
+    import torch
 
-def out_of_memory(self, *args, **kwargs):
-    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+    from dsaindex.pipelines import capture
 
-capture.SequenceCapturer.run = out_of_memory
-sys.argv[0] = "dsaindex"
-from dsaindex.cli import main
-main()
-"""
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
 
-
-def test_cuda_out_of_memory_names_the_chunk_len(tmp_path):
+    monkeypatch.setattr(capture.SequenceCapturer, "run", out_of_memory)
     store = tmp_path / "s"
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", OOM_DRIVER, "capture", str(store), "-m", "preset:tiny-v32", "-c",
-                           str(text_corpus(tmp_path, files=3, words=2000)), "--seq-len", "4096", "--chunk-len", "2048",
-                           "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    # in this process whatever DSAINDEX_TEST_SUBPROCESS says: a fresh interpreter would not see the patch
+    proc = run_cli_in_process("capture", str(store), "-m", "preset:tiny-v32", "-c",
+                              str(text_corpus(tmp_path, files=3, words=2000)), "--seq-len", "4096",
+                              "--chunk-len", "2048", "--no-progress")
     line = assert_one_line_error(proc, "out of memory", "--chunk-len 2048", "[1, 2048, 8, 4096] fp32")
     # 2048 queries x 8 heads x 4096 keys x 4 bytes; the suggested quarter needs a quarter of it
     assert "~256.0 MiB" in line and "--chunk-len 512 (~64.0 MiB" in line, line

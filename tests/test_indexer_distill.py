@@ -133,7 +133,7 @@ def test_cli_distills_for_a_trained_plan(tmp_path):
     """Capture, a reuse bundle, then `train indexer-distill`: the overlay names the plan and the base
     checkpoint, and the report has the three qualities."""
     store, bundle, overlay = tmp_path / "store", tmp_path / "bundle", tmp_path / "overlay"
-    proc = run_cli("capture", str(store), "-m", "reference", "-n", "4", "--seq-len", "512", "--device", "cpu")
+    proc = run_cli("capture", str(store), "-m", "reference", "-n", "3", "--seq-len", "256", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("train", "reuse", str(store), "--out", str(bundle), "--queries", "16", "--topk", str(TOPK),
                    "--device", "cpu", "--no-register", "--json")

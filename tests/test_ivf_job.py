@@ -8,12 +8,9 @@ from helpers import run_cli
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, routing_store):
     root = tmp_path_factory.mktemp("ivfjob")
-    store, bundle = root / "store", root / "bundle"
-    proc = run_cli("capture", str(store), "-m", "preset:tiny-v32", "-n", "5", "--seq-len", "1536",
-                   "--chunk-len", "768", "--no-progress")
-    assert proc.returncode == 0, proc.stderr
+    store, bundle = routing_store, root / "bundle"
     proc = run_cli("train", "ivf", str(store), "--out", str(bundle), "--window", "256", "--cluster-size", "32",
                    "--refit-every", "512", "--budgets", "256,512", "--steps", "25", "--eval-queries", "8",
                    "--device", "cpu", "--no-register", "--json")

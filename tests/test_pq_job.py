@@ -274,16 +274,16 @@ def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(t
         assert len(set(got) & set(exact)) >= 31
 
 
-def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained):
+def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained, monkeypatch):
     """`eval pq --warm`: the held-out decode windows step through the runtime's group. With every key a
     candidate the selection is the exact top-k; later steps find most candidates in the cache and fetch
     fewer than the first (cold) step. The replays run the kernels' torch references (the same algorithm;
     the kernels are checked against them in their own tests): interpreted Triton takes minutes here."""
-    torch_path = {"TRITON_INTERPRET": "0"}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path (read when the group is made)
     root, store, bundle, uri, result = trained
     proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
                    "--warm", "--warm-candidates", "1024", "--cache", "1024", "--prefilter", "1", "--device", "cpu",
-                   "--json", env=torch_path)
+                   "--json")
     assert proc.returncode == 0, proc.stderr
     steady = json.loads(proc.stdout)["warm"]
     assert steady["windows"] == 2 and steady["steps_per_window"] == 16  # the capture's default windows
@@ -293,7 +293,7 @@ def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained):
         assert len(m["fetch_share_by_step"]) == 16 and m["fetch_share_by_step"][0] == m["cold_fetch_share"]
     proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
                    "--warm", "--warm-candidates", "64", "--cache", "128", "--prefilter", "2", "--device", "cpu",
-                   "--filter-width", "1,1e9", "--json", env=torch_path)
+                   "--filter-width", "1,1e9", "--json")
     small = json.loads(proc.stdout)["warm"]["mean"]
     assert small["warm_recall_rerank"] < steady["mean"]["warm_recall_rerank"]  # fewer candidates, less recall
     # one replay per filter width, the first the headline; a margin past every score's spread drops nothing:
@@ -303,7 +303,7 @@ def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained):
     assert wide["warm_recall_filter"] == small["warm_recall_rerank"] and wide["warm_filter_loss"] == 0
     assert wide["warm_fetch_share"] > narrow["warm_fetch_share"]
     proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--warm",
-                   "--device", "cpu", "--filter-width", "1,-2", env=torch_path)
+                   "--device", "cpu", "--filter-width", "1,-2")
     assert proc.returncode != 0 and "--filter-width" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -67,12 +67,9 @@ def test_overlap_of_a_layer_with_itself_is_one():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, routing_store):
     root = tmp_path_factory.mktemp("reusejob")
-    store, bundle, plot = root / "store", root / "bundle", root / "heat.png"
-    proc = run_cli("capture", str(store), "-m", "preset:tiny-v32", "-n", "5", "--seq-len", "1536",
-                   "--chunk-len", "768", "--no-progress")
-    assert proc.returncode == 0, proc.stderr
+    store, bundle, plot = routing_store, root / "bundle", root / "heat.png"
     proc = run_cli("train", "reuse", str(store), "--out", str(bundle), "--queries", "24", "--plot", str(plot),
                    "--device", "cpu", "--no-register", "--json")
     assert proc.returncode == 0, proc.stderr
