@@ -100,9 +100,10 @@ def plan_forward_loss(model, input_ids, labels, sources: list[int], topk: int) -
         return float(F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))), recall
 
 
-def plan_quality(model, input_ids, labels, sources: list[int], topk: int, batch: int = 2) -> dict:
-    """Held-out bits per token (the reference model's tokens are bytes) and per-layer retained recall
-    under ``sources``, over windows ``input_ids`` / ``labels`` [N, S]."""
+def plan_quality(model, input_ids, labels, sources: list[int], topk: int, batch: int = 2,
+                 bytes_per_token: float = 1.0) -> dict:
+    """Held-out bits per byte (bits per token over ``bytes_per_token``: 1 for byte tokens) and per-layer
+    retained recall under ``sources``, over windows ``input_ids`` / ``labels`` [N, S]."""
     total, count, recall, windows = 0.0, 0, [0.0] * len(sources), 0
     for start in range(0, input_ids.shape[0], batch):
         ids, lab = input_ids[start : start + batch], labels[start : start + batch]
@@ -111,7 +112,7 @@ def plan_quality(model, input_ids, labels, sources: list[int], topk: int, batch:
         count += lab.numel()
         recall = [a + b * ids.shape[0] for a, b in zip(recall, kept, strict=True)]
         windows += ids.shape[0]
-    return {"bits_per_byte": round(total / count / math.log(2), 5),
+    return {"bits_per_byte": round(total / count / math.log(2) / bytes_per_token, 5),
             "retained_recall": [round(r / windows, 4) for r in recall]}
 
 
@@ -182,9 +183,10 @@ def kept_indexer_parameters(model, kept: list[int]) -> dict[str, Any]:
 
 def distill(model, sources: list[int], train_stream, steps: int, batch: int, seq_len: int, lr: float,
             seed: int = 0, progress: Callable[[int, int, float], None] | None = None, objective: str = "dense",
-            topk: int | None = None) -> list[dict]:
+            topk: int | None = None, bos: int | None = None) -> list[dict]:
     """AdamW on the kept layers' indexer parameters only (everything else frozen); returns the loss
-    history (one entry per step: step, kl, seconds)."""
+    history (one entry per step: step, kl, seconds). ``bos``: the vocabulary's begin token (default: the
+    byte vocabulary's)."""
     import torch
 
     from dsaindex.pipelines.reference_train import sample_windows
@@ -201,7 +203,7 @@ def distill(model, sources: list[int], train_stream, steps: int, batch: int, seq
     start = time.perf_counter()
     model.train(False)
     for step in range(steps):
-        ids, _ = sample_windows(train_stream, batch, seq_len, gen)
+        ids, _ = sample_windows(train_stream, batch, seq_len, gen, *(() if bos is None else (bos,)))
         loss = distill_loss(model, ids, sources, objective, topk)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -451,6 +451,29 @@ def eval_reuse_cmd(
     Console().print(_reuse_rows(result["plans"]))
 
 
+
+def _distill_streams(model_ref: str, loaded, corpus: Path | None):
+    """(token streams, vocabulary) that ``indexer-distill`` trains and evaluates on: ``corpus``'s own tokens,
+    or the byte-token Python sources for a byte-token checkpoint. A checkpoint with its own tokenizer and
+    no ``--corpus``, or a corpus whose tokens the model's vocabulary cannot hold, is refused."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.models import ByteTokenizer
+    from dsaindex.pipelines.reference_train import BYTE_VOCABULARY, build_token_streams, corpus_token_streams
+
+    if corpus is None:
+        if not isinstance(loaded.tokenizer, ByteTokenizer):
+            raise DsaIndexError(f"{model_ref} has its own tokenizer ({loaded.tokenizer.name}); without --corpus "
+                                "it would be trained and measured on byte tokens.",
+                                "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
+                                "corpus` wrote).")
+        return build_token_streams(8_000_000, 2_000_000), BYTE_VOCABULARY
+    streams, vocab = corpus_token_streams(corpus, max_train_tokens=8_000_000, max_heldout_tokens=2_000_000)
+    size = int(loaded.model.config.vocab_size)
+    if vocab.size > size:
+        raise DsaIndexError(f"{corpus}'s tokenizer has {vocab.size:,} entries; {model_ref}'s vocabulary holds "
+                            f"{size:,}.", "pass the corpus the checkpoint was trained on.")
+    return streams, vocab
+
 @train_app.command("indexer-distill")
 def train_indexer_distill_cmd(
     plan: str = typer.Option(..., "--plan", help="A reuse bundle (`dsaindex train reuse`): path or models:/NAME@ALIAS."),
@@ -472,6 +495,10 @@ def train_indexer_distill_cmd(
     lag: bool = typer.Option(False, "--lag", help="The Multi-layer Indexer's schedule: every layer attends the "
                                                   "nearest kept layer before it (a kept layer too), so each "
                                                   "kept indexer serves the layers after it."),
+    corpus: Path = typer.Option(None, "--corpus", help="The corpus a checkpoint with its own tokenizer was trained "
+                                                       "on (the folder `dsaindex reference corpus` wrote, or its "
+                                                       "tokenizer.json and tokens.npz); default: the byte-token "
+                                                       "Python sources the v1 reference was trained on."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
@@ -489,7 +516,7 @@ def train_indexer_distill_cmd(
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.indexer_distill import distill, plan_quality, write_overlay
     from dsaindex.pipelines.models import load_model
-    from dsaindex.pipelines.reference_train import build_token_streams, heldout_windows
+    from dsaindex.pipelines.reference_train import heldout_windows
     from dsaindex.runtime.loader import load
 
     if objective not in ("dense", "selected"):
@@ -507,19 +534,21 @@ def train_indexer_distill_cmd(
     if lag:
         sources = lagged_sources(list(range(len(sources))), chosen.kept)
     topk = int(net.config.index_topk) if topk is None else topk
-    streams = build_token_streams(8_000_000, 2_000_000)
+    streams, vocab = _distill_streams(model, loaded, corpus)
     train = torch.from_numpy(streams.train).to(dev)
-    ids, labels = heldout_windows(torch.from_numpy(streams.heldout).to(dev), eval_seq_len or seq_len, eval_windows)
+    ids, labels = heldout_windows(torch.from_numpy(streams.heldout).to(dev), eval_seq_len or seq_len, eval_windows,
+                                  vocab.bos)
     own = list(range(len(sources)))
+    per_byte = vocab.bytes_per_token
     with progress_bar("indexer-distill", enabled=not as_json, unit="steps") as update:
         update(0, steps, "held-out quality before")
-        before = {"unmodified": plan_quality(net, ids, labels, own, topk),
-                  "plan": plan_quality(net, ids, labels, sources, topk)}
+        before = {"unmodified": plan_quality(net, ids, labels, own, topk, bytes_per_token=per_byte),
+                  "plan": plan_quality(net, ids, labels, sources, topk, bytes_per_token=per_byte)}
         history = distill(net, sources, train, steps, batch, seq_len, lr,
                           progress=lambda done, total, kl: update(done, total, f"KL {kl:.4f}"),
-                          objective=objective, topk=topk)
+                          objective=objective, topk=topk, bos=vocab.bos)
         update(steps, steps, "held-out quality after")
-        after = plan_quality(net, ids, labels, sources, topk)
+        after = plan_quality(net, ids, labels, sources, topk, bytes_per_token=per_byte)
     gap = before["plan"]["bits_per_byte"] - before["unmodified"]["bits_per_byte"]
     closed = (before["plan"]["bits_per_byte"] - after["bits_per_byte"]) / gap if gap > 0 else None
     metrics = {"unmodified": before["unmodified"], "plan": before["plan"], "distilled": after,

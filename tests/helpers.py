@@ -4,6 +4,7 @@ import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 PRESETS = ("preset:tiny-v32", "preset:tiny-glm5", "preset:tiny-v4")
 
@@ -147,3 +148,19 @@ def selection_overlap(a, b) -> float:
     """Share of ``b``'s selected positions (rows of [B, k]; -1 = none) that ``a`` also selected."""
     rows = [(set(x) - {-1}, set(y) - {-1}) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
     return sum(len(x & y) for x, y in rows) / sum(len(y) for _, y in rows)
+
+
+def v2_corpus(folder):
+    """A corpus folder in the v2 reference checkpoint's tokens (what `dsaindex reference corpus` writes, in
+    miniature): its tokenizer and two short documents per split."""
+    import json
+    import shutil
+
+    from dsaindex.pipelines import reference_train as rt
+
+    folder.mkdir()
+    shutil.copy(Path(rt.__file__).resolve().parent / "reference_model_v2" / "tokenizer.json", folder / "tokenizer.json")
+    for split, words in (("train", "alpha beta"), ("heldout", "It was a bright cold day in April")):
+        docs = [{"source": "text", "title": str(i), "text": f"{words} {i}. " * 40} for i in range(2)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return folder

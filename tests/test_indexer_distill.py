@@ -2,11 +2,12 @@
 quality is measured as served, and the overlay loads onto its own checkpoint only."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import run_cli, v2_corpus
 
 TOPK = 16
 
@@ -148,3 +149,38 @@ def test_cli_distills_for_a_trained_plan(tmp_path):
     assert manifest["lineage"]["plan"]["retention"] == "1/2" and manifest["lineage"]["base_checkpoint"]["name"]
     proc = run_cli("train", "indexer-distill", "--plan", str(store), "--out", str(tmp_path / "o2"), "--device", "cpu")
     assert proc.returncode != 0 and "error" in proc.stderr.lower()
+
+
+def test_a_checkpoint_with_its_own_tokenizer_distills_on_its_corpus(tmp_path):
+    """The v2 reference (BPE tokens): without --corpus the command refuses rather than train on byte tokens;
+    with the corpus's tokens it trains, and bits per byte count the corpus's bytes per token."""
+    from dsaindex.pipelines import reference_train as rt
+
+    v2 = str(Path(rt.__file__).resolve().parent / "reference_model_v2")
+    store, bundle = tmp_path / "store", tmp_path / "bundle"
+    proc = run_cli("capture", str(store), "-m", v2, "-n", "3", "--seq-len", "256", "--device", "cpu", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("train", "reuse", str(store), "--out", str(bundle), "--queries", "16", "--topk", str(TOPK),
+                   "--device", "cpu", "--no-register", "--json")
+    assert proc.returncode == 0, proc.stderr
+    args = ("train", "indexer-distill", "--plan", str(bundle), "-m", v2, "--retention", "1/2", "--steps", "2",
+            "--seq-len", "64", "--eval-windows", "2", "--topk", str(TOPK), "--device", "cpu")
+    proc = run_cli(*args, "--out", str(tmp_path / "o1"))
+    assert proc.returncode != 0 and "has its own tokenizer" in proc.stderr and "--corpus" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o1").exists()
+    corpus = v2_corpus(tmp_path / "corpus")
+    proc = run_cli(*args, "--out", str(tmp_path / "o2"), "--corpus", str(corpus), "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    # the held-out windows in the corpus's tokens, begun by its own BOS; bits per token over bytes per token
+    from dsaindex.pipelines.indexer_distill import plan_quality
+    from dsaindex.pipelines.models import load_model
+
+    streams, vocab = rt.corpus_token_streams(corpus)
+    assert vocab.bytes_per_token > 2  # BPE: a token holds several bytes
+    ids, labels = rt.heldout_windows(torch.from_numpy(streams.heldout), 64, 2, vocab.bos)
+    net = load_model(v2, device="cpu", dtype="float32").model
+    per_token = plan_quality(net, ids, labels, [0, 1, 2, 3], TOPK)["bits_per_byte"]
+    assert result["unmodified"]["bits_per_byte"] == pytest.approx(per_token / vocab.bytes_per_token, rel=1e-3)
+    manifest = json.loads((tmp_path / "o2" / "overlay.json").read_text())
+    assert "byte-level BPE" in manifest["lineage"]["training"]["corpus"]["tokenizer"]

@@ -1,13 +1,12 @@
 """The runtime chooses the reference checkpoint's decode-time top-k inside transformers generation."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from dsaindex.pipelines.models import REFERENCE_DIR
-from helpers import reference_bytes, run_cli
+from helpers import reference_bytes, run_cli, v2_corpus
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
@@ -126,26 +125,12 @@ def test_length_policy_in_generation_scores_exactly(model_and_layers, coarse_to_
     assert exact["teacher_forced"]["token_agreement"] >= 0.9
 
 
-def _v2_corpus(folder):
-    """A corpus folder in the v2 checkpoint's tokens: its tokenizer and two short documents per split."""
-    import shutil
-
-    from dsaindex.pipelines import reference_train as rt
-
-    folder.mkdir()
-    shutil.copy(Path(rt.__file__).resolve().parent / "reference_model_v2" / "tokenizer.json", folder / "tokenizer.json")
-    for split, words in (("train", "alpha beta"), ("heldout", "It was a bright cold day in April")):
-        docs = [{"source": "text", "title": str(i), "text": f"{words} {i}. " * 40} for i in range(2)]
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    return folder
-
-
 def test_generate_takes_prompts_from_a_corpus_in_its_tokens(tmp_path, bundles):
     from types import SimpleNamespace
 
     from dsaindex.pipelines.runtime_cli import _heldout_text
 
-    corpus = _v2_corpus(tmp_path / "corpus")
+    corpus = v2_corpus(tmp_path / "corpus")
     tokens, bos, decode = _heldout_text(corpus, SimpleNamespace(vocab_size=8192), 100)
     assert bos == 0 and decode(tokens[:40].tolist()).startswith("It was a bright cold day in April 0.")
     # the byte-level reference checkpoint cannot read it: refused before anything runs
