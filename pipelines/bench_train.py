@@ -392,7 +392,7 @@ def bench_pq_job(
                           rotate=rotate, quantizer=q.strip(), max_train_keys=max_train_keys,
                           max_eval_queries=eval_queries, device=device) for q in quantizer.split(",")]
     geometry = synthetic_geometry(layers)
-    sequences = [check_inputs(keys, seq_len, opts, geometry.head_dim) for opts in all_opts][0]
+    sequences = [check_inputs(keys, seq_len, opts, geometry.head_dim) for opts in all_opts][0]  # every job checked
     parent = Path(work_dir) if work_dir is not None else Path(tempfile.gettempdir())
     if parent.exists() and not parent.is_dir():
         raise DsaIndexError(f"--work-dir {parent} is a file.", "pass a folder (it is created if missing).")

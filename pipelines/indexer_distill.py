@@ -189,7 +189,7 @@ def distill(model, sources: list[int], train_stream, steps: int, batch: int, seq
     byte vocabulary's)."""
     import torch
 
-    from dsaindex.pipelines.reference_train import sample_windows
+    from dsaindex.pipelines.reference_train import BOS_ID, sample_windows
 
     kept = sorted(set(sources))
     params = kept_indexer_parameters(model, kept)
@@ -203,7 +203,7 @@ def distill(model, sources: list[int], train_stream, steps: int, batch: int, seq
     start = time.perf_counter()
     model.train(False)
     for step in range(steps):
-        ids, _ = sample_windows(train_stream, batch, seq_len, gen, *(() if bos is None else (bos,)))
+        ids, _ = sample_windows(train_stream, batch, seq_len, gen, BOS_ID if bos is None else bos)
         loss = distill_loss(model, ids, sources, objective, topk)
         opt.zero_grad(set_to_none=True)
         loss.backward()

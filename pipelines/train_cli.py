@@ -451,7 +451,6 @@ def eval_reuse_cmd(
     Console().print(_reuse_rows(result["plans"]))
 
 
-
 def _distill_streams(model_ref: str, loaded, corpus: Path | None):
     """(token streams, vocabulary) that ``indexer-distill`` trains and evaluates on: ``corpus``'s own tokens,
     or the byte-token Python sources for a byte-token checkpoint. A checkpoint with its own tokenizer and
@@ -473,6 +472,7 @@ def _distill_streams(model_ref: str, loaded, corpus: Path | None):
         raise DsaIndexError(f"{corpus}'s tokenizer has {vocab.size:,} entries; {model_ref}'s vocabulary holds "
                             f"{size:,}.", "pass the corpus the checkpoint was trained on.")
     return streams, vocab
+
 
 @train_app.command("indexer-distill")
 def train_indexer_distill_cmd(
