@@ -93,6 +93,8 @@ def train_cmd(
         _TRAIN.passkey_weight, min=0.0, help="Loss weight of a passkey answer token (1: like any token)."
     ),
     passkey_questions: int = typer.Option(_TRAIN.passkey_questions, min=1, help="Most questions per passkey task."),
+    layers: int = typer.Option(_TRAIN.layers, min=1, help="Layers of a fresh model, each with its indexer "
+                               "(default: the geometry's 4; more give reuse plans more to choose from)."),
 ) -> None:
     """Train the reference checkpoint with the DSA recipe and write it with its reports to OUT."""
     from dsaindex.pipelines.reference_eval import evaluate
@@ -107,7 +109,7 @@ def train_cmd(
         eval_windows=eval_windows, coverage_windows=coverage_windows, tiny=tiny, log_every=log_every, seed=seed,
         device=device, init_from=init_from, stages=stages, corpus=corpus, rope_theta=rope_theta,
         max_position=max_position, kl_queries=kl_queries, attn_chunk=attn_chunk, passkey_share=passkey_share,
-        passkey_weight=passkey_weight, passkey_questions=passkey_questions,
+        passkey_weight=passkey_weight, passkey_questions=passkey_questions, layers=layers,
         command="python -m dsaindex.pipelines.reference_cli " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     train_reference(options, log=_echo, evaluator=evaluate if evaluate_after else None)

@@ -909,7 +909,9 @@ class ReferenceTrainOptions:
     ``corpus`` trains on a ``dsaindex reference corpus`` folder with its BPE tokenizer (the v2 data;
     ``max_train_mb`` / ``max_heldout_mb`` then count millions of tokens) instead of Python sources as bytes;
     ``rope_theta`` and ``max_position`` set a fresh model's RoPE base and position limit (a continued
-    checkpoint keeps its own). ``passkey_share`` of the windows (a corpus run only) carry fresh passkey
+    checkpoint keeps its own); ``layers`` sets a fresh model's depth (every layer a dense MLP and an indexer,
+    as in the reference geometry; more layers give cross-layer reuse plans more to choose from).
+    ``passkey_share`` of the windows (a corpus run only) carry fresh passkey
     tasks (:class:`~dsaindex.pipelines.reference_tasks.PasskeyTasks`, up to ``passkey_questions`` questions
     each) whose answer tokens weigh ``passkey_weight`` in the loss.
     """
@@ -952,6 +954,7 @@ class ReferenceTrainOptions:
     passkey_share: float = 0.0
     passkey_weight: float = 1.0
     passkey_questions: int = 4
+    layers: int | None = None
 
 
 STAGES = ("dense", "warmup", "sparse")
@@ -1053,6 +1056,13 @@ def train_reference(
 
     seq_len, topk = options.seq_len, options.topk
     base = TINY_REFERENCE_CONFIG if options.tiny else REFERENCE_CONFIG
+    if options.layers is not None:
+        base = {**base, "num_hidden_layers": options.layers, "first_k_dense_replace": options.layers}
+    if options.init_from is not None and options.layers is not None:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError("--layers sets a fresh model's depth; a continued checkpoint keeps its own.",
+                            "drop --layers, or drop --init-from to train a fresh model of that depth.")
     if options.init_from is not None:
         model = load_checkpoint(options.init_from, dev).train()
         set_index_topk(model, topk)

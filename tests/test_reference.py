@@ -276,9 +276,19 @@ def test_cli_continues_a_saved_checkpoint(tmp_path, monkeypatch):
               "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --max-train-mb 0.2 --max-heldout-mb 0.05 "
               "--query-chunk 32 --no-eval").split()
     first, second = tmp_path / "first", tmp_path / "second"
-    result = CliRunner().invoke(reference_app, ["train", *common, "--stages", "dense", "--out", str(first)])
+    result = CliRunner().invoke(reference_app, ["train", *common, "--stages", "dense", "--layers", "3", "--out",
+                                                str(first)])
     assert result.exit_code == 0, result.output
-    assert [s["name"] for s in json.loads((first / "metrics.json").read_text())["training"]["stages"]] == ["dense"]
+    first_metrics = json.loads((first / "metrics.json").read_text())
+    assert [s["name"] for s in first_metrics["training"]["stages"]] == ["dense"]
+    # --layers: a fresh model of that depth, every layer with its indexer, recorded in the metrics
+    config = json.loads((first / "config.json").read_text())
+    assert config["num_hidden_layers"] == config["first_k_dense_replace"] == 3
+    assert first_metrics["model"]["config"]["num_hidden_layers"] == 3
+    deeper = CliRunner().invoke(reference_app, ["train", *common, "--stages", "warmup", "--layers", "5",
+                                                "--init-from", str(first), "--out", str(tmp_path / "deeper")])
+    assert deeper.exit_code != 0 and "keeps its own" in str(deeper.exception)
+    assert not (tmp_path / "deeper").exists()
     result = CliRunner().invoke(reference_app, ["train", *common, "--stages", "warmup,sparse", "--init-from",
                                                 str(first), "--out", str(second)])
     assert result.exit_code == 0, result.output
