@@ -4,8 +4,9 @@
 * :func:`check_store_for_bundle`: a store may evaluate a bundle (same model, same key basis);
 * :func:`check_bundle_for_model`: a bundle may serve a model (what the runtime loader runs at startup).
 
-"Same model" is one rule everywhere: :meth:`ModelFingerprint.same_model` (family, config digest and
-indexer-weights digest). Every refusal names both sides, the field that differs and the fix. The digests are
+"Same model" is one rule everywhere: :meth:`ModelFingerprint.same_model` (family, architecture and
+indexer-weights digest; the architecture by config digest, or field by field where two transformers
+releases describe one model differently). Every refusal names both sides, the field that differs and the fix. The digests are
 computed in one place, :mod:`dsaindex.artifacts.fingerprint`.
 """
 
@@ -13,7 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dsaindex.artifacts.fingerprint import ModelFingerprint, config_digest
+from dsaindex.artifacts.fingerprint import (
+    ModelFingerprint,
+    config_digest,
+    config_field_differences,
+    config_fields,
+    configs_agree,
+)
 from dsaindex.errors import ArtifactMismatchError, StoreMismatchError, differences
 
 if TYPE_CHECKING:
@@ -22,8 +29,20 @@ if TYPE_CHECKING:
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 def _model_differences(have: ModelFingerprint, want: ModelFingerprint, left: str, right: str) -> str:
-    keys = ("family", "config_digest", "weights_digest")
-    return differences({k: getattr(have, k) for k in keys}, {k: getattr(want, k) for k in keys}, left, right)
+    keys = ["family", "weights_digest"] + ([] if configs_agree(have, want) else ["config_digest"])
+    found = differences({k: getattr(have, k) for k in keys}, {k: getattr(want, k) for k in keys}, left, right)
+    return found + _field_note(have.config_fields, want.config_fields, left, right)
+
+
+def _field_note(have: dict | None, want: dict | None, left: str, right: str) -> str:
+    """The architecture fields behind a config-digest difference, where both sides record them."""
+    if have is None or want is None:
+        return ""
+    fields = config_field_differences(have, want)
+    if not fields:
+        return ""
+    return " (config fields " + differences({k: a for k, (a, _) in fields.items()},
+                                           {k: b for k, (_, b) in fields.items()}, left, right) + ")"
 
 
 def check_store_for_model(store_model: ModelFingerprint, model: ModelFingerprint, store: str, model_ref: str) -> None:
@@ -119,22 +138,30 @@ def check_bundle_for_model(manifest: BundleManifest, model_config: Any, basis: s
 def check_same_model(trained: ModelFingerprint, served: ModelFingerprint | None, model_config: Any = None) -> None:
     """Refuse to serve artifacts trained for ``trained`` on another model: the config digest and the
     indexer-weights digest of ``served`` must equal the bundle's (two checkpoints of one architecture
-    produce other keys, so codebooks and encoders do not transfer). Without ``served`` only the config
-    digest of ``model_config`` is compared (when :func:`config_digest` can compute it)."""
-    keys = ("config_digest", "weights_digest")
+    produce other keys, so codebooks and encoders do not transfer). Configs whose digests differ still
+    match when every field both record agrees (two transformers releases; bundles written before fields
+    were recorded match by digest only). Without ``served`` only ``model_config`` is compared (when
+    :func:`config_digest` can compute it)."""
     if served is not None:
-        have = {k: getattr(served, k) for k in keys}
-        who = served.describe()
+        digest, fields, who = served.config_digest, served.config_fields, served.describe()
     else:
         digest = config_digest(model_config) if model_config is not None else None
         if digest is None:
             return
-        have, who = {"config_digest": digest}, "the served model (config only)"
-    want = {k: getattr(trained, k) for k in have}
-    if have != want:
+        fields, who = config_fields(model_config), "the served model (config only)"
+    have, want = {}, {}
+    if served is not None and served.weights_digest != trained.weights_digest:
+        have["weights_digest"], want["weights_digest"] = served.weights_digest, trained.weights_digest
+    same_config = digest == trained.config_digest or (
+        fields is not None and trained.config_fields is not None
+        and not config_field_differences(trained.config_fields, fields))
+    if not same_config:
+        have["config_digest"], want["config_digest"] = digest, trained.config_digest
+    if have:
         raise ArtifactMismatchError(
             f"The artifacts were trained for {trained.describe()} but the served model is {who}: "
-            f"{differences(want, have, 'artifacts', 'served')}.",
+            f"{differences(want, have, 'artifacts', 'served')}"
+            f"{'' if same_config else _field_note(trained.config_fields, fields, 'artifacts', 'served')}.",
             "train artifacts for this model (`dsaindex capture STORE --model M`, then `dsaindex train pq STORE "
             "--model M`), or pass --allow-other-weights (allow_other_weights=True) to serve them on other "
             "weights deliberately (measure recall there first).",

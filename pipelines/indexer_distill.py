@@ -243,6 +243,15 @@ def write_overlay(model, kept: list[int], out: Path, lineage: dict, metrics: dic
     return manifest
 
 
+def same_fields(a: dict, b: dict) -> bool:
+    """Two fingerprints (as dicts) whose config fields both exist and agree (two transformers releases
+    describing one checkpoint, whose config digests differ)."""
+    from dsaindex.artifacts.fingerprint import config_field_differences
+
+    fa, fb = a.get("config_fields"), b.get("config_fields")
+    return fa is not None and fb is not None and not config_field_differences(fa, fb)
+
+
 def apply_overlay(model, overlay: Path, base_fingerprint: dict) -> dict:
     """Load an overlay's indexer tensors onto ``model``, which must be the checkpoint it was trained from
     (``base_fingerprint``: its config and weights digests). Returns the overlay's manifest. Raises
@@ -266,7 +275,8 @@ def apply_overlay(model, overlay: Path, base_fingerprint: dict) -> dict:
                             "the overlay was altered or partly copied: distill it again.")
     base = manifest["lineage"]["base_checkpoint"]
     for key in ("config_digest", "weights_digest"):
-        if base.get(key) != base_fingerprint.get(key):
+        agree = key == "config_digest" and same_fields(base, base_fingerprint)
+        if base.get(key) != base_fingerprint.get(key) and not agree:
             raise DsaIndexError(f"The overlay was distilled from another checkpoint ({key} {base.get(key)} vs the "
                                 f"served {base_fingerprint.get(key)}).",
                                 "apply it to the checkpoint it names in overlay.json, or distill one for this one.")

@@ -190,10 +190,39 @@ def test_artifacts_of_another_model_of_the_same_geometry_are_refused(tmp_path):
         load(tmp_path / "b", preset_config("tiny-v32"), served=other)
     assert load(tmp_path / "b", preset_config("tiny-v32"), served=other, allow_other_weights=True).layers
     wider = preset_config("tiny-v32")
-    wider.rope_theta = 1234.0  # another architecture of the same indexer geometry: only a config to compare
-    with pytest.raises(ArtifactMismatchError, match="config_digest") as err:
+    # another architecture of the same indexer geometry: only a config to compare
+    wider.rope_parameters = {**wider.rope_parameters, "rope_theta": 1234.0}
+    with pytest.raises(ArtifactMismatchError, match=r"config_digest.*config fields rope_parameters") as err:
         load(tmp_path / "b", wider)
     assert "--allow-other-weights" in str(err.value)
+
+
+def test_artifacts_from_another_transformers_release_serve_and_fields_name_a_real_difference(tmp_path):
+    """Releases rename labels (5.17's layer type `deepseek_sparse_attention` is 5.24's `indexed_attention`)
+    and add defaulted fields: the config digests differ, the architecture does not. A trained-for model
+    recorded that way serves; one whose numbers differ is refused naming the field."""
+    from dsaindex.artifacts.compat import check_store_for_model
+
+    served = preset_fingerprint()
+    fields = dict(served.config_fields)
+    assert fields["num_hidden_layers"] == 4 and "layer_types" in fields
+    older_fields = {k: v for k, v in fields.items() if k != "output_router_logits"}
+    older_fields["layer_types"] = ["deepseek_sparse_attention"] * len(fields["layer_types"])
+    older = served.model_copy(update={"config_digest": "f" * 16, "config_fields": older_fields})
+    assert older.same_model(served) and served.same_model(older)
+    pq_bundle(tmp_path / "b", model=older)
+    assert load(tmp_path / "b", preset_config("tiny-v32"), served=served).layers
+    assert load(tmp_path / "b", preset_config("tiny-v32")).layers  # config only: compared field by field
+    check_store_for_model(older, served, "STORE", "preset:tiny-v32")
+    deeper = older.model_copy(update={"config_fields": dict(older_fields, rms_norm_eps=1e-3)})
+    assert not deeper.same_model(served)
+    pq_bundle(tmp_path / "d", model=deeper)
+    with pytest.raises(ArtifactMismatchError, match=r"config fields rms_norm_eps: artifacts=0.001 vs served="):
+        load(tmp_path / "d", preset_config("tiny-v32"), served=served)
+    # a fingerprint written before fields were recorded matches by its digest only
+    legacy = older.model_copy(update={"config_fields": None})
+    assert not legacy.same_model(served)
+    assert legacy.model_copy(update={"config_digest": served.config_digest}).same_model(served)
 
 
 def test_runtime_check_compares_the_weights_of_the_served_model(tmp_path):
