@@ -7,7 +7,9 @@ Model references:
   (128) but few heads.
 * ``preset:bench-v32``: random weights with the production V3.2 indexer (64 x 128, top-2048), to
   measure capture cost on a GPU. (Their configs live in :mod:`dsaindex.pipelines.presets`.)
-* ``reference``: the project's own trained DeepSeek-V3.2-class checkpoint, when it is present.
+* ``reference``: the project's own trained DeepSeek-V3.2-class checkpoint, when it is present: v2
+  (``reference_model_v2/``: BPE tokens, 32K context, long-range data), the default model;
+  ``reference-v1``: its predecessor (``reference_model/``: byte tokens, 4K context).
 * a local directory holding ``config.json`` and weights (``from_pretrained`` with no network).
 
 Text is tokenized with the checkpoint's tokenizer where it ships one, else as UTF-8 bytes.
@@ -31,6 +33,7 @@ __all__ = [
     "EOS_ID",
     "PRESETS",
     "REFERENCE_DIR",
+    "REFERENCE_V1_DIR",
     "LoadedModel",
     "default_model_ref",
     "load_model",
@@ -43,7 +46,9 @@ __all__ = [
 if TYPE_CHECKING:
     import torch
 
-REFERENCE_DIR = Path(__file__).resolve().parent / "reference_model"
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference_model_v2"  # `reference`: v2, the default model
+REFERENCE_V1_DIR = Path(__file__).resolve().parent / "reference_model"  # `reference-v1`: byte tokens, 4K
+REFERENCES = {"reference": REFERENCE_DIR, "reference-v1": REFERENCE_V1_DIR}
 
 
 def default_model_ref() -> str:
@@ -103,13 +108,13 @@ class LoadedModel:
 
 
 def resolve_model_dir(ref: str) -> Path:
-    if ref == "reference":
-        if not (REFERENCE_DIR / "config.json").is_file():
+    if ref in REFERENCES:
+        if not (REFERENCES[ref] / "config.json").is_file():
             raise ModelNotFoundError(
-                "The reference checkpoint is not present in this installation.",
+                f"The {ref} checkpoint is not present in this installation.",
                 "use `--model preset:tiny-v32`, or a local checkpoint directory.",
             )
-        return REFERENCE_DIR
+        return REFERENCES[ref]
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -123,7 +128,8 @@ def resolve_model_dir(ref: str) -> Path:
     hint = (
         "this machine has no network: download the checkpoint elsewhere, copy it here and pass its directory"
         if looks_like_hub_id
-        else "pass an existing checkpoint directory, `reference`, or a preset such as `preset:tiny-v32`"
+        else "pass an existing checkpoint directory, `reference` (or `reference-v1`), or a preset such as "
+        "`preset:tiny-v32`"
     )
     raise ModelNotFoundError(f"No local checkpoint at {ref!r}.", hint + ".")
 
@@ -186,7 +192,7 @@ def _load_model(ref: str, device: str, dtype: str, seed: int) -> LoadedModel:
 
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
         model = model.to(device)
-        name = path.name if ref != "reference" else "reference"
+        name = ref if ref in REFERENCES else path.name
         has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         tokenizer = HFTokenizer(path) if has_tok else ByteTokenizer()
     model.eval()

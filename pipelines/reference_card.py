@@ -139,11 +139,20 @@ def model_card(metrics: dict[str, Any]) -> str:
             lines.append(f"| {ctx} | {g['needle_accuracy_dense']:.2f} | {sp['true']:.4f} | {sp['shuffled']:.4f} | "
                          f"{sp['gain']:+.4f} | {g['bits_per_byte_dense']:.4f} |")
         lines.append("")
+        if gates.get("structure_command"):
+            lines += [f"Top-k structure: `{gates['structure_command']}`.", ""]
         for ctx, g in gates.get("topk_structure", {}).items():
             per = ", ".join(f"{layer['keys_per_block']:.1f}" for layer in g["layers"])
             far = ", ".join(f"{layer['far_share']:.0%}" for layer in g["layers"])
+            routed = ""
+            if "routed_keys_per_block" in g:
+                per_routed = ", ".join(f"{layer['routed_keys_per_block']:.1f}" for layer in g["layers"])
+                routed = (f"; beyond the last {g['open_window']} keys (what IVF routes) "
+                          f"{g['routed_keys_per_block']:.2f} (per layer {per_routed}); a top-{g['topk']} scattered "
+                          f"at random would give {g['random_keys_per_block']:.2f}")
             lines += [f"Where each layer's indexer top-{g['topk']} lies at {ctx} (last {g['queries']} queries of held-out "
-                      f"windows): {g['keys_per_block']:.2f} keys per touched {g['block']}-key block (per layer {per}); "
+                      f"windows): {g['keys_per_block']:.2f} keys per touched {g['block']}-key block (per layer {per})"
+                      f"{routed}; "
                       f"{g['far_share']:.1%} more than {g['far']} positions back (per layer {far}); main-attention "
                       f"coverage {g['coverage']:.4f} (oracle {g['oracle']:.4f}, recent window {g['window']:.4f}).", ""]
         for ctx, g in gates["results"].items():
@@ -178,7 +187,8 @@ def model_card(metrics: dict[str, Any]) -> str:
         "",
         "(`dsaindex reference train ...` is the same command through the main CLI; a later run continues from",
         "the checkpoint the earlier one wrote, through `--init-from`.) Evaluate with",
-        "`dsaindex reference eval --json` (defaults to this checkpoint). Training time is budgeted by wall",
+        "`dsaindex reference eval --model DIR --json` (add `--corpus CORPUS` for a checkpoint with its own",
+        "tokenizer). Training time is budgeted by wall",
         "clock, so step counts on another machine differ; pass `--dense-steps/--warmup-steps/--sparse-steps`",
         "(and a large `--minutes`) to fix them.",
         "",

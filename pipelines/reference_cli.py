@@ -158,7 +158,10 @@ def gates_cmd(
         if topk is not None:
             g["topk_structure"] = topk_structure(net, heldout, n, windows, topk, queries=queries, bos=vocab.bos)
     if record:
-        _record_gates(model, result, "dsaindex reference " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+        args = sys.argv[1:]
+        args = args[1:] if args[:1] == ["reference"] else args  # through `dsaindex reference ...` or this module
+        _record_gates(model, result, "dsaindex reference " + " ".join(shlex.quote(a) for a in args),
+                      structure_only=structure_only)
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
@@ -171,13 +174,16 @@ def gates_cmd(
         if "topk_structure" in g:
             t = g["topk_structure"]
             typer.echo(f"context {n}, indexer top-{t['topk']}: {t['keys_per_block']:.2f} keys per touched "
-                       f"{t['block']}-key block, {t['far_share']:.1%} more than {t['far']} back; coverage "
+                       f"{t['block']}-key block ({t['routed_keys_per_block']:.2f} beyond the last "
+                       f"{t['open_window']} keys; {t['random_keys_per_block']:.2f} if scattered at random), "
+                       f"{t['far_share']:.1%} more than {t['far']} back; coverage "
                        f"{t['coverage']:.4f} (oracle {t['oracle']:.4f}, window {t['window']:.4f})")
 
 
-def _record_gates(model: Path, result: dict, command: str) -> None:
+def _record_gates(model: Path, result: dict, command: str, structure_only: bool = False) -> None:
     """Write gate results into a checkpoint's ``metrics.json`` (``gates``: the command, the results per
-    context, the top-k structure per context) and render its card again. Contexts measured earlier and not
+    context, the top-k structure per context; a ``--structure-only`` run's command as ``structure_command``,
+    beside the command of the other gates) and render its card again. Contexts measured earlier and not
     now are kept; the file is replaced whole, never left half written."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.reference_card import model_card
@@ -188,7 +194,7 @@ def _record_gates(model: Path, result: dict, command: str) -> None:
                             "pass a checkpoint folder written by `dsaindex reference train`, or leave --record out.")
     metrics = json.loads(path.read_text())
     gates = metrics.setdefault("gates", {})
-    gates["command"] = command
+    gates["structure_command" if structure_only else "command"] = command
     for ctx, g in result.items():
         g = dict(g)
         if "topk_structure" in g:
@@ -217,6 +223,9 @@ def eval_cmd(
     ),
     batch: int = typer.Option(1, help="Windows per forward."),
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    corpus: Path = typer.Option(None, help="The corpus a checkpoint with its own tokenizer (v2) was trained on "
+                                           "(the folder `dsaindex reference corpus` wrote): its held-out documents, "
+                                           "--max-heldout-mb then counting millions of tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Held-out bits per byte (dense vs sparse) and indexer coverage of the main attention at 1K/2K/4K."""
@@ -224,7 +233,7 @@ def eval_cmd(
 
     result = evaluate_checkpoint(
         model, seq_len=seq_len, topk=topk, windows=windows, coverage_windows=coverage_windows,
-        max_heldout_mb=max_heldout_mb, heldout_percent=heldout_percent, batch=batch, device=device,
+        max_heldout_mb=max_heldout_mb, heldout_percent=heldout_percent, batch=batch, device=device, corpus=corpus,
     )
     if as_json:
         typer.echo(json.dumps(result, indent=1))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsaindex.pipelines.reference_train import (
@@ -25,6 +26,7 @@ from dsaindex.pipelines.reference_train import (
     ROPE_LAYOUT,
     _chunk_index_scores,
     build_token_streams,
+    corpus_token_streams,
     heldout_windows,
     load_checkpoint,
     mla_qkv,
@@ -234,25 +236,48 @@ def evaluate_checkpoint(
     heldout_percent: float,
     batch: int,
     device: str,
+    corpus: Path | None = None,
 ) -> dict[str, Any]:
-    """:func:`evaluate` of a saved checkpoint (``reference`` or a folder) on the held-out files of the
-    training split (``dsaindex reference eval``); ``topk`` ``None`` takes the checkpoint's own.
+    """:func:`evaluate` of a saved checkpoint (``reference`` or a folder) on held-out data (``dsaindex
+    reference eval``): for a byte-token checkpoint the held-out files of its training split, for one with
+    its own tokenizer the held-out documents of ``corpus`` (the folder ``dsaindex reference corpus``
+    wrote), in that corpus's tokens, bits per byte over its bytes per token. Such a checkpoint without
+    ``corpus`` is refused (byte tokens would measure nothing). ``topk`` ``None`` takes the checkpoint's own.
 
-    Returns the evaluation with ``model`` (the checkpoint folder) and ``heldout_files`` added.
+    Returns the evaluation with ``model`` (the checkpoint folder) and ``heldout_files`` (byte tokens) or
+    ``corpus`` added.
     """
     import torch
 
     from dsaindex.console import resolve_device
+    from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.models import resolve_model_dir
 
     dev = resolve_device(device)
     path = resolve_model_dir(model)
-    streams = build_token_streams(0, int(max_heldout_mb * 1e6), heldout_percent=heldout_percent)
+    own_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if own_tokenizer and corpus is None:
+        raise DsaIndexError(f"{path} has its own tokenizer; without --corpus it would be measured on byte tokens.",
+                            "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
+                            "corpus` wrote).")
+    if corpus is not None:
+        streams, vocab = corpus_token_streams(corpus, max_train_tokens=0,
+                                              max_heldout_tokens=int(max_heldout_mb * 1e6))
+        bos, per_byte = vocab.bos, vocab.bytes_per_token
+    else:
+        streams = build_token_streams(0, int(max_heldout_mb * 1e6), heldout_percent=heldout_percent)
+        bos, per_byte = BOS_ID, 1.0
     heldout = torch.from_numpy(streams.heldout).to(dev)
     net = load_checkpoint(path, dev)
+    if corpus is not None and vocab.size > int(net.config.vocab_size):
+        raise DsaIndexError(f"{corpus}'s tokenizer has {vocab.size:,} entries; {path} holds "
+                            f"{int(net.config.vocab_size):,}.", "pass the corpus the checkpoint was trained on.")
     topk = int(net.config.index_topk) if topk is None else topk
     result = evaluate(net, heldout, seq_len=seq_len, topk=topk, bpb_windows=windows,
-                      coverage_windows=coverage_windows, batch=batch)
+                      coverage_windows=coverage_windows, batch=batch, bos=bos, bytes_per_token=per_byte)
     result["model"] = str(path)
-    result["heldout_files"] = streams.info["heldout_files"]
+    if corpus is not None:
+        result["corpus"] = streams.info
+    else:
+        result["heldout_files"] = streams.info["heldout_files"]
     return result

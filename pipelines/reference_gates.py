@@ -166,13 +166,33 @@ def evaluate_gates(model, heldout: Any, tokenizer_path: Path, seq_len: int, byte
     return result
 
 
+def random_keys_per_block(prefix: int, k: int, block: int = 128) -> float:
+    """Keys per touched ``block``-key block if ``k`` of ``prefix`` keys were picked uniformly at random: the
+    floor of that statistic for a scattered selection (a block is untouched with the hypergeometric
+    probability C(prefix - block, k) / C(prefix, k)); 2.3 for the top-512 of a 32K prefix."""
+    k = min(k, prefix)
+    touched = 0.0
+    for start in range(0, prefix, block):
+        size = min(block, prefix - start)
+        if prefix - size < k:
+            touched += 1.0
+            continue
+        log_miss = (math.lgamma(prefix - size + 1) - math.lgamma(prefix - size - k + 1)
+                    - math.lgamma(prefix + 1) + math.lgamma(prefix - k + 1))
+        touched += 1.0 - math.exp(log_miss)
+    return k / touched
+
+
 def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, queries: int = 64, bos: int = 0,
-                   block: int = 128, far: int = 4096) -> dict[str, Any]:
+                   block: int = 128, far: int = 4096, open_window: int = 1024) -> dict[str, Any]:
     """Per layer, for the last ``queries`` queries of ``windows`` held-out windows: keys per touched
-    ``block``-key block of the indexer's top-``topk``, the share of it more than ``far`` positions back,
-    and the main attention's mass (dense forward, probabilities summed over heads, L1-normalized) inside
-    the top-k (``coverage``), inside its own best k (``oracle``) and inside the last k keys (``window``).
-    Means over queries; ``layers`` lists them per layer, the top level averages the layers."""
+    ``block``-key block of the indexer's top-``topk`` (``keys_per_block``), the same for the part of it
+    more than ``open_window`` positions back (``routed_keys_per_block``: what IVF routing decides, its open
+    window being exact), the share more than ``far`` positions back, and the main attention's mass (dense
+    forward, probabilities summed over heads, L1-normalized) inside the top-k (``coverage``), inside its
+    own best k (``oracle``) and inside the last k keys (``window``). Means over queries; ``layers`` lists
+    them per layer, the top level averages the layers. ``random_keys_per_block`` is the floor a uniformly
+    scattered top-k would give at the last query's prefix (:func:`random_keys_per_block`)."""
     import torch
     import torch.nn.functional as F
 
@@ -181,8 +201,9 @@ def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, qu
     ids, _ = heldout_windows(stream, seq_len, windows, bos)
     device = next(model.parameters()).device
     n_layers = len(model.model.layers)
-    sums = [{"keys_per_block": 0.0, "far_share": 0.0, "coverage": 0.0, "oracle": 0.0, "window": 0.0}
-            for _ in range(n_layers)]
+    sums = [{"keys_per_block": 0.0, "routed_keys_per_block": 0.0, "far_share": 0.0, "coverage": 0.0,
+             "oracle": 0.0, "window": 0.0} for _ in range(n_layers)]
+    routed_queries = [0] * n_layers
     rows = torch.arange(seq_len - queries, seq_len, device=device)
     visible = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
     kk = min(topk, seq_len)
@@ -198,6 +219,12 @@ def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, qu
         recent = (torch.arange(seq_len, device=device)[None, :] > rows[:, None] - kk) & visible
         s = sums[i]
         s["keys_per_block"] += float((kk / blocks.sum(-1)).sum())
+        routed = (rows[:, None] - top) >= open_window
+        routed_blocks = torch.zeros_like(blocks).scatter_(1, torch.where(routed, top // block, 0), routed.float())
+        routed_blocks[:, 0] = (routed & (top < block)).any(-1).float()  # where unrouted keys also wrote 0
+        has = routed.any(-1)  # queries with a key beyond the open window (others have nothing to route)
+        s["routed_keys_per_block"] += float((routed.sum(-1) / routed_blocks.sum(-1).clamp(min=1))[has].sum())
+        routed_queries[i] += int(has.sum())
         s["far_share"] += float(((rows[:, None] - top) > far).float().mean(-1).sum())
         s["coverage"] += float(p.gather(1, top).sum(-1).sum())
         s["oracle"] += float(p.topk(kk, dim=-1).values.sum(-1).sum())
@@ -208,7 +235,9 @@ def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, qu
         with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             run_layers(model, ids[w : w + 1].to(device), measure)
     count = ids.shape[0] * rows.shape[0]
-    layers = [{name: value / max(1, count) for name, value in s.items()} for s in sums]
+    layers = [{name: value / max(1, routed_queries[i] if name == "routed_keys_per_block" else count)
+               for name, value in s.items()} for i, s in enumerate(sums)]
     mean = {name: sum(layer[name] for layer in layers) / n_layers for name in layers[0]}
-    return {"seq_len": seq_len, "topk": topk, "queries": count, "block": block, "far": far, **mean,
-            "layers": layers}
+    return {"seq_len": seq_len, "topk": topk, "queries": count, "block": block, "far": far,
+            "open_window": open_window, "random_keys_per_block": round(random_keys_per_block(seq_len, kk, block), 3),
+            **mean, "layers": layers}

@@ -121,7 +121,7 @@ def reference_pq_codebooks() -> dict:
     from dsaindex.pq import PQSpec
     from dsaindex.train.pq import train_codebooks
 
-    net = load_model("reference", dtype="float32").model
+    net = load_model("reference-v1", dtype="float32").model
     keys = model_index_keys(net, reference_bytes(20_000, 3000))
     return {i: train_codebooks(k, PQSpec(dim=128, subspaces=32), "torch", 8) for i, k in keys.items()}
 

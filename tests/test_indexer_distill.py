@@ -17,7 +17,7 @@ def reference():
     from dsaindex.pipelines.models import load_model
     from dsaindex.pipelines.reference_train import build_token_streams, heldout_windows, set_index_topk
 
-    loaded = load_model("reference", dtype="float32")
+    loaded = load_model("reference-v1", dtype="float32")
     set_index_topk(loaded.model, TOPK)
     streams = build_token_streams(400_000, 100_000)
     ids, labels = heldout_windows(torch.from_numpy(streams.heldout), 96, 2)
@@ -115,7 +115,7 @@ def test_overlay_loads_onto_its_checkpoint_only(reference, tmp_path):
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(saved[n])
-    fresh = load_model("reference", dtype="float32").model
+    fresh = load_model("reference-v1", dtype="float32").model
     manifest = apply_overlay(fresh, tmp_path / "ov", fingerprint)
     assert manifest["kept_layers"] == [0]
     got = dict(fresh.named_parameters())
@@ -134,13 +134,13 @@ def test_cli_distills_for_a_trained_plan(tmp_path):
     """Capture, a reuse bundle, then `train indexer-distill`: the overlay names the plan and the base
     checkpoint, and the report has the three qualities."""
     store, bundle, overlay = tmp_path / "store", tmp_path / "bundle", tmp_path / "overlay"
-    proc = run_cli("capture", str(store), "-m", "reference", "-n", "3", "--seq-len", "256", "--device", "cpu")
+    proc = run_cli("capture", str(store), "-m", "reference-v1", "-n", "3", "--seq-len", "256", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("train", "reuse", str(store), "--out", str(bundle), "--queries", "16", "--topk", str(TOPK),
                    "--device", "cpu", "--no-register", "--json")
     assert proc.returncode == 0, proc.stderr
-    proc = run_cli("train", "indexer-distill", "--plan", str(bundle), "--retention", "1/2", "--out", str(overlay),
-                   "--steps", "3", "--seq-len", "64", "--eval-windows", "2", "--topk", str(TOPK), "--device", "cpu",
+    proc = run_cli("train", "indexer-distill", "--plan", str(bundle), "-m", "reference-v1", "--retention", "1/2",
+                   "--out", str(overlay), "--steps", "3", "--seq-len", "64", "--eval-windows", "2", "--topk", str(TOPK), "--device", "cpu",
                    "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

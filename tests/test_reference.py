@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsaindex.pipelines import reference_train as rt
-from dsaindex.pipelines.models import REFERENCE_DIR
+from dsaindex.pipelines.models import REFERENCE_V1_DIR
 from dsaindex.pipelines.presets import TINY_REFERENCE_CONFIG, reference_config
 
 SEQ = 64
@@ -312,7 +312,7 @@ def test_cli_continues_a_saved_checkpoint(tmp_path, monkeypatch):
 
 
 needs_reference = pytest.mark.skipif(
-    not (REFERENCE_DIR / "config.json").is_file(), reason="the reference checkpoint is not committed"
+    not (REFERENCE_V1_DIR / "config.json").is_file(), reason="the reference checkpoint is not committed"
 )
 
 
@@ -322,11 +322,11 @@ def test_committed_checkpoint_loads_offline_with_production_geometry():
 
     from dsaindex.geometry import geometry_from_config
 
-    st = REFERENCE_DIR / "model.safetensors"
+    st = REFERENCE_V1_DIR / "model.safetensors"
     assert st.is_file() and st.stat().st_size <= 40 * 1024 * 1024
-    assert not any((REFERENCE_DIR / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    assert not any((REFERENCE_V1_DIR / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     model = AutoModelForCausalLM.from_pretrained(
-        str(REFERENCE_DIR), local_files_only=True, dtype=torch.float32
+        str(REFERENCE_V1_DIR), local_files_only=True, dtype=torch.float32
     )
     assert isinstance(model, DeepseekV32ForCausalLM)
     geometry = geometry_from_config(model.config)
@@ -349,7 +349,7 @@ def test_committed_checkpoint_loads_offline_with_production_geometry():
 
 @needs_reference
 def test_committed_reports_hold_the_measured_results():
-    metrics = json.loads((REFERENCE_DIR / "metrics.json").read_text())
+    metrics = json.loads((REFERENCE_V1_DIR / "metrics.json").read_text())
     ev = metrics["eval"]
     assert ev["seq_len"] >= 4096 and ev["topk"] == model_topk()
     assert ev["bits_per_byte"]["sparse"] <= 1.05 * ev["bits_per_byte"]["dense"]
@@ -364,19 +364,19 @@ def test_committed_reports_hold_the_measured_results():
     assert stages[-1]["config"]["topk"] == model_topk(), "the last sparse stage trained the shipped top-k"
     assert all(s["steps"] > 0 for s in stages)
     assert sum(s["seconds"] for s in stages) <= 30 * 60, "the issue's GPU training budget"
-    assert (REFERENCE_DIR / "MODEL_CARD.md").is_file() and (REFERENCE_DIR / "loss_curve.png").is_file()
+    assert (REFERENCE_V1_DIR / "MODEL_CARD.md").is_file() and (REFERENCE_V1_DIR / "loss_curve.png").is_file()
 
 
 @needs_reference
 def test_committed_checkpoint_coverage_target_at_4k():
-    metrics = json.loads((REFERENCE_DIR / "metrics.json").read_text())
+    metrics = json.loads((REFERENCE_V1_DIR / "metrics.json").read_text())
     assert metrics["eval"]["coverage"]["4096"]["coverage"] >= 0.9
     for extra in metrics.get("extra_evals", []):  # the smaller top-k measured beside it
         assert extra["result"]["coverage"]["4096"]["coverage"] >= 0.9
 
 
 def model_topk() -> int:
-    return json.loads((REFERENCE_DIR / "config.json").read_text())["index_topk"]
+    return json.loads((REFERENCE_V1_DIR / "config.json").read_text())["index_topk"]
 
 
 def _tiny_corpus(folder):
@@ -460,6 +460,16 @@ def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
     assert bpt == vocab["heldout_bytes_per_token"] > 1.5
     # bits per byte are bits per token over bytes per token: a fresh model is near log2(384) per token
     assert 0.5 * 8.58 / bpt < metrics["eval"]["bits_per_byte"]["dense"] < 1.2 * 8.58 / bpt
+    # `reference eval` measures it on its corpus's held-out tokens, the windows training's own evaluation read
+    refused = CliRunner().invoke(reference_app, ["eval", "--model", str(out), "--device", "cpu"])
+    assert refused.exit_code != 0 and "has its own tokenizer" in str(refused.exception)
+    evaluated = CliRunner().invoke(reference_app, ["eval", "--model", str(out), "--corpus", str(corpus), "--seq-len",
+                                                   "64", "--topk", "8", "--windows", "1", "--coverage-windows", "1",
+                                                   "--device", "cpu", "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    measured = json.loads(evaluated.stdout)
+    assert measured["bits_per_byte"]["dense"] == pytest.approx(metrics["eval"]["bits_per_byte"]["dense"], rel=1e-4)
+    assert measured["corpus"]["heldout_bytes_per_token"] == pytest.approx(bpt, abs=1e-4)
     gates = CliRunner().invoke(reference_app, ["gates", "--model", str(out), "--corpus", str(corpus), "--contexts",
                                                "512", "--needles", "2", "--windows", "1", "--device", "cpu", "--json",
                                                "--record"])
@@ -470,7 +480,7 @@ def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
     assert recorded["results"]["512"] == g and recorded["command"].startswith("dsaindex reference ")
     assert "## Long-context gates" in (out / "MODEL_CARD.md").read_text()
     # the byte-level run cannot be continued on this data
-    bad = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--init-from", str(REFERENCE_DIR),
+    bad = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--init-from", str(REFERENCE_V1_DIR),
                                              "--stages", "dense", "--no-eval", "--out", str(tmp_path / "no")])
     assert bad.exit_code != 0 and "260 token entries" in str(bad.exception)
 
@@ -594,11 +604,12 @@ def test_long_context_stage_options_train_the_indexer_on_sampled_queries():
 
 
 def test_committed_v2_card_reports_its_gates_and_tokenizer():
-    """The v2 checkpoint (not the default) ships its tokenizer and sources, and its card renders the
-    metrics: every stage, the tokenizer, the sources table and the gates, dense and sparse."""
+    """The v2 checkpoint (the default `reference`) ships its tokenizer and sources, and its card renders the
+    metrics: every stage, the tokenizer, the sources table and the gates, dense and sparse, and where the
+    top-k lies beside the part IVF routes and the random-placement floor."""
     from dsaindex.pipelines.reference_card import model_card
 
-    v2 = REFERENCE_DIR.parent / "reference_model_v2"
+    v2 = REFERENCE_V1_DIR.parent / "reference_model_v2"
     if not (v2 / "metrics.json").is_file():
         pytest.skip("the v2 checkpoint is not committed")
     metrics = json.loads((v2 / "metrics.json").read_text())
@@ -612,6 +623,9 @@ def test_committed_v2_card_reports_its_gates_and_tokenizer():
     g = metrics["gates"]["results"]["32768"]
     assert f"needle accuracy {g['needle_accuracy_sparse']:.2f}" in card
     assert f"{g['bits_per_byte_sparse'] / g['bits_per_byte_dense']:.4f} x dense" in card
+    t = metrics["gates"]["topk_structure"]["32768"]
+    assert t["random_keys_per_block"] < t["routed_keys_per_block"] < t["keys_per_block"]
+    assert f"(what IVF routes) {t['routed_keys_per_block']:.2f}" in card and "Top-k structure: `dsaindex " in card
     config = json.loads((v2 / "config.json").read_text())
     assert config["vocab_size"] == 8192 and (v2 / "tokenizer.json").is_file()
     assert sum(p.stat().st_size for p in v2.glob("model*.safetensors")) < 40e6
@@ -634,3 +648,42 @@ def test_topk_structure_coverage_is_the_evaluations_and_blocks_count_keys():
         assert 1.0 <= layer["keys_per_block"] <= 8.0 and 0.0 <= layer["far_share"] <= 1.0
     one = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=1, far=0)
     assert one["keys_per_block"] == pytest.approx(1.0)  # blocks of one key: one key per touched block
+    # the routed part: with no open window it is the whole top-k, with one as long as the window nothing
+    whole = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=16, open_window=0)
+    assert whole["routed_keys_per_block"] == pytest.approx(whole["keys_per_block"])
+    none = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=16, open_window=128)
+    assert none["routed_keys_per_block"] == 0.0
+
+
+def test_random_keys_per_block_is_the_scattered_floor():
+    from dsaindex.pipelines.reference_gates import random_keys_per_block
+
+    assert random_keys_per_block(4096, 1) == pytest.approx(1.0)
+    assert random_keys_per_block(128, 64, block=128) == pytest.approx(64.0)  # one block holds them all
+    assert 2.2 < random_keys_per_block(32768, 512) < 2.4 < random_keys_per_block(16384, 512)
+    rng = np.random.default_rng(0)  # against sampling: k random keys of a prefix, touched blocks counted
+    picks = [np.unique(rng.choice(1000, 50, replace=False) // 16).size for _ in range(4000)]
+    assert random_keys_per_block(1000, 50, block=16) == pytest.approx(50 / np.mean(picks), rel=0.01)
+
+
+@needs_reference
+def test_the_default_reference_is_v2_and_v1_stays_loadable():
+    """`reference` (the default model of capture, demo and serve) is the long-context v2 with its own BPE
+    tokenizer, committed within 40 MB; `reference-v1` still names the byte-token 4K checkpoint."""
+    from dsaindex.pipelines.models import (
+        REFERENCE_DIR,
+        ByteTokenizer,
+        HFTokenizer,
+        default_model_ref,
+        load_model,
+        resolve_model_dir,
+    )
+
+    assert default_model_ref() == "reference" and resolve_model_dir("reference") == REFERENCE_DIR
+    assert resolve_model_dir("reference-v1") == REFERENCE_V1_DIR != REFERENCE_DIR
+    v2, v1 = load_model("reference"), load_model("reference-v1")
+    assert isinstance(v2.tokenizer, HFTokenizer) and isinstance(v1.tokenizer, ByteTokenizer)
+    assert (v2.fingerprint.name, v1.fingerprint.name) == ("reference", "reference-v1")
+    assert v2.model.config.max_position_embeddings >= 32768 > v1.model.config.max_position_embeddings
+    assert not v1.fingerprint.same_model(v2.fingerprint)
+    assert sum(f.stat().st_size for f in REFERENCE_DIR.glob("*.safetensors")) <= 40e6

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from dsaindex.pipelines.models import REFERENCE_DIR
+from dsaindex.pipelines.models import REFERENCE_V1_DIR
 from helpers import reference_bytes, run_cli, v2_corpus
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
+pytestmark = pytest.mark.skipif(not (REFERENCE_V1_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
 TOPK = 32
 
@@ -25,7 +25,7 @@ def model_and_layers():
     from dsaindex.pq import PQCodec
     from helpers import reference_pq_codebooks
 
-    net = load_model("reference", dtype="float32").model
+    net = load_model("reference-v1", dtype="float32").model
     set_index_topk(net, TOPK)
     return net, {i: PQCodec(codebooks) for i, codebooks in reference_pq_codebooks().items()}
 
@@ -81,7 +81,7 @@ def bundles(model_and_layers, tmp_path_factory):
 
     _, layers = model_and_layers
     root = tmp_path_factory.mktemp("generate")
-    own = load_model("reference", dtype="float32").fingerprint  # the checkpoint as shipped (its own top-k)
+    own = load_model("reference-v1", dtype="float32").fingerprint  # the checkpoint as shipped (its own top-k)
     lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                       train_sequences=[0], eval_sequences=[1])
     arrays = {i: {"codebooks": codec.codebooks.numpy()} for i, codec in layers.items()}
@@ -96,7 +96,8 @@ def bundles(model_and_layers, tmp_path_factory):
 
 def test_generate_cli_shows_progress_per_token(bundles, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path: the kernels have tests of their own
-    proc = run_cli("runtime", "generate", "-a", str(bundles["own"]), "--topk", str(TOPK), "--candidates", "64",
+    proc = run_cli("runtime", "generate", "-m", "reference-v1", "-a", str(bundles["own"]), "--topk", str(TOPK),
+                   "--candidates", "64",
                    "--prompt-tokens", "200", "--new-tokens", "2", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert "10/10 tokens" in proc.stderr  # 2 tokens x (exhaustive, free, forced, and both on the real text)
@@ -105,7 +106,8 @@ def test_generate_cli_shows_progress_per_token(bundles, monkeypatch):
 
 
 def test_generate_refuses_artifacts_of_other_weights(bundles):
-    proc = run_cli("runtime", "generate", "-a", str(bundles["other"]), "--new-tokens", "1", "--device", "cpu")
+    proc = run_cli("runtime", "generate", "-m", "reference-v1", "-a", str(bundles["other"]), "--new-tokens", "1",
+                   "--device", "cpu")
     assert proc.returncode == 2
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: The artifacts were trained for reference") and "weights_digest" in first
@@ -134,7 +136,7 @@ def test_generate_takes_prompts_from_a_corpus_in_its_tokens(tmp_path, bundles):
     tokens, bos, decode = _heldout_text(corpus, SimpleNamespace(vocab_size=8192), 100)
     assert bos == 0 and decode(tokens[:40].tolist()).startswith("It was a bright cold day in April 0.")
     # the byte-level reference checkpoint cannot read it: refused before anything runs
-    proc = run_cli("runtime", "generate", "-a", str(bundles["own"]), "--corpus", str(corpus), "--new-tokens", "1",
-                   "--device", "cpu")
+    proc = run_cli("runtime", "generate", "-m", "reference-v1", "-a", str(bundles["own"]), "--corpus", str(corpus),
+                   "--new-tokens", "1", "--device", "cpu")
     assert proc.returncode == 2
     assert "vocabulary of 8,192 entries; the model has 260" in proc.stderr.splitlines()[0]

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsaindex.pipelines.models import REFERENCE_DIR
+from dsaindex.pipelines.models import REFERENCE_V1_DIR
 from helpers import reference_bytes
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_DIR / "config.json").is_file(), reason="no reference checkpoint")
+pytestmark = pytest.mark.skipif(not (REFERENCE_V1_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
 TOPK = 32
 
@@ -68,7 +68,7 @@ def served(tmp_path_factory):
     from dsaindex.pipelines.models import load_model
     from dsaindex.pipelines.reference_train import set_index_topk
 
-    loaded = load_model("reference", dtype="float32")
+    loaded = load_model("reference-v1", dtype="float32")
     net = loaded.model
     identity = loaded.fingerprint  # the checkpoint's; the top-k below is a serving setting
     set_index_topk(net, TOPK)
@@ -141,10 +141,10 @@ def test_artifacts_of_another_model_or_twice_the_same_kind_are_refused(served, t
     net, paths, identity = served
     with pytest.raises(ArtifactMismatchError, match="two artifacts of the same kind"):
         load([paths[0], paths[0]], net, served=identity)
-    other = load_model("reference", dtype="float32").model
+    other = load_model("reference-v1", dtype="float32").model
     with torch.no_grad():
         other.model.layers[1].self_attn.indexer.wk.weight.mul_(1.01)  # another model, same geometry
-    other_paths = _bundles(tmp_path, net, fingerprint_model(other, "reference"), ivf=False)
+    other_paths = _bundles(tmp_path, net, fingerprint_model(other, "reference-v1"), ivf=False)
     with pytest.raises(ArtifactMismatchError):
         load(other_paths, net, served=identity)
     load(other_paths, net, allow_other_weights=True)  # a deliberate transfer
@@ -166,7 +166,7 @@ def test_serve_answers_a_completion_over_http(served, tmp_path):
     net, paths, identity = served
     prompt_text = inspect.getsource(inspect)[0:300]
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsaindex", "serve", "--model", "reference", "--topk", str(TOPK), "--port", str(port),
+    cmd = [sys.executable, "-m", "dsaindex", "serve", "--model", "reference-v1", "--topk", str(TOPK), "--port", str(port),
            "--candidates", "64", "--ivf-budget", "256", "--model-id", "dsaindex/reference"]
     for p in paths:
         cmd += ["--artifacts", str(p)]
@@ -201,12 +201,12 @@ def test_serve_refuses_artifacts_of_another_model_before_the_port_opens(served, 
     from dsaindex.pipelines.models import load_model
 
     net, _, _ = served
-    other = load_model("reference", dtype="float32").model
+    other = load_model("reference-v1", dtype="float32").model
     with torch.no_grad():
         other.model.layers[0].self_attn.indexer.wk.weight.mul_(1.01)
-    (bundle,) = _bundles(tmp_path, net, fingerprint_model(other, "reference"), ivf=False)
+    (bundle,) = _bundles(tmp_path, net, fingerprint_model(other, "reference-v1"), ivf=False)
     port = _free_port()
-    result = subprocess.run([sys.executable, "-m", "dsaindex", "serve", "--model", "reference", "--artifacts",
+    result = subprocess.run([sys.executable, "-m", "dsaindex", "serve", "--model", "reference-v1", "--artifacts",
                              str(bundle), "--port", str(port)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and "Fix:" in result.stderr
@@ -257,7 +257,7 @@ def test_streamed_ivf_keys_select_as_resident_ones_and_leave_the_device_between_
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a GPU")
-        net = load_model("reference", dtype="float32", device="cuda").model
+        net = load_model("reference-v1", dtype="float32", device="cuda").model
         set_index_topk(net, TOPK)
     prompt = _text(5000, 700)
     runs = {}
@@ -360,7 +360,7 @@ def test_mli_on_a_side_stream_selects_as_the_lag_in_line(served):
     from dsaindex.runtime.serving import ServedIndex, load
 
     _, paths, identity = served
-    net = load_model("reference", dtype="float32", device="cuda").model
+    net = load_model("reference-v1", dtype="float32", device="cuda").model
     set_index_topk(net, TOPK)
     prompt = _text(11_000, 300).cuda()
     for make in (lambda side: ServedIndex(net, {}, {}, reuse={1: 0, 3: 2}, lag=True, side_stream=side),
