@@ -95,7 +95,20 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def for_transformers(self) -> Any:
-        return self.tok
+        """The tokenizer a transformers server takes: this one, made to begin every text with the begin token
+        where it declares one and does not add it itself (the reference checkpoints were trained on windows
+        that begin with it)."""
+        import copy
+
+        tok, bos = self.tok, self.tok.bos_token
+        if bos is None or self.tok.bos_token_id is None or tok("x")["input_ids"][:1] == [tok.bos_token_id]:
+            return tok
+        from tokenizers import processors
+
+        tok = copy.deepcopy(tok)
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_token_id)])
+        return tok
 
 
 @dataclass

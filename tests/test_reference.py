@@ -686,4 +686,11 @@ def test_the_default_reference_is_v2_and_v1_stays_loadable():
     assert (v2.fingerprint.name, v1.fingerprint.name) == ("reference", "reference-v1")
     assert v2.model.config.max_position_embeddings >= 32768 > v1.model.config.max_position_embeddings
     assert not v1.fingerprint.same_model(v2.fingerprint)
+    # served, both begin a text with their begin token, as their training windows did
+    text = "def main():\n    return 0\n"
+    for loaded in (v1, v2):
+        served = loaded.tokenizer.for_transformers()
+        ids = served(text)["input_ids"]
+        assert ids[0] == loaded.model.config.bos_token_id and served.decode(ids, skip_special_tokens=True) == text
+    assert v2.tokenizer.encode(text) == ids[1:]  # capture's own encoding: the same tokens, no begin token
     assert sum(f.stat().st_size for f in REFERENCE_DIR.glob("*.safetensors")) <= 40e6
