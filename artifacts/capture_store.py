@@ -329,7 +329,7 @@ class CaptureStore:
         self._lock_fd = fd
 
     def _check_matches(self, expected: CaptureManifest) -> None:
-        from dsaindex.artifacts.fingerprint import configs_agree
+        from dsaindex.artifacts.fingerprint import config_field_differences, configs_agree
 
         have, want = self.manifest, expected
         # the model: everything but the config, and the config by configs_agree (a store captured under
@@ -338,6 +338,10 @@ class CaptureStore:
         model_a, model_b = have.model.model_dump(exclude=loose), want.model.model_dump(exclude=loose)
         if model_a == model_b and not configs_agree(have.model, want.model):
             model_a["config_digest"], model_b["config_digest"] = have.model.config_digest, want.model.config_digest
+            if have.model.config_fields is not None and want.model.config_fields is not None:  # name the fields
+                fields = config_field_differences(have.model.config_fields, want.model.config_fields)
+                model_a["config_fields"] = {k: a for k, (a, _) in fields.items()}
+                model_b["config_fields"] = {k: b for k, (_, b) in fields.items()}
         for label, a, b in (
             ("model", model_a, model_b),
             ("settings", have.settings.model_dump(), want.settings.model_dump()),

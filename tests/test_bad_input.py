@@ -76,6 +76,51 @@ def test_resume_with_another_model_loses_nothing(small_store):
     assert snapshot(store) == before
 
 
+def test_resume_across_transformers_releases_compares_config_fields(small_store, tmp_path):
+    """A store's model is compared by its config fields where the digests differ (another transformers
+    release: a renamed label, a field one release lacks), by digest alone where the store records no fields
+    (stores written before fields were recorded), and a differing number is named."""
+    _, corpus, original = small_store
+
+    def resume_with(edit, name):
+        store = tmp_path / name
+        shutil.copytree(original, store)
+        meta = store / "zarr.json"
+        doc = json.loads(meta.read_text())
+        edit(doc["attributes"]["dsaindex"]["manifest"]["model"])
+        meta.write_text(json.dumps(doc))
+        before = snapshot(store)
+        proc = run_cli("capture", str(store), "-m", "preset:tiny-v32", "-c", str(corpus), "-n", "3",
+                       "--seq-len", "200", "--chunk-len", "100", "--no-progress")
+        return proc, before, store
+
+    def other_release(model):
+        model["config_digest"] = "f" * 16
+        model["config_fields"]["layer_types"] = ["deepseek_sparse_attention"] * len(model["config_fields"]["layer_types"])
+        model["config_fields"].pop("output_router_logits", None)
+
+    proc, _, _ = resume_with(other_release, "release")
+    assert proc.returncode == 0 and "resumed after 2 committed sequences" in proc.stdout, proc.stderr
+    proc, _, _ = resume_with(lambda model: model.pop("config_fields"), "before_fields")
+    assert proc.returncode == 0, proc.stderr
+
+    def digest_only(model):
+        model.pop("config_fields")
+        model["config_digest"] = "f" * 16
+
+    proc, before, store = resume_with(digest_only, "digest_only")
+    assert_clean_error(proc, "another model", "config_digest")
+    assert snapshot(store) == before
+
+    def other_number(model):
+        other_release(model)
+        model["config_fields"]["rms_norm_eps"] = 0.5
+
+    proc, before, store = resume_with(other_number, "other_number")
+    assert_clean_error(proc, "another model", "config_digest", "config_fields.rms_norm_eps: store=0.5")
+    assert snapshot(store) == before
+
+
 def test_resume_with_other_settings_loses_nothing(small_store):
     root, corpus, store = small_store
     before = snapshot(store)
