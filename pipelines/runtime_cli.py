@@ -80,25 +80,30 @@ def check_cmd(
                f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
 
 
-def _heldout_text(corpus: Path | None, config, tokens: int):
+def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):
     """(held-out tokens, begin token, decoder of token lists to text) of the byte-level reference corpus,
-    or of a ``dsaindex reference corpus`` folder whose vocabulary must be the model's."""
-    from dsaindex.pipelines.models import BOS_ID
+    or of a ``dsaindex reference corpus`` folder whose vocabulary must be the model's. A model with its own
+    ``tokenizer`` (v2) and no corpus is refused: byte tokens would be fed to it."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.models import BOS_ID, ByteTokenizer
     from dsaindex.pipelines.reference_train import build_token_streams, corpus_token_streams
 
     if corpus is None:
+        if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):
+            raise DsaIndexError(f"The model has its own tokenizer ({tokenizer.name}); without --corpus its prompts "
+                                "would be byte tokens.",
+                                "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
+                                "corpus` wrote), or -m reference-v1 for the byte-level checkpoint.")
         from dsaindex.runtime.transformers_adapter import byte_text
 
         return build_token_streams(0, max(200_000, 2 * tokens)).heldout, BOS_ID, byte_text
     from tokenizers import Tokenizer
 
-    from dsaindex.errors import DsaIndexError
-
     streams, vocab = corpus_token_streams(corpus)
     if vocab.size != config.vocab_size:
         raise DsaIndexError(f"{corpus} has a vocabulary of {vocab.size:,} entries; the model has {config.vocab_size:,}.",
                             "pass the corpus the model was trained on, or leave --corpus out for the byte-level "
-                            "reference checkpoint.")
+                            "reference-v1.")
     return streams.heldout, vocab.bos, Tokenizer.from_file(str(vocab.tokenizer)).decode
 
 
@@ -107,11 +112,12 @@ def generate_cmd(
     artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
     model: str = typer.Option("reference", "--model", "-m", help="`reference`, a checkpoint directory or a preset."),
     prompt_tokens: int = typer.Option(3072, callback=at_least(2),
-                                      help="Prompt length in tokens (a begin token, then held-out text of the "
-                                           "reference corpus; the reference model's tokens are UTF-8 bytes)."),
+                                      help="Prompt length in tokens (a begin token, then held-out text: of --corpus, "
+                                           "or of the byte-level corpus of reference-v1)."),
     corpus: Path = typer.Option(None, help="Take the prompt and its continuation from the held-out split of this "
-                                           "`dsaindex reference corpus` folder, in its tokens (the v2 reference "
-                                           "checkpoint's data) instead of the byte-level reference corpus."),
+                                           "`dsaindex reference corpus` folder, in its tokens (the data of v2, the "
+                                           "default reference; needed by any model with its own tokenizer) "
+                                           "instead of the byte-level corpus of reference-v1."),
     prompt_offset: int = typer.Option(0, callback=at_least(0),
                                       help="Where in the held-out text the prompt starts (tokens)."),
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
@@ -153,7 +159,8 @@ def generate_cmd(
 
     dev = resolve_device(device)
     loaded_model = load_model(model, device=dev, dtype="float32")
-    heldout, bos, decode = _heldout_text(corpus, loaded_model.model.config, prompt_offset + prompt_tokens + new_tokens)
+    heldout, bos, decode = _heldout_text(corpus, loaded_model.model.config, prompt_offset + prompt_tokens + new_tokens,
+                                         loaded_model.tokenizer)
     net = loaded_model.model
     served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting, not another model
     if topk is not None:

@@ -140,3 +140,7 @@ def test_generate_takes_prompts_from_a_corpus_in_its_tokens(tmp_path, bundles):
                    "--new-tokens", "1", "--device", "cpu")
     assert proc.returncode == 2
     assert "vocabulary of 8,192 entries; the model has 260" in proc.stderr.splitlines()[0]
+    # the default reference (v2, its own BPE) without a corpus: refused rather than fed byte tokens
+    proc = run_cli("runtime", "generate", "-a", str(bundles["own"]), "--new-tokens", "1", "--device", "cpu")
+    assert proc.returncode == 2
+    assert "has its own tokenizer" in proc.stderr.splitlines()[0] and "--corpus" in proc.stderr
