@@ -20,6 +20,7 @@ from dsaindex.artifacts.fingerprint import (
     config_field_differences,
     config_fields,
     configs_agree,
+    configs_match,
 )
 from dsaindex.errors import ArtifactMismatchError, StoreMismatchError, differences
 
@@ -152,9 +153,7 @@ def check_same_model(trained: ModelFingerprint, served: ModelFingerprint | None,
     have, want = {}, {}
     if served is not None and served.weights_digest != trained.weights_digest:
         have["weights_digest"], want["weights_digest"] = served.weights_digest, trained.weights_digest
-    same_config = digest == trained.config_digest or (
-        fields is not None and trained.config_fields is not None
-        and not config_field_differences(trained.config_fields, fields))
+    same_config = configs_match(trained.config_digest, trained.config_fields, digest, fields)
     if not same_config:
         have["config_digest"], want["config_digest"] = digest, trained.config_digest
     if have:

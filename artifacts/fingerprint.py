@@ -107,15 +107,18 @@ class ModelFingerprint(BaseModel):
         return f"{self.name} ({self.family}, weights {self.weights_digest})"
 
 
-def configs_agree(a: ModelFingerprint, b: ModelFingerprint) -> bool:
-    """One architecture: equal config digests, or, where the digests differ and both fingerprints record
-    their config fields, no :func:`config_field_differences` (two transformers releases describing one
-    model). A fingerprint written before fields were recorded agrees only by its digest."""
-    if a.config_digest == b.config_digest:
+def configs_match(digest_a: str | None, fields_a: dict | None, digest_b: str | None, fields_b: dict | None) -> bool:
+    """One architecture: equal config digests, or, where the digests differ and both sides record their
+    config fields, no :func:`config_field_differences` (two transformers releases describing one model).
+    A side written before fields were recorded matches only by its digest."""
+    if digest_a == digest_b:
         return True
-    if a.config_fields is None or b.config_fields is None:
-        return False
-    return not config_field_differences(a.config_fields, b.config_fields)
+    return fields_a is not None and fields_b is not None and not config_field_differences(fields_a, fields_b)
+
+
+def configs_agree(a: ModelFingerprint, b: ModelFingerprint) -> bool:
+    """:func:`configs_match` of two fingerprints."""
+    return configs_match(a.config_digest, a.config_fields, b.config_digest, b.config_fields)
 
 
 def fingerprint_model(model: Any, name: str) -> ModelFingerprint:

@@ -243,15 +243,6 @@ def write_overlay(model, kept: list[int], out: Path, lineage: dict, metrics: dic
     return manifest
 
 
-def same_fields(a: dict, b: dict) -> bool:
-    """Two fingerprints (as dicts) whose config fields both exist and agree (two transformers releases
-    describing one checkpoint, whose config digests differ)."""
-    from dsaindex.artifacts.fingerprint import config_field_differences
-
-    fa, fb = a.get("config_fields"), b.get("config_fields")
-    return fa is not None and fb is not None and not config_field_differences(fa, fb)
-
-
 def apply_overlay(model, overlay: Path, base_fingerprint: dict) -> dict:
     """Load an overlay's indexer tensors onto ``model``, which must be the checkpoint it was trained from
     (``base_fingerprint``: its config and weights digests). Returns the overlay's manifest. Raises
@@ -262,6 +253,7 @@ def apply_overlay(model, overlay: Path, base_fingerprint: dict) -> dict:
     import torch
     from safetensors.torch import load_file
 
+    from dsaindex.artifacts.fingerprint import configs_match
     from dsaindex.errors import DsaIndexError
 
     overlay = Path(overlay)
@@ -275,7 +267,8 @@ def apply_overlay(model, overlay: Path, base_fingerprint: dict) -> dict:
                             "the overlay was altered or partly copied: distill it again.")
     base = manifest["lineage"]["base_checkpoint"]
     for key in ("config_digest", "weights_digest"):
-        agree = key == "config_digest" and same_fields(base, base_fingerprint)
+        agree = key == "config_digest" and configs_match(base.get(key), base.get("config_fields"),
+                                                         base_fingerprint.get(key), base_fingerprint.get("config_fields"))
         if base.get(key) != base_fingerprint.get(key) and not agree:
             raise DsaIndexError(f"The overlay was distilled from another checkpoint ({key} {base.get(key)} vs the "
                                 f"served {base_fingerprint.get(key)}).",

@@ -16,6 +16,7 @@ Two measurements:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +26,7 @@ from dsaindex.pipelines.reference_train import (
     BOS_ID,
     ROPE_LAYOUT,
     _chunk_index_scores,
-    build_token_streams,
-    corpus_token_streams,
+    checkpoint_streams,
     heldout_windows,
     load_checkpoint,
     mla_qkv,
@@ -250,31 +250,20 @@ def evaluate_checkpoint(
     import torch
 
     from dsaindex.console import resolve_device
-    from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.models import resolve_model_dir
 
     dev = resolve_device(device)
     path = resolve_model_dir(model)
-    own_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    if own_tokenizer and corpus is None:
-        raise DsaIndexError(f"{path} has its own tokenizer; without --corpus it would be measured on byte tokens.",
-                            "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
-                            "corpus` wrote).")
-    if corpus is not None:
-        streams, vocab = corpus_token_streams(corpus, max_train_tokens=0,
-                                              max_heldout_tokens=int(max_heldout_mb * 1e6))
-        bos, per_byte = vocab.bos, vocab.bytes_per_token
-    else:
-        streams = build_token_streams(0, int(max_heldout_mb * 1e6), heldout_percent=heldout_percent)
-        bos, per_byte = BOS_ID, 1.0
+    own = next((f for f in ("tokenizer.json", "tokenizer_config.json") if (path / f).is_file()), None)
+    vocab_size = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    streams, vocab = checkpoint_streams(str(path), own, corpus, vocab_size, 0, int(max_heldout_mb * 1e6),
+                                        heldout_percent=heldout_percent)
     heldout = torch.from_numpy(streams.heldout).to(dev)
     net = load_checkpoint(path, dev)
-    if corpus is not None and vocab.size > int(net.config.vocab_size):
-        raise DsaIndexError(f"{corpus}'s tokenizer has {vocab.size:,} entries; {path} holds "
-                            f"{int(net.config.vocab_size):,}.", "pass the corpus the checkpoint was trained on.")
     topk = int(net.config.index_topk) if topk is None else topk
     result = evaluate(net, heldout, seq_len=seq_len, topk=topk, bpb_windows=windows,
-                      coverage_windows=coverage_windows, batch=batch, bos=bos, bytes_per_token=per_byte)
+                      coverage_windows=coverage_windows, batch=batch, bos=vocab.bos,
+                      bytes_per_token=vocab.bytes_per_token)
     result["model"] = str(path)
     if corpus is not None:
         result["corpus"] = streams.info

@@ -220,8 +220,7 @@ def topk_structure(model, stream: Any, seq_len: int, windows: int, topk: int, qu
         s = sums[i]
         s["keys_per_block"] += float((kk / blocks.sum(-1)).sum())
         routed = (rows[:, None] - top) >= open_window
-        routed_blocks = torch.zeros_like(blocks).scatter_(1, torch.where(routed, top // block, 0), routed.float())
-        routed_blocks[:, 0] = (routed & (top < block)).any(-1).float()  # where unrouted keys also wrote 0
+        routed_blocks = torch.zeros_like(blocks).scatter_reduce_(1, top // block, routed.float(), reduce="amax")
         has = routed.any(-1)  # queries with a key beyond the open window (others have nothing to route)
         s["routed_keys_per_block"] += float((routed.sum(-1) / routed_blocks.sum(-1).clamp(min=1))[has].sum())
         routed_queries[i] += int(has.sum())

@@ -251,6 +251,32 @@ def corpus_token_streams(corpus: Path, max_train_tokens: int | None = None,
     return TokenStreams(train.astype(np.int32), heldout.astype(np.int32), info), vocab
 
 
+def checkpoint_streams(name: str, own_tokenizer: str | None, corpus: Path | None, vocab_size: int,
+                       train_tokens: int, heldout_tokens: int,
+                       heldout_percent: float = 2.0) -> tuple[TokenStreams, Vocabulary]:
+    """The token streams a checkpoint ``name`` is trained or measured on, at most ``train_tokens`` /
+    ``heldout_tokens`` of each split: ``corpus``'s own tokens (a ``dsaindex reference corpus`` folder), or
+    without it the byte-token Python sources. Refused, naming the fix: a checkpoint with its own tokenizer
+    (``own_tokenizer``, its name; ``None`` for byte tokens) and no corpus, which would be fed byte tokens,
+    and a corpus whose vocabulary the checkpoint's ``vocab_size`` entries cannot hold."""
+    from dsaindex.errors import DsaIndexError
+
+    if corpus is None:
+        if own_tokenizer is not None:
+            raise DsaIndexError(f"{name} has its own tokenizer ({own_tokenizer}); without --corpus it would be fed "
+                                "byte tokens.",
+                                "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
+                                "corpus` wrote), or a byte-token checkpoint such as -m reference-v1.")
+        return (build_token_streams(train_tokens, heldout_tokens, heldout_percent=heldout_percent),
+                BYTE_VOCABULARY)
+    streams, vocab = corpus_token_streams(corpus, max_train_tokens=train_tokens, max_heldout_tokens=heldout_tokens)
+    if vocab.size > vocab_size:
+        raise DsaIndexError(f"{corpus} has a vocabulary of {vocab.size:,} entries; the model has {vocab_size:,}.",
+                            "pass the corpus the checkpoint was trained on, or leave --corpus out for a byte-token "
+                            "checkpoint (reference-v1).")
+    return streams, vocab
+
+
 def sample_windows(stream, batch: int, seq_len: int, generator, bos: int = BOS_ID) -> tuple[Any, Any]:
     """Random training windows.
 

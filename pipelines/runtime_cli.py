@@ -81,29 +81,21 @@ def check_cmd(
 
 
 def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):
-    """(held-out tokens, begin token, decoder of token lists to text) of the byte-level reference corpus,
-    or of a ``dsaindex reference corpus`` folder whose vocabulary must be the model's. A model with its own
-    ``tokenizer`` (v2) and no corpus is refused: byte tokens would be fed to it."""
-    from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.models import BOS_ID, ByteTokenizer
-    from dsaindex.pipelines.reference_train import build_token_streams, corpus_token_streams
+    """(held-out tokens, begin token, decoder of token lists to text): of a ``dsaindex reference corpus``
+    folder whose vocabulary the model holds, or of the byte-level reference corpus; a model with its own
+    ``tokenizer`` (v2) and no corpus is refused
+    (:func:`~dsaindex.pipelines.reference_train.checkpoint_streams`)."""
+    from dsaindex.pipelines.models import ByteTokenizer
+    from dsaindex.pipelines.reference_train import checkpoint_streams
 
-    if corpus is None:
-        if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):
-            raise DsaIndexError(f"The model has its own tokenizer ({tokenizer.name}); without --corpus its prompts "
-                                "would be byte tokens.",
-                                "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
-                                "corpus` wrote), or -m reference-v1 for the byte-level checkpoint.")
+    own = None if tokenizer is None or isinstance(tokenizer, ByteTokenizer) else tokenizer.name
+    streams, vocab = checkpoint_streams("The model", own, corpus, int(config.vocab_size), 0, max(200_000, 2 * tokens))
+    if vocab.tokenizer is None:
         from dsaindex.runtime.transformers_adapter import byte_text
 
-        return build_token_streams(0, max(200_000, 2 * tokens)).heldout, BOS_ID, byte_text
+        return streams.heldout, vocab.bos, byte_text
     from tokenizers import Tokenizer
 
-    streams, vocab = corpus_token_streams(corpus)
-    if vocab.size != config.vocab_size:
-        raise DsaIndexError(f"{corpus} has a vocabulary of {vocab.size:,} entries; the model has {config.vocab_size:,}.",
-                            "pass the corpus the model was trained on, or leave --corpus out for the byte-level "
-                            "reference-v1.")
     return streams.heldout, vocab.bos, Tokenizer.from_file(str(vocab.tokenizer)).decode
 
 

@@ -452,26 +452,14 @@ def eval_reuse_cmd(
 
 
 def _distill_streams(model_ref: str, loaded, corpus: Path | None):
-    """(token streams, vocabulary) that ``indexer-distill`` trains and evaluates on: ``corpus``'s own tokens,
-    or the byte-token Python sources for a byte-token checkpoint. A checkpoint with its own tokenizer and
-    no ``--corpus``, or a corpus whose tokens the model's vocabulary cannot hold, is refused."""
-    from dsaindex.errors import DsaIndexError
+    """(token streams, vocabulary) that ``indexer-distill`` trains and evaluates on
+    (:func:`~dsaindex.pipelines.reference_train.checkpoint_streams`: ``corpus``'s own tokens, or the
+    byte-token Python sources for a byte-token checkpoint)."""
     from dsaindex.pipelines.models import ByteTokenizer
-    from dsaindex.pipelines.reference_train import BYTE_VOCABULARY, build_token_streams, corpus_token_streams
+    from dsaindex.pipelines.reference_train import checkpoint_streams
 
-    if corpus is None:
-        if not isinstance(loaded.tokenizer, ByteTokenizer):
-            raise DsaIndexError(f"{model_ref} has its own tokenizer ({loaded.tokenizer.name}); without --corpus "
-                                "it would be trained and measured on byte tokens.",
-                                "pass --corpus with the corpus it was trained on (the folder `dsaindex reference "
-                                "corpus` wrote).")
-        return build_token_streams(8_000_000, 2_000_000), BYTE_VOCABULARY
-    streams, vocab = corpus_token_streams(corpus, max_train_tokens=8_000_000, max_heldout_tokens=2_000_000)
-    size = int(loaded.model.config.vocab_size)
-    if vocab.size > size:
-        raise DsaIndexError(f"{corpus}'s tokenizer has {vocab.size:,} entries; {model_ref}'s vocabulary holds "
-                            f"{size:,}.", "pass the corpus the checkpoint was trained on.")
-    return streams, vocab
+    own = None if isinstance(loaded.tokenizer, ByteTokenizer) else loaded.tokenizer.name
+    return checkpoint_streams(model_ref, own, corpus, int(loaded.model.config.vocab_size), 8_000_000, 2_000_000)
 
 
 @train_app.command("indexer-distill")
