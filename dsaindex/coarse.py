@@ -23,6 +23,9 @@ FILTER_WIDTH = 1.5  # the margin below the k-th coarse score, in standard deviat
 # decode steps with at most this many live requests read their candidates' exact keys straight from the host
 # store, with no device cache or miss filter (``PQDecodeGroup(direct_upto=...)``; ``bench decode`` measures it)
 DIRECT_UPTO = 2  # H200, 1M keys: faster at 1 and 2 requests, even at 4, slower at 8 (bench decode)
+# the held-out recall of the exact top-k each decode layer must reach when its C is chosen from its bundle's
+# measured recall (``dsaindex serve --candidates auto``; ``dsaindex.runtime.serving.candidates_for_recall``)
+RECALL_TARGET = 0.995
 
 
 def check_filter_width(width: float) -> float:

@@ -536,6 +536,10 @@ def bench_decode(
     rq: bool = typer.Option(False, "--rq", help="Also time the step with a residual code (RQ32: 32 whole-key "
                                                 "codebooks, the bytes of PQ32; stage 2 sums 32 codewords per "
                                                 "candidate) beside the PQ step, over the same keys, in the same run."),
+    subspaces: int = typer.Option(32, callback=at_least(1),
+                                  help="Bytes per key of the codes timed: PQ subspaces, and with --rq the residual "
+                                       "code's codebooks (16: RQ16 beside PQ16). A power of two dividing the keys' "
+                                       "128 dims."),
 ) -> None:
     """Decode-step selection latency: PQ coarse-to-fine vs exact FP8 (DeepGEMM's and Triton's logits with the
     threshold top-k) vs torch, per batch size and history length, with HBM floors, GPU bytes per request
@@ -550,6 +554,9 @@ def bench_decode(
     batch_sizes = parse_ints(batches, "--batches", minimum=1)
     prefilters = parse_ints(recall_prefilters, "--recall-prefilters", minimum=1)
     pq_limits = parse_batch_limits(pq_from)
+    if subspaces & (subspaces - 1) or 128 % subspaces:
+        raise DsaIndexError(f"--subspaces {subspaces} is not a power of two dividing the keys' 128 dims.",
+                            "pass 8, 16, 32 or 64.")
     if (recall_store is None) != (artifacts is None):
         raise DsaIndexError("--recall-store and --artifacts go together (the recall needs both).",
                             "pass both (a capture store and a PQ bundle trained on it), or neither.")
@@ -567,11 +574,12 @@ def bench_decode(
     for n in key_counts:
         for b in batch_sizes:
             row = time_case(b, n, heads, topk, candidates, prefilter, cache, graphs=graphs, profile=profile,
-                            exact_below=exact_below, pq_from=pq_limits, opq=opq, direct_upto=direct_upto, rq=rq)
+                            exact_below=exact_below, pq_from=pq_limits, opq=opq, direct_upto=direct_upto, rq=rq,
+                            subspaces=subspaces)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_exact_fp8")}), err=True)
             torch.cuda.empty_cache()
-    report = {"device": torch.cuda.get_device_name(), "opq": opq, "rq": rq, "heads": heads, "topk": topk, "candidates": candidates,
+    report = {"device": torch.cuda.get_device_name(), "opq": opq, "rq": rq, "subspaces": subspaces, "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "cache_capacity": cache, "exact_below": exact_below, "pq_from": pq_limits,
               "direct_upto": direct_upto, "break_even_keys": break_even(rows),
               "direct_faster_upto_batch": direct_break_even(rows), "rows": rows}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, RECALL_TARGET
 from dsaindex.console import at_least
 
 
@@ -25,7 +25,12 @@ def serve_cmd(
     device: str = typer.Option("auto", help="cuda, cpu or auto."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16."),
     topk: int = typer.Option(None, callback=at_least(1), help="Keys selected per query (default: the model's)."),
-    candidates: int = typer.Option(1024, callback=at_least(1), help="Decode: C, keys reranked exactly per step."),
+    candidates: str = typer.Option("1024", help="Decode: C, keys reranked exactly per step, or `auto`: per layer, the "
+                                                "smallest C whose held-out recall in the pq bundle reaches "
+                                                "--recall-target."),
+    recall_target: float = typer.Option(RECALL_TARGET, min=0.0, max=1.0,
+                                        help="With --candidates auto: the held-out recall of the exact top-k each "
+                                             "decode layer must reach (at the bundle's longest prefixes too)."),
     prefilter: int = typer.Option(2, callback=at_least(1), help="Decode: stage 1 keeps prefilter x C keys."),
     ivf_budget: int = typer.Option(None, callback=at_least(1),
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
@@ -61,6 +66,7 @@ def serve_cmd(
     from dsaindex.runtime import server
     from dsaindex.runtime.serving import load
 
+    c_setting = parse_candidates(candidates)
     dev = resolve_device(device)
     loaded = load_model(model, device=dev, dtype=dtype)
     net = loaded.model
@@ -68,7 +74,8 @@ def serve_cmd(
     if topk is not None:
         set_index_topk(net, topk)
     index = load(artifacts, net, name=loaded.name, device=dev, basis=basis, allow_other_weights=allow_other_weights,
-                 tracking_uri=tracking_uri, served=identity, candidates=candidates, prefilter=prefilter,
+                 tracking_uri=tracking_uri, served=identity, candidates=c_setting, recall_target=recall_target,
+                 prefilter=prefilter,
                  ivf_budget=ivf_budget, exact_below=exact_below, stream_prefix=stream_prefix, retention=retention,
                  lag=lag, filter_width=filter_width, direct_upto=direct_upto)
     index.attach()
@@ -77,3 +84,16 @@ def serve_cmd(
                f"{', '.join(map(str, artifacts))}: {index.describe()}", err=True)
     app = server.build_app(net, loaded.tokenizer.for_transformers(), name)
     server.run(app, host=host, port=port, log_level=log_level)
+
+
+def parse_candidates(value: str) -> int | str:
+    """``--candidates``: a positive count, or ``auto``; a :class:`DsaIndexError` naming the fix otherwise."""
+    from dsaindex.errors import DsaIndexError
+
+    text = value.strip().lower()
+    if text == "auto":
+        return "auto"
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise DsaIndexError(f"--candidates {value!r} is neither a positive count nor `auto`.",
+                        "pass a number of keys (e.g. --candidates 2048) or --candidates auto.")

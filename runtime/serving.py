@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dsaindex.artifacts.kinds import lagged_sources
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
@@ -40,7 +40,9 @@ from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
-__all__ = ["LayerPaths", "ServedIndex", "ServingLog", "load"]
+__all__ = ["LayerPaths", "ServedIndex", "ServingLog", "candidates_for_recall", "load"]
+
+MIN_BAND_QUERIES = 8  # a prefix band's recall counts for ``candidates="auto"`` with at least this many queries
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class ServedIndex(ModuleHooks):
     slots : requests served at once (batch rows); max_keys : the longest request (default the model's
     ``max_position_embeddings``)
     candidates, prefilter, cache_capacity, exact_below, pq_from : the decode groups' settings
-    (:class:`PQDecodeGroup`); ivf_budget : candidates per prefill query (default 8 x top-k)
+    (:class:`PQDecodeGroup`); ``candidates`` is one C for every layer or a layer -> C dict (as
+    :func:`candidates_for_recall` chooses them); ivf_budget : candidates per prefill query (default 8 x top-k)
     measure_recall : also log, per layer and phase, how much of the model's own top-k the runtime kept
     (the model computes its exact selection anyway in transformers; this compares the two)
     stream_prefix : layer-wise streamed prefill of the model's own indexer keys (one request at a
@@ -136,7 +139,8 @@ class ServedIndex(ModuleHooks):
     """
 
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
-                 basis: str = "hadamard", slots: int = 1, max_keys: int | None = None, candidates: int = 1024,
+                 basis: str = "hadamard", slots: int = 1, max_keys: int | None = None,
+                 candidates: int | dict[int, int] = 1024,
                  prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
                  pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
@@ -179,10 +183,18 @@ class ServedIndex(ModuleHooks):
         self.ivf_budget = ivf_budget or 8 * self.topk
         self.measure_recall = measure_recall
         pages = slots * (-(-self.max_keys // 64) + 1)
-        cache_rows = cache_capacity or -(-2 * candidates // 4) * 4
+        if isinstance(candidates, dict):
+            missing = sorted(set(self.decode_layers) - set(candidates))
+            if missing:
+                raise DsaIndexError(f"No candidate count C for decode layers {missing}.",
+                                    "give every layer with a pq artifact its C, or one C for all.")
+        self.candidates = {layer: candidates[layer] if isinstance(candidates, dict) else candidates
+                           for layer in self.decode_layers}
+        self._per_layer_c = isinstance(candidates, dict)  # chosen per layer: describe() says which
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
-                                 self.topk, candidates=candidates, prefilter=prefilter, cache_capacity=cache_rows,
+                                 self.topk, candidates=self.candidates[layer], prefilter=prefilter,
+                                 cache_capacity=cache_capacity or -(-2 * self.candidates[layer] // 4) * 4,
                                  device=self.device, use_triton=use_triton, exact_below=exact_below,
                                  pq_from=pq_from, filter_width=filter_width, direct_upto=direct_upto)
             for layer, codec in self.decode_layers.items()
@@ -225,7 +237,8 @@ class ServedIndex(ModuleHooks):
                 for layer in self.indexers}
 
     def describe(self) -> str:
-        """One line per selection path: ``prefill ivf: layers 0-3; decode pq: layers 0-3`` (and exact)."""
+        """One line per selection path: ``prefill ivf: layers 0-3; decode pq: layers 0-3`` (and exact), and
+        where C was chosen per layer, which (``decode C: 2048 (layers 1-2), 4096 (layers 0, 3)``)."""
         parts = []
         for phase in ("prefill", "decode"):
             by_path: dict[str, list[int]] = {}
@@ -233,6 +246,11 @@ class ServedIndex(ModuleHooks):
                 if layer not in self.reuse:
                     by_path.setdefault(getattr(p, phase), []).append(layer)
             parts += [f"{phase} {path}: layers {_ranges(layers)}" for path, layers in sorted(by_path.items())]
+        if self._per_layer_c and self.candidates:
+            by_c: dict[int, list[int]] = {}
+            for layer, c in self.candidates.items():
+                by_c.setdefault(c, []).append(layer)
+            parts.append("decode C: " + ", ".join(f"{c} (layers {_ranges(layers)})" for c, layers in sorted(by_c.items())))
         if self.attend:
             parts.append(("attends (MLI lag): " if self.lag else "reuse: ")
                          + ", ".join(f"{layer} <- {src}" for layer, src in sorted(self.attend.items())))
@@ -515,15 +533,18 @@ def _ranges(layers: list[int]) -> str:
 def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str | None = None,
          device: str | None = None, basis: str = "hadamard", allow_other_weights: bool = False,
          tracking_uri: str | None = None, served: Any = None, retention: str | None = None,
-         reuse_method: str = "optimal", **settings: Any) -> ServedIndex:
+         reuse_method: str = "optimal", recall_target: float = RECALL_TARGET, **settings: Any) -> ServedIndex:
     """Resolve, verify and validate artifact bundles against ``model``; the :class:`ServedIndex` that
     serves it (not yet attached: use it as a context manager, or call ``attach()``).
 
     uris : one bundle or several (paths or ``models:/<name>@<alias>``), e.g. a ``pq`` bundle for decode
     and an ``ivf`` bundle for prefill; a layer may have one artifact of each kind. name : the model's
     name in the fingerprint; allow_other_weights : see :func:`dsaindex.runtime.loader.load`; settings :
-    :class:`ServedIndex` keyword arguments. Raises :class:`ArtifactMismatchError` (another model, a layer
-    given twice, an unknown kind), :class:`dsaindex.errors.CorruptBundleError`.
+    :class:`ServedIndex` keyword arguments; ``candidates="auto"`` gives each decode layer the smallest C
+    whose held-out recall, as its ``pq`` bundle records it, reaches ``recall_target``
+    (:func:`candidates_for_recall`). Raises :class:`ArtifactMismatchError` (another model, a layer given
+    twice, an unknown kind), :class:`dsaindex.errors.CorruptBundleError`, :class:`DsaIndexError` (no C
+    reaches the recall target).
     """
     from dsaindex.artifacts.fingerprint import fingerprint_model
     from dsaindex.artifacts.kinds import IVFLayer, ReusePlans, ReuseRef
@@ -537,6 +558,8 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
     decode: dict[int, PQCodec] = {}
     prefill: dict[int, Any] = {}
     reuse: dict[int, int] | None = None
+    auto = settings.get("candidates") == "auto"
+    chosen: dict[int, int] = {}
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
         loaded = load_bundle(uri, model.config, device=dev, basis=basis, served=served, tracking_uri=tracking_uri,
                              allow_other_weights=allow_other_weights)
@@ -562,4 +585,57 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
                 raise ArtifactMismatchError(f"Layer {layer} has two artifacts of the same kind (the second from {uri}).",
                                             "pass one bundle per kind.")
             target[layer] = obj
+        pq_layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+        if auto and pq_layers:
+            topk = geometry_from_config(model.config).topk
+            chosen.update(candidates_for_recall(loaded.manifest.metrics, pq_layers, topk, recall_target, str(uri)))
+    if auto:
+        settings["candidates"] = chosen
     return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)
+
+
+def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
+                          source: str = "the bundle") -> dict[int, int]:
+    """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` after exact
+    rerank reaches ``target``, read from a ``pq`` bundle's recorded metrics (``layer{L}/k{topk}/rerank@{C}``,
+    as ``dsaindex train pq`` evaluates them). A layer's recall at C is the lowest of its mean over every
+    held-out query and its mean in the longest prefix band with at least :data:`MIN_BAND_QUERIES` queries,
+    so long requests, the ones C matters for, decide. Raises :class:`DsaIndexError` when the bundle has no
+    such metrics for a layer or no measured C reaches ``target`` (naming the best one)."""
+    out: dict[int, int] = {}
+    for layer in layers:
+        head = f"layer{layer}/k{topk}"
+        overall = {int(name.rsplit("@", 1)[1]): v for name, v in metrics.items()
+                   if name.startswith(f"{head}/rerank@")}
+        if not overall:
+            raise DsaIndexError(f"{source} records no held-out recall of the top-{topk} for layer {layer}, so C "
+                                "cannot be chosen from it.",
+                                "pass a number to --candidates, or train the bundle with `dsaindex train pq` "
+                                "(which measures it) at this top-k.")
+        bands = {}
+        for name, n in metrics.items():  # layer{L}/k{topk}@{band}/queries
+            if name.startswith(f"{head}@") and name.endswith("/queries") and n >= MIN_BAND_QUERIES:
+                band = name[len(head) + 1 : -len("/queries")]
+                bands[band] = _band_start(band)
+        longest = max(bands, key=bands.get) if bands else None
+        recall = {}
+        for c, value in overall.items():
+            band_value = metrics.get(f"{head}@{longest}/rerank@{c}") if longest else None
+            recall[c] = min(value, band_value) if band_value is not None else value
+        good = sorted(c for c, r in recall.items() if r >= target)
+        if not good:
+            best = max(recall, key=recall.get)
+            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {100 * recall[best]:.2f}% held-out recall "
+                                f"of the top-{topk} (at C = {best}), short of the {100 * target:.2f}% asked.",
+                                "pass a lower --recall-target or a number to --candidates, or serve a code of more "
+                                "bytes per key (RQ32).")
+        out[layer] = good[0]
+    return out
+
+
+def _band_start(band: str) -> int:
+    """Keys at the start of a prefix band named like ``64K-128K`` or ``1M-max`` (the names
+    :func:`dsaindex.train.recall.prefix_band` gives)."""
+    low = band.split("-", 1)[0]
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(low[-1:], 1)
+    return int(float(low.rstrip("KM") or 0) * scale)

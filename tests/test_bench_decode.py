@@ -87,6 +87,13 @@ def test_recall_inputs_are_checked_before_any_timing(store_and_bundle, tmp_path)
     assert not_pq.returncode == 2 and "not a dsaindex artifact bundle" in not_pq.stderr.splitlines()[0]
 
 
+def test_code_bytes_are_checked_before_any_timing():
+    for bad in ("12", "256"):
+        proc = run_cli("bench", "decode", "--subspaces", bad)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"error: --subspaces {bad} is not a power of two dividing the keys' 128 dims.")
+
+
 def test_pq_from_parses_batch_limits_and_names_a_bad_item():
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.bench_decode import parse_batch_limits

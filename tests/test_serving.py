@@ -26,9 +26,10 @@ def _text(skip: int, n: int) -> torch.Tensor:
     return reference_bytes(skip, n)
 
 
-def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3)):
+def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3), pq_metrics=None):
     """A PQ32 bundle trained on the model's keys of another text, and an IVF bundle whose encoder adds
-    nothing to the cluster means (routing by plain means), both recorded as trained for ``fingerprint``."""
+    nothing to the cluster means (routing by plain means), both recorded as trained for ``fingerprint``.
+    ``pq_metrics``: the held-out metrics the PQ bundle records (as ``train pq`` writes them)."""
     from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
     from dsaindex.artifacts.kinds import ENCODER_ARRAYS
     from dsaindex.geometry import geometry_from_config
@@ -43,7 +44,7 @@ def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3)):
         arrays = {i: {"codebooks": codebooks[i].numpy()} for i in layers}
         manifest = new_bundle_manifest(fingerprint, "hadamard", geometry.key_format,
                                        {str(i): LayerArtifact(kind="pq", params={"subspaces": 32, "score_aware": False})
-                                        for i in layers}, lineage)
+                                        for i in layers}, lineage, metrics=pq_metrics)
         write_bundle(root / "pq", manifest, arrays)
         paths.append(root / "pq")
     if ivf:
@@ -148,6 +149,64 @@ def test_artifacts_of_another_model_or_twice_the_same_kind_are_refused(served, t
     with pytest.raises(ArtifactMismatchError):
         load(other_paths, net, served=identity)
     load(other_paths, net, allow_other_weights=True)  # a deliberate transfer
+
+
+def _recall_metrics(per_layer):
+    """Bundle metrics as ``train pq`` records them: per layer {C: overall recall} of the top-32, and the
+    64K-128K band's {C: recall} with its query count."""
+    out = {}
+    for layer, (overall, band, queries) in per_layer.items():
+        out.update({f"layer{layer}/k{TOPK}/rerank@{c}": r for c, r in overall.items()})
+        out[f"layer{layer}/k{TOPK}@0-16K/queries"] = 40.0
+        out.update({f"layer{layer}/k{TOPK}@0-16K/rerank@{c}": 1.0 for c in overall})
+        out[f"layer{layer}/k{TOPK}@64K-128K/queries"] = float(queries)
+        out.update({f"layer{layer}/k{TOPK}@64K-128K/rerank@{c}": r for c, r in band.items()})
+        out[f"layer{layer}/k512/rerank@64"] = 0.1  # another top-k's figures are not read
+    return out
+
+
+def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_path):
+    """``candidates="auto"``: each decode layer gets the smallest C whose recorded held-out recall reaches
+    the target, at the longest prefix band too where it has enough queries; the groups run with it."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.serving import candidates_for_recall, load
+
+    net, _, identity = served
+    full = {64: 0.999, 128: 1.0, 256: 1.0}
+    per_layer = {
+        0: ({64: 0.990, 128: 0.996, 256: 0.999}, {64: 0.98, 128: 0.994, 256: 0.998}, 20),  # the band decides: 256
+        1: (full, full, 20),  # 64
+        2: ({64: 0.990, 128: 0.997, 256: 1.0}, {64: 0.95, 128: 0.99, 256: 1.0}, 3),  # band too thin to count: 128
+        3: ({64: 0.999, 128: 1.0, 256: 1.0}, {64: 0.999, 128: 1.0, 256: 1.0}, 20),  # 64
+    }
+    metrics = _recall_metrics(per_layer)
+    assert candidates_for_recall(metrics, [0, 1, 2, 3], TOPK, 0.995) == {0: 256, 1: 64, 2: 128, 3: 64}
+    assert candidates_for_recall(metrics, [0, 1, 2, 3], TOPK, 0.99) == {0: 128, 1: 64, 2: 64, 3: 64}
+    with pytest.raises(DsaIndexError, match=r"Layer 0 .* at most 99\.80% .* C = 256.*99\.90%"):
+        candidates_for_recall(metrics, [0, 1], TOPK, 0.999)
+    with pytest.raises(DsaIndexError, match="records no held-out recall of the top-16 for layer 0"):
+        candidates_for_recall(metrics, [0], 16)
+    paths = _bundles(tmp_path, net, identity, ivf=False, pq_metrics=metrics)
+    index = load(paths, net, served=identity, candidates="auto", recall_target=0.995, prefilter=2, use_triton=False)
+    assert index.candidates == {0: 256, 1: 64, 2: 128, 3: 64}
+    assert {layer: group.candidates for layer, group in index.groups.items()} == index.candidates
+    assert index.describe() == "prefill exact: layers 0-3; decode pq: layers 0-3; decode C: 64 (layers 1, 3), 128 (layers 2), 256 (layers 0)"
+    with index:  # the groups serve with their own C
+        _generate(net, _text(3000, 400), 3)
+    bare = _bundles(tmp_path / "bare", net, identity, ivf=False)
+    with pytest.raises(DsaIndexError, match="records no held-out recall"):
+        load(bare, net, served=identity, candidates="auto")
+
+
+def test_serve_takes_a_count_or_auto_for_candidates():
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pipelines.serve_cli import parse_candidates
+
+    assert parse_candidates("auto") == "auto" and parse_candidates(" AUTO ") == "auto"
+    assert parse_candidates("2048") == 2048
+    for bad in ("0", "-3", "2k", ""):
+        with pytest.raises(DsaIndexError, match="neither a positive count nor `auto`"):
+            parse_candidates(bad)
 
 
 def _free_port() -> int:
