@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from dsaindex.coarse import RECALL_TARGET
 from dsaindex.console import at_least
 
 runtime_app = typer.Typer(no_args_is_help=True)
@@ -44,11 +45,15 @@ def check_cmd(
                                       "with the artifacts', or compare the config digest only (for checkpoints "
                                       "too large to load here)."),
     tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
+    recall_target: float = typer.Option(RECALL_TARGET, min=0.0, max=1.0,
+                                        help="Also report the C each decode layer would get from `serve "
+                                             "--candidates auto` at this held-out recall (or that it would refuse)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Load the artifacts exactly as a server would and validate them against the model: its config
     (family, indexer geometry, layers) and, unless told otherwise, that it is the model the artifacts
-    were trained for (config and indexer-weights digests)."""
+    were trained for (config and indexer-weights digests). For a pq bundle, also the C per layer that
+    `serve --candidates auto` would choose from its recorded held-out recall."""
     import json
 
     from dsaindex.artifacts.bundle import read_manifest
@@ -72,12 +77,42 @@ def check_cmd(
     same = ("not compared (--allow-other-weights)" if allow_other_weights
             else "same weights and config" if served else "same config (weights not compared)")
     summary["model_identity"] = same
+    auto = _auto_candidates(loaded, config, recall_target)
+    if auto is not None:
+        summary["candidates_auto"] = auto
     if as_json:
         print(json.dumps(summary, indent=2))
         return
     typer.echo(f"ok: {summary['bundle']} fits {model} ({same}): {summary['family']}, {summary['basis']} basis, "
                f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on "
                f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
+    if auto is not None:
+        head = f"--candidates auto at {100 * recall_target:.2f}% held-out recall"
+        if "refused" in auto:
+            typer.echo(f"{head}: a server would refuse to start. {auto['refused']}")
+        else:
+            by_c: dict[int, list[str]] = {}
+            for layer, c in auto["per_layer"].items():
+                by_c.setdefault(c, []).append(layer)
+            typer.echo(f"{head}: " + ", ".join(f"C = {c} (layers {', '.join(layers)})" for c, layers in sorted(by_c.items())))
+
+
+def _auto_candidates(loaded, config, target: float) -> dict | None:
+    """For a bundle with pq layers: {"target", "per_layer": {layer: C}} as ``serve --candidates auto`` would
+    choose, or {"target", "refused": message}; None for other bundles."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.pq import PQCodec
+    from dsaindex.runtime.serving import candidates_for_recall
+
+    layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+    if not layers:
+        return None
+    try:
+        chosen = candidates_for_recall(loaded.manifest.metrics, layers, geometry_from_config(config).topk, target)
+    except DsaIndexError as err:
+        return {"target": target, "refused": str(err)}
+    return {"target": target, "per_layer": {str(layer): c for layer, c in chosen.items()}}
 
 
 def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):

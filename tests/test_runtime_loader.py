@@ -25,7 +25,7 @@ def preset_fingerprint(preset="tiny-v32"):
 
 
 def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=32, seed=0, model=None,
-              rotations=None, rotate=None):
+              rotations=None, rotate=None, metrics=None):
     """A PQ bundle for a preset's geometry, with random codebooks, trained (so its manifest says) for
     ``model`` (default: the preset's own fingerprint). ``rotations``: layer -> array stored as the layer's
     ``rotation`` (OPQ); ``rotate``: the layers whose params say rotate=true (default: those with one)."""
@@ -46,6 +46,7 @@ def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=
          for i in layer_ids},
         Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                 train_sequences=[0], eval_sequences=[1]),
+        metrics=metrics,
     )
     write_bundle(path, manifest, arrays)
     return arrays
@@ -156,6 +157,33 @@ def test_runtime_check_cli(tmp_path):
     assert json.loads(ok.stdout)["family"] == "deepseek_v32"
     bad = run_cli("runtime", "check", "-m", "preset:tiny-v4", "-a", str(tmp_path / "b"))
     assert bad.returncode == 2 and "error:" in bad.stderr and "Fix:" in bad.stderr
+
+
+def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
+    """``runtime check`` says which C ``serve --candidates auto`` would give each layer at the recall target,
+    or that it would refuse, from the bundle's recorded held-out recall (top-k of the tiny preset: 32)."""
+    layers = geometry_from_config(preset_config("tiny-v32")).indexer_layers
+    topk = geometry_from_config(preset_config("tiny-v32")).topk
+    metrics = {}
+    for layer in layers:
+        low = layer == layers[0]
+        metrics.update({f"layer{layer}/k{topk}/rerank@128": 0.97 if low else 0.999,
+                        f"layer{layer}/k{topk}/rerank@256": 0.998 if low else 1.0})
+    pq_bundle(tmp_path / "b", metrics=metrics)
+    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    auto = json.loads(ok.stdout)["candidates_auto"]
+    assert auto == {"target": 0.995, "per_layer": {str(layer): 256 if layer == layers[0] else 128 for layer in layers}}
+    text = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.99")
+    assert text.returncode == 0, text.stderr
+    rest = ", ".join(str(layer) for layer in layers[1:])
+    assert f"--candidates auto at 99.00% held-out recall: C = 128 (layers {rest}), C = 256 (layers {layers[0]})" in text.stdout
+    strict = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.999")
+    assert strict.returncode == 0 and "a server would refuse to start" in strict.stdout
+    assert f"Layer {layers[0]} of the bundle reaches at most 99.80%" in strict.stdout
+    pq_bundle(tmp_path / "bare")
+    bare = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "bare"), "--json")
+    assert "records no held-out recall" in json.loads(bare.stdout)["candidates_auto"]["refused"]
 
 
 def test_load_from_the_registry(tmp_path):
