@@ -103,7 +103,7 @@ def _auto_candidates(loaded, config, target: float) -> dict | None:
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
     from dsaindex.pq import PQCodec
-    from dsaindex.runtime.serving import candidates_for_recall
+    from dsaindex.runtime.loader import candidates_for_recall
 
     layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
     if not layers:

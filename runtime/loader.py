@@ -16,14 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
 from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
-from dsaindex.errors import ArtifactMismatchError
+from dsaindex.coarse import RECALL_TARGET
+from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
     from dsaindex.artifacts.fingerprint import ModelFingerprint
 
-__all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "load", "place_layers"]
+__all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "candidates_for_recall",
+           "candidates_per_layer", "load", "place_layers"]
+
+MIN_BAND_QUERIES = 8  # a prefix band's recall counts for ``candidates="auto"`` with at least this many queries
 
 
 @dataclass
@@ -122,3 +126,67 @@ def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") ->
         except DsaIndexError as err:  # the kind refuses arrays that contradict its params (named with the layer)
             raise CorruptBundleError(f"{where}: {err.problem}", err.fix) from None
     return layers
+
+
+def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
+                          source: str = "the bundle") -> dict[int, int]:
+    """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` after exact
+    rerank reaches ``target``, read from a ``pq`` bundle's recorded metrics (``layer{L}/k{topk}/rerank@{C}``,
+    as ``dsaindex train pq`` evaluates them). A layer's recall at C is the lowest of its mean over every
+    held-out query and its mean in the longest prefix band with at least :data:`MIN_BAND_QUERIES` queries,
+    so long requests, the ones C matters for, decide. Raises :class:`DsaIndexError` when the bundle has no
+    such metrics for a layer or no measured C reaches ``target`` (naming the best one)."""
+    out: dict[int, int] = {}
+    for layer in layers:
+        head = f"layer{layer}/k{topk}"
+        overall = {int(name.rsplit("@", 1)[1]): v for name, v in metrics.items()
+                   if name.startswith(f"{head}/rerank@")}
+        if not overall:
+            raise DsaIndexError(f"{source} records no held-out recall of the top-{topk} for layer {layer}, so C "
+                                "cannot be chosen from it.",
+                                "pass a number to --candidates, or train the bundle with `dsaindex train pq` "
+                                "(which measures it) at this top-k.")
+        bands = {}
+        for name, n in metrics.items():  # layer{L}/k{topk}@{band}/queries
+            if name.startswith(f"{head}@") and name.endswith("/queries") and n >= MIN_BAND_QUERIES:
+                band = name[len(head) + 1 : -len("/queries")]
+                bands[band] = _band_start(band)
+        longest = max(bands, key=bands.get) if bands else None
+        recall = {}
+        for c, value in overall.items():
+            band_value = metrics.get(f"{head}@{longest}/rerank@{c}") if longest else None
+            recall[c] = min(value, band_value) if band_value is not None else value
+        good = sorted(c for c, r in recall.items() if r >= target)
+        if not good:
+            best = max(recall, key=recall.get)
+            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {100 * recall[best]:.2f}% held-out recall "
+                                f"of the top-{topk} (at C = {best}), short of the {100 * target:.2f}% asked.",
+                                "pass a lower --recall-target or a number to --candidates, or serve a code of more "
+                                "bytes per key (RQ32).")
+        out[layer] = good[0]
+    return out
+
+
+def _band_start(band: str) -> int:
+    """Keys at the start of a prefix band named like ``64K-128K`` or ``1M-max`` (the names
+    :func:`dsaindex.train.recall.prefix_band` gives)."""
+    low = band.split("-", 1)[0]
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(low[-1:], 1)
+    return int(float(low.rstrip("KM") or 0) * scale)
+
+
+def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, topk: int, default: int,
+                         target: float = RECALL_TARGET) -> dict[int, int]:
+    """C for each ``pq`` layer of ``loaded``, from a server's setting: a count (every layer), ``auto``
+    (:func:`candidates_for_recall` at ``target``), or none / 0 / empty (``default``). What the engine plugins
+    read from ``DSAINDEX_CANDIDATES``; a :class:`DsaIndexError` naming the fix for any other value."""
+    layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+    text = "" if setting is None else str(setting).strip().lower()
+    if text == "auto":
+        return candidates_for_recall(loaded.manifest.metrics, layers, topk, target, str(loaded.path))
+    if text in ("", "0"):
+        return dict.fromkeys(layers, default)
+    if not text.isdigit():
+        raise DsaIndexError(f"The candidate count {setting!r} is neither a positive count nor `auto`.",
+                            "set a number of keys (e.g. 2048) or `auto`.")
+    return dict.fromkeys(layers, int(text))

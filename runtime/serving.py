@@ -38,11 +38,10 @@ from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
+from dsaindex.runtime.loader import candidates_for_recall
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
 __all__ = ["LayerPaths", "ServedIndex", "ServingLog", "candidates_for_recall", "load"]
-
-MIN_BAND_QUERIES = 8  # a prefix band's recall counts for ``candidates="auto"`` with at least this many queries
 
 
 @dataclass(frozen=True)
@@ -592,50 +591,3 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
     if auto:
         settings["candidates"] = chosen
     return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)
-
-
-def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
-                          source: str = "the bundle") -> dict[int, int]:
-    """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` after exact
-    rerank reaches ``target``, read from a ``pq`` bundle's recorded metrics (``layer{L}/k{topk}/rerank@{C}``,
-    as ``dsaindex train pq`` evaluates them). A layer's recall at C is the lowest of its mean over every
-    held-out query and its mean in the longest prefix band with at least :data:`MIN_BAND_QUERIES` queries,
-    so long requests, the ones C matters for, decide. Raises :class:`DsaIndexError` when the bundle has no
-    such metrics for a layer or no measured C reaches ``target`` (naming the best one)."""
-    out: dict[int, int] = {}
-    for layer in layers:
-        head = f"layer{layer}/k{topk}"
-        overall = {int(name.rsplit("@", 1)[1]): v for name, v in metrics.items()
-                   if name.startswith(f"{head}/rerank@")}
-        if not overall:
-            raise DsaIndexError(f"{source} records no held-out recall of the top-{topk} for layer {layer}, so C "
-                                "cannot be chosen from it.",
-                                "pass a number to --candidates, or train the bundle with `dsaindex train pq` "
-                                "(which measures it) at this top-k.")
-        bands = {}
-        for name, n in metrics.items():  # layer{L}/k{topk}@{band}/queries
-            if name.startswith(f"{head}@") and name.endswith("/queries") and n >= MIN_BAND_QUERIES:
-                band = name[len(head) + 1 : -len("/queries")]
-                bands[band] = _band_start(band)
-        longest = max(bands, key=bands.get) if bands else None
-        recall = {}
-        for c, value in overall.items():
-            band_value = metrics.get(f"{head}@{longest}/rerank@{c}") if longest else None
-            recall[c] = min(value, band_value) if band_value is not None else value
-        good = sorted(c for c, r in recall.items() if r >= target)
-        if not good:
-            best = max(recall, key=recall.get)
-            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {100 * recall[best]:.2f}% held-out recall "
-                                f"of the top-{topk} (at C = {best}), short of the {100 * target:.2f}% asked.",
-                                "pass a lower --recall-target or a number to --candidates, or serve a code of more "
-                                "bytes per key (RQ32).")
-        out[layer] = good[0]
-    return out
-
-
-def _band_start(band: str) -> int:
-    """Keys at the start of a prefix band named like ``64K-128K`` or ``1M-max`` (the names
-    :func:`dsaindex.train.recall.prefix_band` gives)."""
-    low = band.split("-", 1)[0]
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(low[-1:], 1)
-    return int(float(low.rstrip("KM") or 0) * scale)

@@ -186,6 +186,24 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
     assert "records no held-out recall" in json.loads(bare.stdout)["candidates_auto"]["refused"]
 
 
+def test_candidates_per_layer_reads_a_count_auto_or_nothing(tmp_path):
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.loader import candidates_per_layer
+
+    geometry = geometry_from_config(preset_config("tiny-v32"))
+    layers = geometry.indexer_layers
+    metrics = {f"layer{i}/k{geometry.topk}/rerank@{c}": r for i in layers for c, r in ((64, 0.99), (128, 0.999))}
+    pq_bundle(tmp_path / "b", metrics=metrics)
+    loaded = load(tmp_path / "b", preset_config("tiny-v32"))
+    assert candidates_per_layer("auto", loaded, geometry.topk, 77) == dict.fromkeys(layers, 128)
+    assert candidates_per_layer(" AUTO ", loaded, geometry.topk, 77, target=0.98) == dict.fromkeys(layers, 64)
+    assert candidates_per_layer("300", loaded, geometry.topk, 77) == dict.fromkeys(layers, 300)
+    for nothing in (None, "", "0"):
+        assert candidates_per_layer(nothing, loaded, geometry.topk, 77) == dict.fromkeys(layers, 77)
+    with pytest.raises(DsaIndexError, match="'lots' is neither a positive count nor `auto`"):
+        candidates_per_layer("lots", loaded, geometry.topk, 77)
+
+
 def test_load_from_the_registry(tmp_path):
     from dsaindex.artifacts.registry import promote, register_bundle
 

@@ -41,16 +41,21 @@ class PluginState:
         from dsaindex.runtime.paged_select import check_paged_codes
 
         check_paged_codes(loaded.layers)  # RQ layers: refused at startup, not at the first decode step
+        from dsaindex.coarse import RECALL_TARGET
+        from dsaindex.runtime.loader import candidates_per_layer
+
         topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
-        candidates = int(os.environ.get("DSAINDEX_CANDIDATES", 0) or 2 * topk)
+        # a count, or `auto`: each layer's C from the bundle's held-out recall (refused here if none reaches it)
+        candidates = candidates_per_layer(os.environ.get("DSAINDEX_CANDIDATES"), loaded, topk, 2 * topk,
+                                          float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET))
         prefilter = int(os.environ.get("DSAINDEX_PREFILTER", 4) or 4)
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).name != "pq":
                 continue  # other kinds (ivf, ...) serve prefill; SGLang keeps its own path there
-            self.selectors[layer] = LayerSelection(codec, candidates=candidates, prefilter=prefilter)
+            self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter)
         self.loaded = loaded
-        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C=%d).",
+        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C per layer %s).",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates)
 
     def note_fallback(self, why: str) -> None:

@@ -47,9 +47,10 @@ def fit_codebooks(keys: torch.Tensor, subspaces: int = 32, k: int = 256, iters: 
 
 
 def pq_bundle(path, preset: str = "bench-v32", layers=None, basis: str = "hadamard", subspaces: int = 32,
-              seed: int = 0, config=None, trained: bool = False):
+              seed: int = 0, config=None, trained: bool = False, metrics=None):
     """A PQ bundle for a preset's geometry (or ``config``): codebooks fitted on :func:`key_sample` keys
-    (``trained``) or random, as the runtime loader's tests build them."""
+    (``trained``) or random, as the runtime loader's tests build them; ``metrics``: the held-out recall
+    its manifest records (as ``train pq`` writes it)."""
     config = config if config is not None else preset_config(preset)
     geometry = geometry_from_config(config)
     layer_ids = geometry.indexer_layers if layers is None else layers
@@ -64,6 +65,7 @@ def pq_bundle(path, preset: str = "bench-v32", layers=None, basis: str = "hadama
         {str(i): LayerArtifact(kind="pq", params={"subspaces": subspaces, "score_aware": True}) for i in layer_ids},
         Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                 train_sequences=[0], eval_sequences=[1]),
+        metrics=metrics,
     )
     write_bundle(path, manifest, arrays)
     return arrays

@@ -111,3 +111,24 @@ def test_startup_with_artifacts_of_another_model_fails_with_the_mismatch_message
 def test_startup_with_the_models_own_artifacts_passes(bench_bundle, bench_dir):
     got = run_json(STARTUP.replace("MODEL_PATH", repr(str(bench_dir))), {"DSAINDEX_ARTIFACTS": str(bench_bundle)})
     assert got == {"ok": True}
+
+
+STARTUP_C = STARTUP.replace('print(json.dumps({"ok": True}))', """import dsaindex_sglang.hooks as hooks
+    print(json.dumps({"ok": True, "c": {str(k): v.candidates for k, v in hooks.STATE.selectors.items()}}))""")
+
+
+def test_auto_candidates_take_each_layers_c_from_the_bundles_recall(tmp_path, bench_dir):
+    """DSAINDEX_CANDIDATES=auto: each layer's selector gets the smallest C whose recorded held-out recall
+    reaches DSAINDEX_RECALL_TARGET; startup fails naming the layer when none does."""
+    metrics = {}
+    for layer in range(4):
+        low = layer == 0
+        metrics.update({f"layer{layer}/k2048/rerank@4096": 0.99 if low else 0.999,
+                        f"layer{layer}/k2048/rerank@8192": 0.997 if low else 1.0})
+    pq_bundle(tmp_path / "b", "bench-v32", metrics=metrics)
+    env = {"DSAINDEX_ARTIFACTS": str(tmp_path / "b"), "DSAINDEX_CANDIDATES": "auto"}
+    script = STARTUP_C.replace("MODEL_PATH", repr(str(bench_dir)))
+    assert run_json(script, env) == {"ok": True, "c": {"0": 8192, "1": 4096, "2": 4096, "3": 4096}}
+    strict = run_json(script, env | {"DSAINDEX_RECALL_TARGET": "0.999"})
+    assert strict["ok"] is False and strict["type"] == "DsaIndexError"
+    assert "Layer 0 of" in strict["message"] and "99.70%" in strict["message"] and "Fix:" in strict["message"]

@@ -36,6 +36,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
+from dsaindex.coarse import RECALL_TARGET
+from dsaindex.runtime.loader import candidates_per_layer
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex_vllm.plugin import ENV_ARTIFACTS
 
@@ -54,7 +56,8 @@ def settings() -> dict[str, Any]:
     return {
         "uri": os.environ.get(ENV_ARTIFACTS, "").strip(),
         "basis": os.environ.get("DSAINDEX_BASIS", "raw"),
-        "candidates": int(os.environ.get("DSAINDEX_CANDIDATES", "0")),
+        "candidates": os.environ.get("DSAINDEX_CANDIDATES", ""),  # a count, `auto`, or empty (2 x top-k)
+        "recall_target": float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET),
         "prefilter": int(os.environ.get("DSAINDEX_PREFILTER", "4")),
         "allow_other_weights": os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") == "1",
         "cache_dir": os.environ.get("DSAINDEX_CACHE_DIR") or None,
@@ -97,7 +100,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.layer_id = layer_id_of(getattr(k_cache, "prefix", ""))
         self.codec = None
         self.selector: PagedCacheSelector | None = None
-        self.candidates = max(s["candidates"] or 2 * topk_tokens, topk_tokens)
+        self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
         self.prefilter = s["prefilter"]
         self._engine_layer: bool | None = None
         if not s["uri"]:
@@ -113,6 +116,9 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         loaded = served_artifacts(hf_config, topk_indices_buffer.device)
         if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).name == "pq":
             self.codec = loaded.layers[self.layer_id]
+            # a count, or `auto`: this layer's C from the bundle's held-out recall (refused here if none reaches it)
+            per_layer = candidates_per_layer(s["candidates"], loaded, topk_tokens, 2 * topk_tokens, s["recall_target"])
+            self.candidates = max(per_layer[self.layer_id], topk_tokens)
 
         _LAYERS[self.k_cache.prefix] = self
 

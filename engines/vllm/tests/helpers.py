@@ -36,9 +36,10 @@ def kmeans_codebooks(keys: torch.Tensor, subspaces: int = 32, k: int = 256, iter
 
 
 def write_pq_bundle(path, preset: str = "bench-v32", model_preset: str | None = None, codebooks=None,
-                    basis: str = "raw", subspaces: int = 32, seed: int = 0):
+                    basis: str = "raw", subspaces: int = 32, seed: int = 0, metrics=None):
     """A PQ bundle for every indexer layer of ``preset``'s geometry, trained (its manifest says) for
-    ``model_preset`` (default: the same preset); as /work/main/tests/test_runtime_loader.py's pq_bundle."""
+    ``model_preset`` (default: the same preset), recording ``metrics`` (held-out recall, as ``train pq``
+    writes them); as the main tests' ``tests/test_runtime_loader.py`` pq_bundle."""
     geometry = geometry_from_config(preset_config(preset))
     model = preset_fingerprint(model_preset or preset)
     rng = np.random.default_rng(seed)
@@ -53,6 +54,7 @@ def write_pq_bundle(path, preset: str = "bench-v32", model_preset: str | None = 
          for i in geometry.indexer_layers},
         Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                 train_sequences=[0], eval_sequences=[1]),
+        metrics=metrics,
     )
     write_bundle(path, manifest, arrays)
     return arrays

@@ -41,6 +41,7 @@ from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
 from dsaindex.artifacts.bundle import read_bundle  # noqa: E402
 from dsaindex.artifacts.compat import check_bundle_for_model  # noqa: E402
 from dsaindex.errors import ArtifactMismatchError  # noqa: E402
+from dsaindex.geometry import geometry_from_config  # noqa: E402
 from dsaindex.kernels.fp8_score import fp8_scores_reference, paged_keys_reference  # noqa: E402
 from dsaindex.kernels.select import topk_of_prefixes  # noqa: E402
 from dsaindex.pipelines.models import preset_config  # noqa: E402
@@ -163,6 +164,25 @@ def test_vllm_builds_the_plugin_class_for_its_indexer(plugin):
 
     install()
     assert op_registry_oot["SparseAttnIndexer"] is DsaIndexSparseAttnIndexer
+
+
+def test_auto_candidates_take_each_layers_c_from_the_bundles_recall(plugin, monkeypatch, tmp_path):
+    """DSAINDEX_CANDIDATES=auto: the served layer's C is the smallest whose recorded held-out recall reaches
+    DSAINDEX_RECALL_TARGET; a layer that reaches it at no C stops the layer's construction, naming it."""
+    from dsaindex.errors import DsaIndexError
+
+    layers = geometry_from_config(CFG).indexer_layers
+    metrics = {f"layer{i}/k{TOPK}/rerank@{c}": r for i in layers for c, r in ((4096, 0.990), (8192, 0.997))}
+    write_pq_bundle(tmp_path / "b", PRESET, metrics=metrics)
+    monkeypatch.setenv("DSAINDEX_ARTIFACTS", str(tmp_path / "b"))
+    monkeypatch.setenv("DSAINDEX_CANDIDATES", "auto")
+    op, _, _ = build_layer(vllm_config(CFG))
+    assert op.codec is not None and op.candidates == 8192
+    monkeypatch.setenv("DSAINDEX_RECALL_TARGET", "0.98")
+    assert build_layer(vllm_config(CFG))[0].candidates == 4096
+    monkeypatch.setenv("DSAINDEX_RECALL_TARGET", "0.999")
+    with pytest.raises(DsaIndexError, match=r"Layer 1 of .* reaches at most 99\.70% .*C = 8192"):
+        build_layer(vllm_config(CFG))
 
 
 # ---- (c): selection with vLLM's shapes, dtypes and layouts ----------------------------------------------
