@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from rq16_variants import scalar_levels, whitening  # the sibling script (this folder is on the path when run)
 
 from dsaindex.artifacts.capture_store import CaptureStore
 from dsaindex.pq import beam_search
@@ -39,13 +40,6 @@ from dsaindex.score import indexer_scores
 from dsaindex.train.additive import full_spec, train_rq_torch
 from dsaindex.train.pq_job import _subsample, metric_for_layer
 from dsaindex.train.recall import evaluate_selection, held_out, layer_keys, split_sequences
-
-
-def whitening(metric, reg, device):
-    a = metric[0].double().to(device)
-    a = a / a.diagonal().mean() + reg * torch.eye(a.shape[0], dtype=torch.float64, device=device)
-    lt = torch.linalg.cholesky(a).t()
-    return lt.t().float().contiguous(), torch.linalg.inv(lt).t().float().contiguous()
 
 
 def recon(x, books, beam, block=16384):
@@ -77,16 +71,6 @@ def aniso_search(x, books, beam, eta):
 
 def aniso_recon(x, books, beam, eta, block=8192):
     return torch.cat([aniso_search(x[i : i + block], books, beam, eta) for i in range(0, x.shape[0], block)])
-
-
-def scalar_levels(values, n=256, rounds=30):
-    levels = torch.quantile(values[:: max(1, values.numel() // 200000)], torch.linspace(0, 1, n, device=values.device))
-    for _ in range(rounds):
-        nearest = (values[:, None] - levels[None]).abs().argmin(1)
-        sums = torch.zeros_like(levels).scatter_add_(0, nearest, values)
-        counts = torch.zeros_like(levels).scatter_add_(0, nearest, torch.ones_like(values))
-        levels = torch.where(counts > 0, sums / counts.clamp_min(1), levels)
-    return levels
 
 
 def codes_of(x, books, beam, block=16384):
