@@ -176,11 +176,13 @@ def _band_start(band: str) -> int:
 
 
 def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, topk: int, default: int,
-                         target: float = RECALL_TARGET) -> dict[int, int]:
-    """C for each ``pq`` layer of ``loaded``, from a server's setting: a count (every layer), ``auto``
-    (:func:`candidates_for_recall` at ``target``), or none / 0 / empty (``default``). What the engine plugins
-    read from ``DSAINDEX_CANDIDATES``; a :class:`DsaIndexError` naming the fix for any other value."""
-    layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+                         target: float = RECALL_TARGET, layers: list[int] | None = None) -> dict[int, int]:
+    """C for each ``pq`` layer of ``loaded`` (or of ``layers`` among them), from a server's setting: a count
+    (every layer), ``auto`` (:func:`candidates_for_recall` at ``target``), or none / 0 / empty (``default``).
+    What the engine plugins read from ``DSAINDEX_CANDIDATES``; a :class:`DsaIndexError` naming the fix for
+    any other value."""
+    served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+    layers = served if layers is None else [layer for layer in served if layer in set(layers)]
     text = "" if setting is None else str(setting).strip().lower()
     if text == "auto":
         return candidates_for_recall(loaded.manifest.metrics, layers, topk, target, str(loaded.path))

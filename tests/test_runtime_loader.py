@@ -198,6 +198,7 @@ def test_candidates_per_layer_reads_a_count_auto_or_nothing(tmp_path):
     assert candidates_per_layer("auto", loaded, geometry.topk, 77) == dict.fromkeys(layers, 128)
     assert candidates_per_layer(" AUTO ", loaded, geometry.topk, 77, target=0.98) == dict.fromkeys(layers, 64)
     assert candidates_per_layer("300", loaded, geometry.topk, 77) == dict.fromkeys(layers, 300)
+    assert candidates_per_layer("auto", loaded, geometry.topk, 77, layers=[layers[-1], 999]) == {layers[-1]: 128}
     for nothing in (None, "", "0"):
         assert candidates_per_layer(nothing, loaded, geometry.topk, 77) == dict.fromkeys(layers, 77)
     with pytest.raises(DsaIndexError, match="'lots' is neither a positive count nor `auto`"):

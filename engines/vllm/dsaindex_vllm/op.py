@@ -117,7 +117,8 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).name == "pq":
             self.codec = loaded.layers[self.layer_id]
             # a count, or `auto`: this layer's C from the bundle's held-out recall (refused here if none reaches it)
-            per_layer = candidates_per_layer(s["candidates"], loaded, topk_tokens, 2 * topk_tokens, s["recall_target"])
+            per_layer = candidates_per_layer(s["candidates"], loaded, topk_tokens, 2 * topk_tokens, s["recall_target"],
+                                             layers=[self.layer_id])
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
 
         _LAYERS[self.k_cache.prefix] = self
