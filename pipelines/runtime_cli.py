@@ -102,17 +102,13 @@ def _auto_candidates(loaded, config, target: float) -> dict | None:
     choose, or {"target", "refused": message}; None for other bundles."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.pq import PQCodec
-    from dsaindex.runtime.loader import candidates_for_recall
+    from dsaindex.runtime.loader import candidates_per_layer
 
-    layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
-    if not layers:
-        return None
     try:
-        chosen = candidates_for_recall(loaded.manifest.metrics, layers, geometry_from_config(config).topk, target)
+        chosen = candidates_per_layer("auto", loaded, geometry_from_config(config).topk, 0, target)
     except DsaIndexError as err:
         return {"target": target, "refused": str(err)}
-    return {"target": target, "per_layer": {str(layer): c for layer, c in chosen.items()}}
+    return {"target": target, "per_layer": {str(layer): c for layer, c in chosen.items()}} if chosen else None
 
 
 def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):

@@ -180,7 +180,7 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
     assert f"--candidates auto at 99.00% held-out recall: C = 128 (layers {rest}), C = 256 (layers {layers[0]})" in text.stdout
     strict = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.999")
     assert strict.returncode == 0 and "a server would refuse to start" in strict.stdout
-    assert f"Layer {layers[0]} of the bundle reaches at most 99.80%" in strict.stdout
+    assert f"Layer {layers[0]} of {tmp_path / 'b'} reaches at most 99.80%" in strict.stdout
     pq_bundle(tmp_path / "bare")
     bare = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "bare"), "--json")
     assert "records no held-out recall" in json.loads(bare.stdout)["candidates_auto"]["refused"]
