@@ -38,7 +38,7 @@ from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
-from dsaindex.runtime.loader import candidates_for_recall
+from dsaindex.runtime.loader import candidates_for_recall, candidates_per_layer
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
 __all__ = ["LayerPaths", "ServedIndex", "ServingLog", "candidates_for_recall", "load"]
@@ -584,10 +584,8 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
                 raise ArtifactMismatchError(f"Layer {layer} has two artifacts of the same kind (the second from {uri}).",
                                             "pass one bundle per kind.")
             target[layer] = obj
-        pq_layers = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
-        if auto and pq_layers:
-            topk = geometry_from_config(model.config).topk
-            chosen.update(candidates_for_recall(loaded.manifest.metrics, pq_layers, topk, recall_target, str(uri)))
+        if auto:  # the chooser `runtime check` and the engine plugins use too
+            chosen.update(candidates_per_layer("auto", loaded, geometry_from_config(model.config).topk, 0, recall_target))
     if auto:
         settings["candidates"] = chosen
     return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)
