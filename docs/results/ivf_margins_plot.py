@@ -13,7 +13,7 @@ BUDGET = "16384"
 runs = {kind: json.load(open(f"docs/results/train_ivf_v2_128k_{kind}_h200.json")) for kind in ("natural", "synthetic")}
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-for ax, (kind, run) in zip(axes, runs.items()):
+for ax, (kind, run) in zip(axes, runs.items(), strict=True):
     rows = [(f"layer {layer}", r["recall"]) for layer, r in sorted(run["per_layer"].items(), key=lambda x: int(x[0]))]
     rows.append(("mean", run["mean"]))
     x = np.arange(len(rows))
