@@ -728,6 +728,51 @@ def synthetic_documents(total_bytes: int, natural: list[str], seed: int, heldout
     return docs
 
 
+FILLER_SOURCES = ("austen", "sotu", "dictionary", "bible")
+
+
+def write_synthetic(corpus: Path, out: Path, total_bytes: int, seed: int) -> dict:
+    """Fresh synthetic documents for evaluation captures longer than the corpus's held-out synthetic split
+    allows: the four tasks from ``seed``, filled with the corpus's held-out natural text, written to
+    ``out`` as JSONL (``dsaindex capture -c OUT``). Refuses the corpus's own seeds (its training split's and
+    its held-out split's), which would rebuild documents a checkpoint trained on that corpus has seen, and
+    an ``out`` that exists. Returns a summary: documents, bytes, tasks, seed, filler documents."""
+    corpus, out = Path(corpus), Path(out)
+    record_path, heldout_path = corpus / "corpus.json", corpus / "heldout.jsonl"
+    for path in (record_path, heldout_path):
+        if not path.is_file():
+            raise DsaIndexError(f"{path} does not exist: {corpus} is not a corpus folder.",
+                                "pass the folder `dsaindex reference corpus` wrote.")
+    own = int(json.loads(record_path.read_text()).get("seed", 0))
+    if seed in (own, own + 1):
+        raise DsaIndexError(f"seed {seed} is the corpus's own (its training split used {own}, its held-out "
+                            f"split {own + 1}): those documents are not new to a checkpoint trained on it.",
+                            f"pass another --seed, e.g. {own + 101}.")
+    if out.exists():
+        raise DsaIndexError(f"{out} exists.", "pass a new file name; nothing is overwritten.")
+    natural = []
+    with heldout_path.open() as f:
+        for line in f:
+            doc = json.loads(line)
+            if doc.get("source") in FILLER_SOURCES:
+                natural.append(doc["text"])
+    if not natural:
+        raise DsaIndexError(f"{heldout_path} holds no held-out {', '.join(FILLER_SOURCES)} text to fill with.",
+                            "build the corpus with at least one of those sources.")
+    docs = synthetic_documents(total_bytes, natural, seed, heldout=True)
+    partial = out.with_name(out.name + ".partial")
+    with partial.open("w") as f:
+        for d in docs:
+            f.write(json.dumps({"source": d.source, "title": d.title, "text": d.text}) + "\n")
+    partial.rename(out)
+    tasks: dict[str, int] = {}
+    for d in docs:
+        task = d.title.split(" x")[0]
+        tasks[task] = tasks.get(task, 0) + 1
+    return {"out": str(out), "documents": len(docs), "bytes": sum(len(d.text.encode()) for d in docs),
+            "tasks": tasks, "seed": seed, "filler_documents": len(natural)}
+
+
 # ------------------------------------------------------------------------------------------- build
 
 
@@ -801,7 +846,7 @@ def build_corpus(out: Path, sources: list[str], cache: Path | None = None, code_
         records.append(rec)
     if "synthetic" in sources:
         progress(steps - 2, steps, "synthetic")
-        natural = [d.text for d in docs if d.source in ("austen", "sotu", "dictionary", "bible") and not d.heldout]
+        natural = [d.text for d in docs if d.source in FILLER_SOURCES and not d.heldout]
         natural_bytes = sum(len(d.text) for d in docs if not d.heldout)
         want = max(200_000, int(natural_bytes * synthetic_share / max(1e-9, 1 - synthetic_share)))
         docs += synthetic_documents(want, natural, seed, heldout=False)

@@ -126,6 +126,41 @@ def test_synthetic_tasks_ask_for_what_lies_far_back():
     assert {d.title.split()[0] for d in a} >= {"needle", "key-value", "variable", "long"}
 
 
+def test_fresh_synthetic_documents_use_a_new_seed_and_held_out_filler_and_overwrite_nothing(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "corpus.json").write_text(json.dumps({"seed": 7}))
+    heldout = [{"source": "austen", "title": "Persuasion", "text": "Anne Elliot walked on. " * 3_000},
+               {"source": "code", "title": "pkg", "text": "def never_used_as_filler(): pass\n" * 3_000}]
+    (corpus / "heldout.jsonl").write_text("".join(json.dumps(d) + "\n" for d in heldout))
+    out = tmp_path / "synth.jsonl"
+
+    proc = run_cli("reference", "synthetic", str(corpus), str(out), "--mb", "0.3", "--seed", "8")
+    assert proc.returncode != 0 and "seed 8 is the corpus's own" in proc.stderr and not out.exists()
+
+    proc = run_cli("reference", "synthetic", str(corpus), str(out), "--mb", "0.3", "--seed", "20", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    docs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["documents"] == len(docs) and summary["bytes"] >= 300_000 and summary["filler_documents"] == 1
+    assert {d["title"].split()[0] for d in docs} == {"needle", "key-value", "variable", "long"}
+    text = "".join(d["text"] for d in docs)
+    assert "Anne Elliot" in text and "never_used_as_filler" not in text
+    for d in docs:
+        if d["title"].startswith("needle"):
+            asked = d["text"].rsplit("what is the passkey for ", 1)[1].split("?")[0]
+            value = d["text"].rsplit(" is ", 1)[1].rstrip(".\n")
+            assert f"The passkey for {asked} is {value}." in d["text"]
+    again = rc.synthetic_documents(300_000, [heldout[0]["text"]], 20, heldout=True)
+    assert [d.text for d in again] == [d["text"] for d in docs]
+
+    before = out.read_bytes()
+    proc = run_cli("reference", "synthetic", str(corpus), str(out), "--seed", "21")
+    assert proc.returncode != 0 and "exists" in proc.stderr and out.read_bytes() == before
+    proc = run_cli("reference", "synthetic", str(tmp_path), str(tmp_path / "x.jsonl"))
+    assert proc.returncode != 0 and "not a corpus folder" in proc.stderr
+
+
 def test_downloads_are_checked_against_the_registry(tmp_path, monkeypatch):
     data = b"a tarball"
     good = "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode()
