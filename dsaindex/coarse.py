@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# stage 1 of a decode step keeps PREFILTER x C keys for the full coarse score: at 114K prefixes 2 loses 2.1-2.2
+# points of recall against 4 (H200, OPQ32 and RQ32 warm replays, docs/results.md), so 4 everywhere by default
+PREFILTER = 4
 FILTER_WIDTH = 1.5  # the margin below the k-th coarse score, in standard deviations (LeanSparse: 1)
 # decode steps with at most this many live requests read their candidates' exact keys straight from the host
 # store, with no device cache or miss filter (``PQDecodeGroup(direct_upto=...)``; ``bench decode`` measures it)

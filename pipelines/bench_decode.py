@@ -28,7 +28,7 @@ from typing import Any
 
 import typer
 
-from dsaindex.coarse import DIRECT_UPTO
+from dsaindex.coarse import DIRECT_UPTO, PREFILTER
 from dsaindex.console import at_least
 from dsaindex.pipelines.timing import kernel_profile, median_ms
 
@@ -507,7 +507,7 @@ def bench_decode(
     heads: int = typer.Option(64, callback=at_least(1), help="Indexer heads."),
     topk: int = typer.Option(512, callback=at_least(1), help="Keys selected per step."),
     candidates: int = typer.Option(2048, callback=at_least(1), help="C: candidates reranked exactly."),
-    prefilter: int = typer.Option(4, callback=at_least(1), help="Stage 1 keeps prefilter x C keys for the full "
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="Stage 1 keeps prefilter x C keys for the full "
                                                                  "coarse score."),
     cache: int = typer.Option(4096, callback=at_least(1), help="Exact keys cached on the GPU per request."),
     recall_store: Path = typer.Option(None, help="Capture store for the recall measurement (held-out queries)."),

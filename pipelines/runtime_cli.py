@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import RECALL_TARGET
+from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.console import at_least
 
 runtime_app = typer.Typer(no_args_is_help=True)
@@ -48,6 +48,9 @@ def check_cmd(
     recall_target: float = typer.Option(RECALL_TARGET, min=0.0, max=1.0,
                                         help="Also report the C each decode layer would get from `serve "
                                              "--candidates auto` at this held-out recall (or that it would refuse)."),
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1),
+                                  help="The server's stage 1 keeps prefilter x C keys: the C reported is the one whose "
+                                       "recall with that stage 1 reaches --recall-target."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Load the artifacts exactly as a server would and validate them against the model: its config
@@ -77,7 +80,7 @@ def check_cmd(
     same = ("not compared (--allow-other-weights)" if allow_other_weights
             else "same weights and config" if served else "same config (weights not compared)")
     summary["model_identity"] = same
-    auto = _auto_candidates(loaded, config, recall_target)
+    auto = _auto_candidates(loaded, config, recall_target, prefilter)
     if auto is not None:
         summary["candidates_auto"] = auto
     if as_json:
@@ -87,7 +90,7 @@ def check_cmd(
                f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on "
                f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
     if auto is not None:
-        head = f"--candidates auto at {100 * recall_target:.2f}% held-out recall"
+        head = f"--candidates auto at {100 * recall_target:.2f}% held-out recall (prefilter {prefilter})"
         if "refused" in auto:
             typer.echo(f"{head}: a server would refuse to start. {auto['refused']}")
         else:
@@ -97,7 +100,7 @@ def check_cmd(
             typer.echo(f"{head}: " + ", ".join(f"C = {c} (layers {', '.join(layers)})" for c, layers in sorted(by_c.items())))
 
 
-def _auto_candidates(loaded, config, target: float) -> dict | None:
+def _auto_candidates(loaded, config, target: float, prefilter: int = PREFILTER) -> dict | None:
     """For a bundle with pq layers: {"target", "per_layer": {layer: C}} as ``serve --candidates auto`` would
     choose, or {"target", "refused": message}; None for other bundles."""
     from dsaindex.errors import DsaIndexError
@@ -105,10 +108,11 @@ def _auto_candidates(loaded, config, target: float) -> dict | None:
     from dsaindex.runtime.loader import candidates_per_layer
 
     try:
-        chosen = candidates_per_layer("auto", loaded, geometry_from_config(config).topk, 0, target)
+        chosen = candidates_per_layer("auto", loaded, geometry_from_config(config).topk, 0, target, prefilter=prefilter)
     except DsaIndexError as err:
-        return {"target": target, "refused": str(err)}
-    return {"target": target, "per_layer": {str(layer): c for layer, c in chosen.items()}} if chosen else None
+        return {"target": target, "prefilter": prefilter, "refused": str(err)}
+    return ({"target": target, "prefilter": prefilter, "per_layer": {str(layer): c for layer, c in chosen.items()}}
+            if chosen else None)
 
 
 def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):
@@ -145,7 +149,7 @@ def generate_cmd(
                                       help="Where in the held-out text the prompt starts (tokens)."),
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
     candidates: int = typer.Option(1024, callback=at_least(1), help="C: keys reranked exactly per step and layer."),
-    prefilter: int = typer.Option(2, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
     exact_below: int = typer.Option(0, callback=at_least(0),
                                     help="The length policy: score requests of at most this many keys exactly "
                                          "(0, the default here: every step through PQ, which is what this "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, RECALL_TARGET
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PREFILTER, RECALL_TARGET
 from dsaindex.console import at_least
 
 
@@ -31,7 +31,7 @@ def serve_cmd(
     recall_target: float = typer.Option(RECALL_TARGET, min=0.0, max=1.0,
                                         help="With --candidates auto: the held-out recall of the exact top-k each "
                                              "decode layer must reach (at the bundle's longest prefixes too)."),
-    prefilter: int = typer.Option(2, callback=at_least(1), help="Decode: stage 1 keeps prefilter x C keys."),
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="Decode: stage 1 keeps prefilter x C keys."),
     ivf_budget: int = typer.Option(None, callback=at_least(1),
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
     exact_below: int = typer.Option(0, callback=at_least(0),

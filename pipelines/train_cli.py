@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import FILTER_WIDTH
+from dsaindex.coarse import FILTER_WIDTH, PREFILTER
 from dsaindex.console import at_least
 
 train_app = typer.Typer(no_args_is_help=True)
@@ -119,7 +119,7 @@ def eval_pq_cmd(
                                                     "positions) through the runtime's group and cache: recall "
                                                     "with the miss filter on a warm cache, and the host fetches."),
     warm_candidates: int = typer.Option(2048, callback=at_least(1), help="--warm: C, candidates per step."),
-    prefilter: int = typer.Option(4, callback=at_least(1), help="--warm: stage 1 keeps prefilter x C keys."),
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="--warm: stage 1 keeps prefilter x C keys."),
     cache: int = typer.Option(4096, callback=at_least(4), help="--warm: exact keys cached per request (a "
                                                                "multiple of 4, at least C)."),
     min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "

@@ -129,42 +129,77 @@ def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") ->
 
 
 def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
-                          source: str = "the bundle") -> dict[int, int]:
-    """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` after exact
-    rerank reaches ``target``, read from a ``pq`` bundle's recorded metrics (``layer{L}/k{topk}/rerank@{C}``,
-    as ``dsaindex train pq`` evaluates them). A layer's recall at C is the lowest of its mean over every
-    held-out query and its mean in the longest prefix band with at least :data:`MIN_BAND_QUERIES` queries,
-    so long requests, the ones C matters for, decide. Raises :class:`DsaIndexError` when the bundle has no
-    such metrics for a layer or no measured C reaches ``target`` (naming the best one)."""
+                          source: str = "the bundle", prefilter: int | None = None) -> dict[int, int]:
+    """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` reaches
+    ``target``, read from a ``pq`` bundle's recorded metrics as ``dsaindex train pq`` evaluates them: with
+    ``prefilter`` P, the recall of the served step whose stage 1 keeps P x C keys
+    (``layer{L}/k{topk}/prefilter{P}@{C}``; of the largest recorded factor below P where P itself is not
+    recorded, a lower bound), else, for bundles that record none, the recall of the top-C by coarse score
+    after exact rerank (``layer{L}/k{topk}/rerank@{C}``, an upper bound of the served one). A
+    layer's recall at C is the lowest of its mean over every held-out query and its mean in the longest
+    prefix band with at least :data:`MIN_BAND_QUERIES` queries, so long requests, the ones C matters for,
+    decide. Raises :class:`DsaIndexError` when the bundle has no such metrics for a layer or no measured C
+    reaches ``target`` (naming the best one, and a larger recorded prefilter that would reach it)."""
     out: dict[int, int] = {}
     for layer in layers:
         head = f"layer{layer}/k{topk}"
-        overall = {int(name.rsplit("@", 1)[1]): v for name, v in metrics.items()
-                   if name.startswith(f"{head}/rerank@")}
-        if not overall:
+        recorded = _recorded_prefilters(metrics, head)
+        metric = "rerank"  # bundles trained before the served recall was recorded: an upper bound of it
+        if prefilter and recorded:
+            below = [p for p in recorded if p <= prefilter]
+            if not below:
+                raise DsaIndexError(f"{source} records layer {layer}'s served recall with stage 1 keeping "
+                                    f"{', '.join(map(str, recorded))} x C keys, none at or below the {prefilter} "
+                                    "asked, so C cannot be chosen for it.",
+                                    f"pass --prefilter {recorded[0]} or more, or a number to --candidates.")
+            metric = f"prefilter{max(below)}"  # a smaller stage 1 keeps less: a lower bound where P is not recorded
+        recall = _recall_at(metrics, head, metric)
+        if not recall:
             raise DsaIndexError(f"{source} records no held-out recall of the top-{topk} for layer {layer}, so C "
                                 "cannot be chosen from it.",
                                 "pass a number to --candidates, or train the bundle with `dsaindex train pq` "
                                 "(which measures it) at this top-k.")
-        bands = {}
-        for name, n in metrics.items():  # layer{L}/k{topk}@{band}/queries
-            if name.startswith(f"{head}@") and name.endswith("/queries") and n >= MIN_BAND_QUERIES:
-                band = name[len(head) + 1 : -len("/queries")]
-                bands[band] = _band_start(band)
-        longest = max(bands, key=bands.get) if bands else None
-        recall = {}
-        for c, value in overall.items():
-            band_value = metrics.get(f"{head}@{longest}/rerank@{c}") if longest else None
-            recall[c] = min(value, band_value) if band_value is not None else value
         good = sorted(c for c, r in recall.items() if r >= target)
         if not good:
             best = max(recall, key=recall.get)
+            stage = f" with stage 1 keeping {metric[len('prefilter'):]} x C keys" if metric != "rerank" else ""
+            fixes = ["pass a lower --recall-target or a number to --candidates",
+                     "serve a code of more bytes per key (RQ32)"]
+            for p in recorded:
+                reach = {c: r for c, r in _recall_at(metrics, head, f"prefilter{p}").items() if r >= target}
+                if prefilter and p > prefilter and reach:
+                    c = min(reach)
+                    fixes.insert(0, f"pass --prefilter {p} (it reaches {100 * reach[c]:.2f}% at C = {c}, at a "
+                                    "slower stage 2)")
+                    break
             raise DsaIndexError(f"Layer {layer} of {source} reaches at most {100 * recall[best]:.2f}% held-out recall "
-                                f"of the top-{topk} (at C = {best}), short of the {100 * target:.2f}% asked.",
-                                "pass a lower --recall-target or a number to --candidates, or serve a code of more "
-                                "bytes per key (RQ32).")
+                                f"of the top-{topk} (at C = {best}{stage}), short of the {100 * target:.2f}% asked.",
+                                "; or ".join(fixes) + ".")
         out[layer] = good[0]
     return out
+
+
+def _recorded_prefilters(metrics: dict[str, float], head: str) -> list[int]:
+    """The stage-1 factors P of a layer's recorded ``{head}/prefilter{P}@{C}`` metrics, ascending."""
+    return sorted({int(name[len(f"{head}/prefilter"):].split("@", 1)[0]) for name in metrics
+                   if name.startswith(f"{head}/prefilter")})
+
+
+def _recall_at(metrics: dict[str, float], head: str, metric: str) -> dict[int, float]:
+    """{C: recall} of ``{head}/{metric}@{C}``, each the lower of the overall mean and the mean in the longest
+    prefix band with at least :data:`MIN_BAND_QUERIES` queries."""
+    overall = {int(name.rsplit("@", 1)[1]): v for name, v in metrics.items() if name.startswith(f"{head}/{metric}@")}
+    bands = {}
+    for name, n in metrics.items():  # layer{L}/k{topk}@{band}/queries
+        if name.startswith(f"{head}@") and name.endswith("/queries") and n >= MIN_BAND_QUERIES:
+            band = name[len(head) + 1 : -len("/queries")]
+            bands[band] = _band_start(band)
+    longest = max(bands, key=bands.get) if bands else None
+    recall = {}
+    for c, value in overall.items():
+        band_value = metrics.get(f"{head}@{longest}/{metric}@{c}") if longest else None
+        recall[c] = min(value, band_value) if band_value is not None else value
+    return recall
 
 
 def _band_start(band: str) -> int:
@@ -176,16 +211,18 @@ def _band_start(band: str) -> int:
 
 
 def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, topk: int, default: int,
-                         target: float = RECALL_TARGET, layers: list[int] | None = None) -> dict[int, int]:
+                         target: float = RECALL_TARGET, layers: list[int] | None = None,
+                         prefilter: int | None = None) -> dict[int, int]:
     """C for each ``pq`` layer of ``loaded`` (or of ``layers`` among them), from a server's setting: a count
-    (every layer), ``auto`` (:func:`candidates_for_recall` at ``target``), or none / 0 / empty (``default``).
+    (every layer), ``auto`` (:func:`candidates_for_recall` at ``target``, for a step whose stage 1 keeps
+    ``prefilter`` x C keys), or none / 0 / empty (``default``).
     What the engine plugins read from ``DSAINDEX_CANDIDATES``; a :class:`DsaIndexError` naming the fix for
     any other value."""
     served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
     layers = served if layers is None else [layer for layer in served if layer in set(layers)]
     text = "" if setting is None else str(setting).strip().lower()
     if text == "auto":
-        return candidates_for_recall(loaded.manifest.metrics, layers, topk, target, str(loaded.path))
+        return candidates_for_recall(loaded.manifest.metrics, layers, topk, target, str(loaded.path), prefilter)
     if text in ("", "0"):
         return dict.fromkeys(layers, default)
     if not text.isdigit():

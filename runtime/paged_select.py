@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaindex.coarse import PREFILTER
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import select as select_kernels
 from dsaindex.kernels.fp8_score import (
@@ -132,7 +133,7 @@ class PagedCacheSelector:
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
-                 prefilter: int = 4, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
+                 prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:

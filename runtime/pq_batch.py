@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import FILTER_WIDTH, check_filter_width
+from dsaindex.coarse import FILTER_WIDTH, PREFILTER, check_filter_width
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm, select
 from dsaindex.kernels.checks import KernelInputError
@@ -144,7 +144,7 @@ class PQDecodeGroup:
     """
 
     def __init__(self, layer: PQCodec, host: HostKeyStore, slots: int, max_keys: int, topk: int,
-                 candidates: int = 2048, prefilter: int = 4, cache_capacity: int = 4096, miss_filter: bool = True,
+                 candidates: int = 2048, prefilter: int = PREFILTER, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None,
                  pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH, direct_upto: int = 0):

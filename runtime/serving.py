@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dsaindex.artifacts.kinds import lagged_sources
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, RECALL_TARGET
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PREFILTER, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
@@ -140,7 +140,7 @@ class ServedIndex(ModuleHooks):
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
                  basis: str = "hadamard", slots: int = 1, max_keys: int | None = None,
                  candidates: int | dict[int, int] = 1024,
-                 prefilter: int = 2, cache_capacity: int | None = None, ivf_budget: int | None = None,
+                 prefilter: int = PREFILTER, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
                  pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
                  reuse: dict[int, int] | None = None, lag: bool = False, side_stream: bool | None = None,
@@ -585,7 +585,8 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
                                             "pass one bundle per kind.")
             target[layer] = obj
         if auto:  # the chooser `runtime check` and the engine plugins use too
-            chosen.update(candidates_per_layer("auto", loaded, geometry_from_config(model.config).topk, 0, recall_target))
+            chosen.update(candidates_per_layer("auto", loaded, geometry_from_config(model.config).topk, 0, recall_target,
+                                               prefilter=settings.get("prefilter", PREFILTER)))
     if auto:
         settings["candidates"] = chosen
     return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)

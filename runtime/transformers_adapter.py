@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dsaindex.coarse import PREFILTER
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
 from dsaindex.indexer import cache_argument, find_indexers, mla_indexer_tensors
@@ -53,7 +54,7 @@ class RuntimeSelection(ModuleHooks):
     """
 
     def __init__(self, model: torch.nn.Module, layers: dict[int, PQCodec], batch: int, max_keys: int,
-                 basis: str = "hadamard", candidates: int = 1024, prefilter: int = 2,
+                 basis: str = "hadamard", candidates: int = 1024, prefilter: int = PREFILTER,
                  cache_capacity: int | None = None, device: str | torch.device = "cpu",
                  use_triton: bool | None = None, exact_below: int = 0):
         super().__init__()
@@ -160,7 +161,7 @@ def byte_text(ids: list[int]) -> str:
 
 
 def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
-                     candidates: int = 1024, prefilter: int = 2, device: str = "cpu",
+                     candidates: int = 1024, prefilter: int = PREFILTER, device: str = "cpu",
                      use_triton: bool | None = None, continuation: torch.Tensor | None = None, exact_below: int = 0,
                      progress: Callable[[int, int, str], None] | None = None,
                      selection: Callable[[], Any] | None = None, prefill_chunk: int | None = None,

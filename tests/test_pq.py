@@ -108,6 +108,24 @@ def test_recall_evaluation_bounds():
     assert "k16/rerank@600" not in evaluate_selection(data, data.keys, ks=(16,), candidates=(600,))
 
 
+def test_served_recall_counts_what_stage_1_drops():
+    data = heldout()
+    q = data.queries[:, :1]
+    # heads that agree: the folded score ranks the top keys as the indexer does, stage 1 drops none of them
+    data.queries, data.head_weights = q.expand(-1, 4, -1).contiguous(), torch.ones(12, 4)
+    agree = evaluate_selection(data, data.keys, ks=(16,), candidates=(64,), prefilters=(4, 16))
+    assert agree["k16/rerank@64"] == agree["k16/prefilter4@64"] == 1.0
+    # heads in opposite pairs: the folded query is zero, so stage 1's 4 x 64 of 600 keys is blind and keeps
+    # about 43% of the top-16; where 16 x 64 covers the prefix every key passes and nothing is lost
+    data.queries = torch.cat([q, -q, q, -q], dim=1)
+    blind = evaluate_selection(data, data.keys, ks=(16,), candidates=(64,), prefilters=(4, 16))
+    assert blind["k16/rerank@64"] == 1.0 and blind["k16/prefilter16@64"] == 1.0
+    assert 0.2 < blind["k16/prefilter4@64"] < 0.7
+    assert blind["k16@0-16K/prefilter4@64"] == blind["k16/prefilter4@64"]
+    assert not any("prefilter" in name for name in evaluate_selection(data, data.keys, ks=(16,), candidates=(64,),
+                                                                      prefilters=()))
+
+
 def test_recall_by_prefix_band():
     assert [prefix_band(n) for n in (0, 16383, 16384, 40000, 131072, 1048575, 1 << 21)] == [
         "0-16K", "0-16K", "16K-32K", "32K-64K", "128K-256K", "512K-1M", "1M-max"]

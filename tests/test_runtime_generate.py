@@ -123,7 +123,9 @@ def test_length_policy_in_generation_scores_exactly(model_and_layers, coarse_to_
     exact = greedy_agreement(net, layers, _text(5000, 400), 16, candidates=2 * TOPK, use_triton=False,
                              exact_below=10_000)
     assert min(exact["selection_recall"].values()) >= 0.97, exact["selection_recall"]
-    assert sum(exact["selection_recall"].values()) >= sum(pq["selection_recall"].values())
+    # both rerank with the same FP8 keys, so PQ can only lose what its coarse stages miss; the free runs'
+    # tokens may differ, which moves either sum by a step's worth
+    assert sum(exact["selection_recall"].values()) >= sum(pq["selection_recall"].values()) - 0.02
     assert exact["teacher_forced"]["token_agreement"] >= 0.9
 
 

@@ -173,14 +173,25 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
     ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json")
     assert ok.returncode == 0, ok.stderr
     auto = json.loads(ok.stdout)["candidates_auto"]
-    assert auto == {"target": 0.995, "per_layer": {str(layer): 256 if layer == layers[0] else 128 for layer in layers}}
+    assert auto == {"target": 0.995, "prefilter": 4,
+                    "per_layer": {str(layer): 256 if layer == layers[0] else 128 for layer in layers}}
     text = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.99")
     assert text.returncode == 0, text.stderr
     rest = ", ".join(str(layer) for layer in layers[1:])
-    assert f"--candidates auto at 99.00% held-out recall: C = 128 (layers {rest}), C = 256 (layers {layers[0]})" in text.stdout
+    assert f"--candidates auto at 99.00% held-out recall (prefilter 4): C = 128 (layers {rest}), C = 256 (layers {layers[0]})" in text.stdout
     strict = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.999")
     assert strict.returncode == 0 and "a server would refuse to start" in strict.stdout
     assert f"Layer {layers[0]} of {tmp_path / 'b'} reaches at most 99.80%" in strict.stdout
+    # with the served step's recall recorded, the C depends on the server's prefilter
+    staged = dict(metrics)
+    for layer in layers:
+        staged.update({f"layer{layer}/k{topk}/prefilter4@128": 0.96, f"layer{layer}/k{topk}/prefilter4@256": 0.996,
+                       f"layer{layer}/k{topk}/prefilter16@128": 0.998, f"layer{layer}/k{topk}/prefilter16@256": 1.0})
+    pq_bundle(tmp_path / "staged", metrics=staged)
+    for prefilter, c in (("4", 256), ("16", 128)):
+        out = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "staged"), "--json",
+                      "--prefilter", prefilter)
+        assert json.loads(out.stdout)["candidates_auto"]["per_layer"] == {str(layer): c for layer in layers}
     pq_bundle(tmp_path / "bare")
     bare = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "bare"), "--json")
     assert "records no held-out recall" in json.loads(bare.stdout)["candidates_auto"]["refused"]
@@ -203,6 +214,32 @@ def test_candidates_per_layer_reads_a_count_auto_or_nothing(tmp_path):
         assert candidates_per_layer(nothing, loaded, geometry.topk, 77) == dict.fromkeys(layers, 77)
     with pytest.raises(DsaIndexError, match="'lots' is neither a positive count nor `auto`"):
         candidates_per_layer("lots", loaded, geometry.topk, 77)
+
+
+def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
+    """A bundle that records the served step's recall (stage 1 keeping P x C keys) is read at the server's
+    prefilter: the unstaged rerank figure would promise recall the step does not deliver."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.loader import candidates_for_recall
+
+    head = "layer0/k512"
+    metrics = {f"{head}/rerank@2048": 0.9996, f"{head}/rerank@4096": 1.0,
+               f"{head}/prefilter4@2048": 0.975, f"{head}/prefilter4@4096": 0.992,
+               f"{head}/prefilter16@2048": 0.9983, f"{head}/prefilter16@4096": 0.9995}
+    assert candidates_for_recall(metrics, [0], 512, 0.995) == {0: 2048}  # no prefilter given: rerank
+    assert candidates_for_recall(metrics, [0], 512, 0.99, prefilter=4) == {0: 4096}
+    assert candidates_for_recall(metrics, [0], 512, 0.995, prefilter=16) == {0: 2048}
+    # 8 is not recorded: read at 4, the largest recorded factor below it (a lower bound)
+    assert candidates_for_recall(metrics, [0], 512, 0.99, prefilter=8) == {0: 4096}
+    with pytest.raises(DsaIndexError, match=r"at most 99\.20% .* C = 4096 with stage 1 keeping 4 x C keys") as err:
+        candidates_for_recall(metrics, [0], 512, 0.995, prefilter=4)
+    assert "--prefilter 16 (it reaches 99.83% at C = 2048" in err.value.fix
+    with pytest.raises(DsaIndexError, match="none at or below the 2 asked") as err:
+        candidates_for_recall(metrics, [0], 512, 0.99, prefilter=2)
+    assert "--prefilter 4 or more" in err.value.fix
+    # a bundle that records no served recall (trained before it was measured): the rerank figure
+    old = {k: v for k, v in metrics.items() if "prefilter" not in k}
+    assert candidates_for_recall(old, [0], 512, 0.995, prefilter=4) == {0: 2048}
 
 
 def test_load_from_the_registry(tmp_path):

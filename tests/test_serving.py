@@ -209,6 +209,33 @@ def test_serve_takes_a_count_or_auto_for_candidates():
             parse_candidates(bad)
 
 
+def test_every_decode_entry_point_defaults_to_the_measured_prefilter():
+    """Stage 1's prefilter of 2 loses about 2 points of recall at 114K prefixes (docs/results.md): the server,
+    the generation check, the adapters and the groups must all start from the same measured default."""
+    import typer
+
+    from dsaindex.cli import app
+    from dsaindex.coarse import PREFILTER
+    from dsaindex.runtime.paged_select import PagedCacheSelector
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+    from dsaindex.runtime.serving import ServedIndex
+    from dsaindex.runtime.transformers_adapter import RuntimeSelection, greedy_agreement
+    from dsaindex.train.pq_job import evaluate_bundle_warm
+    from dsaindex.train.warm_cache import warm_window_recall
+
+    assert PREFILTER == 4
+    for fn in (ServedIndex.__init__, RuntimeSelection.__init__, greedy_agreement, PQDecodeGroup.__init__,
+               PagedCacheSelector.__init__, warm_window_recall, evaluate_bundle_warm):
+        assert inspect.signature(fn).parameters["prefilter"].default == PREFILTER, fn.__qualname__
+    root = typer.main.get_command(app)
+    for path in (("serve",), ("runtime", "generate"), ("bench", "decode"), ("eval", "pq")):
+        cmd = root
+        for part in path:
+            cmd = cmd.commands[part]
+        (param,) = [p for p in cmd.params if p.name == "prefilter"]
+        assert param.default == PREFILTER, path
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dsaindex.coarse import PREFILTER
 from dsaindex.pq import PQCodec, PQSpec, rotate
 from dsaindex.train.additive import QUANTIZERS, AdditiveCodec, check_codebook_size, full_spec, train_additive
 from dsaindex.train.pq import score_gradient_metric, train_codebooks, train_rotation
@@ -497,7 +498,7 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions)
     return {"per_layer": per_layer, "mean": mean_metrics(per_layer), "ks": sorted({PAPER_K, topk})}
 
 
-def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates: int = 2048, prefilter: int = 4,
+def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates: int = 2048, prefilter: int = PREFILTER,
                          cache: int = 4096, min_prefix: int = 0, device: str = "cpu",
                          progress: Progress | None = None, filter_widths: tuple[float, ...] | None = None) -> dict:
     """Steady-state decode recall of a PQ bundle on a store's held-out decode windows, replayed through

@@ -9,7 +9,12 @@ For each held-out query whose causal prefix holds at least ``4 * k`` keys:
 * (c) ``filter@C``: (b) after LeanSparse's miss filter with a cold cache: candidates whose coarse
   score is below (the k-th largest candidate coarse score - one sample std of the candidates' coarse
   scores) are dropped before the exact rescore; ``fetch@C`` is the share of candidates kept (what a
-  cold cache would read from host).
+  cold cache would read from host);
+* (d) ``prefilter{P}@C``: (b) as the served decode step selects: its stage 1 keeps the ``P * C`` keys of
+  the highest folded score (the head-weighted sum of the queries against the coded key, no ReLU), and
+  the top C by coarse score are taken among those. The folded score ranks worst where heads disagree,
+  so at long prefixes a small ``P`` can lose what (b) keeps; a server's ``--candidates auto`` reads this
+  metric at its own prefilter.
 
 Each metric is also reported per prefix band (``k512@32K-64K/rerank@2048``: queries whose causal prefix
 holds 32K to 64K keys, see :func:`prefix_band`), since recall falls as prefixes grow and an average over
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureStore
 
 CANDIDATES = (1024, 2048, 4096)
+PREFILTERS = (4, 8, 16)  # stage-1 factors whose served recall (d) is recorded beside rerank@C
 PAPER_K = 512
 BAND_EDGES = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # prefix lengths (keys) where bands meet
 
@@ -154,6 +160,7 @@ def evaluate_selection(
     candidates: tuple[int, ...] = CANDIDATES,
     device: str = "cpu",
     query_block: int = 64,
+    prefilters: tuple[int, ...] = PREFILTERS,
 ) -> dict[str, float]:
     """Recall of coarse-to-fine selection for each k in ``ks``.
 
@@ -163,11 +170,13 @@ def evaluate_selection(
         decoded), row-aligned with ``data.keys``
     query_block : queries of one sequence scored together (their [block, prefix] score rows are held
         at once, causal prefixes masked)
+    prefilters : the stage-1 factors P of (d); where ``P * C`` covers a query's prefix, (d) is (b)
 
     Returns
     -------
     {"k512/direct": r, "k512/rerank@2048": r, "k512/filter@2048": r, "k512/fetch@2048": share,
-     "k512/queries": n, ...} (means over queries whose prefix holds at least 4k keys), and the same per
+     "k512/prefilter4@2048": r, "k512/queries": n, ...} (means over queries whose prefix holds at least 4k
+     keys), and the same per
     prefix band: {"k512@32K-64K/direct": r, ..., "k512@32K-64K/queries": n}
     """
     sums: dict[str, float] = {}
@@ -190,6 +199,10 @@ def evaluate_selection(
             outside = torch.arange(width, device=device)[None, :] >= n_rows.to(device)[:, None]  # past the prefix
             exact = indexer_scores(q, keys[start : start + width], w).masked_fill(outside, float("-inf"))
             coarse = indexer_scores(q, coarse_all[start : start + width], w).masked_fill(outside, float("-inf"))
+            folded = None
+            if prefilters:  # stage 1's score: the head-weighted query against the coded key, no ReLU
+                fold = torch.einsum("bh,bhd->bd", w.float(), q.float())
+                folded = (fold @ coarse_all[start : start + width].float().T).masked_fill(outside, float("-inf"))
             for k in ks:
                 live = torch.nonzero(n_rows >= 4 * k).flatten()
                 if live.numel() == 0:
@@ -217,11 +230,33 @@ def evaluate_selection(
                     add(f"{tag}/rerank@{c}", _hits(hits, rerank, k), picked_bands)
                     add(f"{tag}/filter@{c}", _hits(hits, filtered, k), picked_bands)
                     add(f"{tag}/fetch@{c}", (kept.sum(1).float() / c).tolist(), picked_bands)
+                    for p in prefilters:
+                        add(f"{tag}/prefilter{p}@{c}",
+                            _staged_hits(folded[live.to(device)][pick], co[pick], ex[pick], hits, [n_live[i] for i in use],
+                                         p * c, c, k, _hits(hits, rerank, k)), picked_bands)
     out = {name: sums[name] / counts[name] for name in sums}
     for name in [n for n in counts if n.endswith("/direct")]:
         out[name.replace("/direct", "/queries")] = float(counts[name])
     for k in ks:
         out.setdefault(f"k{k}/queries", 0.0)
+    return out
+
+
+def _staged_hits(folded: torch.Tensor, coarse: torch.Tensor, exact: torch.Tensor, truth: torch.Tensor,
+                 prefixes: list[int], kept: int, c: int, k: int, unstaged: list[float]) -> list[float]:
+    """Per row, recall of the exact top-``k`` when stage 1 keeps the ``kept`` keys of the highest ``folded``
+    score, the top ``c`` of those by ``coarse`` score are rescored exactly and the top ``k`` taken. Rows
+    whose prefix is at most ``kept`` keys pass every key to stage 2: their ``unstaged`` value (rerank@c)."""
+    out = list(unstaged)
+    rows = [i for i, n in enumerate(prefixes) if n > kept]
+    if not rows:
+        return out
+    r = torch.tensor(rows, device=folded.device)
+    stage1 = folded[r].topk(kept).indices
+    cand = stage1.gather(1, coarse[r].gather(1, stage1).topk(c).indices)
+    picked = cand.gather(1, exact[r].gather(1, cand).topk(k).indices)
+    for i, v in zip(rows, _hits(truth[r], picked, k), strict=True):
+        out[i] = v
     return out
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsaindex.coarse import FILTER_WIDTH
+from dsaindex.coarse import FILTER_WIDTH, PREFILTER
 from dsaindex.geometry import visible_key_count
 from dsaindex.quant import engine_keys
 from dsaindex.train.recall import sequence_key_offsets
@@ -88,7 +88,7 @@ def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: tor
 
 
 def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequences: list[int], topk: int,
-                       candidates: int = 2048, prefilter: int = 4, cache: int = 4096, min_prefix: int = 0,
+                       candidates: int = 2048, prefilter: int = PREFILTER, cache: int = 4096, min_prefix: int = 0,
                        max_windows: int | None = None, device: str = "cpu", use_triton: bool | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
                        filter_widths: tuple[float, ...] | None = None) -> dict:

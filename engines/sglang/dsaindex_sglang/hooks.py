@@ -41,14 +41,15 @@ class PluginState:
         from dsaindex.runtime.paged_select import check_paged_codes
 
         check_paged_codes(loaded.layers)  # RQ layers: refused at startup, not at the first decode step
-        from dsaindex.coarse import RECALL_TARGET
+        from dsaindex.coarse import PREFILTER, RECALL_TARGET
         from dsaindex.runtime.loader import candidates_per_layer
 
         topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
         # a count, or `auto`: each layer's C from the bundle's held-out recall (refused here if none reaches it)
+        prefilter = int(os.environ.get("DSAINDEX_PREFILTER") or PREFILTER)
         candidates = candidates_per_layer(os.environ.get("DSAINDEX_CANDIDATES"), loaded, topk, 2 * topk,
-                                          float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET))
-        prefilter = int(os.environ.get("DSAINDEX_PREFILTER", 4) or 4)
+                                          float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET),
+                                          prefilter=prefilter)
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).name != "pq":

@@ -36,7 +36,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
-from dsaindex.coarse import RECALL_TARGET
+from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.runtime.loader import candidates_per_layer
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex_vllm.plugin import ENV_ARTIFACTS
@@ -58,7 +58,7 @@ def settings() -> dict[str, Any]:
         "basis": os.environ.get("DSAINDEX_BASIS", "raw"),
         "candidates": os.environ.get("DSAINDEX_CANDIDATES", ""),  # a count, `auto`, or empty (2 x top-k)
         "recall_target": float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET),
-        "prefilter": int(os.environ.get("DSAINDEX_PREFILTER", "4")),
+        "prefilter": int(os.environ.get("DSAINDEX_PREFILTER") or PREFILTER),
         "allow_other_weights": os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") == "1",
         "cache_dir": os.environ.get("DSAINDEX_CACHE_DIR") or None,
     }
@@ -118,7 +118,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             self.codec = loaded.layers[self.layer_id]
             # a count, or `auto`: this layer's C from the bundle's held-out recall (refused here if none reaches it)
             per_layer = candidates_per_layer(s["candidates"], loaded, topk_tokens, 2 * topk_tokens, s["recall_target"],
-                                             layers=[self.layer_id])
+                                             layers=[self.layer_id], prefilter=s["prefilter"])
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
 
         _LAYERS[self.k_cache.prefix] = self
