@@ -9,6 +9,7 @@ places each layer's parameters on the device as the object its kind serves with
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,14 +170,19 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
                 reach = {c: r for c, r in _recall_at(metrics, head, f"prefilter{p}").items() if r >= target}
                 if prefilter and p > prefilter and reach:
                     c = min(reach)
-                    fixes.insert(0, f"pass --prefilter {p} (it reaches {100 * reach[c]:.2f}% at C = {c}, at a "
+                    fixes.insert(0, f"pass --prefilter {p} (it reaches {_floor_pct(reach[c])} at C = {c}, at a "
                                     "slower stage 2)")
                     break
-            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {100 * recall[best]:.2f}% held-out recall "
+            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {_floor_pct(recall[best])} held-out recall "
                                 f"of the top-{topk} (at C = {best}{stage}), short of the {100 * target:.2f}% asked.",
                                 "; or ".join(fixes) + ".")
         out[layer] = good[0]
     return out
+
+
+def _floor_pct(value: float) -> str:
+    """A recall as a percentage rounded down to 2 decimals: 0.98996 reads 98.99%, not the 99.00% it falls short of."""
+    return f"{math.floor(value * 10000 + 1e-9) / 100:.2f}%"
 
 
 def _recorded_prefilters(metrics: dict[str, float], head: str) -> list[int]:

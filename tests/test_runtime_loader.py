@@ -237,6 +237,8 @@ def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
     with pytest.raises(DsaIndexError, match="none at or below the 2 asked") as err:
         candidates_for_recall(metrics, [0], 512, 0.99, prefilter=2)
     assert "--prefilter 4 or more" in err.value.fix
+    with pytest.raises(DsaIndexError, match=r"at most 99\.82% .* short of the 99\.83% asked"):  # rounded down
+        candidates_for_recall({f"{head}/rerank@2048": 0.998299}, [0], 512, 0.9983)
     # a bundle that records no served recall (trained before it was measured): the rerank figure
     old = {k: v for k, v in metrics.items() if "prefilter" not in k}
     assert candidates_for_recall(old, [0], 512, 0.995, prefilter=4) == {0: 2048}
