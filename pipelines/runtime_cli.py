@@ -48,9 +48,10 @@ def check_cmd(
     recall_target: float = typer.Option(RECALL_TARGET, min=0.0, max=1.0,
                                         help="Also report the C each decode layer would get from `serve "
                                              "--candidates auto` at this held-out recall (or that it would refuse)."),
-    prefilter: int = typer.Option(PREFILTER, callback=at_least(1),
+    prefilter: str = typer.Option(str(PREFILTER),
                                   help="The server's stage 1 keeps prefilter x C keys: the C reported is the one whose "
-                                       "recall with that stage 1 reaches --recall-target."),
+                                       "recall with that stage 1 reaches --recall-target; `auto`: the stage 1 and C "
+                                       "per layer that `serve --candidates auto --prefilter auto` would take."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Load the artifacts exactly as a server would and validate them against the model: its config
@@ -61,7 +62,10 @@ def check_cmd(
 
     from dsaindex.artifacts.bundle import read_manifest
     from dsaindex.artifacts.registry import load_uri
+    from dsaindex.pipelines.serve_cli import parse_prefilter
     from dsaindex.runtime.loader import load
+
+    prefilter = parse_prefilter(prefilter, "auto")  # refused before anything loads
 
     config = _model_config(model)
     served = None
@@ -97,22 +101,35 @@ def check_cmd(
             by_c: dict[int, list[str]] = {}
             for layer, c in auto["per_layer"].items():
                 by_c.setdefault(c, []).append(layer)
-            typer.echo(f"{head}: " + ", ".join(f"C = {c} (layers {', '.join(layers)})" for c, layers in sorted(by_c.items())))
+            line = ", ".join(f"C = {c} (layers {', '.join(layers)})" for c, layers in sorted(by_c.items()))
+            if "prefilter_per_layer" in auto:
+                by_p: dict[int, list[str]] = {}
+                for layer, p in auto["prefilter_per_layer"].items():
+                    by_p.setdefault(p, []).append(layer)
+                line += "; stage 1 " + ", ".join(f"{p} x C (layers {', '.join(layers)})" for p, layers in sorted(by_p.items()))
+            typer.echo(f"{head}: {line}")
 
 
-def _auto_candidates(loaded, config, target: float, prefilter: int = PREFILTER) -> dict | None:
-    """For a bundle with pq layers: {"target", "per_layer": {layer: C}} as ``serve --candidates auto`` would
-    choose, or {"target", "refused": message}; None for other bundles."""
+def _auto_candidates(loaded, config, target: float, prefilter: str | int = PREFILTER) -> dict | None:
+    """For a bundle with pq layers: {"target", "prefilter", "per_layer": {layer: C}} as ``serve --candidates
+    auto --prefilter P`` would choose (with ``auto``, also "prefilter_per_layer": {layer: P}), or {"target",
+    "prefilter", "refused": message}; None for other bundles."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.runtime.loader import candidates_per_layer
+    from dsaindex.runtime.loader import decode_settings
 
+    text = str(prefilter).strip().lower()
+    shown = "auto" if text == "auto" else int(text) if text.isdigit() else prefilter
     try:
-        chosen = candidates_per_layer("auto", loaded, geometry_from_config(config).topk, 0, target, prefilter=prefilter)
+        chosen, factors = decode_settings("auto", prefilter, loaded, geometry_from_config(config).topk, 0, target)
     except DsaIndexError as err:
-        return {"target": target, "prefilter": prefilter, "refused": str(err)}
-    return ({"target": target, "prefilter": prefilter, "per_layer": {str(layer): c for layer, c in chosen.items()}}
-            if chosen else None)
+        return {"target": target, "prefilter": shown, "refused": str(err)}
+    if not chosen:
+        return None
+    out = {"target": target, "prefilter": shown, "per_layer": {str(layer): c for layer, c in chosen.items()}}
+    if shown == "auto":
+        out["prefilter_per_layer"] = {str(layer): p for layer, p in factors.items()}
+    return out
 
 
 def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):

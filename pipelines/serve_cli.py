@@ -31,7 +31,9 @@ def serve_cmd(
     recall_target: float = typer.Option(RECALL_TARGET, min=0.0, max=1.0,
                                         help="With --candidates auto: the held-out recall of the exact top-k each "
                                              "decode layer must reach (at the bundle's longest prefixes too)."),
-    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="Decode: stage 1 keeps prefilter x C keys."),
+    prefilter: str = typer.Option(str(PREFILTER), help="Decode: stage 1 keeps prefilter x C keys, or `auto` (with "
+                                                        "--candidates auto): per layer, the cheapest stage 1 and C "
+                                                        "whose held-out recall reaches --recall-target."),
     ivf_budget: int = typer.Option(None, callback=at_least(1),
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
     exact_below: int = typer.Option(0, callback=at_least(0),
@@ -67,6 +69,7 @@ def serve_cmd(
     from dsaindex.runtime.serving import load
 
     c_setting = parse_candidates(candidates)
+    p_setting = parse_prefilter(prefilter, c_setting)
     dev = resolve_device(device)
     loaded = load_model(model, device=dev, dtype=dtype)
     net = loaded.model
@@ -75,7 +78,7 @@ def serve_cmd(
         set_index_topk(net, topk)
     index = load(artifacts, net, name=loaded.name, device=dev, basis=basis, allow_other_weights=allow_other_weights,
                  tracking_uri=tracking_uri, served=identity, candidates=c_setting, recall_target=recall_target,
-                 prefilter=prefilter,
+                 prefilter=p_setting,
                  ivf_budget=ivf_budget, exact_below=exact_below, stream_prefix=stream_prefix, retention=retention,
                  lag=lag, filter_width=filter_width, direct_upto=direct_upto)
     index.attach()
@@ -84,6 +87,23 @@ def serve_cmd(
                f"{', '.join(map(str, artifacts))}: {index.describe()}", err=True)
     app = server.build_app(net, loaded.tokenizer.for_transformers(), name)
     server.run(app, host=host, port=port, log_level=log_level)
+
+
+def parse_prefilter(value: str, candidates: int | str) -> int | str:
+    """``--prefilter``: a positive factor, or ``auto`` (only with ``--candidates auto``); a
+    :class:`DsaIndexError` naming the fix otherwise."""
+    from dsaindex.errors import DsaIndexError
+
+    text = value.strip().lower()
+    if text == "auto":
+        if candidates != "auto":
+            raise DsaIndexError("--prefilter auto chooses each layer's stage 1 together with its C.",
+                                "pass --candidates auto too, or a number to --prefilter (e.g. 4).")
+        return "auto"
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise DsaIndexError(f"--prefilter {value!r} is neither a positive factor nor `auto`.",
+                        f"pass a number (e.g. --prefilter {PREFILTER}) or --prefilter auto.")
 
 
 def parse_candidates(value: str) -> int | str:

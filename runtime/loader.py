@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
 from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
-from dsaindex.coarse import RECALL_TARGET
+from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
 
@@ -180,6 +180,33 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
     return out
 
 
+def selection_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
+                         source: str = "the bundle") -> dict[int, tuple[int, int]]:
+    """Per layer, the stage-1 factor P and candidate count C of the cheapest served step whose recorded
+    recall (``prefilter{P}@{C}``, read as :func:`candidates_for_recall` reads it) reaches ``target``: the
+    least stage-2 work P x C, then the smaller C. A layer whose keys the folded stage 1 ranks well keeps a
+    small P; one that reaches far back gets the larger P it needs, and only it pays for it. Raises
+    :class:`DsaIndexError` for a bundle that records no served recall, or a layer no recorded pair serves."""
+    out: dict[int, tuple[int, int]] = {}
+    for layer in layers:
+        head = f"layer{layer}/k{topk}"
+        recorded = _recorded_prefilters(metrics, head)
+        if not recorded:
+            raise DsaIndexError(f"{source} records no served recall per stage-1 factor for layer {layer} (it was "
+                                "trained before `train pq` measured it), so the prefilter cannot be chosen from it.",
+                                "train the bundle again with `dsaindex train pq`, or pass a number to --prefilter.")
+        pairs = [(p * c, c, p, r) for p in recorded for c, r in _recall_at(metrics, head, f"prefilter{p}").items()]
+        good = sorted(x for x in pairs if x[3] >= target)
+        if not good:
+            _, c, p, r = max(pairs, key=lambda x: x[3])
+            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {_floor_pct(r)} held-out recall of the "
+                                f"top-{topk} (at C = {c} with stage 1 keeping {p} x C keys), short of the "
+                                f"{100 * target:.2f}% asked.",
+                                "pass a lower --recall-target, or serve a code of more bytes per key (RQ32).")
+        out[layer] = (good[0][2], good[0][1])
+    return out
+
+
 def _floor_pct(value: float) -> str:
     """A recall as a percentage rounded down to 2 decimals: 0.98996 reads 98.99%, not the 99.00% it falls short of."""
     return f"{math.floor(value * 10000 + 1e-9) / 100:.2f}%"
@@ -214,6 +241,34 @@ def _band_start(band: str) -> int:
     low = band.split("-", 1)[0]
     scale = {"K": 1 << 10, "M": 1 << 20}.get(low[-1:], 1)
     return int(float(low.rstrip("KM") or 0) * scale)
+
+
+def decode_settings(candidates: str | int | None, prefilter: str | int | None, loaded: LoadedArtifacts, topk: int,
+                    default: int, target: float = RECALL_TARGET,
+                    layers: list[int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
+    """(C per layer, stage-1 factor P per layer) for each ``pq`` layer of ``loaded`` (or of ``layers`` among
+    them), from a server's two settings. ``prefilter``: a factor for every layer, none / empty
+    (:data:`~dsaindex.coarse.PREFILTER`), or ``auto`` with ``candidates`` ``auto``: each layer's cheapest
+    recorded pair that reaches ``target`` (:func:`selection_for_recall`). ``candidates`` as
+    :func:`candidates_per_layer` reads it, at the layer's P. What ``dsaindex serve`` and the engine plugins
+    read (``DSAINDEX_CANDIDATES``, ``DSAINDEX_PREFILTER``)."""
+    p_text = "" if prefilter is None else str(prefilter).strip().lower()
+    c_text = "" if candidates is None else str(candidates).strip().lower()
+    if p_text == "auto":
+        if c_text != "auto":
+            raise DsaIndexError(f"The prefilter `auto` chooses each layer's stage 1 together with its C, and the "
+                                f"candidate count is {candidates!r}.",
+                                "set the candidates to `auto` too, or the prefilter to a number (e.g. 4).")
+        served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+        chosen_layers = served if layers is None else [layer for layer in served if layer in set(layers)]
+        pairs = selection_for_recall(loaded.manifest.metrics, chosen_layers, topk, target, str(loaded.path))
+        return {layer: c for layer, (_, c) in pairs.items()}, {layer: p for layer, (p, _) in pairs.items()}
+    if p_text and (not p_text.isdigit() or int(p_text) < 1):
+        raise DsaIndexError(f"The prefilter {prefilter!r} is neither a positive factor nor `auto`.",
+                            f"set a number (e.g. {PREFILTER}) or `auto`.")
+    factor = int(p_text) if p_text else PREFILTER
+    chosen = candidates_per_layer(candidates, loaded, topk, default, target, layers, prefilter=factor)
+    return chosen, dict.fromkeys(chosen, factor)
 
 
 def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, topk: int, default: int,

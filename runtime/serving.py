@@ -38,7 +38,7 @@ from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
-from dsaindex.runtime.loader import candidates_for_recall, candidates_per_layer
+from dsaindex.runtime.loader import candidates_for_recall, decode_settings
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
 __all__ = ["LayerPaths", "ServedIndex", "ServingLog", "candidates_for_recall", "load"]
@@ -106,8 +106,9 @@ class ServedIndex(ModuleHooks):
     slots : requests served at once (batch rows); max_keys : the longest request (default the model's
     ``max_position_embeddings``)
     candidates, prefilter, cache_capacity, exact_below, pq_from : the decode groups' settings
-    (:class:`PQDecodeGroup`); ``candidates`` is one C for every layer or a layer -> C dict (as
-    :func:`candidates_for_recall` chooses them); ivf_budget : candidates per prefill query (default 8 x top-k)
+    (:class:`PQDecodeGroup`); ``candidates`` and ``prefilter`` are one value for every layer or a layer ->
+    value dict (as :func:`candidates_for_recall` and :func:`dsaindex.runtime.loader.selection_for_recall`
+    choose them); ivf_budget : candidates per prefill query (default 8 x top-k)
     measure_recall : also log, per layer and phase, how much of the model's own top-k the runtime kept
     (the model computes its exact selection anyway in transformers; this compares the two)
     stream_prefix : layer-wise streamed prefill of the model's own indexer keys (one request at a
@@ -140,7 +141,7 @@ class ServedIndex(ModuleHooks):
     def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
                  basis: str = "hadamard", slots: int = 1, max_keys: int | None = None,
                  candidates: int | dict[int, int] = 1024,
-                 prefilter: int = PREFILTER, cache_capacity: int | None = None, ivf_budget: int | None = None,
+                 prefilter: int | dict[int, int] = PREFILTER, cache_capacity: int | None = None, ivf_budget: int | None = None,
                  device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
                  pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
                  reuse: dict[int, int] | None = None, lag: bool = False, side_stream: bool | None = None,
@@ -190,9 +191,17 @@ class ServedIndex(ModuleHooks):
         self.candidates = {layer: candidates[layer] if isinstance(candidates, dict) else candidates
                            for layer in self.decode_layers}
         self._per_layer_c = isinstance(candidates, dict)  # chosen per layer: describe() says which
+        if isinstance(prefilter, dict):
+            missing = sorted(set(self.decode_layers) - set(prefilter))
+            if missing:
+                raise DsaIndexError(f"No stage-1 prefilter for decode layers {missing}.",
+                                    "give every layer with a pq artifact its prefilter, or one for all.")
+        self.prefilter = {layer: prefilter[layer] if isinstance(prefilter, dict) else prefilter
+                          for layer in self.decode_layers}
+        self._per_layer_p = isinstance(prefilter, dict)
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
-                                 self.topk, candidates=self.candidates[layer], prefilter=prefilter,
+                                 self.topk, candidates=self.candidates[layer], prefilter=self.prefilter[layer],
                                  cache_capacity=cache_capacity or -(-2 * self.candidates[layer] // 4) * 4,
                                  device=self.device, use_triton=use_triton, exact_below=exact_below,
                                  pq_from=pq_from, filter_width=filter_width, direct_upto=direct_upto)
@@ -250,6 +259,12 @@ class ServedIndex(ModuleHooks):
             for layer, c in self.candidates.items():
                 by_c.setdefault(c, []).append(layer)
             parts.append("decode C: " + ", ".join(f"{c} (layers {_ranges(layers)})" for c, layers in sorted(by_c.items())))
+        if self._per_layer_p and self.prefilter:
+            by_p: dict[int, list[int]] = {}
+            for layer, p in self.prefilter.items():
+                by_p.setdefault(p, []).append(layer)
+            parts.append("decode stage 1: " + ", ".join(f"{p} x C (layers {_ranges(layers)})"
+                                                        for p, layers in sorted(by_p.items())))
         if self.attend:
             parts.append(("attends (MLI lag): " if self.lag else "reuse: ")
                          + ", ".join(f"{layer} <- {src}" for layer, src in sorted(self.attend.items())))
@@ -540,8 +555,9 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
     and an ``ivf`` bundle for prefill; a layer may have one artifact of each kind. name : the model's
     name in the fingerprint; allow_other_weights : see :func:`dsaindex.runtime.loader.load`; settings :
     :class:`ServedIndex` keyword arguments; ``candidates="auto"`` gives each decode layer the smallest C
-    whose held-out recall, as its ``pq`` bundle records it, reaches ``recall_target``
-    (:func:`candidates_for_recall`). Raises :class:`ArtifactMismatchError` (another model, a layer given
+    whose held-out recall, as its ``pq`` bundle records it for the served stage 1, reaches ``recall_target``
+    (:func:`candidates_for_recall`); with ``prefilter="auto"`` too, each layer's stage-1 factor is chosen
+    with its C (:func:`dsaindex.runtime.loader.selection_for_recall`). Raises :class:`ArtifactMismatchError` (another model, a layer given
     twice, an unknown kind), :class:`dsaindex.errors.CorruptBundleError`, :class:`DsaIndexError` (no C
     reaches the recall target).
     """
@@ -559,6 +575,7 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
     reuse: dict[int, int] | None = None
     auto = settings.get("candidates") == "auto"
     chosen: dict[int, int] = {}
+    factors: dict[int, int] = {}
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
         loaded = load_bundle(uri, model.config, device=dev, basis=basis, served=served, tracking_uri=tracking_uri,
                              allow_other_weights=allow_other_weights)
@@ -585,8 +602,15 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
                                             "pass one bundle per kind.")
             target[layer] = obj
         if auto:  # the chooser `runtime check` and the engine plugins use too
-            chosen.update(candidates_per_layer("auto", loaded, geometry_from_config(model.config).topk, 0, recall_target,
-                                               prefilter=settings.get("prefilter", PREFILTER)))
+            c_layers, p_layers = decode_settings("auto", settings.get("prefilter", PREFILTER), loaded,
+                                                 geometry_from_config(model.config).topk, 0, recall_target)
+            chosen.update(c_layers)
+            factors.update(p_layers)
     if auto:
         settings["candidates"] = chosen
+        if str(settings.get("prefilter", "")).strip().lower() == "auto":
+            settings["prefilter"] = factors
+    elif str(settings.get("prefilter", "")).strip().lower() == "auto":
+        raise DsaIndexError("prefilter='auto' chooses each layer's stage 1 together with its C.",
+                            "pass candidates='auto' too, or a number as the prefilter.")
     return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)

@@ -192,6 +192,12 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
         out = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "staged"), "--json",
                       "--prefilter", prefilter)
         assert json.loads(out.stdout)["candidates_auto"]["per_layer"] == {str(layer): c for layer in layers}
+    # `auto`: stage 1 and C together, the least stage-2 work (4 x 256 = 1,024 keys against 16 x 128 = 2,048)
+    both = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "staged"), "--prefilter", "auto")
+    assert both.returncode == 0, both.stderr
+    assert f"C = 256 (layers {', '.join(map(str, layers))}); stage 1 4 x C (layers" in both.stdout
+    bad = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "staged"), "--prefilter", "x")
+    assert bad.returncode == 2 and "neither a positive factor nor `auto`" in bad.stderr
     pq_bundle(tmp_path / "bare")
     bare = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "bare"), "--json")
     assert "records no held-out recall" in json.loads(bare.stdout)["candidates_auto"]["refused"]
@@ -239,6 +245,17 @@ def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
     assert "--prefilter 4 or more" in err.value.fix
     with pytest.raises(DsaIndexError, match=r"at most 99\.82% .* short of the 99\.83% asked"):  # rounded down
         candidates_for_recall({f"{head}/rerank@2048": 0.998299}, [0], 512, 0.9983)
+    # the prefilter chosen with C: the least stage-2 work P x C, on a tie the smaller C (less to rescore)
+    from dsaindex.runtime.loader import selection_for_recall
+
+    staged = dict(metrics, **{f"{head}/prefilter8@2048": 0.99, f"{head}/prefilter8@4096": 0.996})
+    assert selection_for_recall(staged, [0], 512, 0.99) == {0: (8, 2048)}  # 16K keys, as 4 x 4096
+    assert selection_for_recall(staged, [0], 512, 0.995) == {0: (16, 2048)}  # 32K keys, as 8 x 4096
+    assert selection_for_recall(staged, [0], 512, 0.9995) == {0: (16, 4096)}
+    with pytest.raises(DsaIndexError, match=r"at most 99\.95% .* C = 4096 with stage 1 keeping 16 x C keys"):
+        selection_for_recall(staged, [0], 512, 0.9999)
+    with pytest.raises(DsaIndexError, match="records no served recall per stage-1 factor"):
+        selection_for_recall({f"{head}/rerank@2048": 1.0}, [0], 512, 0.99)
     # a bundle that records no served recall (trained before it was measured): the rerank figure
     old = {k: v for k, v in metrics.items() if "prefilter" not in k}
     assert candidates_for_recall(old, [0], 512, 0.995, prefilter=4) == {0: 2048}

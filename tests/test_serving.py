@@ -196,11 +196,35 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     bare = _bundles(tmp_path / "bare", net, identity, ivf=False)
     with pytest.raises(DsaIndexError, match="records no held-out recall"):
         load(bare, net, served=identity, candidates="auto")
+    # the served recall per stage-1 factor: layer 0 needs 8 x C, the others do with 2 x C
+    staged = dict(metrics)
+    for layer in range(4):
+        for p in (2, 8):
+            good = p == 8 or layer != 0
+            staged.update({f"layer{layer}/k{TOPK}/prefilter{p}@{c}": 0.999 if good else 0.9 for c in (64, 128, 256)})
+    paths = _bundles(tmp_path / "staged", net, identity, ivf=False, pq_metrics=staged)
+    index = load(paths, net, served=identity, candidates="auto", prefilter="auto", recall_target=0.995,
+                 use_triton=False)
+    assert index.candidates == dict.fromkeys(range(4), 64)
+    assert index.prefilter == {0: 8, 1: 2, 2: 2, 3: 2}
+    assert {layer: group.c1 // group.candidates for layer, group in index.groups.items()} == index.prefilter
+    assert index.describe().endswith("decode stage 1: 2 x C (layers 1-3), 8 x C (layers 0)")
+    with index:
+        _generate(net, _text(3000, 400), 3)
+    with pytest.raises(DsaIndexError, match="together with its C"):
+        load(paths, net, served=identity, candidates=64, prefilter="auto")
 
 
 def test_serve_takes_a_count_or_auto_for_candidates():
     from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.serve_cli import parse_candidates
+    from dsaindex.pipelines.serve_cli import parse_candidates, parse_prefilter
+
+    assert parse_prefilter("16", 2048) == 16 and parse_prefilter(" Auto", "auto") == "auto"
+    with pytest.raises(DsaIndexError, match="together with its C"):
+        parse_prefilter("auto", 2048)
+    for bad in ("0", "x", "-4"):
+        with pytest.raises(DsaIndexError, match="neither a positive factor nor `auto`"):
+            parse_prefilter(bad, "auto")
 
     assert parse_candidates("auto") == "auto" and parse_candidates(" AUTO ") == "auto"
     assert parse_candidates("2048") == 2048
@@ -228,12 +252,12 @@ def test_every_decode_entry_point_defaults_to_the_measured_prefilter():
                PagedCacheSelector.__init__, warm_window_recall, evaluate_bundle_warm):
         assert inspect.signature(fn).parameters["prefilter"].default == PREFILTER, fn.__qualname__
     root = typer.main.get_command(app)
-    for path in (("serve",), ("runtime", "generate"), ("bench", "decode"), ("eval", "pq")):
+    for path in (("serve",), ("runtime", "generate"), ("runtime", "check"), ("bench", "decode"), ("eval", "pq")):
         cmd = root
         for part in path:
             cmd = cmd.commands[part]
         (param,) = [p for p in cmd.params if p.name == "prefilter"]
-        assert param.default == PREFILTER, path
+        assert str(param.default) == str(PREFILTER), path  # serve and runtime check take `auto` too: strings
 
 
 def _free_port() -> int:

@@ -42,19 +42,20 @@ class PluginState:
 
         check_paged_codes(loaded.layers)  # RQ layers: refused at startup, not at the first decode step
         from dsaindex.coarse import PREFILTER, RECALL_TARGET
-        from dsaindex.runtime.loader import candidates_per_layer
+        from dsaindex.runtime.loader import decode_settings
 
         topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
         # a count, or `auto`: each layer's C from the bundle's held-out recall (refused here if none reaches it)
-        prefilter = int(os.environ.get("DSAINDEX_PREFILTER") or PREFILTER)
-        candidates = candidates_per_layer(os.environ.get("DSAINDEX_CANDIDATES"), loaded, topk, 2 * topk,
-                                          float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET),
-                                          prefilter=prefilter)
+        # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
+        # held-out recall, refused here if none reaches the target
+        candidates, prefilter = decode_settings(os.environ.get("DSAINDEX_CANDIDATES"),
+                                                os.environ.get("DSAINDEX_PREFILTER") or PREFILTER, loaded, topk,
+                                                2 * topk, float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET))
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).name != "pq":
                 continue  # other kinds (ivf, ...) serve prefill; SGLang keeps its own path there
-            self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter)
+            self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer])
         self.loaded = loaded
         logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C per layer %s).",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates)

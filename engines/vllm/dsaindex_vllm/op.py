@@ -37,7 +37,7 @@ from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
 from dsaindex.coarse import PREFILTER, RECALL_TARGET
-from dsaindex.runtime.loader import candidates_per_layer
+from dsaindex.runtime.loader import decode_settings
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex_vllm.plugin import ENV_ARTIFACTS
 
@@ -58,7 +58,7 @@ def settings() -> dict[str, Any]:
         "basis": os.environ.get("DSAINDEX_BASIS", "raw"),
         "candidates": os.environ.get("DSAINDEX_CANDIDATES", ""),  # a count, `auto`, or empty (2 x top-k)
         "recall_target": float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET),
-        "prefilter": int(os.environ.get("DSAINDEX_PREFILTER") or PREFILTER),
+        "prefilter": os.environ.get("DSAINDEX_PREFILTER") or str(PREFILTER),  # a factor, or `auto` (per layer)
         "allow_other_weights": os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") == "1",
         "cache_dir": os.environ.get("DSAINDEX_CACHE_DIR") or None,
     }
@@ -101,7 +101,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.codec = None
         self.selector: PagedCacheSelector | None = None
         self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
-        self.prefilter = s["prefilter"]
+        self.prefilter = PREFILTER  # the layer's own once its artifact is known (below)
         self._engine_layer: bool | None = None
         if not s["uri"]:
             return
@@ -116,10 +116,12 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         loaded = served_artifacts(hf_config, topk_indices_buffer.device)
         if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).name == "pq":
             self.codec = loaded.layers[self.layer_id]
-            # a count, or `auto`: this layer's C from the bundle's held-out recall (refused here if none reaches it)
-            per_layer = candidates_per_layer(s["candidates"], loaded, topk_tokens, 2 * topk_tokens, s["recall_target"],
-                                             layers=[self.layer_id], prefilter=s["prefilter"])
+            # a count, or `auto`: this layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
+            # held-out recall, refused here if none reaches the target
+            per_layer, factors = decode_settings(s["candidates"], s["prefilter"], loaded, topk_tokens, 2 * topk_tokens,
+                                                 s["recall_target"], layers=[self.layer_id])
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
+            self.prefilter = factors[self.layer_id]
 
         _LAYERS[self.k_cache.prefix] = self
 
