@@ -17,7 +17,7 @@ one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers 
   encoded, so the decode graphs find their codes ready.
 
 Settings (environment): ``DSAINDEX_ARTIFACTS`` (bundle), ``DSAINDEX_CANDIDATES`` (C, keys reranked
-exactly; default 2 x the model's top-k), ``DSAINDEX_PREFILTER`` (stage 1 keeps PREFILTER x C; default 4),
+exactly; default 2 x the model's top-k), ``DSAINDEX_PREFILTER`` (stage 1 keeps PREFILTER x C; default 4; ``auto``: per layer, with C),
 ``DSAINDEX_BASIS`` (default ``hadamard``, the basis SGLang's keys are in), ``DSAINDEX_ALLOW_OTHER_WEIGHTS``
 (``1``: serve artifacts of another model of the same geometry), ``DSAINDEX_TRACKING_URI`` (MLflow, for
 ``models:/`` URIs; default ``MLFLOW_TRACKING_URI``).

@@ -11,7 +11,8 @@ Environment:
 * ``DSAINDEX_BASIS`` (default ``raw``): the key basis the engine's index-K cache holds. vLLM 0.33's
   DeepSeek-V3.2 indexer stores LayerNorm + RoPE keys without a Hadamard rotation, so ``raw``.
 * ``DSAINDEX_CANDIDATES`` (default ``2 * index_topk``): keys reranked exactly per decode query;
-  ``DSAINDEX_PREFILTER`` (default 4): the folded first stage keeps ``PREFILTER * CANDIDATES``.
+  ``DSAINDEX_PREFILTER`` (default 4): the folded first stage keeps ``PREFILTER * CANDIDATES``; ``auto``
+  (with ``DSAINDEX_CANDIDATES=auto``): each layer's factor chosen with its C.
 * ``DSAINDEX_ALLOW_OTHER_WEIGHTS=1``: serve artifacts of another model of the same geometry.
 * ``DSAINDEX_CACHE_DIR`` / ``MLFLOW_TRACKING_URI``: where ``models:/`` bundles are pulled from and to.
 """
