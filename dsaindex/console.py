@@ -199,6 +199,31 @@ def print_recall_tables(per_layer: dict[int, dict], mean: dict, ks: Sequence[int
     rows = [(f"layer {layer}", m) for layer, m in sorted(per_layer.items())] + [("mean", mean)]
     print_tables([recall_table(rows, k, candidates, f"{title} recall of the exact top-{k}".strip(), caption=False)
                   for k in ks], console)
+    for k in ks:
+        line = served_recall_line(per_layer, mean, k, candidates)
+        if line:
+            console.print(line)
+
+
+def served_recall_line(per_layer: dict[int, dict], mean: dict, k: int, candidates: Sequence[int]) -> str | None:
+    """One line on the served step's recall (``k{k}/prefilter{P}@{C}``, stage 1 keeping P x C keys) at the C
+    of the filter columns: the mean per recorded P and the weakest layer at the smallest P; None where the
+    metrics hold none (short prefixes: stage 1 then passes every key)."""
+    fc = [c for c in candidates if c > k]
+    if not fc:
+        return None
+    c = 2048 if 2048 in fc else max(fc)
+    head = f"k{k}/prefilter"
+    factors = sorted({int(name[len(head):].split("@", 1)[0]) for name in mean
+                      if name.startswith(head) and name.endswith(f"@{c}")})
+    if not factors:
+        return None
+    means = " / ".join(f"{mean[f'{head}{p}@{c}']:.2%}" for p in factors)
+    name = f"{head}{factors[0]}@{c}"
+    scored = {layer: m[name] for layer, m in per_layer.items() if name in m}
+    weakest = f"; weakest at {factors[0]} x C: layer {min(scored, key=scored.get)} {min(scored.values()):.2%}" if scored else ""
+    return (f"served step at C = {c} (stage 1 keeps {' / '.join(map(str, factors))} x C): mean {means}{weakest}; "
+            f"what serve --candidates auto reads")
 
 
 def print_tables(tables: list[Any], console: Any) -> None:

@@ -121,6 +121,21 @@ def test_recall_tables_fit_80_columns_and_say_what_the_columns_mean(trained):
     assert "@32 " not in proc.stdout  # C = top-k: the top-C is the direct top-k, left out
     assert "fetch@C:" in proc.stdout and "-:" in proc.stdout  # the caption
     assert "fetch_" not in proc.stdout
+    # the served step's recall (stage 1 keeping 4, 8, 16 x C) in one line under the table
+    flat = " ".join(proc.stdout.split())
+    assert "served step at C = 128 (stage 1 keeps 4 / 8 / 16 x C): mean" in flat and "weakest at 4 x C: layer" in flat
+
+
+def test_the_served_recall_line_reads_each_recorded_stage_1():
+    from dsaindex.console import served_recall_line
+
+    per_layer = {0: {"k8/prefilter4@64": 0.9, "k8/prefilter16@64": 0.99}, 1: {"k8/prefilter4@64": 0.97}}
+    mean = {"k8/prefilter4@64": 0.935, "k8/prefilter16@64": 0.995, "k8/prefilter4@32": 0.5}
+    line = served_recall_line(per_layer, mean, 8, (32, 64))
+    assert line.startswith("served step at C = 64 (stage 1 keeps 4 / 16 x C): mean 93.50% / 99.50%")
+    assert "weakest at 4 x C: layer 0 90.00%" in line
+    assert served_recall_line(per_layer, {"k8/direct": 0.5}, 8, (32, 64)) is None
+    assert served_recall_line(per_layer, mean, 64, (32, 64)) is None  # no C above the top-k
 
 
 def test_pq_compare_trains_opq_beside_pq_and_bundles_carry_the_rotation(trained, tmp_path):
