@@ -183,22 +183,10 @@ class ServedIndex(ModuleHooks):
         self.ivf_budget = ivf_budget or 8 * self.topk
         self.measure_recall = measure_recall
         pages = slots * (-(-self.max_keys // 64) + 1)
-        if isinstance(candidates, dict):
-            missing = sorted(set(self.decode_layers) - set(candidates))
-            if missing:
-                raise DsaIndexError(f"No candidate count C for decode layers {missing}.",
-                                    "give every layer with a pq artifact its C, or one C for all.")
-        self.candidates = {layer: candidates[layer] if isinstance(candidates, dict) else candidates
-                           for layer in self.decode_layers}
-        self._per_layer_c = isinstance(candidates, dict)  # chosen per layer: describe() says which
-        if isinstance(prefilter, dict):
-            missing = sorted(set(self.decode_layers) - set(prefilter))
-            if missing:
-                raise DsaIndexError(f"No stage-1 prefilter for decode layers {missing}.",
-                                    "give every layer with a pq artifact its prefilter, or one for all.")
-        self.prefilter = {layer: prefilter[layer] if isinstance(prefilter, dict) else prefilter
-                          for layer in self.decode_layers}
-        self._per_layer_p = isinstance(prefilter, dict)
+        self.candidates = _per_layer(candidates, self.decode_layers, "candidate count C")
+        self.prefilter = _per_layer(prefilter, self.decode_layers, "stage-1 prefilter")
+        # chosen per layer: describe() says which
+        self._per_layer_c, self._per_layer_p = isinstance(candidates, dict), isinstance(prefilter, dict)
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
                                  self.topk, candidates=self.candidates[layer], prefilter=self.prefilter[layer],
@@ -542,6 +530,17 @@ def _ranges(layers: list[int]) -> str:
             out.append(str(start) if start == layer else f"{start}-{layer}")
             start = None
     return ", ".join(out)
+
+
+def _per_layer(value: int | dict[int, int], layers: dict[int, Any], what: str) -> dict[int, int]:
+    """One decode setting for every layer in ``layers``, or a layer -> value dict that must cover them all."""
+    if isinstance(value, dict):
+        missing = sorted(set(layers) - set(value))
+        if missing:
+            raise DsaIndexError(f"No {what} for decode layers {missing}.",
+                                f"give every layer with a pq artifact its {what}, or one for all.")
+        return {layer: value[layer] for layer in layers}
+    return dict.fromkeys(layers, value)
 
 
 def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str | None = None,

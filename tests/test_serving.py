@@ -213,6 +213,10 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
         _generate(net, _text(3000, 400), 3)
     with pytest.raises(DsaIndexError, match="together with its C"):
         load(paths, net, served=identity, candidates=64, prefilter="auto")
+    with pytest.raises(DsaIndexError, match=r"No stage-1 prefilter for decode layers \[1, 2, 3\]"):
+        load(paths, net, served=identity, candidates=64, prefilter={0: 4}, use_triton=False)
+    with pytest.raises(DsaIndexError, match=r"No candidate count C for decode layers \[0, 3\]"):
+        load(paths, net, served=identity, candidates={1: 64, 2: 64}, use_triton=False)
 
 
 def test_serve_takes_a_count_or_auto_for_candidates():
