@@ -111,6 +111,7 @@ def check_cmd(
 
 
 def _auto_candidates(loaded, config, target: float, prefilter: str | int = PREFILTER) -> dict | None:
+    # ``prefilter`` as ``parse_prefilter`` returns it: a factor, or "auto"
     """For a bundle with pq layers: {"target", "prefilter", "per_layer": {layer: C}} as ``serve --candidates
     auto --prefilter P`` would choose (with ``auto``, also "prefilter_per_layer": {layer: P}), or {"target",
     "prefilter", "refused": message}; None for other bundles."""
@@ -118,16 +119,14 @@ def _auto_candidates(loaded, config, target: float, prefilter: str | int = PREFI
     from dsaindex.geometry import geometry_from_config
     from dsaindex.runtime.loader import decode_settings
 
-    text = str(prefilter).strip().lower()
-    shown = "auto" if text == "auto" else int(text) if text.isdigit() else prefilter
     try:
         chosen, factors = decode_settings("auto", prefilter, loaded, geometry_from_config(config).topk, 0, target)
     except DsaIndexError as err:
-        return {"target": target, "prefilter": shown, "refused": str(err)}
+        return {"target": target, "prefilter": prefilter, "refused": str(err)}
     if not chosen:
         return None
-    out = {"target": target, "prefilter": shown, "per_layer": {str(layer): c for layer, c in chosen.items()}}
-    if shown == "auto":
+    out = {"target": target, "prefilter": prefilter, "per_layer": {str(layer): c for layer, c in chosen.items()}}
+    if prefilter == "auto":
         out["prefilter_per_layer"] = {str(layer): p for layer, p in factors.items()}
     return out
 

@@ -243,6 +243,12 @@ def _band_start(band: str) -> int:
     return int(float(low.rstrip("KM") or 0) * scale)
 
 
+def _pq_layers(loaded: LoadedArtifacts, layers: list[int] | None) -> list[int]:
+    """The ``pq`` layers of ``loaded``, all of them or those among ``layers``."""
+    served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+    return served if layers is None else [layer for layer in served if layer in set(layers)]
+
+
 def decode_settings(candidates: str | int | None, prefilter: str | int | None, loaded: LoadedArtifacts, topk: int,
                     default: int, target: float = RECALL_TARGET,
                     layers: list[int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
@@ -259,9 +265,7 @@ def decode_settings(candidates: str | int | None, prefilter: str | int | None, l
             raise DsaIndexError(f"The prefilter `auto` chooses each layer's stage 1 together with its C, and the "
                                 f"candidate count is {candidates!r}.",
                                 "set the candidates to `auto` too, or the prefilter to a number (e.g. 4).")
-        served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
-        chosen_layers = served if layers is None else [layer for layer in served if layer in set(layers)]
-        pairs = selection_for_recall(loaded.manifest.metrics, chosen_layers, topk, target, str(loaded.path))
+        pairs = selection_for_recall(loaded.manifest.metrics, _pq_layers(loaded, layers), topk, target, str(loaded.path))
         return {layer: c for layer, (_, c) in pairs.items()}, {layer: p for layer, (p, _) in pairs.items()}
     if p_text and (not p_text.isdigit() or int(p_text) < 1):
         raise DsaIndexError(f"The prefilter {prefilter!r} is neither a positive factor nor `auto`.",
@@ -279,8 +283,7 @@ def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, top
     ``prefilter`` x C keys), or none / 0 / empty (``default``).
     What the engine plugins read from ``DSAINDEX_CANDIDATES``; a :class:`DsaIndexError` naming the fix for
     any other value."""
-    served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
-    layers = served if layers is None else [layer for layer in served if layer in set(layers)]
+    layers = _pq_layers(loaded, layers)
     text = "" if setting is None else str(setting).strip().lower()
     if text == "auto":
         return candidates_for_recall(loaded.manifest.metrics, layers, topk, target, str(loaded.path), prefilter)

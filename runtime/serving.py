@@ -573,6 +573,7 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
     prefill: dict[int, Any] = {}
     reuse: dict[int, int] | None = None
     auto = settings.get("candidates") == "auto"
+    p_auto = str(settings.get("prefilter", "")).strip().lower() == "auto"
     chosen: dict[int, int] = {}
     factors: dict[int, int] = {}
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
@@ -600,16 +601,13 @@ def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str 
                 raise ArtifactMismatchError(f"Layer {layer} has two artifacts of the same kind (the second from {uri}).",
                                             "pass one bundle per kind.")
             target[layer] = obj
-        if auto:  # the chooser `runtime check` and the engine plugins use too
-            c_layers, p_layers = decode_settings("auto", settings.get("prefilter", PREFILTER), loaded,
+        if auto or p_auto:  # the chooser `runtime check` and the engine plugins use too (it refuses a lone p_auto)
+            c_layers, p_layers = decode_settings(settings.get("candidates"), settings.get("prefilter", PREFILTER), loaded,
                                                  geometry_from_config(model.config).topk, 0, recall_target)
             chosen.update(c_layers)
             factors.update(p_layers)
     if auto:
         settings["candidates"] = chosen
-        if str(settings.get("prefilter", "")).strip().lower() == "auto":
-            settings["prefilter"] = factors
-    elif str(settings.get("prefilter", "")).strip().lower() == "auto":
-        raise DsaIndexError("prefilter='auto' chooses each layer's stage 1 together with its C.",
-                            "pass candidates='auto' too, or a number as the prefilter.")
+    if p_auto:
+        settings["prefilter"] = factors
     return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)

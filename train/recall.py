@@ -227,13 +227,16 @@ def evaluate_selection(
                     # never reaches a dropped one
                     filtered = cand.gather(1, cand_exact.masked_fill(~kept, float("-inf")).topk(k).indices)
                     picked_bands = [bands[i] for i in use]
-                    add(f"{tag}/rerank@{c}", _hits(hits, rerank, k), picked_bands)
+                    rerank_hits = _hits(hits, rerank, k)
+                    add(f"{tag}/rerank@{c}", rerank_hits, picked_bands)
                     add(f"{tag}/filter@{c}", _hits(hits, filtered, k), picked_bands)
                     add(f"{tag}/fetch@{c}", (kept.sum(1).float() / c).tolist(), picked_bands)
+                    if prefilters:
+                        fo, co_pick, ex_pick = folded[live.to(device)][pick], co[pick], ex[pick]
+                        prefixes = [n_live[i] for i in use]
                     for p in prefilters:
                         add(f"{tag}/prefilter{p}@{c}",
-                            _staged_hits(folded[live.to(device)][pick], co[pick], ex[pick], hits, [n_live[i] for i in use],
-                                         p * c, c, k, _hits(hits, rerank, k)), picked_bands)
+                            _staged_hits(fo, co_pick, ex_pick, hits, prefixes, p * c, c, k, rerank_hits), picked_bands)
     out = {name: sums[name] / counts[name] for name in sums}
     for name in [n for n in counts if n.endswith("/direct")]:
         out[name.replace("/direct", "/queries")] = float(counts[name])
