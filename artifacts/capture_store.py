@@ -493,6 +493,15 @@ class CaptureStore:
             return t.view(torch.bfloat16).float()
         return t.float()
 
+    def engine_keys(self, rows: np.ndarray, key_format: str | None = None) -> torch.Tensor:
+        """Stored keys (rows of :meth:`keys`, any slice) as the engine holds them: float32 [N, D] after the
+        FP8 e4m3 + ue8m0 round trip of ``key_format`` (default: the store's model's,
+        :func:`dsaindex.quant.engine_keys`). The one reader of engine-precision keys: training, recall and
+        benchmarks all read through it."""
+        from dsaindex.quant import engine_keys
+
+        return engine_keys(self.as_float(rows), key_format or self.manifest.model.geometry.key_format)
+
     def nbytes_stored(self, under: str = "") -> int:
         """Bytes on disk of the whole store, or of the arrays whose path matches ``under`` (a glob)."""
         roots = list(self.path.glob(under)) if under else [self.path]

@@ -40,6 +40,10 @@ class ArtifactKind:
     arrays : array names every layer of the kind stores; optional_arrays : names it may store
     place : ``(params, {name: float32 tensor on the device}) -> served object``
     summary : ``served object -> dict`` (JSON-ready, with ``kind``); describe : ``-> one short line``
+    role : what serving does with the placed object: ``decode`` (a layer's decode-step selection, e.g. a
+        :class:`dsaindex.pq.PQCodec`), ``prefill`` (a layer's prefill selection, e.g. :class:`IVFLayer`) or
+        ``model`` (a model-level plan, e.g. :class:`ReusePlans`); the runtime and the engine plugins
+        dispatch on it, never on the kind's name
     """
 
     name: str
@@ -49,6 +53,7 @@ class ArtifactKind:
     summary: Callable[[Any], dict[str, Any]]
     describe: Callable[[Any], str]
     optional_arrays: tuple[str, ...] = ()
+    role: Literal["decode", "prefill", "model"] = "decode"
 
     def check_arrays(self, names: set[str], where: str) -> None:
         """Refuse a layer whose arrays are not this kind's (missing required ones, or unknown ones)."""
@@ -199,8 +204,9 @@ def _describe_ivf(layer: IVFLayer) -> str:
 
 
 register_kind(ArtifactKind("pq", PQParams, ("codebooks",), _place_pq, _summarize_pq, _describe_pq,
-                           optional_arrays=("metric", "rotation")))
-register_kind(ArtifactKind("ivf", IVFParams, ENCODER_ARRAYS, _place_ivf, _summarize_ivf, _describe_ivf))
+                           optional_arrays=("metric", "rotation"), role="decode"))
+register_kind(ArtifactKind("ivf", IVFParams, ENCODER_ARRAYS, _place_ivf, _summarize_ivf, _describe_ivf,
+                           role="prefill"))
 
 
 # ---- reuse -----------------------------------------------------------------------------------------
@@ -408,4 +414,4 @@ def _describe_reuse(served: ReusePlans | ReuseRef) -> str:
 
 
 register_kind(ArtifactKind("reuse", ReuseParams, (), _place_reuse, _summarize_reuse, _describe_reuse,
-                           optional_arrays=("overlap",)))
+                           optional_arrays=("overlap",), role="model"))

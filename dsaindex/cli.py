@@ -14,15 +14,16 @@ from typing import NoReturn
 import typer
 
 from dsaindex._version import __version__
-from dsaindex.artifacts.cli import registry_app, store_app
 from dsaindex.errors import DsaIndexError
-from dsaindex.pipelines.bench import bench_app
-from dsaindex.pipelines.cli import register as register_pipelines
-from dsaindex.pipelines.plan_cli import plan_app
-from dsaindex.pipelines.reference_cli import reference_app
-from dsaindex.pipelines.runtime_cli import runtime_app
-from dsaindex.pipelines.serve_cli import serve_cmd
-from dsaindex.pipelines.train_cli import eval_app, train_app
+from dsaindex.pipelines.commands.bench import bench_app
+from dsaindex.pipelines.commands.capture import register as register_pipelines
+from dsaindex.pipelines.commands.plan import plan_app
+from dsaindex.pipelines.commands.reference import reference_app
+from dsaindex.pipelines.commands.registry import registry_app
+from dsaindex.pipelines.commands.runtime import runtime_app
+from dsaindex.pipelines.commands.serve import serve_cmd
+from dsaindex.pipelines.commands.store import store_app
+from dsaindex.pipelines.commands.train import eval_app, train_app
 
 
 def _flags_without_type() -> None:

@@ -1,7 +1,7 @@
 """Forward hooks on a model's modules, held in one place.
 
 :class:`ModuleHooks` is the base of every hook set the project attaches to a transformers model (capture's
-:class:`dsaindex.pipelines.hooks.IndexerTap`, the runtime's
+:class:`dsaindex.pipelines.capture.tap.IndexerTap`, the runtime's
 :class:`dsaindex.runtime.transformers_adapter.RuntimeSelection`, the reference evaluation's input
 capture). It keeps every handle, registers pre- and post-hooks through one method that honours the set's
 ``enabled`` switch, hands pre-hooks the module's forward arguments by parameter name, and removes all of

@@ -2,14 +2,14 @@
 
 A key of D dims is cut into M subspaces of D/M dims; each subspace has K (at most 256) centroids, so a
 key becomes M one-byte codes (PQ32 on 128-d keys: 32 bytes instead of the engines' 132). Training
-(:mod:`dsaindex.train.pq`) produces a :class:`PQCodec`; the runtime, the kernels and the evaluation
+(:mod:`dsaindex.train.codebooks`) produces a :class:`PQCodec`; the runtime, the kernels and the evaluation
 encode and decode with the same object, so none of them imports training code.
 
-Score-aware codebooks carry a per-subspace metric ``A_j`` (see :mod:`dsaindex.train.pq`); a key is
+Score-aware codebooks carry a per-subspace metric ``A_j`` (see :mod:`dsaindex.train.codebooks`); a key is
 encoded to the centroid nearest under that metric, which is plain nearest-centroid search after
 whitening both sides with the Cholesky factor of ``A_j``.
 
-OPQ codecs carry an orthogonal ``rotation`` R [D, D] learned before PQ (:func:`dsaindex.train.pq.train_rotation`):
+OPQ codecs carry an orthogonal ``rotation`` R [D, D] learned before PQ (:func:`dsaindex.train.codebooks.train_rotation`):
 the codes are of the rotated keys ``k @ R.T``. :meth:`PQCodec.encode` rotates keys first and
 :meth:`PQCodec.decode` rotates reconstructions back, so decoded keys live in the original space and score
 against raw queries as before. A kernel that scores codes from the codebooks directly (lookup tables, decoded

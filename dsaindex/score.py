@@ -57,6 +57,28 @@ def indexer_scores(
     return out
 
 
+def batched_index_scores(queries: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """The exact score of :func:`indexer_scores` for a batch of query chunks, differentiable (training,
+    distillation and evaluation forwards take gradients through it).
+
+    Parameters
+    ----------
+    queries : [B, c, H, D]; keys : [B, T, D]; head_weights : [B, c, H] effective weights
+
+    Returns
+    -------
+    [B, c, T] float32 scores, without any causal mask. One [B, c*H, D] x [B, D, T] product, then a
+    per-query [1, H] x [H, T] weighted sum over heads (the [B, c, H, T] relu intermediate is the caller's
+    to bound by choosing ``c``).
+    """
+    b, c, h, d = queries.shape
+    t = keys.shape[1]
+    logits = torch.bmm(queries.reshape(b, c * h, d), keys.transpose(1, 2))  # [B, c*H, T]
+    relu = torch.relu(logits).view(b * c, h, t)
+    out = torch.bmm(head_weights.reshape(b * c, 1, h).to(relu.dtype), relu)  # [B*c, 1, T]
+    return out.view(b, c, t).float()
+
+
 def causal_mask(query_positions: torch.Tensor, num_keys: int, key_stride: int = 1) -> torch.Tensor:
     """[S, T] bool, True where key ``t`` is in the causal prefix of the query at ``query_positions``.
 

@@ -1,6 +1,6 @@
 """Loading artifact bundles at server startup, with validation against the serving model.
 
-:func:`load` resolves a bundle (local path or ``models:/<name>@<alias>``), verifies every checksum,
+:func:`load_bundle` resolves a bundle (local path or ``models:/<name>@<alias>``), verifies every checksum,
 checks that it fits the served model (:func:`dsaindex.artifacts.compat.check_bundle_for_model`) and
 places each layer's parameters on the device as the object its kind serves with
 (:mod:`dsaindex.artifacts.kinds`: a :class:`dsaindex.pq.PQCodec` for ``pq``, an
@@ -11,24 +11,26 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
 from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
-from dsaindex.coarse import PREFILTER, RECALL_TARGET
+from dsaindex.coarse import RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
+from dsaindex.runtime.operating_points import OperatingPoints
+from dsaindex.runtime.settings import DecodeSettings, parse_candidates
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
     from dsaindex.artifacts.fingerprint import ModelFingerprint
 
 __all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "candidates_for_recall",
-           "candidates_per_layer", "load", "place_layers"]
+           "candidates_per_layer", "decode_settings", "load_bundle", "place_layers"]
 
-MIN_BAND_QUERIES = 8  # a prefix band's recall counts for ``candidates="auto"`` with at least this many queries
 
 
 @dataclass
@@ -63,7 +65,7 @@ class LoadedArtifacts:
         return ", ".join(f"{k} ({self.kind_of(k).describe(v)})" for k, v in self.layers.items())
 
 
-def load(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "hadamard",
+def load_bundle(uri: str | Path, model_config: Any, device: str = "cpu", basis: str = "hadamard",
          cache_dir: str | Path | None = None, tracking_uri: str | None = None,
          served: ModelFingerprint | None = None, allow_other_weights: bool = False) -> LoadedArtifacts:
     """Resolve, verify, validate and place a bundle's parameters on ``device``.
@@ -132,20 +134,19 @@ def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") ->
 def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
                           source: str = "the bundle", prefilter: int | None = None) -> dict[int, int]:
     """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` reaches
-    ``target``, read from a ``pq`` bundle's recorded metrics as ``dsaindex train pq`` evaluates them: with
-    ``prefilter`` P, the recall of the served step whose stage 1 keeps P x C keys
-    (``layer{L}/k{topk}/prefilter{P}@{C}``; of the largest recorded factor below P where P itself is not
+    ``target``, from a ``pq`` bundle's recorded operating points
+    (:class:`dsaindex.runtime.operating_points.OperatingPoints`): with ``prefilter`` P, the recall of the
+    served step whose stage 1 keeps P x C keys (of the largest recorded factor below P where P itself is not
     recorded, a lower bound), else, for bundles that record none, the recall of the top-C by coarse score
-    after exact rerank (``layer{L}/k{topk}/rerank@{C}``, an upper bound of the served one). A
-    layer's recall at C is the lowest of its mean over every held-out query and its mean in the longest
-    prefix band with at least :data:`MIN_BAND_QUERIES` queries, so long requests, the ones C matters for,
-    decide. Raises :class:`DsaIndexError` when the bundle has no such metrics for a layer or no measured C
-    reaches ``target`` (naming the best one, and a larger recorded prefilter that would reach it)."""
+    after exact rerank (an upper bound of the served one). A point's recall is the lower of its overall
+    and its longest prefix band's. Raises :class:`DsaIndexError` when the bundle has no such metrics for a
+    layer or no measured C reaches ``target`` (naming the best one, and a larger recorded prefilter that
+    would reach it)."""
+    table = OperatingPoints.from_metrics(metrics)
     out: dict[int, int] = {}
     for layer in layers:
-        head = f"layer{layer}/k{topk}"
-        recorded = _recorded_prefilters(metrics, head)
-        metric = "rerank"  # bundles trained before the served recall was recorded: an upper bound of it
+        recorded = table.prefilters(layer, topk)
+        factor = None  # bundles trained before the served recall was recorded: rerank, an upper bound of it
         if prefilter and recorded:
             below = [p for p in recorded if p <= prefilter]
             if not below:
@@ -153,8 +154,8 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
                                     f"{', '.join(map(str, recorded))} x C keys, none at or below the {prefilter} "
                                     "asked, so C cannot be chosen for it.",
                                     f"pass --prefilter {recorded[0]} or more, or a number to --candidates.")
-            metric = f"prefilter{max(below)}"  # a smaller stage 1 keeps less: a lower bound where P is not recorded
-        recall = _recall_at(metrics, head, metric)
+            factor = max(below)  # a smaller stage 1 keeps less: a lower bound where P is not recorded
+        recall = table.recall(layer, topk, factor)
         if not recall:
             raise DsaIndexError(f"{source} records no held-out recall of the top-{topk} for layer {layer}, so C "
                                 "cannot be chosen from it.",
@@ -163,11 +164,11 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
         good = sorted(c for c, r in recall.items() if r >= target)
         if not good:
             best = max(recall, key=recall.get)
-            stage = f" with stage 1 keeping {metric[len('prefilter'):]} x C keys" if metric != "rerank" else ""
+            stage = f" with stage 1 keeping {factor} x C keys" if factor is not None else ""
             fixes = ["pass a lower --recall-target or a number to --candidates",
                      "serve a code of more bytes per key (RQ32)"]
             for p in recorded:
-                reach = {c: r for c, r in _recall_at(metrics, head, f"prefilter{p}").items() if r >= target}
+                reach = {c: r for c, r in table.recall(layer, topk, p).items() if r >= target}
                 if prefilter and p > prefilter and reach:
                     c = min(reach)
                     fixes.insert(0, f"pass --prefilter {p} (it reaches {_floor_pct(reach[c])} at C = {c}, at a "
@@ -183,27 +184,26 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
 def selection_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
                          source: str = "the bundle") -> dict[int, tuple[int, int]]:
     """Per layer, the stage-1 factor P and candidate count C of the cheapest served step whose recorded
-    recall (``prefilter{P}@{C}``, read as :func:`candidates_for_recall` reads it) reaches ``target``: the
-    least stage-2 work P x C, then the smaller C. A layer whose keys the folded stage 1 ranks well keeps a
-    small P; one that reaches far back gets the larger P it needs, and only it pays for it. Raises
-    :class:`DsaIndexError` for a bundle that records no served recall, or a layer no recorded pair serves."""
+    recall reaches ``target`` (read as :func:`candidates_for_recall` reads it): the least stage-2 work
+    P x C, then the smaller C. A layer whose keys the folded stage 1 ranks well keeps a small P; one that
+    reaches far back gets the larger P it needs, and only it pays for it. Raises :class:`DsaIndexError`
+    for a bundle that records no served recall, or a layer no recorded pair serves."""
+    table = OperatingPoints.from_metrics(metrics)
     out: dict[int, tuple[int, int]] = {}
     for layer in layers:
-        head = f"layer{layer}/k{topk}"
-        recorded = _recorded_prefilters(metrics, head)
-        if not recorded:
+        points = table.of(layer, topk)
+        if not points:
             raise DsaIndexError(f"{source} records no served recall per stage-1 factor for layer {layer} (it was "
                                 "trained before `train pq` measured it), so the prefilter cannot be chosen from it.",
                                 "train the bundle again with `dsaindex train pq`, or pass a number to --prefilter.")
-        pairs = [(p * c, c, p, r) for p in recorded for c, r in _recall_at(metrics, head, f"prefilter{p}").items()]
-        good = sorted(x for x in pairs if x[3] >= target)
+        good = sorted((p for p in points if p.recall >= target), key=lambda p: (p.stage2_keys, p.candidates))
         if not good:
-            _, c, p, r = max(pairs, key=lambda x: x[3])
-            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {_floor_pct(r)} held-out recall of the "
-                                f"top-{topk} (at C = {c} with stage 1 keeping {p} x C keys), short of the "
-                                f"{100 * target:.2f}% asked.",
+            best = max(points, key=lambda p: p.recall)
+            raise DsaIndexError(f"Layer {layer} of {source} reaches at most {_floor_pct(best.recall)} held-out recall "
+                                f"of the top-{topk} (at C = {best.candidates} with stage 1 keeping {best.prefilter} x "
+                                f"C keys), short of the {100 * target:.2f}% asked.",
                                 "pass a lower --recall-target, or serve a code of more bytes per key (RQ32).")
-        out[layer] = (good[0][2], good[0][1])
+        out[layer] = (good[0].prefilter, good[0].candidates)
     return out
 
 
@@ -212,84 +212,55 @@ def _floor_pct(value: float) -> str:
     return f"{math.floor(value * 10000 + 1e-9) / 100:.2f}%"
 
 
-def _recorded_prefilters(metrics: dict[str, float], head: str) -> list[int]:
-    """The stage-1 factors P of a layer's recorded ``{head}/prefilter{P}@{C}`` metrics, ascending."""
-    return sorted({int(name[len(f"{head}/prefilter"):].split("@", 1)[0]) for name in metrics
-                   if name.startswith(f"{head}/prefilter")})
-
-
-def _recall_at(metrics: dict[str, float], head: str, metric: str) -> dict[int, float]:
-    """{C: recall} of ``{head}/{metric}@{C}``, each the lower of the overall mean and the mean in the longest
-    prefix band with at least :data:`MIN_BAND_QUERIES` queries."""
-    overall = {int(name.rsplit("@", 1)[1]): v for name, v in metrics.items() if name.startswith(f"{head}/{metric}@")}
-    bands = {}
-    for name, n in metrics.items():  # layer{L}/k{topk}@{band}/queries
-        if name.startswith(f"{head}@") and name.endswith("/queries") and n >= MIN_BAND_QUERIES:
-            band = name[len(head) + 1 : -len("/queries")]
-            bands[band] = _band_start(band)
-    longest = max(bands, key=bands.get) if bands else None
-    recall = {}
-    for c, value in overall.items():
-        band_value = metrics.get(f"{head}@{longest}/{metric}@{c}") if longest else None
-        recall[c] = min(value, band_value) if band_value is not None else value
-    return recall
-
-
-def _band_start(band: str) -> int:
-    """Keys at the start of a prefix band named like ``64K-128K`` or ``1M-max`` (the names
-    :func:`dsaindex.train.recall.prefix_band` gives)."""
-    low = band.split("-", 1)[0]
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(low[-1:], 1)
-    return int(float(low.rstrip("KM") or 0) * scale)
-
-
-def _pq_layers(loaded: LoadedArtifacts, layers: list[int] | None) -> list[int]:
-    """The ``pq`` layers of ``loaded``, all of them or those among ``layers``."""
-    served = sorted(layer for layer, obj in loaded.layers.items() if isinstance(obj, PQCodec))
+def _decode_layers(loaded: LoadedArtifacts, layers: list[int] | None) -> list[int]:
+    """The layers of ``loaded`` whose kind serves decode (``pq``), all of them or those among ``layers``."""
+    served = sorted(layer for layer in loaded.layers if loaded.kind_of(layer).role == "decode")
     return served if layers is None else [layer for layer in served if layer in set(layers)]
 
 
-def decode_settings(candidates: str | int | None, prefilter: str | int | None, loaded: LoadedArtifacts, topk: int,
-                    default: int, target: float = RECALL_TARGET,
+def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
                     layers: list[int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
-    """(C per layer, stage-1 factor P per layer) for each ``pq`` layer of ``loaded`` (or of ``layers`` among
-    them), from a server's two settings. ``prefilter``: a factor for every layer, none / empty
-    (:data:`~dsaindex.coarse.PREFILTER`), or ``auto`` with ``candidates`` ``auto``: each layer's cheapest
-    recorded pair that reaches ``target`` (:func:`selection_for_recall`). ``candidates`` as
-    :func:`candidates_per_layer` reads it, at the layer's P. What ``dsaindex serve`` and the engine plugins
-    read (``DSAINDEX_CANDIDATES``, ``DSAINDEX_PREFILTER``)."""
-    p_text = "" if prefilter is None else str(prefilter).strip().lower()
-    c_text = "" if candidates is None else str(candidates).strip().lower()
-    if p_text == "auto":
-        if c_text != "auto":
-            raise DsaIndexError(f"The prefilter `auto` chooses each layer's stage 1 together with its C, and the "
-                                f"candidate count is {candidates!r}.",
-                                "set the candidates to `auto` too, or the prefilter to a number (e.g. 4).")
-        pairs = selection_for_recall(loaded.manifest.metrics, _pq_layers(loaded, layers), topk, target, str(loaded.path))
+    """(C per layer, stage-1 factor P per layer) for each decode layer of ``loaded`` (or of ``layers`` among
+    them) under ``decode``. ``prefilter="auto"`` (with ``candidates="auto"``): each layer's cheapest
+    recorded pair that reaches ``decode.recall_target`` (:func:`selection_for_recall`); ``candidates="auto"``
+    alone: :func:`candidates_for_recall` at the given stage 1; a count or a layer -> count mapping as given.
+    What ``dsaindex serve``, ``runtime check`` and the engine plugins choose with; raises
+    :class:`DsaIndexError` when no recorded point reaches the target, naming what would."""
+    served = _decode_layers(loaded, layers)
+    if decode.prefilter == "auto":
+        pairs = selection_for_recall(loaded.manifest.metrics, served, topk, decode.recall_target, str(loaded.path))
         return {layer: c for layer, (_, c) in pairs.items()}, {layer: p for layer, (p, _) in pairs.items()}
-    if p_text and (not p_text.isdigit() or int(p_text) < 1):
-        raise DsaIndexError(f"The prefilter {prefilter!r} is neither a positive factor nor `auto`.",
-                            f"set a number (e.g. {PREFILTER}) or `auto`.")
-    factor = int(p_text) if p_text else PREFILTER
-    chosen = candidates_per_layer(candidates, loaded, topk, default, target, layers, prefilter=factor)
-    return chosen, dict.fromkeys(chosen, factor)
+    factors = _spread(decode.prefilter, served, "stage-1 prefilter")
+    if decode.candidates == "auto":
+        chosen: dict[int, int] = {}
+        for factor in sorted(set(factors.values())):
+            group = [layer for layer in served if factors[layer] == factor]
+            chosen |= candidates_for_recall(loaded.manifest.metrics, group, topk, decode.recall_target,
+                                            str(loaded.path), factor)
+        return chosen, factors
+    return _spread(decode.candidates, served, "candidate count C"), factors
+
+
+def _spread(value: int | Mapping[int, int], layers: list[int], what: str) -> dict[int, int]:
+    """One decode setting for every layer in ``layers``, or a layer -> value mapping that must cover them all."""
+    if isinstance(value, Mapping):
+        missing = sorted(set(layers) - set(value))
+        if missing:
+            raise DsaIndexError(f"No {what} for decode layers {missing}.",
+                                f"give every layer with a pq artifact its {what}, or one for all.")
+        return {layer: int(value[layer]) for layer in layers}
+    return dict.fromkeys(layers, int(value))
 
 
 def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, topk: int, default: int,
                          target: float = RECALL_TARGET, layers: list[int] | None = None,
                          prefilter: int | None = None) -> dict[int, int]:
-    """C for each ``pq`` layer of ``loaded`` (or of ``layers`` among them), from a server's setting: a count
-    (every layer), ``auto`` (:func:`candidates_for_recall` at ``target``, for a step whose stage 1 keeps
-    ``prefilter`` x C keys), or none / 0 / empty (``default``).
-    What the engine plugins read from ``DSAINDEX_CANDIDATES``; a :class:`DsaIndexError` naming the fix for
-    any other value."""
-    layers = _pq_layers(loaded, layers)
-    text = "" if setting is None else str(setting).strip().lower()
-    if text == "auto":
-        return candidates_for_recall(loaded.manifest.metrics, layers, topk, target, str(loaded.path), prefilter)
-    if text in ("", "0"):
-        return dict.fromkeys(layers, default)
-    if not text.isdigit():
-        raise DsaIndexError(f"The candidate count {setting!r} is neither a positive count nor `auto`.",
-                            "set a number of keys (e.g. 2048) or `auto`.")
-    return dict.fromkeys(layers, int(text))
+    """C for each decode layer of ``loaded`` (or of ``layers`` among them), from a server's setting as text or
+    number (:func:`dsaindex.runtime.settings.parse_candidates`): a count (every layer), ``auto``
+    (:func:`candidates_for_recall` at ``target``, for a step whose stage 1 keeps ``prefilter`` x C keys), or
+    none / 0 / empty (``default``)."""
+    parsed = parse_candidates(setting)
+    if parsed == "auto":
+        return candidates_for_recall(loaded.manifest.metrics, _decode_layers(loaded, layers), topk, target,
+                                     str(loaded.path), prefilter)
+    return dict.fromkeys(_decode_layers(loaded, layers), parsed or default)

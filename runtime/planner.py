@@ -159,7 +159,7 @@ class ModelDims:
 
 # The transformers config defaults of DeepseekV32Config (deepseek-ai/DeepSeek-V3.2) and GlmMoeDsaConfig
 # (zai-org/GLM-5), which are those checkpoints' published dimensions.
-PRESETS: dict[str, ModelDims] = {
+MODEL_SHAPES: dict[str, ModelDims] = {
     "deepseek-v3.2": ModelDims(
         name="deepseek-v3.2", family="deepseek_v32", num_layers=61, hidden_size=7168, vocab_size=129280,
         num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -202,8 +202,8 @@ def model_from_config(config: Mapping[str, Any], name: str = "config", kv_dtype:
         raise DsaIndexError(
             f"The planner models MLA attention with an MoE FFN; {family} has another layout.",
             f"use a config of one of the families {', '.join(_FAMILY_PRESET)}, or a preset: "
-            f"{', '.join(PRESETS)}.")
-    base = PRESETS[_FAMILY_PRESET[family]]
+            f"{', '.join(MODEL_SHAPES)}.")
+    base = MODEL_SHAPES[_FAMILY_PRESET[family]]
     full = {key: getattr(base, field) for field, key in _CONFIG_KEYS.items()}
     full.update({k: v for k, v in config.items() if v is not None or k == "q_lora_rank"})
     indexer = geometry_from_config(full)  # refuses a config without an indexer

@@ -1,6 +1,6 @@
 """The runtime inside a served transformers DSA model: whole requests, prefill and decode.
 
-:func:`load` is the entry point a server calls once at startup: it resolves one or more artifact
+:func:`serve_index` is the entry point a server calls once at startup: it resolves one or more artifact
 bundles (paths or ``models:/<name>@<alias>``), verifies and validates each against the served model
 (the config, and the model's own indexer weights unless told otherwise) and returns a
 :class:`ServedIndex` for that model. Installed (:meth:`ServedIndex.attach`, or as a context manager),
@@ -17,19 +17,20 @@ it selects every indexer layer's top-k:
   :meth:`ServedIndex.paths` / :meth:`ServedIndex.describe` say which.
 
 A request starts when a batch row's first new position is 0 (transformers' ``generate`` runs one
-prompt, then one token per step); its state is then reset. Rows are request slots.
+prompt, then one token per step); its state is then reset. Rows are request slots. Settings come
+typed (:class:`dsaindex.runtime.settings.ServeSettings`, with the decode and prefill settings inside).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsaindex.artifacts.kinds import lagged_sources
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PREFILTER, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
 from dsaindex.hooks import ModuleHooks, PostHook, PreHook
@@ -40,8 +41,10 @@ from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
 from dsaindex.runtime.loader import candidates_for_recall, decode_settings
 from dsaindex.runtime.pq_batch import PQDecodeGroup
+from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
 
-__all__ = ["LayerPaths", "ServedIndex", "ServingLog", "candidates_for_recall", "load"]
+__all__ = ["DecodeSettings", "LayerPaths", "PrefillSettings", "ServeSettings", "ServedIndex", "ServingLog",
+           "candidates_for_recall", "serve_index"]
 
 
 @dataclass(frozen=True)
@@ -101,17 +104,13 @@ class ServedIndex(ModuleHooks):
 
     Parameters
     ----------
-    model : the served model; decode : layer -> :class:`PQCodec` (``pq`` artifacts); prefill : layer ->
-    :class:`dsaindex.artifacts.kinds.IVFLayer` (``ivf`` artifacts); basis : the artifacts' key basis
-    slots : requests served at once (batch rows); max_keys : the longest request (default the model's
-    ``max_position_embeddings``)
-    candidates, prefilter, cache_capacity, exact_below, pq_from : the decode groups' settings
-    (:class:`PQDecodeGroup`); ``candidates`` and ``prefilter`` are one value for every layer or a layer ->
-    value dict (as :func:`candidates_for_recall` and :func:`dsaindex.runtime.loader.selection_for_recall`
-    choose them); ivf_budget : candidates per prefill query (default 8 x top-k)
-    measure_recall : also log, per layer and phase, how much of the model's own top-k the runtime kept
-    (the model computes its exact selection anyway in transformers; this compares the two)
-    stream_prefix : layer-wise streamed prefill of the model's own indexer keys (one request at a
+    model : the served model; codecs : layer -> :class:`PQCodec` (``pq`` artifacts: decode); routers : layer
+    -> :class:`dsaindex.artifacts.kinds.IVFLayer` (``ivf`` artifacts: prefill)
+    settings : :class:`ServeSettings`. Its ``decode`` (:class:`DecodeSettings`) sizes the decode groups
+    (:class:`PQDecodeGroup`): ``candidates`` and ``prefilter`` one value for every layer or a layer -> value
+    mapping (``auto`` is resolved by :func:`serve_index` before this), ``cache_capacity`` default 2 x C. Its
+    ``prefill`` (:class:`PrefillSettings`): ``ivf_budget`` candidates per prefill query (default 8 x top-k);
+    ``stream_prefix``: layer-wise streamed prefill of the model's own indexer keys (one request at a
     time): they live in pinned host memory (:class:`dsaindex.runtime.streaming.PrefixStreamer`) and
     reach the device through two buffers, the next layer's copy overlapping this layer's compute;
     the model's cache keeps no indexer keys. A layer whose selection the runtime replaces in this
@@ -119,38 +118,39 @@ class ServedIndex(ModuleHooks):
     ``measure_recall`` needs them. The IVF prefill indexes' FP8 key bytes stream the same way (a second
     streamer, rows of D bytes): each layer's index borrows its buffer for the chunk
     (:meth:`CausalIVF.attach`), and on CUDA their refit bounds wait on the host between refits, so
-    between chunks the device holds only their scales and versions
+    between chunks the device holds only their scales and versions. The rest: ``basis`` (the artifacts'
+    key basis), ``slots`` (requests served at once), ``max_keys`` (the longest request; default the model's
+    ``max_position_embeddings``), ``measure_recall`` (also log, per layer and phase, how much of the model's
+    own top-k the runtime kept; the model computes its exact selection anyway in transformers), ``lag``
+    (the Multi-layer Indexer's schedule over the kept layers, those not in ``reuse``, all of them without a
+    plan: every layer attends the selection of the nearest kept layer before it,
+    :func:`dsaindex.artifacts.kinds.lagged_sources`, so a kept layer's own selection is first used by the
+    next layer and its indexer can run under its own layer's attention; the first kept layer attends its
+    own), ``side_stream`` (with ``lag`` on a CUDA device, the default there: each lagged kept layer's
+    selection, the model's indexer and the runtime's own work for that layer, runs on a side stream, forked
+    when the layer's indexer is called and joined where a later layer first attends it; not with
+    ``stream_prefix``), ``use_triton``
     reuse : cross-layer reuse (IndexCache), layer -> the kept layer whose selection it takes (a ``reuse``
     artifact's plan): a layer that reuses takes that layer's final selection of the same forward
     (the runtime's or the model's own) instead of its own; ``measure_recall`` logs how much of its own
     top-k the reused one keeps. Its own indexer still runs in transformers (its output is replaced)
-    lag : the Multi-layer Indexer's schedule over the kept layers (those not in ``reuse``; all of them
-    without a plan): every layer attends the selection of the nearest kept layer before it
-    (:func:`dsaindex.artifacts.kinds.lagged_sources`), so a kept layer's own selection is first used by
-    the next layer and its indexer can run under its own layer's attention; the first kept layer
-    attends its own
-    filter_width : the decode miss filter's margin, in standard deviations (:class:`PQDecodeGroup`)
-    direct_upto : decode steps with at most this many live requests read their candidates straight from the
-    host store (no device cache, no miss filter: :class:`PQDecodeGroup`); 0 never
-    side_stream : with ``lag`` on a CUDA device (the default there), each lagged kept layer's selection
-    (the model's indexer and the runtime's own work for that layer) runs on a side stream, forked when
-    the layer's indexer is called and joined where a later layer first attends it; the layer itself
-    attends the earlier selection on the main stream meanwhile. Not with ``stream_prefix``
+    device : where the runtime's state lives (default: the model's)
     """
 
-    def __init__(self, model: torch.nn.Module, decode: dict[int, PQCodec], prefill: dict[int, Any],
-                 basis: str = "hadamard", slots: int = 1, max_keys: int | None = None,
-                 candidates: int | dict[int, int] = 1024,
-                 prefilter: int | dict[int, int] = PREFILTER, cache_capacity: int | None = None, ivf_budget: int | None = None,
-                 device: str | torch.device | None = None, use_triton: bool | None = None, exact_below: int = 0,
-                 pq_from: dict[int, int] | None = None, measure_recall: bool = False, stream_prefix: bool = False,
-                 reuse: dict[int, int] | None = None, lag: bool = False, side_stream: bool | None = None,
-                 filter_width: float = FILTER_WIDTH, direct_upto: int = DIRECT_UPTO):
+    def __init__(self, model: torch.nn.Module, codecs: dict[int, PQCodec], routers: dict[int, Any],
+                 settings: ServeSettings | None = None, reuse: dict[int, int] | None = None,
+                 device: str | torch.device | None = None):
+        settings = settings or ServeSettings()
+        decode, prefill = settings.decode, settings.prefill
+        if decode.auto:
+            raise DsaIndexError("ServedIndex takes C and stage 1 chosen already; `auto` is chosen from a bundle.",
+                                "load through serve_index(), which reads the bundle's recall, or pass numbers.")
+        slots, lag, stream_prefix = settings.slots, settings.lag, prefill.stream_prefix
         super().__init__()
         self.model = model
         self.geometry = geometry_from_config(model.config)
         self.indexers = find_indexers(model, self.geometry)
-        extra = sorted((set(decode) | set(prefill)) - set(self.indexers))
+        extra = sorted((set(codecs) | set(routers)) - set(self.indexers))
         if extra:
             raise ArtifactMismatchError(f"The artifacts have layers {extra}, which are not indexer layers of the "
                                         f"served model (its indexer layers: {sorted(self.indexers)}).",
@@ -173,26 +173,29 @@ class ServedIndex(ModuleHooks):
         self._last: dict[int, torch.Tensor] = {}
         self._past_rows: list[int] = [0]
         # a layer that reuses another's selection needs no state of its own
-        self.decode_layers = {layer: c for layer, c in decode.items() if layer not in self.reuse}
-        self.prefill_layers = {layer: x for layer, x in prefill.items() if layer not in self.reuse}
-        self.basis, self.slots = basis, slots
+        self.decode_layers = {layer: c for layer, c in codecs.items() if layer not in self.reuse}
+        self.prefill_layers = {layer: x for layer, x in routers.items() if layer not in self.reuse}
+        self.settings = settings
+        self.basis, self.slots = settings.basis, slots
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.use_triton = use_triton
+        self.use_triton = use_triton = settings.use_triton
         self.topk = self.geometry.topk
-        self.max_keys = max_keys or int(getattr(model.config, "max_position_embeddings", 1 << 17))
-        self.ivf_budget = ivf_budget or 8 * self.topk
-        self.measure_recall = measure_recall
+        self.max_keys = settings.max_keys or int(getattr(model.config, "max_position_embeddings", 1 << 17))
+        self.ivf_budget = prefill.ivf_budget or 8 * self.topk
+        self.measure_recall = settings.measure_recall
         pages = slots * (-(-self.max_keys // 64) + 1)
-        self.candidates = _per_layer(candidates, self.decode_layers, "candidate count C")
-        self.prefilter = _per_layer(prefilter, self.decode_layers, "stage-1 prefilter")
+        self.candidates = _per_layer(decode.candidates, self.decode_layers, "candidate count C")
+        self.prefilter = _per_layer(decode.prefilter, self.decode_layers, "stage-1 prefilter")
         # chosen per layer: describe() says which
-        self._per_layer_c, self._per_layer_p = isinstance(candidates, dict), isinstance(prefilter, dict)
+        self._per_layer_c = isinstance(decode.candidates, Mapping)
+        self._per_layer_p = isinstance(decode.prefilter, Mapping)
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
                                  self.topk, candidates=self.candidates[layer], prefilter=self.prefilter[layer],
-                                 cache_capacity=cache_capacity or -(-2 * self.candidates[layer] // 4) * 4,
-                                 device=self.device, use_triton=use_triton, exact_below=exact_below,
-                                 pq_from=pq_from, filter_width=filter_width, direct_upto=direct_upto)
+                                 cache_capacity=decode.cache_capacity or -(-2 * self.candidates[layer] // 4) * 4,
+                                 device=self.device, use_triton=use_triton, exact_below=decode.exact_below,
+                                 pq_from=decode.pq_from, filter_width=decode.filter_width,
+                                 direct_upto=decode.direct_upto)
             for layer, codec in self.decode_layers.items()
         }
         self.ivf: dict[int, list[IVFPrefillIndexer | None]] = {layer: [None] * slots for layer in self.prefill_layers}
@@ -201,6 +204,7 @@ class ServedIndex(ModuleHooks):
         self.side = None
         self._main: Any = None
         self._done: dict[int, Any] = {}  # kept layer -> the side stream's event after its selection
+        side_stream = settings.side_stream
         if side_stream is None:
             side_stream = lag and self.device.type == "cuda"
         if side_stream:
@@ -532,9 +536,9 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-def _per_layer(value: int | dict[int, int], layers: dict[int, Any], what: str) -> dict[int, int]:
+def _per_layer(value: int | Mapping[int, int], layers: dict[int, Any], what: str) -> dict[int, int]:
     """One decode setting for every layer in ``layers``, or a layer -> value dict that must cover them all."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         missing = sorted(set(layers) - set(value))
         if missing:
             raise DsaIndexError(f"No {what} for decode layers {missing}.",
@@ -543,71 +547,71 @@ def _per_layer(value: int | dict[int, int], layers: dict[int, Any], what: str) -
     return dict.fromkeys(layers, value)
 
 
-def load(uris: str | Path | list[str | Path], model: torch.nn.Module, name: str | None = None,
-         device: str | None = None, basis: str = "hadamard", allow_other_weights: bool = False,
-         tracking_uri: str | None = None, served: Any = None, retention: str | None = None,
-         reuse_method: str = "optimal", recall_target: float = RECALL_TARGET, **settings: Any) -> ServedIndex:
+def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, settings: ServeSettings | None = None,
+                name: str | None = None, device: str | None = None, served: Any = None) -> ServedIndex:
     """Resolve, verify and validate artifact bundles against ``model``; the :class:`ServedIndex` that
     serves it (not yet attached: use it as a context manager, or call ``attach()``).
 
     uris : one bundle or several (paths or ``models:/<name>@<alias>``), e.g. a ``pq`` bundle for decode
-    and an ``ivf`` bundle for prefill; a layer may have one artifact of each kind. name : the model's
-    name in the fingerprint; allow_other_weights : see :func:`dsaindex.runtime.loader.load`; settings :
-    :class:`ServedIndex` keyword arguments; ``candidates="auto"`` gives each decode layer the smallest C
-    whose held-out recall, as its ``pq`` bundle records it for the served stage 1, reaches ``recall_target``
-    (:func:`candidates_for_recall`); with ``prefilter="auto"`` too, each layer's stage-1 factor is chosen
-    with its C (:func:`dsaindex.runtime.loader.selection_for_recall`). Raises :class:`ArtifactMismatchError` (another model, a layer given
-    twice, an unknown kind), :class:`dsaindex.errors.CorruptBundleError`, :class:`DsaIndexError` (no C
-    reaches the recall target).
+    and an ``ivf`` bundle for prefill; a layer may have one artifact of each role (the kinds registry's
+    ``role``: decode, prefill, or a model-level reuse plan). settings : :class:`ServeSettings`;
+    ``decode.candidates="auto"`` gives each decode layer the smallest C whose held-out recall, as its
+    bundle records it for the served stage 1, reaches ``decode.recall_target``
+    (:func:`candidates_for_recall`); with ``decode.prefilter="auto"`` too, each layer's stage-1 factor is
+    chosen with its C (:func:`dsaindex.runtime.loader.selection_for_recall`). name : the model's name in
+    the fingerprint; served : the served model's fingerprint (default: computed from ``model``;
+    ``settings.allow_other_weights`` skips the weights check, see
+    :func:`dsaindex.runtime.loader.load_bundle`). Raises :class:`ArtifactMismatchError` (another model, a
+    layer given twice, a kind serving does not use), :class:`dsaindex.errors.CorruptBundleError`,
+    :class:`DsaIndexError` (no C reaches the recall target).
     """
     from dsaindex.artifacts.fingerprint import fingerprint_model
-    from dsaindex.artifacts.kinds import IVFLayer, ReusePlans, ReuseRef
-    from dsaindex.runtime.loader import load as load_bundle
+    from dsaindex.artifacts.kinds import ReusePlans
+    from dsaindex.runtime.loader import load_bundle
 
+    settings = settings or ServeSettings()
     dev = str(device or next(model.parameters()).device)
-    if allow_other_weights:
+    if settings.allow_other_weights:
         served = None
     elif served is None:
         served = fingerprint_model(model, name or type(model).__name__)
-    decode: dict[int, PQCodec] = {}
-    prefill: dict[int, Any] = {}
+    by_role: dict[str, dict[int, Any]] = {"decode": {}, "prefill": {}}
     reuse: dict[int, int] | None = None
-    auto = settings.get("candidates") == "auto"
-    p_auto = str(settings.get("prefilter", "")).strip().lower() == "auto"
     chosen: dict[int, int] = {}
     factors: dict[int, int] = {}
+    topk = geometry_from_config(model.config).topk
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
-        loaded = load_bundle(uri, model.config, device=dev, basis=basis, served=served, tracking_uri=tracking_uri,
-                             allow_other_weights=allow_other_weights)
-        plans = [obj for obj in loaded.layers.values() if isinstance(obj, ReusePlans)]
-        if plans:
-            if reuse is not None:
-                raise ArtifactMismatchError(f"Two reuse bundles (the second {uri}).", "pass one reuse bundle.")
-            if retention is None:
-                raise DsaIndexError(f"{uri} holds cross-layer reuse plans; no retention was chosen.",
-                                    "pass retention='1/N' (one of the bundle's plans).")
-            plan = plans[0].plan(retention, reuse_method)
-            reuse = dict(zip(plans[0].layers, plan.sources, strict=True))
-            continue
+        loaded = load_bundle(uri, model.config, device=dev, basis=settings.basis, served=served,
+                             tracking_uri=settings.tracking_uri, allow_other_weights=settings.allow_other_weights)
         for layer, obj in loaded.layers.items():
-            if isinstance(obj, ReuseRef):
+            role = loaded.kind_of(layer).role
+            if role == "model":
+                if not isinstance(obj, ReusePlans):
+                    continue  # a layer that points at the layer holding the plans
+                if reuse is not None:
+                    raise ArtifactMismatchError(f"Two reuse bundles (the second {uri}).", "pass one reuse bundle.")
+                if settings.retention is None:
+                    raise DsaIndexError(f"{uri} holds cross-layer reuse plans; no retention was chosen.",
+                                        "pass retention='1/N' (one of the bundle's plans).")
+                plan = obj.plan(settings.retention, settings.reuse_method)
+                reuse = dict(zip(obj.layers, plan.sources, strict=True))
                 continue
-            target = decode if isinstance(obj, PQCodec) else prefill if isinstance(obj, IVFLayer) else None
+            target = by_role.get(role)
             if target is None:
                 raise ArtifactMismatchError(f"{uri} layer {layer} is a {loaded.manifest.layers[str(layer)].kind} "
-                                            "artifact, which serving does not use.",
+                                            f"artifact (role {role}), which serving does not use.",
                                             "serve pq (decode) and ivf (prefill) bundles.")
             if layer in target:
-                raise ArtifactMismatchError(f"Layer {layer} has two artifacts of the same kind (the second from {uri}).",
+                raise ArtifactMismatchError(f"Layer {layer} has two {role} artifacts (the second from {uri}).",
                                             "pass one bundle per kind.")
             target[layer] = obj
-        if auto or p_auto:  # the chooser `runtime check` and the engine plugins use too (it refuses a lone p_auto)
-            c_layers, p_layers = decode_settings(settings.get("candidates"), settings.get("prefilter", PREFILTER), loaded,
-                                                 geometry_from_config(model.config).topk, 0, recall_target)
+        if settings.decode.auto:  # the chooser `runtime check` and the engine plugins use too
+            c_layers, p_layers = decode_settings(settings.decode, loaded, topk)
             chosen.update(c_layers)
             factors.update(p_layers)
-    if auto:
-        settings["candidates"] = chosen
-    if p_auto:
-        settings["prefilter"] = factors
-    return ServedIndex(model, decode, prefill, basis=basis, device=dev, reuse=reuse, **settings)
+    if settings.decode.auto:
+        decode = settings.decode
+        settings = replace(settings, decode=replace(
+            decode, candidates=chosen if decode.candidates == "auto" else decode.candidates,
+            prefilter=factors if decode.prefilter == "auto" else decode.prefilter))
+    return ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)

@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def loaded_models():
     """One loaded instance per preset for the whole session (loading takes ~0.1 s, but keeps tests short)."""
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     return {ref: load_model(ref) for ref in PRESETS}
 

@@ -4,7 +4,6 @@ import functools
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 PRESETS = ("preset:tiny-v32", "preset:tiny-glm5", "preset:tiny-v4")
 
@@ -117,9 +116,9 @@ def reference_pq_codebooks() -> dict:
     """Plain PQ32 codebooks (8 torch Lloyd rounds) per layer of the reference checkpoint, trained on its
     index keys of 3,000 bytes of a text no test prompt reads: layer -> [32, 256, 4] float32 tensor. Computed
     once per test session (the 3,000-token forward is most of the cost) and shared by the runtime tests."""
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
     from dsaindex.pq import PQSpec
-    from dsaindex.train.pq import train_codebooks
+    from dsaindex.train.codebooks import train_codebooks
 
     net = load_model("reference-v1", dtype="float32").model
     keys = model_index_keys(net, reference_bytes(20_000, 3000))
@@ -156,11 +155,72 @@ def v2_corpus(folder):
     import json
     import shutil
 
-    from dsaindex.pipelines import reference_train as rt
+    from dsaindex.pipelines.capture.models import REFERENCE_DIR
 
     folder.mkdir()
-    shutil.copy(Path(rt.__file__).resolve().parent / "reference_model_v2" / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(REFERENCE_DIR / "tokenizer.json", folder / "tokenizer.json")
     for split, words in (("train", "alpha beta"), ("heldout", "It was a bright cold day in April")):
         docs = [{"source": "text", "title": str(i), "text": f"{words} {i}. " * 40} for i in range(2)]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return folder
+
+
+def serve(uris, model, served=None, name=None, device=None, **options):
+    """:func:`dsaindex.runtime.serving.serve_index` with the settings given as flat keywords
+    (:meth:`dsaindex.runtime.settings.ServeSettings.of`)."""
+    from dsaindex.runtime.serving import serve_index
+    from dsaindex.runtime.settings import ServeSettings
+
+    return serve_index(uris, model, ServeSettings.of(**options), name=name, device=device, served=served)
+
+
+def tiny_reference_model(seed: int = 0, topk: int = 8):
+    """A fresh tiny reference-geometry model (fp32) keeping ``topk`` keys."""
+    from dsaindex.pipelines.capture.presets import TINY_REFERENCE_CONFIG, reference_config
+    from dsaindex.pipelines.reference.forward import build_model
+
+    config = reference_config(TINY_REFERENCE_CONFIG, index_topk=topk)
+    return build_model(config, seed=seed)
+
+
+def peaked_main_attention(model, factor: float = 8.0) -> None:
+    """Scale the main attention's query/key projections so its distribution is far from uniform
+    (a fresh model attends almost uniformly, which leaves the indexer nothing to learn)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(factor)
+            layer.self_attn.kv_b_proj.weight.mul_(factor)
+
+
+def trained_looking_model():
+    """A tiny model whose main attention is peaked and whose indexer weights are spread (few score ties)."""
+    import torch
+
+    from dsaindex.pipelines.reference.forward import indexer_parameters
+
+    model = tiny_reference_model(topk=8).eval()
+    peaked_main_attention(model)
+    with torch.no_grad():
+        for p in indexer_parameters(model):
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def tiny_reference_corpus(folder):
+    """A corpus folder as `dsaindex reference corpus` writes it: documents, a BPE tokenizer (384 entries)."""
+    import json
+
+    from dsaindex.pipelines.capture.tokens import list_python_files
+    from dsaindex.pipelines.reference.corpus import train_tokenizer
+
+    folder.mkdir()
+    files = [p for k, p in list_python_files() if k.startswith("stdlib/")][:60]
+    docs = [{"source": "code", "title": p.name, "text": p.read_text(errors="replace")} for p in files]
+    for name, part in (("train", docs[:50]), ("heldout", docs[50:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in part))
+    train_tokenizer(lambda: (d["text"] for d in docs[:50]), 384, folder / "tokenizer.json")
+    (folder / "corpus.json").write_text(json.dumps({"sources": []}))
     return folder

@@ -19,7 +19,7 @@ def store_and_bundle(tmp_path_factory):
 
 
 def test_recall_of_the_batched_path_on_held_out_queries(store_and_bundle):
-    from dsaindex.pipelines.bench_decode import recall_on_store
+    from dsaindex.pipelines.bench.decode import recall_on_store
 
     # the kernels' torch references (the kernels are compared with them in test_kernel_select.py)
     store, bundle = store_and_bundle
@@ -39,7 +39,7 @@ def test_recall_of_the_batched_path_on_held_out_queries(store_and_bundle):
 
 
 def test_markdown_table_lists_every_case():
-    from dsaindex.pipelines.bench_decode import markdown_table
+    from dsaindex.pipelines.bench.decode import markdown_table
 
     row = {"batch": 8, "keys": 262144, "median_ms": {"pq_warm": 0.5, "pq_cold": 0.9, "pq_direct": 0.45,
                                                    "triton_fp8_logits": 0.8,
@@ -59,7 +59,7 @@ def test_markdown_table_lists_every_case():
 
 
 def test_direct_break_even_is_the_largest_batch_up_to_which_direct_wins():
-    from dsaindex.pipelines.bench_decode import direct_break_even
+    from dsaindex.pipelines.bench.decode import direct_break_even
 
     def row(b, n, warm, direct):
         return {"batch": b, "keys": n, "median_ms": {"pq_warm": warm, "pq_direct": direct}}
@@ -96,9 +96,43 @@ def test_code_bytes_are_checked_before_any_timing():
 
 def test_pq_from_parses_batch_limits_and_names_a_bad_item():
     from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.bench_decode import parse_batch_limits
+    from dsaindex.pipelines.bench.decode import parse_batch_limits
 
     assert parse_batch_limits("32:262144, 64:131072") == {32: 262144, 64: 131072}
     assert parse_batch_limits("") == {}
     with pytest.raises(DsaIndexError, match="'32-262144' is not BATCH:KEYS"):
         parse_batch_limits("32-262144")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_torch_exact_baseline_in_bf16_agrees_with_the_core_score(seed):
+    import torch
+
+    from dsaindex.pipelines.bench.decode import torch_exact_scores
+    from dsaindex.score import indexer_scores
+
+    g = torch.Generator().manual_seed(seed)
+    b, n, h, d = 3, 200, 8, 32
+    keys = torch.randn(b, n, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(b, h, d, generator=g).to(torch.bfloat16)
+    w = torch.rand(b, h, generator=g) * h**-0.5 * d**-0.5
+    got = torch_exact_scores(keys, q, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (b, n)
+    # one query per request: the core's [1, H, D] x [N, D] score of each request, in fp32
+    want = torch.stack([indexer_scores(q[i : i + 1], keys[i], w[i : i + 1])[0] for i in range(b)])
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-5)  # bf16 tolerances
+
+
+@pytest.mark.gpu
+def test_torch_exact_baseline_is_the_step_it_replaced_on_the_gpu():
+    """The timed baseline's scores are bit for bit the inline expression ``bench decode`` timed before."""
+    import torch
+
+    from dsaindex.pipelines.bench.decode import torch_exact_scores
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    keys = torch.randn(2, 4096, 128, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(2, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(2, 64, device="cuda", generator=g) * 64**-0.5 * 128**-0.5
+    before = (torch.relu(torch.bmm(keys, q.transpose(1, 2))) @ w.to(torch.bfloat16).unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(torch_exact_scores(keys, q, w), before)

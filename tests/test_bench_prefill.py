@@ -6,7 +6,7 @@ from helpers import run_cli
 
 
 def test_prefill_select_report(tmp_path):
-    from dsaindex.pipelines.bench_prefill import markdown_table, run_bench
+    from dsaindex.pipelines.bench.prefill import markdown_table, run_bench
 
     # 4,608: above the longest prefix (4,096 + a chunk of 256), the smallest budget that holds every key (on
     # the CPU the refine scores every slot of a query's candidate list, used or not)

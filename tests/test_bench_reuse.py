@@ -1,9 +1,10 @@
 """The decode-reuse benchmark's stack: its weight model, its schedules (IndexCache and the MLI lag) and
 that each layer attends the selection its schedule names, computed from the source layer's input."""
 
+import pytest
 import torch
 
-from dsaindex.pipelines.bench_reuse import Stack, _table, arms, weight_bytes
+from dsaindex.pipelines.bench.reuse import Stack, _table, arms, weight_bytes
 
 
 def test_weight_model_grows_with_the_experts_the_batch_hits():
@@ -50,3 +51,18 @@ def test_table_has_a_line_per_arm():
     lines = _table(rows).splitlines()
     assert len(lines) == 2 + 4 and lines[1] == "|" + "---|" * 8
     assert lines[3].startswith("| 1 | 1/1 | mli | 8 | 3.000 |") and lines[3].endswith("| 1.100x | 1.200x |")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_torch_indexer_selects_the_top_k_of_the_core_score(device):
+    from dsaindex.score import indexer_scores, topk_agree
+
+    stack = Stack(batch=2, context=4096, indexer="torch", device=device, scale=16)
+    x = stack.x0
+    q = ((x @ stack.wi_a) @ stack.wi_b).reshape(2, stack.index_heads, -1)
+    w = (x @ stack.wi_w).float() * (q.shape[1] * q.shape[2]) ** -0.5
+    chosen = stack.select(x)
+    for b in range(2):
+        scores = indexer_scores(q[b : b + 1], stack.keys[b], w[b : b + 1]).cpu()
+        want = scores.topk(stack.topk, dim=1).indices
+        assert topk_agree(scores, chosen[b : b + 1].cpu(), want).all()  # ties at the k-th score aside

@@ -13,8 +13,8 @@ import torch
 
 from dsaindex.artifacts.capture_store import CaptureSettings, CaptureStore, QuerySampling, SequenceBatch
 from dsaindex.geometry import geometry_from_config
-from dsaindex.pipelines.capture import SequenceCapturer, capture, sample_query_positions
-from dsaindex.pipelines.corpus import CorpusSpec
+from dsaindex.pipelines.capture.corpus import CorpusSpec
+from dsaindex.pipelines.capture.run import SequenceCapturer, capture, sample_query_positions
 from dsaindex.quant import hadamard_matrix
 from dsaindex.score import indexer_scores
 from helpers import PRESETS, text_corpus

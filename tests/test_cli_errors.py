@@ -205,7 +205,7 @@ def test_ctrl_c_reports_what_was_kept_and_exits_130(tmp_path):
 def test_cuda_out_of_memory_names_the_chunk_len(tmp_path, monkeypatch):
     import torch
 
-    from dsaindex.pipelines import capture
+    from dsaindex.pipelines.capture import run as capture
 
     def out_of_memory(self, *args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
@@ -224,7 +224,7 @@ def test_cuda_out_of_memory_names_the_chunk_len(tmp_path, monkeypatch):
 
 # ---- 7, 8. help and quiet model loads ---------------------------------------------------------------------
 def test_capture_help_lists_every_preset():
-    from dsaindex.pipelines.presets import PRESETS
+    from dsaindex.pipelines.capture.presets import PRESETS
 
     env = dict(os.environ, COLUMNS="250")
     proc = subprocess.run([sys.executable, "-m", "dsaindex", "capture", "--help"], capture_output=True, text=True,

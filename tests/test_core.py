@@ -95,7 +95,7 @@ def test_hadamard_basis_keeps_scores():
 
 
 def test_geometry_of_presets():
-    from dsaindex.pipelines.models import preset_config
+    from dsaindex.pipelines.capture.models import preset_config
 
     v32 = geometry_from_config(preset_config("tiny-v32"))
     assert (v32.family, v32.indexer_layers, v32.n_heads, v32.head_dim, v32.key_stride) == (
@@ -118,3 +118,20 @@ def test_geometry_refuses_non_dsa_models():
         geometry_from_config({"model_type": "glm_moe_dsa", "num_hidden_layers": 2, "index_n_heads": 4,
                               "index_head_dim": 64, "index_topk": 8, "qk_rope_head_dim": 16,
                               "indexer_types": ["shared", "shared"]})
+
+
+def test_batched_index_scores_is_the_exact_score_per_batch_row():
+    """The chunked, differentiable form the trainers and distillation use is the oracle's score."""
+    import torch
+
+    from dsaindex.score import batched_index_scores, indexer_scores
+
+    g = torch.Generator().manual_seed(3)
+    q, k, w = torch.randn(3, 7, 5, 16, generator=g), torch.randn(3, 19, 16, generator=g), torch.randn(3, 7, 5, generator=g)
+    got = batched_index_scores(q, k, w)
+    assert got.shape == (3, 7, 19) and got.dtype == torch.float32
+    for b in range(3):
+        torch.testing.assert_close(got[b], indexer_scores(q[b], k[b], w[b]))
+    q.requires_grad_(True)
+    batched_index_scores(q, k, w).sum().backward()  # gradients reach the queries
+    assert q.grad is not None and q.grad.abs().sum() > 0

@@ -2,7 +2,6 @@
 quality is measured as served, and the overlay loads onto its own checkpoint only."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,9 @@ TOPK = 16
 
 @pytest.fixture(scope="module")
 def reference():
-    from dsaindex.pipelines.models import load_model
-    from dsaindex.pipelines.reference_train import build_token_streams, heldout_windows, set_index_topk
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
+    from dsaindex.pipelines.capture.tokens import build_token_streams, heldout_windows
 
     loaded = load_model("reference-v1", dtype="float32")
     set_index_topk(loaded.model, TOPK)
@@ -25,14 +25,14 @@ def reference():
 
 
 def test_distillation_moves_only_the_kept_indexers_and_lowers_the_union_kl(reference):
-    from dsaindex.pipelines.indexer_distill import distill, distill_loss
+    from dsaindex.pipelines.capture.indexer_distill import distill, distill_loss
 
     loaded, train, ids, _ = reference
     net = loaded.model
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     sources = [0, 0, 2, 2]  # layers 0 and 2 keep their indexer; 1 and 3 reuse them
     g = torch.Generator().manual_seed(5)
-    from dsaindex.pipelines.reference_train import sample_windows
+    from dsaindex.pipelines.capture.tokens import sample_windows
 
     probe, _ = sample_windows(train, 2, 96, g)
     with torch.no_grad():
@@ -52,8 +52,8 @@ def test_distillation_moves_only_the_kept_indexers_and_lowers_the_union_kl(refer
 def test_the_selected_objective_targets_the_served_layers_own_top_k(reference):
     """``selected``: the target is the served layers' attention on the union of their own top-k only; it
     trains (the loss falls) and differs from the dense target's loss."""
-    from dsaindex.pipelines.indexer_distill import distill, distill_loss
-    from dsaindex.pipelines.reference_train import sample_windows
+    from dsaindex.pipelines.capture.indexer_distill import distill, distill_loss
+    from dsaindex.pipelines.capture.tokens import sample_windows
 
     loaded, train, _, _ = reference
     net = loaded.model
@@ -73,7 +73,7 @@ def test_the_selected_objective_targets_the_served_layers_own_top_k(reference):
 
 
 def test_plan_quality_attends_the_source_layers_selection(reference):
-    from dsaindex.pipelines.indexer_distill import plan_forward_loss, plan_quality
+    from dsaindex.pipelines.capture.indexer_distill import plan_forward_loss, plan_quality
 
     loaded, _, ids, labels = reference
     net = loaded.model
@@ -83,7 +83,7 @@ def test_plan_quality_attends_the_source_layers_selection(reference):
     assert shared["retained_recall"][0] == 1.0 and min(shared["retained_recall"][1:]) < 1.0
     assert shared["bits_per_byte"] != own["bits_per_byte"]
     # every layer its own indexer at top-k covering every key is the dense model
-    from dsaindex.pipelines.reference_eval import bits_per_byte
+    from dsaindex.pipelines.reference.eval import bits_per_byte
 
     dense = bits_per_byte(net, ids, labels, index_topk=96)
     loss, _ = plan_forward_loss(net, ids, labels, [0, 1, 2, 3], 96)
@@ -100,8 +100,12 @@ def test_plan_quality_attends_the_source_layers_selection(reference):
 
 def test_overlay_loads_onto_its_checkpoint_only(reference, tmp_path):
     from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.indexer_distill import apply_overlay, kept_indexer_parameters, write_overlay
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.indexer_distill import (
+        apply_overlay,
+        kept_indexer_parameters,
+        write_overlay,
+    )
+    from dsaindex.pipelines.capture.models import load_model
 
     loaded, _, _, _ = reference
     net = loaded.model
@@ -154,9 +158,10 @@ def test_cli_distills_for_a_trained_plan(tmp_path):
 def test_a_checkpoint_with_its_own_tokenizer_distills_on_its_corpus(tmp_path):
     """The v2 reference (BPE tokens): without --corpus the command refuses rather than train on byte tokens;
     with the corpus's tokens it trains, and bits per byte count the corpus's bytes per token."""
-    from dsaindex.pipelines import reference_train as rt
+    from dsaindex.pipelines.capture.models import REFERENCE_DIR
+    from dsaindex.pipelines.capture.tokens import corpus_token_streams, heldout_windows
 
-    v2 = str(Path(rt.__file__).resolve().parent / "reference_model_v2")
+    v2 = str(REFERENCE_DIR)
     store, bundle = tmp_path / "store", tmp_path / "bundle"
     proc = run_cli("capture", str(store), "-m", v2, "-n", "3", "--seq-len", "256", "--device", "cpu", "--no-progress")
     assert proc.returncode == 0, proc.stderr
@@ -173,12 +178,12 @@ def test_a_checkpoint_with_its_own_tokenizer_distills_on_its_corpus(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     # the held-out windows in the corpus's tokens, begun by its own BOS; bits per token over bytes per token
-    from dsaindex.pipelines.indexer_distill import plan_quality
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.indexer_distill import plan_quality
+    from dsaindex.pipelines.capture.models import load_model
 
-    streams, vocab = rt.corpus_token_streams(corpus)
+    streams, vocab = corpus_token_streams(corpus)
     assert vocab.bytes_per_token > 2  # BPE: a token holds several bytes
-    ids, labels = rt.heldout_windows(torch.from_numpy(streams.heldout), 64, 2, vocab.bos)
+    ids, labels = heldout_windows(torch.from_numpy(streams.heldout), 64, 2, vocab.bos)
     net = load_model(v2, device="cpu", dtype="float32").model
     per_token = plan_quality(net, ids, labels, [0, 1, 2, 3], TOPK)["bits_per_byte"]
     assert result["unmodified"]["bits_per_byte"] == pytest.approx(per_token / vocab.bytes_per_token, rel=1e-3)

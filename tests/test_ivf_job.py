@@ -81,11 +81,11 @@ def test_a_pq_bundle_is_refused_as_ivf(trained, tmp_path):
 def test_runtime_loader_learns_the_ivf_kind(trained):
     import json as _json
 
-    from dsaindex.pipelines.models import preset_config
-    from dsaindex.runtime import IVFLayer, load
+    from dsaindex.pipelines.capture.models import preset_config
+    from dsaindex.runtime import IVFLayer, load_bundle
 
     root, store, bundle, result = trained
-    loaded = load(bundle, preset_config("tiny-v32"))
+    loaded = load_bundle(bundle, preset_config("tiny-v32"))
     assert all(isinstance(v, IVFLayer) for v in loaded.layers.values()) and sorted(loaded.layers) == [0, 1, 2, 3]
     assert loaded.layers[0].settings.window == 256 and loaded.layers[0].params["out_weight"].shape == (128, 256)
     summary = loaded.summary()
@@ -127,13 +127,13 @@ def test_prefill_indexer_routes_with_the_loaded_encoder(trained):
     import torch
 
     from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.models import preset_config
-    from dsaindex.runtime import load
+    from dsaindex.pipelines.capture.models import preset_config
+    from dsaindex.runtime import load_bundle
     from dsaindex.runtime.causal_ivf import CausalIVF, representatives
     from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer, select_chunk
 
     root, store, bundle, result = trained
-    layer = load(bundle, preset_config("tiny-v32")).layers[0]
+    layer = load_bundle(bundle, preset_config("tiny-v32")).layers[0]
     g = torch.Generator().manual_seed(0)
     params = dict(layer.params)
     params["out_bias"] = params["out_bias"] + torch.randn(params["out_bias"].shape, generator=g)  # reps != means

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsaindex.geometry import geometry_from_config, visible_key_count
-from dsaindex.pipelines.hooks import IndexerTap
+from dsaindex.pipelines.capture.tap import IndexerTap
 from dsaindex.score import causal_topk, indexer_scores, topk_agree
 from helpers import PRESETS
 

@@ -34,7 +34,7 @@ def clustered(n, g):
 
 
 def codec(seed=0):
-    from dsaindex.train.pq import train_codebooks
+    from dsaindex.train.codebooks import train_codebooks
 
     keys = clustered(3000, torch.Generator().manual_seed(seed))
     return PQCodec(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=8), "torch", 6))
@@ -343,7 +343,7 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps(opq):
 # ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
 def opq_codec(seed=0):
     from dsaindex.pq import rotate
-    from dsaindex.train.pq import train_codebooks, train_rotation
+    from dsaindex.train.codebooks import train_codebooks, train_rotation
 
     keys = clustered(3000, torch.Generator().manual_seed(seed))
     spec = PQSpec(dim=D, subspaces=8)

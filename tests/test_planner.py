@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dsaindex.errors import DsaIndexError, UnsupportedModelError
-from dsaindex.pipelines.plan_cli import plan_app
+from dsaindex.pipelines.commands.plan import plan_app
 from dsaindex.runtime.planner import (
     INDEX_MODES,
-    PRESETS,
+    MODEL_SHAPES,
     Machine,
     admission,
     break_even_chunk,
@@ -24,7 +24,7 @@ from dsaindex.runtime.planner import (
     wait_time,
 )
 
-V32 = PRESETS["deepseek-v3.2"]
+V32 = MODEL_SHAPES["deepseek-v3.2"]
 MILLION = 1 << 20
 PREFIX = MILLION - 4096  # the last 4K chunk of a 1M-token prefill
 
@@ -118,7 +118,7 @@ def test_ivf_prefill_trades_the_logits_scratch_for_its_index_state():
 def test_parameter_counts_match_the_published_sizes():
     # 671B: V3's main model (V3.2 adds a 0.85B indexer; the 14B MTP module is not counted)
     assert abs(parameter_count(V32) / 671e9 - 1) < 0.05, parameter_count(V32)
-    assert abs(parameter_count(PRESETS["glm-5"]) / 744e9 - 1) < 0.05, parameter_count(PRESETS["glm-5"])
+    assert abs(parameter_count(MODEL_SHAPES["glm-5"]) / 744e9 - 1) < 0.05, parameter_count(MODEL_SHAPES["glm-5"])
 
 
 def test_presets_are_the_transformers_defaults():
@@ -126,7 +126,7 @@ def test_presets_are_the_transformers_defaults():
 
     for name, cls in (("deepseek-v3.2", transformers.DeepseekV32Config),
                       ("glm-5", transformers.GlmMoeDsaConfig)):
-        assert model_from_config(cls().to_dict(), name=name) == PRESETS[name]
+        assert model_from_config(cls().to_dict(), name=name) == MODEL_SHAPES[name]
 
 
 def test_config_without_an_indexer_or_of_another_family_is_refused():

@@ -6,7 +6,7 @@ import torch
 from dsaindex.errors import DsaIndexError
 from dsaindex.pq import PQSpec, decode, encode, quantization_mse, relative_mse
 from dsaindex.score import indexer_scores
-from dsaindex.train.pq import score_gradient_metric, train_codebooks
+from dsaindex.train.codebooks import score_gradient_metric, train_codebooks
 from dsaindex.train.recall import HeldOut, band_rows, evaluate_selection, prefix_band, split_sequences
 
 

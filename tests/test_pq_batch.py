@@ -32,7 +32,7 @@ def clustered(n, g):
 def layer(seed=0):
     """A PQ32 codec of the clustered keys (trained once per seed; tests only read it)."""
     from dsaindex.pq import PQSpec
-    from dsaindex.train.pq import train_codebooks
+    from dsaindex.train.codebooks import train_codebooks
 
     keys = clustered(4000, torch.Generator().manual_seed(seed))
     return PQCodec(codebooks=train_codebooks(keys, PQSpec(dim=D, subspaces=32), "torch", 6))
@@ -318,7 +318,7 @@ def test_policy_per_batch_size_sends_large_batches_to_pq():
 def opq_layer(seed=0):
     """An OPQ codec trained on the clustered keys: rotation first, then codebooks of the rotated keys."""
     from dsaindex.pq import PQSpec, rotate
-    from dsaindex.train.pq import train_codebooks, train_rotation
+    from dsaindex.train.codebooks import train_codebooks, train_rotation
 
     keys = clustered(4000, torch.Generator().manual_seed(seed))
     spec = PQSpec(dim=D, subspaces=32)

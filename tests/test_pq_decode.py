@@ -9,7 +9,7 @@ from dsaindex.pq import PQCodec, PQSpec, decode, encode
 from dsaindex.quant import fp8_dequantize, fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore, HostMemoryError
 from dsaindex.score import indexer_scores
-from dsaindex.train.pq import train_codebooks
+from dsaindex.train.codebooks import train_codebooks
 
 D, H = 32, 4
 

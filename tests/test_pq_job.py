@@ -243,9 +243,9 @@ def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(t
 
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.kernels.fp8_score import fp8_topk_reference
-    from dsaindex.pipelines.models import preset_config
+    from dsaindex.pipelines.capture.models import preset_config
     from dsaindex.quant import fp8_quantize
-    from dsaindex.runtime import load
+    from dsaindex.runtime import load_bundle
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
     from dsaindex.train.recall import layer_keys
@@ -257,7 +257,7 @@ def test_train_pq_opq_writes_a_bundle_that_loads_with_its_rotation_and_selects(t
     path = tmp_path / "runs/bundles/store-opq32-sa"
     manifest, arrays = read_bundle(path)
     assert manifest.params["rotate"] is True
-    loaded = load(path, preset_config("tiny-v32"))
+    loaded = load_bundle(path, preset_config("tiny-v32"))
     for layer in manifest.layer_ids:
         assert manifest.layers[str(layer)].params["rotate"] is True
         rot = arrays[layer]["rotation"]

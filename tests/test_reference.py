@@ -9,42 +9,46 @@ import numpy as np
 import pytest
 import torch
 
-from dsaindex.pipelines import reference_train as rt
-from dsaindex.pipelines.models import REFERENCE_V1_DIR
-from dsaindex.pipelines.presets import TINY_REFERENCE_CONFIG, reference_config
+from dsaindex.indexer import mla_qkv, set_index_topk, topk_allowed
+from dsaindex.pipelines.capture import tokens
+from dsaindex.pipelines.capture.models import REFERENCE_V1_DIR
+from dsaindex.pipelines.capture.presets import BOS_ID, EOS_ID
+from dsaindex.pipelines.capture.tokens import (
+    TOKEN_CACHE,
+    build_token_streams,
+    corpus_token_streams,
+    heldout_windows,
+    is_heldout,
+    list_python_files,
+    sample_windows,
+)
+from dsaindex.pipelines.reference.checkpoint import save_checkpoint
+from dsaindex.pipelines.reference.forward import (
+    ROPE_LAYOUT,
+    chunked_attention,
+    indexer_kl_layer,
+    indexer_kl_sampled,
+    indexer_parameters,
+    main_parameters,
+    sampled_rows,
+    training_forward,
+)
+from dsaindex.pipelines.reference.stages import (
+    StageConfig,
+    configure_trainable,
+    make_optimizer,
+    run_stage,
+    train_step,
+)
+from helpers import peaked_main_attention, tiny_reference_corpus, tiny_reference_model, trained_looking_model
 
 SEQ = 64
-
-
-def _tiny_model(seed: int = 0, topk: int = 8):
-    config = reference_config(TINY_REFERENCE_CONFIG, index_topk=topk)
-    return rt.build_model(config, seed=seed)
-
-
-def _peaked_main_attention(model, factor: float = 8.0) -> None:
-    """Scale the main attention's query/key projections so its distribution is far from uniform
-    (a fresh model attends almost uniformly, which leaves the indexer nothing to learn)."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_b_proj.weight.mul_(factor)
-            layer.self_attn.kv_b_proj.weight.mul_(factor)
-
-
-def _trained_looking_model():
-    """A tiny model whose main attention is peaked and whose indexer weights are spread (few score ties)."""
-    model = _tiny_model(topk=8).eval()
-    _peaked_main_attention(model)
-    with torch.no_grad():
-        for p in rt.indexer_parameters(model):
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5)
-    return model
 
 
 def _batch(batch: int = 2, seq: int = SEQ, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, 256, (4096,), generator=g, dtype=torch.int16)
-    return rt.sample_windows(stream, batch, seq, g)
+    return sample_windows(stream, batch, seq, g)
 
 
 def _snapshot(params):
@@ -56,13 +60,13 @@ def _changed(before, params) -> list[bool]:
 
 
 def test_training_forward_matches_transformers_forward():
-    model = _tiny_model().eval()
+    model = tiny_reference_model().eval()
     ids, labels = _batch()
-    rt.set_index_topk(model, SEQ)  # dense
+    set_index_topk(model, SEQ)  # dense
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits
         ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        ours = rt.training_forward(model, ids, labels, "dense").lm
+        ours = training_forward(model, ids, labels, "dense").lm
     assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-5), (float(ours), float(ref))
 
 
@@ -70,9 +74,9 @@ def test_sparse_selection_is_causal_topk_of_the_indexer_score():
     from dsaindex.indexer import mla_indexer_tensors
     from dsaindex.score import causal_topk, indexer_scores
 
-    model = _tiny_model().eval()
+    model = tiny_reference_model().eval()
     with torch.no_grad():  # spread the indexer weights so scores have few ties at zero
-        for p in rt.indexer_parameters(model):
+        for p in indexer_parameters(model):
             if p.dim() == 2:
                 p.normal_(0.0, 0.5)
     ids, _ = _batch(batch=1)
@@ -82,9 +86,9 @@ def test_sparse_selection_is_causal_topk_of_the_indexer_score():
         h = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(h, torch.arange(SEQ)[None])
         x = layer.input_layernorm(h)
-        q, k, _, q_resid = rt.mla_qkv(attn, x, cos, sin)
-        kl, allowed = rt.indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, 8, 16)
-        keys, queries, weights = mla_indexer_tensors(attn.indexer, rt.ROPE_LAYOUT, x, q_resid, cos, sin)
+        q, k, _, q_resid = mla_qkv(attn, x, cos, sin)
+        kl, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, 8, 16)
+        keys, queries, weights = mla_indexer_tensors(attn.indexer, ROPE_LAYOUT, x, q_resid, cos, sin)
         scores = indexer_scores(queries[0], keys[0], weights[0])
         _, idx = causal_topk(scores, torch.arange(SEQ), 8)
     assert allowed.shape == (1, SEQ, SEQ)
@@ -102,20 +106,20 @@ def test_sparse_selection_is_causal_topk_of_the_indexer_score():
 
 def test_warmup_trains_only_the_indexers_and_kl_decreases():
     torch.manual_seed(0)
-    model = _tiny_model()
-    _peaked_main_attention(model)
+    model = tiny_reference_model()
+    peaked_main_attention(model)
     ids, labels = _batch()
-    cfg = rt.StageConfig("warmup", "warmup", batch=2, seq_len=SEQ, lr=1e-2, warmup_steps=1, query_chunk=16)
-    main, idx = rt.main_parameters(model), rt.indexer_parameters(model)
+    cfg = StageConfig("warmup", "warmup", batch=2, seq_len=SEQ, lr=1e-2, warmup_steps=1, query_chunk=16)
+    main, idx = main_parameters(model), indexer_parameters(model)
     main_before, idx_before = _snapshot(main), _snapshot(idx)
     with torch.no_grad():
-        kl_start = float(rt.training_forward(model, ids, labels, "warmup", query_chunk=16).kl)
-    optimizer = rt.make_optimizer(model, cfg)
+        kl_start = float(training_forward(model, ids, labels, "warmup", query_chunk=16).kl)
+    optimizer = make_optimizer(model, cfg)
     assert all(not p.requires_grad for p in main) and all(p.requires_grad for p in idx)
     for _ in range(8):
-        rt.train_step(model, optimizer, ids, labels, cfg)
+        train_step(model, optimizer, ids, labels, cfg)
     with torch.no_grad():
-        kl_end = float(rt.training_forward(model, ids, labels, "warmup", query_chunk=16).kl)
+        kl_end = float(training_forward(model, ids, labels, "warmup", query_chunk=16).kl)
     assert kl_start > 1e-3, "the target attention should not be uniform"
     assert kl_end < 0.8 * kl_start, (kl_start, kl_end)
     assert not any(_changed(main_before, main)), "warm-up changed a main-model parameter"
@@ -124,15 +128,15 @@ def test_warmup_trains_only_the_indexers_and_kl_decreases():
 
 
 def test_dense_stage_leaves_indexers_untouched():
-    model = _tiny_model()
+    model = tiny_reference_model()
     ids, labels = _batch()
-    cfg = rt.StageConfig("dense", "dense", batch=2, seq_len=SEQ, lr=1e-2, warmup_steps=1)
-    main, idx = rt.main_parameters(model), rt.indexer_parameters(model)
+    cfg = StageConfig("dense", "dense", batch=2, seq_len=SEQ, lr=1e-2, warmup_steps=1)
+    main, idx = main_parameters(model), indexer_parameters(model)
     main_before, idx_before = _snapshot(main), _snapshot(idx)
-    optimizer = rt.make_optimizer(model, cfg)
-    first = float(rt.train_step(model, optimizer, ids, labels, cfg).lm)
+    optimizer = make_optimizer(model, cfg)
+    first = float(train_step(model, optimizer, ids, labels, cfg).lm)
     for _ in range(4):
-        last = float(rt.train_step(model, optimizer, ids, labels, cfg).lm)
+        last = float(train_step(model, optimizer, ids, labels, cfg).lm)
     assert last < first
     assert not any(_changed(idx_before, idx))
     assert all(_changed(main_before, [p for p in main]))
@@ -140,10 +144,10 @@ def test_dense_stage_leaves_indexers_untouched():
 
 def test_sparse_stage_trains_both_and_indexer_kl_decreases():
     torch.manual_seed(0)
-    model = _tiny_model(topk=8)
-    _peaked_main_attention(model)
+    model = tiny_reference_model(topk=8)
+    peaked_main_attention(model)
     ids, labels = _batch()
-    cfg = rt.StageConfig(
+    cfg = StageConfig(
         "sparse",
         "sparse",
         batch=2,
@@ -154,26 +158,26 @@ def test_sparse_stage_trains_both_and_indexer_kl_decreases():
         topk=8,
         query_chunk=16,
     )
-    main, idx = rt.main_parameters(model), rt.indexer_parameters(model)
+    main, idx = main_parameters(model), indexer_parameters(model)
     main_before, idx_before = _snapshot(main), _snapshot(idx)
-    optimizer = rt.make_optimizer(model, cfg)
-    kls = [float(rt.train_step(model, optimizer, ids, labels, cfg).kl) for _ in range(8)]
+    optimizer = make_optimizer(model, cfg)
+    kls = [float(train_step(model, optimizer, ids, labels, cfg).kl) for _ in range(8)]
     assert kls[-1] < kls[0], kls
     assert any(_changed(main_before, main)) and any(_changed(idx_before, idx))
 
 
 def test_lm_loss_does_not_reach_indexer_and_kl_does_not_reach_main_model():
-    model = _tiny_model(topk=8)
-    _peaked_main_attention(model)
+    model = tiny_reference_model(topk=8)
+    peaked_main_attention(model)
     ids, labels = _batch()
-    rt.configure_trainable(model, "sparse")
-    res = rt.training_forward(model, ids, labels, "sparse", topk=8, query_chunk=16)
+    configure_trainable(model, "sparse")
+    res = training_forward(model, ids, labels, "sparse", topk=8, query_chunk=16)
     res.lm.backward(retain_graph=True)
-    assert all(p.grad is None or not p.grad.any() for p in rt.indexer_parameters(model))
+    assert all(p.grad is None or not p.grad.any() for p in indexer_parameters(model))
     model.zero_grad(set_to_none=True)
     res.kl.backward()
-    assert all(p.grad is None or not p.grad.any() for p in rt.main_parameters(model))
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in rt.indexer_parameters(model))
+    assert all(p.grad is None or not p.grad.any() for p in main_parameters(model))
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in indexer_parameters(model))
 
 
 def test_split_holds_out_whole_files(tmp_path):
@@ -182,25 +186,25 @@ def test_split_holds_out_whole_files(tmp_path):
         p = tmp_path / f"m{i}.py"
         p.write_text(f"x = {i}\n" * 3)
         files.append((f"stdlib/m{i}.py", p))
-    streams = rt.build_token_streams(10**6, 10**6, heldout_percent=10.0, files=files)
-    held = {k for k, _ in files if rt.is_heldout(k, 10.0)}
+    streams = build_token_streams(10**6, 10**6, heldout_percent=10.0, files=files)
+    held = {k for k, _ in files if is_heldout(k, 10.0)}
     assert 5 <= len(held) <= 40
     assert streams.info["heldout_files"] == len(held)
     assert streams.info["train_files"] == 200 - len(held)
-    assert rt.is_heldout("stdlib/os.py", 10.0) == rt.is_heldout("stdlib/os.py", 10.0)
-    eos = rt.EOS_ID
+    assert is_heldout("stdlib/os.py", 10.0) == is_heldout("stdlib/os.py", 10.0)
+    eos = EOS_ID
     assert int((torch.from_numpy(streams.heldout) == eos).sum()) == len(held)
-    ids, labels = rt.heldout_windows(torch.from_numpy(streams.heldout), 16, 3)
-    assert ids.shape == (3, 16) and int(ids[0, 0]) == rt.BOS_ID and torch.equal(ids[:, 1:], labels[:, :-1])
+    ids, labels = heldout_windows(torch.from_numpy(streams.heldout), 16, 3)
+    assert ids.shape == (3, 16) and int(ids[0, 0]) == BOS_ID and torch.equal(ids[:, 1:], labels[:, :-1])
 
 
 def test_evaluation_on_a_saved_tiny_checkpoint(tmp_path):
-    from dsaindex.pipelines.reference_eval import attention_coverage, evaluate
-    from dsaindex.pipelines.reference_train import load_checkpoint
+    from dsaindex.pipelines.reference.eval import attention_coverage, evaluate
+    from dsaindex.pipelines.reference.forward import load_checkpoint
 
-    model = _tiny_model(topk=8)
-    _peaked_main_attention(model)
-    rt.save_checkpoint(model, tmp_path, index_topk=8)
+    model = tiny_reference_model(topk=8)
+    peaked_main_attention(model)
+    save_checkpoint(model, tmp_path, index_topk=8)
     loaded = load_checkpoint(tmp_path)
     assert loaded.config.index_topk == 8
     stream = _batch(batch=1, seq=1024)[0].reshape(-1)
@@ -221,10 +225,10 @@ def test_evaluation_on_a_saved_tiny_checkpoint(tmp_path):
 def test_cli_train_and_eval_tiny(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dsaindex.pipelines.reference_cli import reference_app
+    from dsaindex.pipelines.commands.reference import reference_app
 
-    src = [(k, p) for k, p in rt.list_python_files() if k.startswith("stdlib/")][:400]
-    monkeypatch.setattr(rt, "list_python_files", lambda: src)  # a small corpus keeps the test short
+    src = [(k, p) for k, p in list_python_files() if k.startswith("stdlib/")][:400]
+    monkeypatch.setattr(tokens, "list_python_files", lambda: src)  # a small corpus keeps the test short
 
     out = tmp_path / "ckpt"
     args = "train --tiny --device cpu --seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 1 --sparse-steps 1"
@@ -268,10 +272,10 @@ def test_cli_continues_a_saved_checkpoint(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from dsaindex.pipelines.reference_cli import reference_app
+    from dsaindex.pipelines.commands.reference import reference_app
 
-    src = [(k, p) for k, p in rt.list_python_files() if k.startswith("stdlib/")][:200]
-    monkeypatch.setattr(rt, "list_python_files", lambda: src)
+    src = [(k, p) for k, p in list_python_files() if k.startswith("stdlib/")][:200]
+    monkeypatch.setattr(tokens, "list_python_files", lambda: src)
     common = ("--tiny --device cpu --seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 2 --sparse-steps 1 "
               "--dense-batch 2 --warmup-batch 1 --sparse-batch 1 --max-train-mb 0.2 --max-heldout-mb 0.05 "
               "--query-chunk 32 --no-eval").split()
@@ -379,27 +383,13 @@ def model_topk() -> int:
     return json.loads((REFERENCE_V1_DIR / "config.json").read_text())["index_topk"]
 
 
-def _tiny_corpus(folder):
-    """A corpus folder as `dsaindex reference corpus` writes it: documents, a BPE tokenizer (384 entries)."""
-    from dsaindex.pipelines.reference_corpus import train_tokenizer
-
-    folder.mkdir()
-    files = [p for k, p in rt.list_python_files() if k.startswith("stdlib/")][:60]
-    docs = [{"source": "code", "title": p.name, "text": p.read_text(errors="replace")} for p in files]
-    for name, part in (("train", docs[:50]), ("heldout", docs[50:])):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in part))
-    train_tokenizer(lambda: (d["text"] for d in docs[:50]), 384, folder / "tokenizer.json")
-    (folder / "corpus.json").write_text(json.dumps({"sources": []}))
-    return folder
-
-
 def test_v2_data_is_the_corpus_tokenized_and_cached(tmp_path):
     import shutil
 
     from tokenizers import Tokenizer
 
-    corpus = _tiny_corpus(tmp_path / "corpus")
-    streams, vocab = rt.corpus_token_streams(corpus)
+    corpus = tiny_reference_corpus(tmp_path / "corpus")
+    streams, vocab = corpus_token_streams(corpus)
     tok = Tokenizer.from_file(str(corpus / "tokenizer.json"))
     assert (vocab.size, vocab.bos, vocab.eos) == (tok.get_vocab_size(), tok.token_to_id("<|bos|>"),
                                                   tok.token_to_id("<|eos|>"))
@@ -411,22 +401,22 @@ def test_v2_data_is_the_corpus_tokenized_and_cached(tmp_path):
     # a folder carried without its text: the tokens cache alone
     bare = tmp_path / "bare"
     bare.mkdir()
-    for name in ("tokenizer.json", rt.TOKEN_CACHE):
+    for name in ("tokenizer.json", TOKEN_CACHE):
         shutil.copy(corpus / name, bare / name)
-    again, vocab2 = rt.corpus_token_streams(bare)
+    again, vocab2 = corpus_token_streams(bare)
     assert np.array_equal(again.train, streams.train) and vocab2.bytes_per_token == vocab.bytes_per_token
-    (bare / rt.TOKEN_CACHE).unlink()
+    (bare / TOKEN_CACHE).unlink()
     with pytest.raises(Exception, match="neither its documents"):
-        rt.corpus_token_streams(bare)
+        corpus_token_streams(bare)
 
 
 def _train_on_tiny_corpus(tmp_path, options: str):
     """`reference train --tiny --device cpu OPTIONS` on a tiny corpus: (corpus, out folder, the call's args)."""
     from typer.testing import CliRunner
 
-    from dsaindex.pipelines.reference_cli import reference_app
+    from dsaindex.pipelines.commands.reference import reference_app
 
-    corpus = _tiny_corpus(tmp_path / "corpus")
+    corpus = tiny_reference_corpus(tmp_path / "corpus")
     out = tmp_path / "v2"
     args = ["train", "--tiny", "--device", "cpu", *options.split()]
     result = CliRunner().invoke(reference_app, [*args, "--corpus", str(corpus), "--out", str(out)])
@@ -438,7 +428,7 @@ def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
     from tokenizers import Tokenizer
     from typer.testing import CliRunner
 
-    from dsaindex.pipelines.reference_cli import reference_app
+    from dsaindex.pipelines.commands.reference import reference_app
 
     corpus, out, args, _ = _train_on_tiny_corpus(
         tmp_path, "--seq-len 64 --topk 8 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 --dense-batch 2 "
@@ -447,7 +437,7 @@ def test_cli_trains_on_a_v2_corpus_with_its_tokenizer(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 384 and config["max_position_embeddings"] == 2048
     assert config["rope_parameters"]["rope_theta"] == 500000
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     text = "def spam(eggs):\n    return eggs * 2\n"
     loaded = load_model(str(out))  # the checkpoint's own tokenizer, as capture reads it
@@ -490,7 +480,7 @@ def test_cli_trains_with_passkey_tasks_and_reports_their_loss(tmp_path):
     answer loss: its tasks feed the indexer KL's queries); the answer loss reaches the metrics and the card."""
     from typer.testing import CliRunner
 
-    from dsaindex.pipelines.reference_cli import reference_app
+    from dsaindex.pipelines.commands.reference import reference_app
 
     corpus, out, args, output = _train_on_tiny_corpus(
         tmp_path, "--seq-len 384 --topk 16 --dense-steps 2 --warmup-steps 1 --sparse-steps 1 --dense-batch 2 "
@@ -506,47 +496,13 @@ def test_cli_trains_with_passkey_tasks_and_reports_their_loss(tmp_path):
     assert bad.exit_code == 2 and "passkey-share" in bad.output
 
 
-def test_gates_forward_needles_and_shuffled_prefix(tmp_path):
-    """The gates' forward is the transformers forward (dense and top-k sparse); needle prompts hold every
-    statement and end with the asked value; the shuffled-prefix measure compares the same tail."""
-    from tokenizers import Tokenizer
-
-    from dsaindex.pipelines import reference_gates as rg
-
-    corpus = _tiny_corpus(tmp_path / "corpus")
-    streams, vocab = rt.corpus_token_streams(corpus)
-    config = reference_config(TINY_REFERENCE_CONFIG, vocab_size=vocab.size, bos_token_id=vocab.bos,
-                              eos_token_id=vocab.eos, pad_token_id=vocab.pad, index_topk=8)
-    model = rt.build_model(config, seed=3).eval()
-    held = torch.from_numpy(streams.heldout)
-    ids = held[:150][None].long()
-    for topk in (4096, 8):
-        rt.set_index_topk(model, topk)
-        with torch.no_grad():
-            want = model(input_ids=ids, use_cache=False).logits.float()
-        got = rg.model_logits(model, ids, None if topk == 4096 else topk)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    tok = Tokenizer.from_file(str(corpus / "tokenizer.json"))
-    prompts = rg.needle_prompts(corpus / "tokenizer.json", held, 400, 3, keys=3, bos=vocab.bos)
-    for prompt, first, n in prompts:
-        assert prompt.shape == (400,) and int(prompt[0]) == vocab.bos and first + n == 400
-        text = tok.decode(prompt.tolist())
-        asked = text.rsplit("passkey for ", 1)[1].split(" is")[0]
-        value = tok.decode(prompt[first:].tolist()).strip()
-        assert text.count("The passkey for") == 3 and f"The passkey for {asked} is {value}." in text
-    assert 0.0 <= rg.needle_accuracy(model, prompts) <= 1.0
-    gain = rg.shuffled_prefix_gain(model, held, 256, 2, bos=vocab.bos)
-    assert gain["tail"] == 64 and math.isfinite(gain["gain"]) and gain["true"] > 0
-    assert gain["gain"] == pytest.approx(gain["shuffled"] - gain["true"])
-
-
 def _layer_inputs(model, ids):
     layer = model.model.layers[0]
     attn = layer.self_attn
     h = model.model.embed_tokens(ids)
     cos, sin = model.model.rotary_emb(h, torch.arange(ids.shape[1])[None])
     x = layer.input_layernorm(h)
-    q, k, v, q_resid = rt.mla_qkv(attn, x, cos, sin)
+    q, k, v, q_resid = mla_qkv(attn, x, cos, sin)
     return attn, x, q_resid, cos, sin, q, k, v
 
 
@@ -554,24 +510,24 @@ def test_sampled_query_kl_and_chunked_attention_are_the_full_ones_on_every_row()
     """The long-context variants (KL on sampled queries, top-k for every query without gradients, masked
     attention by query chunks) equal the full computation when every row is sampled, and the sampled KL
     is the mean of the per-query KL at the sampled rows."""
-    model = _trained_looking_model()
+    model = trained_looking_model()
     ids, _ = _batch(batch=2)
     attn, x, q_resid, cos, sin, q, k, v = _layer_inputs(model, ids)
     every = torch.arange(SEQ)
     for topk in (None, 8):
-        kl, allowed = rt.indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, 16)
-        mine_allowed = None if topk is None else rt.topk_allowed(attn.indexer, x, q_resid, cos, sin, topk, 16)
+        kl, allowed = indexer_kl_layer(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, topk, 16)
+        mine_allowed = None if topk is None else topk_allowed(attn.indexer, x, q_resid, cos, sin, topk, 16)
         if topk is not None:
             assert (mine_allowed == allowed).float().mean() > 0.99
-        kl_all = rt.indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, every,
+        kl_all = indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, every,
                                        None if topk is None else allowed)
         torch.testing.assert_close(kl_all, kl, rtol=1e-4, atol=1e-6)
     # a sample: the mean over its rows of the full per-query KL (one query at a time)
-    rows = rt.sampled_rows(SEQ, 5, torch.Generator().manual_seed(2), "cpu")
+    rows = sampled_rows(SEQ, 5, torch.Generator().manual_seed(2), "cpu")
     assert rows.shape == (5,) and int(rows[-1]) == SEQ - 1 and torch.equal(rows, rows.sort().values)
-    per_row = [rt.indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, rows[i : i + 1])
+    per_row = [indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, rows[i : i + 1])
                for i in range(5)]
-    torch.testing.assert_close(rt.indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, rows),
+    torch.testing.assert_close(indexer_kl_sampled(attn.indexer, x, q_resid, cos, sin, q, k, attn.scaling, rows),
                                torch.stack(per_row).mean(), rtol=1e-4, atol=1e-6)
     # attention by query chunks, causal and top-k masked, forward and gradients
     for mask in (None, allowed):
@@ -582,7 +538,7 @@ def test_sampled_query_kl_and_chunked_attention_are_the_full_ones_on_every_row()
         grads = [t.grad.clone() for t in (qq, kk, vv)]
         for t in (qq, kk, vv):
             t.grad = None
-        got = rt.chunked_attention(qq, kk, vv, attn.scaling, mask, chunk=24)
+        got = chunked_attention(qq, kk, vv, attn.scaling, mask, chunk=24)
         got.square().sum().backward()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for a, b in zip(grads, (qq.grad, kk.grad, vv.grad), strict=True):
@@ -590,87 +546,24 @@ def test_sampled_query_kl_and_chunked_attention_are_the_full_ones_on_every_row()
 
 
 def test_long_context_stage_options_train_the_indexer_on_sampled_queries():
-    model = _tiny_model(topk=8)
-    _peaked_main_attention(model)
+    model = tiny_reference_model(topk=8)
+    peaked_main_attention(model)
     stream = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
     history: list[dict] = []
-    cfg = rt.StageConfig("sparse", "sparse", batch=2, seq_len=SEQ, lr=1e-3, max_steps=12, topk=8, query_chunk=16,
+    cfg = StageConfig("sparse", "sparse", batch=2, seq_len=SEQ, lr=1e-3, max_steps=12, topk=8, query_chunk=16,
                          kl_queries=16, attn_chunk=24, warmup_steps=2, indexer_lr=1e-2)
-    before = _snapshot(rt.indexer_parameters(model))
-    res = rt.run_stage(model, stream, cfg, torch.Generator().manual_seed(1), history, log_every=1)
-    assert res.steps == 12 and all(_changed(before, rt.indexer_parameters(model)))
+    before = _snapshot(indexer_parameters(model))
+    res = run_stage(model, stream, cfg, torch.Generator().manual_seed(1), history, log_every=1)
+    assert res.steps == 12 and all(_changed(before, indexer_parameters(model)))
     kls = [r["kl"] for r in history]
     assert all(math.isfinite(k) for k in kls) and sum(kls[-3:]) < sum(kls[:3])
-
-
-def test_committed_v2_card_reports_its_gates_and_tokenizer():
-    """The v2 checkpoint (the default `reference`) ships its tokenizer and sources, and its card renders the
-    metrics: every stage, the tokenizer, the sources table and the gates, dense and sparse, and where the
-    top-k lies beside the part IVF routes and the random-placement floor."""
-    from dsaindex.pipelines.reference_card import model_card
-
-    v2 = REFERENCE_V1_DIR.parent / "reference_model_v2"
-    if not (v2 / "metrics.json").is_file():
-        pytest.skip("the v2 checkpoint is not committed")
-    metrics = json.loads((v2 / "metrics.json").read_text())
-    card = model_card(metrics)
-    stages = metrics["training"]["earlier_stages"] + metrics["training"]["stages"]
-    assert [s["name"] for s in stages] == ["dense", "dense", "warmup", "sparse"] * 2  # two passes
-    assert card.count("\n| dense |") == 4 and card.count("| sparse | top-512 |") == 2
-    assert "passkey tasks in 50% of windows" in card and card.startswith("# dsaindex reference DSA checkpoint\n\n**Status:**")
-    assert f"byte-level BPE of {metrics['model']['vocabulary']['entries']} entries" in card
-    assert "| sotu |" in card and "| austen |" in card  # the corpus's sources table
-    g = metrics["gates"]["results"]["32768"]
-    assert f"needle accuracy {g['needle_accuracy_sparse']:.2f}" in card
-    assert f"{g['bits_per_byte_sparse'] / g['bits_per_byte_dense']:.4f} x dense" in card
-    t = metrics["gates"]["topk_structure"]["32768"]
-    assert t["random_keys_per_block"] < t["routed_keys_per_block"] < t["keys_per_block"]
-    assert f"(what IVF routes) {t['routed_keys_per_block']:.2f}" in card and "Top-k structure: `dsaindex " in card
-    config = json.loads((v2 / "config.json").read_text())
-    assert config["vocab_size"] == 8192 and (v2 / "tokenizer.json").is_file()
-    assert sum(p.stat().st_size for p in v2.glob("model*.safetensors")) < 40e6
-
-
-def test_topk_structure_coverage_is_the_evaluations_and_blocks_count_keys():
-    from dsaindex.pipelines import reference_gates as rg
-    from dsaindex.pipelines.reference_eval import attention_coverage
-
-    model = _trained_looking_model()
-    stream = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(4)).long()
-    got = rg.topk_structure(model, stream, 128, 2, topk=8, queries=16, bos=rt.BOS_ID, block=16, far=32)
-    ids, _ = rt.heldout_windows(stream, 128, 2)
-    want = attention_coverage(model, ids, 8, query_count=16)
-    for name in ("coverage", "oracle", "window"):
-        for a, b in zip((layer[name] for layer in got["layers"]), want["per_layer"][name], strict=True):
-            assert a == pytest.approx(b, abs=1e-4), name
-    assert got["queries"] == 32 and got["oracle"] >= got["coverage"]
-    for layer in got["layers"]:
-        assert 1.0 <= layer["keys_per_block"] <= 8.0 and 0.0 <= layer["far_share"] <= 1.0
-    one = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=1, far=0)
-    assert one["keys_per_block"] == pytest.approx(1.0)  # blocks of one key: one key per touched block
-    # the routed part: with no open window it is the whole top-k, with one as long as the window nothing
-    whole = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=16, open_window=0)
-    assert whole["routed_keys_per_block"] == pytest.approx(whole["keys_per_block"])
-    none = rg.topk_structure(model, stream, 128, 1, topk=8, queries=16, bos=rt.BOS_ID, block=16, open_window=128)
-    assert none["routed_keys_per_block"] == 0.0
-
-
-def test_random_keys_per_block_is_the_scattered_floor():
-    from dsaindex.pipelines.reference_gates import random_keys_per_block
-
-    assert random_keys_per_block(4096, 1) == pytest.approx(1.0)
-    assert random_keys_per_block(128, 64, block=128) == pytest.approx(64.0)  # one block holds them all
-    assert 2.2 < random_keys_per_block(32768, 512) < 2.4 < random_keys_per_block(16384, 512)
-    rng = np.random.default_rng(0)  # against sampling: k random keys of a prefix, touched blocks counted
-    picks = [np.unique(rng.choice(1000, 50, replace=False) // 16).size for _ in range(4000)]
-    assert random_keys_per_block(1000, 50, block=16) == pytest.approx(50 / np.mean(picks), rel=0.01)
 
 
 @needs_reference
 def test_the_default_reference_is_v2_and_v1_stays_loadable():
     """`reference` (the default model of capture, demo and serve) is the long-context v2 with its own BPE
     tokenizer, committed within 40 MB; `reference-v1` still names the byte-token 4K checkpoint."""
-    from dsaindex.pipelines.models import (
+    from dsaindex.pipelines.capture.models import (
         REFERENCE_DIR,
         ByteTokenizer,
         HFTokenizer,

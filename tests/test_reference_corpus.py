@@ -13,12 +13,14 @@ import shutil
 import struct
 import tarfile
 import zlib
-from pathlib import Path
 
 import pytest
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.pipelines import reference_corpus as rc
+from dsaindex.pipelines.capture.models import REFERENCE_DIR
+from dsaindex.pipelines.reference import corpus as rc
+from dsaindex.pipelines.reference import formats as rf
+from dsaindex.pipelines.reference import synthetic as rs
 from helpers import run_cli
 
 
@@ -58,7 +60,7 @@ def test_r_lazy_load_database_yields_the_character_vectors(tmp_path):
     (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(_serialized(index)))
     assert rc.read_r_strings(tmp_path / "Rdata.rdb", tmp_path / "Rdata.rdx") == books
     with pytest.raises(DsaIndexError, match="not an XDR"):
-        rc._RReader(b"RDX3\n")
+        rf._RReader(b"RDX3\n")
 
 
 def _npm_tarball(path, files):
@@ -108,20 +110,20 @@ def test_dictionary_entries_are_grouped_by_letter_with_their_cross_references(tm
 def test_synthetic_tasks_ask_for_what_lies_far_back():
     rng = random.Random(3)
     natural = ["word " * 20_000]
-    needle = rc.needle_document(rng, 40_000, natural, keys=4)
+    needle = rs.needle_document(rng, 40_000, natural, keys=4)
     asked = needle.text.rsplit("what is the passkey for ", 1)[1].split("?")[0]
     value = needle.text.rsplit(" is ", 1)[1].rstrip(".\n")
     said = needle.text.index(f"The passkey for {asked} is {value}.")
     assert len(needle.text) - said > 40_000 // 5 - 100
-    chain = rc.chain_document(rng, 30_000, natural, hops=5)
+    chain = rs.chain_document(rng, 30_000, natural, hops=5)
     answer = chain.text.rsplit("= ", 1)[1].rstrip(".\n")
     assert f"= {answer}." in chain.text.split("Question:")[0]
-    copy = rc.copy_document(rng, 20_000, [" ".join(str(i) for i in range(10_000))])
+    copy = rs.copy_document(rng, 20_000, [" ".join(str(i) for i in range(10_000))])
     passage = copy.text.rsplit(":\n", 1)[1].rstrip("\n")
     at = copy.text.index(passage)
     assert len(passage) >= 500 and len(copy.text) - at > 4096
-    a = rc.synthetic_documents(200_000, natural, seed=1, heldout=False)
-    b = rc.synthetic_documents(200_000, natural, seed=1, heldout=False)
+    a = rs.synthetic_documents(200_000, natural, seed=1, heldout=False)
+    b = rs.synthetic_documents(200_000, natural, seed=1, heldout=False)
     assert [d.text for d in a] == [d.text for d in b] and sum(len(d.text) for d in a) >= 200_000
     assert {d.title.split()[0] for d in a} >= {"needle", "key-value", "variable", "long"}
 
@@ -151,7 +153,7 @@ def test_fresh_synthetic_documents_use_a_new_seed_and_held_out_filler_and_overwr
             asked = d["text"].rsplit("what is the passkey for ", 1)[1].split("?")[0]
             value = d["text"].rsplit(" is ", 1)[1].rstrip(".\n")
             assert f"The passkey for {asked} is {value}." in d["text"]
-    again = rc.synthetic_documents(300_000, [heldout[0]["text"]], 20, heldout=True)
+    again = rs.synthetic_documents(300_000, [heldout[0]["text"]], 20, heldout=True)
     assert [d.text for d in again] == [d["text"] for d in docs]
 
     before = out.read_bytes()
@@ -318,7 +320,7 @@ def _brs_file(path, text, window=16_384, max_bits=16):
 
 def _verses(abbr, chapters=2, verses=3, words=8, rng=None):
     rng = rng or random.Random(abbr)
-    return [f"{abbr}{c}:{v} " + " ".join(rng.choice(rc._WORDS) for _ in range(words)).capitalize() + "."
+    return [f"{abbr}{c}:{v} " + " ".join(rng.choice(rs._WORDS) for _ in range(words)).capitalize() + "."
             for c in range(1, chapters + 1) for v in range(1, verses + 1)]
 
 
@@ -337,7 +339,7 @@ def _bible_tree(root, file_order=("Ge", "Exo", "Mat", "Psa", "2Jn", "3Jn", "Jude
 
 def test_bible_data_windows_decode_to_the_text_through_width_changes_and_clears(tmp_path):
     rng = random.Random(0)
-    words = [rc._key(rng, rng.randrange(2, 9)) for _ in range(3000)]
+    words = [rs._key(rng, rng.randrange(2, 9)) for _ in range(3000)]
     text = (" ".join(rng.choice(words) for _ in range(12_000)) + "a" * 3000 + "abab" * 500).encode()
     for max_bits in (16, 10):  # 16: codes widen from 9 bits; 10: the table fills and is cleared
         _brs_file(tmp_path / f"{max_bits}.data", text, max_bits=max_bits)
@@ -479,9 +481,9 @@ def test_bible_and_kernel_builds_record_the_debian_packages(tmp_path, monkeypatc
         mine = [d for d in train if d["source"] == rec["name"]]
         assert rec["bytes"] == sum(len(d["text"].encode()) for d in mine) and rec["documents"] == len(mine)
     assert record["heldout"]["bytes"] == sum(len(d["text"].encode()) for d in held)
-    v2 = Path(rc.__file__).parent / "reference_model_v2/metrics.json"
+    v2 = REFERENCE_DIR / "metrics.json"
     if v2.is_file():  # the sources reach the model card of a checkpoint trained on this corpus
-        from dsaindex.pipelines.reference_card import model_card
+        from dsaindex.pipelines.reference.card import model_card
 
         card = model_card({**json.loads(v2.read_text()), "corpus": record})
         assert "corpus (the King James Bible, Linux kernel C source) with" in card

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.pipelines import reference_train as rt
-from dsaindex.pipelines.reference_tasks import PasskeyTasks
+from dsaindex.indexer import set_index_topk
+from dsaindex.pipelines.capture.models import REFERENCE_DIR
+from dsaindex.pipelines.capture.tokens import sample_windows
+from dsaindex.pipelines.reference.forward import build_model, training_forward
+from dsaindex.pipelines.reference.tasks import PasskeyTasks
+from dsaindex.pipelines.reference.train import ReferenceTrainOptions, train_reference
 
-TOKENIZER = Path(rt.__file__).resolve().parent / "reference_model_v2" / "tokenizer.json"
+TOKENIZER = REFERENCE_DIR / "tokenizer.json"
 STATEMENT = re.compile(r"The passkey for (\w+) is (\d+)\. Remember it\.")
 QUESTION = re.compile(r"Answer: the passkey for (\w+) is")
 
@@ -51,7 +54,7 @@ def test_a_window_too_short_for_any_task_stays_filler():
 
 def test_apply_keeps_the_window_layout_and_marks_answers_and_their_queries():
     stream = torch.randint(10, 8000, (20_000,))
-    ids, labels = rt.sample_windows(stream, 6, 700, torch.Generator().manual_seed(0), bos=0)
+    ids, labels = sample_windows(stream, 6, 700, torch.Generator().manual_seed(0), bos=0)
     batch = PasskeyTasks(TOKENIZER, share=1.0, seed=1).apply(ids, labels)
     assert torch.equal(batch.input_ids[:, 1:], batch.labels[:, :-1])
     assert bool((batch.input_ids[:, 0] == 0).all())
@@ -63,21 +66,21 @@ def test_apply_keeps_the_window_layout_and_marks_answers_and_their_queries():
 
 
 def test_training_forward_reports_the_answer_loss_and_weights_it():
-    from dsaindex.pipelines.presets import TINY_REFERENCE_CONFIG, reference_config
+    from dsaindex.pipelines.capture.presets import TINY_REFERENCE_CONFIG, reference_config
 
     config = reference_config(TINY_REFERENCE_CONFIG, index_topk=16, vocab_size=8192)
-    model = rt.build_model(config, seed=0).eval()
-    rt.set_index_topk(model, 256)  # the transformers forward below attends densely, as training_forward's dense mode
+    model = build_model(config, seed=0).eval()
+    set_index_topk(model, 256)  # the transformers forward below attends densely, as training_forward's dense mode
     stream = torch.randint(10, 8000, (5_000,))
-    ids, labels = rt.sample_windows(stream, 2, 256, torch.Generator().manual_seed(0), bos=0)
+    ids, labels = sample_windows(stream, 2, 256, torch.Generator().manual_seed(0), bos=0)
     batch = PasskeyTasks(TOKENIZER, share=1.0, seed=2).apply(ids, labels)
-    plain = rt.training_forward(model, batch.input_ids, batch.labels, "dense", answer=batch.answer)
+    plain = training_forward(model, batch.input_ids, batch.labels, "dense", answer=batch.answer)
     assert torch.allclose(plain.objective, plain.lm)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, use_cache=False).logits.float()
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
     assert torch.allclose(plain.task, ce[batch.answer.flatten()].mean(), atol=1e-4)
-    heavy = rt.training_forward(model, batch.input_ids, batch.labels, "dense", answer=batch.answer, answer_weight=50.0)
+    heavy = training_forward(model, batch.input_ids, batch.labels, "dense", answer=batch.answer, answer_weight=50.0)
     assert torch.allclose(heavy.lm, plain.lm)
     # a heavier weight moves the objective toward the answer tokens' loss
     assert abs(float(heavy.objective - plain.task)) < abs(float(plain.objective - plain.task))
@@ -87,4 +90,4 @@ def test_bad_settings_are_refused():
     with pytest.raises(DsaIndexError, match="share"):
         PasskeyTasks(TOKENIZER, share=1.5)
     with pytest.raises(DsaIndexError, match="corpus"):
-        rt.train_reference(rt.ReferenceTrainOptions(passkey_share=0.5, tiny=True), log=lambda _: None)
+        train_reference(ReferenceTrainOptions(passkey_share=0.5, tiny=True), log=lambda _: None)

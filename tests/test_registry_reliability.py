@@ -206,11 +206,11 @@ def test_server_rule_undoes_only_stale_registrations(store, tmp_path, monkeypatc
     finally:
         mlflow.set_tracking_uri(None)
     client.set_registered_model_alias(name, "candidate", "2")
-    registry._settle(client, uri, everything=False)
+    registry.recovery._settle(client, uri, everything=False)
     assert sorted(str(v.version) for v in client.search_model_versions(f"name='{name}'")) == ["1", "2"]  # left alone
-    assert registry._resolve(client, name, "latest") == "1" and registry._resolve(client, name, "@candidate") == "1"
-    monkeypatch.setattr(registry, "STALE_VERSION_S", 0.0)
-    registry._settle(client, uri, everything=False)
+    assert registry.versions._resolve(client, name, "latest") == "1" and registry.versions._resolve(client, name, "@candidate") == "1"
+    monkeypatch.setattr(registry.recovery, "STALE_VERSION_S", 0.0)
+    registry.recovery._settle(client, uri, everything=False)
     assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
     assert str(client.get_model_version_by_alias(name, "candidate").version) == "1"
 
@@ -343,7 +343,7 @@ def test_list_reads_sqlite_without_mlflow(store):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
     imported, rows = json.loads(out.stdout)
     assert not imported and rows
-    assert rows == registry._list_mlflow(store["uri"], None)  # the same rows as MLflow gives
+    assert rows == registry.browse._list_mlflow(store["uri"], None)  # the same rows as MLflow gives
     proc, seconds = cli("registry", "list", "--tracking-uri", store["uri"])
     print(f"\nregistry list: {seconds:.2f} s")
     assert proc.returncode == 0 and seconds < 10

@@ -98,8 +98,8 @@ def test_train_writes_a_reuse_bundle_with_plans_and_overlap(trained):
 
 def test_eval_reproduces_the_held_out_recall_and_loads_through_the_runtime(trained):
     from dsaindex.artifacts.kinds import ReusePlans, ReuseRef
-    from dsaindex.pipelines.models import preset_config
-    from dsaindex.runtime import load
+    from dsaindex.pipelines.capture.models import preset_config
+    from dsaindex.runtime import load_bundle
 
     root, store, bundle, plot, result = trained
     proc = run_cli("eval", "reuse", str(bundle), "--store", str(store), "--queries", "24", "--device", "cpu", "--json")
@@ -108,7 +108,7 @@ def test_eval_reproduces_the_held_out_recall_and_loads_through_the_runtime(train
     for r, p in result["plans"].items():
         assert again[r]["recall"] == pytest.approx(p["recall"], abs=1e-6)
         assert again[r]["even_recall"] == pytest.approx(p["even_recall"], abs=1e-6)
-    loaded = load(bundle, preset_config("tiny-v32"))
+    loaded = load_bundle(bundle, preset_config("tiny-v32"))
     assert isinstance(loaded.layers[0], ReusePlans) and loaded.layers[0].plan("1/2").kept == result["plans"]["1/2"]["kept"]
     assert all(isinstance(loaded.layers[i], ReuseRef) and loaded.layers[i].plans_in_layer == 0 for i in (1, 2, 3))
     assert loaded.summary()["layers"]["0"]["plans"]["1/4"]["kept"] == [0]
@@ -126,8 +126,8 @@ def _rewrite(bundle, dest, edit):
 
 def test_a_bad_plan_is_refused_with_a_clear_message(trained, tmp_path):
     from dsaindex.errors import CorruptBundleError
-    from dsaindex.pipelines.models import preset_config
-    from dsaindex.runtime import load
+    from dsaindex.pipelines.capture.models import preset_config
+    from dsaindex.runtime import load_bundle
 
     root, store, bundle, plot, result = trained
 
@@ -138,7 +138,7 @@ def test_a_bad_plan_is_refused_with_a_clear_message(trained, tmp_path):
 
     bad = _rewrite(bundle, tmp_path / "bad", wrong_source)
     with pytest.raises(CorruptBundleError, match=r"layer 3 reuses 1, but the nearest kept layer"):
-        load(bad, preset_config("tiny-v32"))
+        load_bundle(bad, preset_config("tiny-v32"))
     proc = run_cli("eval", "reuse", str(bad), "--store", str(store), "--queries", "4")
     assert proc.returncode == 2 and "nearest kept layer" in proc.stderr
 
@@ -147,13 +147,13 @@ def test_a_bad_plan_is_refused_with_a_clear_message(trained, tmp_path):
         plan["kept"], plan["sources"] = [0, 2], [0, 0, 2, 2]
 
     with pytest.raises(CorruptBundleError, match=r"keeps 2 layers; a retention of 1/4 of 4 layers keeps 1"):
-        load(_rewrite(bundle, tmp_path / "many", too_many), preset_config("tiny-v32"))
+        load_bundle(_rewrite(bundle, tmp_path / "many", too_many), preset_config("tiny-v32"))
 
     def small_overlap(layers, arrays):
         arrays[0]["overlap"] = arrays[0]["overlap"][:3, :3]
 
     with pytest.raises(CorruptBundleError, match=r"must be \[4, 4\]"):
-        load(_rewrite(bundle, tmp_path / "small", small_overlap), preset_config("tiny-v32"))
+        load_bundle(_rewrite(bundle, tmp_path / "small", small_overlap), preset_config("tiny-v32"))
 
 
 def test_bad_input_is_refused_before_work(trained, tmp_path):

@@ -58,7 +58,7 @@ def queries(b, seed=2):
 @pytest.mark.parametrize("score_aware", [False, True])
 def test_served_codec_codes_like_the_trainer_and_reconstructs_better_than_pq(score_aware):
     from dsaindex.pq import PQSpec
-    from dsaindex.train.pq import train_codebooks
+    from dsaindex.train.codebooks import train_codebooks
 
     codec, trained, keys = trained_rq(score_aware)
     assert codec.residual and codec.dim == D and codec.subspaces == M and codec.codebooks.shape == (M, 256, D)
@@ -232,8 +232,8 @@ def test_group_keeps_recall_with_few_candidates_and_the_kernel_and_torch_paths_a
 def test_train_pq_rq_writes_a_bundle_the_runtime_loads_and_serves(tmp_path, monkeypatch):
     from dsaindex.artifacts.bundle import read_bundle
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.pipelines.models import preset_config
-    from dsaindex.runtime import load
+    from dsaindex.pipelines.capture.models import preset_config
+    from dsaindex.runtime import load_bundle
     from dsaindex.runtime.pq_batch import PQDecodeGroup
     from dsaindex.train.recall import layer_keys
 
@@ -253,7 +253,7 @@ def test_train_pq_rq_writes_a_bundle_the_runtime_loads_and_serves(tmp_path, monk
         params = manifest.layers[str(layer)].params
         assert params["quantizer"] == "rq" and params["beam"] == 8 and params["rotate"] is False
         assert arrays[layer]["codebooks"].shape == (4, 256, 128) and arrays[layer]["metric"].shape == (1, 128, 128)
-    loaded = load(bundle, preset_config("tiny-v32"))
+    loaded = load_bundle(bundle, preset_config("tiny-v32"))
     codec = loaded.layers[manifest.layer_ids[0]]
     assert codec.residual and codec.metric is not None and codec.label == "RQ4 score-aware" and codec.beam == 8
     # `eval pq` reproduces the training's held-out figures from the bundle alone

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dsaindex.pipelines.models import REFERENCE_V1_DIR
+from dsaindex.pipelines.capture.models import REFERENCE_V1_DIR
 from helpers import reference_bytes, run_cli, v2_corpus
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_V1_DIR / "config.json").is_file(), reason="no reference checkpoint")
@@ -20,8 +20,8 @@ def _text(skip: int, n: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def model_and_layers():
     """The reference model at top-32 and PQ32 codebooks trained on its keys of another text."""
-    from dsaindex.pipelines.models import load_model
-    from dsaindex.pipelines.reference_train import set_index_topk
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
     from dsaindex.pq import PQCodec
     from helpers import reference_pq_codebooks
 
@@ -77,7 +77,7 @@ def bundles(model_and_layers, tmp_path_factory):
     """The fixture's codebooks as a bundle of the reference model, and the same codebooks recorded as
     trained for other weights."""
     from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     _, layers = model_and_layers
     root = tmp_path_factory.mktemp("generate")
@@ -132,7 +132,7 @@ def test_length_policy_in_generation_scores_exactly(model_and_layers, coarse_to_
 def test_generate_takes_prompts_from_a_corpus_in_its_tokens(tmp_path, bundles):
     from types import SimpleNamespace
 
-    from dsaindex.pipelines.runtime_cli import _heldout_text
+    from dsaindex.pipelines.commands.runtime import _heldout_text
 
     corpus = v2_corpus(tmp_path / "corpus")
     tokens, bos, decode = _heldout_text(corpus, SimpleNamespace(vocab_size=8192), 100)

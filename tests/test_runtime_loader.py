@@ -11,15 +11,15 @@ import torch
 from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
 from dsaindex.errors import CorruptBundleError
 from dsaindex.geometry import geometry_from_config
-from dsaindex.pipelines.models import preset_config
-from dsaindex.runtime import check_bundle_for_model, load
+from dsaindex.pipelines.capture.models import preset_config
+from dsaindex.runtime import check_bundle_for_model, load_bundle
 from dsaindex.runtime.loader import ArtifactMismatchError
 from helpers import run_cli
 
 
 def preset_fingerprint(preset="tiny-v32"):
     """The fingerprint a capture of a preset records (float32 on the CPU)."""
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     return load_model(f"preset:{preset}").fingerprint
 
@@ -54,7 +54,7 @@ def pq_bundle(path, preset="tiny-v32", layers=None, basis="hadamard", subspaces=
 
 def test_load_places_codebooks_and_reports_startup(tmp_path):
     arrays = pq_bundle(tmp_path / "b")
-    loaded = load(tmp_path / "b", preset_config("tiny-v32"))
+    loaded = load_bundle(tmp_path / "b", preset_config("tiny-v32"))
     assert sorted(loaded.layers) == [0, 1, 2, 3]
     for i, layer in loaded.layers.items():
         assert layer.codebooks.dtype == torch.float32 and layer.codebooks.shape == (32, 256, 4)
@@ -73,7 +73,7 @@ def orthogonal(dim, seed):
 def test_an_opq_bundle_loads_its_rotations_and_a_bundle_without_them_is_refused(tmp_path):
     rotations = {i: orthogonal(128, i) for i in (0, 2)}
     arrays = pq_bundle(tmp_path / "opq", rotations=rotations)
-    loaded = load(tmp_path / "opq", preset_config("tiny-v32"))
+    loaded = load_bundle(tmp_path / "opq", preset_config("tiny-v32"))
     for i, layer in loaded.layers.items():
         if i in rotations:
             np.testing.assert_array_equal(layer.rotation.numpy(), rotations[i])
@@ -86,24 +86,24 @@ def test_an_opq_bundle_loads_its_rotations_and_a_bundle_without_them_is_refused(
     # params say rotate, the array is missing: refused, naming the layer and the array
     pq_bundle(tmp_path / "missing", rotations={0: rotations[0]}, rotate=(0, 3))
     with pytest.raises(CorruptBundleError, match=r"layer 3: .*rotate=true.*no 'rotation' array") as err:
-        load(tmp_path / "missing", preset_config("tiny-v32"))
+        load_bundle(tmp_path / "missing", preset_config("tiny-v32"))
     assert "--rotate" in err.value.fix
     # an array without the params' word, a wrong shape, a matrix that is not a rotation: refused as well
     pq_bundle(tmp_path / "unsaid", rotations={1: rotations[0]}, rotate=())
     with pytest.raises(CorruptBundleError, match="layer 1: .*do not say rotate=true"):
-        load(tmp_path / "unsaid", preset_config("tiny-v32"))
+        load_bundle(tmp_path / "unsaid", preset_config("tiny-v32"))
     pq_bundle(tmp_path / "shape", rotations={2: rotations[0][:64, :64].copy()})
     with pytest.raises(CorruptBundleError, match=r"layer 2: .*shape \[64, 64\].*must be \[128, 128\]"):
-        load(tmp_path / "shape", preset_config("tiny-v32"))
+        load_bundle(tmp_path / "shape", preset_config("tiny-v32"))
     pq_bundle(tmp_path / "scaled", rotations={2: 2 * rotations[2]})
     with pytest.raises(CorruptBundleError, match="layer 2: .*not orthogonal"):
-        load(tmp_path / "scaled", preset_config("tiny-v32"))
+        load_bundle(tmp_path / "scaled", preset_config("tiny-v32"))
 
 
 def test_loading_a_local_bundle_does_not_import_mlflow(tmp_path):
     pq_bundle(tmp_path / "b")
-    code = ("import sys, json; from dsaindex.runtime import load; from dsaindex.pipelines.models import preset_config; "
-            f"load({str(tmp_path / 'b')!r}, preset_config('tiny-v32')); "
+    code = ("import sys, json; from dsaindex.runtime import load_bundle; from dsaindex.pipelines.capture.models import preset_config; "
+            f"load_bundle({str(tmp_path / 'b')!r}, preset_config('tiny-v32')); "
             "print(json.dumps([m for m in ('mlflow', 'faiss') if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == []
@@ -113,18 +113,18 @@ def test_loading_a_local_bundle_does_not_import_mlflow(tmp_path):
 def test_artifacts_of_another_family_are_refused(tmp_path, preset, needle):
     pq_bundle(tmp_path / "b")
     with pytest.raises(ArtifactMismatchError, match=needle) as err:
-        load(tmp_path / "b", preset_config(preset))
+        load_bundle(tmp_path / "b", preset_config(preset))
     assert "deepseek_v32" in str(err.value) and "Fix:" in str(err.value)
 
 
 def test_missing_layers_and_basis_are_refused(tmp_path):
     pq_bundle(tmp_path / "partial", layers=(0, 1, 2))
     with pytest.raises(ArtifactMismatchError, match=r"missing \[3\]"):
-        load(tmp_path / "partial", preset_config("tiny-v32"))
+        load_bundle(tmp_path / "partial", preset_config("tiny-v32"))
     pq_bundle(tmp_path / "raw", basis="raw")
     with pytest.raises(ArtifactMismatchError, match="basis"):
-        load(tmp_path / "raw", preset_config("tiny-v32"))
-    assert load(tmp_path / "raw", preset_config("tiny-v32"), basis="raw").manifest.basis == "raw"
+        load_bundle(tmp_path / "raw", preset_config("tiny-v32"))
+    assert load_bundle(tmp_path / "raw", preset_config("tiny-v32"), basis="raw").manifest.basis == "raw"
 
 
 def test_dims_and_schema_version_are_checked(tmp_path):
@@ -147,7 +147,7 @@ def test_corrupt_bundle_is_refused(tmp_path):
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
     with pytest.raises(CorruptBundleError):
-        load(tmp_path / "b", preset_config("tiny-v32"))
+        load_bundle(tmp_path / "b", preset_config("tiny-v32"))
 
 
 def test_runtime_check_cli(tmp_path):
@@ -211,7 +211,7 @@ def test_candidates_per_layer_reads_a_count_auto_or_nothing(tmp_path):
     layers = geometry.indexer_layers
     metrics = {f"layer{i}/k{geometry.topk}/rerank@{c}": r for i in layers for c, r in ((64, 0.99), (128, 0.999))}
     pq_bundle(tmp_path / "b", metrics=metrics)
-    loaded = load(tmp_path / "b", preset_config("tiny-v32"))
+    loaded = load_bundle(tmp_path / "b", preset_config("tiny-v32"))
     assert candidates_per_layer("auto", loaded, geometry.topk, 77) == dict.fromkeys(layers, 128)
     assert candidates_per_layer(" AUTO ", loaded, geometry.topk, 77, target=0.98) == dict.fromkeys(layers, 64)
     assert candidates_per_layer("300", loaded, geometry.topk, 77) == dict.fromkeys(layers, 300)
@@ -268,14 +268,14 @@ def test_load_from_the_registry(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     reg = register_bundle(tmp_path / "b", {"subspaces": 32}, {"mean/recall": 0.9}, [], tracking_uri=uri)
     promote(reg["name"], reg["version"], tracking_uri=uri)
-    loaded = load(f"models:/{reg['name']}@production", preset_config("tiny-v32"), cache_dir=tmp_path / "cache",
+    loaded = load_bundle(f"models:/{reg['name']}@production", preset_config("tiny-v32"), cache_dir=tmp_path / "cache",
                   tracking_uri=uri)
     assert sorted(loaded.layers) == [0, 1, 2, 3] and str(tmp_path / "cache") in str(loaded.path)
 
 
 def other_checkpoint(path, seed=1):
     """A checkpoint folder of the tiny V3.2 architecture with other random weights (same geometry)."""
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     load_model("preset:tiny-v32", seed=seed).model.save_pretrained(path)
     return path
@@ -287,16 +287,16 @@ def test_artifacts_of_another_model_of_the_same_geometry_are_refused(tmp_path):
     pq_bundle(tmp_path / "b")
     served = preset_fingerprint()
     assert served.config_digest == config_digest(preset_config("tiny-v32"))  # the config alone gives the digest
-    assert load(tmp_path / "b", preset_config("tiny-v32"), served=served).layers
+    assert load_bundle(tmp_path / "b", preset_config("tiny-v32"), served=served).layers
     other = served.model_copy(update={"name": "other", "weights_digest": "0" * 16})
     with pytest.raises(ArtifactMismatchError, match=r"weights_digest: artifacts='[0-9a-f]{16}' vs served='0{16}'"):
-        load(tmp_path / "b", preset_config("tiny-v32"), served=other)
-    assert load(tmp_path / "b", preset_config("tiny-v32"), served=other, allow_other_weights=True).layers
+        load_bundle(tmp_path / "b", preset_config("tiny-v32"), served=other)
+    assert load_bundle(tmp_path / "b", preset_config("tiny-v32"), served=other, allow_other_weights=True).layers
     wider = preset_config("tiny-v32")
     # another architecture of the same indexer geometry: only a config to compare
     wider.rope_parameters = {**wider.rope_parameters, "rope_theta": 1234.0}
     with pytest.raises(ArtifactMismatchError, match=r"config_digest.*config fields rope_parameters") as err:
-        load(tmp_path / "b", wider)
+        load_bundle(tmp_path / "b", wider)
     assert "--allow-other-weights" in str(err.value)
 
 
@@ -314,14 +314,14 @@ def test_artifacts_from_another_transformers_release_serve_and_fields_name_a_rea
     older = served.model_copy(update={"config_digest": "f" * 16, "config_fields": older_fields})
     assert older.same_model(served) and served.same_model(older)
     pq_bundle(tmp_path / "b", model=older)
-    assert load(tmp_path / "b", preset_config("tiny-v32"), served=served).layers
-    assert load(tmp_path / "b", preset_config("tiny-v32")).layers  # config only: compared field by field
+    assert load_bundle(tmp_path / "b", preset_config("tiny-v32"), served=served).layers
+    assert load_bundle(tmp_path / "b", preset_config("tiny-v32")).layers  # config only: compared field by field
     check_store_for_model(older, served, "STORE", "preset:tiny-v32")
     deeper = older.model_copy(update={"config_fields": dict(older_fields, rms_norm_eps=1e-3)})
     assert not deeper.same_model(served)
     pq_bundle(tmp_path / "d", model=deeper)
     with pytest.raises(ArtifactMismatchError, match=r"config fields rms_norm_eps: artifacts=0.001 vs served="):
-        load(tmp_path / "d", preset_config("tiny-v32"), served=served)
+        load_bundle(tmp_path / "d", preset_config("tiny-v32"), served=served)
     # a fingerprint written before fields were recorded matches by its digest only
     legacy = older.model_copy(update={"config_fields": None})
     assert not legacy.same_model(served)

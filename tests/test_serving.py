@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from dsaindex.pipelines.models import REFERENCE_V1_DIR
-from helpers import reference_bytes
+from dsaindex.pipelines.capture.models import REFERENCE_V1_DIR
+from dsaindex.runtime.settings import ServeSettings
+from helpers import reference_bytes, serve
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_V1_DIR / "config.json").is_file(), reason="no reference checkpoint")
 
@@ -66,8 +67,8 @@ def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3), pq_
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The reference model at top-32 and its two bundles (PQ for decode, IVF for prefill)."""
-    from dsaindex.pipelines.models import load_model
-    from dsaindex.pipelines.reference_train import set_index_topk
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
 
     loaded = load_model("reference-v1", dtype="float32")
     net = loaded.model
@@ -87,14 +88,14 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     selection is the model's own up to FP8 rounding (both keep the engines' 132-byte FP8 keys and rescore
     from them, where the model scores its float keys: near-ties flip) and generation matches exhaustive
     selection."""
-    from dsaindex.runtime.serving import LayerPaths, load
+    from dsaindex.runtime.serving import LayerPaths
 
     net, paths, identity = served
     prompt = _text(0, 300)
     want = _generate(net, prompt, 12)
     # budgets past the longest request (313 keys): every key a candidate (a larger IVF budget pads each
     # query's candidate list with unused rows, and the CPU refine scores them all)
-    index = load(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
+    index = serve(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
                  measure_recall=True)
     assert index.paths() == {i: LayerPaths("ivf", "pq") for i in range(4)}
     assert index.describe() == "prefill ivf: layers 0-3; decode pq: layers 0-3"
@@ -114,10 +115,10 @@ def test_whole_requests_select_through_ivf_and_pq(served):
 
 
 def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
-    from dsaindex.runtime.serving import LayerPaths, load
+    from dsaindex.runtime.serving import LayerPaths
 
     net, paths, identity = served
-    index = load(paths[:1], net, served=identity, candidates=2 * TOPK, prefilter=2, use_triton=False,
+    index = serve(paths[:1], net, served=identity, candidates=2 * TOPK, prefilter=2, use_triton=False,
                  measure_recall=True)
     assert index.paths()[0] == LayerPaths("exact", "pq")
     assert index.describe() == "prefill exact: layers 0-3; decode pq: layers 0-3"
@@ -126,7 +127,7 @@ def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
     assert index.log.queries["prefill"] == {}  # the model's own prefill selection
     recall = index.log.recall()["decode"]
     assert 0.6 <= min(recall.values()) and sum(recall.values()) / 4 >= 0.8, recall
-    ivf_only = load(paths[1:], net, served=identity, ivf_budget=8 * TOPK, use_triton=False, measure_recall=True)
+    ivf_only = serve(paths[1:], net, served=identity, ivf_budget=8 * TOPK, use_triton=False, measure_recall=True)
     with ivf_only:
         _generate(net, _text(3000, 500), 3)
     assert ivf_only.log.queries["decode"] == {}
@@ -136,19 +137,18 @@ def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
 def test_artifacts_of_another_model_or_twice_the_same_kind_are_refused(served, tmp_path):
     from dsaindex.artifacts.fingerprint import fingerprint_model
     from dsaindex.errors import ArtifactMismatchError
-    from dsaindex.pipelines.models import load_model
-    from dsaindex.runtime.serving import load
+    from dsaindex.pipelines.capture.models import load_model
 
     net, paths, identity = served
-    with pytest.raises(ArtifactMismatchError, match="two artifacts of the same kind"):
-        load([paths[0], paths[0]], net, served=identity)
+    with pytest.raises(ArtifactMismatchError, match="two decode artifacts"):
+        serve([paths[0], paths[0]], net, served=identity)
     other = load_model("reference-v1", dtype="float32").model
     with torch.no_grad():
         other.model.layers[1].self_attn.indexer.wk.weight.mul_(1.01)  # another model, same geometry
     other_paths = _bundles(tmp_path, net, fingerprint_model(other, "reference-v1"), ivf=False)
     with pytest.raises(ArtifactMismatchError):
-        load(other_paths, net, served=identity)
-    load(other_paths, net, allow_other_weights=True)  # a deliberate transfer
+        serve(other_paths, net, served=identity)
+    serve(other_paths, net, allow_other_weights=True)  # a deliberate transfer
 
 
 def _recall_metrics(per_layer):
@@ -169,7 +169,7 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     """``candidates="auto"``: each decode layer gets the smallest C whose recorded held-out recall reaches
     the target, at the longest prefix band too where it has enough queries; the groups run with it."""
     from dsaindex.errors import DsaIndexError
-    from dsaindex.runtime.serving import candidates_for_recall, load
+    from dsaindex.runtime.serving import candidates_for_recall
 
     net, _, identity = served
     full = {64: 0.999, 128: 1.0, 256: 1.0}
@@ -187,7 +187,7 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     with pytest.raises(DsaIndexError, match="records no held-out recall of the top-16 for layer 0"):
         candidates_for_recall(metrics, [0], 16)
     paths = _bundles(tmp_path, net, identity, ivf=False, pq_metrics=metrics)
-    index = load(paths, net, served=identity, candidates="auto", recall_target=0.995, prefilter=2, use_triton=False)
+    index = serve(paths, net, served=identity, candidates="auto", recall_target=0.995, prefilter=2, use_triton=False)
     assert index.candidates == {0: 256, 1: 64, 2: 128, 3: 64}
     assert {layer: group.candidates for layer, group in index.groups.items()} == index.candidates
     assert index.describe() == "prefill exact: layers 0-3; decode pq: layers 0-3; decode C: 64 (layers 1, 3), 128 (layers 2), 256 (layers 0)"
@@ -195,7 +195,7 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
         _generate(net, _text(3000, 400), 3)
     bare = _bundles(tmp_path / "bare", net, identity, ivf=False)
     with pytest.raises(DsaIndexError, match="records no held-out recall"):
-        load(bare, net, served=identity, candidates="auto")
+        serve(bare, net, served=identity, candidates="auto")
     # the served recall per stage-1 factor: layer 0 needs 8 x C, the others do with 2 x C
     staged = dict(metrics)
     for layer in range(4):
@@ -203,7 +203,7 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
             good = p == 8 or layer != 0
             staged.update({f"layer{layer}/k{TOPK}/prefilter{p}@{c}": 0.999 if good else 0.9 for c in (64, 128, 256)})
     paths = _bundles(tmp_path / "staged", net, identity, ivf=False, pq_metrics=staged)
-    index = load(paths, net, served=identity, candidates="auto", prefilter="auto", recall_target=0.995,
+    index = serve(paths, net, served=identity, candidates="auto", prefilter="auto", recall_target=0.995,
                  use_triton=False)
     assert index.candidates == dict.fromkeys(range(4), 64)
     assert index.prefilter == {0: 8, 1: 2, 2: 2, 3: 2}
@@ -212,16 +212,16 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     with index:
         _generate(net, _text(3000, 400), 3)
     with pytest.raises(DsaIndexError, match="together with its C"):
-        load(paths, net, served=identity, candidates=64, prefilter="auto")
+        serve(paths, net, served=identity, candidates=64, prefilter="auto")
     with pytest.raises(DsaIndexError, match=r"No stage-1 prefilter for decode layers \[1, 2, 3\]"):
-        load(paths, net, served=identity, candidates=64, prefilter={0: 4}, use_triton=False)
+        serve(paths, net, served=identity, candidates=64, prefilter={0: 4}, use_triton=False)
     with pytest.raises(DsaIndexError, match=r"No candidate count C for decode layers \[0, 3\]"):
-        load(paths, net, served=identity, candidates={1: 64, 2: 64}, use_triton=False)
+        serve(paths, net, served=identity, candidates={1: 64, 2: 64}, use_triton=False)
 
 
 def test_serve_takes_a_count_or_auto_for_candidates():
     from dsaindex.errors import DsaIndexError
-    from dsaindex.pipelines.serve_cli import parse_candidates, parse_prefilter
+    from dsaindex.pipelines.commands.serve import parse_candidates, parse_prefilter
 
     assert parse_prefilter("16", 2048) == 16 and parse_prefilter(" Auto", "auto") == "auto"
     with pytest.raises(DsaIndexError, match="together with its C"):
@@ -237,33 +237,6 @@ def test_serve_takes_a_count_or_auto_for_candidates():
             parse_candidates(bad)
 
 
-def test_every_decode_entry_point_defaults_to_the_measured_prefilter():
-    """Stage 1's prefilter of 2 loses about 2 points of recall at 114K prefixes (docs/results.md): the server,
-    the generation check, the adapters and the groups must all start from the same measured default."""
-    import typer
-
-    from dsaindex.cli import app
-    from dsaindex.coarse import PREFILTER
-    from dsaindex.runtime.paged_select import PagedCacheSelector
-    from dsaindex.runtime.pq_batch import PQDecodeGroup
-    from dsaindex.runtime.serving import ServedIndex
-    from dsaindex.runtime.transformers_adapter import RuntimeSelection, greedy_agreement
-    from dsaindex.train.pq_job import evaluate_bundle_warm
-    from dsaindex.train.warm_cache import warm_window_recall
-
-    assert PREFILTER == 4
-    for fn in (ServedIndex.__init__, RuntimeSelection.__init__, greedy_agreement, PQDecodeGroup.__init__,
-               PagedCacheSelector.__init__, warm_window_recall, evaluate_bundle_warm):
-        assert inspect.signature(fn).parameters["prefilter"].default == PREFILTER, fn.__qualname__
-    root = typer.main.get_command(app)
-    for path in (("serve",), ("runtime", "generate"), ("runtime", "check"), ("bench", "decode"), ("eval", "pq")):
-        cmd = root
-        for part in path:
-            cmd = cmd.commands[part]
-        (param,) = [p for p in cmd.params if p.name == "prefilter"]
-        assert str(param.default) == str(PREFILTER), path  # serve and runtime check take `auto` too: strings
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -275,7 +248,6 @@ def test_serve_answers_a_completion_over_http(served, tmp_path):
     """``dsaindex serve`` starts transformers' server with the runtime installed; an OpenAI client on
     loopback gets the same tokens as in-process generation with the same runtime."""
     openai = pytest.importorskip("openai")
-    from dsaindex.runtime.serving import load
 
     net, paths, identity = served
     prompt_text = inspect.getsource(inspect)[0:300]
@@ -304,7 +276,7 @@ def test_serve_answers_a_completion_over_http(served, tmp_path):
         log = server.communicate(timeout=30)[0]
     assert "prefill ivf: layers 0-3; decode pq: layers 0-3" in log
     prompt = torch.tensor([256] + list(prompt_text.encode()), dtype=torch.long)
-    with load(paths, net, served=identity, candidates=64, ivf_budget=256, use_triton=False):
+    with serve(paths, net, served=identity, candidates=64, ivf_budget=256, use_triton=False):
         want = _generate(net, prompt, 8)
     assert reply.usage.completion_tokens == 8
     assert text == bytes(t for t in want.tolist() if t < 256).decode("utf-8", "replace"), json.dumps(reply.model_dump())
@@ -312,7 +284,7 @@ def test_serve_answers_a_completion_over_http(served, tmp_path):
 
 def test_serve_refuses_artifacts_of_another_model_before_the_port_opens(served, tmp_path):
     from dsaindex.artifacts.fingerprint import fingerprint_model
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     net, _, _ = served
     other = load_model("reference-v1", dtype="float32").model
@@ -332,15 +304,14 @@ def test_streamed_prefill_selects_as_the_resident_cache_does(served):
     """With the model's indexer keys streamed from host memory through two buffers, generation and the
     model's own selections are those of the resident cache; the cache holds no indexer keys, the host
     holds them all, the device holds two layers' buffers."""
-    from dsaindex.runtime.serving import load
 
     net, paths, identity = served
     prompt = _text(7000, 400)
     settings = dict(served=identity, candidates=2 * TOPK, use_triton=False, measure_recall=True)
-    resident = load(paths[:1], net, **settings)  # PQ decode; prefill is the model's own, from its keys
+    resident = serve(paths[:1], net, **settings)  # PQ decode; prefill is the model's own, from its keys
     with resident:
         want = net.generate(prompt.unsqueeze(0), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    streamed = load(paths[:1], net, stream_prefix=True, max_keys=1024, **settings)
+    streamed = serve(paths[:1], net, stream_prefix=True, max_keys=1024, **settings)
     with streamed:
         got = net.generate(prompt.unsqueeze(0), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(got.sequences, want.sequences)
@@ -353,7 +324,7 @@ def test_streamed_prefill_selects_as_the_resident_cache_does(served):
         assert streamed.streamer.length[layer] == n  # every key, written back
     assert streamed.streamer.device_bytes() == 2 * 1024 * 128 * 4
     with pytest.raises(Exception, match="one request at a time"):
-        load(paths[:1], net, stream_prefix=True, slots=2, **settings)
+        serve(paths[:1], net, stream_prefix=True, slots=2, **settings)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -362,9 +333,8 @@ def test_streamed_ivf_keys_select_as_resident_ones_and_leave_the_device_between_
     borrows its buffer, so generation and every selection equal the resident indexes', while the peak
     of prefill index bytes drops to two buffers plus per-key scales, versions and bounds. On CUDA: copies
     on the copy stream, the Triton selection reading the borrowed buffer."""
-    from dsaindex.pipelines.models import load_model
-    from dsaindex.pipelines.reference_train import set_index_topk
-    from dsaindex.runtime.serving import load
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     net, paths, identity = served
@@ -376,7 +346,7 @@ def test_streamed_ivf_keys_select_as_resident_ones_and_leave_the_device_between_
     prompt = _text(5000, 700)
     runs = {}
     for streamed in (False, True):
-        runs[streamed] = greedy_agreement(net, {}, prompt, 4, selection=lambda streamed=streamed: load(
+        runs[streamed] = greedy_agreement(net, {}, prompt, 4, selection=lambda streamed=streamed: serve(
             paths, net, served=identity, candidates=4 * TOPK, prefilter=2, ivf_budget=4 * TOPK,
             use_triton=device == "cuda", measure_recall=True, stream_prefix=streamed, max_keys=1024),
             prefill_chunk=256, device=device)
@@ -406,7 +376,7 @@ def test_cross_layer_reuse_takes_the_kept_layers_selection(served):
     from dsaindex.runtime.serving import ServedIndex
 
     net, _, _ = served
-    index = ServedIndex(net, {}, {}, reuse={0: 0, 1: 0, 3: 2}, measure_recall=True, use_triton=False)
+    index = ServedIndex(net, {}, {}, ServeSettings.of(measure_recall=True, use_triton=False), reuse={0: 0, 1: 0, 3: 2})
     assert index.describe().endswith("reuse: 1 <- 0, 3 <- 2")
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
     with index:
@@ -439,7 +409,7 @@ def test_mli_lag_attends_the_previous_kept_layers_selection(served):
     assert lagged_sources([0, 1, 2, 3], [0, 1, 2, 3]) == [0, 0, 1, 2]  # MLI alone
     assert lagged_sources([0, 1, 2, 3], [0, 2]) == [0, 0, 0, 2]  # IndexCache 1/2 + MLI: 2 attends 0
     net, _, _ = served
-    index = ServedIndex(net, {}, {}, use_triton=False, reuse={1: 0, 3: 2}, lag=True)
+    index = ServedIndex(net, {}, {}, ServeSettings.of(use_triton=False, lag=True), reuse={1: 0, 3: 2})
     assert index.attend == {1: 0, 2: 0, 3: 2}
     assert index.describe().endswith("attends (MLI lag): 1 <- 0, 2 <- 0, 3 <- 2")
     own: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
@@ -469,16 +439,16 @@ def test_mli_on_a_side_stream_selects_as_the_lag_in_line(served):
     """On a CUDA device the lagged kept layers' selections run on a side stream, joined where a later
     layer attends them: generation equals the same lag computed in line, with the model's own indexers
     under a plan and with PQ decode on every layer."""
-    from dsaindex.pipelines.models import load_model
-    from dsaindex.pipelines.reference_train import set_index_topk
-    from dsaindex.runtime.serving import ServedIndex, load
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
+    from dsaindex.runtime.serving import ServedIndex
 
     _, paths, identity = served
     net = load_model("reference-v1", dtype="float32", device="cuda").model
     set_index_topk(net, TOPK)
     prompt = _text(11_000, 300).cuda()
-    for make in (lambda side: ServedIndex(net, {}, {}, reuse={1: 0, 3: 2}, lag=True, side_stream=side),
-                 lambda side: load(paths[:1], net, served=identity, lag=True, side_stream=side)):
+    for make in (lambda side: ServedIndex(net, {}, {}, ServeSettings.of(lag=True, side_stream=side), reuse={1: 0, 3: 2}),
+                 lambda side: serve(paths[:1], net, served=identity, lag=True, side_stream=side)):
         tokens = {}
         for side in (False, True):
             index = make(side)
@@ -489,7 +459,7 @@ def test_mli_on_a_side_stream_selects_as_the_lag_in_line(served):
         assert torch.equal(tokens[True], tokens[False])
     assert make(True).forked == {1, 2}  # MLI alone: layer 3's own selection is attended by no layer
     with pytest.raises(Exception, match="side stream"):
-        ServedIndex(net, {}, {}, side_stream=True)
+        ServedIndex(net, {}, {}, ServeSettings.of(side_stream=True))
 
 
 def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
@@ -498,7 +468,6 @@ def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
     from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.runtime.serving import load
     from dsaindex.train.reuse import make_plans
 
     net, paths, identity = served
@@ -511,27 +480,26 @@ def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
                       train_sequences=[0], eval_sequences=[1])
     manifest = new_bundle_manifest(identity, "hadamard", geometry_from_config(net.config).key_format, layers, lineage)
     write_bundle(tmp_path / "reuse", manifest, {0: {"overlap": overlap}})
-    index = load([paths[0], tmp_path / "reuse"], net, served=identity, retention="1/2", use_triton=False)
+    index = serve([paths[0], tmp_path / "reuse"], net, served=identity, retention="1/2", use_triton=False)
     best = next(p for p in plans if p.retention == "1/2" and p.method == "optimal")
     assert best.kept == [0, 2]  # layers 1 and 3 overlap most with 0 and 2
     assert index.reuse == {1: 0, 3: 2} and set(index.groups) == {0, 2}  # reusing layers hold no state
     assert index.paths()[3].decode == "reuse 2"
     with pytest.raises(DsaIndexError, match="no retention was chosen"):
-        load([tmp_path / "reuse"], net, served=identity)
+        serve([tmp_path / "reuse"], net, served=identity)
 
 
 def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     """`runtime generate --ivf-artifacts`'s measurement: a fresh served index per run, the prompt fed in
     chunks (IVF prefill chunk after chunk), recall reported per phase. With budgets that cover every key
     the runtime is the model's own selection: every token agrees and recall is 1 up to FP8 near-ties."""
-    from dsaindex.runtime.serving import load
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     net, paths, identity = served
     prompt = _text(2000, 400)
     # budgets past the 405 keys of the longest run (a larger IVF budget only pads each query's candidate
     # list with unused rows, which the CPU refine scores all the same)
-    chunked = greedy_agreement(net, {}, prompt, 4, selection=lambda: load(
+    chunked = greedy_agreement(net, {}, prompt, 4, selection=lambda: serve(
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
         measure_recall=True), prefill_chunk=256)
     assert chunked["free_running"]["token_agreement"] == 1.0
@@ -546,7 +514,7 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
     assert memory["prefill_index_keys"] == 4 * n
     assert 4 * n * 132 + n * 128 * 4 <= memory["prefill_index_peak"] < 4 * n * 512
     assert memory["decode_state"] > 0
-    whole = greedy_agreement(net, {}, prompt, 4, selection=lambda: load(
+    whole = greedy_agreement(net, {}, prompt, 4, selection=lambda: serve(
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
         measure_recall=True))
     assert whole["runtime_text"] == chunked["runtime_text"]  # chunking the prompt changes no token here

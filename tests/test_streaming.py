@@ -102,7 +102,7 @@ def test_streams_and_events_keep_the_prefixes_exact_under_load():
 
 
 def test_stream_bench_sizes_layers_as_v32_and_refuses_a_cpu():
-    from dsaindex.pipelines.bench_stream import flops_per_token
+    from dsaindex.pipelines.bench.stream import flops_per_token
     from helpers import run_cli
 
     # at a 1M prefix the indexer's scores over the prefix dominate a V3.2 layer's work per token
@@ -137,7 +137,7 @@ def test_stream_bench_on_a_checkpoint_serves_it_streamed_and_changes_no_logit(tm
 
 
 def test_break_even_is_the_smallest_chunk_that_hides_the_load():
-    from dsaindex.pipelines.bench_stream import _break_even
+    from dsaindex.pipelines.bench.stream import _break_even
 
     def row(chunk, share, share_without, compute, load):
         return {"chunk": chunk, "wait_share": share, "wait_share_no_prefetch": share_without,

@@ -14,7 +14,7 @@ The codebooks are faiss's (``faiss.ResidualQuantizer``, ``faiss.LocalSearchQuant
 module's own :class:`TorchRQ` (``trainer="torch"``: k-means and beam search in torch, on any device, so a
 GPU trains a layer in seconds where faiss's CPU build takes minutes). The score-aware
 form trains them on keys mapped by the Cholesky factor of the full D x D score-gradient metric (a PQ
-spec of one subspace, :func:`dsaindex.train.pq.score_gradient_metric`) and maps the decoded keys back.
+spec of one subspace, :func:`dsaindex.train.codebooks.score_gradient_metric`) and maps the decoded keys back.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def train_rq_torch(x: torch.Tensor, codebooks: int, centroids: int, iterations: 
     carried from one codebook to the next, so each training key is coded once per codebook. (Fitting all
     codebooks at once to the codes by least squares afterwards lowered the training error but not the
     held-out one, so it is not done.)"""
-    from dsaindex.train.pq import _lloyd_torch
+    from dsaindex.train.codebooks import _lloyd_torch
 
     x = x.to(device, torch.float32)
     n, d = x.shape

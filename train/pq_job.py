@@ -20,7 +20,7 @@ import torch
 from dsaindex.coarse import PREFILTER
 from dsaindex.pq import PQCodec, PQSpec, rotate
 from dsaindex.train.additive import QUANTIZERS, AdditiveCodec, check_codebook_size, full_spec, train_additive
-from dsaindex.train.pq import score_gradient_metric, train_codebooks, train_rotation
+from dsaindex.train.codebooks import score_gradient_metric, train_codebooks, train_rotation
 from dsaindex.train.recall import (
     CANDIDATES,
     PAPER_K,
@@ -103,7 +103,6 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
     ``device`` ``query_block`` queries at a time (causal prefixes masked); the metric is accumulated there
     too. ``raw``: the layer's stored keys when already read (``store.keys(layer)``)."""
     from dsaindex.geometry import visible_key_count
-    from dsaindex.quant import engine_keys
     from dsaindex.score import indexer_scores
 
     positions = store.array("query_position").astype(np.int64)
@@ -123,7 +122,7 @@ def metric_for_layer(store: CaptureStore, layer: int, train_sequences: list[int]
         mine, visible = mine[visible > 0], visible[visible > 0]
         if not len(mine):
             continue
-        keys = engine_keys(store.as_float(raw[start : start + int(visible.max())]), key_format).to(dev)
+        keys = store.engine_keys(raw[start : start + int(visible.max())], key_format).to(dev)
         for lo in range(0, len(mine), query_block):
             block, counts = mine[lo : lo + query_block], visible[lo : lo + query_block]
             width = int(counts.max())
@@ -151,7 +150,6 @@ def metric_for_layer_reference(store: CaptureStore, layer: int, train_sequences:
     """The spec of :func:`metric_for_layer` (no rotation, on the host): each sampled query's causal prefix
     read from the store and put in engine form on its own, then scored."""
     from dsaindex.geometry import visible_key_count
-    from dsaindex.quant import engine_keys
     from dsaindex.score import indexer_scores
 
     positions = store.array("query_position").astype(np.int64)
@@ -165,7 +163,7 @@ def metric_for_layer_reference(store: CaptureStore, layer: int, train_sequences:
         start = offsets[seq_of[r]]
         count = min(int(visible_key_count(positions[r], store.manifest.model.geometry.key_stride)),
                     int(offsets[seq_of[r] + 1] - start))
-        keys = engine_keys(store.as_float(store.keys(layer)[start : start + count]), key_format)
+        keys = store.engine_keys(store.keys(layer)[start : start + count], key_format)
         scores = indexer_scores(queries[i : i + 1], keys, weights[i : i + 1])[0]
         chosen.append(keys[scores.topk(min(2 * topk, count)).indices])
     return score_gradient_metric(queries, weights, chosen, spec)
@@ -286,7 +284,7 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
     """Refuse options no training can use, before any work (named by their command-line options): the
     trainer, the subspace count (for PQ it must divide the key dim), the quantizer, counts below one."""
     from dsaindex.errors import DsaIndexError
-    from dsaindex.train.pq import TRAINERS
+    from dsaindex.train.codebooks import TRAINERS
 
     if opts.trainer not in TRAINERS:
         raise DsaIndexError(f"Unknown trainer {opts.trainer!r}.", f"pass --trainer {' or '.join(TRAINERS)}.")

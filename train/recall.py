@@ -35,7 +35,6 @@ import torch
 
 from dsaindex.coarse import miss_filter_keep
 from dsaindex.geometry import visible_key_count
-from dsaindex.quant import engine_keys
 from dsaindex.score import indexer_scores
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ def layer_keys(store: CaptureStore, layer: int, sequences: list[int], key_format
     offsets = sequence_key_offsets(store)
     raw = store.keys(layer) if raw is None else raw
     parts = [raw[offsets[s] : offsets[s + 1]] for s in sequences]
-    return engine_keys(store.as_float(np.concatenate(parts)), key_format)
+    return store.engine_keys(np.concatenate(parts), key_format)
 
 
 def held_out(store: CaptureStore, layer: int, eval_sequences: list[int], min_prefix: int, key_format: str,
@@ -292,6 +291,6 @@ def queries_by_sequence(store: CaptureStore, layer: int, sequences: list[int], m
     out = []
     for seq in sorted(set(seq_of[rows].tolist())):
         mine = np.nonzero(seq_of[rows] == seq)[0]
-        keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), key_format).to(device)
+        keys = store.engine_keys(raw[offsets[seq] : offsets[seq + 1]], key_format).to(device)
         out.append(SequenceQueries(seq, keys, positions[rows[mine]].tolist(), queries[mine], weights[mine]))
     return out

@@ -133,7 +133,6 @@ def exact_selections(store: CaptureStore, layer: int, rows: np.ndarray, topk: in
     """[Q, topk] int64: the exact top-k key indices (within its sequence) of each query row in one layer."""
     import torch
 
-    from dsaindex.quant import engine_keys
     from dsaindex.score import causal_topk, indexer_scores
     from dsaindex.train.recall import sequence_key_offsets
 
@@ -147,7 +146,7 @@ def exact_selections(store: CaptureStore, layer: int, rows: np.ndarray, topk: in
     out = torch.full((len(rows), topk), -1, dtype=torch.int64)
     for seq in sorted(set(seq_of.tolist())):
         mine = np.nonzero(seq_of == seq)[0]
-        keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), geometry.key_format).to(device)
+        keys = store.engine_keys(raw[offsets[seq] : offsets[seq + 1]], geometry.key_format).to(device)
         scores = indexer_scores(queries[mine].to(device), keys, weights[mine].to(device))
         _, idx = causal_topk(scores, torch.from_numpy(positions[mine]).to(device), topk, geometry.key_stride)
         out[torch.from_numpy(mine), : idx.shape[1]] = idx.cpu()

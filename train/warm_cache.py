@@ -29,7 +29,6 @@ import torch
 
 from dsaindex.coarse import FILTER_WIDTH, PREFILTER
 from dsaindex.geometry import visible_key_count
-from dsaindex.quant import engine_keys
 from dsaindex.train.recall import sequence_key_offsets
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
         raw = store.keys(layer)
         runs: dict[float | None, list[list[dict]]] = {w: [] for w in (*widths, None)}
         for seq, rows, visible in windows:
-            keys = engine_keys(store.as_float(raw[offsets[seq] : offsets[seq + 1]]), key_format)
+            keys = store.engine_keys(raw[offsets[seq] : offsets[seq + 1]], key_format)
             queries = store.as_float(store.queries(layer)[rows])
             weights = torch.from_numpy(store.head_weights(layer)[rows])
             for width in runs:

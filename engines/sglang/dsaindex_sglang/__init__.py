@@ -6,7 +6,7 @@ one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers 
 ``HookRegistry`` (applied by ``load_plugins`` right after the plugins ran):
 
 * after ``ModelConfig.__init__``: load the bundle (local path or ``models:/NAME@alias``), verify it and
-  validate it against the served model's config (:func:`dsaindex.runtime.load`, the runtime check).
+  validate it against the served model's config (:func:`dsaindex.runtime.load_bundle`, the runtime check).
   A bundle of another model raises :class:`dsaindex.errors.ArtifactMismatchError` and startup fails with
   its message;
 * around ``Indexer._get_topk_paged`` (the decode-time top-k of the DSA indexer): for layers with a PQ
@@ -16,23 +16,18 @@ one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers 
 * after ``Indexer._get_topk_ragged`` (the eager prefill top-k): the prompt's completed pages are
   encoded, so the decode graphs find their codes ready.
 
-Settings (environment): ``DSAINDEX_ARTIFACTS`` (bundle), ``DSAINDEX_CANDIDATES`` (C, keys reranked
-exactly; default 2 x the model's top-k), ``DSAINDEX_PREFILTER`` (stage 1 keeps PREFILTER x C; default 4; ``auto``: per layer, with C),
-``DSAINDEX_BASIS`` (default ``hadamard``, the basis SGLang's keys are in), ``DSAINDEX_ALLOW_OTHER_WEIGHTS``
-(``1``: serve artifacts of another model of the same geometry), ``DSAINDEX_TRACKING_URI`` (MLflow, for
-``models:/`` URIs; default ``MLFLOW_TRACKING_URI``).
+Settings (environment): the ``DSAINDEX_*`` variables of :data:`dsaindex.runtime.settings.ENVIRONMENT`, the one
+table both engine plugins read (defaults and meanings in the README, generated from it).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 __version__ = "0.1.0"
 
 logger = logging.getLogger("dsaindex_sglang")
 
-ENV_ARTIFACTS = "DSAINDEX_ARTIFACTS"
 # What the plugin hooks in SGLang 0.5.23 (dotted paths HookRegistry resolves)
 SELECT_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
 CONFIG_TARGET = "sglang.srt.configs.model_config.ModelConfig.__init__"
@@ -44,9 +39,11 @@ _registered = False
 def register() -> None:
     """SGLang's entry point (group ``sglang.srt.plugins``, name ``dsaindex``)."""
     global _registered
-    uri = os.environ.get(ENV_ARTIFACTS, "").strip()
+    from dsaindex.runtime.settings import engine_settings
+
+    uri = engine_settings("sglang").artifacts
     if not uri:
-        logger.info("dsaindex: %s is not set; SGLang's own DSA selection is left as it is.", ENV_ARTIFACTS)
+        logger.info("dsaindex: DSAINDEX_ARTIFACTS is not set; SGLang's own DSA selection is left as it is.")
         return
     if _registered:
         return

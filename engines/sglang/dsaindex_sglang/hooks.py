@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -28,33 +27,26 @@ class PluginState:
 
     def load(self, hf_config: Any) -> None:
         """Load, verify and validate the bundle against ``hf_config`` (the served model's config):
-        :func:`dsaindex.runtime.load`, the runtime check. Raises ArtifactMismatchError on a bundle of
+        :func:`dsaindex.runtime.load_bundle`, the runtime check. Raises ArtifactMismatchError on a bundle of
         another model; SGLang's startup then fails with its message."""
-        from dsaindex.runtime import load
-
         if self.loaded is not None:
             return
-        allow = os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") in ("1", "true", "yes")
-        tracking = os.environ.get("DSAINDEX_TRACKING_URI") or None
-        loaded = load(self.uri, hf_config, device="cpu", basis=os.environ.get("DSAINDEX_BASIS", "hadamard"),
-                      tracking_uri=tracking, allow_other_weights=allow)
+        from dsaindex.runtime.loader import decode_settings, load_bundle
         from dsaindex.runtime.paged_select import check_paged_codes
+        from dsaindex.runtime.settings import engine_settings
 
+        s = engine_settings("sglang")
+        loaded = load_bundle(self.uri, hf_config, device="cpu", basis=s.basis, cache_dir=s.cache_dir,
+                             tracking_uri=s.tracking_uri, allow_other_weights=s.allow_other_weights)
         check_paged_codes(loaded.layers)  # RQ layers: refused at startup, not at the first decode step
-        from dsaindex.coarse import PREFILTER, RECALL_TARGET
-        from dsaindex.runtime.loader import decode_settings
-
         topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
-        # a count, or `auto`: each layer's C from the bundle's held-out recall (refused here if none reaches it)
         # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
         # held-out recall, refused here if none reaches the target
-        candidates, prefilter = decode_settings(os.environ.get("DSAINDEX_CANDIDATES"),
-                                                os.environ.get("DSAINDEX_PREFILTER") or PREFILTER, loaded, topk,
-                                                2 * topk, float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET))
+        candidates, prefilter = decode_settings(s.decode(topk), loaded, topk)
         self.selectors = {}
         for layer, codec in loaded.layers.items():
-            if loaded.kind_of(layer).name != "pq":
-                continue  # other kinds (ivf, ...) serve prefill; SGLang keeps its own path there
+            if loaded.kind_of(layer).role != "decode":
+                continue  # other roles (ivf prefill, ...) are not the plugin's; SGLang keeps its own path there
             self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer])
         self.loaded = loaded
         logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C per layer %s).",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from dsaindex.coarse import PREFILTER
 from dsaindex.pq import PQCodec
 from dsaindex.runtime.paged_select import PagedCacheSelector, to_slots
 
@@ -25,7 +24,7 @@ from dsaindex.runtime.paged_select import PagedCacheSelector, to_slots
 class LayerSelection:
     """One layer's PQ artifact and its selector over SGLang's index-K buffer."""
 
-    def __init__(self, codec: PQCodec, candidates: int, prefilter: int = PREFILTER):
+    def __init__(self, codec: PQCodec, candidates: int, prefilter: int):
         self.codec, self.candidates, self.prefilter = codec, candidates, prefilter
         self.selector: PagedCacheSelector | None = None
 

@@ -13,7 +13,7 @@ import torch
 from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
 from dsaindex.artifacts.fingerprint import ModelFingerprint, config_digest
 from dsaindex.geometry import geometry_from_config
-from dsaindex.pipelines.presets import preset_config
+from dsaindex.pipelines.capture.presets import preset_config
 
 
 def fingerprint(config, name: str) -> ModelFingerprint:

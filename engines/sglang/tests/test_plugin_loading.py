@@ -96,7 +96,7 @@ def test_startup_with_artifacts_of_another_model_fails_with_the_mismatch_message
         pq_bundle(tmp_path / "b", "tiny-v32")  # 8 indexer heads; the served model has 64
         needle = "indexer heads"
     else:
-        from dsaindex.pipelines.presets import preset_config
+        from dsaindex.pipelines.capture.presets import preset_config
 
         other = preset_config("bench-v32")
         other.max_position_embeddings = 4096

@@ -25,7 +25,6 @@ and the engine's exact decode scan does not run.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from typing import Any
@@ -36,10 +35,9 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
-from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.runtime.loader import decode_settings
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
-from dsaindex_vllm.plugin import ENV_ARTIFACTS
+from dsaindex.runtime.settings import EngineSettings, engine_settings
 
 logger = logging.getLogger("dsaindex_vllm")
 
@@ -51,34 +49,26 @@ _served: dict[tuple, Any] = {}
 _LAYERS: dict[str, Any] = {}  # layer name -> the plugin's op instance, for the registered torch op
 
 
-def settings() -> dict[str, Any]:
-    """The plugin's environment, read when a layer is built."""
-    return {
-        "uri": os.environ.get(ENV_ARTIFACTS, "").strip(),
-        "basis": os.environ.get("DSAINDEX_BASIS", "raw"),
-        "candidates": os.environ.get("DSAINDEX_CANDIDATES", ""),  # a count, `auto`, or empty (2 x top-k)
-        "recall_target": float(os.environ.get("DSAINDEX_RECALL_TARGET") or RECALL_TARGET),
-        "prefilter": os.environ.get("DSAINDEX_PREFILTER") or str(PREFILTER),  # a factor, or `auto` (per layer)
-        "allow_other_weights": os.environ.get("DSAINDEX_ALLOW_OTHER_WEIGHTS", "") == "1",
-        "cache_dir": os.environ.get("DSAINDEX_CACHE_DIR") or None,
-    }
+def settings() -> EngineSettings:
+    """The plugin's environment (:func:`dsaindex.runtime.settings.engine_settings`), read when a layer is built."""
+    return engine_settings("vllm")
 
 
 def served_artifacts(hf_config: Any, device: torch.device | str) -> Any:
     """The artifacts of ``DSAINDEX_ARTIFACTS`` resolved, verified and checked against the served model
-    (:func:`dsaindex.runtime.loader.load`, which raises ArtifactMismatchError naming both sides and the
+    (:func:`dsaindex.runtime.loader.load_bundle`, which raises ArtifactMismatchError naming both sides and the
     fix), once per process, bundle, basis and device."""
-    from dsaindex.runtime.loader import load
+    from dsaindex.runtime.loader import load_bundle
 
     s = settings()
-    key = (s["uri"], s["basis"], str(device), s["allow_other_weights"], id(hf_config))
+    key = (s.artifacts, s.basis, str(device), s.allow_other_weights, id(hf_config))
     with _lock:
         if key not in _served:
-            loaded = load(s["uri"], hf_config, device=str(device), basis=s["basis"], cache_dir=s["cache_dir"],
-                          allow_other_weights=s["allow_other_weights"])
+            loaded = load_bundle(s.artifacts, hf_config, device=str(device), basis=s.basis, cache_dir=s.cache_dir,
+                                 tracking_uri=s.tracking_uri, allow_other_weights=s.allow_other_weights)
             check_paged_codes(loaded.layers)  # RQ layers: refused when the artifacts load
             logger.info("dsaindex: %s (bundle %s) serves decode selection of layers %s",
-                        s["uri"], loaded.manifest.bundle_id, loaded.describe_layers())
+                        s.artifacts, loaded.manifest.bundle_id, loaded.describe_layers())
             _served[key] = loaded
         return _served[key]
 
@@ -101,9 +91,9 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.codec = None
         self.selector: PagedCacheSelector | None = None
         self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
-        self.prefilter = PREFILTER  # the layer's own once its artifact is known (below)
+        self.prefilter = s.decode(topk_tokens).prefilter  # the layer's own once its artifact is known (below)
         self._engine_layer: bool | None = None
-        if not s["uri"]:
+        if not s.artifacts:
             return
         model_config = get_current_vllm_config().model_config
         hf_config = getattr(model_config, "hf_config", None)
@@ -111,15 +101,14 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             from dsaindex.errors import DsaIndexError
 
             raise DsaIndexError("dsaindex could not read the served model's config from vLLM's config, so the "
-                                f"artifacts of {ENV_ARTIFACTS} cannot be checked against it.",
-                                f"unset {ENV_ARTIFACTS}, or build the model through vLLM's engine.")
+                                "artifacts of DSAINDEX_ARTIFACTS cannot be checked against it.",
+                                "unset DSAINDEX_ARTIFACTS, or build the model through vLLM's engine.")
         loaded = served_artifacts(hf_config, topk_indices_buffer.device)
-        if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).name == "pq":
+        if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).role == "decode":
             self.codec = loaded.layers[self.layer_id]
             # a count, or `auto`: this layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
             # held-out recall, refused here if none reaches the target
-            per_layer, factors = decode_settings(s["candidates"], s["prefilter"], loaded, topk_tokens, 2 * topk_tokens,
-                                                 s["recall_target"], layers=[self.layer_id])
+            per_layer, factors = decode_settings(s.decode(topk_tokens), loaded, topk_tokens, layers=[self.layer_id])
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
             self.prefilter = factors[self.layer_id]
 

@@ -4,27 +4,16 @@ vLLM (``vllm/plugins/__init__.py``, ``load_general_plugins``) loads the group's 
 ``VLLM_PLUGINS`` (all of them when unset) and calls each; a process may call it more than once, so
 :func:`register` is idempotent.
 
-Environment:
-
-* ``DSAINDEX_ARTIFACTS``: a bundle path or ``models:/<name>@<alias>`` (``/<version>``). Unset or empty:
-  the plugin does nothing and vLLM keeps its own indexer.
-* ``DSAINDEX_BASIS`` (default ``raw``): the key basis the engine's index-K cache holds. vLLM 0.33's
-  DeepSeek-V3.2 indexer stores LayerNorm + RoPE keys without a Hadamard rotation, so ``raw``.
-* ``DSAINDEX_CANDIDATES`` (default ``2 * index_topk``): keys reranked exactly per decode query;
-  ``DSAINDEX_PREFILTER`` (default 4): the folded first stage keeps ``PREFILTER * CANDIDATES``; ``auto``
-  (with ``DSAINDEX_CANDIDATES=auto``): each layer's factor chosen with its C.
-* ``DSAINDEX_ALLOW_OTHER_WEIGHTS=1``: serve artifacts of another model of the same geometry.
-* ``DSAINDEX_CACHE_DIR`` / ``MLFLOW_TRACKING_URI``: where ``models:/`` bundles are pulled from and to.
+Environment: the ``DSAINDEX_*`` variables of :data:`dsaindex.runtime.settings.ENVIRONMENT`, the one table both
+engine plugins read (its defaults and meanings are in the README, generated from it). With
+``DSAINDEX_ARTIFACTS`` unset or empty the plugin does nothing and vLLM keeps its own indexer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 logger = logging.getLogger("dsaindex_vllm")
-
-ENV_ARTIFACTS = "DSAINDEX_ARTIFACTS"
 
 
 def register() -> None:
@@ -34,9 +23,11 @@ def register() -> None:
     model's first indexer layer (the model config is known only then), so a bundle of another model
     stops startup with :class:`dsaindex.errors.ArtifactMismatchError` before anything is served.
     """
-    uri = os.environ.get(ENV_ARTIFACTS, "").strip()
+    from dsaindex.runtime.settings import engine_settings
+
+    uri = engine_settings("vllm").artifacts
     if not uri:
-        logger.debug("%s is unset: dsaindex leaves vLLM's sparse attention indexer as it is.", ENV_ARTIFACTS)
+        logger.debug("DSAINDEX_ARTIFACTS is unset: dsaindex leaves vLLM's sparse attention indexer as it is.")
         return
     from dsaindex_vllm.op import install
 

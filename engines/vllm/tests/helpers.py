@@ -7,7 +7,7 @@ import torch
 
 from dsaindex.artifacts.bundle import LayerArtifact, Lineage, new_bundle_manifest, write_bundle
 from dsaindex.geometry import geometry_from_config
-from dsaindex.pipelines.models import preset_config
+from dsaindex.pipelines.capture.models import preset_config
 from dsaindex.quant import fp8_quantize
 
 PAGE = 64
@@ -15,7 +15,7 @@ D = 128  # vLLM: Indexer.head_dim = config.index_head_dim; the cache row is D + 
 
 
 def preset_fingerprint(preset: str):
-    from dsaindex.pipelines.models import load_model
+    from dsaindex.pipelines.capture.models import load_model
 
     return load_model(f"preset:{preset}").fingerprint
 

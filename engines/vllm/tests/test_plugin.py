@@ -44,7 +44,7 @@ from dsaindex.errors import ArtifactMismatchError  # noqa: E402
 from dsaindex.geometry import geometry_from_config  # noqa: E402
 from dsaindex.kernels.fp8_score import fp8_scores_reference, paged_keys_reference  # noqa: E402
 from dsaindex.kernels.select import topk_of_prefixes  # noqa: E402
-from dsaindex.pipelines.models import preset_config  # noqa: E402
+from dsaindex.pipelines.capture.models import preset_config  # noqa: E402
 from dsaindex.score import topk_agree  # noqa: E402
 from helpers import PAGE, D, kmeans_codebooks, synthetic_keys, write_keys, write_pq_bundle  # noqa: E402
 

@@ -1,0 +1,160 @@
+"""Where a registry store is, and touching it safely: tracking URIs, store location checks, the
+registration lock of a sqlite store, retries of calls that meet a locked database, artifact downloads.
+
+Where things live: ``--tracking-uri`` > ``MLFLOW_TRACKING_URI`` > ``sqlite:///<cwd>/runs/mlflow/mlflow.db``.
+For a sqlite store, artifacts are kept beside the database (``<db folder>/artifacts``); a team points
+``MLFLOW_TRACKING_URI`` at a tracking server and lets the server place artifacts (e.g. on S3).
+
+Nothing here imports MLflow at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from dsaindex.errors import DsaIndexError
+
+DEFAULT_EXPERIMENT = "dsaindex"
+CANDIDATE = "candidate"
+PRODUCTION = "production"
+TAG = "dsaindex."
+REGISTERING = TAG + "registering"
+LOCK_TIMEOUT_S = 600.0
+_LIST_FIX = "run `dsaindex registry list` to see the registered names, versions and aliases."
+_STORE_FIX = "check that --tracking-uri (or MLFLOW_TRACKING_URI) names a reachable MLflow store, then retry."
+
+
+# ---- where the store is ----------------------------------------------------------------------------
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else a sqlite file under ``./runs/mlflow`` (absolute)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return "sqlite:///" + str((Path.cwd() / "runs" / "mlflow" / "mlflow.db").absolute())
+
+
+def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
+    """The tracking URI to use: the one given, else :func:`default_tracking_uri`."""
+    return tracking_uri or default_tracking_uri()
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (relative paths against the cwd), else None."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    rest = tracking_uri[len("sqlite:///"):].split("?", 1)[0]
+    if not rest or rest == ":memory:":
+        return None
+    return Path(rest).absolute()
+
+
+def artifact_root(tracking_uri: str) -> Path | None:
+    """Folder that holds the artifacts of a sqlite store (beside the database); None for servers."""
+    db = sqlite_path(tracking_uri)
+    return None if db is None else db.parent / "artifacts"
+
+
+def _is_http(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def check_store_location(tracking_uri: str | None = None) -> str:
+    """The resolved URI; a sqlite URI whose folder does not exist (a mistyped path) raises
+    :class:`DsaIndexError` naming the path, since reading it can only ever find nothing."""
+    uri = resolve_tracking_uri(tracking_uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.parent.is_dir():
+        raise DsaIndexError(
+            f"No registry at {uri}: the folder {db.parent} does not exist.",
+            "check the path in --tracking-uri (or MLFLOW_TRACKING_URI); the default store is "
+            "./runs/mlflow/mlflow.db of the folder you trained in.",
+        )
+    return uri
+
+
+def _no_database(uri: str, db: Path) -> DsaIndexError:
+    where = "the database file does not exist" if db.parent.is_dir() else f"the folder {db.parent} does not exist"
+    return DsaIndexError(
+        f"No registry at {uri} ({where}).",
+        "register a bundle first, or pass --tracking-uri (or set MLFLOW_TRACKING_URI) to the store in use.",
+    )
+
+
+# ---- locks, retries, downloads ---------------------------------------------------------------------
+def _short(err: BaseException, limit: int = 300) -> str:
+    return " ".join(str(err).split())[:limit]
+
+
+def _tables_exist(db: Path) -> bool:
+    """Whether MLflow has made its tables in ``db`` (its schema revision is stamped)."""
+    try:
+        with contextlib.closing(_connect_ro(db)) as con:
+            return bool(con.execute("SELECT version_num FROM alembic_version").fetchall())
+    except sqlite3.Error:
+        return False
+
+
+def _connect_ro(db: Path) -> sqlite3.Connection:
+    return sqlite3.connect(db.as_uri() + "?mode=ro", uri=True, timeout=10.0)
+
+
+@contextlib.contextmanager
+def _registration_lock(tracking_uri: str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
+    """Exclusive file lock beside a sqlite database (no-op, yielding True, for other stores).
+
+    With ``timeout_s=0`` it does not wait: it yields False when another process holds the lock."""
+    db = sqlite_path(tracking_uri)
+    if db is None:
+        yield True
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(db) + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        held = True
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if timeout_s <= 0:
+                    held = False
+                    break
+                if time.monotonic() > deadline:
+                    raise DsaIndexError(
+                        f"Another registration has held {db}.lock for over {timeout_s:.0f} s.",
+                        "wait for it to finish, or remove the lock file if no dsaindex process is running.",
+                    ) from None
+                time.sleep(0.05)
+        yield held
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _call(fn: Callable[..., Any], *args: Any, attempts: int = 8, **kwargs: Any) -> Any:
+    """Call an MLflow function, retrying when sqlite reports ``database is locked``."""
+    for attempt in range(attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - MlflowException wraps the sqlalchemy OperationalError
+            if "database is locked" not in str(err) or attempt == attempts - 1:
+                raise
+            time.sleep(min(2.0, 0.1 * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+def _error_code(err: Exception) -> str:
+    return str(getattr(err, "error_code", ""))
+
+
+def _download(artifact_uri: str, dst: Path) -> Path:
+    import mlflow.artifacts
+
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=str(dst)))

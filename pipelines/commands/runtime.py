@@ -1,0 +1,252 @@
+"""``dsaindex runtime check`` (the check an operator runs before starting a server) and ``dsaindex runtime
+generate`` (the runtime selecting inside transformers generation).
+
+Both take a model reference (a checkpoint folder, ``reference`` or a preset), so they live with the
+pipelines, where models are resolved; the runtime package itself only ever receives a config or a model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dsaindex.console import at_least
+from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
+
+# the option defaults are the settings' own (one definition: runtime/settings.py)
+DECODE, PREFILL, SERVE = DecodeSettings(), PrefillSettings(), ServeSettings()
+
+runtime_app = typer.Typer(no_args_is_help=True)
+
+
+_ALLOW_HELP = ("Serve artifacts trained for another model of the same geometry (other weights or config: a "
+               "deliberate transfer; measure recall there first). Family, dims, layers, basis and key format are "
+               "still checked.")
+
+
+def _model_config(model: str) -> object:
+    """The transformers config (object or ``config.json`` dict) of a model reference, without weights."""
+    import json
+
+    from dsaindex.pipelines.capture.models import preset_config, resolve_model_dir
+
+    if model.startswith("preset:"):
+        return preset_config(model.split(":", 1)[1])
+    return json.loads((Path(resolve_model_dir(model)) / "config.json").read_text())
+
+
+@runtime_app.command("check")
+def check_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="Served model: checkpoint directory, `reference` or a preset."),
+    artifacts: str = typer.Option(..., "--artifacts", "-a", help="Bundle path or models:/<name>@<alias>."),
+    device: str = typer.Option("cpu", help="Device to load the artifacts onto."),
+    basis: str = typer.Option(SERVE.basis, help="Key basis the engine scores in."),
+    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    weights: bool = typer.Option(True, "--weights/--config-only",
+                                 help="Load the model's weights (on the CPU) to compare its indexer-weights digest "
+                                      "with the artifacts', or compare the config digest only (for checkpoints "
+                                      "too large to load here)."),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
+    recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
+                                        help="Also report the C each decode layer would get from `serve "
+                                             "--candidates auto` at this held-out recall (or that it would refuse)."),
+    prefilter: str = typer.Option(str(DECODE.prefilter),
+                                  help="The server's stage 1 keeps prefilter x C keys: the C reported is the one whose "
+                                       "recall with that stage 1 reaches --recall-target; `auto`: the stage 1 and C "
+                                       "per layer that `serve --candidates auto --prefilter auto` would take."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Load the artifacts exactly as a server would and validate them against the model: its config
+    (family, indexer geometry, layers) and, unless told otherwise, that it is the model the artifacts
+    were trained for (config and indexer-weights digests). For a pq bundle, also the C per layer that
+    `serve --candidates auto` would choose from its recorded held-out recall."""
+    import json
+
+    from dsaindex.artifacts.bundle import read_manifest
+    from dsaindex.artifacts.registry import load_uri
+    from dsaindex.pipelines.commands.serve import parse_prefilter
+    from dsaindex.runtime.loader import load_bundle
+
+    prefilter = parse_prefilter(prefilter, "auto")  # refused before anything loads
+
+    config = _model_config(model)
+    served = None
+    if weights and not allow_other_weights:
+        from dsaindex.artifacts.compat import check_bundle_for_model
+        from dsaindex.pipelines.capture.models import load_model
+
+        manifest = read_manifest(load_uri(artifacts, tracking_uri=tracking_uri))
+        check_bundle_for_model(manifest, config, basis, allow_other_weights=True)  # the config's refusals first
+        # the digest of the weights as the artifacts' model was run (presets' random weights round with the dtype)
+        dtype = manifest.model.dtype if manifest.model.dtype in ("float32", "bfloat16") else "float32"
+        served = load_model(model, dtype=dtype).fingerprint
+    loaded = load_bundle(artifacts, config, device=device, basis=basis, tracking_uri=tracking_uri, served=served,
+                         allow_other_weights=allow_other_weights)
+    summary = loaded.summary()
+    same = ("not compared (--allow-other-weights)" if allow_other_weights
+            else "same weights and config" if served else "same config (weights not compared)")
+    summary["model_identity"] = same
+    auto = _auto_candidates(loaded, config, recall_target, prefilter)
+    if auto is not None:
+        summary["candidates_auto"] = auto
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    typer.echo(f"ok: {summary['bundle']} fits {model} ({same}): {summary['family']}, {summary['basis']} basis, "
+               f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on "
+               f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
+    if auto is not None:
+        head = f"--candidates auto at {100 * recall_target:.2f}% held-out recall (prefilter {prefilter})"
+        if "refused" in auto:
+            typer.echo(f"{head}: a server would refuse to start. {auto['refused']}")
+        else:
+            by_c: dict[int, list[str]] = {}
+            for layer, c in auto["per_layer"].items():
+                by_c.setdefault(c, []).append(layer)
+            line = ", ".join(f"C = {c} (layers {', '.join(layers)})" for c, layers in sorted(by_c.items()))
+            if "prefilter_per_layer" in auto:
+                by_p: dict[int, list[str]] = {}
+                for layer, p in auto["prefilter_per_layer"].items():
+                    by_p.setdefault(p, []).append(layer)
+                line += "; stage 1 " + ", ".join(f"{p} x C (layers {', '.join(layers)})" for p, layers in sorted(by_p.items()))
+            typer.echo(f"{head}: {line}")
+
+
+def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECODE.prefilter) -> dict | None:
+    # ``prefilter`` as ``parse_prefilter`` returns it: a factor, or "auto"
+    """For a bundle with pq layers: {"target", "prefilter", "per_layer": {layer: C}} as ``serve --candidates
+    auto --prefilter P`` would choose (with ``auto``, also "prefilter_per_layer": {layer: P}), or {"target",
+    "prefilter", "refused": message}; None for other bundles."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.runtime.loader import decode_settings
+
+    try:
+        chosen, factors = decode_settings(DecodeSettings(candidates="auto", prefilter=prefilter, recall_target=target),
+                                          loaded, geometry_from_config(config).topk)
+    except DsaIndexError as err:
+        return {"target": target, "prefilter": prefilter, "refused": str(err)}
+    if not chosen:
+        return None
+    out = {"target": target, "prefilter": prefilter, "per_layer": {str(layer): c for layer, c in chosen.items()}}
+    if prefilter == "auto":
+        out["prefilter_per_layer"] = {str(layer): p for layer, p in factors.items()}
+    return out
+
+
+def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):
+    """(held-out tokens, begin token, decoder of token lists to text): of a ``dsaindex reference corpus``
+    folder whose vocabulary the model holds, or of the byte-level reference corpus; a model with its own
+    ``tokenizer`` (v2) and no corpus is refused
+    (:func:`~dsaindex.pipelines.reference.train.checkpoint_streams`)."""
+    from dsaindex.pipelines.capture.models import ByteTokenizer
+    from dsaindex.pipelines.capture.tokens import checkpoint_streams
+
+    own = None if tokenizer is None or isinstance(tokenizer, ByteTokenizer) else tokenizer.name
+    streams, vocab = checkpoint_streams("The model", own, corpus, int(config.vocab_size), 0, max(200_000, 2 * tokens))
+    if vocab.tokenizer is None:
+        from dsaindex.runtime.transformers_adapter import byte_text
+
+        return streams.heldout, vocab.bos, byte_text
+    from tokenizers import Tokenizer
+
+    return streams.heldout, vocab.bos, Tokenizer.from_file(str(vocab.tokenizer)).decode
+
+
+@runtime_app.command("generate")
+def generate_cmd(
+    artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
+    model: str = typer.Option("reference", "--model", "-m", help="`reference`, a checkpoint directory or a preset."),
+    prompt_tokens: int = typer.Option(3072, callback=at_least(2),
+                                      help="Prompt length in tokens (a begin token, then held-out text: of --corpus, "
+                                           "or of the byte-level corpus of reference-v1)."),
+    corpus: Path = typer.Option(None, help="Take the prompt and its continuation from the held-out split of this "
+                                           "`dsaindex reference corpus` folder, in its tokens (the data of v2, the "
+                                           "default reference; needed by any model with its own tokenizer) "
+                                           "instead of the byte-level corpus of reference-v1."),
+    prompt_offset: int = typer.Option(0, callback=at_least(0),
+                                      help="Where in the held-out text the prompt starts (tokens)."),
+    new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
+    candidates: int = typer.Option(DECODE.candidates, callback=at_least(1),
+                                   help="C: keys reranked exactly per step and layer."),
+    prefilter: int = typer.Option(DECODE.prefilter, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
+    exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
+                                    help="The length policy: score requests of at most this many keys exactly "
+                                         "(0, the default here: every step through PQ, which is what this "
+                                         "command measures)."),
+    topk: int = typer.Option(None, callback=at_least(1),
+                             help="Keys selected per step (default: the model's index_topk)."),
+    device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    basis: str = typer.Option(SERVE.basis, help="Key basis the artifacts were trained in."),
+    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    progress: bool = typer.Option(True, help="Show a progress bar (per generated token) on stderr."),
+    ivf_artifacts: str = typer.Option(None, "--ivf-artifacts",
+                                      help="An ivf bundle too: whole requests are served as `dsaindex serve` "
+                                           "serves them (IVF prefill, PQ decode), and the recall is reported "
+                                           "per phase."),
+    ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
+                                   help="Candidates per prefill query with --ivf-artifacts (default 8 x top-k)."),
+    prefill_chunk: int = typer.Option(None, callback=at_least(1),
+                                      help="Feed the prompt in chunks of this many tokens (default: at once)."),
+    out: str = typer.Option(None, help="Also write the JSON result to this file."),
+) -> None:
+    """Greedy generation with the runtime choosing every layer's decode-time top-k (and with
+    --ivf-artifacts, its prefill top-k), against the model's own exhaustive selection: token agreement
+    (free running, teacher forced, and on the real held-out continuation) and per-layer recall of the
+    model's own top-k."""
+    import json
+
+    import torch
+
+    from dsaindex.console import progress_bar, resolve_device
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
+    from dsaindex.runtime.loader import load_bundle
+    from dsaindex.runtime.transformers_adapter import greedy_agreement
+
+    dev = resolve_device(device)
+    loaded_model = load_model(model, device=dev, dtype="float32")
+    heldout, bos, decode = _heldout_text(corpus, loaded_model.model.config, prompt_offset + prompt_tokens + new_tokens,
+                                         loaded_model.tokenizer)
+    net = loaded_model.model
+    served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting, not another model
+    if topk is not None:
+        set_index_topk(net, topk)
+    loaded = load_bundle(artifacts, net.config, device=dev, basis=basis, served=served,
+                         allow_other_weights=allow_other_weights)
+    if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"The held-out text has {len(heldout):,} tokens, fewer than --prompt-offset + "
+                            f"--prompt-tokens + --new-tokens ({prompt_offset + prompt_tokens + new_tokens:,}).",
+                            "lower --prompt-offset, --prompt-tokens or --new-tokens.")
+    window = [int(t) for t in heldout[prompt_offset : prompt_offset + prompt_tokens - 1 + new_tokens]]
+    prompt = torch.tensor([bos] + window[: prompt_tokens - 1], dtype=torch.long)
+    continuation = torch.tensor(window[prompt_tokens - 1 :], dtype=torch.long)
+    selection = None
+    if ivf_artifacts is not None:
+        from dsaindex.runtime.serving import serve_index
+
+        settings = ServeSettings(
+            decode=DecodeSettings(candidates=candidates, prefilter=prefilter, exact_below=exact_below),
+            prefill=PrefillSettings(ivf_budget=ivf_budget), basis=basis, allow_other_weights=allow_other_weights,
+            measure_recall=True, max_keys=prompt_tokens + new_tokens + 1)
+
+        def selection():
+            return serve_index([artifacts, ivf_artifacts], net, settings, device=dev, served=served)
+
+    with progress_bar("generate", enabled=progress) as update:
+        result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
+                                  prefilter=prefilter, device=dev, continuation=continuation, progress=update,
+                                  exact_below=exact_below, selection=selection, prefill_chunk=prefill_chunk,
+                                  decode=decode)
+    if ivf_artifacts is not None:
+        result["ivf_artifacts"] = ivf_artifacts
+        result["served"] = selection().describe()
+    result["model"] = model
+    result["artifacts"] = artifacts
+    text = json.dumps(result, indent=2)
+    if out:
+        Path(out).write_text(text)
+    print(text)

@@ -1,0 +1,110 @@
+"""A ``pq`` bundle's measured operating points as a typed table, read once from its recorded metrics.
+
+``dsaindex train pq`` records, per layer and top-k, the held-out recall of the exact top-k at each
+candidate count C: of the served step whose stage 1 keeps P x C keys (``layer{L}/k{topk}/prefilter{P}@{C}``)
+and of the top-C by coarse score after exact rerank (``.../rerank@{C}``, an upper bound of the served
+one, for bundles trained before the served recall was recorded), over every held-out query and per
+prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``).
+:meth:`OperatingPoints.from_metrics` is the one reader of those names; the choosers in
+:mod:`dsaindex.runtime.loader` pick from the typed table (the pattern of faiss contrib's
+``OperatingPoints``: parameters -> measured recall, the cheapest point above a target).
+
+A point's recall is the lower of its mean over every held-out query and its mean in the longest prefix
+band with at least :data:`MIN_BAND_QUERIES` queries, so long requests, the ones C matters for, decide.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MIN_BAND_QUERIES = 8  # a prefix band's recall counts with at least this many queries
+
+_POINT = re.compile(r"^layer(\d+)/k(\d+)(?:@([^/]+))?/(rerank|prefilter(\d+))@(\d+)$")
+_QUERIES = re.compile(r"^layer(\d+)/k(\d+)@([^/]+)/queries$")
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """One measured decode setting of one layer: ``prefilter`` P (None: rerank of every key's coarse
+    score), ``candidates`` C, and the held-out recall of the exact top-``topk`` it served: ``overall``
+    (every query), ``band_recall`` in the longest well-populated prefix ``band`` (None without one)."""
+
+    layer: int
+    topk: int
+    prefilter: int | None
+    candidates: int
+    overall: float
+    band: str | None = None
+    band_recall: float | None = None
+
+    @property
+    def recall(self) -> float:
+        """What a chooser compares with its target: the lower of the overall and the longest band's."""
+        return self.overall if self.band_recall is None else min(self.overall, self.band_recall)
+
+    @property
+    def stage2_keys(self) -> int:
+        """Keys the full coarse score reads per query (P x C): the step's cost, for ranking points."""
+        return (self.prefilter or 0) * self.candidates
+
+
+def band_start(band: str) -> int:
+    """Keys at the start of a prefix band named like ``64K-128K`` or ``1M-max`` (the names
+    :func:`dsaindex.train.recall.prefix_band` gives)."""
+    low = band.split("-", 1)[0]
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(low[-1:], 1)
+    return int(float(low.rstrip("KM") or 0) * scale)
+
+
+@dataclass(frozen=True)
+class OperatingPoints:
+    """Every recorded operating point of a bundle (:class:`OperatingPoint`)."""
+
+    points: tuple[OperatingPoint, ...]
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, float]) -> OperatingPoints:
+        """The table of a bundle's metrics dictionary (names as ``dsaindex train pq`` records them)."""
+        longest: dict[tuple[int, int], str] = {}  # (layer, topk) -> its longest band with enough queries
+        for name, count in metrics.items():
+            found = _QUERIES.match(name)
+            if found and count >= MIN_BAND_QUERIES:
+                key, band = (int(found.group(1)), int(found.group(2))), found.group(3)
+                if key not in longest or band_start(band) > band_start(longest[key]):
+                    longest[key] = band
+        overall: dict[tuple[int, int, int | None, int], float] = {}
+        in_band: dict[tuple[int, int, int | None, int], float] = {}
+        for name, value in metrics.items():
+            found = _POINT.match(name)
+            if not found:
+                continue
+            layer, topk, band = int(found.group(1)), int(found.group(2)), found.group(3)
+            key = (layer, topk, int(found.group(5)) if found.group(5) else None, int(found.group(6)))
+            if band is None:
+                overall[key] = float(value)
+            elif band == longest.get((layer, topk)):
+                in_band[key] = float(value)
+        points = []
+        for key in sorted(overall, key=lambda k: (k[0], k[1], k[2] or 0, k[3])):
+            layer, topk, prefilter, candidates = key
+            band = longest.get((layer, topk)) if key in in_band else None
+            points.append(OperatingPoint(layer, topk, prefilter, candidates, overall[key], band, in_band.get(key)))
+        return cls(tuple(points))
+
+    def of(self, layer: int, topk: int, prefilter: int | None = None, served: bool = True) -> list[OperatingPoint]:
+        """The layer's points at ``topk``: with ``served`` those of the served step (``prefilter`` P only, or
+        every P when None), else the rerank points."""
+        return [p for p in self.points if p.layer == layer and p.topk == topk
+                and ((p.prefilter is not None and (prefilter is None or p.prefilter == prefilter)) if served
+                     else p.prefilter is None)]
+
+    def prefilters(self, layer: int, topk: int) -> list[int]:
+        """The stage-1 factors the layer's served recall was recorded at, ascending."""
+        return sorted({p.prefilter for p in self.of(layer, topk)})
+
+    def recall(self, layer: int, topk: int, prefilter: int | None) -> dict[int, float]:
+        """{C: recall} of the layer's points at ``prefilter`` P (None: the rerank points)."""
+        points = self.of(layer, topk, prefilter) if prefilter is not None else self.of(layer, topk, served=False)
+        return {p.candidates: p.recall for p in points}

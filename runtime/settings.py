@@ -1,0 +1,281 @@
+"""Serving settings, typed, with one set of defaults: what ``dsaindex serve``, ``runtime generate``,
+:func:`dsaindex.runtime.serving.serve_index` and both engine plugins take.
+
+* :class:`DecodeSettings`: the PQ decode step (C, stage 1, the miss filter, the direct path);
+* :class:`PrefillSettings`: IVF prefill selection and streamed prefill;
+* :class:`ServeSettings`: the two above plus what the whole runtime shares (basis, request slots,
+  cross-layer reuse, the MLI lag);
+* :data:`ENVIRONMENT`: every ``DSAINDEX_*`` variable the engine plugins read, declared once with its
+  parser, default and meaning; :func:`engine_settings` reads them for a plugin and
+  :func:`environment_markdown` writes the table the engines' READMEs show.
+
+The numeric defaults are the core's measured constants (:mod:`dsaindex.coarse`: the kernels take them
+too); every other default is a field default here. Commands take their option defaults from these
+classes (``DecodeSettings().candidates``), and ``tests/test_settings.py`` checks each option against
+them. Parsing the text forms (``"auto"``, ``"2048"``) happens here, so a CLI option and an environment
+variable refuse the same bad value with the same message, naming the option or variable to fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PREFILTER, RECALL_TARGET
+from dsaindex.errors import DsaIndexError
+
+Auto = Literal["auto"]
+PerLayer = Mapping[int, int]
+
+
+def parse_candidates(value: Any, where: str = "--candidates", empty_ok: bool = True) -> int | Auto | None:
+    """C as a server takes it: a positive count, ``auto`` (each layer's C from its bundle's recorded recall),
+    or, with ``empty_ok``, none (empty, ``0``, None: the caller's default). ``where`` names the option or
+    variable in the error."""
+    text = "" if value is None else str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in ("", "0") and empty_ok:
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise DsaIndexError(f"{where} {value!r} is neither a positive count nor `auto`.",
+                        f"set {where} to a number of keys (e.g. 2048) or `auto`.")
+
+
+def parse_prefilter(value: Any, candidates: Any = None, where: str = "--prefilter",
+                    empty_ok: bool = True) -> int | Auto:
+    """Stage 1's factor: a positive integer, ``auto``, which chooses each layer's stage 1 together with its C
+    and so needs ``candidates`` ``auto`` too, or, with ``empty_ok``, none (:data:`dsaindex.coarse.PREFILTER`)."""
+    text = "" if value is None else str(value).strip().lower()
+    if text == "auto":
+        if candidates != "auto":
+            raise DsaIndexError(f"{where} `auto` chooses each layer's stage 1 together with its C, and the "
+                                f"candidate count is {candidates!r}.",
+                                f"set the candidates to `auto` too, or {where} to a number (e.g. {PREFILTER}).")
+        return "auto"
+    if text == "" and empty_ok:
+        return PREFILTER
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise DsaIndexError(f"{where} {value!r} is neither a positive factor nor `auto`.",
+                        f"set {where} to a number (e.g. {PREFILTER}) or `auto`.")
+
+
+def parse_fraction(value: Any, where: str = "--recall-target") -> float:
+    """A recall target in (0, 1]."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0.0 < number <= 1.0:
+        raise DsaIndexError(f"{where} {value!r} is not a recall between 0 and 1.",
+                            f"set {where} to a fraction such as {RECALL_TARGET}.")
+    return number
+
+
+def parse_flag(value: Any, where: str) -> bool:
+    """A yes/no setting: 1, true, yes, on / 0, false, no, off (any case) or empty (no)."""
+    text = "" if value is None else str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    raise DsaIndexError(f"{where} {value!r} is not a yes/no value.", f"set {where} to 1 or 0.")
+
+
+def parse_basis(value: Any, where: str = "--basis") -> str:
+    text = str(value).strip().lower()
+    if text not in ("hadamard", "raw"):
+        raise DsaIndexError(f"{where} {value!r} is not a key basis.", f"set {where} to hadamard or raw.")
+    return text
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """The PQ decode step (:class:`dsaindex.runtime.pq_batch.PQDecodeGroup`), per served layer.
+
+    candidates : C, keys reranked exactly per step: a count, a layer -> count mapping, or ``auto`` (each
+        layer's smallest C whose recorded held-out recall reaches ``recall_target``)
+    prefilter : stage 1 keeps ``prefilter`` x C keys by a folded score before the full coarse score: a
+        factor, a layer -> factor mapping, or ``auto`` (with ``candidates="auto"``: chosen with each C)
+    recall_target : what ``auto`` must reach, over all held-out queries and in the longest prefix band
+    cache_capacity : exact keys cached on the device per request (None: 2 x C)
+    exact_below : requests of at most this many keys are scored exactly (0: never)
+    pq_from : layer -> the first key position the code ranks (older keys only; None: all)
+    filter_width : the miss filter's margin below the k-th coarse score, in standard deviations
+    direct_upto : steps with at most this many live requests read candidates straight from the host (0: never)
+    """
+
+    candidates: int | Auto | PerLayer = 1024
+    prefilter: int | Auto | PerLayer = PREFILTER
+    recall_target: float = RECALL_TARGET
+    cache_capacity: int | None = None
+    exact_below: int = 0
+    pq_from: Mapping[int, int] | None = None
+    filter_width: float = FILTER_WIDTH
+    direct_upto: int = DIRECT_UPTO
+
+    def __post_init__(self) -> None:
+        if isinstance(self.candidates, str) and self.candidates != "auto":
+            object.__setattr__(self, "candidates", parse_candidates(self.candidates) or DecodeSettings.candidates)
+        if isinstance(self.prefilter, str):
+            object.__setattr__(self, "prefilter", parse_prefilter(self.prefilter, self.candidates))
+        elif self.prefilter == "auto" and self.candidates != "auto":
+            parse_prefilter("auto", self.candidates)
+        parse_fraction(self.recall_target)
+
+    @property
+    def auto(self) -> bool:
+        """Whether C (and maybe stage 1) is still to be chosen from a bundle's recorded recall."""
+        return self.candidates == "auto" or self.prefilter == "auto"
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """Prefill selection: ``ivf_budget`` candidates per prefill query from the IVF index (None: 8 x top-k);
+    ``stream_prefix``: LeanSparse's layer-wise streamed prefill of the model's indexer keys (one request at
+    a time: :class:`dsaindex.runtime.streaming.PrefixStreamer`)."""
+
+    ivf_budget: int | None = None
+    stream_prefix: bool = False
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything a served runtime takes besides its artifacts.
+
+    decode, prefill : the two phases' settings
+    basis : the key basis the artifacts were trained in (the engines' Hadamard basis by default)
+    slots : requests served at once (batch rows); max_keys : the longest request (None: the model's
+        ``max_position_embeddings``)
+    allow_other_weights : serve artifacts trained for another model of the same geometry
+    tracking_uri : MLflow tracking URI for ``models:/`` bundles (None: ``MLFLOW_TRACKING_URI`` or the default)
+    retention, reuse_method : with a ``reuse`` bundle, the plan to serve (``"1/4"``) and how it was chosen
+    lag : the Multi-layer Indexer's schedule; side_stream : run a lagged kept layer's selection on a side
+        stream (None: on CUDA with ``lag``)
+    measure_recall : log how much of the model's own top-k each selection keeps
+    use_triton : the Triton kernels (None: where they run)
+    """
+
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
+    prefill: PrefillSettings = field(default_factory=PrefillSettings)
+    basis: str = "hadamard"
+    slots: int = 1
+    max_keys: int | None = None
+    allow_other_weights: bool = False
+    tracking_uri: str | None = None
+    retention: str | None = None
+    reuse_method: str = "optimal"
+    lag: bool = False
+    side_stream: bool | None = None
+    measure_recall: bool = False
+    use_triton: bool | None = None
+
+    @classmethod
+    def of(cls, **options: Any) -> ServeSettings:
+        """Settings from flat keywords, each routed to :class:`DecodeSettings`, :class:`PrefillSettings` or
+        this class by its name (``ServeSettings.of(candidates="auto", ivf_budget=16384, slots=4)``); an
+        unknown name is a ``TypeError`` naming it."""
+        names = {kind: {f.name for f in fields(kind)} for kind in (DecodeSettings, PrefillSettings, cls)}
+        unknown = sorted(set(options) - set().union(*names.values()) | ({"decode", "prefill"} & set(options)))
+        if unknown:
+            raise TypeError(f"unknown serving settings {unknown}; known: {sorted(set().union(*names.values()))}")
+        pick = {kind: {k: v for k, v in options.items() if k in names[kind]} for kind in names}
+        return cls(decode=DecodeSettings(**pick[DecodeSettings]), prefill=PrefillSettings(**pick[PrefillSettings]),
+                   **pick[cls])
+
+
+# ---- the engine plugins' environment -----------------------------------------------------------------
+ENGINES = ("sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``DSAINDEX_*`` variable: ``field`` of :class:`EngineSettings` it sets, ``parse`` (text, the
+    variable's name) -> value, ``default`` (one value, or one per engine), ``shown`` (the default as the
+    README states it) and ``doc``."""
+
+    name: str
+    field: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    doc: str
+    shown: str = ""
+
+    def default_for(self, engine: str) -> Any:
+        return self.default[engine] if isinstance(self.default, dict) else self.default
+
+
+def _text(value: str, where: str) -> str | None:
+    return value.strip() or None
+
+
+ENVIRONMENT: tuple[EnvVar, ...] = (
+    EnvVar("DSAINDEX_ARTIFACTS", "artifacts", _text, None,
+           "A bundle path or `models:/NAME@alias` (or `/VERSION`). Unset or empty: the plugin does nothing "
+           "and the engine keeps its own indexer.", "unset"),
+    EnvVar("DSAINDEX_BASIS", "basis", parse_basis, {"sglang": "hadamard", "vllm": "raw"},
+           "The key basis of the engine's index-K cache, which the artifacts must be trained in: SGLang "
+           "rotates keys with a Hadamard matrix, vLLM 0.33 stores them unrotated.",
+           "`hadamard` (SGLang), `raw` (vLLM)"),
+    EnvVar("DSAINDEX_CANDIDATES", "candidates", lambda v, w: parse_candidates(v, w), None,
+           "C, keys reranked exactly per decode query: a count, or `auto` (each layer's smallest C whose "
+           "held-out recall in the bundle reaches `DSAINDEX_RECALL_TARGET`).", "2 x the model's top-k"),
+    EnvVar("DSAINDEX_PREFILTER", "prefilter", lambda v, w: v, PREFILTER,
+           "Stage 1 keeps PREFILTER x C keys by a folded score; `auto` (with `DSAINDEX_CANDIDATES=auto`): "
+           "each layer's stage 1 chosen with its C.", str(PREFILTER)),
+    EnvVar("DSAINDEX_RECALL_TARGET", "recall_target", parse_fraction, RECALL_TARGET,
+           "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
+    EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
+           "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
+    EnvVar("DSAINDEX_CACHE_DIR", "cache_dir", _text, None,
+           "Where `models:/` bundles are pulled to.", "the registry's cache (`~/.cache/dsaindex`)"),
+    EnvVar("DSAINDEX_TRACKING_URI", "tracking_uri", _text, None,
+           "The MLflow tracking server `models:/` URIs resolve against.",
+           "`MLFLOW_TRACKING_URI`, else the local registry"),
+)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """An engine plugin's settings, as :func:`engine_settings` reads them from :data:`ENVIRONMENT`."""
+
+    artifacts: str | None
+    basis: str
+    candidates: int | Auto | None
+    prefilter: int | Auto
+    recall_target: float
+    allow_other_weights: bool
+    cache_dir: str | None
+    tracking_uri: str | None
+
+    def decode(self, topk: int) -> DecodeSettings:
+        """The decode settings these give a model whose top-k is ``topk`` (C defaults to 2 x top-k)."""
+        return DecodeSettings(candidates=self.candidates or 2 * topk, prefilter=self.prefilter,
+                              recall_target=self.recall_target)
+
+
+def engine_settings(engine: str, environ: Mapping[str, str] | None = None) -> EngineSettings:
+    """The ``DSAINDEX_*`` settings of the ``engine`` plugin (``sglang`` or ``vllm``) from ``environ``
+    (default ``os.environ``): unset or empty variables take the table's default; a bad value raises
+    :class:`DsaIndexError` naming the variable."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for var in ENVIRONMENT:
+        raw = env.get(var.name, "")
+        values[var.field] = var.default_for(engine) if not raw.strip() else var.parse(raw, var.name)
+    values["prefilter"] = parse_prefilter(values["prefilter"], values["candidates"], "DSAINDEX_PREFILTER")
+    return EngineSettings(**values)
+
+
+def environment_markdown() -> str:
+    """The table of :data:`ENVIRONMENT` as the engines' READMEs show it (generated, never edited by hand)."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {v.shown} | {v.doc} |" for v in ENVIRONMENT]
+    return "\n".join(rows) + "\n"
