@@ -240,9 +240,11 @@ class PagedCacheSelector:
     def select(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor, queries: torch.Tensor,
                head_weights: torch.Tensor, init_tokens: int = 0, local_tokens: int = 0,
                eager_refresh: bool | None = None) -> torch.Tensor:
-        """Request-local key positions [B, topk] int32 (-1 padded, in no particular order) for one query per
-        request: ``queries`` [B, H, D] (FP8 e4m3 or float), ``head_weights`` [B, H] float32, ``seqlens``
-        [B] keys visible to each query (its own included), ``page_table`` [B, W] int32.
+        """Request-local key positions [B, topk] int32 for one query per request: the selected keys first (in
+        no particular order), then -1, so a request of n < topk keys has all n (its newest included) in its
+        first n entries, the contract SGLang's decode backends read. ``queries`` [B, H, D] (FP8 e4m3 or
+        float), ``head_weights`` [B, H] float32, ``seqlens`` [B] keys visible to each query (its own
+        included), ``page_table`` [B, W] int32.
 
         ``init_tokens`` / ``local_tokens``: the first / last tokens of each request always selected (an
         engine's forced tokens). ``eager_refresh`` runs :meth:`prepare` first (a host sync); the default
@@ -288,6 +290,10 @@ class PagedCacheSelector:
         top = small_topk if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
         values, picked = top(exact, k, positions)
         picked = torch.where(values > float("-inf"), picked, torch.full_like(picked, -1))
+        # valid entries first, -1 after (a stable sort on "is padding", no host sync): SGLang's decode backends
+        # read the first min(n, topk) entries as KV slots, so a request shorter than top-k must find all its
+        # keys there, its newest ones (the tail, after the candidate block) included
+        picked = picked.gather(1, (picked < 0).to(torch.uint8).sort(dim=1, stable=True).indices)
         out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)
         out[:, :k] = picked.to(torch.int32)
         self.stats = PagedStats(encoded, stale, stage1)

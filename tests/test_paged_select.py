@@ -207,6 +207,21 @@ def test_every_key_a_candidate_is_the_exact_topk(use_triton, opq):
     assert int(sel.stats.stale.sum()) == 0
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_a_request_shorter_than_topk_has_every_key_first_and_padding_after(use_triton):
+    """SGLang's decode backends read the first min(n, topk) entries as KV slots: a request of n < topk keys
+    must find all n there (the newest, which sit in the tail after the candidate block, included) and -1
+    only after them, for the kernels (which keep column order) as for the references."""
+    lengths = [300, 131, 40, 64]
+    cache, table, _ = engine_cache(lengths, 16)
+    q, w = queries(4)
+    sel = PagedCacheSelector(codec(), 16, topk=512, candidates=1024, head_dim=D, device=DEV, use_triton=use_triton)
+    got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w).cpu()
+    for row, n in zip(got, lengths, strict=True):
+        assert sorted(row[:n].tolist()) == list(range(n)), (n, row[:n])
+        assert (row[n:] == -1).all(), (n, row[n:][row[n:] >= 0])
+
+
 def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
     lengths = [2000, 1500]
     cache, table, _ = engine_cache(lengths, 60)
