@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +75,120 @@ def served_artifacts(hf_config: Any, device: torch.device | str) -> Any:
         return _served[key]
 
 
+# How vLLM's model code calls a DSA layer's indexer, by the module that builds the layer. ``op``: through the
+# layer's ``indexer_op`` (this class's forward); ``function``: the module calls the plain function
+# ``sparse_attn_indexer(...)`` itself (vLLM's CUDA path for DeepSeek-V3.2 and GLM-5: models/deepseek_v32/
+# __init__.py loads nvidia/model.py on CUDA, whose attention.py `_sparse_indexer_and_attn` never calls
+# ``indexer_op``), so the plugin replaces that module's name with :func:`_hooked`.
+MODEL_PATHS = {
+    "vllm.model_executor.models.deepseek_v2": "op",  # the CPU / XPU path (and vLLM's generic DSA code)
+    "vllm.models.deepseek_v32.attention": "function",  # CUDA: DeepSeek-V3.2, GLM-5
+    "vllm.models.deepseek_v41.attention": "op",  # the V4 family's indexer layers call indexer_op
+}
+FUNCTION = "sparse_attn_indexer"
+
+
+def _builder_module() -> str:
+    """The module whose code is building this layer: the first frame outside this plugin, vLLM's op
+    machinery (``CustomOp``) and the in-tree layer class."""
+    skip = {__name__, "vllm.model_executor.custom_op", "vllm.model_executor.layers.sparse_attn_indexer"}
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") in skip:
+        frame = frame.f_back
+    return "" if frame is None else str(frame.f_globals.get("__name__", ""))
+
+
+# vLLM's model registry on CUDA: these architectures are served by models/deepseek_v32 (nvidia/model.py)
+CUDA_FUNCTION_PATH = {"DeepseekV32ForCausalLM": "vllm.models.deepseek_v32.attention",
+                      "GlmMoeDsaForCausalLM": "vllm.models.deepseek_v32.attention"}
+
+
+def _platform_is_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
+def model_path(builder: str, hf_config: Any) -> str:
+    """The module whose code calls the served layers' indexer: the module building the layer where the plugin
+    knows it (:data:`MODEL_PATHS`), else the one vLLM's registry maps the model's architecture to on this
+    platform (:data:`CUDA_FUNCTION_PATH` on CUDA), else the layer's op (``deepseek_v2``'s path)."""
+    if builder in MODEL_PATHS:
+        return builder
+    if _platform_is_cuda():
+        for arch in getattr(hf_config, "architectures", None) or []:
+            if arch in CUDA_FUNCTION_PATH:
+                return CUDA_FUNCTION_PATH[arch]
+    return "vllm.model_executor.models.deepseek_v2"
+
+
+def reach_model_path(module_name: str) -> str:
+    """Make the model code of ``module_name`` (:func:`model_path`) reach the plugin: nothing to do where it
+    calls the layer's op; where it calls ``sparse_attn_indexer`` itself, that name in the module is replaced
+    (once) by :func:`_hooked`. Returns how the calls arrive (``op`` / ``function``). Refuses
+    (:class:`DsaIndexError`, at startup, when the first served layer is built) a path whose function it
+    cannot find: artifacts the engine never consults would look like a plugin at work."""
+    import importlib
+
+    from dsaindex.errors import DsaIndexError
+
+    how = MODEL_PATHS[module_name]
+    if how == "function":
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise DsaIndexError(f"vLLM's DSA model path {module_name} does not import here ({err}); the plugin "
+                                "cannot hook the indexer that path calls, so its selection would never run.",
+                                "serve with the vLLM release the plugin supports (0.33.0), or unset "
+                                "DSAINDEX_ARTIFACTS.") from None
+        current = getattr(module, FUNCTION, None)
+        if current is None:
+            raise DsaIndexError(f"{module_name} has no `{FUNCTION}` to hook: this vLLM's DSA model path calls its "
+                                "indexer another way, and the plugin's selection would never be called.",
+                                "serve with the vLLM release the plugin supports (0.33.0), or unset DSAINDEX_ARTIFACTS.")
+        if not getattr(current, "_dsaindex", False):
+            setattr(module, FUNCTION, _hooked(current))
+            logger.info("dsaindex: %s.%s hooked (vLLM's model path calls it, not the layer's op)", module_name,
+                        FUNCTION)
+    return how
+
+
+def _hooked(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``original`` (vLLM's ``sparse_attn_indexer``) with the plugin's decode selection for served layers:
+    the call's arguments are read by name; a layer the plugin serves, in a call it can take (no context
+    parallelism, no FP4 cache or query scale, no candidate blocks), runs the layer's step with
+    ``original(...)`` as its engine part; every other call is ``original``'s."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def hooked(*args: Any, **kwargs: Any) -> torch.Tensor:
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        layer = _LAYERS.get(_layer_name(a["k_cache_prefix"]))
+        if (layer is None or layer._engine_only(a["q_quant"]) or a.get("use_pcp") or a.get("use_fp4_cache")
+                or a.get("q_scale") is not None or (a.get("dcp_world_size") or 1) > 1
+                or a.get("candidate_blocks") is not None):
+            return original(*args, **kwargs)
+        return layer._forward(lambda: original(*args, **kwargs), a["hidden_states"], a["q_quant"], a["k"],
+                              a["weights"], insert_keys=not a["skip_k_cache_insert"])
+
+    hooked._dsaindex = True  # type: ignore[attr-defined]
+    return hooked
+
+
+def _layer_name(prefix: Any) -> str:
+    """vLLM passes a layer name or its interned form; :func:`_resolve_layer_name` where this vLLM has it."""
+    try:
+        from vllm.model_executor.layers.sparse_attn_indexer import _resolve_layer_name
+    except ImportError:
+        return str(prefix)
+    return _resolve_layer_name(prefix)
+
+
 def layer_id_of(prefix: str) -> int | None:
     """``model.layers.7.self_attn.indexer.k_cache`` -> 7."""
     found = _LAYER.search(prefix)
@@ -93,6 +209,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
         self.prefilter = s.decode(topk_tokens).prefilter  # the layer's own once its artifact is known (below)
         self._engine_layer: bool | None = None
+        self.model_path = "op"  # how vLLM's model code reaches this layer (reach_model_path)
         if not s.artifacts:
             return
         model_config = get_current_vllm_config().model_config
@@ -113,6 +230,8 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             self.prefilter = factors[self.layer_id]
 
         _LAYERS[self.k_cache.prefix] = self
+        if self.codec is not None:
+            self.model_path = reach_model_path(model_path(_builder_module(), hf_config))
 
     # vLLM's CustomOp dispatch: CUDA (and platforms vLLM does not know) call forward_cuda, the CPU build
     # forward_cpu; forward_native (custom op disabled in the compilation config) calls one of them. Layers
@@ -148,24 +267,28 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         except Exception:  # noqa: BLE001 - no DeepGEMM: FP32 scales
             return False
 
-    def _forward(self, engine, hidden_states, q_quant, k, weights):
+    def _forward(self, engine: Callable[[], torch.Tensor], hidden_states, q_quant, k, weights,
+                 insert_keys: bool | None = None):
+        """The layer's step: ``engine()`` runs vLLM's own indexer for this call (the op's, or the CUDA model
+        path's function with its arguments); ``insert_keys``: whether the decode-only path writes the step's
+        keys to the cache itself (default: unless the layer was built with ``skip_k_cache_insert``)."""
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict):  # profiling / dummy run
-            return engine(self, hidden_states, q_quant, k, weights)
+            return engine()
         meta = metadata[self.k_cache.prefix]
         decode = meta.decode
         if meta.num_decodes == 0 or decode is None:
-            return engine(self, hidden_states, q_quant, k, weights)
+            return engine()
         seq_lens = decode.seq_lens
         if meta.num_decode_tokens != meta.num_decodes or (seq_lens.ndim == 2 and seq_lens.shape[1] != 1):
-            return engine(self, hidden_states, q_quant, k, weights)  # several queries per request (MTP)
+            return engine()  # several queries per request (MTP)
         buffer = self.topk_indices_buffer
         selector = self._selector()
         if meta.num_prefills > 0:
-            engine(self, hidden_states, q_quant, k, weights)
+            engine()
             self._encode_prefills(selector, meta)
         else:
-            if not self.skip_k_cache_insert:
+            if (not self.skip_k_cache_insert) if insert_keys is None else insert_keys:
                 self._insert_keys(k, meta.slot_mapping)
             buffer[: hidden_states.shape[0]] = -1
         b = meta.num_decodes
@@ -205,7 +328,8 @@ def _op_impl(hidden_states: torch.Tensor, layer_name: str, q_quant: torch.Tensor
     vLLM's own op (for the engine's part) of the tensors' device."""
     layer = _LAYERS[layer_name]
     engine = SparseAttnIndexer.forward_cpu if hidden_states.device.type == "cpu" else SparseAttnIndexer.forward_cuda
-    return layer._forward(engine, hidden_states, q_quant, k, weights)
+    return layer._forward(lambda: engine(layer, hidden_states, q_quant, k, weights), hidden_states, q_quant, k,
+                          weights)
 
 
 def _op_fake(hidden_states, layer_name, q_quant, k, weights, topk_indices_buffer):

@@ -11,6 +11,7 @@ the FP8 page contents (helpers.write_keys), ``q_fp8`` and ``weights``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -227,6 +228,84 @@ def test_decode_selection_is_exact_when_every_key_is_a_candidate_and_keeps_most_
     assert 4096 <= stage1[1] < lens[1] // PAGE * PAGE
     assert op.selector.encoded_pages == sum(n // PAGE for n in lens)
     assert int(op.selector.stats.stale.sum()) == 0
+
+
+def test_the_cuda_model_path_calls_reach_the_plugin(plugin, monkeypatch):
+    """On CUDA vLLM serves DeepSeek-V3.2 and GLM-5 with models/deepseek_v32 (nvidia/model.py), whose attention
+    calls the plain function ``sparse_attn_indexer(...)`` and never the layer's ``indexer_op``. Built as on
+    CUDA, the plugin hooks that function; the engine's own ``DeepseekV32Attention._sparse_indexer_and_attn``
+    (vLLM's code, called with its CUDA-path arguments) then fills the decode rows with the plugin's selection,
+    the same as through the op, and a layer without an artifact keeps vLLM's function."""
+    import vllm.models.deepseek_v32.attention as cuda_path
+    from dsaindex_vllm import op as plugin_op
+
+    monkeypatch.setattr(plugin_op, "_platform_is_cuda", lambda: True)  # vLLM's registry on CUDA
+    original = cuda_path.sparse_attn_indexer
+    monkeypatch.setattr(cuda_path, "sparse_attn_indexer", original)  # restored after the test
+    hf = CFG.__class__(**{**CFG.to_dict(), "architectures": ["DeepseekV32ForCausalLM"]})
+    vc = vllm_config(hf)
+    layer, cache, buffer = build_layer(vc)
+    assert layer.model_path == "function" and cuda_path.sparse_attn_indexer is not original
+    build_layer(vc, prefix="model.layers.2.self_attn.indexer")  # a second layer: hooked once
+    assert cuda_path.sparse_attn_indexer.__wrapped__ is original
+
+    lens = [3000 + 11, 700]
+    g = torch.Generator().manual_seed(5)
+    width = max(-(-n // PAGE) for n in lens)
+    block_table = torch.randperm(cache.kv_cache.shape[0], generator=g)[: len(lens) * width].view(len(lens), width)
+    block_table = block_table.to(torch.int32)
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    for b, n in enumerate(lens):
+        write_keys(pages_flat, block_table[b].tolist(), synthetic_keys(n, seed=200 + b))
+    q = (synthetic_keys(len(lens) * H, seed=9).view(len(lens), H, D) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.rand(len(lens), H, generator=g) * (D**-0.5) * (H**-0.5)
+    q_c = torch.zeros(len(lens), 16, dtype=torch.bfloat16)
+    # the attention module as _sparse_indexer_and_attn reads it (its indexer, flags and attention impl)
+    attn = SimpleNamespace(
+        indexer=SimpleNamespace(k_cache=cache, quant_block_size=128, scale_fmt="ue8m0", topk_tokens=TOPK, head_dim=D,
+                                max_model_len=1 << 16, max_total_seq_len=1 << 16, indexer_op=layer),
+        skip_topk=False, use_pcp=False, pcp_shard_decode_requests=False, topk_indices_buffer=buffer,
+        _dense_mha_metadata_layer_name="model.layers.1.self_attn.attn", dcp_manager=None, _vllm_config=vc,
+        impl=SimpleNamespace(record_logical_topk_ready=lambda: None), layer_name="model.layers.1.self_attn.attn")
+    vc.compilation_config.static_forward_context[attn.layer_name] = SimpleNamespace(kv_cache=None)
+    output = torch.ones(len(lens), 8)
+    buffer.fill_(12345)
+    metadata = {cache.prefix: decode_metadata(block_table, lens), attn.layer_name: None}
+    with set_current_vllm_config(vc), set_forward_context(metadata, vc):
+        cuda_path.DeepseekV32Attention._sparse_indexer_and_attn(
+            attn, torch.arange(len(lens)), q_c, None, None, q, None, weights, None, None, None, None, output)
+    via_function = buffer[: len(lens)].clone()
+    assert bool((output == 0).all())  # the engine went on to its attention part (no metadata: zeros)
+    assert sorted(via_function[1, : lens[1]].tolist()) == list(range(lens[1]))  # all of a short request, first
+    assert bool((via_function[1, lens[1]:] == -1).all())
+    assert layer.selector is not None and layer.selector.stats is not None  # the plugin's selector ran
+    buffer.fill_(12345)
+    with set_forward_context({cache.prefix: decode_metadata(block_table, lens)}, vc):
+        layer(q_c, q, None, weights)  # the op path: the same selection
+    assert torch.equal(buffer[: len(lens)], via_function)
+
+    calls = []
+    monkeypatch.setattr(plugin_op, "_LAYERS", {})  # no served layer: every call is vLLM's own function
+    recording = functools.wraps(original)(lambda *a, **k: calls.append(a[1]))  # vLLM's signature, recorded
+    monkeypatch.setattr(cuda_path, "sparse_attn_indexer", plugin_op._hooked(recording))
+    with set_current_vllm_config(vc), set_forward_context(metadata, vc):
+        cuda_path.DeepseekV32Attention._sparse_indexer_and_attn(
+            attn, torch.arange(len(lens)), q_c, None, None, q, None, weights, None, None, None, None, output)
+    assert calls == [cache.prefix]
+
+
+def test_a_cuda_model_path_without_the_function_refuses_at_startup(plugin, monkeypatch):
+    """A vLLM whose DSA CUDA path has no ``sparse_attn_indexer`` to hook would never consult the plugin: the
+    first served layer's construction fails, naming the fix, instead of a log line claiming selection."""
+    import vllm.models.deepseek_v32.attention as cuda_path
+    from dsaindex_vllm import op as plugin_op
+
+    monkeypatch.setattr(plugin_op, "_platform_is_cuda", lambda: True)
+    monkeypatch.delattr(cuda_path, "sparse_attn_indexer")
+    hf = CFG.__class__(**{**CFG.to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]})
+    with pytest.raises(Exception, match="has no `sparse_attn_indexer` to hook") as err:
+        build_layer(vllm_config(hf))
+    assert "0.33.0" in str(err.value.fix if hasattr(err.value, "fix") else err.value)
 
 
 def test_torch_compile_traces_the_layer_to_one_opaque_op(plugin):
