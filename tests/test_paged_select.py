@@ -414,3 +414,72 @@ def test_opq_codec_long_requests_keep_the_exact_topk_and_both_paths_agree():
     assert torch.equal(sel.rotation, codec.rotation.to(DEV))
     sel.rotation = None  # the same (rotated) codes, queries left unrotated
     assert recall(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w), want) < 0.8
+
+
+# ---- the engines' layouts at the production shape (GPU) ----------------------------------------------
+def _production_pages(keys: torch.Tensor) -> torch.Tensor:
+    """Float keys [64 n, 128] -> n engine pages [n, 64 * 132] uint8 (64 x 128 FP8 bytes, then 64 float32 scales)."""
+    fp8, scales = fp8_quantize(keys)
+    n = keys.shape[0] // 64
+    return torch.cat([fp8.view(torch.uint8).reshape(n, 64 * 128),
+                      scales.float().reshape(n, 64).contiguous().view(torch.uint8)], dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the production shape needs a GPU")
+@pytest.mark.parametrize("layout", ["sglang", "vllm"])
+def test_production_shape_leads_with_every_key_of_a_short_request_in_the_engines_layouts(layout):
+    """V3.2's shape (64 heads x 128, top-2048, C = 4,096) in SGLang's [pages, 64 * 132] and vLLM's
+    [blocks, 64, 132] (a view of a wider allocation) index-K caches: a request shorter than top-k has all its
+    keys, the tail's newest included, in its first n entries and -1 after (in request positions and as SGLang's
+    page_size=1 slots), a longer one top-k distinct keys; a captured step replays the same selection."""
+    from dsaindex.train.codebooks import train_codebooks
+
+    d, h, topk, c = 128, 64, 2048, 4096
+    lengths = [1000, 2047, 64 * 70 + 3, 9000]
+    g = torch.Generator().manual_seed(0)
+    widths = [-(-n // 64) for n in lengths]
+    num_pages = sum(widths) + 8
+    keys = torch.randn(num_pages * 64, d, generator=g)
+    pq = PQCodec(codebooks=train_codebooks(keys[:16384], PQSpec(dim=d, subspaces=32), "torch", 4))
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.full((len(lengths), max(widths)), 0, dtype=torch.int32)
+    used = 0
+    for b, w in enumerate(widths):
+        table[b, :w] = order[used : used + w].to(torch.int32)
+        used += w
+    rows = _production_pages(keys)
+    if layout == "sglang":
+        cache = rows.to(DEV)
+    else:  # vLLM: [blocks, 64, 132], each block's bytes contiguous, blocks further apart (a view, as vLLM binds it)
+        alloc = torch.zeros(num_pages, 64 * 132 + 256, dtype=torch.uint8, device=DEV)
+        alloc[:, : 64 * 132] = rows.to(DEV)
+        cache = alloc[:, : 64 * 132].unflatten(1, (64, 132))
+    table, seq = table.to(DEV), torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    q = (torch.randn(len(lengths), h, d, generator=g) * 0.5).to(torch.float8_e4m3fn).to(DEV)
+    w = (torch.rand(len(lengths), h, generator=g) * d**-0.5 * h**-0.5).to(DEV)
+    sel = PagedCacheSelector(pq, num_pages, topk, candidates=c, head_dim=d, device=DEV)
+    got = sel.select(cache, table, seq, q, w)
+    slots = to_slots(got, table)
+    for b, n in enumerate(lengths):
+        row = got[b].cpu()
+        if n < topk:
+            assert sorted(row[:n].tolist()) == list(range(n)), (layout, n)
+            assert bool((row[n:] == -1).all()) and bool((slots[b, n:] == -1).all())
+            assert bool((slots[b, :n] >= 0).all())
+        else:
+            assert bool((row >= 0).all()) and int(row.max()) < n and row.unique().numel() == topk
+    graph, out = torch.cuda.CUDAGraph(), None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sel.select(cache, table, seq, q, w, eager_refresh=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = sel.select(cache, table, seq, q, w, eager_refresh=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert as_sets(out) == as_sets(got)
+    for b, n in enumerate(lengths):
+        if n < topk:
+            assert bool((out[b, :n] >= 0).all()) and bool((out[b, n:] == -1).all())
