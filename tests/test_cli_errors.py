@@ -253,3 +253,15 @@ def test_cuda_asked_for_on_a_machine_without_one(tmp_path, command):
     proc = run_cli(*[part.format(tmp=tmp_path) for part in command], "--device", "cuda")
     assert_one_line_error(proc, "--device cuda", "no CUDA device")
     assert not (tmp_path / "s").exists()
+
+
+def test_a_missing_default_model_is_an_error_not_a_random_weight_stand_in(tmp_path, monkeypatch):
+    """Without the reference checkpoint, a capture that names no model fails with the fix; it never falls
+    back to a random-weight preset (which would train and register artifacts of a model nobody serves)."""
+    from dsaindex.pipelines.capture import models
+
+    monkeypatch.setitem(models.REFERENCES, "reference", tmp_path / "not-installed")
+    store = tmp_path / "s"
+    proc = run_cli_in_process("capture", str(store), "-n", "1", "--seq-len", "64", "--no-progress")
+    assert_one_line_error(proc, "reference checkpoint (the default model) is not present", "reinstall dsaindex")
+    assert not store.exists()

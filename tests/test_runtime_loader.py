@@ -180,7 +180,10 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
     rest = ", ".join(str(layer) for layer in layers[1:])
     assert f"--candidates auto at 99.00% held-out recall (prefilter 4): C = 128 (layers {rest}), C = 256 (layers {layers[0]})" in text.stdout
     strict = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.999")
-    assert strict.returncode == 0 and "a server would refuse to start" in strict.stdout
+    assert strict.returncode == 2 and "a server would refuse to start" in strict.stdout  # not a pass
+    as_json = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.999",
+                      "--json")
+    assert as_json.returncode == 2 and "refused" in json.loads(as_json.stdout)["candidates_auto"]
     assert f"Layer {layers[0]} of {tmp_path / 'b'} reaches at most 99.80%" in strict.stdout
     # with the served step's recall recorded, the C depends on the server's prefilter
     staged = dict(metrics)

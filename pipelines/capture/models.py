@@ -52,8 +52,9 @@ REFERENCES = {"reference": REFERENCE_DIR, "reference-v1": REFERENCE_V1_DIR}
 
 
 def default_model_ref() -> str:
-    """The reference checkpoint where it exists, else the tiny V3.2 preset."""
-    return "reference" if (REFERENCE_DIR / "config.json").is_file() else "preset:tiny-v32"
+    """The default model: the reference checkpoint (v2). Never a silent stand-in: an installation without it
+    fails when the model loads, naming the fix (:func:`resolve_model_dir`)."""
+    return "reference"
 
 
 class ByteTokenizer:
@@ -124,8 +125,10 @@ def resolve_model_dir(ref: str) -> Path:
     if ref in REFERENCES:
         if not (REFERENCES[ref] / "config.json").is_file():
             raise ModelNotFoundError(
-                f"The {ref} checkpoint is not present in this installation.",
-                "use `--model preset:tiny-v32`, or a local checkpoint directory.",
+                f"The {ref} checkpoint (the default model) is not present in this installation "
+                f"({REFERENCES[ref]}).",
+                "reinstall dsaindex from a source tree or wheel that carries pipelines/reference_model_v2, or pass "
+                "--model with a local checkpoint directory (or a preset such as preset:tiny-v32).",
             )
         return REFERENCES[ref]
     path = Path(ref).expanduser()

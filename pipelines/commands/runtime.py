@@ -60,7 +60,8 @@ def check_cmd(
     """Load the artifacts exactly as a server would and validate them against the model: its config
     (family, indexer geometry, layers) and, unless told otherwise, that it is the model the artifacts
     were trained for (config and indexer-weights digests). For a pq bundle, also the C per layer that
-    `serve --candidates auto` would choose from its recorded held-out recall."""
+    `serve --candidates auto` would choose from its recorded held-out recall; exit code 2 where that server
+    would refuse to start."""
     import json
 
     from dsaindex.artifacts.bundle import read_manifest
@@ -90,16 +91,20 @@ def check_cmd(
     auto = _auto_candidates(loaded, config, recall_target, prefilter)
     if auto is not None:
         summary["candidates_auto"] = auto
+    refused = auto is not None and "refused" in auto
     if as_json:
         print(json.dumps(summary, indent=2))
+        if refused:  # the server this describes would not start: say so in the exit code too
+            raise typer.Exit(2)
         return
     typer.echo(f"ok: {summary['bundle']} fits {model} ({same}): {summary['family']}, {summary['basis']} basis, "
                f"{summary['key_format']}; layers {loaded.describe_layers()}; {summary['device_bytes']:,} bytes on "
                f"{device}; loaded in {summary['startup_seconds'] * 1000:.1f} ms")
     if auto is not None:
         head = f"--candidates auto at {100 * recall_target:.2f}% held-out recall (prefilter {prefilter})"
-        if "refused" in auto:
+        if refused:
             typer.echo(f"{head}: a server would refuse to start. {auto['refused']}")
+            raise typer.Exit(2)
         else:
             by_c: dict[int, list[str]] = {}
             for layer, c in auto["per_layer"].items():
