@@ -442,6 +442,7 @@ class CaptureStore:
 
     def _read(self, name: str, which: str) -> np.ndarray:
         n = getattr(self.committed, which)
+        self._check_chunks(name, self.group[name], n)  # zarr reads a missing chunk as zeros: refuse it first
         try:
             return self.group[name][:n]
         except MemoryError:
@@ -449,18 +450,23 @@ class CaptureStore:
         except Exception as err:  # noqa: BLE001 - blosc, crc32c and zarr raise several kinds for a bad chunk
             raise _damaged(self.path, name, err) from None
 
-    def verify(self, tail_only: bool = False) -> int:
+    def verify(self, tail_only: bool = False, layers: list[int] | None = None) -> int:
         """Read every chunk of the committed rows of every array (only the last one of each with
-        ``tail_only``); a chunk that fails to decode or to match its checksum raises
+        ``tail_only``; of the given ``layers`` and the shared arrays only, with ``layers``); a chunk that is
+        missing (zarr would read it as zeros), fails to decode or to match its checksum raises
         :class:`~dsaindex.errors.CorruptStoreError` naming the array and the rows. Returns the number of
         chunks read."""
         counts = self.committed.model_dump()
         read = 0
+        wanted = None if layers is None else {f"layers/{layer}/" for layer in layers}
         for name, (arr, which) in self._arrays().items():
+            if wanted is not None and name.startswith("layers/") and not any(name.startswith(w) for w in wanted):
+                continue
             rows, step = counts[which], arr.chunks[0]
             starts = range(0, rows, step)
             for start in starts[-1:] if tail_only else starts:
                 stop = min(start + step, rows)
+                self._check_chunks(name, arr, stop, start)
                 try:
                     arr[start:stop]
                 except MemoryError:
@@ -469,6 +475,31 @@ class CaptureStore:
                     raise _damaged(self.path, name, err, f" (rows {start}-{stop - 1})") from None
                 read += 1
         return read
+
+    def check_chunks(self, layers: list[int] | None = None) -> int:
+        """That every chunk of the committed rows of every array (of ``layers`` and the shared arrays, with
+        ``layers``) is stored, without reading one: what a training checks for all its layers before the first
+        starts. Raises :class:`~dsaindex.errors.CorruptStoreError` naming the array and rows of a missing one;
+        returns the number of chunks checked. (:meth:`verify` also reads them, for checksums.)"""
+        counts = self.committed.model_dump()
+        wanted = None if layers is None else {f"layers/{layer}/" for layer in layers}
+        checked = 0
+        for name, (arr, which) in self._arrays().items():
+            if wanted is not None and name.startswith("layers/") and not any(name.startswith(w) for w in wanted):
+                continue
+            checked += self._check_chunks(name, arr, counts[which])
+        return checked
+
+    def _check_chunks(self, name: str, arr: Any, stop: int, start: int = 0) -> int:
+        """Refuse a missing chunk among rows [start, stop) of ``arr``; returns the chunks checked."""
+        step = arr.chunks[0]
+        for index in range(start // step, -(-stop // step)):
+            if not _chunk_exists(arr, index):
+                first, last = index * step, min((index + 1) * step, stop) - 1
+                raise CorruptStoreError(f"{self.path}: array {name} has lost its chunk of committed rows "
+                                        f"{first}-{last} (a missing file reads back as zeros).",
+                                        "restore the store from a copy, or capture into a new path.")
+        return max(0, -(-stop // step) - start // step)
 
     def keys(self, layer: int) -> np.ndarray:
         """[N_keys, D] keys of a layer in storage form (uint16 bf16 bits or float32)."""
@@ -546,3 +577,10 @@ def new_manifest(model: ModelFingerprint, settings: CaptureSettings, corpus: dic
         tokenizer=tokenizer,
     )
 
+
+def _chunk_exists(arr: Any, index: int) -> bool:
+    """Whether the chunk ``index`` along the rows of ``arr`` (every other dimension is one chunk) is stored."""
+    from zarr.core.sync import sync
+
+    key = arr.metadata.encode_chunk_key((index,) + (0,) * (len(arr.shape) - 1))
+    return bool(sync(arr.store_path.store.exists(f"{arr.path}/{key}")))

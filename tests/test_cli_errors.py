@@ -164,6 +164,25 @@ def test_corrupted_chunk_is_found_by_store_info_and_named_by_training(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_deleted_chunk_is_found_by_store_info_and_by_training_before_any_layer_trains(tmp_path):
+    """zarr reads a missing chunk as zeros: `store info` and every reader must refuse it, and training checks
+    every layer's chunks before the first layer trains (here the last layer's are damaged)."""
+    store = tmp_path / "s"
+    proc = run_cli("capture", str(store), *TINY, "-c", str(text_corpus(tmp_path)), "-n", "2")
+    assert proc.returncode == 0, proc.stderr
+    last = CaptureStore.open(store).layers[-1]
+    (store / "layers" / str(last) / "keys" / "c" / "0" / "0").unlink()
+    assert_one_line_error(run_cli("store", "info", str(store)), f"layers/{last}/keys", "lost its chunk")
+    opened = CaptureStore.open(store)
+    with pytest.raises(Exception, match="lost its chunk of committed rows 0-"):
+        opened.keys(last)
+    assert opened.check_chunks(layers=opened.layers[:1]) > 0  # the intact layers' chunks are all there
+    proc = run_cli("train", "pq", str(store), "--no-register", "--json", "-o", str(tmp_path / "b"))
+    assert_one_line_error(proc, f"layers/{last}/keys", "lost its chunk")
+    assert "layer 0:" not in proc.stderr  # refused before the first layer trained
+    assert not (tmp_path / "b").exists()
+
+
 # ---- 2, 4. Ctrl-C keeps every committed sequence; the default commits after each one -------------------
 @pytest.mark.slow
 def test_ctrl_c_reports_what_was_kept_and_exits_130(tmp_path):

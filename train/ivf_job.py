@@ -44,6 +44,7 @@ def train_ivf(store_path: str | Path, opts: IVFOptions, budgets: list[int], eval
 
     check_options(opts, budgets, eval_queries)
     store = CaptureStore.open(store_path)
+    store.check_chunks(layers)  # the layers' chunks are there before the first one trains
     topk = store.manifest.model.geometry.topk
     split = split_sequences(store.committed.sequences)
     results = {}

@@ -317,6 +317,7 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None 
     store = CaptureStore.open(store_path)
     geometry = store.manifest.model.geometry
     check_options(opts, geometry.head_dim)
+    store.check_chunks()  # every layer's chunks are there before the first layer trains
     key_format = geometry.key_format
     split = split_sequences(store.committed.sequences, opts.eval_fraction)
     results = {}

@@ -272,6 +272,7 @@ def run_reuse_job(store_path: str | Path, topk: int | None = None, max_queries: 
     from dsaindex.train.recall import split_sequences
 
     store = CaptureStore.open(store_path)
+    store.check_chunks()  # every layer's chunks are there before the analysis reads one
     k = check_options(store, topk, max_queries)
     out = check_bundle_destination(out if out is not None else default_bundle_path(store_path))
     if register:  # an unreachable tracking server fails now, not after the analysis
