@@ -276,10 +276,11 @@ def _open(path: Path):
     if not path.is_dir():
         raise CorruptBundleError(f"No artifact bundle at {path}.", "check the path, or pull the bundle from the registry.")
     try:
-        return zarr.open_group(str(path), mode="r")
+        return zarr.open_group(str(path), mode="r", zarr_format=3)  # the format pinned: never a v2 reading
     except Exception as err:  # noqa: BLE001 - zarr raises several kinds for foreign folders
+        what = "a zarr v2 group, not the v3 group" if (path / ".zgroup").is_file() else "not a zarr v3 group"
         raise CorruptBundleError(
-            f"{path} is not a zarr v3 group ({type(err).__name__}: {err}).",
+            f"{path} is {what} a dsaindex bundle is ({type(err).__name__}: {err}).",
             "point at a bundle written by dsaindex training, or pull it again from the registry.",
         ) from None
 

@@ -213,10 +213,11 @@ class CaptureStore:
             raise CorruptStoreError(f"{path} is a file, not a capture store (a folder).",
                                     "check the path, or create a store with `dsaindex capture`.")
         try:
-            group = zarr.open_group(str(path), mode="r")
+            group = zarr.open_group(str(path), mode="r", zarr_format=3)  # the format pinned: never a v2 reading
         except Exception as err:  # noqa: BLE001 - zarr raises several kinds for foreign folders
+            what = "a zarr v2 group, not the v3 group" if (path / ".zgroup").is_file() else "not a zarr v3 group"
             raise CorruptStoreError(
-                f"{path} is not a zarr v3 group ({type(err).__name__}: {err}).",
+                f"{path} is {what} a capture store is ({type(err).__name__}: {err}).",
                 "point at a store written by `dsaindex capture`, or capture into a new path.",
             ) from None
         attrs = dict(group.attrs).get(ATTR_KEY)
@@ -292,7 +293,7 @@ class CaptureStore:
                 store._check_matches(expected)
             # the next append rewrites each array's last, partly filled chunk: it must decode
             store.verify(tail_only=True)
-            store.group = zarr.open_group(str(store.path), mode="r+")
+            store.group = zarr.open_group(str(store.path), mode="r+", zarr_format=3)
             store._truncate_to_committed()
             for stray in store.path.rglob("*.partial"):
                 stray.unlink(missing_ok=True)

@@ -162,6 +162,12 @@ def test_corrupt_and_foreign_stores(small_store, tmp_path):
     assert_clean_error(proc, "not a dsaindex capture store")
     assert snapshot(foreign) == before
 
+    # a zarr v2 group, even one that carries a store's attributes, is refused for its format
+    v2 = tmp_path / "v2"
+    attrs = json.loads((store / "zarr.json").read_text())["attributes"]
+    zarr.open_group(str(v2), mode="w", zarr_format=2).attrs.update(attrs)
+    assert_clean_error(run_cli("store", "info", str(v2)), "is a zarr v2 group, not the v3 group")
+
     damaged = tmp_path / "damaged"
     shutil.copytree(store, damaged)
     shutil.rmtree(damaged / "layers" / "2" / "keys")
