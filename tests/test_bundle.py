@@ -187,8 +187,13 @@ def test_refuses_to_overwrite(bundle):
 def test_empty_folder_is_accepted(tmp_path):
     path = tmp_path / "empty"
     path.mkdir()
-    write_bundle(path, make_manifest(), make_arrays())
-    read_bundle(path)
+    arrays = make_arrays()
+    write_bundle(path, make_manifest(), arrays)
+    manifest, read = read_bundle(path)
+    assert sorted(read) == sorted(arrays) and sorted(manifest.layers) == sorted(str(k) for k in arrays)
+    for layer, named in arrays.items():
+        for name, value in named.items():
+            np.testing.assert_array_equal(read[layer][name], value)
 
 
 def test_crash_mid_write_leaves_nothing(tmp_path, monkeypatch):

@@ -306,7 +306,8 @@ def test_two_processes_race_on_one_sqlite_file(tmp_path):
 
 
 def test_round_trip_timing(reg, tmp_path):
-    """Register, promote and pull on a warm store; the time is printed for the record."""
+    """Register, promote and pull on a warm store: the pulled bundle is the registered one; the time is
+    printed for the record (a measurement, not an assertion)."""
     model = fingerprint("hand/timing", "5555666677778888")
     make_bundle(tmp_path / "b", 9, model)
     t0 = time.perf_counter()
@@ -318,4 +319,6 @@ def test_round_trip_timing(reg, tmp_path):
     t3 = time.perf_counter()
     print(f"\nregistry round trip: register {t1 - t0:.2f} s, promote {t2 - t1:.2f} s, pull {t3 - t2:.2f} s, "
           f"total {t3 - t0:.2f} s (first registration on a fresh store: {reg['timing']['register_first_s']:.2f} s)")
-    assert t3 - t0 < 60
+    np.testing.assert_array_equal(read_bundle(tmp_path / "pulled")[1][1]["codebooks"],
+                                  read_bundle(tmp_path / "b")[1][1]["codebooks"])
+    assert registry.resolve(out["name"], "@production", tracking_uri=reg["uri"]) == out["version"]
