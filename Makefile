@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 
-.PHONY: install install-dev demo test test-engines lint clean
+.PHONY: install install-dev demo test test-slow test-engines lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ demo: install
 	$(VENV)/bin/dsaindex demo
 
 test: install-dev
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
+
+# the end-to-end runs of real subprocesses (kills, Ctrl-C, the HTTP server), apart from the main suite
+test-slow: install-dev
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
 # the SGLang and vLLM plugins' contract tests, each in its own virtualenv with the engine's real code
 test-engines:
