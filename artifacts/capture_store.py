@@ -159,11 +159,14 @@ def _nearest_existing(path: Path) -> Path:
 class CaptureStore:
     """A capture store on disk. Use :meth:`create`, :meth:`open` or :meth:`open_for_append`."""
 
-    def __init__(self, path: Path, group, manifest: CaptureManifest, committed: Committed):
+    def __init__(self, path: Path, group, manifest: CaptureManifest, committed: Committed,
+                 every_chunk_written: bool = True):
         self.path = path
         self.group = group
         self.manifest = manifest
         self.committed = committed
+        # stores created before chunks of zeros were written too: a missing chunk there may be one zarr skipped
+        self.every_chunk_written = every_chunk_written
         self._lock_fd: int | None = None
 
     # ---- opening -------------------------------------------------------------------------------
@@ -235,7 +238,7 @@ class CaptureStore:
                 f"{path} has an invalid capture manifest ({'.'.join(map(str, first['loc']))}: {first['msg']}).",
                 "the store was written by an incompatible version or edited by hand; capture into a new path.",
             ) from None
-        store = cls(path, group, manifest, committed)
+        store = cls(path, group, manifest, committed, every_chunk_written=bool(attrs.get("every_chunk_written")))
         store._check_arrays()
         return store
 
@@ -393,13 +396,20 @@ class CaptureStore:
     # ---- writing -------------------------------------------------------------------------------
     def _write_attrs(self) -> None:
         self.group.attrs.update(
-            {ATTR_KEY: {"manifest": self.manifest.model_dump(mode="json"), "committed": self.committed.model_dump()}}
+            {ATTR_KEY: {"manifest": self.manifest.model_dump(mode="json"), "committed": self.committed.model_dump(),
+                        "every_chunk_written": self.every_chunk_written}}
         )
 
     def append(self, batch: SequenceBatch) -> None:
         """Append whole sequences, then advance ``committed``. A crash in between loses only this batch."""
         if batch.num_sequences == 0:
             return
+        import zarr
+
+        with zarr.config.set({"array.write_empty_chunks": True}):  # a chunk of zeros is stored too, so a missing
+            self._append(batch)  # file is always a loss (check_chunks), never a chunk zarr chose not to write
+
+    def _append(self, batch: SequenceBatch) -> None:
         arrays = self._arrays()
         columns: dict[str, np.ndarray] = {
             "sequence_tokens": np.asarray(batch.sequence_tokens, dtype=np.int32),
@@ -480,7 +490,7 @@ class CaptureStore:
     def check_chunks(self, layers: list[int] | None = None) -> int:
         """That every chunk of the committed rows of every array (of ``layers`` and the shared arrays, with
         ``layers``) is stored, without reading one: what a training checks for all its layers before the first
-        starts. Raises :class:`~dsaindex.errors.CorruptStoreError` naming the array and rows of a missing one;
+        starts (stores this version creates store every chunk, zeros included; older ones are not checked). Raises :class:`~dsaindex.errors.CorruptStoreError` naming the array and rows of a missing one;
         returns the number of chunks checked. (:meth:`verify` also reads them, for checksums.)"""
         counts = self.committed.model_dump()
         wanted = None if layers is None else {f"layers/{layer}/" for layer in layers}
@@ -492,7 +502,10 @@ class CaptureStore:
         return checked
 
     def _check_chunks(self, name: str, arr: Any, stop: int, start: int = 0) -> int:
-        """Refuse a missing chunk among rows [start, stop) of ``arr``; returns the chunks checked."""
+        """Refuse a missing chunk among rows [start, stop) of ``arr``; returns the chunks checked (0 for a store
+        written before every chunk was stored, where a missing one may be zeros zarr chose not to write)."""
+        if not self.every_chunk_written:
+            return 0
         step = arr.chunks[0]
         for index in range(start // step, -(-stop // step)):
             if not _chunk_exists(arr, index):
