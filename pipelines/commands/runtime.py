@@ -105,6 +105,9 @@ def check_cmd(
         if refused:
             typer.echo(f"{head}: a server would refuse to start. {auto['refused']}")
             raise typer.Exit(2)
+        if "unmeasured" in auto:
+            typer.echo(f"{head}: {auto['unmeasured']}.")
+            return
         else:
             by_c: dict[int, list[str]] = {}
             for layer, c in auto["per_layer"].items():
@@ -121,15 +124,24 @@ def check_cmd(
 def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECODE.prefilter) -> dict | None:
     # ``prefilter`` as ``parse_prefilter`` returns it: a factor, or "auto"
     """For a bundle with pq layers: {"target", "prefilter", "per_layer": {layer: C}} as ``serve --candidates
-    auto --prefilter P`` would choose (with ``auto``, also "prefilter_per_layer": {layer: P}), or {"target",
-    "prefilter", "refused": message}; None for other bundles."""
+    auto --prefilter P`` would choose (with ``auto``, also "prefilter_per_layer": {layer: P}), {"target",
+    "prefilter", "refused": message} where its recorded recall reaches the target at no C, or {"target",
+    "prefilter", "unmeasured": message} where it records none; None for other bundles."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
     from dsaindex.runtime.loader import decode_settings
+    from dsaindex.runtime.operating_points import OperatingPoints
 
+    topk = geometry_from_config(config).topk
+    layers = [layer for layer in loaded.layers if loaded.kind_of(layer).role == "decode"]
+    measured = {p.layer for p in OperatingPoints.from_metrics(loaded.manifest.metrics).points if p.topk == topk}
+    if layers and not measured & set(layers):  # nothing to choose from: a server takes a number of candidates
+        return {"target": target, "prefilter": prefilter,
+                "unmeasured": f"the bundle records no held-out recall of the top-{topk}, so `--candidates auto` "
+                              "cannot choose C from it; a number of candidates serves it"}
     try:
         chosen, factors = decode_settings(DecodeSettings(candidates="auto", prefilter=prefilter, recall_target=target),
-                                          loaded, geometry_from_config(config).topk)
+                                          loaded, topk)
     except DsaIndexError as err:
         return {"target": target, "prefilter": prefilter, "refused": str(err)}
     if not chosen:
