@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dsaindex.artifacts.fingerprint import ModelFingerprint
 
 __all__ = ["ArtifactMismatchError", "IVFLayer", "LoadedArtifacts", "PQCodec", "candidates_for_recall",
-           "candidates_per_layer", "decode_settings", "load_bundle", "place_layers"]
+           "candidates_per_layer", "decode_settings", "load_bundle", "per_layer", "place_layers"]
 
 
 
@@ -230,7 +230,7 @@ def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
     if decode.prefilter == "auto":
         pairs = selection_for_recall(loaded.manifest.metrics, served, topk, decode.recall_target, str(loaded.path))
         return {layer: c for layer, (_, c) in pairs.items()}, {layer: p for layer, (p, _) in pairs.items()}
-    factors = _spread(decode.prefilter, served, "stage-1 prefilter")
+    factors = per_layer(decode.prefilter, served, "stage-1 prefilter")
     if decode.candidates == "auto":
         chosen: dict[int, int] = {}
         for factor in sorted(set(factors.values())):
@@ -238,11 +238,12 @@ def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
             chosen |= candidates_for_recall(loaded.manifest.metrics, group, topk, decode.recall_target,
                                             str(loaded.path), factor)
         return chosen, factors
-    return _spread(decode.candidates, served, "candidate count C"), factors
+    return per_layer(decode.candidates, served, "candidate count C"), factors
 
 
-def _spread(value: int | Mapping[int, int], layers: list[int], what: str) -> dict[int, int]:
-    """One decode setting for every layer in ``layers``, or a layer -> value mapping that must cover them all."""
+def per_layer(value: int | Mapping[int, int], layers: Iterable[int], what: str) -> dict[int, int]:
+    """One decode setting for every layer in ``layers``, or a layer -> value mapping that must cover them all
+    (a :class:`DsaIndexError` names the layers it misses). The loader's choosers and ``ServedIndex`` share it."""
     if isinstance(value, Mapping):
         missing = sorted(set(layers) - set(value))
         if missing:

@@ -39,7 +39,7 @@ from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
-from dsaindex.runtime.loader import candidates_for_recall, decode_settings
+from dsaindex.runtime.loader import candidates_for_recall, decode_settings, per_layer
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
 
@@ -184,8 +184,8 @@ class ServedIndex(ModuleHooks):
         self.ivf_budget = prefill.ivf_budget or 8 * self.topk
         self.measure_recall = settings.measure_recall
         pages = slots * (-(-self.max_keys // 64) + 1)
-        self.candidates = _per_layer(decode.candidates, self.decode_layers, "candidate count C")
-        self.prefilter = _per_layer(decode.prefilter, self.decode_layers, "stage-1 prefilter")
+        self.candidates = per_layer(decode.candidates, self.decode_layers, "candidate count C")
+        self.prefilter = per_layer(decode.prefilter, self.decode_layers, "stage-1 prefilter")
         # chosen per layer: describe() says which
         self._per_layer_c = isinstance(decode.candidates, Mapping)
         self._per_layer_p = isinstance(decode.prefilter, Mapping)
@@ -534,17 +534,6 @@ def _ranges(layers: list[int]) -> str:
             out.append(str(start) if start == layer else f"{start}-{layer}")
             start = None
     return ", ".join(out)
-
-
-def _per_layer(value: int | Mapping[int, int], layers: dict[int, Any], what: str) -> dict[int, int]:
-    """One decode setting for every layer in ``layers``, or a layer -> value dict that must cover them all."""
-    if isinstance(value, Mapping):
-        missing = sorted(set(layers) - set(value))
-        if missing:
-            raise DsaIndexError(f"No {what} for decode layers {missing}.",
-                                f"give every layer with a pq artifact its {what}, or one for all.")
-        return {layer: value[layer] for layer in layers}
-    return dict.fromkeys(layers, value)
 
 
 def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, settings: ServeSettings | None = None,

@@ -155,38 +155,45 @@ def reach_model_path(module_name: str) -> str:
 
 def _hooked(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``original`` (vLLM's ``sparse_attn_indexer``) with the plugin's decode selection for served layers:
-    the call's arguments are read by name; a layer the plugin serves, in a call it can take (no context
-    parallelism, no FP4 cache or query scale, no candidate blocks), runs the layer's step with
-    ``original(...)`` as its engine part; every other call is ``original``'s."""
+    a layer the plugin serves, in a call it can take (no context parallelism, no FP4 cache or query scale, no
+    candidate blocks), runs the layer's step with ``original(...)`` as its engine part; every other call is
+    ``original``'s. It runs on every layer's every step, so the arguments are read by position (found once
+    from the signature), not bound per call."""
     import functools
     import inspect
 
-    signature = inspect.signature(original)
+    params = inspect.signature(original).parameters
+    index = {name: i for i, name in enumerate(params)}
+    default = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    resolve = _layer_resolver()
+
+    def arg(name: str, args: tuple, kwargs: dict) -> Any:
+        i = index[name]
+        return args[i] if i < len(args) else kwargs.get(name, default.get(name))
 
     @functools.wraps(original)
     def hooked(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        a = call.arguments
-        layer = _LAYERS.get(_layer_name(a["k_cache_prefix"]))
-        if (layer is None or layer._engine_only(a["q_quant"]) or a.get("use_pcp") or a.get("use_fp4_cache")
-                or a.get("q_scale") is not None or (a.get("dcp_world_size") or 1) > 1
-                or a.get("candidate_blocks") is not None):
+        layer = _LAYERS.get(resolve(arg("k_cache_prefix", args, kwargs)))
+        q_quant = arg("q_quant", args, kwargs)
+        if (layer is None or layer._engine_only(q_quant) or arg("use_pcp", args, kwargs)
+                or arg("use_fp4_cache", args, kwargs) or arg("q_scale", args, kwargs) is not None
+                or (arg("dcp_world_size", args, kwargs) or 1) > 1 or arg("candidate_blocks", args, kwargs) is not None):
             return original(*args, **kwargs)
-        return layer._forward(lambda: original(*args, **kwargs), a["hidden_states"], a["q_quant"], a["k"],
-                              a["weights"], insert_keys=not a["skip_k_cache_insert"])
+        return layer._forward(lambda: original(*args, **kwargs), arg("hidden_states", args, kwargs), q_quant,
+                              arg("k", args, kwargs), arg("weights", args, kwargs),
+                              insert_keys=not arg("skip_k_cache_insert", args, kwargs))
 
     hooked._dsaindex = True  # type: ignore[attr-defined]
     return hooked
 
 
-def _layer_name(prefix: Any) -> str:
-    """vLLM passes a layer name or its interned form; :func:`_resolve_layer_name` where this vLLM has it."""
+def _layer_resolver() -> Callable[[Any], str]:
+    """vLLM passes a layer name or its interned form: its ``_resolve_layer_name`` where this vLLM has it."""
     try:
         from vllm.model_executor.layers.sparse_attn_indexer import _resolve_layer_name
     except ImportError:
-        return str(prefix)
-    return _resolve_layer_name(prefix)
+        return str
+    return _resolve_layer_name
 
 
 def layer_id_of(prefix: str) -> int | None:
