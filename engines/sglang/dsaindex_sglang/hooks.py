@@ -21,6 +21,7 @@ class PluginState:
         self.selectors: dict[int, LayerSelection] = {}
         self.fallbacks: dict[str, int] = {}
         self.calls = 0
+        self.rows: dict[str, int] = {}  # query rows served, by forward mode (decode, target_verify)
 
     def configure(self, uri: str) -> None:
         self.uri = uri
@@ -88,20 +89,24 @@ def checkpoint_config(model_config: Any) -> Any:
 def select_around_get_topk_paged(original, self, forward_batch, layer_id, q_fp8, weights, metadata):
     """AROUND hook on ``Indexer._get_topk_paged`` (sglang/srt/layers/attention/dsa/dsa_indexer.py:1219).
 
-    Returns what the original returns: [rows, index_topk] int32, -1 padded; page_size=1 KV slots when
-    SGLang's fused top-k transform is on, logical key positions otherwise (see
-    :func:`dsaindex_sglang.selection.to_sglang_selection`). Launch shapes depend on the batch and the
-    page table's width only, and nothing synchronizes with the host while a CUDA graph is captured, so
-    SGLang's decode graphs capture it."""
+    Serves plain decode (one query row per request) and MTP / speculative target verify (next_n query rows
+    per request: SGLang's metadata then holds one page-table row and one length per query row,
+    ``real_page_table`` repeated next_n times and ``dsa_seqlens_expanded`` = prefix + 1 ... prefix +
+    next_n, dsa_backend.py:1168-1188 and :1683-1730; each row is selected as a request of its own length).
+
+    Returns what the original returns: [rows, index_topk] int32, valid entries first and -1 after, padding
+    rows all -1; page_size=1 KV slots when SGLang's fused top-k transform is on, logical key positions
+    otherwise (see :func:`dsaindex_sglang.selection.to_sglang_selection`). Launch shapes depend on the batch
+    and the page table's width only, and nothing synchronizes with the host while a CUDA graph is
+    captured, so SGLang's decode and verify graphs capture it."""
     layer = STATE.selectors.get(int(layer_id))
     if layer is None:
         return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
-    why = _unsupported(forward_batch, metadata, q_fp8)
+    why, seqlens = query_rows(forward_batch, metadata, q_fp8)
     cache = None if why else _index_buffer(self, layer_id)
     if cache is None:
         STATE.note_fallback(why or "the index-K pages are not plain 64-key pages")
         return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
-    seqlens = metadata.get_seqlens_int32()
     page_table = metadata.get_page_table_64()
     rows = seqlens.shape[0]
     w = weights.reshape(weights.shape[0], weights.shape[1])[:rows]
@@ -110,6 +115,7 @@ def select_around_get_topk_paged(original, self, forward_batch, layer_id, q_fp8,
                                 init_tokens=int(getattr(self, "num_init_tokens", 0) or 0),
                                 local_tokens=int(getattr(self, "num_local_tokens", 0) or 0))
     STATE.calls += 1
+    STATE.rows[_mode_name(forward_batch)] = STATE.rows.get(_mode_name(forward_batch), 0) + rows
     out = to_sglang_selection(positions, page_table, fused=_fused_topk(metadata))
     if q_fp8.shape[0] > rows:  # padding rows of the hidden states select nothing (as the original)
         pad = torch.full((q_fp8.shape[0] - rows, out.shape[1]), -1, dtype=out.dtype, device=out.device)
@@ -152,15 +158,31 @@ def _fused_topk(metadata) -> bool:
     return bool(envs.SGLANG_DSA_FUSE_TOPK.get()) and not getattr(metadata, "force_unfused_topk", False)
 
 
-def _unsupported(forward_batch, metadata, q_fp8) -> str | None:
-    """Why this call stays on SGLang's path (None: the plugin serves it)."""
+def _mode_name(forward_batch) -> str:
+    mode = forward_batch.forward_mode
+    return "target_verify" if mode.is_target_verify() else "decode"
+
+
+def query_rows(forward_batch, metadata, q_fp8) -> tuple[str | None, torch.Tensor | None]:
+    """(why this call stays on SGLang's path, None) or (None, the keys visible to each query row [rows]
+    int32): a plain decode step reads ``get_seqlens_int32()`` (one row per request), a target verify step
+    ``get_seqlens_expanded()`` (one row per draft token), as ``_get_topk_paged`` itself does
+    (dsa_indexer.py:1258-1264). The page table must then have one row per query row."""
     mode = getattr(forward_batch, "forward_mode", None)
-    if mode is None or not mode.is_decode():
-        return "the forward mode is not plain decode (target verify / draft extend / idle)"
+    if mode is None:
+        return "the forward mode is unknown", None
+    if mode.is_decode():
+        seqlens = metadata.get_seqlens_int32()
+    elif mode.is_target_verify():
+        seqlens = metadata.get_seqlens_expanded()
+    else:
+        return "the forward mode is not decode or target verify (draft extend / idle)", None
     method = getattr(metadata, "topk_transform_method", None)
     if method is not None and getattr(method, "name", "PAGED") != "PAGED":
-        return f"the top-k transform is {method.name}"
-    seqlens = metadata.get_seqlens_int32()
-    if seqlens.dim() != 1 or q_fp8.shape[0] < seqlens.shape[0]:
-        return "rows are not one query per request"
-    return None
+        return f"the top-k transform is {method.name}", None
+    if seqlens is None or seqlens.dim() != 1:
+        return "the step's lengths are not one per query row", None
+    rows = seqlens.shape[0]
+    if q_fp8.shape[0] < rows or metadata.get_page_table_64().shape[0] != rows:
+        return "the page table does not have one row per query row", None
+    return None, seqlens
