@@ -14,7 +14,9 @@ one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers 
   reranked exactly from the FP8 pages (:class:`dsaindex.runtime.paged_select.PagedCacheSelector`); it
   runs inside SGLang's decode CUDA graphs. Other layers and other forward modes keep SGLang's own path;
 * after ``Indexer._get_topk_ragged`` (the eager prefill top-k): the prompt's completed pages are
-  encoded, so the decode graphs find their codes ready.
+  encoded, so the decode graphs find their codes ready;
+* after ``DecodeTransferQueue.pop_transferred`` (a PD-disaggregated decode node): the pages a KV
+  transfer delivered are encoded when their requests arrive, not by the decode steps' catch-up.
 
 Settings (environment): the ``DSAINDEX_*`` variables of :data:`dsaindex.runtime.settings.ENVIRONMENT`, the one
 table both engine plugins read (defaults and meanings in the README, generated from it).
@@ -32,6 +34,7 @@ logger = logging.getLogger("dsaindex_sglang")
 SELECT_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
 CONFIG_TARGET = "sglang.srt.configs.model_config.ModelConfig.__init__"
 PREFILL_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_ragged"
+TRANSFER_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred"
 
 _registered = False
 
@@ -55,6 +58,7 @@ def register() -> None:
     HookRegistry.register(CONFIG_TARGET, hooks.validate_after_model_config, HookType.AFTER)
     HookRegistry.register(SELECT_TARGET, hooks.select_around_get_topk_paged, HookType.AROUND)
     HookRegistry.register(PREFILL_TARGET, hooks.encode_after_get_topk_ragged, HookType.AFTER)
+    HookRegistry.register(TRANSFER_TARGET, hooks.encode_after_pop_transferred, HookType.AFTER)
     _registered = True
     logger.info("dsaindex: registered (artifacts %s); decode selection of layers with PQ artifacts is "
                 "the plugin's.", uri)

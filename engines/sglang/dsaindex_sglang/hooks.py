@@ -22,6 +22,8 @@ class PluginState:
         self.fallbacks: dict[str, int] = {}
         self.calls = 0
         self.rows: dict[str, int] = {}  # query rows served, by forward mode (decode, target_verify)
+        self.topk = 2048  # the model's index_topk
+        self.arrived_pages = 0  # pages encoded when a PD transfer delivered them
 
     def configure(self, uri: str) -> None:
         self.uri = uri
@@ -41,6 +43,7 @@ class PluginState:
                              tracking_uri=s.tracking_uri, allow_other_weights=s.allow_other_weights)
         check_paged_codes(loaded.layers)  # RQ layers: refused at startup, not at the first decode step
         topk = int(getattr(hf_config, "index_topk", 0) or 0) or 2048
+        self.topk = topk
         # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
         # held-out recall, refused here if none reaches the target
         candidates, prefilter = decode_settings(s.decode(topk), loaded, topk)
@@ -138,6 +141,37 @@ def encode_after_get_topk_ragged(result, self, enable_dual_stream, forward_batch
         STATE.note_fallback("a prefill's page table and lengths disagree in rows (pages are encoded at decode)")
         return None
     layer.over(cache, self.index_topk).prepare(cache, page_table, seqlens)
+    return None
+
+
+def encode_after_pop_transferred(result, self, *args, **kwargs):
+    """AFTER hook on ``DecodeTransferQueue.pop_transferred`` (sglang/srt/disaggregation/decode.py:2833), on a
+    PD-disaggregated decode node: the requests it returns have their prompt's KV, index keys included,
+    written into this node's pools by the transfer, and no prefill runs here. Their completed pages are
+    encoded now, once (the same :meth:`PagedCacheSelector.prepare` the prefill hook runs), instead of 2
+    pages a step by the decode graphs' catch-up while stage 1 ranks stale codes. Returns None (the
+    original's result is kept)."""
+    reqs = [r for r in (result or []) if getattr(r, "req_pool_idx", None) is not None]
+    if not reqs or not STATE.selectors:
+        return None
+    scheduler = self.scheduler
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    if getattr(pool, "index_page_size", None) != 64 or getattr(pool, "index_kpool", 1) != 1:
+        STATE.note_fallback("a PD transfer's index-K pages are not plain 64-key pages (encoded at decode)")
+        return None
+    lengths = [len(r.origin_input_ids) for r in reqs]
+    width = max(-(-n // 64) for n in lengths)
+    if width == 0:
+        return None
+    tokens = scheduler.req_to_token_pool.req_to_token
+    first = torch.arange(0, width * 64, 64, device=tokens.device)
+    slots = tokens[torch.tensor([r.req_pool_idx for r in reqs], device=tokens.device)][:, first]
+    table = (slots.long() // 64).to(torch.int32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=tokens.device)
+    for layer_id, layer in STATE.selectors.items():
+        cache = pool.get_index_k_with_scale_buffer(layer_id)
+        STATE.arrived_pages += layer.over(cache, STATE.topk).prepare(cache, table.to(cache.device),
+                                                                      seqlens.to(cache.device))
     return None
 
 

@@ -27,6 +27,7 @@ print(json.dumps({"imported": mod is not None, "registered": bool(mod and mod._r
 SELECT = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
 PREFILL = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_ragged"
 CONFIG = "sglang.srt.configs.model_config.ModelConfig.__init__"
+TRANSFER = "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred"
 
 
 def test_sglang_loader_discovers_and_runs_the_entry_point(bench_bundle):
@@ -60,6 +61,13 @@ def test_registry_says_the_selection_is_the_plugins(plugin):
     prefill = HookRegistry._hooks[PREFILL]
     assert [(ht, h) for ht, h, _ in prefill] == [(HookType.AFTER, hooks.encode_after_get_topk_ragged)]
     assert PREFILL in HookRegistry._patched
+    # a PD decode node's arriving transfers are followed by the encoding of their pages
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+    transfer = HookRegistry._hooks[TRANSFER]
+    assert [(ht, h) for ht, h, _ in transfer] == [(HookType.AFTER, hooks.encode_after_pop_transferred)]
+    assert TRANSFER in HookRegistry._patched
+    assert DecodeTransferQueue.pop_transferred.__wrapped__.__qualname__ == "DecodeTransferQueue.pop_transferred"
     # the ModelConfig hook ran: artifacts validated and one PQ selector per indexer layer
     assert sorted(plugin["state"].selectors) == [0, 1, 2, 3]
     assert plugin["state"].loaded.manifest.model.name == "preset:bench-v32"

@@ -104,6 +104,37 @@ def test_prefill_hook_encodes_the_prompts_pages_before_decode(plugin, unfused):
     assert as_sets(got) == as_sets(want)  # C = 4096 covers every key here: the exact top-k
 
 
+def test_pd_transfer_hook_encodes_the_arrived_pages(plugin, unfused):
+    """On a PD decode node no prefill runs: the pages a KV transfer wrote are encoded when
+    ``DecodeTransferQueue.pop_transferred`` hands their requests over (SGLang's own ``ReqToTokenPool`` maps
+    each request's tokens to the pool's slots), so the first decode step finds nothing stale."""
+    import dsaindex_sglang.hooks as hooks
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    lengths = [64 * 40 + 3, 64 * 7]
+    pool, buf, table, meta, q_fp8, weights = build(lengths, seed=17)
+    layers = plugin["state"].selectors
+    for layer in layers.values():
+        layer.selector = None  # a fresh node: no codes yet
+    pt1 = meta.attn_metadata.page_table_1
+    tokens = ReqToTokenPool(size=4, max_context_len=pt1.shape[1], device="cpu", enable_memory_saver=False)
+    tokens.req_to_token[1:3] = pt1  # requests in pool rows 1 and 2
+    reqs = [SimpleNamespace(req_pool_idx=1 + i, origin_input_ids=[0] * n) for i, n in enumerate(lengths)]
+    queue = SimpleNamespace(scheduler=SimpleNamespace(
+        req_to_token_pool=tokens, token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool)))
+    before = plugin["state"].arrived_pages
+    assert hooks.encode_after_pop_transferred(reqs, queue) is None
+    assert plugin["state"].arrived_pages == before + len(layers) * (40 + 7)
+    layer = layers[LAYER]
+    assert layer.encoded_pages == 40 + 7
+    got = run_sglang(pool, meta, q_fp8, weights)
+    assert layer.encoded_pages == 40 + 7 and int(layer.selector.stats.stale.sum()) == 0
+    _, want = exact_reference(buf, table, meta, q_fp8, weights)
+    assert as_sets(got) == as_sets(want)
+    # nothing arrived: nothing to do
+    assert hooks.encode_after_pop_transferred([], queue) is None
+
+
 def test_layers_without_artifacts_and_other_modes_keep_sglangs_path(plugin, unfused):
     """The original _get_topk_paged runs (on a CPU it stops at its first CUDA-only step, which shows it
     was reached)."""
