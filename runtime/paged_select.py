@@ -319,6 +319,12 @@ class PagedCacheSelector:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
 
 
+def device_bytes_per_key(subspaces: int, head_dim: int = 128) -> float:
+    """Device bytes :class:`PagedCacheSelector` keeps per key of the engine's cache: ``subspaces`` bytes of
+    code, and per 64-key page its signature (8 bytes a word) and its valid flag."""
+    return subspaces + (8 * len(signature_words(head_dim)) + 1) / PAGE
+
+
 def _forced(lengths: torch.Tensor, init_tokens: int, local_tokens: int) -> torch.Tensor | None:
     """The tokens an engine's indexer always keeps: the first ``init_tokens`` and the last ``local_tokens``
     of each request ([B, init + local] int64, -1 where a request is shorter)."""

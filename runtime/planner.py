@@ -474,6 +474,35 @@ def admission_table(m: ModelDims, machine: Machine, contexts: Sequence[int], chu
     return rows
 
 
+PLUGIN_MODES = ("engine", "plugin_device", "plugin_host")
+
+
+def engine_pool(m: ModelDims, machine: Machine, contexts: Sequence[int], code_bytes: float, chunk: int = 4096,
+                weights: float | None = None) -> dict[str, Any]:
+    """The tokens an engine's KV pool admits on one GPU, and the requests of each length in ``contexts``,
+    without the engine plugins (``engine``: every layer's MLA KV and exact index keys in HBM) and with them:
+    ``plugin_device`` (``DSAINDEX_KEYS=device``: the keys stay and the selector's ``code_bytes`` per key
+    and indexer layer come on top) and ``plugin_host`` (``DSAINDEX_KEYS=host``: the codes replace the keys
+    in HBM). The pool gets what the weights and one prefill chunk's reservation (the exact indexer's,
+    :func:`prefill_reservation`) leave of the usable HBM, as the engines size it from free memory."""
+    per_gpu_weights = (weight_bytes(m) if weights is None else weights) / machine.gpus
+    longest = max(contexts)
+    reserve = prefill_reservation(m, machine, min(chunk, longest), max(0, longest - chunk), None, False)["W_p"]
+    budget = machine.hbm_bytes * machine.usable_fraction - per_gpu_weights - reserve
+    kv = m.num_layers * m.kv_bytes / m.key_stride
+    keys = m.indexer_layers * m.index_key_bytes / m.key_stride
+    codes = m.indexer_layers * code_bytes / m.key_stride
+    per_token = {"engine": kv + keys, "plugin_device": kv + keys + codes, "plugin_host": kv + codes}
+    tokens = {mode: max(0, math.floor(budget / b)) for mode, b in per_token.items()}
+    return {"code_bytes": code_bytes, "budget_bytes": budget, "weights_bytes": per_gpu_weights,
+            "reservation_bytes": reserve, "bytes_per_token": per_token,
+            "index_bytes_per_token": {"engine": keys, "plugin_device": keys + codes, "plugin_host": codes},
+            "tokens": tokens,
+            "requests": [{"context": n, **{mode: tokens[mode] // n for mode in PLUGIN_MODES}} for n in contexts],
+            "gain": {mode: tokens[mode] / tokens["engine"] - 1 if tokens["engine"] else None
+                     for mode in PLUGIN_MODES[1:]}}
+
+
 def streaming_plan(m: ModelDims, machine: Machine, chunk: int, prefix: int,
                    efficiency: float) -> dict[str, Any]:
     """Eq. 2-5 for one layer and the prefix-state peaks, for each payload: index keys only (MLA KV

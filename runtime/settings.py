@@ -77,6 +77,19 @@ def parse_fraction(value: Any, where: str = "--recall-target") -> float:
     return number
 
 
+KEY_PLACES = ("device", "host")
+
+
+def parse_keys(value: Any, where: str = "DSAINDEX_KEYS") -> str:
+    """Where an engine's exact index keys live: ``device`` (the engine's HBM) or ``host`` (pinned host memory
+    the GPU reads in place, so the engine's pool admits more tokens)."""
+    text = "" if value is None else str(value).strip().lower()
+    if text not in KEY_PLACES:
+        raise DsaIndexError(f"{where} {value!r} is not a place for the exact index keys.",
+                            f"set {where} to {' or '.join(KEY_PLACES)}.")
+    return text
+
+
 def parse_flag(value: Any, where: str) -> bool:
     """A yes/no setting: 1, true, yes, on / 0, false, no, off (any case) or empty (no)."""
     text = "" if value is None else str(value).strip().lower()
@@ -232,6 +245,11 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
+    EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",
+           "Where the exact index keys of the layers the plugin serves live: `device` (the engine's HBM, as "
+           "without the plugin) or `host` (SGLang only: pinned host memory the GPU reads in place; the KV "
+           "pool is sized with the codes' bytes instead of the keys', so it admits more tokens, and each "
+           "step reads its C candidates' keys over the host link).", "`device`"),
     EnvVar("DSAINDEX_CACHE_DIR", "cache_dir", _text, None,
            "Where `models:/` bundles are pulled to.", "the registry's cache (`~/.cache/dsaindex`)"),
     EnvVar("DSAINDEX_TRACKING_URI", "tracking_uri", _text, None,
@@ -250,6 +268,7 @@ class EngineSettings:
     prefilter: int | Auto
     recall_target: float
     allow_other_weights: bool
+    keys: str
     cache_dir: str | None
     tracking_uri: str | None
 

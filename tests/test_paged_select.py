@@ -483,3 +483,65 @@ def test_production_shape_leads_with_every_key_of_a_short_request_in_the_engines
     for b, n in enumerate(lengths):
         if n < topk:
             assert bool((out[b, :n] >= 0).all()) and bool((out[b, n:] == -1).all())
+
+
+# ---- DSAINDEX_KEYS=host: the engine's cache in pinned host memory, read in place ------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="host-mapped memory needs a GPU")
+def test_a_host_mapped_cache_takes_no_device_memory_and_selects_as_a_device_cache():
+    """The runtime's ``host_mapped_zeros`` (what the SGLang plugin gives the served layers' index-K buffers):
+    a CUDA tensor whose bytes are pinned host memory. Writing keys into it from the GPU, encoding its pages
+    and a step captured in a CUDA graph give the selection of the same cache on the device."""
+    from dsaindex.runtime.mapped import host_mapped_zeros
+
+    lengths = [64 * 40 + 9, 64 * 25, 300]
+    dev_cache, table, _ = engine_cache(lengths, 120)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    host = host_mapped_zeros(tuple(dev_cache.shape), torch.uint8, DEV)
+    assert host.device.type == "cuda" and torch.cuda.memory_allocated() == before  # no device bytes
+    host.copy_(dev_cache)  # a device-to-"device" copy: the GPU writes the host pages
+    assert torch.equal(host.cpu(), dev_cache.cpu())
+    seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    q, w = queries(3)
+    on_dev = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV)
+    on_host = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV)
+    want = on_dev.select(dev_cache, table, seq, q, w)
+    assert on_host.prepare(host, table, seq) == sum(n // 64 for n in lengths)
+    assert torch.equal(on_host.codes, on_dev.codes)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        on_host.select(host, table, seq, q, w, eager_refresh=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = on_host.select(host, table, seq, q, w, eager_refresh=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert as_sets(out) == as_sets(want)
+    assert torch.equal((out >= 0).sum(1), (want >= 0).sum(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the Triton kernels' verify rows run on a GPU here")
+def test_verify_rows_share_their_requests_pages_and_select_as_decode_steps():
+    """MTP target verify (SGLang): next_n query rows per request, the request's page-table row repeated and
+    lengths n - next_n + 1 ... n. Rows sharing stale pages encode them in the same launch (the catch-up of
+    a captured step, no prepare); each row's selection is a decode step's at its length."""
+    lengths, next_n = [64 * 30 + 5, 64 * 12 + 63], 4
+    cache, table, _ = engine_cache(lengths, 60)
+    rows_table = table.repeat_interleave(next_n, dim=0)
+    rows_len = torch.tensor([n - next_n + 1 + j for n in lengths for j in range(next_n)], dtype=torch.int32,
+                            device=DEV)
+    q, w = queries(len(lengths) * next_n, seed=9)
+    sel = PagedCacheSelector(codec(), 60, topk=32, candidates=256, head_dim=D, device=DEV)
+    for _ in range(16):  # 2 stale pages per row and step: the shared pages are done in 15 steps
+        out = sel.select(cache, rows_table, rows_len, q, w, eager_refresh=False)
+    assert int(sel.stats.stale.sum()) == 0
+    one = PagedCacheSelector(codec(), 60, topk=32, candidates=256, head_dim=D, device=DEV)
+    for r in range(rows_len.shape[0]):
+        want = one.select(cache, rows_table[r : r + 1], rows_len[r : r + 1], q[r : r + 1], w[r : r + 1])
+        assert as_sets(out[r : r + 1]) == as_sets(want), r
+        n = int(rows_len[r])
+        assert int(out[r].max()) == n - 1 and int((out[r] >= 0).sum()) == min(32, n)  # its newest key, no later

@@ -16,6 +16,7 @@ from dsaindex.runtime.planner import (
     admission,
     break_even_chunk,
     compute_time,
+    engine_pool,
     load_time,
     model_from_config,
     parameter_count,
@@ -201,6 +202,7 @@ def test_cli_reads_a_config_and_a_bundle(tmp_path):
     (["--chunk", "8192", "--context", "4096"], "--chunk"),
     (["--contexts", "many"], "--contexts"),
     (["--code-bytes", "8", "--artifacts", "x"], "--artifacts"),
+    (["--mode", "engine"], "--mode"),
 ])
 def test_cli_names_the_problem(args, needle):
     result = invoke(*args)
@@ -215,3 +217,38 @@ def test_cli_refuses_a_config_of_another_model(tmp_path):
     path.write_text("{not json")
     result = invoke("--model", str(path))
     assert isinstance(result.exception, DsaIndexError) and "JSON" in result.exception.problem
+
+
+@pytest.mark.parametrize("kv_dtype, kv_per_layer", [("fp8", 656), ("bf16", 1152)])
+def test_engine_pool_with_host_keys_admits_more_tokens(kv_dtype, kv_per_layer):
+    """Per token, the engine's pool holds 61 layers of MLA KV and 61 layers of 132-byte index keys; the
+    plugin adds its codes beside the keys (keys on the GPU) or holds only the codes (keys on the host)."""
+    m = replace(V32, kv_dtype=kv_dtype)
+    code = 32 + 33 / 64
+    pool = engine_pool(m, Machine(), [131072, MILLION], code)
+    per_token = pool["bytes_per_token"]
+    assert per_token["engine"] == 61 * kv_per_layer + 61 * 132
+    assert per_token["plugin_device"] == pytest.approx(per_token["engine"] + 61 * code)
+    assert per_token["plugin_host"] == pytest.approx(61 * kv_per_layer + 61 * code)
+    tokens = pool["tokens"]
+    assert tokens["plugin_host"] > tokens["engine"] > tokens["plugin_device"]
+    assert tokens["engine"] == int(pool["budget_bytes"] // per_token["engine"])
+    # the index's GPU bytes per token with host keys: at most a third of the exact keys'
+    assert pool["index_bytes_per_token"]["plugin_host"] <= pool["index_bytes_per_token"]["engine"] / 3
+    first = pool["requests"][0]
+    assert first["context"] == 131072 and first["plugin_host"] == tokens["plugin_host"] // 131072
+    assert pool["gain"]["plugin_host"] == pytest.approx(tokens["plugin_host"] / tokens["engine"] - 1)
+
+
+def test_cli_plugin_mode(tmp_path):
+    md = tmp_path / "plugin.md"
+    result = invoke("--mode", "plugin", "--contexts", "131072", "--markdown", str(md))
+    assert result.exit_code == 0, result.output
+    assert "tokens per GPU" in result.output and "keys on host" in result.output
+    report = json.loads(invoke("--mode", "plugin", "--contexts", "131072", "--json").output)
+    assert report["mode"] == "plugin" and report["code_bytes"] == pytest.approx(32 + 33 / 64)
+    assert report["tokens"]["plugin_host"] > report["tokens"]["engine"]
+    assert "requests of 131,072 tokens" in md.read_text()
+    pq16 = json.loads(invoke("--mode", "plugin", "--contexts", "131072", "--code-bytes", "16", "--json").output)
+    assert pq16["code_bytes"] == pytest.approx(16 + 33 / 64)
+    assert pq16["tokens"]["plugin_host"] > report["tokens"]["plugin_host"]

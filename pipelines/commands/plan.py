@@ -133,6 +133,54 @@ def render(report: dict[str, Any]) -> tuple[list[Any], str]:
     return tables, "\n".join(md)
 
 
+def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artifacts: Path | None,
+                  code_bytes: float | None, weights: float | None, as_json: bool, out: Path | None,
+                  markdown: Path | None) -> None:
+    """``plan memory --mode plugin``: :func:`dsaindex.runtime.planner.engine_pool` as a table (or JSON)."""
+    from dataclasses import asdict
+
+    from dsaindex.console import emit_report, markdown_rows
+    from dsaindex.runtime import planner
+    from dsaindex.runtime.paged_select import device_bytes_per_key
+
+    subspaces = bundle_code_bytes(artifacts) if artifacts is not None else (code_bytes or 32)
+    per_key = device_bytes_per_key(int(round(subspaces)), dims.index_head_dim)
+    pool = planner.engine_pool(dims, machine, lengths, per_key, chunk, weights)
+    report = {"model": dims.to_dict(), "machine": asdict(machine), "mode": "plugin", "chunk": chunk, **pool}
+    names = {"engine": "engine alone", "plugin_device": "plugin, keys on GPU", "plugin_host": "plugin, keys on host"}
+    head = ["", *names.values()]
+    rows = [["index bytes per token (all layers)", *[size(pool["index_bytes_per_token"][k]) for k in names]],
+            ["pool bytes per token", *[size(pool["bytes_per_token"][k]) for k in names]],
+            ["tokens per GPU", *[f"{pool['tokens'][k]:,}" for k in names]],
+            *[[f"requests of {r['context']:,} tokens", *[f"{r[k]:,}" for k in names]] for r in pool["requests"]],
+            ["vs the engine alone", "", *[f"{pool['gain'][k]:+.1%}" for k in ("plugin_device", "plugin_host")]]]
+    title = (f"{dims.name} on {machine.gpus} x {machine.name} (per GPU: {size(pool['budget_bytes'])} for the KV pool "
+             f"after {size(pool['weights_bytes'])} of weights and {size(pool['reservation_bytes'])} of prefill "
+             f"reservation; KV {dims.kv_dtype}; codes {per_key:.2f} B per key and indexer layer)")
+    md = f"**{title}**\n\n" + markdown_rows(head, rows) + "\n"
+    if as_json:
+        emit_report(report, out, markdown, md)
+        return
+    if out:
+        out.write_text(json.dumps(report, indent=2))
+    if markdown:
+        markdown.write_text(md)
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, col in enumerate(head):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print("[dim]plugin, keys on GPU: DSAINDEX_KEYS=device (the default): the codes come on top of the "
+                  "engine's keys. plugin, keys on host: DSAINDEX_KEYS=host (SGLang): the served layers' keys live "
+                  "in pinned host memory and the pool counts the codes instead.[/dim]")
+
+
 @plan_app.command("memory")
 def plan_memory(
     model: str = typer.Option("deepseek-v3.2", "--model", "-m",
@@ -162,12 +210,17 @@ def plan_memory(
                                         "per query (default: the exact indexer scores every key)."),
     contexts: str = typer.Option("131072,524288,1048576", help="Comma-separated request lengths for the "
                                                                "admission table."),
+    mode: str = typer.Option("runtime", "--mode",
+                             help="runtime: the runtime's streamed prefill and admission; plugin: the tokens an "
+                                  "engine's KV pool (SGLang, vLLM) admits per GPU with and without the "
+                                  "engine plugins."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of tables."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the tables as markdown to this file."),
 ) -> None:
     """Per-layer load, compute and wait of streamed prefill, the break-even chunk, the peak prefix-state
-    bytes streamed vs resident, and the requests that fit per context, index mode and KV placement."""
+    bytes streamed vs resident, and the requests that fit per context, index mode and KV placement
+    (``--mode plugin``: the tokens and requests an engine's pool admits with and without the plugins)."""
     from dataclasses import asdict
 
     from dsaindex.console import parse_ints
@@ -188,6 +241,8 @@ def plan_memory(
                             "pass a chunk of at most the context.")
     if artifacts is not None and code_bytes is not None:
         raise DsaIndexError("--artifacts and --code-bytes both set the code size.", "pass one of them.")
+    if mode not in ("runtime", "plugin"):
+        raise DsaIndexError(f"--mode {mode!r} is not a planner mode.", "pass --mode runtime or --mode plugin.")
     lengths = parse_ints(contexts, "--contexts", minimum=1)
     dims = model_dims(model, kv_dtype)
     machine = planner.with_overrides(
@@ -195,6 +250,10 @@ def plan_memory(
         host_bps=None if host_gbps is None else host_gbps * 1e9,
         delay_s=None if delay_us is None else delay_us * 1e-6)
     eta = planner.DEFAULT_EFFICIENCY if efficiency is None else efficiency
+    if mode == "plugin":
+        plugin_report(dims, machine, lengths, chunk, artifacts, code_bytes,
+                      None if weights_gb is None else weights_gb * 1e9, as_json, out, markdown)
+        return
     modes = dict(planner.INDEX_MODES)
     if artifacts is not None:
         modes["artifacts"] = bundle_code_bytes(artifacts)

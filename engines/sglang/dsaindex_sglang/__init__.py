@@ -16,7 +16,10 @@ one). With ``DSAINDEX_ARTIFACTS`` unset it does nothing. Otherwise it registers 
 * after ``Indexer._get_topk_ragged`` (the eager prefill top-k): the prompt's completed pages are
   encoded, so the decode graphs find their codes ready;
 * after ``DecodeTransferQueue.pop_transferred`` (a PD-disaggregated decode node): the pages a KV
-  transfer delivered are encoded when their requests arrive, not by the decode steps' catch-up.
+  transfer delivered are encoded when their requests arrive, not by the decode steps' catch-up;
+* with ``DSAINDEX_KEYS=host``, around SGLang's pool sizing and index-K allocation: the served layers'
+  exact index keys live in pinned host memory the GPU reads in place, and the KV pool counts the codes'
+  bytes per token for them instead of the keys', so it admits more tokens.
 
 Settings (environment): the ``DSAINDEX_*`` variables of :data:`dsaindex.runtime.settings.ENVIRONMENT`, the one
 table both engine plugins read (defaults and meanings in the README, generated from it).
@@ -35,6 +38,10 @@ SELECT_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_p
 CONFIG_TARGET = "sglang.srt.configs.model_config.ModelConfig.__init__"
 PREFILL_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_ragged"
 TRANSFER_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred"
+# DSAINDEX_KEYS=host: the pool sizing and the index-K buffers of the served layers
+CELL_TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_dsa_indexer_cell_size"
+PAGES_TARGET = "sglang.srt.mem_cache.index_key_cache.IndexKeyCache._layer_num_pages"
+KEYS_TARGET = "sglang.srt.mem_cache.index_key_cache.IndexKeyCache.__init__"
 
 _registered = False
 
@@ -59,6 +66,9 @@ def register() -> None:
     HookRegistry.register(SELECT_TARGET, hooks.select_around_get_topk_paged, HookType.AROUND)
     HookRegistry.register(PREFILL_TARGET, hooks.encode_after_get_topk_ragged, HookType.AFTER)
     HookRegistry.register(TRANSFER_TARGET, hooks.encode_after_pop_transferred, HookType.AFTER)
+    HookRegistry.register(CELL_TARGET, hooks.index_cell_size_around, HookType.AROUND)
+    HookRegistry.register(PAGES_TARGET, hooks.index_pages_around, HookType.AROUND)
+    HookRegistry.register(KEYS_TARGET, hooks.host_keys_after_init, HookType.AFTER)
     _registered = True
     logger.info("dsaindex: registered (artifacts %s); decode selection of layers with PQ artifacts is "
                 "the plugin's.", uri)

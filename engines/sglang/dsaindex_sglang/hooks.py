@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -24,6 +25,9 @@ class PluginState:
         self.rows: dict[str, int] = {}  # query rows served, by forward mode (decode, target_verify)
         self.topk = 2048  # the model's index_topk
         self.arrived_pages = 0  # pages encoded when a PD transfer delivered them
+        self.keys = "device"  # DSAINDEX_KEYS: where the served layers' exact index keys live
+        self.code_bytes = 0.0  # device bytes per key the selectors keep (codes, signatures, flags)
+        self.host_key_bytes = 0  # bytes of index keys placed in host memory
 
     def configure(self, uri: str) -> None:
         self.uri = uri
@@ -47,14 +51,22 @@ class PluginState:
         # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
         # held-out recall, refused here if none reaches the target
         candidates, prefilter = decode_settings(s.decode(topk), loaded, topk)
+        from dsaindex.runtime.paged_select import device_bytes_per_key
+
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).role != "decode":
                 continue  # other roles (ivf prefill, ...) are not the plugin's; SGLang keeps its own path there
             self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer])
+        self.keys = s.keys
+        self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
+                              default=0.0)
         self.loaded = loaded
-        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C per layer %s).",
-                    loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates)
+        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C per layer %s); "
+                    "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU.",
+                    loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates,
+                    "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
+                    self.code_bytes)
 
     def note_fallback(self, why: str) -> None:
         if why not in self.fallbacks:
@@ -172,6 +184,68 @@ def encode_after_pop_transferred(result, self, *args, **kwargs):
         cache = pool.get_index_k_with_scale_buffer(layer_id)
         STATE.arrived_pages += layer.over(cache, STATE.topk).prepare(cache, table.to(cache.device),
                                                                       seqlens.to(cache.device))
+    return None
+
+
+# ---- DSAINDEX_KEYS=host: the served layers' exact index keys in pinned host memory -----------------------
+KEY_BYTES = 128 + 128 // 128 * 4  # SGLang's index-K bytes per token and layer (pool_configurator.py:567-570)
+
+
+def index_cell_size_around(original, self, *args, **kwargs):
+    """AROUND hook on ``DefaultPoolConfigurator._compute_dsa_indexer_cell_size``
+    (sglang/srt/model_executor/pool_configurator.py:560): the index-K bytes per token SGLang counts when it
+    sizes its KV pool from the free HBM. With ``DSAINDEX_KEYS=host`` the served layers' keys are not on the
+    GPU; the selectors' codes are, so each served layer counts their bytes instead of the keys' 132 and the
+    pool admits more tokens. The draft model's sizing (fewer layers than the target's range) is left as is."""
+    full = original(self, *args, **kwargs)
+    if STATE.keys != "host" or not STATE.selectors:
+        return full
+    kvc = kwargs.get("kvc", args[0] if args else None)
+    num_layers = kwargs.get("num_layers", args[1] if len(args) > 1 else None)
+    info = getattr(kvc, "layer_info", None)
+    if kvc is None or info is None or getattr(kvc, "is_draft_worker", False):
+        return full
+    start, end = int(info.start_layer), int(info.end_layer)
+    if num_layers is not None and int(num_layers) != end - start:
+        return full
+    served = sum(start <= layer < end for layer in STATE.selectors)
+    if served == 0 or full < served * KEY_BYTES:
+        return full
+    return int(math.ceil(full - served * (KEY_BYTES - STATE.code_bytes)))
+
+
+def index_pages_around(original, self, layer_idx, num_pages):
+    """AROUND hook on ``IndexKeyCache._layer_num_pages`` (sglang/srt/mem_cache/index_key_cache.py:56): with
+    ``DSAINDEX_KEYS=host`` a served layer gets a 0-row device placeholder (as SGLang gives layers that write
+    no index keys), so no HBM is taken for its keys; :func:`host_keys_after_init` gives it its buffer."""
+    if STATE.keys == "host" and int(self.pool.start_layer) + int(layer_idx) in STATE.selectors:
+        return 0
+    return original(self, layer_idx, num_pages)
+
+
+def host_keys_after_init(result, self, pool, index_buf_size, *args, **kwargs):
+    """AFTER hook on ``IndexKeyCache.__init__`` (index_key_cache.py:22): each served layer's buffer, of the
+    shape SGLang would have given it, in pinned host memory the GPU reads in place
+    (:func:`dsaindex.runtime.mapped.host_mapped_zeros`): SGLang's own kernels write and read it there, and
+    the selector rescores its C candidates from it."""
+    if STATE.keys != "host" or not STATE.selectors:
+        return None
+    from dsaindex.runtime.mapped import host_mapped_zeros
+
+    num_pages = (index_buf_size + pool.page_size + 1) // pool.page_size  # as IndexKeyCache.__init__ counts
+    skip = getattr(pool, "skip_topk_layers", None)
+    moved = []
+    for i in range(pool.layer_num):
+        layer = int(pool.start_layer) + i
+        if layer not in STATE.selectors or (skip is not None and skip[i]) or self.buffer[i].shape[0]:
+            continue
+        self.buffer[i] = host_mapped_zeros(self._buffer_shape(num_pages), pool.index_k_with_scale_buffer_dtype,
+                                           pool.device)
+        STATE.host_key_bytes += self.buffer[i].numel() * self.buffer[i].element_size()
+        moved.append(layer)
+    logger.info("dsaindex: the exact index keys of layers %s are in pinned host memory (%.2f GB), read in place; "
+                "the KV pool counted %.1f B of codes per token for each of them instead of %d B of keys.",
+                moved, STATE.host_key_bytes / 1e9, STATE.code_bytes, KEY_BYTES)
     return None
 
 

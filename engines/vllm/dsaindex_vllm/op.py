@@ -63,6 +63,12 @@ def served_artifacts(hf_config: Any, device: torch.device | str) -> Any:
     from dsaindex.runtime.loader import load_bundle
 
     s = settings()
+    if s.keys != "device":
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"DSAINDEX_KEYS={s.keys}: the vLLM plugin keeps the exact index keys in vLLM's own "
+                            "GPU cache (host-resident keys are the SGLang plugin's mode).",
+                            "unset DSAINDEX_KEYS (or set it to device) for vLLM.")
     key = (s.artifacts, s.basis, str(device), s.allow_other_weights, id(hf_config))
     with _lock:
         if key not in _served:

@@ -1,0 +1,158 @@
+"""``dsaindex bench paged``: the engine plugins' decode step against the engines' own exact indexer, side by
+side in one run, and the GPU bytes each keeps per key.
+
+Per batch size B and request length N (synthetic keys, every request at N; medians of steps replayed from
+CUDA graphs, as the engines run decode):
+
+* ``deepgemm_best``: DeepGEMM's ``fp8_paged_mqa_logits`` over the engines' paged index-K cache and the
+  faster of ``torch.topk`` and the runtime's threshold top-k, what SGLang and vLLM run without the plugin;
+* ``plugin_device``: :class:`dsaindex.runtime.paged_select.PagedCacheSelector` over that cache in HBM (the
+  plugins' default, ``DSAINDEX_KEYS=device``);
+* ``plugin_host``: the same step with the cache in pinned host memory the GPU reads in place
+  (:func:`dsaindex.runtime.mapped.host_mapped_zeros`, ``DSAINDEX_KEYS=host``): the C candidates, the tail
+  page and the page signatures are read over the host link.
+
+GPU bytes per key and layer: the exact keys' 132 B; with the plugin, the codes, signatures and flags
+(:func:`dsaindex.runtime.paged_select.device_bytes_per_key`) beside the keys (device) or alone (host).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dsaindex.coarse import PREFILTER
+from dsaindex.console import at_least
+
+KEY_BYTES = 132
+
+
+def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
+                    subspaces: int, places: tuple[str, ...], graphs: bool) -> dict:
+    import torch
+
+    from dsaindex.kernels import deepgemm
+    from dsaindex.kernels.topk import rows_topk
+    from dsaindex.pipelines.bench.decode import synthetic_state, timed
+    from dsaindex.pq import PQCodec
+    from dsaindex.runtime.mapped import host_mapped_zeros
+    from dsaindex.runtime.paged_select import PagedCacheSelector, device_bytes_per_key
+
+    fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
+    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    cache, table = deepgemm.paged_cache(fp8, scales)
+    fp8 = scales = None
+    torch.cuda.empty_cache()
+    ms: dict[str, float] = {}
+    modes: dict[str, str] = {}
+    note = deepgemm.unavailable()
+    if note is None:
+        schedule = deepgemm.paged_schedule(lengths)
+
+        def logits(masked: bool = False):
+            return deepgemm.paged_logits(cache, table, lengths, q, w, keys, schedule, masked=masked)
+
+        logits()
+        ms["deepgemm_topk"], modes["deepgemm_topk"] = timed(lambda: logits(masked=True).topk(topk, dim=1), graphs)
+        ms["deepgemm_fast_topk"], modes["deepgemm_fast_topk"] = timed(lambda: rows_topk(logits(), lengths, topk),
+                                                                      graphs)
+        ms["deepgemm_best"] = min(ms["deepgemm_topk"], ms["deepgemm_fast_topk"])
+    codec = PQCodec(codebooks.float().cpu())
+    flat_codes = codes.reshape(-1, 64, codes.shape[2])
+    for place in places:
+        rows = cache
+        if place == "host":
+            rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
+            rows.copy_(cache)
+        selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
+                                      device="cuda")
+        selector.adopt(rows, table.reshape(-1), flat_codes)
+        step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False)  # noqa: E731
+        step()
+        ms[f"plugin_{place}"], modes[f"plugin_{place}"] = timed(step, graphs)
+        if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):
+            raise RuntimeError("the paged selector found stale pages in the benchmark's adopted codes")
+        selector = rows = step = None
+        torch.cuda.empty_cache()
+    code_bytes = device_bytes_per_key(subspaces)
+    gpu_bytes = {"exact": KEY_BYTES, "plugin_device": KEY_BYTES + code_bytes, "plugin_host": code_bytes}
+    return {
+        "batch": batch, "keys": keys,
+        "median_ms": {k: round(v, 4) for k, v in ms.items()},
+        "timing": modes,
+        "speedup_vs_deepgemm": ({f"plugin_{p}": round(ms["deepgemm_best"] / ms[f"plugin_{p}"], 3) for p in places}
+                                if note is None else None),
+        "deepgemm": note or "sgl-deep-gemm fp8_paged_mqa_logits + the faster of torch.topk and the threshold top-k",
+        "gpu_bytes_per_key_and_layer": {k: round(v, 3) for k, v in gpu_bytes.items()
+                                        if k == "exact" or k.removeprefix("plugin_") in places},
+    }
+
+
+def markdown_table(report: dict) -> str:
+    places = report["places"]
+    head = ["B", "N", "DeepGEMM + best top-k (ms)", *[f"plugin, keys on {p} (ms)" for p in places],
+            *[f"vs DeepGEMM ({p})" for p in places]]
+    from dsaindex.console import markdown_rows
+
+    cells_of = []
+    for r in report["rows"]:
+        m, s = r["median_ms"], r["speedup_vs_deepgemm"] or {}
+        cells = [str(r["batch"]), f"{r['keys']:,}", f"{m.get('deepgemm_best', float('nan')):.3f}",
+                 *[f"{m[f'plugin_{p}']:.3f}" for p in places],
+                 *[f"{s[f'plugin_{p}']:.2f}x" if s else "n/a" for p in places]]
+        cells_of.append(cells)
+    return markdown_rows(head, cells_of)
+
+
+def bench_paged(
+    batches: str = typer.Option("1,8,32,64", help="Comma-separated request counts B."),
+    keys: str = typer.Option("65536,262144,1048576", help="Comma-separated keys per request and layer."),
+    heads: int = typer.Option(64, callback=at_least(1), help="Indexer heads (V3.2: 64)."),
+    topk: int = typer.Option(2048, callback=at_least(1), help="Keys selected per step (V3.2: 2048)."),
+    candidates: int = typer.Option(4096, callback=at_least(1), help="C: candidates rescored exactly (the plugins' "
+                                                                     "default: 2 x top-k)."),
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
+    subspaces: int = typer.Option(32, callback=at_least(1), help="Bytes of PQ code per key."),
+    places: str = typer.Option("device,host", "--keys-on", help="Where the exact keys live in the plugin's "
+                                                                 "step: device, host, or both."),
+    graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+    markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
+) -> None:
+    """The engine plugins' decode step (keys in HBM, or in host memory read in place) against DeepGEMM's
+    paged logits + the best top-k, per batch size and length, with GPU bytes per key. Needs a CUDA device."""
+    import json
+
+    import torch
+
+    from dsaindex.console import emit_report, parse_ints
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.kernels import deepgemm
+
+    key_counts = parse_ints(keys, "--keys", minimum=64)
+    batch_sizes = parse_ints(batches, "--batches", minimum=1)
+    chosen = tuple(p.strip() for p in places.split(",") if p.strip())
+    if not chosen or any(p not in ("device", "host") for p in chosen):
+        raise DsaIndexError(f"--keys-on {places!r} names no place or an unknown one.", "pass device, host or "
+                                                                                       "device,host.")
+    if any(n % 64 for n in key_counts):
+        raise DsaIndexError("--keys must be multiples of the 64-key page.", "pass e.g. 65536,262144,1048576.")
+    if candidates < topk:
+        raise DsaIndexError(f"--candidates {candidates} is below --topk {topk}.", f"pass --candidates {topk} or more.")
+    if not torch.cuda.is_available():
+        raise DsaIndexError("bench paged needs a CUDA device (the engines' step runs from CUDA graphs).",
+                            "run it on a GPU machine.")
+    if deepgemm.unavailable():
+        typer.echo(f"note: no DeepGEMM baseline in this run: {deepgemm.unavailable()}", err=True)
+    rows = []
+    for n in key_counts:
+        for b in batch_sizes:
+            row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs)
+            rows.append(row)
+            typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_deepgemm")}),
+                       err=True)
+            torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
+              "prefilter": prefilter, "subspaces": subspaces, "places": list(chosen), "rows": rows}
+    emit_report(report, out, markdown, markdown_table(report))
