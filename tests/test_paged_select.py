@@ -544,4 +544,4 @@ def test_verify_rows_share_their_requests_pages_and_select_as_decode_steps():
         want = one.select(cache, rows_table[r : r + 1], rows_len[r : r + 1], q[r : r + 1], w[r : r + 1])
         assert as_sets(out[r : r + 1]) == as_sets(want), r
         n = int(rows_len[r])
-        assert int(out[r].max()) == n - 1 and int((out[r] >= 0).sum()) == min(32, n)  # its newest key, no later
+        assert int(out[r].max()) < n and int((out[r] >= 0).sum()) == min(32, n)  # no key past its own
