@@ -46,15 +46,20 @@ def page_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
-                          valid: torch.Tensor, e: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          valid: torch.Tensor, e: int, head_dim: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(pick [B, e] int64: the first ``e`` stale completed pages of each request in table order, the scratch
     page ``P`` past them; count [B] int32: stale pages in all). A page is stale when it has no codes
-    (``valid`` 0) or its signature words differ from ``signature``. The spec of :func:`stale_pages`, which
-    lists the same pages when a request has at most ``e`` stale, else ``e`` of them in no set order."""
+    (``valid`` 0) or its signature words differ from ``signature``. ``window`` > 0 checks only the last
+    ``window`` completed pages of each request (the ones a decode step can have just completed: where the
+    pages live in host memory, reading every page's signature each step would cost more than the step).
+    The spec of :func:`stale_pages`, which lists the same pages when a request has at most ``e`` stale, else
+    ``e`` of them in no set order."""
     b, w = table.shape
     n_pages = rows.shape[0]
     phys = table.long().clamp(0, max(0, n_pages - 1))
-    done = torch.arange(w, device=table.device)[None, :] < (lengths.long() // PAGE)[:, None]
+    cols = torch.arange(w, device=table.device)[None, :]
+    full = (lengths.long() // PAGE)[:, None]
+    done = (cols < full) & ((cols >= full - window) if window > 0 else True)
     offsets = torch.tensor(signature_words(head_dim), device=rows.device)
     now = page_words(rows)[phys.unsqueeze(-1), offsets]
     stale = done & ~((valid[phys] != 0) & (signature[phys] == now).all(-1))
@@ -66,7 +71,8 @@ def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torc
 
 
 def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
-                valid: torch.Tensor, e: int, head_dim: int, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+                valid: torch.Tensor, e: int, head_dim: int, block: int = 256,
+                window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`stale_pages_reference` in one Triton launch (and two fills), one program per request and
     ``block`` table columns. ``rows`` [P, 64 * (D + 4)]
     uint8 (pages 8-byte aligned), ``table`` [B, W] int32, ``lengths`` [B] int32, ``signature`` [P + 1, 4]
@@ -90,7 +96,7 @@ def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, 
         w = signature_words(head_dim)
         stale_pages_kernel[(b, triton.cdiv(table.shape[1], block))](
             words, words.stride(0), table.contiguous(), table.shape[1], lengths.contiguous(), signature, valid,
-            pick, count, rows.shape[0], *w, E=e, BLOCK=block)
+            pick, count, rows.shape[0], max(0, int(window)), *w, E=e, BLOCK=block)
     return pick, count
 
 

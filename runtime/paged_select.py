@@ -128,13 +128,18 @@ class PagedCacheSelector:
     topk : keys selected per query; candidates : C, the keys rescored exactly (at least ``topk``)
     prefilter : stage 1 keeps ``prefilter * C``; catch_up : stale pages encoded per request per step
     head_dim : D of the index keys; device : where the cache lives
+    check_window : each step checks the signatures of only the last ``check_window`` completed pages of a
+        request (0: of every completed page). For a cache in host memory (``DSAINDEX_KEYS=host``), where
+        reading every page's signature every step costs more than the step: pages that complete during
+        decode are still caught; pages written otherwise (a prefill, a transfer, a page handed to another
+        request) must go through :meth:`prepare` (the engine plugins' prefill and transfer hooks)
     use_triton : the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``), else their torch
         references (the same algorithm on a CPU)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
-                 use_triton: bool | None = None):
+                 use_triton: bool | None = None, check_window: int = 0):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
@@ -151,6 +156,7 @@ class PagedCacheSelector:
         self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.catch_up = max(1, catch_up)
+        self.check_window = max(0, int(check_window))
         self.head_dim = head_dim
         self.num_pages = num_pages
         self.codebooks = codec.codebooks.to(dev).float()
@@ -169,11 +175,13 @@ class PagedCacheSelector:
         self.encoded_pages = 0  # pages encoded by prepare() (a host counter, for logs and tests)
 
     # ---- codes of the engine's pages ----------------------------------------------------------------
-    def _stale(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stale(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, e: int,
+               window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(the first ``e`` stale completed pages of each request [B, e] int64, scratch past them; stale pages
-        in all [B] int32)."""
-        find = stale_pages if self.use_triton else stale_pages_reference
-        return find(rows, table, lengths, self.signature, self.valid, e, self.head_dim)
+        in all [B] int32), among the last ``window`` completed pages of each request (0: all)."""
+        if self.use_triton:
+            return stale_pages(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window=window)
+        return stale_pages_reference(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window)
 
     def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode physical ``pages`` [n] int64 (``num_pages``, the scratch page, is skipped) and record the
@@ -224,7 +232,7 @@ class PagedCacheSelector:
     def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync.
         Returns (pages encoded [B], stale pages left [B])."""
-        pick, count = self._stale(rows, table, lengths, self.catch_up)
+        pick, count = self._stale(rows, table, lengths, self.catch_up, self.check_window)
         self._encode_pages(rows, pick.reshape(-1))
         return count.clamp_max(self.catch_up), (count - self.catch_up).clamp_min(0)
 

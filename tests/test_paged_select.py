@@ -155,6 +155,12 @@ def test_stale_page_listing_matches_its_reference(strided):
             listed = [p for p in row if p != 16]  # 16: the scratch page
             assert len(listed) == len(set(listed)) == min(e, n) and set(listed) <= every
     assert set(want[0][0, :7].tolist()) == stale[0] and (want[0][0, 7:] == 16).all()
+    # a window: only each request's last 3 completed pages (request 0: pages 6-8, request 1: 1-3)
+    windowed = [set(table[0, [6, 7, 8]].tolist()), set(table[1, [1, 2]].tolist()), set()]
+    got = stale_pages(cache, table, lengths, signature, valid, 8, D, block=4, window=3)
+    want = stale_pages_reference(cache, table, lengths, signature, valid, 8, D, window=3)
+    assert torch.equal(got[1], want[1]) and got[1].tolist() == [3, 2, 0]
+    assert [{p for p in row if p != 16} for row in got[0].tolist()] == windowed
 
 
 @pytest.mark.parametrize("with_metric", [False, True])

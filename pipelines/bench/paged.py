@@ -10,7 +10,7 @@ CUDA graphs, as the engines run decode):
   plugins' default, ``DSAINDEX_KEYS=device``);
 * ``plugin_host``: the same step with the cache in pinned host memory the GPU reads in place
   (:func:`dsaindex.runtime.mapped.host_mapped_zeros`, ``DSAINDEX_KEYS=host``): the C candidates, the tail
-  page and the page signatures are read over the host link.
+  page and the signatures of each request's last 2 completed pages are read over the host link.
 
 GPU bytes per key and layer: the exact keys' 132 B; with the plugin, the codes, signatures and flags
 (:func:`dsaindex.runtime.paged_select.device_bytes_per_key`) beside the keys (device) or alone (host).
@@ -29,12 +29,13 @@ KEY_BYTES = 132
 
 
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
-                    subspaces: int, places: tuple[str, ...], graphs: bool) -> dict:
+                    subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
     from dsaindex.kernels.topk import rows_topk
     from dsaindex.pipelines.bench.decode import synthetic_state, timed
+    from dsaindex.pipelines.bench.timing import kernel_profile
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.mapped import host_mapped_zeros
     from dsaindex.runtime.paged_select import PagedCacheSelector, device_bytes_per_key
@@ -46,6 +47,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     torch.cuda.empty_cache()
     ms: dict[str, float] = {}
     modes: dict[str, str] = {}
+    profiles: dict[str, dict] = {}
     note = deepgemm.unavailable()
     if note is None:
         schedule = deepgemm.paged_schedule(lengths)
@@ -58,6 +60,8 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
         ms["deepgemm_fast_topk"], modes["deepgemm_fast_topk"] = timed(lambda: rows_topk(logits(), lengths, topk),
                                                                       graphs)
         ms["deepgemm_best"] = min(ms["deepgemm_topk"], ms["deepgemm_fast_topk"])
+        if profile:
+            profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(logits(), lengths, topk))
     codec = PQCodec(codebooks.float().cpu())
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
     for place in places:
@@ -66,13 +70,15 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
-                                      device="cuda")
+                                      device="cuda", check_window=2 if place == "host" else 0)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False)  # noqa: E731
         step()
         ms[f"plugin_{place}"], modes[f"plugin_{place}"] = timed(step, graphs)
         if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):
             raise RuntimeError("the paged selector found stale pages in the benchmark's adopted codes")
+        if profile:
+            profiles[f"plugin_{place}"] = kernel_profile(step)
         selector = rows = step = None
         torch.cuda.empty_cache()
     code_bytes = device_bytes_per_key(subspaces)
@@ -86,6 +92,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
         "deepgemm": note or "sgl-deep-gemm fp8_paged_mqa_logits + the faster of torch.topk and the threshold top-k",
         "gpu_bytes_per_key_and_layer": {k: round(v, 3) for k, v in gpu_bytes.items()
                                         if k == "exact" or k.removeprefix("plugin_") in places},
+        "profile": profiles or None,
     }
 
 
@@ -117,6 +124,8 @@ def bench_paged(
     places: str = typer.Option("device,host", "--keys-on", help="Where the exact keys live in the plugin's "
                                                                  "step: device, host, or both."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
+    profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
+                                                           "eager) to the JSON."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
 ) -> None:
@@ -148,7 +157,7 @@ def bench_paged(
     rows = []
     for n in key_counts:
         for b in batch_sizes:
-            row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs)
+            row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
