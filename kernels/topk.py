@@ -71,7 +71,7 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
     return (values, columns, counts) if return_counts else (values, columns)
 
 
-SMALL_TOPK_MAX = 16384  # entries a row of :func:`small_topk` may have: one program holds it in registers
+SMALL_TOPK_MAX = 32768  # entries a row of :func:`small_topk` may have: one program holds it in registers
 
 
 def small_topk_reference(values: torch.Tensor, k: int,
@@ -95,7 +95,8 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     (rows of at most :data:`SMALL_TOPK_MAX` entries): the k-th largest by bisection on the float bits, then
     one compaction (4,096 entries at a time, prefix sums along 128-entry rows); no sort, so a single row
     costs a few microseconds where ``torch.topk`` runs one block for tens. Ties at the k-th value are taken
-    in column order; the result is in column order.
+    in column order; the result is in column order, except that -inf entries (a row with fewer than k
+    finite values) come last, as in :func:`small_topk_reference`: a row's real entries lead.
     ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
@@ -121,7 +122,7 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     if b == 0:
         return out_val, out_pay
     block = max(16, triton.next_power_of_2(n))
-    warps = num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4)
+    warps = num_warps or (32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4)
     row_topk_kernel[(b,)](
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
         counts if counts is not None else out_val, n, k,

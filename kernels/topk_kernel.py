@@ -84,7 +84,7 @@ def row_major_prefix(m):
 def row_topk_kernel(
     val_ptr,  # [B, n] float32 values
     pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column is the payload)
-    out_val_ptr,  # [B, k] float32 out: the k largest, in column order (-inf past a short row)
+    out_val_ptr,  # [B, k] float32 out: the k largest, finite ones in column order, then -inf (a short row)
     out_pay_ptr,  # [B, k] int64 out: their payload (-1 past a short row)
     count_ptr,  # [B] int32 filled entries of each row (HAS_COUNTS; the rest is never read)
     n,
@@ -121,6 +121,9 @@ def row_topk_kernel(
         take = inside & (y >= threshold)
         if crowded:  # the first ties in column order fill the room (distinct scores skip this scan)
             take = (inside & (y > threshold)) | (tied & (tied_before + row_major_prefix(tied.to(tl.int32)) <= room))
+        # -inf entries (nothing there: a short row's padding) are never taken: the fill after the loop
+        # writes them, so a row's real entries come first and its padding after
+        take = take & (x > float("-inf"))
         slot = taken + row_major_prefix(take.to(tl.int32)) - 1
         if HAS_PAYLOAD:
             pay = tl.load(pay_ptr + b * n + at, mask=take, other=-1).to(tl.int64)

@@ -297,11 +297,10 @@ class PagedCacheSelector:
         k = min(self.topk, positions.shape[1])
         top = small_topk if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
         values, picked = top(exact, k, positions)
+        # valid entries first, -1 after: both top-k paths put -inf (nothing there) last, and SGLang's decode
+        # backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds all
+        # its keys there, its newest ones (the tail, after the candidate block) included
         picked = torch.where(values > float("-inf"), picked, torch.full_like(picked, -1))
-        # valid entries first, -1 after (a stable sort on "is padding", no host sync): SGLang's decode backends
-        # read the first min(n, topk) entries as KV slots, so a request shorter than top-k must find all its
-        # keys there, its newest ones (the tail, after the candidate block) included
-        picked = picked.gather(1, (picked < 0).to(torch.uint8).sort(dim=1, stable=True).indices)
         out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)
         out[:, :k] = picked.to(torch.int32)
         self.stats = PagedStats(encoded, stale, stage1)

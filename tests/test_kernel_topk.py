@@ -38,13 +38,13 @@ def test_rows_topk_checks_its_inputs():
         rows_topk(torch.zeros(2, 10, device=DEV), torch.tensor([10]), 4)
 
 
-@pytest.mark.parametrize("b,n,k", [(3, 100, 7), (2, 5000, 512), (1, 40, 64), (4, 16384, 2048)])
+@pytest.mark.parametrize("b,n,k", [(3, 100, 7), (2, 5000, 512), (1, 40, 64), (4, 16384, 2048), (2, 32768, 4096)])
 def test_small_topk_selects_the_k_largest(b, n, k):
     from dsaindex.kernels.topk import small_topk, small_topk_reference
 
     g = torch.Generator().manual_seed(n)
     values = torch.randn(b, n, generator=g)
-    values[0, n // 2 :] = float("-inf")  # a short row: -inf entries come back as -inf / -1
+    values[0, : max(0, n - k // 2)] = float("-inf")  # a short row, its k / 2 values last: -inf comes back as -1
     payload = torch.randint(0, 1 << 40, (b, n), generator=g)
     values, payload = values.to(DEV), payload.to(DEV)
     got_v, got_p = small_topk(values, k, payload)
@@ -56,6 +56,11 @@ def test_small_topk_selects_the_k_largest(b, n, k):
     live = cols >= 0
     assert torch.equal(values.gather(1, cols.clamp_min(0))[live], cols_v[live])
     assert (~live).sum() == (~torch.isfinite(want_v)).sum()
+    # a row's real entries lead, its -inf padding follows (what an engine reads as its first n slots)
+    for row in range(b):
+        n_live = int(live[row].sum())
+        assert live[row, :n_live].all() and not live[row, n_live:].any(), row
+        assert (got_p[row, :n_live] >= 0).all() and (got_p[row, n_live:] == -1).all(), row
 
 
 def test_small_topk_takes_ties_in_column_order():
@@ -65,7 +70,7 @@ def test_small_topk_takes_ties_in_column_order():
     got_v, got_c = small_topk(values, 3)
     assert got_c.tolist() == [[1, 2, 3]] and got_v.tolist() == [[3.0, 2.0, 2.0]]
     with pytest.raises(ValueError, match="row length"):
-        small_topk(torch.zeros(1, 20000, device=DEV), 4)
+        small_topk(torch.zeros(1, 40000, device=DEV), 4)
 
 
 def test_small_topk_takes_ties_in_column_order_across_a_long_row():
