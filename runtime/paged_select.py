@@ -128,18 +128,20 @@ class PagedCacheSelector:
     topk : keys selected per query; candidates : C, the keys rescored exactly (at least ``topk``)
     prefilter : stage 1 keeps ``prefilter * C``; catch_up : stale pages encoded per request per step
     head_dim : D of the index keys; device : where the cache lives
-    check_window : each step checks the signatures of only the last ``check_window`` completed pages of a
-        request (0: of every completed page). For a cache in host memory (``DSAINDEX_KEYS=host``), where
-        reading every page's signature every step costs more than the step: pages that complete during
-        decode are still caught; pages written otherwise (a prefill, a transfer, a page handed to another
-        request) must go through :meth:`prepare` (the engine plugins' prefill and transfer hooks)
+    keys_on_host : the cache is host memory the GPU reads in place (``DSAINDEX_KEYS=host``). Each step then
+        checks the signatures of only the last ``catch_up`` completed pages of a request (reading every
+        page's each step would cost more than the step over the host link; pages that complete during
+        decode are still caught, pages written otherwise, by a prefill, a transfer or another request,
+        must go through :meth:`prepare`, as the engine plugins' prefill and transfer hooks do), and the
+        exact rescoring reads 16 keys per program instead of 64 (more reads in flight: 1.4 ms instead of
+        2.8 for 32 x 4,160 keys on the H200)
     use_triton : the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``), else their torch
         references (the same algorithm on a CPU)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
-                 use_triton: bool | None = None, check_window: int = 0):
+                 use_triton: bool | None = None, keys_on_host: bool = False):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
@@ -156,7 +158,9 @@ class PagedCacheSelector:
         self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.catch_up = max(1, catch_up)
-        self.check_window = max(0, int(check_window))
+        self.keys_on_host = keys_on_host
+        self.check_window = self.catch_up if keys_on_host else 0  # 0: every completed page
+        self.gather_block = 16 if keys_on_host else 64
         self.head_dim = head_dim
         self.num_pages = num_pages
         self.codebooks = codec.codebooks.to(dev).float()
@@ -287,7 +291,7 @@ class PagedCacheSelector:
         if forced is not None:
             positions = _dedup(positions)
         if self.use_triton:
-            exact = fp8_gather_scores_paged(rows, table, positions, q, wt)
+            exact = fp8_gather_scores_paged(rows, table, positions, q, wt, block_n=self.gather_block)
         else:
             keys, scales = paged_keys_reference(rows, table, self.head_dim)
             exact = fp8_gather_scores_reference(keys, scales, positions, q, wt, query_fp8=True)

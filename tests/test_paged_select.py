@@ -270,6 +270,27 @@ def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
     assert as_sets(sel.select(cache, table, seq, q, w)) == as_sets(fresh.select(cache, table, seq, q, w))
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_keys_on_host_check_only_the_pages_a_step_can_complete(use_triton):
+    """keys_on_host: a step checks the signatures of each request's last ``catch_up`` completed pages only
+    (the ones decode completes); an older page rewritten behind its back is found by prepare(), which the
+    engine plugins run where pages are written otherwise (prefill, transfer)."""
+    lengths = [64 * 7 + 63]
+    cache, table, _ = engine_cache(lengths, 10, room=1)
+    q, w = queries(1)
+    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, head_dim=D, device=DEV, use_triton=use_triton,
+                             keys_on_host=True)
+    assert sel.prepare(cache, table, torch.tensor(lengths, device=DEV)) == 7
+    seq = torch.tensor([lengths[0] + 1], device=DEV)  # the next key completes page 7: found and encoded
+    sel.select(cache, table, seq, q, w, eager_refresh=False)
+    assert int(sel.stats.encoded[0]) == 1 and int(sel.stats.stale[0]) == 0
+    old = int(table[0, 2])
+    cache[old] = page_bytes(clustered(64, torch.Generator().manual_seed(98))).to(DEV)
+    sel.select(cache, table, seq, q, w, eager_refresh=False)
+    assert int(sel.stats.encoded[0]) == 0  # outside the window: not read
+    assert sel.prepare(cache, table, seq) == 1  # prepare reads every page
+
+
 def test_adopted_codes_count_as_current_until_the_page_changes():
     lengths = [64 * 6]
     cache, table, _ = engine_cache(lengths, 8)

@@ -70,7 +70,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
-                                      device="cuda", check_window=2 if place == "host" else 0)
+                                      device="cuda", keys_on_host=place == "host")
         selector.adopt(rows, table.reshape(-1), flat_codes)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False)  # noqa: E731
         step()

@@ -57,10 +57,8 @@ class PluginState:
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).role != "decode":
                 continue  # other roles (ivf prefill, ...) are not the plugin's; SGLang keeps its own path there
-            # keys in host memory: each step checks the signatures of the 2 pages a step can have completed
-            # (every page's would cost more than the step over the host link); other writes are prepared
             self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer],
-                                                   check_window=2 if s.keys == "host" else 0)
+                                                   keys_on_host=s.keys == "host")
         self.keys = s.keys
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
                               default=0.0)

@@ -24,9 +24,9 @@ from dsaindex.runtime.paged_select import PagedCacheSelector, to_slots
 class LayerSelection:
     """One layer's PQ artifact and its selector over SGLang's index-K buffer."""
 
-    def __init__(self, codec: PQCodec, candidates: int, prefilter: int, check_window: int = 0):
+    def __init__(self, codec: PQCodec, candidates: int, prefilter: int, keys_on_host: bool = False):
         self.codec, self.candidates, self.prefilter = codec, candidates, prefilter
-        self.check_window = check_window  # > 0 with keys in host memory: check only recently completed pages
+        self.keys_on_host = keys_on_host  # DSAINDEX_KEYS=host: the buffer is host memory read in place
         self.selector: PagedCacheSelector | None = None
 
     def over(self, cache: torch.Tensor, topk: int) -> PagedCacheSelector:
@@ -34,7 +34,7 @@ class LayerSelection:
         sel = self.selector
         if sel is None or sel.num_pages != cache.shape[0] or sel.device != cache.device or sel.topk != topk:
             sel = PagedCacheSelector(self.codec, cache.shape[0], topk, candidates=max(self.candidates, topk),
-                                     prefilter=self.prefilter, device=cache.device, check_window=self.check_window)
+                                     prefilter=self.prefilter, device=cache.device, keys_on_host=self.keys_on_host)
             self.selector = sel
         return sel
 
