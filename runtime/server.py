@@ -39,9 +39,11 @@ def prepared_models(model: Any, tokenizer: Any, model_id: str) -> Any:
     return PreparedModels(device=device, dtype="auto", force_model=model_id, model_timeout=-1)
 
 
-def build_app(model: Any, tokenizer: Any, model_id: str, enable_cors: bool = False) -> Any:
+def build_app(model: Any, tokenizer: Any, model_id: str, enable_cors: bool = False,
+              max_in_flight: int | None = None) -> Any:
     """transformers' FastAPI app (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ...)
-    serving the prepared ``model``."""
+    serving the prepared ``model``, behind :class:`RequestGuard` (a client's mistake is a 4xx, at most
+    ``max_in_flight`` generation requests at once)."""
     import importlib
 
     from transformers.cli.serving.server import build_server
@@ -60,7 +62,9 @@ def build_app(model: Any, tokenizer: Any, model_id: str, enable_cors: bool = Fal
         takes = inspect.signature(cls.__init__).parameters
         handlers[name] = cls(**{k: v for k, v in shared.items() if k in takes})
     extra = {k: v for k, v in {"generation_state": state, "enable_cors": enable_cors}.items() if k in wanted}
-    return build_server(manager, **handlers, **extra)
+    app = build_server(manager, **handlers, **extra)
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return RequestGuard(app, tokenizer, positions, model_id, max_in_flight or MAX_IN_FLIGHT)
 
 
 def run(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
@@ -68,3 +72,115 @@ def run(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "w
     import uvicorn
 
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+
+
+# ---- what a client may send: checked before transformers' handlers see it ---------------------------
+GENERATION_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "response"}
+MAX_IN_FLIGHT = 16  # generation requests the server takes at once; more are answered 429
+
+
+class RequestGuard:
+    """An ASGI middleware in front of transformers' app that answers a client's mistake with a 4xx naming it,
+    before it can become a 500 inside a handler, and bounds the generation requests in flight.
+
+    Checked on ``POST`` to the generation routes: the body is a JSON object; ``max_tokens`` /
+    ``max_completion_tokens`` / ``max_output_tokens`` are positive integers; a chat request needs a chat
+    template (a base checkpoint has none: 400 naming ``/v1/completions``); the prompt and the tokens asked
+    for fit the model's positions (400 naming the limit). Beyond ``max_in_flight`` requests at once the
+    answer is 429 with ``Retry-After``: every request is answered or refused, none dropped."""
+
+    def __init__(self, app: Any, tokenizer: Any, max_positions: int | None, model_id: str,
+                 max_in_flight: int = MAX_IN_FLIGHT):
+        self.app, self.tokenizer, self.max_positions, self.model_id = app, tokenizer, max_positions, model_id
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.in_flight = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        kind = GENERATION_PATHS.get(scope.get("path", "")) if scope.get("type") == "http" else None
+        if kind is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        problem = self.problem(kind, body)
+        if problem is not None:
+            await _json_error(send, 400, problem, "invalid_request_error")
+            return
+        if self.in_flight >= self.max_in_flight:
+            await _json_error(send, 429, f"The server has {self.in_flight} generation requests in flight, its limit; "
+                                         "retry after a moment.", "rate_limit_error", retry_after=1)
+            return
+        self.in_flight += 1
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.in_flight -= 1
+
+    def problem(self, kind: str, body: bytes) -> str | None:
+        """What is wrong with a generation request (None: nothing this guard can tell)."""
+        import json
+
+        try:
+            request = json.loads(body or b"null")
+        except (ValueError, UnicodeDecodeError):
+            return "The request body is not JSON: send a JSON object (Content-Type: application/json)."
+        if not isinstance(request, dict):
+            return "The request body is not a JSON object: send {\"model\": ..., \"prompt\": ...}."
+        asked = None
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            value = request.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                return f"`{key}` is {value!r}; it must be a positive integer (the tokens to generate)."
+            asked = value
+        if kind == "chat":
+            if not getattr(self.tokenizer, "chat_template", None):
+                return (f"The model {self.model_id} has no chat template (a base checkpoint), so it cannot take "
+                        "chat messages: send the text as `prompt` to /v1/completions.")
+            messages = request.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return "`messages` must be a non-empty list of {\"role\": ..., \"content\": ...} objects."
+        tokens = self._prompt_tokens(kind, request)
+        if self.max_positions and tokens is not None and tokens + (asked or 1) > self.max_positions:
+            return (f"The prompt is {tokens:,} tokens and {asked or 1:,} more are asked for; the model "
+                    f"{self.model_id} has {self.max_positions:,} positions. Send a shorter prompt or ask for "
+                    "fewer tokens.")
+        return None
+
+    def _prompt_tokens(self, kind: str, request: dict) -> int | None:
+        try:
+            if kind == "completion" and isinstance(request.get("prompt"), str):
+                return len(self.tokenizer(request["prompt"])["input_ids"])
+            if kind == "chat":
+                return len(self.tokenizer.apply_chat_template(request["messages"], tokenize=True,
+                                                              add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a form this guard does not read: the handler answers it
+            return None
+        return None
+
+
+async def _json_error(send: Any, status: int, message: str, kind: str, retry_after: int | None = None) -> None:
+    import json
+
+    payload = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

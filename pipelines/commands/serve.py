@@ -60,6 +60,8 @@ def serve_cmd(
     allow_other_weights: bool = typer.Option(SERVE.allow_other_weights, "--allow-other-weights",
                                              help="Serve artifacts trained for another model of the same geometry."),
     tracking_uri: str = typer.Option(SERVE.tracking_uri, help="MLflow tracking URI for models:/ URIs."),
+    max_requests: int = typer.Option(16, callback=at_least(1),
+                                     help="Generation requests served at once; more are answered 429 (retry)."),
     log_level: str = typer.Option("warning", help="uvicorn's log level."),
 ) -> None:
     """Serve a DSA model over HTTP (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
@@ -88,7 +90,7 @@ def serve_cmd(
     name = model_id or f"dsaindex/{loaded.name}"
     typer.echo(f"serving {name} ({loaded.name}, top-{index.topk}) on http://{host}:{port}/v1 with "
                f"{', '.join(map(str, artifacts))}: {index.describe()}", err=True)
-    app = server.build_app(net, loaded.tokenizer.for_transformers(), name)
+    app = server.build_app(net, loaded.tokenizer.for_transformers(), name, max_in_flight=max_requests)
     server.run(app, host=host, port=port, log_level=log_level)
 
 
