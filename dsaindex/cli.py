@@ -3,7 +3,9 @@
 Heavy libraries (torch, zarr, transformers) are imported inside commands so ``dsaindex --help`` is
 instant. Errors on bad input (:class:`dsaindex.errors.DsaIndexError`) and usage errors (a missing argument,
 an unknown option, a value out of range) print one line ``error: <problem> Fix: <fix>`` and exit with 2.
-Ctrl-C exits with 130 after one line saying what was kept.
+I/O failures (a full disk, a read-only or missing folder) print one such line naming the file and exit
+with 1; a reader that goes away (``| head``) ends the command quietly. Ctrl-C exits with 130 after one line
+saying what was kept.
 """
 
 from __future__ import annotations
@@ -97,6 +99,37 @@ def _usage_error(exc: Exception) -> NoReturn:
           getattr(exc, "exit_code", 2) or 2)
 
 
+def _io_error(exc: OSError) -> str:
+    """One line for an I/O failure: what failed, on which file, and what to do."""
+    import errno
+
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("free space on that disk (or point the command at another one) and run it again; what was "
+               "completely written is kept, a partial bundle or version is not.")
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make that path writable for this user, or point the command at a writable one."
+    elif exc.errno == errno.ENOENT:
+        fix = "check the path (a folder that does not exist, or a file that was moved)."
+    else:
+        fix = "check the disk and the path, then run the command again."
+    return f"error: {what}{where}. Fix: {fix}"
+
+
+def _quiet_broken_pipe() -> NoReturn:
+    """The reader of our output went away (``dsaindex ... | head``): stop without a traceback, as a pipe
+    expects (exit 141, 128 + SIGPIPE)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    os._exit(141)
+
+
 def main() -> None:
     """Run the command line: usage errors and errors about the user's input print one line and exit 2;
     Ctrl-C exits 130 after saying what was kept."""
@@ -112,6 +145,10 @@ def main() -> None:
         _fail(_INTERRUPTED, 130)
     except typer.TyperException as exc:  # typer's usage errors: missing argument, unknown option, bad value
         _usage_error(exc)
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+    except OSError as exc:  # the disk, not the user's input: one line naming the file and what to do, exit 1
+        _fail(_io_error(exc), 1)
     except Exception as exc:
         click = sys.modules.get("click")  # only loaded where a library uses it
         if click is not None and isinstance(exc, click.ClickException):

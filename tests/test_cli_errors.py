@@ -284,3 +284,42 @@ def test_a_missing_default_model_is_an_error_not_a_random_weight_stand_in(tmp_pa
     proc = run_cli_in_process("capture", str(store), "-n", "1", "--seq-len", "64", "--no-progress")
     assert_one_line_error(proc, "reference checkpoint (the default model) is not present", "reinstall dsaindex")
     assert not store.exists()
+
+
+# ---- I/O failures: one line naming the file and the fix, never a traceback ------------------------------
+def test_a_missing_output_folder_is_one_line_exit_1(tmp_path):
+    result = run_cli("plan", "memory", "--mode", "plugin", "--out", str(tmp_path / "nowhere" / "plan.json"))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+    assert "nowhere" in result.stderr and "Fix:" in result.stderr
+
+
+@pytest.mark.parametrize("code, needle", [(28, "free space"), (13, "writable"), (30, "writable")])
+def test_a_full_or_read_only_disk_is_one_line_exit_1(tmp_path, monkeypatch, code, needle):
+    """ENOSPC, EACCES and EROFS when a command writes its result."""
+    import os
+    import pathlib
+
+    def refuse(self, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(self))
+
+    monkeypatch.setattr(pathlib.Path, "write_text", refuse)
+    result = run_cli_in_process("plan", "memory", "--mode", "plugin", "--out", str(tmp_path / "plan.json"))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and needle in result.stderr and "plan.json" in result.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """``dsaindex ... | head``: the pipe closes while the command writes; no traceback, a non-zero exit (1 where
+    click notices the closed pipe, 141 where the command's own print does)."""
+    import subprocess
+    import sys
+
+    contexts = ",".join(str(64 * i) for i in range(1, 3000))  # a JSON report larger than a pipe's buffer
+    proc = subprocess.Popen([sys.executable, "-m", "dsaindex", "plan", "memory", "--mode", "plugin", "--json",
+                             "--contexts", contexts], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(10)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (1, 141)
+    assert "Traceback" not in err and "Exception ignored" not in err, err

@@ -153,7 +153,8 @@ def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artif
             ["pool bytes per token", *[size(pool["bytes_per_token"][k]) for k in names]],
             ["tokens per GPU", *[f"{pool['tokens'][k]:,}" for k in names]],
             *[[f"requests of {r['context']:,} tokens", *[f"{r[k]:,}" for k in names]] for r in pool["requests"]],
-            ["vs the engine alone", "", *[f"{pool['gain'][k]:+.1%}" for k in ("plugin_device", "plugin_host")]]]
+            ["vs the engine alone", "", *["n/a" if pool["gain"][k] is None else f"{pool['gain'][k]:+.1%}"
+                                          for k in ("plugin_device", "plugin_host")]]]
     title = (f"{dims.name} on {machine.gpus} x {machine.name} (per GPU: {size(pool['budget_bytes'])} for the KV pool "
              f"after {size(pool['weights_bytes'])} of weights and {size(pool['reservation_bytes'])} of prefill "
              f"reservation; KV {dims.kv_dtype}; codes {per_key:.2f} B per key and indexer layer)")
