@@ -1,7 +1,9 @@
 """``dsaindex registry ui``: the MLflow UI over the registry's store, as a process group of its own.
 
 The server starts workers of its own; it runs in its own process group, and the whole group is stopped
-with the dsaindex process (SIGTERM or SIGINT), so no server is left running and serving.
+with the dsaindex process: on SIGTERM or SIGINT by the process itself, and when the process dies without a
+word (SIGKILL, a crash) by the launcher that leads the group, which stops it once its parent is gone, so
+no server is left running and serving.
 """
 
 from __future__ import annotations
@@ -29,6 +31,31 @@ def ui_command(port: int = 5000, tracking_uri: str | None = None) -> list[str]:
     if root is not None:
         cmd += ["--artifacts-destination", str(root)]
     return cmd
+
+
+# the launcher: leads the server's process group (a session of its own), runs the server in it, and stops
+# the whole group once the dsaindex process that started it is gone without stopping it (kill -9, a crash)
+_LAUNCHER = """
+import os, signal, subprocess, sys, time
+parent = int(sys.argv[1])
+server = subprocess.Popen(sys.argv[2:])
+while server.poll() is None:
+    if os.getppid() != parent:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        while server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(0, signal.SIGKILL)
+    time.sleep(0.5)
+sys.exit(server.returncode)
+"""
+
+
+def _launch(cmd: list[str]) -> subprocess.Popen:
+    """``cmd`` in a new session and process group led by :data:`_LAUNCHER` (the group's id is its pid)."""
+    return subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(os.getpid()), *cmd], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=2)
 
 
 class _Stop(Exception):
@@ -62,7 +89,7 @@ def ui(port: int = 5000, tracking_uri: str | None = None, on_ready: Callable[[st
     proc = None
     try:
         # the server's own output goes to stderr: stdout carries only what the caller prints
-        proc = subprocess.Popen(ui_command(port, uri), start_new_session=True, stdout=2)
+        proc = _launch(ui_command(port, uri))  # kill -9 of this process must not leave the server serving
         url = f"http://127.0.0.1:{port}"
         if _wait_until_answers(url, proc, start_timeout_s):
             if on_ready is not None:

@@ -305,7 +305,10 @@ def group_members(pgid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process groups from /proc")
-def test_ui_stops_its_process_group_on_sigterm(tmp_path):
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_ui_stops_its_process_group_with_the_command(tmp_path, how):
+    """SIGTERM: the command stops its group and exits 0. SIGKILL (no word from the command): the watchdog
+    in the group stops it (SIGTERM, SIGKILL 10 s later)."""
     port = free_port()
     with open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "dsaindex", "registry", "ui", "--port", str(port),
@@ -322,12 +325,16 @@ def test_ui_stops_its_process_group_on_sigterm(tmp_path):
             (tmp_path / "stderr").read_text()[-3000:])
         pgid = int(lines[0].rsplit(" ", 1)[1].rstrip(")\n"))
         assert pgid != os.getpgid(proc.pid) and group_members(pgid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        else:
+            proc.kill()
+            assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + (5 if how == "sigterm" else 30)
     while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_members(pgid) == []
