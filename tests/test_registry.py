@@ -196,6 +196,8 @@ def test_pull_of_damaged_artifacts_fails_cleanly(reg, tmp_path):
 
 
 def test_failed_registration_leaves_no_version(reg, tmp_path, monkeypatch):
+    from urllib.parse import urlparse
+
     from mlflow import MlflowClient
 
     model = fingerprint("hand/rollback", "1111222233334444")
@@ -220,6 +222,15 @@ def test_failed_registration_leaves_no_version(reg, tmp_path, monkeypatch):
     failed = [r for r in client.search_runs([client.get_experiment_by_name("dsaindex").experiment_id])
               if r.info.status == "FAILED"]
     assert len(failed) == 1 and failed[0].info.run_name.startswith("train-")
+    # the failed registration's copy of the bundle is gone from the artifact store; the good one's is there
+    exp = client.get_experiment_by_name("dsaindex").experiment_id
+
+    def copies(run_id):
+        return [Path(urlparse(m.artifact_location).path) for m in
+                client.search_logged_models([exp], filter_string=f"source_run_id = '{run_id}'")]
+
+    assert copies(failed[0].info.run_id) and not any(p.exists() for p in copies(failed[0].info.run_id))
+    assert all(p.is_dir() for p in copies(ok["run_id"]))
 
 
 def test_promote_errors(reg):

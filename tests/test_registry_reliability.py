@@ -101,6 +101,8 @@ def sql(db: Path, query: str, *args) -> list[tuple]:
     ("log_model_artifacts", "list"),  # no version yet: run RUNNING, logged model PENDING
 ])
 def test_killed_registration_is_undone_by_the_next_command(store, tmp_path, step, command):
+    from urllib.parse import urlparse
+
     from mlflow import MlflowClient
 
     uri, db = store["uri"], store["db"]
@@ -133,7 +135,9 @@ def test_killed_registration_is_undone_by_the_next_command(store, tmp_path, step
     assert str(client.get_model_version_by_alias(name, "candidate").version) == "1"
     assert client.get_run(run_id).info.status == "FAILED"
     exp = client.get_experiment_by_name("dsaindex").experiment_id
-    assert {str(m.status) for m in client.search_logged_models([exp], filter_string=f"source_run_id = '{run_id}'")} == {"FAILED"}
+    dead = client.search_logged_models([exp], filter_string=f"source_run_id = '{run_id}'")
+    assert {str(m.status) for m in dead} == {"FAILED"}
+    assert not any(Path(urlparse(m.artifact_location).path).exists() for m in dead)  # its copy removed
     assert client.get_run(first["run_id"]).info.status == "FINISHED"
     assert sql(db, "SELECT count(*) FROM model_version_tags t JOIN model_versions v ON v.name = t.name AND "
                    "v.version = t.version WHERE t.key = ? AND v.current_stage != 'Deleted_Internal'",

@@ -17,6 +17,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dsaindex.artifacts.registry.tracking import (
@@ -115,8 +116,24 @@ def _fail_run(client, experiment_id: str, run_id: str) -> None:
         for model in _call(client.search_logged_models, [experiment_id], filter_string=f"source_run_id = '{run_id}'"):
             if str(model.status) != "FAILED":
                 _call(client.finalize_logged_model, model.model_id, LoggedModelStatus.FAILED)
+            _drop_artifacts(client, model.model_id)
     with contextlib.suppress(Exception):
         _call(client.set_terminated, run_id, "FAILED")
+
+
+def _drop_artifacts(client, model_id: str) -> None:
+    """Delete the artifact copy of a failed registration's logged model where it is a local folder (a file
+    store's or a sqlite store's artifacts; a remote store keeps it for ``mlflow gc``); never raises."""
+    import shutil
+    from urllib.parse import unquote, urlparse
+
+    with contextlib.suppress(Exception):
+        location = str(_call(client.get_logged_model, model_id).artifact_location or "")
+        parsed = urlparse(location)
+        if parsed.scheme in ("", "file"):
+            folder = Path(unquote(parsed.path if parsed.scheme else location))
+            if folder.is_dir() and model_id in folder.parts:  # the model's own folder, nothing above it
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _roll_back(client, name: str, version: str | None, previous_candidate: str | None,
@@ -133,6 +150,7 @@ def _roll_back(client, name: str, version: str | None, previous_candidate: str |
         steps.append((client.delete_model_version, (name, version)))
     if model_id is not None:
         steps.append((client.finalize_logged_model, (model_id, LoggedModelStatus.FAILED)))
+        steps.append((_drop_artifacts, (client, model_id)))
     if run_id:
         steps.append((client.set_terminated, (run_id, "FAILED")))
     for fn, args in steps:

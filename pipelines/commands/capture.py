@@ -163,6 +163,11 @@ def demo_cmd(
         result = run_pq_job(store, opts, out / f"pq{subspaces}-{stamp}", tracking_uri=tracking_uri,
                             progress=update, title=f"PQ{subspaces} on {ref}")
     print_pq_job(result, f"PQ{subspaces} (held out)", console)
+    console.print(f"[dim]What the recall means here: the held-out queries have {seq_len // 2:,}-{seq_len:,} keys before "
+                  f"them, so C = 1,024 reranks a quarter to a half of each prefix and C = 2,048 half of it or all of "
+                  "it; recall near 100% at these lengths says little about long contexts. At 128K-token prefixes the "
+                  "same codes need C of 4,096 or more for 99.5% (docs/results.md); measure yours with "
+                  "`dsaindex eval pq` on a long capture.[/dim]")
     console.print(f"browse: dsaindex registry list; dsaindex registry show {result.registered['name']} @candidate")
 
 
