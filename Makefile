@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 
-.PHONY: install install-dev demo test test-slow test-engines lint clean
+.PHONY: install install-dev demo test test-slow test-engines wheel-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test-slow: install-dev
 test-engines:
 	bash engines/sglang/ci.sh -q
 	bash engines/vllm/ci.sh -q
+
+# the wheel built from this tree, installed in a clean virtualenv, running a capture, training and the check
+wheel-check:
+	bash .ci/wheel_check.sh
 
 lint: install-dev
 	$(VENV)/bin/ruff check .
