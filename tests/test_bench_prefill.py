@@ -1,6 +1,5 @@
 """``dsaindex bench prefill-select`` on the CPU (torch scoring): the report's shape and its arithmetic."""
 
-import pytest
 
 from helpers import run_cli
 
