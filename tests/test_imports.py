@@ -196,3 +196,21 @@ def test_imports_run_downhill_without_cycles():
 def test_every_room_is_checked():
     layers = {layer_of(module_name(p, ROOT)) for p in source_files(ROOT)}
     assert layers == set(ALLOWED), sorted(set(ALLOWED) ^ layers)
+
+
+def test_a_checkout_root_on_sys_path_shadows_no_installed_package():
+    """``python -m ...`` from a checkout puts its root on sys.path, whose ``kernels/`` folder would shadow
+    Hugging Face's ``kernels`` package (transformers imports it when installed): importing dsaindex takes
+    the root off the path, and ``kernels`` is then not the checkout's folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import os, sys, importlib.util; import dsaindex; root = os.getcwd(); "
+            "print(any(os.path.realpath(p or '.') == root for p in sys.path)); "
+            "spec = importlib.util.find_spec('kernels'); "
+            "print(spec is not None and spec.origin.startswith(root + os.sep))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"], out.stdout
