@@ -210,7 +210,7 @@ def test_a_checkout_root_on_sys_path_shadows_no_installed_package():
     code = ("import os, sys, importlib.util; import dsaindex; root = os.getcwd(); "
             "print(any(os.path.realpath(p or '.') == root for p in sys.path)); "
             "spec = importlib.util.find_spec('kernels'); "
-            "print(spec is not None and spec.origin.startswith(root + os.sep))")
+            "print(spec is not None and spec.origin == os.path.join(root, 'kernels', '__init__.py'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"], out.stdout
