@@ -21,7 +21,7 @@ import dsaindex
 where = pathlib.Path(dsaindex.__file__).resolve()
 assert str(where).startswith(sys.argv[1]), f"dsaindex imported from {where}, not the installed wheel"
 PY
-"$dsa" capture store -m reference --sequences 2 --seq-len 2048 --no-progress
+"$dsa" capture store -m reference --sequences 2 --seq-len 2560 --no-progress
 "$dsa" train pq store -m reference --out bundle --subspaces 16 --iterations 4 --candidates 512 --no-register
 "$dsa" runtime check -m reference -a bundle
 echo "wheel check: passed in $(( $(date +%s) - start ))s"

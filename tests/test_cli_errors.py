@@ -211,13 +211,25 @@ def test_ctrl_c_reports_what_was_kept_and_exits_130(tmp_path):
     bundle = tmp_path / "bundle"
     train = start_cli("train", "pq", str(store), "--no-register", "--json", "--trainer", "torch", "--device", "cpu",
                       "--iterations", "1000000", "-o", str(bundle))
-    time.sleep(8)
+    # no clock: wait until the command has torch loaded (its training has begun; main()'s handler is set)
+    while train.poll() is None and not torch_loaded(train.pid):
+        time.sleep(0.05)
     assert train.poll() is None, train.communicate()
     train.send_signal(signal.SIGINT)
     _, err = train.communicate(timeout=120)
     line = first_error_line(subprocess.CompletedProcess([], train.returncode, "", err), code=130)
     assert line.startswith("interrupted (Ctrl-C)"), line
     assert not bundle.exists()
+
+
+def torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (Linux /proc; elsewhere: assume it has)."""
+    try:
+        return "libtorch" in open(f"/proc/{pid}/maps").read()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc")
+    except OSError:
+        return False
 
 
 # ---- 3. CUDA out of memory ---------------------------------------------------------------------------
