@@ -16,8 +16,9 @@ marked failed and a :class:`DsaIndexError` is raised. If the process dies instea
 next registry command of any process undoes what it left: it deletes the version, moves ``@candidate``
 back, marks the run and its logged models failed. On sqlite, one registration at a time holds a file
 lock beside the database for its whole length, so a command that takes the lock knows every unfinished
-registration it finds is dead; on a tracking server (no lock) only registrations older than
-:data:`STALE_VERSION_S` (a version) or :data:`STALE_RUN_S` (a run without one) are undone. Registering a
+registration it finds is dead; on a tracking server (no lock) those whose process was on this machine and
+is gone, and others once older than :data:`STALE_VERSION_S` (a version) or :data:`STALE_RUN_S` (a run
+without one) are undone. Registering a
 bundle whose ``bundle_id`` is already registered returns that version.
 
 Tracking servers (``http(s)://``) are first asked one cheap question with a short timeout, so an
@@ -25,9 +26,10 @@ unreachable server fails in seconds with its URI in the message; MLflow's own HT
 (``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``..._BACKOFF_FACTOR``,
 ``..._BACKOFF_JITTER``) get short defaults unless the user set them.
 
-MLflow is imported inside the functions that use it. :func:`list_versions` on a sqlite store reads the
-database directly (read-only; MLflow's import alone takes seconds) and falls back to MLflow when the
-schema is not the one it knows or when an unfinished registration needs undoing.
+MLflow is imported inside the functions that use it, and every read and write goes through its client API:
+the same code serves a sqlite or file store and a tracking server (PostgreSQL or any backend behind it).
+Ctrl-C during a registration takes effect between two MLflow calls, never inside one, and the rollback
+that follows a Ctrl-C or a store that stopped answering is bounded in time (:data:`ROLLBACK_S`).
 
 The modules, lowest first (each imports only those above it):
 
@@ -48,7 +50,7 @@ from dsaindex.artifacts.registry.browse import HEADLINE_METRICS, diff, headline_
 from dsaindex.artifacts.registry.fetch import default_cache, load_uri, parse_models_uri, pull
 from dsaindex.artifacts.registry.names import registered_name
 from dsaindex.artifacts.registry.recovery import STALE_RUN_S, STALE_VERSION_S
-from dsaindex.artifacts.registry.register import register_bundle
+from dsaindex.artifacts.registry.register import ROLLBACK_S, register_bundle
 from dsaindex.artifacts.registry.session import HTTP_PROBE_SETTINGS, HTTP_SETTINGS, ensure_reachable
 from dsaindex.artifacts.registry.tracking import (
     CANDIDATE,
@@ -74,6 +76,7 @@ __all__ = [
     "LOCK_TIMEOUT_S",
     "PRODUCTION",
     "REGISTERING",
+    "ROLLBACK_S",
     "STALE_RUN_S",
     "STALE_VERSION_S",
     "TAG",

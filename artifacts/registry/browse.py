@@ -1,15 +1,12 @@
-"""Reading the registry: the list of versions (:func:`list_versions`, read straight from a sqlite store
-without MLflow when the schema is the one it knows), one version in full (:func:`show`), what differs
-between two versions (:func:`diff`) and the metrics a listing shows first (:func:`headline_metrics`)."""
+"""Reading the registry through MLflow's client API (the same code on a sqlite or file store and on a
+tracking server): the list of versions (:func:`list_versions`), one version in full (:func:`show`), what
+differs between two versions (:func:`diff`) and the metrics a listing shows first (:func:`headline_metrics`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
 import re
-import sqlite3
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,20 +16,15 @@ from dsaindex.artifacts.registry.names import _check_name, _metric_key
 from dsaindex.artifacts.registry.recovery import _effective_aliases, _registering, _unfinished
 from dsaindex.artifacts.registry.session import _session
 from dsaindex.artifacts.registry.tracking import (
-    _LIST_FIX,
-    DEFAULT_EXPERIMENT,
-    REGISTERING,
     TAG,
     _call,
-    _connect_ro,
     _download,
     _no_database,
-    _registration_lock,
     resolve_tracking_uri,
     sqlite_path,
 )
 from dsaindex.artifacts.registry.versions import _aliases_by_version, _registered, _resolve
-from dsaindex.errors import CorruptBundleError, DsaIndexError
+from dsaindex.errors import CorruptBundleError
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
@@ -116,14 +108,6 @@ def list_versions(name: str | None = None, tracking_uri: str | None = None) -> l
         return []
     if name is not None:
         _check_name(name)
-    if db is not None:
-        fast = _list_sqlite(uri, db, name)
-        if fast is not None:
-            return fast
-    return _list_mlflow(uri, name)
-
-
-def _list_mlflow(uri: str, name: str | None) -> list[dict[str, Any]]:
     with _session(uri) as client:
         models = [_registered(client, name)] if name else list(_call(client.search_registered_models, max_results=1000))
         rows = []
@@ -134,93 +118,6 @@ def _list_mlflow(uri: str, name: str | None) -> list[dict[str, Any]]:
             for mv in sorted(versions, key=lambda v: -int(v.version)):
                 if str(mv.version) not in unfinished:
                     rows.append(_version_row(client, mv, aliases))
-    return rows
-
-
-_LIST_COLUMNS = {
-    "registered_models": {"name"},
-    "registered_model_tags": {"name", "key", "value"},
-    "registered_model_aliases": {"name", "alias", "version"},
-    "model_versions": {"name", "version", "creation_time", "status", "run_id", "current_stage"},
-    "model_version_tags": {"name", "version", "key", "value"},
-    "latest_metrics": {"run_uuid", "key", "value", "is_nan"},
-    "runs": {"run_uuid", "status", "experiment_id", "lifecycle_stage"},
-    "experiments": {"experiment_id", "name"},
-    "tags": {"run_uuid", "key"},
-}
-
-
-def _list_sqlite(uri: str, db: Path, name: str | None) -> list[dict[str, Any]] | None:
-    """:func:`list_versions` read straight from a sqlite store, without importing MLflow: None when
-    the schema is not the one this reads (or workspaces are on), so MLflow answers instead.
-
-    Unfinished registrations are left out; when some may be dead (the registration lock is free), they
-    are undone through MLflow first.
-    """
-    if os.environ.get("MLFLOW_WORKSPACE") or os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("1", "true"):
-        return None
-    try:
-        with contextlib.closing(_connect_ro(db)) as con:
-            columns: dict[str, set[str]] = {}
-            for table in _LIST_COLUMNS:
-                columns[table] = {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
-                if not _LIST_COLUMNS[table] <= columns[table]:
-                    return None
-            dead = con.execute(  # what _settle would undo
-                "SELECT 1 FROM model_version_tags t JOIN model_versions v ON v.name = t.name AND v.version = t.version "
-                "WHERE t.key = ? AND v.current_stage != 'Deleted_Internal' UNION ALL "
-                "SELECT 1 FROM runs r JOIN tags g ON g.run_uuid = r.run_uuid JOIN experiments e ON "
-                "e.experiment_id = r.experiment_id WHERE r.status = 'RUNNING' AND r.lifecycle_stage = 'active' "
-                "AND g.key = ? AND e.name = ? LIMIT 1", (REGISTERING, TAG + "bundle_id", DEFAULT_EXPERIMENT)).fetchall()
-            if dead:
-                with _registration_lock(uri, timeout_s=0) as held:
-                    if held:  # nothing is registering: undo what dead processes left, then read
-                        with _session(uri, lock_init=False):
-                            pass
-            return _read_sqlite_rows(con, columns, name, uri)
-    except sqlite3.Error:
-        return None
-
-
-def _read_sqlite_rows(con: sqlite3.Connection, columns: dict[str, set[str]], name: str | None,
-                      uri: str) -> list[dict[str, Any]]:
-    def scoped(table: str, alias: str = "") -> str:  # MLflow's single-tenant mode reads the default workspace
-        col = f"{alias}.workspace" if alias else "workspace"
-        return f" AND {col} = 'default'" if "workspace" in columns[table] else ""
-
-    prompts = {r[0] for r in con.execute(
-        "SELECT name FROM registered_model_tags WHERE key = 'mlflow.prompt.is_prompt' AND lower(value) = 'true'"
-        + scoped("registered_model_tags"))}
-    names = [r[0] for r in con.execute("SELECT name FROM registered_models WHERE 1=1" + scoped("registered_models")
-                                       + " ORDER BY name")]
-    names = [n for n in names if n not in prompts]
-    if name is not None:
-        if name not in names:
-            raise DsaIndexError(f"No registered model named {name!r}.", _LIST_FIX)
-        names = [name]
-    rows = []
-    for model in names:
-        tags: dict[int, dict[str, str]] = {}
-        for version, key, value in con.execute(
-                "SELECT version, key, value FROM model_version_tags WHERE name = ?" + scoped("model_version_tags"),
-                (model,)):
-            tags.setdefault(int(version), {})[key] = value
-        versions = con.execute(
-            "SELECT version, creation_time, status, run_id FROM model_versions WHERE name = ? AND "
-            "current_stage != 'Deleted_Internal'" + scoped("model_versions") + " ORDER BY version DESC",
-            (model,)).fetchall()
-        unfinished = {str(v): _registering(t) for v, t in tags.items() if _registering(t) is not None}
-        aliases = _effective_aliases(dict(con.execute(
-            "SELECT alias, version FROM registered_model_aliases WHERE name = ?" + scoped("registered_model_aliases"),
-            (model,)).fetchall()), unfinished)
-        by_version = _aliases_by_version(aliases)
-        for version, created, status, run_id in versions:
-            if str(version) in unfinished:
-                continue
-            metrics = {key: (math.nan if is_nan else float(value)) for key, value, is_nan in con.execute(
-                "SELECT key, value, is_nan FROM latest_metrics WHERE run_uuid = ?", (run_id or "",))}
-            rows.append(_row(model, version, by_version.get(str(version), []), created, status,
-                             tags.get(int(version), {}), metrics, run_id))
     return rows
 
 

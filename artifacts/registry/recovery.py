@@ -7,8 +7,9 @@ nothing resolves to, lists or counts a version with that tag. A failed step is u
 process undoes what it left (:func:`_settle`): it deletes the version, moves ``@candidate`` back, marks
 the run and its logged models failed. On sqlite, one registration at a time holds a file lock beside the
 database for its whole length, so a command that takes the lock knows every unfinished registration it
-finds is dead; on a tracking server (no lock) only registrations older than :data:`STALE_VERSION_S`
-(a version) or :data:`STALE_RUN_S` (a run without one) are undone.
+finds is dead; on a tracking server (no lock) a version is undone once its record names a process of this
+machine that no longer runs (its ``pid`` and ``host``), or is older than :data:`STALE_VERSION_S`; a run
+without a version likewise (its :data:`PROCESS` tag), or once older than :data:`STALE_RUN_S`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dsaindex.artifacts.registry.tracking import (
     _error_code,
 )
 
+# the run tag naming the registering process ({"pid", "host"}): its run is undone once that process is gone
+PROCESS = TAG + "process"
 STALE_VERSION_S = 900.0
 STALE_RUN_S = 24 * 3600.0
 
@@ -85,7 +88,7 @@ def _settle(client, uri: str, everything: bool) -> None:
     for mv in versions:
         info = _registering(mv.tags) or {}
         started = float(info.get("started") or mv.creation_timestamp or 0)
-        if not everything and now_ms - started < STALE_VERSION_S * 1000:
+        if not everything and now_ms - started < STALE_VERSION_S * 1000 and not _dead_here(info):
             continue
         name, version = mv.name, str(mv.version)
         candidate = None
@@ -104,8 +107,32 @@ def _settle(client, uri: str, everything: bool) -> None:
         return
     for run in runs:
         if not everything and now_ms - float(run.info.start_time or 0) < STALE_RUN_S * 1000:
-            continue
+            try:
+                process = json.loads((run.data.tags or {}).get(PROCESS) or "{}")
+            except ValueError:
+                process = {}
+            if not (isinstance(process, dict) and _dead_here(process)):
+                continue
         _fail_run(client, exp.experiment_id, run.info.run_id)
+
+
+def _dead_here(info: dict[str, Any]) -> bool:
+    """Whether a registration record names a process of this machine that no longer runs."""
+    import os
+    import socket
+
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it runs, as another user
+        return False
+    return False
 
 
 def _fail_run(client, experiment_id: str, run_id: str) -> None:
@@ -136,9 +163,31 @@ def _drop_artifacts(client, model_id: str) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _short_http(seconds: float):
+    """MLflow's HTTP requests within: one try each, at most ``seconds`` (a rollback must not wait minutes
+    on a server that stopped answering)."""
+    import os
+
+    keys = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(seconds))), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _roll_back(client, name: str, version: str | None, previous_candidate: str | None,
-               model_id: str | None, run_id: str | None) -> None:
-    """Undo a failed registration as far as possible; never raises."""
+               model_id: str | None, run_id: str | None, budget_s: float | None = None) -> bool:
+    """Undo a failed registration as far as possible within ``budget_s`` seconds (None: no bound);
+    never raises. Returns whether every step was done; what is left keeps its registering tag (readers
+    skip it) and a later command's :func:`_settle` finishes it. After a request that timed out, the
+    first step that fails for want of an answer ends the rollback (the server is not answering)."""
     from mlflow.entities import LoggedModelStatus
 
     # In this order a process killed in between leaves what the next command's cleanup finishes: the
@@ -153,9 +202,25 @@ def _roll_back(client, name: str, version: str | None, previous_candidate: str |
         steps.append((_drop_artifacts, (client, model_id)))
     if run_id:
         steps.append((client.set_terminated, (run_id, "FAILED")))
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     for fn, args in steps:
-        with contextlib.suppress(Exception):
-            _call(fn, *args)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0.5:
+            return False
+        try:
+            with _short_http(left) if left is not None else contextlib.nullcontext():
+                _call(fn, *args, attempts=8 if left is None else 2)
+        except Exception as err:  # noqa: BLE001
+            if left is not None and _no_answer(err):
+                return False
+    return True
+
+
+def _no_answer(err: BaseException) -> bool:
+    """Whether ``err`` says the store did not answer (a timeout, a refused or dropped connection, sqlite
+    busy), as opposed to answering with an error."""
+    text = str(err).lower()
+    return any(s in text for s in ("timed out", "timeout", "failed with exception", "connection", "database is locked"))
 
 
 def _alias_version(client, name: str, alias: str) -> str | None:

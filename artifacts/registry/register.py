@@ -13,13 +13,21 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.registry.names import _flatten, _metric_key, registered_name
-from dsaindex.artifacts.registry.recovery import _alias_version, _registering, _roll_back
+from dsaindex.artifacts.registry.recovery import (
+    PROCESS,
+    STALE_VERSION_S,
+    _alias_version,
+    _no_answer,
+    _registering,
+    _roll_back,
+)
 from dsaindex.artifacts.registry.session import _session
 from dsaindex.artifacts.registry.tracking import (
     CANDIDATE,
@@ -28,16 +36,31 @@ from dsaindex.artifacts.registry.tracking import (
     TAG,
     _call,
     _error_code,
+    _interrupts_between_calls,
     _registration_lock,
     _short,
     artifact_root,
     resolve_tracking_uri,
+    sqlite_path,
 )
 from dsaindex.artifacts.registry.versions import _aliases_by_version, _registered
 from dsaindex.errors import DsaIndexError
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
+
+# How long the undoing of a registration cut short (Ctrl-C, a store that stopped answering) may take.
+ROLLBACK_S = 6.0
+
+
+def _left_note(uri: str) -> str:
+    """What a rollback that ran out of time leaves, and who finishes it."""
+    what = "What it wrote stays unfinished (hidden from every reader)"
+    if sqlite_path(uri) is not None:
+        return f"{what}; the next registry command on {uri} undoes it."
+    return (f"{what}; the next registry command on this machine undoes it, one from any other machine once it is "
+            f"{STALE_VERSION_S / 60:.0f} minutes old.")
+
 
 def _experiment_id(client, experiment: str, tracking_uri: str) -> str:
     exp = _call(client.get_experiment_by_name, experiment)
@@ -94,6 +117,7 @@ def register_bundle(
     again = f"check that the tracking store is reachable and writable, then register again: {command}"
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_interrupts_between_calls())  # Ctrl-C never cuts an MLflow write in two
         try:
             stack.enter_context(_registration_lock(uri))
             client = stack.enter_context(_session(uri, create=True, lock_init=False))
@@ -106,7 +130,8 @@ def register_bundle(
         try:
             exp_id = _experiment_id(client, experiment, uri)
             run = _call(client.create_run, exp_id, run_name=f"train-{manifest.bundle_id}",
-                        tags={TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name})
+                        tags={TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name,
+                              PROCESS: json.dumps({"pid": os.getpid(), "host": socket.gethostname()})})
         except Exception as err:  # noqa: BLE001 - nothing exists yet, nothing to roll back
             raise DsaIndexError(
                 f"Cannot start a run in {uri} ({type(err).__name__}: {_short(err)}); nothing was registered.",
@@ -163,12 +188,21 @@ def register_bundle(
             _call(client.set_terminated, run_id, "FINISHED")
             _call(client.delete_model_version_tag, name, version, REGISTERING)
         except BaseException as err:
-            _roll_back(client, name, version, previous_candidate, model_id, run_id)
-            if isinstance(err, DsaIndexError | KeyboardInterrupt | SystemExit):
+            interrupted = not isinstance(err, Exception)
+            undone = _roll_back(client, name, version, previous_candidate, model_id, run_id,
+                                budget_s=ROLLBACK_S if interrupted or _no_answer(err) else None)
+            left = "" if undone else " " + _left_note(uri)
+            if interrupted:
+                if not undone:
+                    print(f"registry: interrupted.{left}", file=sys.stderr, flush=True)
                 raise
+            if isinstance(err, DsaIndexError):
+                if undone:
+                    raise
+                raise type(err)(err.problem + left, err.fix) from err
+            nothing = "nothing was registered" if undone else "the registration is not complete"
             raise DsaIndexError(
-                f"Registering {bundle_path} in {uri} failed ({type(err).__name__}: {_short(err)}); "
-                "nothing was registered.",
+                f"Registering {bundle_path} in {uri} failed ({type(err).__name__}: {_short(err)}); {nothing}.{left}",
                 again,
             ) from err
     return {"name": name, "version": int(version), "run_id": run_id, "model_id": model_id, "alias": CANDIDATE,

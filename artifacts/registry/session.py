@@ -34,8 +34,9 @@ from dsaindex.artifacts.registry.tracking import (
 )
 from dsaindex.errors import DsaIndexError
 
-# MLflow's defaults (120 s per request, 7 retries with backoff 2) wait minutes on a dead server.
-HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "20", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+# MLflow's defaults (120 s per request, 7 retries with backoff 2) wait minutes on a dead server; these give
+# up on a server that stops answering mid-registration within ~20 s (then a rollback of at most ROLLBACK_S).
+HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "8", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5"}
 HTTP_PROBE_SETTINGS = {**HTTP_SETTINGS, "MLFLOW_HTTP_REQUEST_TIMEOUT": "4", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
 _announced: set[str] = set()
@@ -71,10 +72,13 @@ def _session(tracking_uri: str | None, create: bool = False, lock_init: bool = T
 
     for noisy in ("alembic", "mlflow.store.db.utils", "mlflow.store.model_registry", "mlflow.tracking"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    keys = ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_TRACKING_URI", *HTTP_SETTINGS)
+    keys = ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "MLFLOW_TRACKING_URI",
+            *HTTP_SETTINGS)
     saved_env = {k: os.environ.get(k) for k in keys}
     previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    # on a tracking server MLflow writes run links to stdout, which carries the commands' output (--json)
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     mlflow.set_tracking_uri(uri)
     try:
         client = MlflowClient(tracking_uri=uri)

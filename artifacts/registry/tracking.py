@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -138,15 +140,55 @@ def _registration_lock(tracking_uri: str, timeout_s: float = LOCK_TIMEOUT_S) -> 
         os.close(fd)  # closing releases the lock
 
 
+_interrupt = {"deferring": False, "pending": False}
+
+
+@contextlib.contextmanager
+def _interrupts_between_calls() -> Iterator[None]:
+    """Within: Ctrl-C (SIGINT) takes effect when the MLflow call that runs returns (:func:`_call` raises
+    ``KeyboardInterrupt`` then), never in the middle of one; a second Ctrl-C takes effect at once.
+
+    An interrupt inside a call can leave a database connection in the middle of a transaction, holding
+    sqlite's lock, and every later write of this process (the rollback) waits on it. Outside the main
+    thread, or nested, this does nothing."""
+    if threading.current_thread() is not threading.main_thread() or _interrupt["deferring"]:
+        yield
+        return
+
+    def handler(signum, frame):
+        if _interrupt["pending"]:
+            raise KeyboardInterrupt
+        _interrupt["pending"] = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    _interrupt.update(deferring=True, pending=False)
+    try:
+        yield
+    finally:  # one that came after the last call is dropped: the work it would have cut short is done
+        signal.signal(signal.SIGINT, previous)
+        _interrupt.update(deferring=False, pending=False)
+
+
+def _take_interrupt() -> None:
+    if _interrupt["pending"]:
+        _interrupt["pending"] = False
+        raise KeyboardInterrupt
+
+
 def _call(fn: Callable[..., Any], *args: Any, attempts: int = 8, **kwargs: Any) -> Any:
-    """Call an MLflow function, retrying when sqlite reports ``database is locked``."""
+    """Call an MLflow function, retrying when sqlite reports ``database is locked``; a Ctrl-C deferred by
+    :func:`_interrupts_between_calls` is raised once it returns."""
     for attempt in range(attempts):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - MlflowException wraps the sqlalchemy OperationalError
+            _take_interrupt()
             if "database is locked" not in str(err) or attempt == attempts - 1:
                 raise
             time.sleep(min(2.0, 0.1 * 2**attempt))
+            continue
+        _take_interrupt()
+        return result
     raise AssertionError("unreachable")
 
 

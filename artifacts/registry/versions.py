@@ -38,8 +38,9 @@ def _resolve(client, name: str, ref: str) -> str:
         number = ref.lstrip("v")
         if number in unfinished:
             raise DsaIndexError(
-                f"{name} version {number} is not completely registered (its registration is running, or "
-                "was interrupted and is undone by the next registry command).",
+                f"{name} version {number} is not completely registered (its registration is running, or was "
+                "cut short: the next registry command undoes it, at once on a sqlite store or on the machine that "
+                "registered, from elsewhere once it is 15 minutes old).",
                 "retry in a moment; " + _LIST_FIX,
             )
         try:
