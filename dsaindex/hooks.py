@@ -19,6 +19,37 @@ if TYPE_CHECKING:
 
 PreHook = Callable[["torch.nn.Module", dict[str, Any]], None]
 PostHook = Callable[["torch.nn.Module", Any], Any]
+SkipHook = Callable[["torch.nn.Module", dict[str, Any]], Any]
+
+
+class _ForwardSkip:
+    """``module.forward`` wrapped (as an instance attribute, which ``nn.Module.__call__`` calls) so that a
+    skip hook may answer in its place; :meth:`remove` puts back what was there."""
+
+    def __init__(self, hooks: ModuleHooks, module: torch.nn.Module, signature: inspect.Signature,
+                 skip: SkipHook) -> None:
+        import functools
+
+        self.module = module
+        self.had_own = "forward" in module.__dict__
+        self.previous = module.__dict__.get("forward")
+        original = module.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if hooks.enabled:
+                out = skip(module, dict(signature.bind_partial(*args, **kwargs).arguments))
+                if out is not None:
+                    return out
+            return original(*args, **kwargs)
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.module.forward = self.previous
+        else:
+            self.module.__dict__.pop("forward", None)
 
 
 class ModuleHooks:
@@ -37,7 +68,8 @@ class ModuleHooks:
     def attach(self) -> None:
         """Register this set's hooks (called on entering the context)."""
 
-    def register(self, module: torch.nn.Module, pre: PreHook | None = None, post: PostHook | None = None) -> None:
+    def register(self, module: torch.nn.Module, pre: PreHook | None = None, post: PostHook | None = None,
+                 skip: SkipHook | None = None) -> None:
         """Hook ``module``'s forward.
 
         Parameters
@@ -46,15 +78,20 @@ class ModuleHooks:
             parameter name of ``module.forward``; it observes only (its return value is ignored)
         post : called after each forward as ``post(module, output)``; a value other than ``None`` replaces
             the module's output
+        skip : called after ``pre``, in place of the forward, as ``skip(module, arguments)``; a value other
+            than ``None`` is the forward's output and the module's own forward does not run (``post`` still
+            sees it). For work the hooks make unnecessary (scores nobody reads).
         """
+        signature = inspect.signature(module.forward)
         if pre is not None:
-            signature = inspect.signature(module.forward)
 
             def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                 if self.enabled:
                     pre(mod, dict(signature.bind_partial(*args, **kwargs).arguments))
 
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        if skip is not None:
+            self._handles.append(_ForwardSkip(self, module, signature, skip))
         if post is not None:
 
             def post_hook(mod: torch.nn.Module, args: tuple, output: Any) -> Any:
@@ -63,8 +100,8 @@ class ModuleHooks:
             self._handles.append(module.register_forward_hook(post_hook))
 
     def remove(self) -> None:
-        """Detach every hook registered so far."""
-        for handle in self._handles:
+        """Detach every hook registered so far (in the reverse order: a forward wrapped twice unwraps)."""
+        for handle in reversed(self._handles):
             handle.remove()
         self._handles.clear()
 

@@ -39,12 +39,35 @@ def prepared_models(model: Any, tokenizer: Any, model_id: str) -> Any:
     return PreparedModels(device=device, dtype="auto", force_model=model_id, model_timeout=-1)
 
 
+# device bytes the dense attention of one prefill chunk may take for its scores (heads x chunk x positions fp32)
+CHUNK_SCORE_BYTES = 1 << 30
+
+
+def prefill_chunk(config: Any, requested: int | None = None) -> int:
+    """Tokens a prompt's prefill runs at once: ``requested``, else the largest power of two from 64 to 4,096
+    whose attention scores at the model's last position (heads x chunk x positions x 4 bytes) fit in
+    :data:`CHUNK_SCORE_BYTES`. transformers' attention for DSA models is dense under a mask, so a whole
+    prompt at once holds [heads, S, S] scores (and the model's own indexer [H, S, S]); in chunks a prompt up
+    to the model's positions is served in bounded memory."""
+    if requested is not None:
+        return int(requested)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    positions = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+    chunk = 4096
+    while chunk > 64 and heads * chunk * positions * 4 > CHUNK_SCORE_BYTES:
+        chunk //= 2
+    return chunk
+
+
 def build_app(model: Any, tokenizer: Any, model_id: str, enable_cors: bool = False,
-              max_in_flight: int | None = None) -> Any:
+              max_in_flight: int | None = None, chunk: int | None = None) -> Any:
     """transformers' FastAPI app (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ...)
     serving the prepared ``model``, behind :class:`RequestGuard` (a client's mistake is a 4xx, at most
-    ``max_in_flight`` generation requests at once)."""
+    ``max_in_flight`` generation requests at once). Prompts are prefilled ``chunk`` tokens at a time
+    (transformers' ``prefill_chunk_size``; default :func:`prefill_chunk`)."""
     import importlib
+
+    model.generation_config.prefill_chunk_size = prefill_chunk(model.config, chunk)
 
     from transformers.cli.serving.server import build_server
     from transformers.cli.serving.utils import GenerationState

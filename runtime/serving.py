@@ -33,7 +33,7 @@ import torch
 from dsaindex.artifacts.kinds import lagged_sources
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.geometry import geometry_from_config
-from dsaindex.hooks import ModuleHooks, PostHook, PreHook
+from dsaindex.hooks import ModuleHooks, PostHook, PreHook, SkipHook
 from dsaindex.indexer import find_indexers, mla_indexer_tensors
 from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
@@ -201,6 +201,7 @@ class ServedIndex(ModuleHooks):
         self.ivf: dict[int, list[IVFPrefillIndexer | None]] = {layer: [None] * slots for layer in self.prefill_layers}
         self.log = ServingLog()
         self._chosen: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self._fresh: dict[int, torch.Tensor] = {}  # this call's new index keys per layer (model basis, fp32)
         self.side = None
         self._main: Any = None
         self._done: dict[int, Any] = {}  # kept layer -> the side stream's event after its selection
@@ -267,7 +268,7 @@ class ServedIndex(ModuleHooks):
         for layer, module in self.indexers.items():
             if (layer in self.decode_layers or layer in self.prefill_layers or self.streamer is not None
                     or layer in self.attend or layer in self._sources):
-                self.register(module, pre=self._before(layer), post=self._after(layer))
+                self.register(module, pre=self._before(layer), post=self._after(layer), skip=self._skip(layer))
 
     def remove(self) -> None:
         """Detach the hooks and free every request's state."""
@@ -377,6 +378,7 @@ class ServedIndex(ModuleHooks):
             with torch.no_grad():
                 keys, queries, weights = mla_indexer_tensors(mod, self.geometry.rope_layout, hidden, a["q_resid"],
                                                              cos, sin, query_rows)
+            self._fresh[layer] = keys
             keys = to_basis(keys.float(), self.basis)
             if routed and self.ivf_streamer is not None:
                 self._lend_ivf_keys(layer, past[0])
@@ -403,6 +405,30 @@ class ServedIndex(ModuleHooks):
                 self._chosen[layer] = ("decode", picked[:rows].unsqueeze(1), positions)
 
         return hook
+
+    def _skip(self, layer: int) -> SkipHook:
+        """In place of the model's own indexer forward when the runtime selects for ``layer`` in this call
+        and nothing reads the model's choice (no ``measure_recall``): the model's key cache takes the new
+        keys (the pre-hook computed them) and no exact score is computed. (The model's own forward scores
+        every query against every key, [B, S, H, T] in fp32: 16 GiB for a 1K-token chunk at 64K keys with
+        V3.2's 64 heads.) The placeholder it returns, every key position up to the top-k, is the model's
+        own choice where a query has at most top-k keys, and :meth:`_after` replaces it otherwise."""
+
+        def skip(mod: torch.nn.Module, a: dict[str, Any]) -> torch.Tensor | None:
+            keys = self._fresh.pop(layer, None)
+            if keys is None or self.measure_recall or layer not in self._chosen:
+                return None
+            hidden = a["hidden_states"]
+            rows, new = hidden.shape[0], hidden.shape[1]
+            cache = _indexer_cache(a)
+            if cache is not None:
+                total = cache.update_indexer(keys.to(mod.wk.weight.dtype), mod.layer_idx).shape[1]
+            else:
+                total = self._past_rows[0] + new
+            width = min(int(mod.index_topk), int(total))
+            return torch.arange(width, device=hidden.device, dtype=torch.int32).expand(rows, new, width)
+
+        return skip
 
     def _lend_ivf_keys(self, layer: int, past: int) -> None:
         """Streamed IVF keys: the layer's index borrows its streamed buffer (prefix loaded, the next IVF

@@ -151,10 +151,12 @@ class DecodeSettings:
 class PrefillSettings:
     """Prefill selection: ``ivf_budget`` candidates per prefill query from the IVF index (None: 8 x top-k);
     ``stream_prefix``: LeanSparse's layer-wise streamed prefill of the model's indexer keys (one request at
-    a time: :class:`dsaindex.runtime.streaming.PrefixStreamer`)."""
+    a time: :class:`dsaindex.runtime.streaming.PrefixStreamer`); ``chunk``: prompt tokens a server prefills
+    at once (None: :func:`dsaindex.runtime.server.prefill_chunk` of the model)."""
 
     ivf_budget: int | None = None
     stream_prefix: bool = False
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)

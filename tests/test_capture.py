@@ -5,7 +5,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import textwrap
 
 import numpy as np
 import pytest
@@ -158,8 +158,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     corpus = corpus_dir(tmp_path, n_files=4, size=6000)
     args = ["capture", "--model", "preset:tiny-v32", "--corpus", str(corpus), "--sequences", "10",
             "--seq-len", "256", "--chunk-len", "128", "--flush-tokens", "256", "--no-progress", "--json"]
-    # one thread: a multi-threaded CPU forward may sum in another order when the machine is busy (the test
-    # polls the store while the capture runs), and the two runs would differ in the last bit of a few keys
+    # one thread: a multi-threaded CPU forward may sum in another order when the machine is busy, and the two
+    # runs would differ in the last bit of a few keys
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     ref = subprocess.run([sys.executable, "-m", "dsaindex", *args[:1], str(tmp_path / "ref"), *args[1:]],
                          capture_output=True, text=True, env=env, timeout=300)
@@ -167,24 +167,28 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     assert json.loads(ref.stdout)["store"]["committed"]["sequences"] == 10
 
     target = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "dsaindex", args[0], str(target), *args[1:]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 120
-    committed = 0
-    while time.time() < deadline and proc.poll() is None:
-        if CaptureStore.exists(target):
-            try:
-                committed = CaptureStore.open(target).committed.sequences
-            except Exception:  # noqa: BLE001 - the store may be mid-creation
-                committed = 0
-            if committed >= 3:
-                break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the capture finished before it could be killed; make it longer"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # the capture kills itself (SIGKILL) at the worst moment: the 4th sequence's rows written, not yet committed
+    killer = textwrap.dedent("""
+        import os, signal, sys
+        from dsaindex.artifacts.capture_store import CaptureStore
+        from dsaindex.cli import main
+
+        commit = CaptureStore._write_attrs
+
+        def write_attrs(self):
+            if self.committed.sequences == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            commit(self)
+
+        CaptureStore._write_attrs = write_attrs
+        sys.argv = ["dsaindex", *sys.argv[1:]]
+        main()
+    """)
+    proc = subprocess.run([sys.executable, "-c", killer, args[0], str(target), *args[1:]],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     killed_at = CaptureStore.open(target).committed.sequences
-    assert 3 <= killed_at < 10
+    assert killed_at == 3
 
     resumed = subprocess.run([sys.executable, "-m", "dsaindex", args[0], str(target), *args[1:]],
                              capture_output=True, text=True, env=env, timeout=300)

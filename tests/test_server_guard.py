@@ -111,3 +111,50 @@ def test_past_the_limit_requests_are_refused_429_and_none_is_dropped():
 
     asyncio.run(main())
     assert reached == ["a", "b", "d"]
+
+
+def test_prompts_are_prefilled_in_chunks_with_the_answer_of_a_whole_prefill():
+    """The server prefills a prompt ``chunk`` tokens at a time (transformers' attention for DSA layers is dense
+    under a mask: a whole 64K prompt at once holds [heads, S, S] scores); the answer is the whole prefill's."""
+    from starlette.testclient import TestClient
+
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.hooks import ModuleHooks
+    from dsaindex.indexer import find_indexers
+    from dsaindex.pipelines.capture.models import load_model
+    from dsaindex.runtime.server import build_app
+
+    loaded = load_model("preset:tiny-v32", dtype="float32")
+    net, tokenizer = loaded.model, loaded.tokenizer.for_transformers()
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    n = len(tokenizer(prompt)["input_ids"])
+    answers = {}
+    for chunk in (16, 4096):
+        sizes: list[int] = []
+        hooks = ModuleHooks()
+        with hooks, TestClient(build_app(net, tokenizer, "dsaindex/tiny", chunk=chunk)) as client:
+            indexers = find_indexers(net, geometry_from_config(net.config))
+            hooks.register(indexers[min(indexers)], pre=lambda mod, a: sizes.append(a["hidden_states"].shape[1]))
+            r = client.post("/v1/completions", json={"model": "dsaindex/tiny", "prompt": prompt, "max_tokens": 4,
+                                                    "temperature": 0})
+        assert r.status_code == 200, r.text
+        answers[chunk] = r.json()["choices"][0]["text"]
+        prefill = [s for s in sizes if s > 1]
+        assert sum(prefill) == n and max(prefill) == min(chunk, n), (chunk, sizes)
+        if chunk < n:
+            assert len(prefill) == -(-n // chunk)
+    assert answers[16] == answers[4096]
+
+
+def test_the_default_chunk_bounds_the_attention_scores_at_the_last_position():
+    from types import SimpleNamespace
+
+    from dsaindex.runtime.server import CHUNK_SCORE_BYTES, prefill_chunk
+
+    for heads, positions in ((4, 65536), (128, 163840), (16, 2048), (64, 1 << 20)):
+        config = SimpleNamespace(num_attention_heads=heads, max_position_embeddings=positions)
+        chunk = prefill_chunk(config)
+        assert 64 <= chunk <= 4096 and chunk & (chunk - 1) == 0
+        assert chunk == 64 or heads * chunk * positions * 4 <= CHUNK_SCORE_BYTES
+        assert chunk == 4096 or heads * 2 * chunk * positions * 4 > CHUNK_SCORE_BYTES  # the largest that fits
+    assert prefill_chunk(SimpleNamespace(num_attention_heads=4, max_position_embeddings=65536), 100) == 100

@@ -2,6 +2,7 @@
 artifacts resolved and validated by ``load``; and ``dsaindex serve``: transformers' own server answering a
 real HTTP request on loopback with the runtime installed."""
 
+import functools
 import inspect
 import json
 import os
@@ -518,3 +519,54 @@ def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):
         paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
         measure_recall=True))
     assert whole["runtime_text"] == chunked["runtime_text"]  # chunking the prompt changes no token here
+
+
+@pytest.mark.parametrize("stream_prefix", [False, True])
+def test_where_the_runtime_selects_the_models_own_scores_are_never_computed(served, monkeypatch, stream_prefix):
+    """IVF prefill and PQ decode replace the model's selection, so the model's own indexer forward (every
+    query scored against every key, [B, S, H, T] fp32: what made long prompts run out of memory) does not
+    run; the model's key cache still takes every key, and the tokens are those of the same runtime with the
+    model's forward run (measure_recall reads the model's choice)."""
+    net, paths, identity = served
+    prompt = _text(3000, 300)
+    cls = type(net.model.layers[0].self_attn.indexer)
+    original, calls = cls.forward, []
+
+    @functools.wraps(original)  # the hooks bind arguments by the forward's signature
+    def counted(self, hidden_states, *args, **kwargs):
+        calls.append(hidden_states.shape[1])
+        return original(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", counted)
+    runs = {}
+    for measure in (True, False):
+        calls.clear()
+        index = serve(paths, net, served=identity, candidates=2 * TOPK, ivf_budget=4 * TOPK, use_triton=False,
+                      measure_recall=measure, stream_prefix=stream_prefix, max_keys=1024)
+        with index:
+            out = net.generate(prompt.unsqueeze(0), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        runs[measure] = (out, list(calls))
+    (lean, lean_calls), (full, full_calls) = runs[False], runs[True]
+    assert torch.equal(lean.sequences, full.sequences)
+    assert sorted(full_calls) == [1] * (4 * 5) + [prompt.numel()] * 4  # with measure_recall: every layer, every step
+    assert lean_calls == []  # otherwise: none
+    if not stream_prefix:
+        for layer in range(4):  # the cache holds every key all the same
+            torch.testing.assert_close(lean.past_key_values.layers[layer].indexer_keys,
+                                       full.past_key_values.layers[layer].indexer_keys)
+    assert not any("forward" in vars(m.self_attn.indexer) for m in net.model.layers)  # unwrapped on exit
+
+
+def test_a_request_with_fewer_keys_than_top_k_attends_every_key_without_the_models_forward(served, monkeypatch):
+    """Below top-k keys the placeholder the runtime answers with (every key position) is the model's own
+    choice: the same tokens as exhaustive selection, and the model's forward never runs."""
+    net, paths, identity = served
+    prompt = _text(5000, TOPK - 10)
+    want = _generate(net, prompt, 6)  # positions TOPK - 10 ... TOPK - 5: fewer keys than top-k throughout
+    cls = type(net.model.layers[0].self_attn.indexer)
+    original, calls = cls.forward, []
+    monkeypatch.setattr(cls, "forward", functools.wraps(original)(
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k)))
+    with serve(paths, net, served=identity, candidates=2 * TOPK, use_triton=False):
+        got = _generate(net, prompt, 6)
+    assert torch.equal(got, want) and calls == []

@@ -47,6 +47,10 @@ def serve_cmd(
     filter_width: float = typer.Option(DECODE.filter_width, min=0.0, help="Decode: the miss filter's margin below the k-th coarse "
                                                           "score, in standard deviations (wider: more host "
                                                           "reads, less recall lost)."),
+    prefill_chunk: int = typer.Option(PREFILL.chunk, callback=at_least(1),
+                                      help="Prompt tokens prefilled at once (default: the largest power of two "
+                                           "up to 4,096 whose attention scores at the model's last position fit "
+                                           "in 1 GiB)."),
     stream_prefix: bool = typer.Option(PREFILL.stream_prefix, "--stream-prefix",
                                        help="Keep the model's indexer keys in pinned host memory and stream each "
                                             "layer's prefix through two device buffers (LeanSparse's prefill)."),
@@ -77,7 +81,7 @@ def serve_cmd(
         decode=DecodeSettings(candidates=parse_candidates(candidates), recall_target=recall_target,
                               prefilter=parse_prefilter(prefilter, parse_candidates(candidates)),
                               exact_below=exact_below, filter_width=filter_width, direct_upto=direct_upto),
-        prefill=PrefillSettings(ivf_budget=ivf_budget, stream_prefix=stream_prefix),
+        prefill=PrefillSettings(ivf_budget=ivf_budget, stream_prefix=stream_prefix, chunk=prefill_chunk),
         basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri, retention=retention, lag=lag)
     dev = resolve_device(device)
     loaded = load_model(model, device=dev, dtype=dtype)
@@ -88,9 +92,11 @@ def serve_cmd(
     index = serve_index(artifacts, net, settings, name=loaded.name, device=dev, served=identity)
     index.attach()
     name = model_id or f"dsaindex/{loaded.name}"
+    chunk = server.prefill_chunk(net.config, settings.prefill.chunk)
     typer.echo(f"serving {name} ({loaded.name}, top-{index.topk}) on http://{host}:{port}/v1 with "
-               f"{', '.join(map(str, artifacts))}: {index.describe()}", err=True)
-    app = server.build_app(net, loaded.tokenizer.for_transformers(), name, max_in_flight=max_requests)
+               f"{', '.join(map(str, artifacts))}: {index.describe()}; prompts prefilled {chunk:,} tokens at a "
+               "time", err=True)
+    app = server.build_app(net, loaded.tokenizer.for_transformers(), name, max_in_flight=max_requests, chunk=chunk)
     server.run(app, host=host, port=port, log_level=log_level)
 
 
