@@ -134,7 +134,7 @@ def test_prompts_are_prefilled_in_chunks_with_the_answer_of_a_whole_prefill():
         hooks = ModuleHooks()
         with hooks, TestClient(build_app(net, tokenizer, "dsaindex/tiny", chunk=chunk)) as client:
             indexers = find_indexers(net, geometry_from_config(net.config))
-            hooks.register(indexers[min(indexers)], pre=lambda mod, a: sizes.append(a["hidden_states"].shape[1]))
+            hooks.register(indexers[min(indexers)], pre=lambda mod, a, seen=sizes: seen.append(a["hidden_states"].shape[1]))
             r = client.post("/v1/completions", json={"model": "dsaindex/tiny", "prompt": prompt, "max_tokens": 4,
                                                     "temperature": 0})
         assert r.status_code == 200, r.text
