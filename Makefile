@@ -4,18 +4,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+# uv installs the same packages as pip (pip's own configuration carried over: tools/with_pip_config.py) in
+# seconds where pip takes minutes; where uv cannot be had, pip does it.
+INSTALL = if [ -x $(VENV)/bin/uv ]; then $(PY) tools/with_pip_config.py $(VENV)/bin/uv pip install -q \
+	--python $(PY) $(1); else PYTHONWARNINGS=ignore $(PIP) install $(1); fi
 
 .PHONY: install install-dev demo test test-slow test-engines wheel-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	PYTHONWARNINGS=ignore $(PIP) install uv || echo "uv not available: installing with pip (minutes)"
 	# CPU build of torch from the local wheel cache; a GPU user installs their CUDA torch first instead.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	PYTHONWARNINGS=ignore $(PIP) install -e .
+	$(PY) -c "import torch" 2>/dev/null || $(call INSTALL,torch==2.13.0)
+	$(call INSTALL,-e .)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	PYTHONWARNINGS=ignore $(PIP) install -e ".[dev]"
+	$(call INSTALL,-e ".[dev]")
 	touch $@
 
 install: $(VENV)/.installed
