@@ -15,8 +15,8 @@ depend on the batch and the block table's width only, so vLLM's full decode CUDA
 a batch with prefill (this op is one of vLLM's splitting ops, so it runs eagerly there) the prefill
 requests' completed pages are encoded after the engine's op has written them. Everything else is
 vLLM's own path, unchanged: prefill rows,
-layers without an artifact, speculative decoding (several queries per request), FP4 caches, MXFP8
-(Blackwell) scales, decode/prefill context parallelism, and the profiling run. In a batch with prefill
+layers without an artifact, decode rows vLLM packs because their counts differ (``requires_padding``), FP4
+caches, MXFP8 (Blackwell) scales, decode/prefill context parallelism, and the profiling run. In a batch with prefill
 the engine's op runs first (it writes the keys to the cache and every row) and the decode rows are
 then replaced; in a decode-only batch the keys are written with vLLM's ``indexer_k_quant_and_cache``
 and the engine's exact decode scan does not run.
@@ -293,8 +293,12 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         if meta.num_decodes == 0 or decode is None:
             return engine()
         seq_lens = decode.seq_lens
-        if meta.num_decode_tokens != meta.num_decodes or (seq_lens.ndim == 2 and seq_lens.shape[1] != 1):
-            return engine()  # several queries per request (MTP)
+        b, rows = meta.num_decodes, meta.num_decode_tokens
+        if rows % b != 0 or getattr(decode, "requires_padding", False):
+            return engine()  # ragged queries per request (a short chunked prefill counted as decode): vLLM packs them
+        next_n = rows // b  # queries per request: 1, or 1 + the speculative tokens (MTP) verified this step
+        if seq_lens.ndim == 2 and seq_lens.shape[1] not in (1, next_n):
+            return engine()
         buffer = self.topk_indices_buffer
         selector = self._selector()
         if meta.num_prefills > 0:
@@ -304,10 +308,9 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             if (not self.skip_k_cache_insert) if insert_keys is None else insert_keys:
                 self._insert_keys(k, meta.slot_mapping)
             buffer[: hidden_states.shape[0]] = -1
-        b = meta.num_decodes
-        lens = seq_lens.reshape(seq_lens.shape[0], -1)[:b, -1]
-        picked = selector.select(self.k_cache.kv_cache, decode.block_table[:b], lens, q_quant[:b], weights[:b])
-        buffer[:b, : self.topk_tokens] = picked
+        table, lens = decode_rows(decode.block_table[:b], seq_lens[:b], next_n)
+        picked = selector.select(self.k_cache.kv_cache, table, lens, q_quant[:rows], weights[:rows])
+        buffer[:rows, : self.topk_tokens] = picked
         return buffer
 
     def _selector(self) -> PagedCacheSelector:
@@ -333,6 +336,21 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
 
         ops.indexer_k_quant_and_cache(k[: slot_mapping.shape[0]], self.k_cache.kv_cache, slot_mapping,
                                       self.quant_block_size, self.scale_fmt)
+
+
+def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, next_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per decode query row (request-major, ``next_n`` rows a request, as vLLM lays out the decode tokens): its
+    request's block table and the keys it may see. ``seq_lens`` is [B, next_n] (vLLM's per-row lengths under
+    speculative decoding), [B, 1] or [B] (the request's length, its last query's: query j of ``next_n`` sees
+    ``length - (next_n - 1 - j)`` keys, DeepGEMM's paged-logits convention). Shapes depend on B and ``next_n``
+    only, so a CUDA graph captures it."""
+    b = block_table.shape[0]
+    lens = seq_lens.reshape(b, -1)
+    if lens.shape[1] != next_n:
+        lens = lens[:, -1:] - torch.arange(next_n - 1, -1, -1, device=lens.device, dtype=lens.dtype)
+    if next_n == 1:
+        return block_table, lens.reshape(b)
+    return block_table.repeat_interleave(next_n, dim=0), lens.reshape(b * next_n)
 
 
 def _op_impl(hidden_states: torch.Tensor, layer_name: str, q_quant: torch.Tensor, k: torch.Tensor | None,

@@ -425,3 +425,47 @@ def test_host_resident_keys_are_refused_at_layer_build(plugin, monkeypatch):
     with pytest.raises(DsaIndexError) as err:
         build_layer(vllm_config(CFG), prefix="model.layers.0.self_attn.indexer")
     assert "DSAINDEX_KEYS=host" in str(err.value) and "device" in err.value.fix
+
+
+@pytest.mark.parametrize("lens_form", ["per_row", "last_row"])
+def test_mtp_verify_rows_each_select_their_own_prefix(plugin, lens_form):
+    """Speculative decoding (MTP): next_n = 3 query rows per request, request-major as vLLM lays out the decode
+    tokens; seq_lens either [B, next_n] (vLLM's per-row lengths) or [B, 1] (the last row's). Every completed
+    key a candidate: each row's selection is the exact top-k of the keys that row may see (none of a later
+    row's), and the newest keys stay in a short request's first entries."""
+    next_n = 3
+    op, cache, buffer = build_layer(vllm_config(CFG))
+    lens = [3000 + 37, 1500, 200]  # the last row's keys; rows before it see one and two fewer
+    b = len(lens)
+    g = torch.Generator().manual_seed(5)
+    width = max(-(-n // PAGE) for n in lens)
+    block_table = torch.randperm(cache.kv_cache.shape[0], generator=g)[: b * width].view(b, width).to(torch.int32)
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    for i, n in enumerate(lens):
+        write_keys(pages_flat, block_table[i].tolist(), synthetic_keys(n, seed=200 + i))
+    rows = b * next_n
+    q = (synthetic_keys(rows * H, seed=9).view(rows, H, D) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.rand(rows, H, generator=g) * (D**-0.5) * (H**-0.5)
+    row_lens = [n - (next_n - 1 - j) for n in lens for j in range(next_n)]
+    seq = torch.tensor(row_lens if lens_form == "per_row" else lens, dtype=torch.int32).view(b, -1)
+    dec = DeepSeekV32IndexerDecodeMetadata(block_table=block_table, seq_lens=seq,
+                                           decode_lens=torch.full((b,), next_n, dtype=torch.int32),
+                                           requires_padding=False, schedule_metadata=torch.zeros(1, dtype=torch.int32))
+    meta = DeepseekV32IndexerMetadata(seq_lens=seq[:, -1].contiguous(), max_seq_len=max(lens),
+                                      slot_mapping=torch.zeros(rows, dtype=torch.int64), num_decodes=b,
+                                      num_decode_tokens=rows, num_prefills=0, num_prefill_tokens=0, decode=dec)
+    buffer.fill_(12345)
+    with set_forward_context({cache.prefix: meta}, vllm_config(CFG)):
+        op(torch.zeros(rows, 16, dtype=torch.bfloat16), q, None, weights)
+    got = buffer[:rows].long()
+    scores, want = exact_topk(pages_flat, block_table.repeat_interleave(next_n, 0), row_lens, q, weights)
+    for r, n in enumerate(row_lens):
+        if n > TOPK:
+            assert bool(topk_agree(scores[r : r + 1], got[r : r + 1], want[r : r + 1], visible=torch.tensor([n]))[0]), r
+            assert int(got[r].max()) < n and got[r].unique().numel() == TOPK
+        else:  # fewer keys than top-k: all of them first (the newest included), then -1
+            assert sorted(got[r, :n].tolist()) == list(range(n)) and bool((got[r, n:] == -1).all()), r
+    assert bool((buffer[rows:] == 12345).all())  # rows past the batch untouched
+    # the plugin served them (vLLM's own path never builds a selector): every row through stage 1, each with
+    # its own completed pages
+    assert op.selector is not None and op.selector.stats.stage1.tolist() == [n // PAGE * PAGE for n in row_lens]
