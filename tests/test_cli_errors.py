@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -189,15 +190,30 @@ def test_ctrl_c_reports_what_was_kept_and_exits_130(tmp_path):
     store = tmp_path / "s"
     args = ["capture", str(store), "-m", "preset:tiny-v32", "-c", str(text_corpus(tmp_path, files=3)), "-n", "3",
             "--seq-len", "640", "--chunk-len", "320", "--no-progress"]
-    proc = start_cli(*args)
-    deadline = time.time() + 240
-    while proc.poll() is None and time.time() < deadline and committed_sequences(store) < 1:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the capture ended before it could be interrupted; make it longer"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    # Ctrl-C lands just after the first sequence is committed (the command sends it to itself there: no race
+    # with a capture that may run faster or slower than a poll)
+    interrupting = textwrap.dedent("""
+        import os, signal, sys
+        from dsaindex.artifacts.capture_store import CaptureStore
+        from dsaindex.cli import main
+
+        commit = CaptureStore._write_attrs
+
+        def write_attrs(self):
+            commit(self)
+            if self.committed.sequences == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        CaptureStore._write_attrs = write_attrs
+        sys.argv = ["dsaindex", *sys.argv[1:]]
+        main()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", interrupting, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _, err = proc.communicate(timeout=240)
     kept = CaptureStore.open(store).committed.sequences
-    assert 1 <= kept < 3
+    assert kept == 1, err
     line = first_error_line(subprocess.CompletedProcess(args, proc.returncode, "", err), code=130)
     assert line.startswith(f"interrupted (Ctrl-C): {kept} of 3 sequences are committed in {store}"), line
     assert "same command" in line
