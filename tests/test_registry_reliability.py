@@ -413,7 +413,9 @@ def test_ctrl_c_mid_registration_rolls_back_at_once(store, tmp_path):
     try:
         wait_for_version(db, name, 2, proc)
         proc.send_signal(signal.SIGINT)
+        interrupted = time.perf_counter()
         _, err = proc.communicate(timeout=120)  # before: 337 s of 'database is locked' retries
+        print(f"\nCtrl-C mid-registration: exit {proc.returncode} after {time.perf_counter() - interrupted:.1f} s")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -458,7 +460,9 @@ def test_tracking_server_silent_mid_registration(tmp_path):
         try:
             wait_for_version(db, name, 2, proc)
             os.killpg(pgid, signal.SIGSTOP)
+            stopped = time.perf_counter()
             _, err = proc.communicate(timeout=90)  # before: 312 s (20 s x 3 tries, for each of five calls)
+            print(f"\nserver silent mid-registration: exit {proc.returncode} after {time.perf_counter() - stopped:.1f} s")
         finally:
             if proc.poll() is None:
                 proc.kill()
