@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
 from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
-from dsaindex.coarse import RECALL_TARGET
+from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
 from dsaindex.runtime.operating_points import OperatingPoints
@@ -222,14 +222,26 @@ def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
                     layers: list[int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
     """(C per layer, stage-1 factor P per layer) for each decode layer of ``loaded`` (or of ``layers`` among
     them) under ``decode``. ``prefilter="auto"`` (with ``candidates="auto"``): each layer's cheapest
-    recorded pair that reaches ``decode.recall_target`` (:func:`selection_for_recall`); ``candidates="auto"``
+    recorded pair that reaches ``decode.recall_target`` (:func:`selection_for_recall`; a layer whose bundle
+    records no served recall, trained before it was measured, gets C from its rerank recall at the default
+    stage 1, as ``candidates="auto"`` reads it); ``candidates="auto"``
     alone: :func:`candidates_for_recall` at the given stage 1; a count or a layer -> count mapping as given.
     What ``dsaindex serve``, ``runtime check`` and the engine plugins choose with; raises
     :class:`DsaIndexError` when no recorded point reaches the target, naming what would."""
     served = _decode_layers(loaded, layers)
     if decode.prefilter == "auto":
-        pairs = selection_for_recall(loaded.manifest.metrics, served, topk, decode.recall_target, str(loaded.path))
-        return {layer: c for layer, (_, c) in pairs.items()}, {layer: p for layer, (p, _) in pairs.items()}
+        metrics, source = loaded.manifest.metrics, str(loaded.path)
+        table = OperatingPoints.from_metrics(metrics)
+        # bundles trained before the served recall was measured: C from the rerank recall at the default stage 1
+        older = [layer for layer in served if not table.of(layer, topk)]
+        pairs = selection_for_recall(metrics, [layer for layer in served if layer not in older], topk,
+                                     decode.recall_target, source)
+        chosen = {layer: c for layer, (_, c) in pairs.items()}
+        factors = {layer: p for layer, (p, _) in pairs.items()}
+        if older:
+            chosen |= candidates_for_recall(metrics, older, topk, decode.recall_target, source, PREFILTER)
+            factors |= dict.fromkeys(older, PREFILTER)
+        return dict(sorted(chosen.items())), dict(sorted(factors.items()))
     factors = per_layer(decode.prefilter, served, "stage-1 prefilter")
     if decode.candidates == "auto":
         chosen: dict[int, int] = {}
@@ -239,6 +251,28 @@ def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
                                             str(loaded.path), factor)
         return chosen, factors
     return per_layer(decode.candidates, served, "candidate count C"), factors
+
+
+def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int], prefilter: Mapping[int, int],
+                    topk: int, target: float = RECALL_TARGET) -> str:
+    """What a server says at startup of its decode layers' operating points: per group of layers at the same
+    (C, stage 1), the held-out recall of the exact top-``topk`` the bundle records there (the lower of all
+    queries' and the longest prefix band's), and how it stands against ``target``; "not recorded" where
+    the bundle has no measurement at that point (a count given by hand)."""
+    table = OperatingPoints.from_metrics(metrics)
+    groups: dict[tuple[int, int, str], list[int]] = {}
+    for layer in sorted(candidates):
+        c, p = int(candidates[layer]), int(prefilter[layer])
+        found = [x for x in table.of(layer, topk, p) if x.candidates == c]
+        if not found:
+            said = "held-out recall not recorded"
+        else:
+            recall = found[0].recall
+            gap = "" if recall >= target else f", {100 * (target - recall):.2f} points under the {100 * target:.2f}% target"
+            said = f"held-out recall {_floor_pct(recall)}{gap}"
+        groups.setdefault((c, p, said), []).append(layer)
+    return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C, "
+                     f"{said}" for (c, p, said), layers in groups.items())
 
 
 def per_layer(value: int | Mapping[int, int], layers: Iterable[int], what: str) -> dict[int, int]:

@@ -237,12 +237,13 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "The key basis of the engine's index-K cache, which the artifacts must be trained in: SGLang "
            "rotates keys with a Hadamard matrix, vLLM 0.33 stores them unrotated.",
            "`hadamard` (SGLang), `raw` (vLLM)"),
-    EnvVar("DSAINDEX_CANDIDATES", "candidates", lambda v, w: parse_candidates(v, w), None,
-           "C, keys reranked exactly per decode query: a count, or `auto` (each layer's smallest C whose "
-           "held-out recall in the bundle reaches `DSAINDEX_RECALL_TARGET`).", "2 x the model's top-k"),
-    EnvVar("DSAINDEX_PREFILTER", "prefilter", lambda v, w: v, PREFILTER,
+    EnvVar("DSAINDEX_CANDIDATES", "candidates", lambda v, w: parse_candidates(v, w), "auto",
+           "C, keys reranked exactly per decode query: `auto` (each layer's cheapest recorded operating point, "
+           "C with its stage 1, whose held-out recall in the bundle reaches `DSAINDEX_RECALL_TARGET`; the "
+           "engine refuses to start, naming what would, where none does) or a count.", "`auto`"),
+    EnvVar("DSAINDEX_PREFILTER", "prefilter", lambda v, w: v, None,
            "Stage 1 keeps PREFILTER x C keys by a folded score; `auto` (with `DSAINDEX_CANDIDATES=auto`): "
-           "each layer's stage 1 chosen with its C.", str(PREFILTER)),
+           "each layer's stage 1 chosen with its C.", f"`auto` with `DSAINDEX_CANDIDATES=auto`, else {PREFILTER}"),
     EnvVar("DSAINDEX_RECALL_TARGET", "recall_target", parse_fraction, RECALL_TARGET,
            "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
@@ -275,7 +276,8 @@ class EngineSettings:
     tracking_uri: str | None
 
     def decode(self, topk: int) -> DecodeSettings:
-        """The decode settings these give a model whose top-k is ``topk`` (C defaults to 2 x top-k)."""
+        """The decode settings these give a model whose top-k is ``topk`` (C ``auto`` unless set; none at all:
+        2 x top-k)."""
         return DecodeSettings(candidates=self.candidates or 2 * topk, prefilter=self.prefilter,
                               recall_target=self.recall_target)
 
@@ -291,6 +293,8 @@ def engine_settings(engine: str, environ: Mapping[str, str] | None = None) -> En
     for var in ENVIRONMENT:
         raw = env.get(var.name, "")
         values[var.field] = var.default_for(engine) if not raw.strip() else var.parse(raw, var.name)
+    if values["prefilter"] is None:  # unset: chosen with C where C is, else the runtime's default factor
+        values["prefilter"] = "auto" if values["candidates"] == "auto" else PREFILTER
     values["prefilter"] = parse_prefilter(values["prefilter"], values["candidates"], "DSAINDEX_PREFILTER")
     return EngineSettings(**values)
 

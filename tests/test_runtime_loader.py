@@ -351,3 +351,17 @@ def test_runtime_check_compares_the_weights_of_the_served_model(tmp_path):
     config_only = run_cli("runtime", "check", "-m", str(ckpt), "-a", str(tmp_path / "b"), "--config-only", "--json")
     assert config_only.returncode == 0, config_only.stderr  # same architecture; the weights were not read
     assert json.loads(config_only.stdout)["model_identity"] == "same config (weights not compared)"
+
+
+def test_startup_says_each_layers_point_and_the_recall_it_gives_up():
+    """What a server prints of its decode layers: the recall recorded at each (C, stage 1) served, the gap to
+    the target where a count given by hand falls short of it, and "not recorded" where nothing was measured."""
+    from dsaindex.runtime.loader import describe_points
+
+    metrics = {"layer0/k512/prefilter4@1024": 0.990, "layer1/k512/prefilter4@1024": 0.9987,
+               "layer2/k512/prefilter4@1024": 0.9987, "layer0/k512/prefilter8@2048": 0.9971}
+    said = describe_points(metrics, {0: 1024, 1: 1024, 2: 1024, 3: 1024}, dict.fromkeys(range(4), 4), 512, 0.995)
+    assert said == ("layer 0: C = 1024, stage 1 4 x C, held-out recall 99.00%, 0.50 points under the 99.50% target; "
+                    "layers 1, 2: C = 1024, stage 1 4 x C, held-out recall 99.87%; "
+                    "layer 3: C = 1024, stage 1 4 x C, held-out recall not recorded")
+    assert describe_points(metrics, {0: 2048}, {0: 8}, 512) == "layer 0: C = 2048, stage 1 8 x C, held-out recall 99.71%"

@@ -111,10 +111,13 @@ def test_engines_read_the_one_table():
         s = engine_settings(engine, env)
         assert (s.artifacts, s.candidates, s.prefilter, s.recall_target, s.allow_other_weights) == \
                ("/b", "auto", "auto", 0.99, True)
-        # unset: each field takes the table's default, C two top-ks
+        # unset: each field takes the table's default: C and stage 1 chosen per layer from the bundle's recall
         bare = engine_settings(engine, {})
-        assert bare.artifacts is None and bare.decode(2048).candidates == 4096
-        assert bare.decode(2048).prefilter == DecodeSettings().prefilter
+        assert bare.artifacts is None and bare.decode(2048).candidates == "auto"
+        assert bare.decode(2048).prefilter == "auto" and bare.recall_target == DecodeSettings().recall_target
+        # a count given by hand: stage 1 at the runtime's factor unless set
+        fixed = engine_settings(engine, {"DSAINDEX_CANDIDATES": "4096"})
+        assert fixed.decode(2048).candidates == 4096 and fixed.decode(2048).prefilter == DecodeSettings().prefilter
     assert engine_settings("sglang", {}).basis == "hadamard" and engine_settings("vllm", {}).basis == "raw"
     for name, bad, said in (("DSAINDEX_CANDIDATES", "lots", "neither a positive count nor `auto`"),
                             ("DSAINDEX_PREFILTER", "-2", "neither a positive factor nor `auto`"),
@@ -125,7 +128,7 @@ def test_engines_read_the_one_table():
             engine_settings("vllm", {name: bad})
         assert name in err.value.problem and name in err.value.fix
     with pytest.raises(DsaIndexError, match="DSAINDEX_PREFILTER `auto` chooses"):
-        engine_settings("sglang", {"DSAINDEX_PREFILTER": "auto"})
+        engine_settings("sglang", {"DSAINDEX_CANDIDATES": "4096", "DSAINDEX_PREFILTER": "auto"})
 
 
 def _plugin_sources() -> list[Path]:

@@ -38,7 +38,7 @@ class PluginState:
         another model; SGLang's startup then fails with its message."""
         if self.loaded is not None:
             return
-        from dsaindex.runtime.loader import decode_settings, load_bundle
+        from dsaindex.runtime.loader import decode_settings, describe_points, load_bundle
         from dsaindex.runtime.paged_select import check_paged_codes
         from dsaindex.runtime.settings import engine_settings
 
@@ -63,9 +63,10 @@ class PluginState:
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
                               default=0.0)
         self.loaded = loaded
-        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (C per layer %s); "
+        logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (%s); "
                     "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU.",
-                    loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors), candidates,
+                    loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors),
+                    describe_points(loaded.manifest.metrics, candidates, prefilter, topk, s.recall_target),
                     "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
                     self.code_bytes)
 

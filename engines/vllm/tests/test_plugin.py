@@ -469,3 +469,22 @@ def test_mtp_verify_rows_each_select_their_own_prefix(plugin, lens_form):
     # the plugin served them (vLLM's own path never builds a selector): every row through stage 1, each with
     # its own completed pages
     assert op.selector is not None and op.selector.stats.stage1.tolist() == [n // PAGE * PAGE for n in row_lens]
+
+
+def test_by_default_each_layer_serves_its_cheapest_recorded_point_at_the_target(plugin, monkeypatch, tmp_path, caplog):
+    """No DSAINDEX_CANDIDATES / DSAINDEX_PREFILTER: the layer serves the cheapest (stage 1, C) whose served
+    recall the bundle records at >= 99.5%, and the startup log says which, with that recall."""
+    import logging
+
+    layers = geometry_from_config(CFG).indexer_layers
+    metrics = {}
+    for i in layers:
+        metrics.update({f"layer{i}/k{TOPK}/prefilter4@4096": 0.985, f"layer{i}/k{TOPK}/prefilter8@4096": 0.9961,
+                        f"layer{i}/k{TOPK}/prefilter4@8192": 0.997, f"layer{i}/k{TOPK}/rerank@4096": 0.999})
+    write_pq_bundle(tmp_path / "b", PRESET, metrics=metrics)
+    monkeypatch.setenv("DSAINDEX_ARTIFACTS", str(tmp_path / "b"))
+    monkeypatch.delenv("DSAINDEX_CANDIDATES")
+    with caplog.at_level(logging.INFO, logger="dsaindex_vllm"):
+        op = build_layer(vllm_config(CFG))[0]
+    assert (op.candidates, op.prefilter) == (4096, 8)  # 32K keys in stage 2, the same as 4 x 8192: the smaller C
+    assert "C = 4096, stage 1 8 x C, held-out recall 99.61%" in caplog.text
