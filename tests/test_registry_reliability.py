@@ -402,8 +402,8 @@ def wait_for_version(db: Path, name: str, version: int, proc: subprocess.Popen, 
 
 @pytest.mark.slow
 def test_ctrl_c_mid_registration_rolls_back_at_once(store, tmp_path):
-    """Ctrl-C just after the version row appears: the command undoes its registration itself and exits
-    130 with one line, without waiting on the write lock its own interrupted connection held."""
+    """Ctrl-C just after the version row appears: the command says it stops after the current request, undoes
+    its registration itself and exits 130, without waiting on a write lock an interrupted write would hold."""
     uri, db = store["uri"], store["db"]
     model = "hand/ctrl-c"
     name = registry.register_bundle(make_bundle(tmp_path / "b1", model), {}, {}, [], tracking_uri=uri)["name"]
@@ -422,6 +422,7 @@ def test_ctrl_c_mid_registration_rolls_back_at_once(store, tmp_path):
     assert proc.returncode == 130, err
     assert "database is locked" not in err and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C) before the command finished."
+    assert "registry: Ctrl-C: stopping after the current request (Ctrl-C again to stop at once)" in err
     # undone by the interrupted command itself, before any other command ran
     assert sql(db, "SELECT current_stage FROM model_versions WHERE name = ? AND version = 2", name) == [
         ("Deleted_Internal",)]

@@ -15,6 +15,7 @@ import fcntl
 import os
 import signal
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -159,6 +160,8 @@ def _interrupts_between_calls() -> Iterator[None]:
         if _interrupt["pending"]:
             raise KeyboardInterrupt
         _interrupt["pending"] = True
+        print("registry: Ctrl-C: stopping after the current request (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGINT, handler)
     _interrupt.update(deferring=True, pending=False)
