@@ -87,6 +87,7 @@ def ui(port: int = 5000, tracking_uri: str | None = None, on_ready: Callable[[st
 
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     proc = None
+    stopped = False
     try:
         # the server's own output goes to stderr: stdout carries only what the caller prints
         proc = _launch(ui_command(port, uri))  # kill -9 of this process must not leave the server serving
@@ -99,12 +100,16 @@ def ui(port: int = 5000, tracking_uri: str | None = None, on_ready: Callable[[st
                   file=sys.stderr, flush=True)
         return proc.wait()
     except (_Stop, KeyboardInterrupt):
+        stopped = True
         return 0
     finally:
         for sig in handlers:  # a second signal must not cut the group's shutdown short
             signal.signal(sig, signal.SIG_IGN)
         if proc is not None:
             _stop_group(proc)
+            if stopped:
+                print(f"registry: the MLflow UI is stopped (its process group {proc.pid} is down)",
+                      file=sys.stderr, flush=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 

@@ -333,6 +333,8 @@ def test_ui_stops_its_process_group_with_the_command(tmp_path, how):
         if how == "sigterm":
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
+            assert f"registry: the MLflow UI is stopped (its process group {pgid} is down)" in (
+                tmp_path / "stderr").read_text()
         else:
             proc.kill()
             assert proc.wait(timeout=60) == -signal.SIGKILL
