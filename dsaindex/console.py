@@ -79,14 +79,19 @@ def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-def emit_report(report: dict, out: Path | None = None, markdown: Path | None = None, table: str | None = None) -> None:
-    """Print a benchmark's JSON report; also write it to ``out`` and ``table`` to ``markdown``."""
+def save_report(report: dict, out: Path | None = None, markdown: Path | None = None, table: str | None = None) -> str:
+    """Write a report's JSON to ``out`` and ``table`` to ``markdown`` (where given); returns the JSON text."""
     text = json.dumps(report, indent=2)
     if out:
         out.write_text(text)
     if markdown and table is not None:
         markdown.write_text(table)
-    print(text)
+    return text
+
+
+def emit_report(report: dict, out: Path | None = None, markdown: Path | None = None, table: str | None = None) -> None:
+    """Print a benchmark's JSON report; also write it to ``out`` and ``table`` to ``markdown``."""
+    print(save_report(report, out, markdown, table))
 
 
 def markdown_rows(headers: list[str], rows: list[list[str]]) -> str:

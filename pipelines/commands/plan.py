@@ -139,7 +139,7 @@ def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artif
     """``plan memory --mode plugin``: :func:`dsaindex.runtime.planner.engine_pool` as a table (or JSON)."""
     from dataclasses import asdict
 
-    from dsaindex.console import emit_report, markdown_rows
+    from dsaindex.console import emit_report, markdown_rows, save_report
     from dsaindex.runtime import planner
     from dsaindex.runtime.paged_select import device_bytes_per_key
 
@@ -162,10 +162,7 @@ def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artif
     if as_json:
         emit_report(report, out, markdown, md)
         return
-    if out:
-        out.write_text(json.dumps(report, indent=2))
-    if markdown:
-        markdown.write_text(md)
+    save_report(report, out, markdown, md)
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -279,15 +276,12 @@ def plan_memory(
                                                       cache_rows, score_rows, ivf_budget)},
     }
     tables, md = render(report)
-    if as_json:
-        from dsaindex.console import emit_report
+    from dsaindex.console import emit_report, save_report
 
+    if as_json:
         emit_report(report, out, markdown, md)
         return
-    if out:
-        out.write_text(json.dumps(report, indent=2))
-    if markdown:
-        markdown.write_text(md)
+    save_report(report, out, markdown, md)
     from rich.console import Console
 
     console = Console()
