@@ -230,6 +230,19 @@ def test_decode_selection_is_exact_when_every_key_is_a_candidate_and_keeps_most_
     assert int(op.selector.stats.stale.sum()) == 0
 
 
+def cuda_attention(layer, cache, buffer, vc) -> SimpleNamespace:
+    """The attention module as vLLM's CUDA-path ``DeepseekV32Attention._sparse_indexer_and_attn`` reads it (its
+    indexer, flags and attention impl), with its layer registered in the forward context."""
+    attn = SimpleNamespace(
+        indexer=SimpleNamespace(k_cache=cache, quant_block_size=128, scale_fmt="ue8m0", topk_tokens=TOPK, head_dim=D,
+                                max_model_len=1 << 16, max_total_seq_len=1 << 16, indexer_op=layer),
+        skip_topk=False, use_pcp=False, pcp_shard_decode_requests=False, topk_indices_buffer=buffer,
+        _dense_mha_metadata_layer_name="model.layers.1.self_attn.attn", dcp_manager=None, _vllm_config=vc,
+        impl=SimpleNamespace(record_logical_topk_ready=lambda: None), layer_name="model.layers.1.self_attn.attn")
+    vc.compilation_config.static_forward_context[attn.layer_name] = SimpleNamespace(kv_cache=None)
+    return attn
+
+
 def test_the_cuda_model_path_calls_reach_the_plugin(plugin, monkeypatch):
     """On CUDA vLLM serves DeepSeek-V3.2 and GLM-5 with models/deepseek_v32 (nvidia/model.py), whose attention
     calls the plain function ``sparse_attn_indexer(...)`` and never the layer's ``indexer_op``. Built as on
@@ -260,14 +273,7 @@ def test_the_cuda_model_path_calls_reach_the_plugin(plugin, monkeypatch):
     q = (synthetic_keys(len(lens) * H, seed=9).view(len(lens), H, D) * 0.5).to(torch.float8_e4m3fn)
     weights = torch.rand(len(lens), H, generator=g) * (D**-0.5) * (H**-0.5)
     q_c = torch.zeros(len(lens), 16, dtype=torch.bfloat16)
-    # the attention module as _sparse_indexer_and_attn reads it (its indexer, flags and attention impl)
-    attn = SimpleNamespace(
-        indexer=SimpleNamespace(k_cache=cache, quant_block_size=128, scale_fmt="ue8m0", topk_tokens=TOPK, head_dim=D,
-                                max_model_len=1 << 16, max_total_seq_len=1 << 16, indexer_op=layer),
-        skip_topk=False, use_pcp=False, pcp_shard_decode_requests=False, topk_indices_buffer=buffer,
-        _dense_mha_metadata_layer_name="model.layers.1.self_attn.attn", dcp_manager=None, _vllm_config=vc,
-        impl=SimpleNamespace(record_logical_topk_ready=lambda: None), layer_name="model.layers.1.self_attn.attn")
-    vc.compilation_config.static_forward_context[attn.layer_name] = SimpleNamespace(kv_cache=None)
+    attn = cuda_attention(layer, cache, buffer, vc)
     output = torch.ones(len(lens), 8)
     buffer.fill_(12345)
     metadata = {cache.prefix: decode_metadata(block_table, lens), attn.layer_name: None}
@@ -428,13 +434,21 @@ def test_host_resident_keys_are_refused_at_layer_build(plugin, monkeypatch):
 
 
 @pytest.mark.parametrize("lens_form", ["per_row", "last_row"])
-def test_mtp_verify_rows_each_select_their_own_prefix(plugin, lens_form):
+def test_mtp_verify_rows_each_select_their_own_prefix(plugin, monkeypatch, lens_form):
     """Speculative decoding (MTP): next_n = 3 query rows per request, request-major as vLLM lays out the decode
     tokens; seq_lens either [B, next_n] (vLLM's per-row lengths) or [B, 1] (the last row's). Every completed
     key a candidate: each row's selection is the exact top-k of the keys that row may see (none of a later
-    row's), and the newest keys stay in a short request's first entries."""
+    row's), and the newest keys stay in a short request's first entries. vLLM's CUDA model path
+    (``_sparse_indexer_and_attn``, calling the hooked ``sparse_attn_indexer``) gives the same rows."""
+    import vllm.models.deepseek_v32.attention as cuda_path
+    from dsaindex_vllm import op as plugin_op
+
+    monkeypatch.setattr(plugin_op, "_platform_is_cuda", lambda: True)  # vLLM's registry on CUDA
+    monkeypatch.setattr(cuda_path, "sparse_attn_indexer", cuda_path.sparse_attn_indexer)  # restored afterwards
     next_n = 3
-    op, cache, buffer = build_layer(vllm_config(CFG))
+    vc = vllm_config(CFG.__class__(**{**CFG.to_dict(), "architectures": ["DeepseekV32ForCausalLM"]}))
+    op, cache, buffer = build_layer(vc)
+    assert op.model_path == "function"
     lens = [3000 + 37, 1500, 200]  # the last row's keys; rows before it see one and two fewer
     b = len(lens)
     g = torch.Generator().manual_seed(5)
@@ -455,9 +469,16 @@ def test_mtp_verify_rows_each_select_their_own_prefix(plugin, lens_form):
                                       slot_mapping=torch.zeros(rows, dtype=torch.int64), num_decodes=b,
                                       num_decode_tokens=rows, num_prefills=0, num_prefill_tokens=0, decode=dec)
     buffer.fill_(12345)
-    with set_forward_context({cache.prefix: meta}, vllm_config(CFG)):
+    with set_forward_context({cache.prefix: meta}, vc):
         op(torch.zeros(rows, 16, dtype=torch.bfloat16), q, None, weights)
     got = buffer[:rows].long()
+    attn = cuda_attention(op, cache, buffer, vc)
+    buffer[:rows] = 12345
+    with set_current_vllm_config(vc), set_forward_context({cache.prefix: meta, attn.layer_name: None}, vc):
+        cuda_path.DeepseekV32Attention._sparse_indexer_and_attn(
+            attn, torch.arange(rows), torch.zeros(rows, 16, dtype=torch.bfloat16), None, None, q, None, weights,
+            None, None, None, None, torch.ones(rows, 8))
+    assert torch.equal(buffer[:rows].long(), got)  # the CUDA model path reaches the same selection
     scores, want = exact_topk(pages_flat, block_table.repeat_interleave(next_n, 0), row_lens, q, weights)
     for r, n in enumerate(row_lens):
         if n > TOPK:
