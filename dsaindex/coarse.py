@@ -29,6 +29,9 @@ DIRECT_UPTO = 2  # H200, 1M keys: faster at 1 and 2 requests, even at 4, slower 
 # the held-out recall of the exact top-k each decode layer must reach when its C is chosen from its bundle's
 # measured recall (``dsaindex serve --candidates auto``; ``dsaindex.runtime.serving.candidates_for_recall``)
 RECALL_TARGET = 0.995
+# the engine plugins' exact path: a decode step of B requests whose longest has N keys is scored exactly (the
+# engine's own DeepGEMM logits + top-k) when B x N is at most this (bench paged, H200)
+PAGED_EXACT_BELOW = 1 << 21
 
 
 def check_filter_width(width: float) -> float:

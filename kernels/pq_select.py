@@ -465,15 +465,17 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
 def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-                   max_len: int | None = None, linear_config: dict | None = None,
+                   max_len: int | None = None, linear_config: dict | None = None, one_program_max: int | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode step's two coarse stages and its top C, on Triton: stage 1 keeps every key above a
     sampled threshold aiming at ``c1`` (int8 tables, :func:`pq_linear_topc` with ``keep_all``), stage 2
     scores those with every head (:func:`pq_candidate_scores`), and the best ``c`` are kept
-    (:func:`~dsaindex.kernels.topk.small_topk` reading only the filled slots). Inputs as
-    :func:`pq_linear_topc` (``page_table``: codes kept per physical page). Returns (scores [B, c] float32,
-    rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
-    from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
+    (:func:`~dsaindex.kernels.topk.small_topk` reading only the filled slots, one program a row; stage-1
+    buffers wider than ``one_program_max``, default :data:`~dsaindex.kernels.topk.SMALL_TOPK_MAX`, by the
+    threshold top-k :func:`~dsaindex.kernels.topk.rows_topk`, which also reads only the filled slots).
+    Inputs as :func:`pq_linear_topc` (``page_table``: codes kept per physical page). Returns (scores [B, c]
+    float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
+    from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk
 
     rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
                              max_len, linear_config)
@@ -481,10 +483,12 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
                                  page_table=page_table)
     c = min(c, coarse.shape[1])
-    if coarse.shape[1] <= SMALL_TOPK_MAX:  # slots past a row's count were never written: not read either
+    # slots past a row's count were never written: neither top-k reads them
+    if coarse.shape[1] <= (SMALL_TOPK_MAX if one_program_max is None else one_program_max):
         scores, rows = small_topk(coarse, c, rows1, counts=counts1)
-    else:  # stage 2 wrote -inf past each count
-        scores, rows = small_topk_reference(coarse, c, rows1)
+    else:  # a wide stage 1 (C1 = 8 x 4,096 keeps up to 65,536): sampled threshold, append, top C of that
+        scores, cols = rows_topk(coarse, counts1, c)
+        rows = torch.where(cols >= 0, rows1.gather(1, cols.clamp_min(0)).long(), -1)
     return scores, rows, counts1
 
 

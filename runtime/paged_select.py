@@ -26,6 +26,17 @@ in its decode CUDA graph:
    from the engine's FP8 pages (:func:`~dsaindex.kernels.fp8_score.fp8_gather_scores_paged`, FP8 queries
    as the engines' logits); top-k.
 
+A small step is scored exactly instead (the *exact path*): when B times the longest request's keys is at
+most ``exact_below`` (:data:`dsaindex.coarse.PAGED_EXACT_BELOW`; ``DSAINDEX_EXACT_BELOW`` in the plugins),
+stages 1-4 give way to what the engine runs without the plugin, DeepGEMM's ``fp8_paged_mqa_logits`` over the same pages (the Triton
+:func:`~dsaindex.kernels.fp8_score.fp8_logits_paged` where DeepGEMM does not import) and the threshold
+top-k :func:`~dsaindex.kernels.topk.rows_topk`; below that size the PQ step's fixed cost (a few dozen
+launches) is more than the engine's whole step. The choice is made on the device: inside a captured CUDA
+graph each path is a conditional node (CUDA 12.4's IF nodes, through
+``torch.cuda.CUDAGraph.begin_capture_to_if_node``) and a replay runs only the one its step needs; eagerly
+the host reads the lengths. The catch-up (1) runs on both paths, so a request's codes are current when
+its batch grows past the bound.
+
 Pages that complete outside decode steps (a prefill, a prefix-cache hit) are encoded by
 :meth:`PagedCacheSelector.prepare`, which synchronizes and is called from the engine's eager prefill path
 (or by ``select`` itself when it runs eagerly). Under a captured graph the catch-up alone encodes
@@ -48,12 +59,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PREFILTER
 from dsaindex.errors import DsaIndexError
+from dsaindex.kernels import deepgemm
 from dsaindex.kernels import select as select_kernels
 from dsaindex.kernels.fp8_score import (
     fp8_gather_scores_paged,
     fp8_gather_scores_reference,
+    fp8_logits_paged,
+    fp8_scores_reference,
     paged_keys_reference,
 )
 from dsaindex.kernels.paged_codes import (
@@ -71,7 +85,13 @@ from dsaindex.kernels.pq_select import (
     pq_coarse_topc,
     pq_linear_topc_reference,
 )
-from dsaindex.kernels.topk import SMALL_TOPK_MAX, small_topk, small_topk_reference
+from dsaindex.kernels.topk import (
+    SMALL_TOPK_MAX,
+    rows_topk,
+    rows_topk_reference,
+    small_topk,
+    small_topk_reference,
+)
 from dsaindex.pq import PQCodec, rotate
 
 PAGE = 64
@@ -137,11 +157,14 @@ class PagedCacheSelector:
         2.8 for 32 x 4,160 keys on the H200)
     use_triton : the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``), else their torch
         references (the same algorithm on a CPU)
+    exact_below : a step whose batch size times its longest request's keys is at most this is scored
+        exactly, as the engine scores it without the plugin (the exact path; 0: never). Ignored with
+        ``keys_on_host`` (exact scoring would read every key over the host link).
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
-                 use_triton: bool | None = None, keys_on_host: bool = False):
+                 use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
@@ -159,6 +182,8 @@ class PagedCacheSelector:
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
+        self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
+        self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
         self.check_window = self.catch_up if keys_on_host else 0  # 0: every completed page
         self.gather_block = 16 if keys_on_host else 64
         self.head_dim = head_dim
@@ -272,9 +297,79 @@ class PagedCacheSelector:
         if eager_refresh:
             self.prepare(cache, table, lengths)
         encoded, stale = self._catch_up(rows, table, lengths)
+        args = (rows, table, lengths, queries, head_weights, init_tokens, local_tokens)
+        exact_width = min(w, -(-self.exact_below // (PAGE * max(1, b))))  # pages the exact path reads at most
+        if not exact_width or b * w * PAGE <= self.exact_below:  # the shapes alone decide
+            out, stage1 = self._run("exact" if exact_width else "pq", *args, exact_width)
+        else:
+            exact = lengths.max() * b <= self.exact_below  # on the device: no sync inside a graph
+            graph = _capturing_graph(dev)
+            if graph is not None:  # one conditional node per path: a replay runs the one its step needs
+                out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)  # outlive the nodes
+                stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
+                for path, pred in (("exact", exact), ("pq", exact.logical_not())):
+                    graph.begin_capture_to_if_node(pred)
+                    try:
+                        picked, counts1 = self._run(path, *args, exact_width)
+                        out.copy_(picked)
+                        stage1.copy_(counts1)
+                    finally:
+                        graph.end_capture_to_conditional_node()
+            elif dev.type == "cuda" and torch.cuda.is_current_stream_capturing():  # no conditional nodes: codes
+                out, stage1 = self._run("pq", *args, exact_width)
+            else:  # eagerly: the host reads the choice; the first call runs both paths (compiled before a capture)
+                chosen = "exact" if bool(exact) else "pq"
+                for path in [p for p in ("exact", "pq") if p not in self._warm and p != chosen] + [chosen]:
+                    out, stage1 = self._run(path, *args, exact_width)
+        self.stats = PagedStats(encoded, stale, stage1)
+        return out
+
+    def _run(self, path: str, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+             head_weights: torch.Tensor, init_tokens: int, local_tokens: int,
+             exact_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One path of a step: (positions [B, topk] int32, valid first then -1; stage-1 counts [B] int32)."""
+        self._warm.add(path)
+        b = table.shape[0]
+        wt = head_weights.reshape(b, -1).to(rows.device, torch.float32).contiguous()
+        if path == "exact":
+            picked = self._select_exact(rows, table, lengths, queries, wt, exact_width, init_tokens, local_tokens)
+            counts1 = torch.zeros(b, dtype=torch.int32, device=rows.device)
+        else:
+            picked, counts1 = self._select_pq(rows, table, lengths, queries, wt, init_tokens, local_tokens)
+        if picked.shape[1] < self.topk:  # fewer keys in the table than top-k
+            picked = torch.cat([picked, picked.new_full((b, self.topk - picked.shape[1]), -1)], dim=1)
+        return picked, counts1
+
+    def _select_exact(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                      wt: torch.Tensor, width: int, init_tokens: int, local_tokens: int) -> torch.Tensor:
+        """The engine's own exact step over the first ``width`` pages of each request: FP8 logits of every
+        key, the forced tokens lifted above all, top-k (valid entries first, -1 after)."""
+        k = min(self.topk, width * PAGE)
+        if self.use_triton and rows.is_cuda and deepgemm.unavailable() is None and deepgemm.supports_heads(wt.shape[1]):
+            cache = rows.as_strided((rows.shape[0], PAGE, 1, self.head_dim + 4),
+                                    (rows.stride(0), self.head_dim + 4, self.head_dim + 4, 1))
+            logits = deepgemm.paged_logits(cache, table, lengths, queries, wt, width * PAGE, masked=False)
+        elif self.use_triton:
+            q = queries if queries.dtype == torch.float8_e4m3fn else queries.to(torch.bfloat16)
+            logits = fp8_logits_paged(rows, table[:, :width].contiguous(), lengths, q.contiguous(), wt)
+        else:
+            keys, scales = paged_keys_reference(rows, table[:, :width], self.head_dim)
+            logits = fp8_scores_reference(keys, scales, queries.float(), wt, query_fp8=True)
+        forced = _forced(lengths.long(), init_tokens, local_tokens)
+        if forced is not None:  # forced tokens first, whatever they score (finite: the top-k's "nothing" is -inf)
+            lift = torch.zeros_like(logits).scatter_reduce_(1, forced.clamp_min(0), (forced >= 0).float(), "amax")
+            logits = torch.where(lift > 0, torch.finfo(torch.float32).max, logits)
+        top = rows_topk if self.use_triton else rows_topk_reference  # each reads a row's first lengths[b] entries
+        values, picked = top(logits, lengths, k)
+        return torch.where(values > float("-inf"), picked, torch.full_like(picked, -1)).to(torch.int32)
+
+    def _select_pq(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                   wt: torch.Tensor, init_tokens: int, local_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stages 2-4 of a step: (positions [B, k] int32, valid first; stage-1 counts [B] int32)."""
+        dev = rows.device
+        b, w = table.shape
         q = queries.to(dev).float().to(torch.bfloat16).contiguous() if queries.dtype == torch.float8_e4m3fn \
             else queries.to(dev, torch.bfloat16).contiguous()
-        wt = head_weights.reshape(b, -1).to(dev, torch.float32).contiguous()
         n_coded = (lengths // PAGE) * PAGE
         groups = []
         stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
@@ -304,11 +399,7 @@ class PagedCacheSelector:
         # valid entries first, -1 after: both top-k paths put -inf (nothing there) last, and SGLang's decode
         # backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds all
         # its keys there, its newest ones (the tail, after the candidate block) included
-        picked = torch.where(values > float("-inf"), picked, torch.full_like(picked, -1))
-        out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)
-        out[:, :k] = picked.to(torch.int32)
-        self.stats = PagedStats(encoded, stale, stage1)
-        return out
+        return torch.where(values > float("-inf"), picked, torch.full_like(picked, -1)).to(torch.int32), stage1
 
     def _coarse(self, table: torch.Tensor, n_coded: torch.Tensor, q: torch.Tensor,
                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +419,16 @@ class PagedCacheSelector:
     def gpu_bytes(self) -> int:
         """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
+
+
+def _capturing_graph(device: torch.device):
+    """The CUDA graph being captured on ``device``'s current stream, where this torch can put conditional
+    nodes in it (``begin_capture_to_if_node``); else None."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    graph = current() if current is not None else None
+    return graph if graph is not None and hasattr(graph, "begin_capture_to_if_node") else None
 
 
 def device_bytes_per_key(subspaces: int, head_dim: int = 128) -> float:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PREFILTER, RECALL_TARGET
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PAGED_EXACT_BELOW, PREFILTER, RECALL_TARGET
 from dsaindex.errors import DsaIndexError
 
 Auto = Literal["auto"]
@@ -98,6 +98,17 @@ def parse_flag(value: Any, where: str) -> bool:
     if text in ("", "0", "false", "no", "off"):
         return False
     raise DsaIndexError(f"{where} {value!r} is not a yes/no value.", f"set {where} to 1 or 0.")
+
+
+def parse_count(value: Any, where: str) -> int:
+    """A count of zero or more (``2097152``, or with a binary suffix: ``2M``, ``512K``)."""
+    text = "" if value is None else str(value).strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit():
+        raise DsaIndexError(f"{where} {value!r} is not a count of keys.",
+                            f"set {where} to a whole number such as 2097152 or 2M (0 turns it off).")
+    return int(digits) * scale
 
 
 def parse_basis(value: Any, where: str = "--basis") -> str:
@@ -246,6 +257,11 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "each layer's stage 1 chosen with its C.", f"`auto` with `DSAINDEX_CANDIDATES=auto`, else {PREFILTER}"),
     EnvVar("DSAINDEX_RECALL_TARGET", "recall_target", parse_fraction, RECALL_TARGET,
            "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
+    EnvVar("DSAINDEX_EXACT_BELOW", "exact_below", parse_count, PAGED_EXACT_BELOW,
+           "A decode step of B requests whose longest has N keys is scored exactly, as the engine scores it "
+           "without the plugin (DeepGEMM's logits + top-k), when B x N is at most this; above it, by the "
+           "codes. Inside a CUDA graph both paths are captured as conditional nodes and each replay runs one. "
+           "0: always the codes. Ignored with `DSAINDEX_KEYS=host`.", "`2M` (2,097,152)"),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",
@@ -270,6 +286,7 @@ class EngineSettings:
     candidates: int | Auto | None
     prefilter: int | Auto
     recall_target: float
+    exact_below: int
     allow_other_weights: bool
     keys: str
     cache_dir: str | None

@@ -120,6 +120,26 @@ def test_paged_stage_one_and_two_match_their_references(table_dtype):
                                pq_candidate_scores_reference(flat, rows, q, w, cb), rtol=1e-3, atol=1e-3)
 
 
+def test_a_wide_stage_one_keeps_the_same_top_c_through_the_threshold_top_k():
+    """Stage-1 buffers wider than one program holds (C1 = 8 x 4,096 at the plugins' default point) take the
+    threshold top-k; it keeps the same C rows as the one-program top-k, padding past short rows included."""
+    from dsaindex.kernels.pq_select import pq_coarse_topc
+
+    g = torch.Generator().manual_seed(3)
+    m, k = 8, 16
+    codes = torch.randint(0, k, (40, 64, m), generator=g, dtype=torch.int32).to(torch.uint8).to(DEV)
+    cb = torch.randn(m, k, D // m, generator=g).to(DEV)
+    table = torch.randperm(40, generator=g)[:36].view(2, 18).to(torch.int32).to(DEV)
+    lengths = torch.tensor([64 * 18, 64 * 3], dtype=torch.int32, device=DEV)
+    q, w = queries(2)
+    q = q.float().to(torch.bfloat16)
+    one = pq_coarse_topc(codes, lengths, q, w, cb, 400, 300, page_table=table)
+    wide = pq_coarse_topc(codes, lengths, q, w, cb, 400, 300, page_table=table, one_program_max=64)
+    assert torch.equal(one[2], wide[2]) and int(one[2][1]) == 64 * 3
+    assert as_sets(one[1]) == as_sets(wide[1]) and len(as_sets(wide[1])[1]) == 64 * 3
+    assert (wide[1][1, 64 * 3 :] == -1).all()
+
+
 @pytest.mark.parametrize("strided", [False, True])
 def test_paged_exact_gather_reads_the_engines_pages_in_place(strided):
     from dsaindex.kernels.fp8_score import fp8_gather_scores_paged
@@ -205,7 +225,7 @@ def test_every_key_a_candidate_is_the_exact_topk(use_triton, opq):
     lengths = [300, 131, 40]
     cache, table, _ = engine_cache(lengths, 16)
     q, w = queries(3)
-    sel = PagedCacheSelector(opq_codec() if opq else codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV,
+    sel = PagedCacheSelector(opq_codec() if opq else codec(), 16, topk=24, candidates=512, head_dim=D, device=DEV, exact_below=0,
                              use_triton=use_triton)
     got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
     assert got.dtype == torch.int32 and got.shape == (3, 24)
@@ -221,7 +241,7 @@ def test_a_request_shorter_than_topk_has_every_key_first_and_padding_after(use_t
     lengths = [300, 131, 40, 64]
     cache, table, _ = engine_cache(lengths, 16)
     q, w = queries(4)
-    sel = PagedCacheSelector(codec(), 16, topk=512, candidates=1024, head_dim=D, device=DEV, use_triton=use_triton)
+    sel = PagedCacheSelector(codec(), 16, topk=512, candidates=1024, head_dim=D, device=DEV, exact_below=0, use_triton=use_triton)
     got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w).cpu()
     for row, n in zip(got, lengths, strict=True):
         assert sorted(row[:n].tolist()) == list(range(n)), (n, row[:n])
@@ -235,7 +255,7 @@ def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
     want = exact(cache, table, lengths, q, w, 32)
     picks = []
     for use_triton in (True, False):
-        sel = PagedCacheSelector(codec(), 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV,
+        sel = PagedCacheSelector(codec(), 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV, exact_below=0,
                                  use_triton=use_triton)
         picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
         kept = recall(picks[-1], want)
@@ -251,7 +271,7 @@ def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
     cache, table, _ = engine_cache(lengths, 10)
     q, w = queries(1)
     seq = torch.tensor(lengths, device=DEV)
-    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, catch_up=3, head_dim=D, device=DEV)
+    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, catch_up=3, head_dim=D, device=DEV, exact_below=0)
     left = []
     for _ in range(3):
         sel.select(cache, table, seq, q, w, eager_refresh=False)
@@ -264,7 +284,7 @@ def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
     cache[page] = page_bytes(clustered(64, torch.Generator().manual_seed(99))).to(DEV)
     sel.select(cache, table, seq, q, w, eager_refresh=False)
     assert int(sel.stats.encoded[0]) == 1 and int(sel.stats.stale[0]) == 0
-    fresh = PagedCacheSelector(codec(), 10, topk=16, candidates=64, head_dim=D, device=DEV)
+    fresh = PagedCacheSelector(codec(), 10, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0)
     assert fresh.prepare(cache, table, seq) == 7 and fresh.prepare(cache, table, seq) == 0
     assert torch.equal(fresh.codes[table[0, :7].long()], sel.codes[table[0, :7].long()])
     assert as_sets(sel.select(cache, table, seq, q, w)) == as_sets(fresh.select(cache, table, seq, q, w))
@@ -278,7 +298,7 @@ def test_keys_on_host_check_only_the_pages_a_step_can_complete(use_triton):
     lengths = [64 * 7 + 63]
     cache, table, _ = engine_cache(lengths, 10, room=1)
     q, w = queries(1)
-    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, head_dim=D, device=DEV, use_triton=use_triton,
+    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0, use_triton=use_triton,
                              keys_on_host=True)
     assert sel.prepare(cache, table, torch.tensor(lengths, device=DEV)) == 7
     seq = torch.tensor([lengths[0] + 1], device=DEV)  # the next key completes page 7: found and encoded
@@ -296,10 +316,10 @@ def test_adopted_codes_count_as_current_until_the_page_changes():
     cache, table, _ = engine_cache(lengths, 8)
     q, w = queries(1)
     seq = torch.tensor(lengths, device=DEV)
-    made = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV)
+    made = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0)
     made.prepare(cache, table, seq)
     pages = table[0].long()
-    sel = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV)
+    sel = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0)
     sel.adopt(cache, pages, made.codes[pages])
     got = sel.select(cache, table, seq, q, w, eager_refresh=False)
     assert int(sel.stats.encoded[0]) == 0 and int(sel.stats.stale[0]) == 0
@@ -308,11 +328,12 @@ def test_adopted_codes_count_as_current_until_the_page_changes():
         sel.adopt(cache, pages, made.codes[pages][:, :32])
 
 
-def test_forced_tokens_are_selected_once_and_slots_map_through_the_table():
+@pytest.mark.parametrize("exact_below", [0, 1 << 20])
+def test_forced_tokens_are_selected_once_and_slots_map_through_the_table(exact_below):
     lengths = [700, 200]
     cache, table, _ = engine_cache(lengths, 20)
     q, w = queries(2)
-    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV)
+    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=exact_below)
     got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w, init_tokens=3, local_tokens=5)
     for row, n in zip(got.tolist(), lengths, strict=True):
         kept = [p for p in row if p >= 0]
@@ -322,6 +343,74 @@ def test_forced_tokens_are_selected_once_and_slots_map_through_the_table():
     p = int(got[0, 0])
     assert int(slots[0, 0]) == int(table[0, p // 64]) * 64 + p % 64
     assert ((slots >= 0) == (got >= 0)).all()
+
+
+# ---- the exact path: a small step scored as the engine scores it ----------------------------------
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_a_small_step_is_the_engines_exact_topk_with_every_key_of_a_short_request_first(use_triton):
+    """At most ``exact_below`` keys (B x the longest request): the step scores every key (stage 1 passes
+    nothing), selects the exact top-k, and a request shorter than top-k has all its keys first, -1 after.
+    The same step through PQ at a narrow C misses part of the exact top-k, so the exact path is what ran."""
+    lengths = [1300, 700, 100]
+    cache, table, _ = engine_cache(lengths, 40)
+    q, w = queries(3)
+    lens = torch.tensor(lengths, device=DEV)
+    want = exact(cache, table, lengths, q, w, 256)
+    small = PagedCacheSelector(codec(), 40, topk=256, candidates=256, prefilter=1, head_dim=D, device=DEV,
+                               use_triton=use_triton, exact_below=3 * 1300)
+    got = small.select(cache, table, lens, q, w).cpu()
+    assert as_sets(got) == as_sets(want)
+    assert int(small.stats.stage1.sum()) == 0
+    assert sorted(got[2, :100].tolist()) == list(range(100)) and (got[2, 100:] == -1).all()
+    pq = PagedCacheSelector(codec(), 40, topk=256, candidates=256, prefilter=1, head_dim=D, device=DEV,
+                            use_triton=use_triton, exact_below=3 * 1300 - 1)  # one key over: PQ
+    through_pq = pq.select(cache, table, lens, q, w)
+    assert int(pq.stats.stage1.sum()) > 0
+    assert recall(through_pq, want) < 1.0
+
+
+def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():
+    """The catch-up runs on both paths: a captured step that scores exactly still encodes the pages that
+    complete, so the request's first PQ step (its batch grown past the bound) finds no stale code."""
+    lengths = [64 * 3 + 10]
+    cache, table, _ = engine_cache(lengths, 12, room=64 * 4)
+    q, w = queries(1)
+    sel = PagedCacheSelector(codec(), 12, topk=16, candidates=64, catch_up=4, head_dim=D, device=DEV,
+                             exact_below=64 * 7)
+    sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w, eager_refresh=False)
+    assert int(sel.stats.encoded.sum()) == 3 and int(sel.stats.stage1.sum()) == 0
+    sel.exact_below = 0
+    sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w, eager_refresh=False)
+    assert int(sel.stats.stale.sum()) == 0 and int(sel.stats.encoded.sum()) == 0 and int(sel.stats.stage1.sum()) > 0
+
+
+def test_inside_a_capture_each_path_is_a_conditional_node_writing_one_output(monkeypatch):
+    """Where torch puts conditional nodes in a captured graph, both paths are captured, each between its
+    begin/end pair with complementary device predicates, into the same output; a stand-in graph records
+    the calls (the CUDA semantics run in the GPU test)."""
+    from dsaindex.runtime import paged_select
+
+    calls = []
+
+    class Recording:
+        def begin_capture_to_if_node(self, pred):
+            calls.append(("begin", bool(pred)))
+
+        def end_capture_to_conditional_node(self):
+            calls.append(("end",))
+
+    lengths = [700, 200]
+    cache, table, _ = engine_cache(lengths, 20)
+    q, w = queries(2)
+    lens = torch.tensor(lengths, device=DEV)
+    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=2 * 700)
+    runs = []
+    real_run = sel._run
+    monkeypatch.setattr(sel, "_run", lambda path, *a: runs.append(path) or real_run(path, *a))
+    monkeypatch.setattr(paged_select, "_capturing_graph", lambda device: Recording())
+    got = sel.select(cache, table, lens, q, w, eager_refresh=False)
+    assert calls == [("begin", True), ("end",), ("begin", False), ("end",)] and runs == ["exact", "pq"]
+    assert as_sets(got) == as_sets(sel._run("pq", cache, table, lens, q, w, 0, 0, 1)[0])  # the last body's write
 
 
 def test_bad_input_names_the_problem():
@@ -346,8 +435,8 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps(opq):
     lengths = [64 * 40 + 9, 64 * 25]
     cache, table, _ = engine_cache(lengths, 80, strided=True, room=70)
     layer = opq_codec() if opq else codec()
-    sel = PagedCacheSelector(layer, 80, topk=32, candidates=256, head_dim=D, device=DEV)
-    ref = PagedCacheSelector(layer, 80, topk=32, candidates=256, head_dim=D, device=DEV)
+    sel = PagedCacheSelector(layer, 80, topk=32, candidates=256, head_dim=D, device=DEV, exact_below=0)
+    ref = PagedCacheSelector(layer, 80, topk=32, candidates=256, head_dim=D, device=DEV, exact_below=0)
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     static_q, static_w = queries(2)
     sel.prepare(cache, table, static_seq)
@@ -380,6 +469,54 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps(opq):
         want = ref.select(cache, table, static_seq, q, w)
         assert as_sets(static_out) == as_sets(want), step
         assert int(sel.stats.stale.sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_one_captured_step_replays_the_exact_path_or_pq_as_each_step_needs():
+    """Inside a CUDA graph the choice between the exact path and PQ is a pair of conditional nodes: one
+    capture, replayed with lengths below and above the bound, gives each step what eager steps give."""
+    lengths = [64 * 10 + 9, 64 * 6]
+    cache, table, _ = engine_cache(lengths, 80, strided=True, room=64 * 30)
+    bound = 2 * (64 * 20)  # B x longest: steps up to 1,280 keys a request are exact
+    sel = PagedCacheSelector(codec(), 80, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                             exact_below=bound)
+    ref_exact = PagedCacheSelector(codec(), 80, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                                   exact_below=1 << 30)
+    ref_pq = PagedCacheSelector(codec(), 80, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                                exact_below=0)
+    static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    static_q, static_w = queries(2)
+    full = torch.tensor([64 * 38, 64 * 30], dtype=torch.int32, device=DEV)
+    for s in (sel, ref_exact, ref_pq):
+        s.prepare(cache, table, full)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)  # warms both paths
+    torch.cuda.current_stream().wait_stream(stream)
+    assert sel._warm == {"exact", "pq"}
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            static_out = sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    seen = set()
+    for step, lens in enumerate([[640, 300], [1280, 1000], [1281, 100], [2400, 1900], [700, 64], [1900, 1280]]):
+        q, w = queries(2, seed=50 + step)
+        static_seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        static_q.copy_(q)
+        static_w.copy_(w)
+        graph.replay()
+        is_exact = 2 * max(lens) <= bound
+        ref = ref_exact if is_exact else ref_pq
+        want = ref.select(cache, table, static_seq, q, w, eager_refresh=False)
+        assert as_sets(static_out) == as_sets(want), (step, lens)
+        assert (int(sel.stats.stage1.sum()) == 0) == is_exact, (step, lens)
+        seen.add(is_exact)
+    assert seen == {True, False}
 
 
 # ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
@@ -433,7 +570,7 @@ def test_opq_codec_long_requests_keep_the_exact_topk_and_both_paths_agree():
     codec = opq_codec()
     picks = []
     for use_triton in (True, False):
-        sel = PagedCacheSelector(codec, 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV,
+        sel = PagedCacheSelector(codec, 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV, exact_below=0,
                                  use_triton=use_triton)
         picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
         assert recall(picks[-1], want) >= 0.9, use_triton
@@ -485,7 +622,7 @@ def test_production_shape_leads_with_every_key_of_a_short_request_in_the_engines
     table, seq = table.to(DEV), torch.tensor(lengths, dtype=torch.int32, device=DEV)
     q = (torch.randn(len(lengths), h, d, generator=g) * 0.5).to(torch.float8_e4m3fn).to(DEV)
     w = (torch.rand(len(lengths), h, generator=g) * d**-0.5 * h**-0.5).to(DEV)
-    sel = PagedCacheSelector(pq, num_pages, topk, candidates=c, head_dim=d, device=DEV)
+    sel = PagedCacheSelector(pq, num_pages, topk, candidates=c, head_dim=d, device=DEV, exact_below=0)
     got = sel.select(cache, table, seq, q, w)
     slots = to_slots(got, table)
     for b, n in enumerate(lengths):
@@ -531,8 +668,8 @@ def test_a_host_mapped_cache_takes_no_device_memory_and_selects_as_a_device_cach
     assert torch.equal(host.cpu(), dev_cache.cpu())
     seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     q, w = queries(3)
-    on_dev = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV)
-    on_host = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV)
+    on_dev = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV, exact_below=0)
+    on_host = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV, exact_below=0)
     want = on_dev.select(dev_cache, table, seq, q, w)
     assert on_host.prepare(host, table, seq) == sum(n // 64 for n in lengths)
     assert torch.equal(on_host.codes, on_dev.codes)
@@ -562,11 +699,11 @@ def test_verify_rows_share_their_requests_pages_and_select_as_decode_steps():
     rows_len = torch.tensor([n - next_n + 1 + j for n in lengths for j in range(next_n)], dtype=torch.int32,
                             device=DEV)
     q, w = queries(len(lengths) * next_n, seed=9)
-    sel = PagedCacheSelector(codec(), 60, topk=32, candidates=256, head_dim=D, device=DEV)
+    sel = PagedCacheSelector(codec(), 60, topk=32, candidates=256, head_dim=D, device=DEV, exact_below=0)
     for _ in range(16):  # 2 stale pages per row and step: the shared pages are done in 15 steps
         out = sel.select(cache, rows_table, rows_len, q, w, eager_refresh=False)
     assert int(sel.stats.stale.sum()) == 0
-    one = PagedCacheSelector(codec(), 60, topk=32, candidates=256, head_dim=D, device=DEV)
+    one = PagedCacheSelector(codec(), 60, topk=32, candidates=256, head_dim=D, device=DEV, exact_below=0)
     for r in range(rows_len.shape[0]):
         want = one.select(cache, rows_table[r : r + 1], rows_len[r : r + 1], q[r : r + 1], w[r : r + 1])
         assert as_sets(out[r : r + 1]) == as_sets(want), r

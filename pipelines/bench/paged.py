@@ -7,7 +7,10 @@ CUDA graphs, as the engines run decode):
 * ``deepgemm_best``: DeepGEMM's ``fp8_paged_mqa_logits`` over the engines' paged index-K cache and the
   faster of ``torch.topk`` and the runtime's threshold top-k, what SGLang and vLLM run without the plugin;
 * ``plugin_device``: :class:`dsaindex.runtime.paged_select.PagedCacheSelector` over that cache in HBM (the
-  plugins' default, ``DSAINDEX_KEYS=device``);
+  plugins' default, ``DSAINDEX_KEYS=device``), with its exact path: a step of B x N at most ``--exact-below``
+  keys is scored as the engine scores it, chosen on the device by a conditional graph node;
+  ``plugin_device_pq``: the same selector with the exact path off (every step through the codes), timed where
+  the row's step takes the exact path, so each row shows both sides of the bound;
 * ``plugin_host``: the same step with the cache in pinned host memory the GPU reads in place
   (:func:`dsaindex.runtime.mapped.host_mapped_zeros`, ``DSAINDEX_KEYS=host``): the C candidates, the tail
   page and the signatures of each request's last 2 completed pages are read over the host link.
@@ -22,14 +25,15 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PREFILTER
 from dsaindex.console import at_least
 
 KEY_BYTES = 132
 
 
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
-                    subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False) -> dict:
+                    subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
+                    exact_below: int = PAGED_EXACT_BELOW) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -64,30 +68,35 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(logits(), lengths, topk))
     codec = PQCodec(codebooks.float().cpu())
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
-    for place in places:
+    path = "exact" if exact_below and batch * keys <= exact_below else "pq"
+    runs = [(p, p, exact_below) for p in places]
+    if path == "exact" and "device" in places:
+        runs.append(("device_pq", "device", 0))
+    for name, place, bound in runs:
         rows = cache
         if place == "host":
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
-                                      device="cuda", keys_on_host=place == "host")
+                                      device="cuda", keys_on_host=place == "host", exact_below=bound)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False)  # noqa: E731
         step()
-        ms[f"plugin_{place}"], modes[f"plugin_{place}"] = timed(step, graphs)
+        ms[f"plugin_{name}"], modes[f"plugin_{name}"] = timed(step, graphs)
         if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):
             raise RuntimeError("the paged selector found stale pages in the benchmark's adopted codes")
         if profile:
-            profiles[f"plugin_{place}"] = kernel_profile(step)
+            profiles[f"plugin_{name}"] = kernel_profile(step)
         selector = rows = step = None
         torch.cuda.empty_cache()
     code_bytes = device_bytes_per_key(subspaces)
     gpu_bytes = {"exact": KEY_BYTES, "plugin_device": KEY_BYTES + code_bytes, "plugin_host": code_bytes}
+    timed_plugins = [k for k in ms if k.startswith("plugin_")]
     return {
-        "batch": batch, "keys": keys,
+        "batch": batch, "keys": keys, "path": path,
         "median_ms": {k: round(v, 4) for k, v in ms.items()},
         "timing": modes,
-        "speedup_vs_deepgemm": ({f"plugin_{p}": round(ms["deepgemm_best"] / ms[f"plugin_{p}"], 3) for p in places}
+        "speedup_vs_deepgemm": ({k: round(ms["deepgemm_best"] / ms[k], 3) for k in timed_plugins}
                                 if note is None else None),
         "deepgemm": note or "sgl-deep-gemm fp8_paged_mqa_logits + the faster of torch.topk and the threshold top-k",
         "gpu_bytes_per_key_and_layer": {k: round(v, 3) for k, v in gpu_bytes.items()
@@ -98,16 +107,18 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
 
 def markdown_table(report: dict) -> str:
     places = report["places"]
-    head = ["B", "N", "DeepGEMM + best top-k (ms)", *[f"plugin, keys on {p} (ms)" for p in places],
-            *[f"vs DeepGEMM ({p})" for p in places]]
+    head = ["B", "N", "path", "DeepGEMM + best top-k (ms)", *[f"plugin, keys on {p} (ms)" for p in places],
+            *[f"vs DeepGEMM ({p})" for p in places], "codes only (ms)"]
     from dsaindex.console import markdown_rows
 
     cells_of = []
     for r in report["rows"]:
         m, s = r["median_ms"], r["speedup_vs_deepgemm"] or {}
-        cells = [str(r["batch"]), f"{r['keys']:,}", f"{m.get('deepgemm_best', float('nan')):.3f}",
+        pq_only = m.get("plugin_device_pq", m.get("plugin_device") if r.get("path") == "pq" else None)
+        cells = [str(r["batch"]), f"{r['keys']:,}", r.get("path", "pq"), f"{m.get('deepgemm_best', float('nan')):.3f}",
                  *[f"{m[f'plugin_{p}']:.3f}" for p in places],
-                 *[f"{s[f'plugin_{p}']:.2f}x" if s else "n/a" for p in places]]
+                 *[f"{s[f'plugin_{p}']:.2f}x" if s else "n/a" for p in places],
+                 "n/a" if pq_only is None else f"{pq_only:.3f}"]
         cells_of.append(cells)
     return markdown_rows(head, cells_of)
 
@@ -123,6 +134,9 @@ def bench_paged(
     subspaces: int = typer.Option(32, callback=at_least(1), help="Bytes of PQ code per key."),
     places: str = typer.Option("device,host", "--keys-on", help="Where the exact keys live in the plugin's "
                                                                  "step: device, host, or both."),
+    exact_below: int = typer.Option(PAGED_EXACT_BELOW, callback=at_least(0),
+                                    help="The plugins' exact path: steps of B x N at most this many keys are "
+                                         "scored as the engine scores them (DSAINDEX_EXACT_BELOW; 0: never)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),
@@ -157,11 +171,13 @@ def bench_paged(
     rows = []
     for n in key_counts:
         for b in batch_sizes:
-            row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile)
+            row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile,
+                                  exact_below)
             rows.append(row)
-            typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "median_ms", "speedup_vs_deepgemm")}),
+            typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "path", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
-              "prefilter": prefilter, "subspaces": subspaces, "places": list(chosen), "rows": rows}
+              "prefilter": prefilter, "subspaces": subspaces, "exact_below": exact_below, "places": list(chosen),
+              "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))

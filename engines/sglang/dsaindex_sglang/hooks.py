@@ -58,7 +58,7 @@ class PluginState:
             if loaded.kind_of(layer).role != "decode":
                 continue  # other roles (ivf prefill, ...) are not the plugin's; SGLang keeps its own path there
             self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer],
-                                                   keys_on_host=s.keys == "host")
+                                                   keys_on_host=s.keys == "host", exact_below=s.exact_below)
         self.keys = s.keys
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
                               default=0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaindex.coarse import PAGED_EXACT_BELOW
 from dsaindex.pq import PQCodec
 from dsaindex.runtime.paged_select import PagedCacheSelector, to_slots
 
@@ -24,8 +25,10 @@ from dsaindex.runtime.paged_select import PagedCacheSelector, to_slots
 class LayerSelection:
     """One layer's PQ artifact and its selector over SGLang's index-K buffer."""
 
-    def __init__(self, codec: PQCodec, candidates: int, prefilter: int, keys_on_host: bool = False):
+    def __init__(self, codec: PQCodec, candidates: int, prefilter: int, keys_on_host: bool = False,
+                 exact_below: int = PAGED_EXACT_BELOW):
         self.codec, self.candidates, self.prefilter = codec, candidates, prefilter
+        self.exact_below = exact_below  # DSAINDEX_EXACT_BELOW: small steps scored as SGLang scores them
         self.keys_on_host = keys_on_host  # DSAINDEX_KEYS=host: the buffer is host memory read in place
         self.selector: PagedCacheSelector | None = None
 
@@ -34,7 +37,8 @@ class LayerSelection:
         sel = self.selector
         if sel is None or sel.num_pages != cache.shape[0] or sel.device != cache.device or sel.topk != topk:
             sel = PagedCacheSelector(self.codec, cache.shape[0], topk, candidates=max(self.candidates, topk),
-                                     prefilter=self.prefilter, device=cache.device, keys_on_host=self.keys_on_host)
+                                     prefilter=self.prefilter, device=cache.device, keys_on_host=self.keys_on_host,
+                                     exact_below=self.exact_below)
             self.selector = sel
         return sel
 

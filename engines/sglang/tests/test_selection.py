@@ -49,6 +49,24 @@ def test_long_requests_keep_most_of_the_exact_topk(plugin, unfused):
     assert (as_sets(got)[1] & tail) == (as_sets(want)[1] & tail)
 
 
+def test_a_small_step_is_scored_as_sglang_scores_it(plugin, unfused, monkeypatch):
+    """DSAINDEX_EXACT_BELOW: a step whose batch size times its longest request is at most the bound is
+    the engine's own exact top-k (every key scored, stage 1 passes nothing), through the same hook; one key
+    over the bound, the same step goes through the codes."""
+    lengths = [20000, 12345, 64 * 150]
+    layer = plugin["state"].selectors[LAYER]
+    pool, buf, table, meta, q_fp8, weights = build(lengths, seed=3)
+    _, want = exact_reference(buf, table, meta, q_fp8, weights)
+    monkeypatch.setattr(layer, "selector", None)  # rebuilt with the bound below
+    monkeypatch.setattr(layer, "exact_below", 3 * 20000)
+    got = run_sglang(pool, meta, q_fp8, weights)
+    assert as_sets(got) == as_sets(want)
+    assert int(layer.selector.stats.stage1.sum()) == 0
+    layer.selector.exact_below = 3 * 20000 - 1
+    run_sglang(pool, meta, q_fp8, weights)
+    assert int(layer.selector.stats.stage1.sum()) > 0
+
+
 def test_fused_topk_returns_page_table_slots(plugin, monkeypatch):
     monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "1")
     lengths = [900, 3000]

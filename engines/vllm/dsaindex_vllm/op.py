@@ -221,6 +221,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.selector: PagedCacheSelector | None = None
         self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
         self.prefilter = s.decode(topk_tokens).prefilter  # the layer's own once its artifact is known (below)
+        self.exact_below = s.exact_below  # DSAINDEX_EXACT_BELOW: small steps scored as vLLM scores them
         self._engine_layer: bool | None = None
         self.model_path = "op"  # how vLLM's model code reaches this layer (reach_model_path)
         if not s.artifacts:
@@ -322,7 +323,8 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         if self.selector is None or self.selector.num_pages != kv_cache.shape[0]:
             self.selector = PagedCacheSelector(self.codec, kv_cache.shape[0], self.topk_tokens,
                                                candidates=self.candidates, prefilter=self.prefilter,
-                                               head_dim=self.head_dim, device=kv_cache.device)
+                                               head_dim=self.head_dim, device=kv_cache.device,
+                                               exact_below=self.exact_below)
         return self.selector
 
     def _encode_prefills(self, selector: PagedCacheSelector, meta) -> None:

@@ -47,7 +47,7 @@ from dsaindex.kernels.fp8_score import fp8_scores_reference, paged_keys_referenc
 from dsaindex.kernels.select import topk_of_prefixes  # noqa: E402
 from dsaindex.pipelines.capture.models import preset_config  # noqa: E402
 from dsaindex.score import topk_agree  # noqa: E402
-from helpers import PAGE, D, kmeans_codebooks, synthetic_keys, write_keys, write_pq_bundle  # noqa: E402
+from helpers import PAGE, D, synthetic_keys, write_keys, write_pq_bundle  # noqa: E402
 
 PRESET = "bench-v32"  # the production indexer: 64 heads x 128, top-2048
 CFG = preset_config(PRESET)
@@ -65,36 +65,6 @@ def run_loader(env_extra: dict[str, str]) -> object:
     out = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def codebooks():
-    return kmeans_codebooks(synthetic_keys(8192, seed=11))
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory, codebooks):
-    path = tmp_path_factory.mktemp("b") / "bench-v32-pq"
-    write_pq_bundle(path, PRESET, codebooks=codebooks)
-    return path
-
-
-@pytest.fixture
-def plugin(monkeypatch, bundle):
-    """The plugin loaded by vLLM's own loader in this process; the registry restored afterwards."""
-    monkeypatch.setenv("VLLM_PLUGINS", "dsaindex")
-    monkeypatch.setenv("DSAINDEX_ARTIFACTS", str(bundle))
-    monkeypatch.setenv("DSAINDEX_CANDIDATES", "4096")
-    saved = dict(op_registry_oot)
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
-    import vllm.envs as envs
-
-    if hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
-    vllm.plugins.load_general_plugins()
-    yield
-    op_registry_oot.clear()
-    op_registry_oot.update(saved)
 
 
 def vllm_config(hf_config):
