@@ -137,12 +137,15 @@ def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: t
 
 
 def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor, transform: torch.Tensor | None,
-                 codes: torch.Tensor, head_dim: int) -> None:
+                 codes: torch.Tensor, head_dim: int, signature: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None) -> None:
     """:func:`encode_pages_reference` in one Triton launch, one program per (page, subspace), reading the
     keys in place; ``whitened`` / ``transform`` from :func:`whitened_codebooks`. A transform of
     shape [M, d, D] (a rotation, the whitening folded in) projects each whole FP8 key (D a power of two)
     into the subspace's coordinates in the kernel; without one the kernel reads only the subspace's own
-    d bytes of each key, as before. Raises ``ValueError`` on bad input."""
+    d bytes of each key, as before. With ``signature`` [P + 1, 4] int64 and ``valid`` [P + 1] uint8, each
+    encoded page's signature words (:func:`signature_words`) and valid flag are written in the same launch.
+    Raises ``ValueError`` on bad input."""
     from dsaindex.kernels.paged_codes_kernel import encode_pages_kernel
 
     checks.rank("whitened codebooks", whitened, 3, "M, K, D/M")
@@ -165,8 +168,17 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
     n = pages.numel()
     if n == 0 or rows.shape[0] == 0:
         return
+    write_sig = signature is not None
+    if write_sig:
+        checks.shape("signature", signature, (codes.shape[0], SIGNATURE_WORDS), "P + 1, 4")
+        checks.dtype("signature", signature, torch.int64)
+        checks.shape("valid", valid, (codes.shape[0],), "P + 1")
+        checks.dtype("valid", valid, torch.uint8)
+        page_words(rows)  # pages 8-byte aligned: the signature is read as words
     scales = rows[0].view(torch.float32)[16 * head_dim :]
     encode_pages_kernel[(n, m)](rows, scales, rows.stride(0), pages.contiguous(), whitened,
                                 transform if transform is not None else whitened, codes, codes.shape[0] - 1,
+                                signature if write_sig else codes, valid if write_sig else codes,
+                                *signature_words(head_dim),
                                 D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=transform is not None and not rotate,
-                                ROTATE=rotate)
+                                ROTATE=rotate, WRITE_SIG=write_sig)

@@ -6,6 +6,8 @@ made from, counts the stale ones and lists up to ``E`` of them (slots reserved b
 ``encode_pages_kernel``: one program per (listed page, subspace) reads the page's 64 FP8 keys in place,
 whitens the subspace (with ``ROTATE``: projects each whole key through the subspace's rows of the OPQ
 rotation, whitening folded in), and writes the nearest centroid of each key; the scratch page is skipped.
+With ``WRITE_SIG`` the page's first program also records its signature words and marks it valid, so a
+step's catch-up is two launches (list, encode) rather than five.
 """
 
 import triton
@@ -65,16 +67,27 @@ def encode_pages_kernel(
     white_ptr,  # [M, DSUB, DSUB] float32 L^T of each subspace's metric (HAS_METRIC), or [M, DSUB, D] (ROTATE)
     codes_ptr,  # [P + 1, 64, M] uint8 out
     scratch,
+    sig_ptr,  # [P + 1, 4] int64 out (WRITE_SIG): the page's signature words, read as its codes are made
+    valid_ptr,  # [P + 1] uint8 out (WRITE_SIG): 1, the page holds codes
+    w0, w1, w2, w3,  # word offsets of the signature within a page
     D: tl.constexpr,
     M: tl.constexpr,
     K: tl.constexpr,
     DSUB: tl.constexpr,
     HAS_METRIC: tl.constexpr,
     ROTATE: tl.constexpr = False,
+    WRITE_SIG: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     m = tl.program_id(1)
     page = tl.load(pages_ptr + i)
+    if WRITE_SIG and m == 0 and page != scratch:  # one program per page records what its codes are made from
+        words = keys_ptr.to(tl.pointer_type(tl.int64)) + page * (page_stride // 8)
+        tl.store(sig_ptr + page * 4, tl.load(words + w0))
+        tl.store(sig_ptr + page * 4 + 1, tl.load(words + w1))
+        tl.store(sig_ptr + page * 4 + 2, tl.load(words + w2))
+        tl.store(sig_ptr + page * 4 + 3, tl.load(words + w3))
+        tl.store(valid_ptr + page, 1)
     if page != scratch:
         rows = tl.arange(0, 64)
         key_at = keys_ptr + page * page_stride + rows * D + m * DSUB

@@ -120,11 +120,20 @@ class PagedStats:
     """Device counters of the last :meth:`PagedCacheSelector.select` (reading them syncs): ``encoded`` [B]
     pages encoded by the step's catch-up, ``stale`` [B] completed pages scored from stale codes after it
     (0 unless :meth:`PagedCacheSelector.prepare` was skipped for a prefill), ``stage1`` [B] keys stage 1
-    passed to stage 2."""
+    passed to stage 2 (0 on the exact path). The first two are derived from ``found`` [B], the stale pages
+    the catch-up found, when read: no kernel of the step computes them."""
 
-    encoded: torch.Tensor
-    stale: torch.Tensor
+    found: torch.Tensor
+    catch_up: int
     stage1: torch.Tensor
+
+    @property
+    def encoded(self) -> torch.Tensor:
+        return self.found.clamp_max(self.catch_up)
+
+    @property
+    def stale(self) -> torch.Tensor:
+        return (self.found - self.catch_up).clamp_min(0)
 
 
 def check_paged_codes(layers: dict) -> None:
@@ -215,10 +224,11 @@ class PagedCacheSelector:
     def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode physical ``pages`` [n] int64 (``num_pages``, the scratch page, is skipped) and record the
         bytes their codes were made from."""
-        if self.use_triton:
-            encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim)
-        else:
-            encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim, self.rotation)
+        if self.use_triton:  # the signatures and flags written by the same launch
+            encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim, self.signature,
+                         self.valid)
+            return
+        encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim, self.rotation)
         src = pages.clamp_max(max(0, self.num_pages - 1))
         self.signature[pages] = page_words(rows)[src.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)  # a fill kernel: no host-to-device copy inside a graph
@@ -258,12 +268,12 @@ class PagedCacheSelector:
         self.signature[pages] = page_words(rows)[pages.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)
 
-    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync.
-        Returns (pages encoded [B], stale pages left [B])."""
+        Returns the stale pages found [B] int32 (:class:`PagedStats`)."""
         pick, count = self._stale(rows, table, lengths, self.catch_up, self.check_window)
         self._encode_pages(rows, pick.reshape(-1))
-        return count.clamp_max(self.catch_up), (count - self.catch_up).clamp_min(0)
+        return count
 
     def _check_cache(self, rows: torch.Tensor) -> None:
         if rows.shape[0] != self.num_pages:
@@ -276,7 +286,7 @@ class PagedCacheSelector:
     # ---- selection ----------------------------------------------------------------------------------
     def select(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor, queries: torch.Tensor,
                head_weights: torch.Tensor, init_tokens: int = 0, local_tokens: int = 0,
-               eager_refresh: bool | None = None) -> torch.Tensor:
+               eager_refresh: bool | None = None, schedule: torch.Tensor | None = None) -> torch.Tensor:
         """Request-local key positions [B, topk] int32 for one query per request: the selected keys first (in
         no particular order), then -1, so a request of n < topk keys has all n (its newest included) in its
         first n entries, the contract SGLang's decode backends read. ``queries`` [B, H, D] (FP8 e4m3 or
@@ -285,7 +295,10 @@ class PagedCacheSelector:
 
         ``init_tokens`` / ``local_tokens``: the first / last tokens of each request always selected (an
         engine's forced tokens). ``eager_refresh`` runs :meth:`prepare` first (a host sync); the default
-        does so when no CUDA graph is being captured, so eager decoding never scores stale codes."""
+        does so when no CUDA graph is being captured, so eager decoding never scores stale codes.
+        ``schedule``: DeepGEMM's paged-logits metadata of these ``seqlens`` (one row each), as an engine
+        computes it once per step for every layer (:func:`dsaindex.kernels.deepgemm.paged_schedule`; None:
+        the exact path computes it)."""
         rows = page_rows(cache, self.head_dim)
         self._check_cache(rows)
         dev = rows.device
@@ -296,8 +309,8 @@ class PagedCacheSelector:
             eager_refresh = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if eager_refresh:
             self.prepare(cache, table, lengths)
-        encoded, stale = self._catch_up(rows, table, lengths)
-        args = (rows, table, lengths, queries, head_weights, init_tokens, local_tokens)
+        found = self._catch_up(rows, table, lengths)
+        args = (rows, table, lengths, queries, head_weights, init_tokens, local_tokens, schedule)
         exact_width = min(w, -(-self.exact_below // (PAGE * max(1, b))))  # pages the exact path reads at most
         if not exact_width or b * w * PAGE <= self.exact_below:  # the shapes alone decide
             out, stage1 = self._run("exact" if exact_width else "pq", *args, exact_width)
@@ -321,18 +334,19 @@ class PagedCacheSelector:
                 chosen = "exact" if bool(exact) else "pq"
                 for path in [p for p in ("exact", "pq") if p not in self._warm and p != chosen] + [chosen]:
                     out, stage1 = self._run(path, *args, exact_width)
-        self.stats = PagedStats(encoded, stale, stage1)
+        self.stats = PagedStats(found, self.catch_up, stage1)
         return out
 
     def _run(self, path: str, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
-             head_weights: torch.Tensor, init_tokens: int, local_tokens: int,
+             head_weights: torch.Tensor, init_tokens: int, local_tokens: int, schedule: torch.Tensor | None,
              exact_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One path of a step: (positions [B, topk] int32, valid first then -1; stage-1 counts [B] int32)."""
         self._warm.add(path)
         b = table.shape[0]
         wt = head_weights.reshape(b, -1).to(rows.device, torch.float32).contiguous()
         if path == "exact":
-            picked = self._select_exact(rows, table, lengths, queries, wt, exact_width, init_tokens, local_tokens)
+            picked = self._select_exact(rows, table, lengths, queries, wt, exact_width, init_tokens, local_tokens,
+                                        schedule)
             counts1 = torch.zeros(b, dtype=torch.int32, device=rows.device)
         else:
             picked, counts1 = self._select_pq(rows, table, lengths, queries, wt, init_tokens, local_tokens)
@@ -341,14 +355,16 @@ class PagedCacheSelector:
         return picked, counts1
 
     def _select_exact(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
-                      wt: torch.Tensor, width: int, init_tokens: int, local_tokens: int) -> torch.Tensor:
+                      wt: torch.Tensor, width: int, init_tokens: int, local_tokens: int,
+                      schedule: torch.Tensor | None = None) -> torch.Tensor:
         """The engine's own exact step over the first ``width`` pages of each request: FP8 logits of every
         key, the forced tokens lifted above all, top-k (valid entries first, -1 after)."""
         k = min(self.topk, width * PAGE)
         if self.use_triton and rows.is_cuda and deepgemm.unavailable() is None and deepgemm.supports_heads(wt.shape[1]):
             cache = rows.as_strided((rows.shape[0], PAGE, 1, self.head_dim + 4),
                                     (rows.stride(0), self.head_dim + 4, self.head_dim + 4, 1))
-            logits = deepgemm.paged_logits(cache, table, lengths, queries, wt, width * PAGE, masked=False)
+            logits = deepgemm.paged_logits(cache, table, lengths, queries, wt, width * PAGE, schedule=schedule,
+                                           masked=False)
         elif self.use_triton:
             q = queries if queries.dtype == torch.float8_e4m3fn else queries.to(torch.bfloat16)
             logits = fp8_logits_paged(rows, table[:, :width].contiguous(), lengths, q.contiguous(), wt)
@@ -359,9 +375,9 @@ class PagedCacheSelector:
         if forced is not None:  # forced tokens first, whatever they score (finite: the top-k's "nothing" is -inf)
             lift = torch.zeros_like(logits).scatter_reduce_(1, forced.clamp_min(0), (forced >= 0).float(), "amax")
             logits = torch.where(lift > 0, torch.finfo(torch.float32).max, logits)
-        top = rows_topk if self.use_triton else rows_topk_reference  # each reads a row's first lengths[b] entries
-        values, picked = top(logits, lengths, k)
-        return torch.where(values > float("-inf"), picked, torch.full_like(picked, -1)).to(torch.int32)
+        # each reads a row's first lengths[b] entries only, and gives -1 past a short row (its -inf)
+        top = rows_topk if self.use_triton else rows_topk_reference
+        return top(logits, lengths, k)[1].to(torch.int32)
 
     def _select_pq(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
                    wt: torch.Tensor, init_tokens: int, local_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -410,7 +410,7 @@ def test_inside_a_capture_each_path_is_a_conditional_node_writing_one_output(mon
     monkeypatch.setattr(paged_select, "_capturing_graph", lambda device: Recording())
     got = sel.select(cache, table, lens, q, w, eager_refresh=False)
     assert calls == [("begin", True), ("end",), ("begin", False), ("end",)] and runs == ["exact", "pq"]
-    assert as_sets(got) == as_sets(sel._run("pq", cache, table, lens, q, w, 0, 0, 1)[0])  # the last body's write
+    assert as_sets(got) == as_sets(sel._run("pq", cache, table, lens, q, w, 0, 0, None, 1)[0])  # the last body's
 
 
 def test_bad_input_names_the_problem():

@@ -53,6 +53,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     modes: dict[str, str] = {}
     profiles: dict[str, dict] = {}
     note = deepgemm.unavailable()
+    schedule = None
     if note is None:
         schedule = deepgemm.paged_schedule(lengths)
 
@@ -80,7 +81,9 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
                                       device="cuda", keys_on_host=place == "host", exact_below=bound)
         selector.adopt(rows, table.reshape(-1), flat_codes)
-        step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False)  # noqa: E731
+        # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
+        step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
+                                                       schedule=schedule)
         step()
         ms[f"plugin_{name}"], modes[f"plugin_{name}"] = timed(step, graphs)
         if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):

@@ -200,6 +200,41 @@ def test_decode_selection_is_exact_when_every_key_is_a_candidate_and_keeps_most_
     assert int(op.selector.stats.stale.sum()) == 0
 
 
+def test_a_small_step_is_scored_as_vllm_scores_it(plugin, monkeypatch):
+    """DSAINDEX_EXACT_BELOW: a step whose batch size times its longest request is at most the bound (here
+    the default) is vLLM's own exact top-k, every key scored (stage 1 passes nothing); with the bound
+    at 0 the same step's long row goes through the codes and keeps only most of it."""
+    from dsaindex_vllm import op as op_module
+
+    from dsaindex.coarse import PAGED_EXACT_BELOW
+    from dsaindex.runtime.paged_select import PagedCacheSelector
+
+    monkeypatch.setattr(op_module, "PagedCacheSelector", PagedCacheSelector)  # the plugin as shipped
+    op, cache, buffer = build_layer(vllm_config(CFG))
+    assert op.exact_below == PAGED_EXACT_BELOW >= 2 * (24000 + 5)
+    lens = [24000 + 5, 700]
+    g = torch.Generator().manual_seed(4)
+    width = max(-(-n // PAGE) for n in lens)
+    block_table = torch.randperm(cache.kv_cache.shape[0], generator=g)[: len(lens) * width]
+    block_table = block_table.view(len(lens), width).to(torch.int32)
+    pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
+    for b, n in enumerate(lens):
+        write_keys(pages_flat, block_table[b].tolist(), synthetic_keys(n, seed=200 + b))
+    q = (synthetic_keys(len(lens) * H, seed=9).view(len(lens), H, D) * 0.5).to(torch.float8_e4m3fn)
+    weights = torch.rand(len(lens), H, generator=g) * (D**-0.5) * (H**-0.5)
+    hidden = torch.zeros(len(lens), 16, dtype=torch.bfloat16)
+    scores, want = exact_topk(pages_flat, block_table, lens, q, weights)
+    with set_forward_context({cache.prefix: decode_metadata(block_table, lens)}, vllm_config(CFG)):
+        op(hidden, q, None, weights)
+    got = buffer[: len(lens)].long()
+    assert bool(topk_agree(scores, got, want, visible=torch.tensor(lens)).all())
+    assert op.selector.stats.stage1.tolist() == [0, 0]
+    op.selector.exact_below = 0
+    with set_forward_context({cache.prefix: decode_metadata(block_table, lens)}, vllm_config(CFG)):
+        op(hidden, q, None, weights)
+    assert op.selector.stats.stage1.tolist()[0] > 0
+
+
 def cuda_attention(layer, cache, buffer, vc) -> SimpleNamespace:
     """The attention module as vLLM's CUDA-path ``DeepseekV32Attention._sparse_indexer_and_attn`` reads it (its
     indexer, flags and attention impl), with its layer registered in the forward context."""
