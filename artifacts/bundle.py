@@ -11,7 +11,10 @@ shape/dtype/sha256 record of each array), the training lineage (which capture st
 sequences trained and which evaluated) and the metrics of the training.
 
 A bundle is written into a hidden sibling folder and renamed into place at the end, so ``path`` holds
-either a whole bundle or nothing. Reading verifies every array against its checksum. Nothing is ever
+either a whole bundle or nothing. In object storage (``s3://bucket/prefix``, :mod:`dsaindex.artifacts.storage`),
+which has no rename, the arrays are put first and the root ``zarr.json`` (which holds the manifest) last: it
+is the commit marker, and a reader refuses a prefix without it. Reading verifies every array against its
+checksum. Nothing is ever
 pickled, and no string of a manifest is ever turned into code.
 """
 
@@ -24,6 +27,8 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from dsaindex._version import __version__
 from dsaindex.artifacts.fingerprint import ModelFingerprint
+from dsaindex.artifacts.storage import ObjectLocation, location
 from dsaindex.errors import CorruptBundleError, DsaIndexError
 
 if TYPE_CHECKING:
@@ -179,13 +185,22 @@ def _check_arrays(manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarr
                 )
 
 
-def check_bundle_destination(path: str | Path) -> Path:
+def check_bundle_destination(path: str | Path) -> Path | ObjectLocation:
     """Refuse a bundle destination that exists and is not an empty folder, or that cannot be created
     and written (a read-only filesystem, ``/proc``, a path under a file); call it before long work.
 
     The probe creates and removes an empty hidden folder where :func:`write_bundle` will write (beside
-    ``path``, or in the closest existing folder above it); it creates none of the missing folders."""
-    path = Path(path)
+    ``path``, or in the closest existing folder above it); it creates none of the missing folders. In
+    object storage the prefix must hold no object, and a probe object is put and deleted there."""
+    path = location(path)
+    if isinstance(path, ObjectLocation):
+        from dsaindex.artifacts.storage import check_writable, list_objects
+
+        if list_objects(path):
+            raise DsaIndexError(f"{path} holds objects already.",
+                                "write the bundle to a new prefix, or delete the objects under that one.")
+        check_writable(path)
+        return path
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise DsaIndexError(f"{path} exists and is not empty.",
                             "write the bundle to a new path (or leave out --out for a fresh default name), "
@@ -231,10 +246,9 @@ def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, d
         must appear in ``manifest.layers``.
 
     Everything is written into a hidden sibling folder first and renamed onto ``path`` at the end, so a
-    crash leaves no half bundle at ``path``.
+    crash leaves no half bundle at ``path``. For ``s3://bucket/prefix`` the bundle is written into a local
+    temporary folder and put there with its root ``zarr.json`` last (see :func:`publish_bundle`).
     """
-    import zarr
-
     path = check_bundle_destination(path)
     _check_arrays(manifest, arrays)
     layers = {key: art.model_copy(update={"arrays": {}}) for key, art in manifest.layers.items()}
@@ -245,21 +259,16 @@ def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, d
         }
     manifest = manifest.model_copy(update={"layers": layers})
 
+    if isinstance(path, ObjectLocation):
+        with tempfile.TemporaryDirectory(prefix="dsaindex-bundle-") as staging:
+            folder = Path(staging) / path.name
+            _write_group(folder, manifest, arrays)
+            _upload(folder, path)
+        return manifest
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
-        compressors = [zarr.codecs.ZstdCodec(level=3)]
-        for layer, named in arrays.items():
-            sub = group.require_group(f"layers/{layer}")
-            for name, values in named.items():
-                values = np.asarray(values, order="C")
-                arr = sub.create_array(
-                    name, shape=values.shape, chunks=_chunks(values.shape, values.dtype.itemsize),
-                    dtype=values.dtype, compressors=compressors, fill_value=0,
-                )
-                arr[...] = values
-        group.attrs.update({ATTR_KEY: manifest.model_dump(mode="json")})
+        _write_group(tmp, manifest, arrays)
         if path.exists():
             path.rmdir()  # empty (checked above); rename needs the name free
         os.rename(tmp, path)
@@ -269,10 +278,78 @@ def write_bundle(path: str | Path, manifest: BundleManifest, arrays: dict[int, d
     return manifest
 
 
-# ---- reading ---------------------------------------------------------------------------------------
-def _open(path: Path):
+def _write_group(folder: Path, manifest: BundleManifest, arrays: dict[int, dict[str, np.ndarray]]) -> None:
+    """The bundle's zarr group in a new local ``folder``: every array, then the manifest."""
     import zarr
 
+    group = zarr.open_group(str(folder), mode="w", zarr_format=3)
+    compressors = [zarr.codecs.ZstdCodec(level=3)]
+    for layer, named in arrays.items():
+        sub = group.require_group(f"layers/{layer}")
+        for name, values in named.items():
+            values = np.asarray(values, order="C")
+            arr = sub.create_array(
+                name, shape=values.shape, chunks=_chunks(values.shape, values.dtype.itemsize),
+                dtype=values.dtype, compressors=compressors, fill_value=0,
+            )
+            arr[...] = values
+    group.attrs.update({ATTR_KEY: manifest.model_dump(mode="json")})
+
+
+def _upload(folder: Path, dest: ObjectLocation) -> None:
+    """Put a local bundle folder under ``dest``, its root ``zarr.json`` (the manifest, the commit marker)
+    last; a failure part-way leaves a prefix that every reader refuses (:func:`_open`)."""
+    from dsaindex.artifacts.storage import upload_folder
+
+    upload_folder(folder, dest, last="zarr.json")
+
+
+def publish_bundle(folder: str | Path, dest: str | Path) -> BundleManifest:
+    """Copy the local bundle ``folder`` to ``dest`` (a new or empty folder, or an empty ``s3://`` prefix),
+    verified first; returns its manifest. In object storage the root ``zarr.json`` is put last."""
+    manifest, _ = read_bundle(folder, verify=True)
+    dest = check_bundle_destination(dest)
+    if isinstance(dest, ObjectLocation):
+        _upload(Path(folder), dest)
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            shutil.copytree(folder, tmp)
+            if dest.exists():
+                dest.rmdir()
+            os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return manifest
+
+
+@contextmanager
+def local_bundle(path: str | Path) -> Iterator[Path]:
+    """A local folder holding the bundle at ``path``: ``path`` itself, or for ``s3://`` a verified download
+    into a temporary folder removed afterwards (for tools that read folders only, such as MLflow's
+    artifact logging)."""
+    where = location(path)
+    if not isinstance(where, ObjectLocation):
+        yield where
+        return
+    from dsaindex.artifacts.storage import download_folder
+
+    read_manifest(where)  # an unfinished or foreign prefix is refused before anything is downloaded
+    with tempfile.TemporaryDirectory(prefix="dsaindex-bundle-") as staging:
+        folder = Path(staging) / where.name
+        download_folder(where, folder)
+        read_bundle(folder, verify=True)
+        yield folder
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+def _open(path: Path | ObjectLocation):
+    import zarr
+
+    if isinstance(path, ObjectLocation):
+        return _open_remote(path)
     if not path.is_dir():
         raise CorruptBundleError(f"No artifact bundle at {path}.", "check the path, or pull the bundle from the registry.")
     try:
@@ -285,7 +362,31 @@ def _open(path: Path):
         ) from None
 
 
-def _manifest_of(path: Path, group) -> BundleManifest:
+def _open_remote(path: ObjectLocation):
+    """The zarr group of a bundle in object storage, refused unless its root ``zarr.json`` (put last) is there."""
+    import zarr
+
+    from dsaindex.artifacts.storage import list_objects, object_error, object_exists
+
+    if not object_exists(path, "zarr.json"):
+        if list_objects(path):
+            raise CorruptBundleError(
+                f"{path} holds an unfinished bundle: its arrays are there but not its root zarr.json, the "
+                "manifest a writer puts last (the write stopped part-way, or is still going on).",
+                "write the bundle again into a new prefix (train again, or `dsaindex registry pull` it), and "
+                "delete the objects under this one.")
+        raise CorruptBundleError(f"No artifact bundle at {path}.",
+                                 "check the URI, or pull the bundle from the registry.")
+    try:
+        return zarr.open_group(store=path.zarr_store(read_only=True), mode="r", zarr_format=3)
+    except Exception as err:  # noqa: BLE001 - zarr and s3fs raise several kinds
+        if isinstance(err, ValueError | KeyError | TypeError):
+            raise CorruptBundleError(f"{path} is not a zarr v3 group a dsaindex bundle is ({type(err).__name__}: "
+                                     f"{err}).", "point at a bundle written by dsaindex training.") from None
+        raise object_error(path, err, "Opening") from None
+
+
+def _manifest_of(path: Path | ObjectLocation, group) -> BundleManifest:
     attrs = dict(group.attrs).get(ATTR_KEY)
     if not isinstance(attrs, dict) or attrs.get("schema_id") != SCHEMA_ID:
         raise CorruptBundleError(
@@ -310,7 +411,7 @@ def _manifest_of(path: Path, group) -> BundleManifest:
 
 def read_manifest(path: str | Path) -> BundleManifest:
     """The validated manifest of the bundle at ``path`` (arrays are not read)."""
-    path = Path(path)
+    path = location(path)
     return _manifest_of(path, _open(path))
 
 
@@ -321,7 +422,7 @@ def read_bundle(path: str | Path, verify: bool = True) -> tuple[BundleManifest, 
     ``verify`` its sha256 must match too. Any failure raises :class:`CorruptBundleError` naming the
     layer and array.
     """
-    path = Path(path)
+    path = location(path)
     group = _open(path)
     manifest = _manifest_of(path, group)
     out: dict[int, dict[str, np.ndarray]] = {}
@@ -360,6 +461,16 @@ def store_digest(store: CaptureStore) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(store.manifest.model_dump(mode="json"), sort_keys=True).encode())
     h.update(json.dumps(store.committed.model_dump(), sort_keys=True).encode())
+    if isinstance(store.path, ObjectLocation):  # the same keys in the same order: a copy has the same digest
+        from dsaindex.artifacts.storage import list_objects, read_object
+
+        for rel in list_objects(store.path):
+            parts = rel.split("/")
+            if parts[-1] == "zarr.json" or rel.endswith(".partial") or any(p.startswith(".") for p in parts):
+                continue
+            h.update(rel.encode() + b"\0")
+            h.update(hashlib.sha256(read_object(store.path, rel)).digest())
+        return h.hexdigest()[:16]
     root = Path(store.path)
     for file in sorted(root.rglob("*")):
         rel = file.relative_to(root)
@@ -376,7 +487,8 @@ def store_lineage(store: CaptureStore, split: tuple[list[int], list[int]]) -> Li
     """The lineage of artifacts trained on ``store``: its id, path and content digest, and the split."""
     return Lineage(
         capture_store_id=store.manifest.store_id,
-        capture_store_path=str(Path(store.path).resolve()),
+        capture_store_path=(str(store.path) if isinstance(store.path, ObjectLocation)
+                            else str(Path(store.path).resolve())),
         capture_store_digest=store_digest(store),
         train_sequences=list(split[0]),
         eval_sequences=list(split[1]),

@@ -23,11 +23,19 @@ Crash safety: data is appended first, then ``committed`` (the row counts of ever
 in the group attributes. Zarr replaces each chunk file atomically, so committed rows are never torn; on
 reopening, rows past ``committed`` (a write the crash interrupted) are cut away and the capture resumes
 from ``committed.sequences``. A lock file keeps to one writer.
+
+A store may also live in object storage (``s3://bucket/prefix``, :mod:`dsaindex.artifacts.storage`). The
+same protocol holds there without rename or fsync: every chunk and the group's ``zarr.json`` (which holds
+``committed``) is one PUT, which replaces the whole object at once and is durable and visible when it
+returns; the group's ``zarr.json`` is put after the rows it counts. A new store's arrays are put before its
+group's ``zarr.json``, so a creation cut short leaves array metadata only, which the next run replaces.
+Object storage has no advisory locks: there, keeping to one writer is the caller's part.
 """
 
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import os
 import tempfile
 import uuid
@@ -40,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsaindex._version import __version__
 from dsaindex.artifacts.fingerprint import ModelFingerprint
+from dsaindex.artifacts.storage import ObjectLocation, location
 from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError, differences
 
 if TYPE_CHECKING:
@@ -137,7 +146,7 @@ def _compressors():
             zarr.codecs.Crc32cCodec()]
 
 
-def _damaged(path: Path, name: str, err: Exception, where: str = "") -> CorruptStoreError:
+def _damaged(path: Path | ObjectLocation, name: str, err: Exception, where: str = "") -> CorruptStoreError:
     detail = " ".join(str(err).split())
     if "checksum" in detail.lower():
         detail = "its crc32c checksum does not match"
@@ -159,7 +168,7 @@ def _nearest_existing(path: Path) -> Path:
 class CaptureStore:
     """A capture store on disk. Use :meth:`create`, :meth:`open` or :meth:`open_for_append`."""
 
-    def __init__(self, path: Path, group, manifest: CaptureManifest, committed: Committed,
+    def __init__(self, path: Path | ObjectLocation, group, manifest: CaptureManifest, committed: Committed,
                  every_chunk_written: bool = True):
         self.path = path
         self.group = group
@@ -172,15 +181,31 @@ class CaptureStore:
     # ---- opening -------------------------------------------------------------------------------
     @staticmethod
     def exists(path: str | Path) -> bool:
-        return (Path(path) / "zarr.json").is_file()
+        where = location(path)
+        if isinstance(where, ObjectLocation):
+            from dsaindex.artifacts.storage import object_exists
+
+            return object_exists(where, "zarr.json")
+        return (where / "zarr.json").is_file()
 
     @classmethod
     def check_location(cls, path: str | Path) -> None:
         """Refuse, before anything is loaded or written, a store path that cannot become a store: a regular
         file (or a path under one), a folder that holds other things, a foreign zarr group, or a location
         where nothing can be created (read-only filesystem, no permission, ``/proc``). An existing store is
-        opened to check it is one of ours; nothing is created or changed."""
-        path = Path(path)
+        opened to check it is one of ours; nothing is created or changed. In object storage: the prefix holds
+        one of our stores or nothing, and a probe object can be put and deleted there."""
+        path = location(path)
+        if isinstance(path, ObjectLocation):
+            from dsaindex.artifacts.storage import check_writable, list_objects
+
+            if cls.exists(path):
+                cls.open(path)
+            elif not _creation_cut_short(list_objects(path)):
+                raise DsaIndexError(f"{path} holds objects but no capture store.",
+                                    "capture into a new prefix, or resume an existing store.")
+            check_writable(path)
+            return
         if cls.exists(path):
             cls.open(path)
             if not os.access(path, os.W_OK):
@@ -209,7 +234,9 @@ class CaptureStore:
         """Open an existing store read-only (sees only committed rows)."""
         import zarr
 
-        path = Path(path)
+        path = location(path)
+        if isinstance(path, ObjectLocation):
+            return cls._from_group(path, _open_remote_group(path, "r"))
         if not path.exists():
             raise CorruptStoreError(f"No capture store at {path}.", "check the path, or create one with `dsaindex capture`.")
         if not path.is_dir():
@@ -223,6 +250,10 @@ class CaptureStore:
                 f"{path} is {what} a capture store is ({type(err).__name__}: {err}).",
                 "point at a store written by `dsaindex capture`, or capture into a new path.",
             ) from None
+        return cls._from_group(path, group)
+
+    @classmethod
+    def _from_group(cls, path: Path | ObjectLocation, group) -> CaptureStore:
         attrs = dict(group.attrs).get(ATTR_KEY)
         if not isinstance(attrs, dict) or "manifest" not in attrs:
             raise CorruptStoreError(
@@ -244,7 +275,21 @@ class CaptureStore:
 
     @classmethod
     def create(cls, path: str | Path, manifest: CaptureManifest) -> CaptureStore:
-        path = Path(path)
+        path = location(path)
+        if isinstance(path, ObjectLocation):
+            from dsaindex.artifacts.storage import list_objects, remove_objects, upload_folder
+
+            found = list_objects(path)
+            if not _creation_cut_short(found):
+                raise DsaIndexError(f"{path} holds objects already.", "capture into a new prefix, or resume an "
+                                    "existing store.")
+            remove_objects(path)
+            # made in a local folder (metadata only: the arrays are empty), then put with the group's
+            # zarr.json last: until it is there the prefix is no store, and the next run starts it again
+            with tempfile.TemporaryDirectory(prefix="dsaindex-store-") as staging:
+                cls._create(Path(staging), manifest)
+                upload_folder(Path(staging), path, last="zarr.json")
+            return cls._from_group(path, _open_remote_group(path, "r+"))
         if path.exists() and not path.is_dir():
             raise DsaIndexError(f"The store path {path} is a file, not a folder.",
                                 "pass a new folder path for the capture store.")
@@ -296,10 +341,14 @@ class CaptureStore:
                 store._check_matches(expected)
             # the next append rewrites each array's last, partly filled chunk: it must decode
             store.verify(tail_only=True)
-            store.group = zarr.open_group(str(store.path), mode="r+", zarr_format=3)
-            store._truncate_to_committed()
-            for stray in store.path.rglob("*.partial"):
-                stray.unlink(missing_ok=True)
+            if isinstance(store.path, ObjectLocation):
+                store.group = _open_remote_group(store.path, "r+")
+                store._truncate_to_committed()  # each PUT is whole: no partial object to sweep
+            else:
+                store.group = zarr.open_group(str(store.path), mode="r+", zarr_format=3)
+                store._truncate_to_committed()
+                for stray in store.path.rglob("*.partial"):
+                    stray.unlink(missing_ok=True)
         except OSError as err:
             store.close()
             raise DsaIndexError(f"The capture store {store.path} cannot be opened for writing ({err.strerror or err}).",
@@ -322,6 +371,8 @@ class CaptureStore:
 
     # ---- checks --------------------------------------------------------------------------------
     def _lock(self) -> None:
+        if isinstance(self.path, ObjectLocation):
+            return  # no advisory locks in object storage: one writer is the caller's part (module docstring)
         fd = os.open(self.path / ".writer.lock", os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -549,6 +600,17 @@ class CaptureStore:
 
     def nbytes_stored(self, under: str = "") -> int:
         """Bytes on disk of the whole store, or of the arrays whose path matches ``under`` (a glob)."""
+        if isinstance(self.path, ObjectLocation):
+            from dsaindex.artifacts.storage import object_sizes
+
+            pattern = under.split("/") if under else []
+
+            def matches(rel: str) -> bool:  # as Path.glob(under) then rglob: the first segments match
+                parts = rel.split("/")
+                return len(parts) > len(pattern) and all(
+                    fnmatch.fnmatchcase(part, want) for part, want in zip(parts, pattern, strict=False))
+
+            return sum(size for rel, size in object_sizes(self.path).items() if matches(rel))
         roots = list(self.path.glob(under)) if under else [self.path]
         return sum(f.stat().st_size for root in roots for f in root.rglob("*") if f.is_file())
 
@@ -590,6 +652,36 @@ def new_manifest(model: ModelFingerprint, settings: CaptureSettings, corpus: dic
         corpus=corpus,
         tokenizer=tokenizer,
     )
+
+
+def _creation_cut_short(objects: list[str]) -> bool:
+    """Whether the objects under a prefix are nothing, or what a store creation cut short leaves in object
+    storage: array and group metadata without the root ``zarr.json`` (put last), no chunk."""
+    return "zarr.json" not in objects and all(key.endswith("/zarr.json") for key in objects)
+
+
+def _open_remote_group(path: ObjectLocation, mode: Literal["r", "r+"]):
+    """The zarr group of a store in object storage; a missing or foreign one raises :class:`CorruptStoreError`,
+    an unreachable bucket a :class:`DsaIndexError` naming the fix."""
+    import zarr
+
+    from dsaindex.artifacts.storage import list_objects, object_error
+
+    try:
+        return zarr.open_group(store=path.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3)
+    except DsaIndexError:
+        raise
+    except Exception as err:  # noqa: BLE001 - zarr and s3fs raise several kinds
+        objects = list_objects(path)  # a missing bucket or refused credentials are named here
+        if not objects:
+            raise CorruptStoreError(f"No capture store at {path}.",
+                                    "check the URI, or create one with `dsaindex capture`.") from None
+        if "zarr.json" not in objects:
+            what = "a zarr v2 group, not the v3 group" if ".zgroup" in objects else "not a zarr v3 group"
+            raise CorruptStoreError(f"{path} is {what} a capture store is (no zarr.json).",
+                                    "point at a store written by `dsaindex capture`, or capture into a new "
+                                    "prefix.") from None
+        raise object_error(path, err, "Opening") from None
 
 
 def _chunk_exists(arr: Any, index: int) -> bool:

@@ -38,7 +38,7 @@ class LoadedArtifacts:
     """Artifacts ready for the runtime indexers: per-layer served objects, the manifest, startup cost."""
 
     manifest: BundleManifest
-    path: Path
+    path: Path | str  # a local folder, or the s3:// URI of a bundle read in place
     layers: dict[int, Any] = field(default_factory=dict)
     startup_seconds: float = 0.0
     device_bytes: int = 0
@@ -72,7 +72,8 @@ def load_bundle(uri: str | Path, model_config: Any, device: str = "cpu", basis: 
 
     Parameters
     ----------
-    uri : local bundle path, ``models:/<name>@<alias>`` or ``models:/<name>/<version>``
+    uri : local bundle path, ``s3://bucket/prefix`` (read in place; credentials and endpoint from the
+        standard AWS config), ``models:/<name>@<alias>`` or ``models:/<name>/<version>``
     model_config : the served model's transformers config (object or dict)
     basis : the key basis the engine scores in (engines rotate keys with a Hadamard matrix)
     served : the served model's fingerprint; its config and indexer-weights digests must equal the
@@ -94,7 +95,7 @@ def load_bundle(uri: str | Path, model_config: Any, device: str = "cpu", basis: 
     path = load_uri(uri, dest_cache=cache_dir, tracking_uri=tracking_uri)
     manifest, arrays = read_bundle(path, verify=True)
     check_bundle_for_model(manifest, model_config, basis, served=served, allow_other_weights=allow_other_weights)
-    loaded = LoadedArtifacts(manifest=manifest, path=Path(path))
+    loaded = LoadedArtifacts(manifest=manifest, path=path)  # a Path, or an s3:// location (a str)
     loaded.layers = place_layers(manifest, arrays, device)
     loaded.device_bytes = sum(layer.nbytes for layer in loaded.layers.values())
     if str(device).startswith("cuda"):

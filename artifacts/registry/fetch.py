@@ -1,5 +1,6 @@
-"""Fetching bundles: :func:`pull` a version into a folder, and :func:`load_uri`, which turns a
-``models:/`` URI (pulled once into a cache) or a local bundle path into a verified local folder."""
+"""Fetching bundles: :func:`pull` a version into a folder (or an ``s3://`` prefix), and :func:`load_uri`,
+which turns a ``models:/`` URI (pulled once into a cache), a local bundle path or an ``s3://`` bundle into
+a verified bundle location."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from dsaindex.artifacts.registry.session import _session
 from dsaindex.artifacts.registry.tracking import TAG, _call, _download
 from dsaindex.artifacts.registry.versions import _registered, _resolve
+from dsaindex.artifacts.storage import ObjectLocation, location
 from dsaindex.errors import CorruptBundleError, DsaIndexError
 
 
@@ -47,13 +49,26 @@ def _pull_version(client, name: str, version: str, dest: Path) -> Path:
     return dest
 
 
-def pull(name: str, ref: str, dest: str | Path, tracking_uri: str | None = None) -> Path:
-    """Download a version's bundle to ``dest`` (must not exist, or be empty), verify every checksum and
-    return ``dest``. A damaged download raises :class:`CorruptBundleError` and leaves nothing behind."""
+def pull(name: str, ref: str, dest: str | Path, tracking_uri: str | None = None) -> Path | ObjectLocation:
+    """Download a version's bundle to ``dest`` (must not exist, or be empty; or an empty ``s3://`` prefix),
+    verify every checksum and return ``dest``. A damaged download raises :class:`CorruptBundleError` and
+    leaves nothing behind; into object storage the bundle is staged locally, then put with its manifest
+    last (:func:`dsaindex.artifacts.bundle.publish_bundle`)."""
+    target = location(dest)
+    if isinstance(target, ObjectLocation):
+        import tempfile
+
+        from dsaindex.artifacts.bundle import check_bundle_destination, publish_bundle
+
+        check_bundle_destination(target)  # before the download
     with _session(tracking_uri) as client:
         _registered(client, name)
         version = _resolve(client, name, ref)
-        return _pull_version(client, name, version, Path(dest))
+        if not isinstance(target, ObjectLocation):
+            return _pull_version(client, name, version, target)
+        with tempfile.TemporaryDirectory(prefix="dsaindex-pull-") as staging:
+            publish_bundle(_pull_version(client, name, version, Path(staging) / target.name), target)
+        return target
 
 
 def default_cache() -> Path:
@@ -77,18 +92,21 @@ def parse_models_uri(uri: str) -> tuple[str, str]:
     )
 
 
-def load_uri(uri: str | Path, dest_cache: str | Path | None = None, tracking_uri: str | None = None) -> Path:
-    """A local, verified bundle folder for ``uri``.
+def load_uri(uri: str | Path, dest_cache: str | Path | None = None,
+             tracking_uri: str | None = None) -> Path | ObjectLocation:
+    """A verified bundle location for ``uri``.
 
     ``uri`` is ``models:/<name>@<alias>``, ``models:/<name>/<version>`` (pulled once into
-    ``<dest_cache>/bundles/<name>/v<version>`` and re-verified on later calls) or a local bundle path
-    (``file://`` allowed), which is verified in place. MLflow is imported only for ``models:/`` URIs.
+    ``<dest_cache>/bundles/<name>/v<version>`` and re-verified on later calls), a local bundle path
+    (``file://`` allowed) or an ``s3://bucket/prefix`` bundle, both verified in place (an unfinished
+    ``s3://`` bundle, without its manifest, is refused). Another scheme is refused with the fix. MLflow is
+    imported only for ``models:/`` URIs.
     """
     from dsaindex.artifacts.bundle import read_bundle
 
     text = str(uri)
     if not text.startswith("models:/"):
-        path = Path(text[len("file://"):] if text.startswith("file://") else text)
+        path = location(uri)
         read_bundle(path, verify=True)
         return path
     name, ref = parse_models_uri(text)

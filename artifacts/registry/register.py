@@ -88,7 +88,8 @@ def register_bundle(
 
     Parameters
     ----------
-    bundle_path : a bundle written by :func:`dsaindex.artifacts.bundle.write_bundle`; it is verified
+    bundle_path : a bundle written by :func:`dsaindex.artifacts.bundle.write_bundle` (a folder, or an
+        ``s3://`` prefix, downloaded into a temporary folder for MLflow); it is verified
         (every checksum) before anything is logged.
     params : training parameters (nested dicts become ``a.b`` keys), logged with the manifest's params.
     metrics : training metrics, logged with the manifest's metrics; ``layer<id>/<name>`` are per layer.
@@ -100,11 +101,21 @@ def register_bundle(
     is already registered under its name is not registered again: that version is returned with
     ``existing=True`` and ``alias`` one of its aliases (``candidate`` first) or None.
     """
+    from dsaindex.artifacts.bundle import local_bundle
+
+    # MLflow logs artifacts from a folder: an s3:// bundle is downloaded (and verified) into a temporary one
+    with local_bundle(bundle_path) as folder:
+        return _register_folder(folder, str(bundle_path), params, metrics, plots, tracking_uri, experiment)
+
+
+def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metrics: dict[str, float],
+                     plots: list[Path], tracking_uri: str | None, experiment: str) -> dict[str, Any]:
+    """:func:`register_bundle` of the local bundle folder ``bundle_path``; ``shown`` names the bundle as the
+    user gave it (in the commands an error suggests)."""
     from mlflow.entities import LoggedModelStatus, Metric, Param
 
     from dsaindex.artifacts.bundle import read_bundle
 
-    bundle_path = Path(bundle_path)
     manifest, _ = read_bundle(bundle_path, verify=True)
     for plot in plots:
         if not Path(plot).is_file():
@@ -113,7 +124,7 @@ def register_bundle(
     uri = resolve_tracking_uri(tracking_uri)
     all_params = _flatten({**manifest.params, **params})
     all_metrics = {**manifest.metrics, **{k: float(v) for k, v in metrics.items()}}
-    command = f"dsaindex registry register {bundle_path} --tracking-uri {uri}"
+    command = f"dsaindex registry register {shown} --tracking-uri {uri}"
     again = f"check that the tracking store is reachable and writable, then register again: {command}"
 
     with contextlib.ExitStack() as stack:
@@ -202,7 +213,7 @@ def register_bundle(
                 raise type(err)(err.problem + left, err.fix) from err
             nothing = "nothing was registered" if undone else "the registration is not complete"
             raise DsaIndexError(
-                f"Registering {bundle_path} in {uri} failed ({type(err).__name__}: {_short(err)}); {nothing}.{left}",
+                f"Registering {shown} in {uri} failed ({type(err).__name__}: {_short(err)}); {nothing}.{left}",
                 again,
             ) from err
     return {"name": name, "version": int(version), "run_id": run_id, "model_id": model_id, "alias": CANDIDATE,

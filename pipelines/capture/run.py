@@ -31,6 +31,7 @@ from dsaindex.artifacts.capture_store import (
     SequenceBatch,
     new_manifest,
 )
+from dsaindex.artifacts.storage import ObjectLocation, location, remove_objects
 from dsaindex.errors import DsaIndexError
 from dsaindex.geometry import IndexerGeometry, geometry_from_config
 from dsaindex.indexer import cache_argument
@@ -71,7 +72,7 @@ def sample_query_positions(seq_len: int, seq_index: int, sampling: QuerySampling
 
 @dataclass
 class CaptureResult:
-    store: Path
+    store: Path | ObjectLocation
     sequences_added: int
     tokens_added: int
     keys_added: int
@@ -272,7 +273,7 @@ def capture(
     if min(sampling.scattered, sampling.windows, sampling.window_len, sampling.seed) < 0:
         raise DsaIndexError(f"Query sampling must not be negative ({sampling.model_dump()}).",
                             "pass --queries, --windows, --window-len and --seed of 0 or more.")
-    store_path = Path(store_path)
+    store_path = location(store_path)  # a local Path, or an s3:// prefix (another scheme is refused here)
     CaptureStore.check_location(store_path)
     _, skipped = scan_files(corpus)
     if skipped and notice:
@@ -293,7 +294,7 @@ def capture(
         raise no_sequence_error(corpus)
     sequences = itertools.chain([first], sequences)
     created = not CaptureStore.exists(store_path)
-    existed = store_path.exists()
+    existed = not isinstance(store_path, ObjectLocation) and store_path.exists()
     try:
         if created:
             CaptureStore.create(store_path, expected)
@@ -354,8 +355,11 @@ def capture(
     return CaptureResult(store_path, added_seq, added_tok, added_keys, time.perf_counter() - t0, resumed_from)
 
 
-def _remove_new_store(path: Path, existed: bool) -> None:
+def _remove_new_store(path: Path | ObjectLocation, existed: bool) -> None:
     """Remove a store this run created and committed nothing to (an empty folder given as the path stays)."""
+    if isinstance(path, ObjectLocation):
+        remove_objects(path)
+        return
     shutil.rmtree(path, ignore_errors=True)
     if existed:
         path.mkdir(exist_ok=True)

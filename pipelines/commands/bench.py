@@ -83,7 +83,8 @@ def bench_capture(
 
 @bench_app.command("pq-train")
 def bench_pq_train(
-    store: Path = typer.Option(None, "--store", "-s", help="Capture store whose keys to train on (tiled up to --keys)."),
+    store: str = typer.Option(None, "--store", "-s", help="Capture store whose keys to train on (tiled up to --keys): "
+                                                         "a folder or s3://bucket/prefix."),
     layer: int = typer.Option(None, callback=at_least(0), help="Layer of the store (default: its first indexer layer)."),
     keys: int = typer.Option(1_000_000, callback=at_least(1024), help="Keys to train on (at least 4 per centroid)."),
     subspaces: int = typer.Option(32, callback=at_least(1), help="PQ subspaces."),

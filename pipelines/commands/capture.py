@@ -22,7 +22,8 @@ _MODEL_HELP = (
 
 
 def capture_cmd(
-    store: Path = typer.Argument(..., help="Capture store to create, or to resume if it exists."),
+    store: str = typer.Argument(..., help="Capture store to create, or to resume if it exists: a local folder or "
+                                          "s3://bucket/prefix."),
     model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     corpus: list[str] = typer.Option(
         None, "--corpus", "-c", help="Text/JSONL files or folders (repeatable). Default: the Python stdlib sources."
@@ -47,12 +48,14 @@ def capture_cmd(
 ) -> None:
     """Run a DSA model over a corpus and record its indexer keys, sampled queries and head weights."""
     from dsaindex.artifacts.capture_store import CaptureSettings, QuerySampling
+    from dsaindex.artifacts.storage import location
     from dsaindex.console import resolve_device
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.capture.corpus import CorpusSpec
     from dsaindex.pipelines.capture.models import default_model_ref
 
     # every option is checked before a model loads or a store is created
+    where = location(store)  # a local folder or s3://; another scheme is refused, never taken for a folder
     if basis not in ("hadamard", "raw"):
         raise DsaIndexError(f"Unknown basis {basis!r}.", "use --basis hadamard or --basis raw.")
     if key_dtype not in ("bfloat16", "float32"):
@@ -67,11 +70,11 @@ def capture_cmd(
         sampling=QuerySampling(scattered=queries, windows=windows, window_len=window_len, seed=seed),
     )
     spec = CorpusSpec(sources=tuple(corpus) if corpus else ("stdlib",), text_field=text_field)
-    run_capture_and_report(store, model or default_model_ref(), spec, settings, sequences, resolve_device(device), dtype,
+    run_capture_and_report(where, model or default_model_ref(), spec, settings, sequences, resolve_device(device), dtype,
                            flush_tokens, as_json, progress)
 
 
-def run_capture_and_report(store: Path, model: str, spec: CorpusSpec, settings: CaptureSettings, sequences: int,
+def run_capture_and_report(store: str | Path, model: str, spec: CorpusSpec, settings: CaptureSettings, sequences: int,
                            device: str, dtype: str, flush_tokens: int, as_json: bool, progress: bool) -> None:
     """Capture (see :func:`dsaindex.pipelines.capture.run.capture`) and print the run and the store. A Ctrl-C
     ends it with :class:`typer.Abort` carrying what the store kept (the CLI prints it and exits 130)."""
@@ -110,7 +113,7 @@ def run_capture_and_report(store: Path, model: str, spec: CorpusSpec, settings: 
     print_store_summary(summary)
 
 
-def _interrupted_message(store: Path, sequences: int) -> str:
+def _interrupted_message(store: str | Path, sequences: int) -> str:
     """What a Ctrl-C left: the committed sequences of the store, and how to go on."""
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.errors import DsaIndexError

@@ -54,7 +54,7 @@ def model_dims(ref: str, kv_dtype: str) -> Any:
     return model_from_config(config, name=path.parent.name or path.stem, kv_dtype=kv_dtype)
 
 
-def bundle_code_bytes(artifacts: Path) -> float:
+def bundle_code_bytes(artifacts: str | Path) -> float:
     """Bytes per key of a PQ bundle's codes (subspaces x bits per code / 8; the widest layer), read from
     its manifest only."""
     from dsaindex.artifacts.bundle import read_manifest
@@ -133,7 +133,7 @@ def render(report: dict[str, Any]) -> tuple[list[Any], str]:
     return tables, "\n".join(md)
 
 
-def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artifacts: Path | None,
+def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artifacts: str | Path | None,
                   code_bytes: float | None, weights: float | None, as_json: bool, out: Path | None,
                   markdown: Path | None) -> None:
     """``plan memory --mode plugin``: :func:`dsaindex.runtime.planner.engine_pool` as a table (or JSON)."""
@@ -185,7 +185,8 @@ def plan_memory(
                               help="Preset (deepseek-v3.2, glm-5) or path of a DSA model's config.json."),
     context: int = typer.Option(1048576, callback=at_least(1), help="Tokens of the prefill the chunk ends."),
     chunk: int = typer.Option(4096, callback=at_least(1), help="Prefill chunk (tokens)."),
-    artifacts: Path = typer.Option(None, help="PQ bundle: its codes' size adds an admission column."),
+    artifacts: str = typer.Option(None, help="PQ bundle (a folder or s3://bucket/prefix): its codes' size adds an "
+                                            "admission column."),
     code_bytes: float = typer.Option(None, help="Bytes per key of another code size (instead of "
                                                 "--artifacts)."),
     hbm_gb: float = typer.Option(None, help="HBM per GPU in GB (default: H200, 141)."),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 registry_app = typer.Typer(no_args_is_help=True)
@@ -84,13 +82,15 @@ def _print_versions(uri: str, rows: list[dict]) -> None:
 
 @registry_app.command("register")
 def registry_register(
-    bundle: Path = typer.Argument(..., help="An artifact bundle folder (as written by `dsaindex train pq/ivf`)."),
+    bundle: str = typer.Argument(..., help="An artifact bundle folder (as written by `dsaindex train pq/ivf`), or "
+                                          "its s3://bucket/prefix."),
     tracking_uri: str = typer.Option(None, "--tracking-uri", help=_URI_HELP),
 ) -> None:
     """Register a bundle as a new version (@candidate); a bundle already registered keeps its version."""
     from dsaindex.artifacts.registry import register_bundle
+    from dsaindex.artifacts.storage import location
 
-    r = register_bundle(bundle, {}, {}, [], tracking_uri)
+    r = register_bundle(location(bundle), {}, {}, [], tracking_uri)
     alias = f"@{r['alias']}" if r["alias"] else "(no alias)"
     typer.echo(f"{r['name']} version {r['version']} {alias}" + (" (already registered)" if r["existing"] else ""))
 
@@ -189,13 +189,15 @@ def registry_diff(
 def registry_pull(
     name: str = typer.Argument(..., help="Registered name."),
     ref: str = typer.Argument(..., help="Version number, @alias, alias or 'latest'."),
-    dest: Path = typer.Argument(..., help="Folder to create for the bundle (must not exist, or be empty)."),
+    dest: str = typer.Argument(..., help="Folder to create for the bundle (must not exist, or be empty), or an "
+                                        "empty s3://bucket/prefix."),
     tracking_uri: str = typer.Option(None, "--tracking-uri", help=_URI_HELP),
 ) -> None:
     """Download a bundle and verify every checksum."""
     from dsaindex.artifacts.registry import pull
+    from dsaindex.artifacts.storage import location
 
-    typer.echo(str(pull(name, ref, dest, tracking_uri)))
+    typer.echo(str(pull(name, ref, location(dest), tracking_uri)))
 
 
 @registry_app.command("ui")

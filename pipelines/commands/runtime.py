@@ -39,7 +39,8 @@ def _model_config(model: str) -> object:
 @runtime_app.command("check")
 def check_cmd(
     model: str = typer.Option(..., "--model", "-m", help="Served model: checkpoint directory, `reference` or a preset."),
-    artifacts: str = typer.Option(..., "--artifacts", "-a", help="Bundle path or models:/<name>@<alias>."),
+    artifacts: str = typer.Option(..., "--artifacts", "-a",
+                                  help="Bundle path, s3://bucket/prefix or models:/<name>@<alias>."),
     device: str = typer.Option("cpu", help="Device to load the artifacts onto."),
     basis: str = typer.Option(SERVE.basis, help="Key basis the engine scores in."),
     allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),

@@ -20,8 +20,8 @@ DECODE, PREFILL, SERVE = DecodeSettings(), PrefillSettings(), ServeSettings()
 def serve_cmd(
     model: str = typer.Option("reference", "--model", "-m", help="Checkpoint directory, `reference` or a preset."),
     artifacts: list[str] = typer.Option(..., "--artifacts", "-a",
-                                        help="Bundle path or models:/<name>@<alias>; repeat for one pq (decode) and "
-                                             "one ivf (prefill) bundle."),
+                                        help="Bundle path, s3://bucket/prefix or models:/<name>@<alias>; repeat for one "
+                                             "pq (decode) and one ivf (prefill) bundle."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, callback=at_least(1), help="Port to listen on."),
     model_id: str = typer.Option(None, help="The model's name in the API (default: dsaindex/<model name>)."),
@@ -71,12 +71,16 @@ def serve_cmd(
     """Serve a DSA model over HTTP (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
     with transformers' own server, the runtime selecting every layer's top-k: IVF for prefill, PQ for
     decode, the model's exact selection where a layer has no artifact of a kind."""
+    from dsaindex.artifacts.storage import location
     from dsaindex.console import resolve_device
     from dsaindex.indexer import set_index_topk
     from dsaindex.pipelines.capture.models import load_model
     from dsaindex.runtime import server
     from dsaindex.runtime.serving import serve_index
 
+    for uri in artifacts:  # another scheme than s3:// (or a mistyped s3:/x) is refused before the model loads
+        if not uri.startswith("models:/"):
+            location(uri)
     settings = ServeSettings(
         decode=DecodeSettings(candidates=parse_candidates(candidates), recall_target=recall_target,
                               prefilter=parse_prefilter(prefilter, parse_candidates(candidates)),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 store_app = typer.Typer(no_args_is_help=True)
@@ -11,7 +9,7 @@ store_app = typer.Typer(no_args_is_help=True)
 
 @store_app.command("info")
 def info(
-    store: Path = typer.Argument(..., help="Path of a capture store."),
+    store: str = typer.Argument(..., help="Path of a capture store, or its s3://bucket/prefix."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     verify: bool = typer.Option(
         True, "--verify/--no-verify",

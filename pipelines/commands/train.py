@@ -8,6 +8,8 @@ fingerprint with the store's; the training code itself never loads a model.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -26,6 +28,7 @@ _CANDIDATES_HELP = ("Candidate counts C of the coarse stage to evaluate (comma-s
                     "top-k is left out: its top-C is the direct top-k).")
 _BUDGETS = "4096,8192,16384,24576"
 _BUDGETS_HELP = "Candidate budgets to evaluate (comma-separated, keys per query)."
+_WHERE = " (a folder or s3://bucket/prefix)"
 
 
 def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool, max_train_keys: int,
@@ -40,7 +43,45 @@ def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool
                      candidates=tuple(sorted(set(parse_ints(candidates, "--candidates", minimum=1)))))
 
 
-def _check_target_model(store: Path, model_ref: str | None) -> None:
+def _location(value: str | None):
+    """A store or bundle argument as the jobs take it: a local Path, or an s3:// location; another scheme
+    (or a mistyped ``s3:/x``) is refused with the fix, before anything loads."""
+    from dsaindex.artifacts.storage import location
+
+    return None if value is None else location(value)
+
+
+@contextlib.contextmanager
+def _bundle_out(out: str | None, keep_plots: bool = False) -> Iterator[tuple[Path | None, object]]:
+    """(the ``out`` a training job writes its bundle to, ``publish(bundle, plots) -> (bundle, plots)``).
+
+    A local ``--out`` (or none: the job's default name) is passed through and ``publish`` returns what it
+    gets. For ``s3://bucket/prefix``, checked at once (empty, writable), the job writes into a local staging
+    folder and ``publish`` puts the bundle there, its manifest last, and its plots beside it
+    (``<prefix>-recall.png``; not a ``--plot`` file the user named, with ``keep_plots``)."""
+    import tempfile
+
+    from dsaindex.artifacts.bundle import check_bundle_destination, publish_bundle
+    from dsaindex.artifacts.storage import ObjectLocation, put_file
+
+    where = _location(out)
+    if not isinstance(where, ObjectLocation):
+        yield where, lambda bundle, plots: (bundle, plots)
+        return
+    dest = check_bundle_destination(where)
+    with tempfile.TemporaryDirectory(prefix="dsaindex-train-") as staging:
+
+        def publish(bundle, plots):
+            publish_bundle(bundle, dest)
+            if keep_plots:
+                return dest, plots
+            return dest, [put_file(Path(p), dest.sibling(Path(p).name.replace(Path(bundle).name, dest.name, 1)))
+                          for p in plots]
+
+        yield Path(staging) / dest.name, publish
+
+
+def _check_target_model(store: str | Path, model_ref: str | None) -> None:
     """With ``--model``: refuse a store captured from another model than the target."""
     if model_ref is None:
         return
@@ -56,11 +97,11 @@ def _check_target_model(store: Path, model_ref: str | None) -> None:
 
 @train_app.command("pq")
 def train_pq_cmd(
-    store: Path = typer.Argument(..., help="Capture store to train on."),
+    store: str = typer.Argument(..., help="Capture store to train on" + _WHERE + "."),
     model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
-    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
-                                                        "runs/bundles/<store>-pq<M>[-sa], -opq<M>[-sa] with "
-                                                        "--rotate, with -2, -3, ... if taken)."),
+    out: str = typer.Option(None, "--out", "-o", help="Bundle folder to write, or an s3://bucket/prefix; must be new "
+                                                       "or empty (default: runs/bundles/<store>-pq<M>[-sa], "
+                                                       "-opq<M>[-sa] with --rotate, with -2, -3, ... if taken)."),
     subspaces: int = typer.Option(32, callback=at_least(1),
                                   help="PQ subspaces (bytes per key): 16, 32 or 64 for 128-d keys."),
     trainer: str = typer.Option("faiss", help="faiss (CPU) or torch (GPU-capable batched Lloyd)."),
@@ -102,9 +143,12 @@ def train_pq_cmd(
                             "pass --quantizer pq or rq (compare LSQ with `dsaindex eval pq-compare`).")
     opts = _pq_options(subspaces, trainer, iterations, score_aware, max_train_keys, eval_queries, device, candidates,
                        rotate=rotate, quantizer=quantizer, beam=beam)
+    store = _location(store)
     _check_target_model(store, model)
-    with progress_bar(pq_label(opts), enabled=not as_json, unit="layers") as update:
-        result = run_pq_job(store, opts, out, register, tracking_uri, progress=update)
+    with _bundle_out(out) as (job_out, publish), \
+            progress_bar(pq_label(opts), enabled=not as_json, unit="layers") as update:
+        result = run_pq_job(store, opts, job_out, register, tracking_uri, progress=update)
+        result.bundle, result.plots = publish(result.bundle, result.plots)
     if as_json:
         print_json(result.as_dict())
         return
@@ -114,7 +158,8 @@ def train_pq_cmd(
 @eval_app.command("pq")
 def eval_pq_cmd(
     bundle: str = typer.Argument(..., help="Bundle path or models:/<name>@<alias>."),
-    store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to evaluate on."),
+    store: str = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to evaluate on"
+                                                        + _WHERE + "."),
     eval_queries: int = typer.Option(128, callback=at_least(1), help="Held-out queries per layer."),
     candidates: str = typer.Option(_CANDIDATES, help=_CANDIDATES_HELP),
     warm: bool = typer.Option(False, "--warm", help="Also replay the held-out decode windows (consecutive "
@@ -152,6 +197,7 @@ def eval_pq_cmd(
     # beam search over a 128K-key sequence takes minutes on a CPU, a second on a GPU)
     opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, device, candidates)
     widths = tuple(parse_floats(filter_width, "--filter-width", minimum=0.0))
+    store = _location(store)
     result = evaluate_bundle(bundle, store, opts)
     steady = None
     if warm:
@@ -209,7 +255,8 @@ def _warm_table(steady: dict):
 
 @eval_app.command("pq-compare")
 def eval_pq_compare_cmd(
-    store: Path = typer.Argument(..., help="Capture store to train and evaluate on (its own held-out split)."),
+    store: str = typer.Argument(..., help="Capture store to train and evaluate on (its own held-out split)"
+                                         + _WHERE + "."),
     subspaces: str = typer.Option("16,32,64", help="PQ subspace counts to compare (comma-separated; bytes per "
                                                    "key at 256 centroids; each must divide the key dim), also "
                                                    "the codebook counts of RQ / LSQ codes (any count)."),
@@ -251,6 +298,7 @@ def eval_pq_compare_cmd(
         raise DsaIndexError(f"--variants {variants!r} names no known variant. Unknown: {', '.join(unknown) or 'none'}.",
                             f"pass some of {', '.join(known)}.")
     sizes = parse_ints(centroids, "--centroids", minimum=2)
+    store = _location(store)
     odd = [k for k in sizes if k > 256 or k & (k - 1)]
     if odd:
         raise DsaIndexError(f"--centroids {centroids!r}: {odd} are not powers of two up to 256.",
@@ -292,10 +340,11 @@ def eval_pq_compare_cmd(
 
 @train_app.command("ivf")
 def train_ivf_cmd(
-    store: Path = typer.Argument(..., help="Capture store to train on."),
+    store: str = typer.Argument(..., help="Capture store to train on" + _WHERE + "."),
     model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
-    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
-                                                        "runs/bundles/<store>-ivf, with -2, -3, ... if taken)."),
+    out: str = typer.Option(None, "--out", "-o", help="Bundle folder to write, or an s3://bucket/prefix; must be new "
+                                                       "or empty (default: runs/bundles/<store>-ivf, with -2, -3, "
+                                                       "... if taken)."),
     window: int = typer.Option(1024, callback=at_least(1), help="Keys per seal (the open window's size)."),
     cluster_size: int = typer.Option(128, callback=at_least(1),
                                      help="Keys per cluster (the cap of the size-capped k-means)."),
@@ -336,12 +385,16 @@ def train_ivf_cmd(
                             "pass --window as a multiple of --cluster-size (1024 and 128, say).") from None
     budget_list = parse_ints(budgets, "--budgets", minimum=1)
     layer_list = parse_ints(layers, "--layers", minimum=0) if layers else None
+    store = _location(store)
     _check_target_model(store, model)
     opts = IVFOptions(settings, steps=steps, groups_per_step=groups_per_step, max_queries=train_queries,
                       val_budget=val_budget, device=resolve_device(device))
-    with progress_bar("IVF encoders", enabled=not as_json, unit="layers") as update:
-        result = run_ivf_job(store, opts, budget_list, eval_queries, out, register, tracking_uri,
+    with _bundle_out(out) as (job_out, publish), \
+            progress_bar("IVF encoders", enabled=not as_json, unit="layers") as update:
+        result = run_ivf_job(store, opts, budget_list, eval_queries, job_out, register, tracking_uri,
                              progress=update, layers=layer_list)
+        bundle, plots = publish(result["bundle"], [result["plot"]])
+        result |= {"bundle": str(bundle), "plot": str(plots[0])}
     if as_json:
         print_json(result)
         return
@@ -361,8 +414,9 @@ def _print_outputs(result: dict) -> None:
 
 @eval_app.command("ivf")
 def eval_ivf_cmd(
-    bundle: Path = typer.Argument(..., help="An ivf bundle (`dsaindex train ivf`)."),
-    store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to route."),
+    bundle: str = typer.Argument(..., help="An ivf bundle (`dsaindex train ivf`)" + _WHERE + "."),
+    store: str = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to route" + _WHERE
+                                                        + "."),
     budgets: str = typer.Option(_BUDGETS, help=_BUDGETS_HELP),
     eval_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
@@ -375,7 +429,7 @@ def eval_ivf_cmd(
     from dsaindex.train.ivf_job import evaluate_bundle
 
     budget_list = parse_ints(budgets, "--budgets", minimum=1)
-    result = evaluate_bundle(bundle, store, budget_list, eval_queries, resolve_device(device))
+    result = evaluate_bundle(_location(bundle), _location(store), budget_list, eval_queries, resolve_device(device))
     if as_json:
         print_json(result)
         return
@@ -397,14 +451,15 @@ def _reuse_rows(plans: dict) -> object:
 
 @train_app.command("reuse")
 def train_reuse_cmd(
-    store: Path = typer.Argument(..., help="Capture store to analyze."),
+    store: str = typer.Argument(..., help="Capture store to analyze" + _WHERE + "."),
     model: str = typer.Option(None, "--model", "-m", help="Target model; refuses a store captured from another."),
     topk: int = typer.Option(None, "--topk", callback=at_least(1),
                              help="Keys each layer selects (default: the model's index_topk)."),
     queries: int = typer.Option(256, "--queries", callback=at_least(1),
                                 help="Sampled queries per split (training, held-out) whose top-k sets are compared."),
-    out: Path = typer.Option(None, "--out", "-o", help="Bundle folder to write; must be new or empty (default: "
-                                                        "runs/bundles/<store>-reuse, with -2, -3, ... if taken)."),
+    out: str = typer.Option(None, "--out", "-o", help="Bundle folder to write, or an s3://bucket/prefix; must be new "
+                                                       "or empty (default: runs/bundles/<store>-reuse, with -2, -3, "
+                                                       "... if taken)."),
     plot: Path = typer.Option(None, "--plot", help="Heat map of the overlap matrix (PNG; default: "
                                                    "<bundle>-overlap.png beside the bundle)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
@@ -420,10 +475,14 @@ def train_reuse_cmd(
     from dsaindex.console import print_json, progress_bar, resolve_device
     from dsaindex.train.reuse import run_reuse_job
 
+    store = _location(store)
     _check_target_model(store, model)
-    with progress_bar("reuse overlap", enabled=not as_json, unit="steps") as update:
-        result = run_reuse_job(store, topk, queries, out, register, tracking_uri, plot, resolve_device(device),
+    with _bundle_out(out, keep_plots=plot is not None) as (job_out, publish), \
+            progress_bar("reuse overlap", enabled=not as_json, unit="steps") as update:
+        result = run_reuse_job(store, topk, queries, job_out, register, tracking_uri, plot, resolve_device(device),
                                progress=update)
+        bundle, plots = publish(result["bundle"], [result["plot"]])
+        result |= {"bundle": str(bundle), "plot": str(plots[0])}
     if as_json:
         print_json(result)
         return
@@ -433,8 +492,9 @@ def train_reuse_cmd(
 
 @eval_app.command("reuse")
 def eval_reuse_cmd(
-    bundle: Path = typer.Argument(..., help="A reuse bundle (`dsaindex train reuse`)."),
-    store: Path = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to measure on."),
+    bundle: str = typer.Argument(..., help="A reuse bundle (`dsaindex train reuse`)" + _WHERE + "."),
+    store: str = typer.Option(..., "--store", "-s", help="Capture store whose held-out sequences to measure on"
+                                                        + _WHERE + "."),
     queries: int = typer.Option(256, "--queries", callback=at_least(1), help="Held-out queries compared."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
@@ -446,7 +506,8 @@ def eval_reuse_cmd(
     from dsaindex.train.reuse import evaluate_bundle
 
     with progress_bar("reuse eval", enabled=not as_json, unit="steps") as update:
-        result = evaluate_bundle(bundle, store, queries, resolve_device(device), progress=update)
+        result = evaluate_bundle(_location(bundle), _location(store), queries, resolve_device(device),
+                                 progress=update)
     if as_json:
         print_json(result)
         return
