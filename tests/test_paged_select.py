@@ -473,6 +473,8 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps(opq):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.skipif(not hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph"),
+                    reason=f"torch {torch.__version__} puts no conditional nodes in a captured graph")
 def test_one_captured_step_replays_the_exact_path_or_pq_as_each_step_needs():
     """Inside a CUDA graph the choice between the exact path and PQ is a pair of conditional nodes: one
     capture, replayed with lengths below and above the bound, gives each step what eager steps give."""
@@ -517,6 +519,38 @@ def test_one_captured_step_replays_the_exact_path_or_pq_as_each_step_needs():
         assert (int(sel.stats.stage1.sum()) == 0) == is_exact, (step, lens)
         seen.add(is_exact)
     assert seen == {True, False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_a_captured_step_takes_the_exact_path_when_its_shapes_never_exceed_the_bound():
+    """With the page table's width inside the bound (B x W x 64 keys), every replay is exact, whatever the
+    lengths; no conditional node is needed. Checked against eager exact steps."""
+    lengths = [64 * 10 + 9, 64 * 6]
+    cache, table, _ = engine_cache(lengths, 40, strided=True, room=64 * 8)
+    sel = PagedCacheSelector(codec(), 40, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                             exact_below=2 * table.shape[1] * 64)
+    ref = PagedCacheSelector(codec(), 40, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                             exact_below=1 << 30)
+    static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    static_q, static_w = queries(2)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
+    for step, lens in enumerate([[700, 300], [1100, 64], [40, 1]]):
+        q, w = queries(2, seed=80 + step)
+        static_seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        static_q.copy_(q)
+        static_w.copy_(w)
+        graph.replay()
+        want = ref.select(cache, table, static_seq, q, w, eager_refresh=False)
+        assert as_sets(static_out) == as_sets(want), (step, lens)
+        assert int(sel.stats.stage1.sum()) == 0
 
 
 # ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
