@@ -30,8 +30,10 @@ DIRECT_UPTO = 2  # H200, 1M keys: faster at 1 and 2 requests, even at 4, slower 
 # measured recall (``dsaindex serve --candidates auto``; ``dsaindex.runtime.serving.candidates_for_recall``)
 RECALL_TARGET = 0.995
 # the engine plugins' exact path: a decode step of B requests whose longest has N keys is scored exactly (the
-# engine's own DeepGEMM logits + top-k) when B x N is at most this (bench paged, H200)
-PAGED_EXACT_BELOW = 1 << 21
+# engine's own DeepGEMM logits + top-k) when B x N is at most this. H200, PQ32 at C = 4,096 and stage 1 at 8 x C
+# (bench paged): the codes' step is slower than the exact one up to 64 x 256K and 8 x 1M (16M and 8M keys),
+# faster from 32 x 1M (32M)
+PAGED_EXACT_BELOW = 1 << 24
 
 
 def check_filter_width(width: float) -> float:

@@ -46,12 +46,15 @@ def page_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
-                          valid: torch.Tensor, e: int, head_dim: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                          valid: torch.Tensor, e: int, head_dim: int, window: int = 0, sweep: int = 0,
+                          phase: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pick [B, e] int64: the first ``e`` stale completed pages of each request in table order, the scratch
     page ``P`` past them; count [B] int32: stale pages in all). A page is stale when it has no codes
     (``valid`` 0) or its signature words differ from ``signature``. ``window`` > 0 checks only the last
     ``window`` completed pages of each request (the ones a decode step can have just completed: where the
-    pages live in host memory, reading every page's signature each step would cost more than the step).
+    pages live in host memory, reading every page's signature each step would cost more than the step);
+    with ``sweep`` > 1 too, the older pages at table columns ``c % sweep == phase % sweep`` (``phase`` [1]
+    int32 on the device: a step counter, so every page is checked once in ``sweep`` steps).
     The spec of :func:`stale_pages`, which lists the same pages when a request has at most ``e`` stale, else
     ``e`` of them in no set order."""
     b, w = table.shape
@@ -59,7 +62,10 @@ def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torc
     phys = table.long().clamp(0, max(0, n_pages - 1))
     cols = torch.arange(w, device=table.device)[None, :]
     full = (lengths.long() // PAGE)[:, None]
-    done = (cols < full) & ((cols >= full - window) if window > 0 else True)
+    checked = (cols >= full - window) if window > 0 else torch.ones_like(cols, dtype=torch.bool)
+    if window > 0 and sweep > 1:
+        checked = checked | (cols % sweep == phase.to(cols.device).long() % sweep)
+    done = (cols < full) & checked
     offsets = torch.tensor(signature_words(head_dim), device=rows.device)
     now = page_words(rows)[phys.unsqueeze(-1), offsets]
     stale = done & ~((valid[phys] != 0) & (signature[phys] == now).all(-1))
@@ -71,8 +77,8 @@ def stale_pages_reference(rows: torch.Tensor, table: torch.Tensor, lengths: torc
 
 
 def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, signature: torch.Tensor,
-                valid: torch.Tensor, e: int, head_dim: int, block: int = 256,
-                window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                valid: torch.Tensor, e: int, head_dim: int, block: int = 256, window: int = 0, sweep: int = 0,
+                phase: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`stale_pages_reference` in one Triton launch (and two fills), one program per request and
     ``block`` table columns. ``rows`` [P, 64 * (D + 4)]
     uint8 (pages 8-byte aligned), ``table`` [B, W] int32, ``lengths`` [B] int32, ``signature`` [P + 1, 4]
@@ -94,9 +100,14 @@ def stale_pages(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, 
     count = torch.zeros(b, dtype=torch.int32, device=rows.device)
     if b and table.shape[1]:
         w = signature_words(head_dim)
+        swept = window > 0 and sweep > 1
+        if swept:
+            checks.shape("phase", phase, (1,), "1")
+            checks.dtype("phase", phase, torch.int32)
         stale_pages_kernel[(b, triton.cdiv(table.shape[1], block))](
             words, words.stride(0), table.contiguous(), table.shape[1], lengths.contiguous(), signature, valid,
-            pick, count, rows.shape[0], max(0, int(window)), *w, E=e, BLOCK=block)
+            pick, count, rows.shape[0], max(0, int(window)), max(1, int(sweep)), phase if swept else count, *w,
+            E=e, BLOCK=block, SWEEP=swept)
     return pick, count
 
 

@@ -1,8 +1,9 @@
 """Triton kernels of the PQ codes kept beside an engine's paged index-K cache (jit code only).
 
 ``stale_pages_kernel``: one program per (request, tile of its page table) compares each completed
-page's signature words (or only the last ``window`` ones' of each request) with those its codes were
-made from, counts the stale ones and lists up to ``E`` of them (slots reserved by one atomic per tile).
+page's signature words (or only the last ``window`` ones' of each request, and with ``SWEEP`` one table
+column in ``sweep`` of the older ones, a phase that turns each step) with those its codes were made from,
+counts the stale ones and lists up to ``E`` of them (slots reserved by one atomic per tile).
 ``encode_pages_kernel``: one program per (listed page, subspace) reads the page's 64 FP8 keys in place,
 whitens the subspace (with ``ROTATE``: projects each whole key through the subspace's rows of the OPQ
 rotation, whitening folded in), and writes the nearest centroid of each key; the scratch page is skipped.
@@ -26,10 +27,13 @@ def stale_pages_kernel(
     pick_ptr,  # [B, E] int64, scratch on entry: E of the stale pages written here
     count_ptr,  # [B] int32, zero on entry: stale pages in all
     n_pages,
-    window,  # > 0: only the last `window` completed pages of each request are checked
+    window,  # > 0: only the last `window` completed pages of each request are checked (and the sweep's)
+    sweep,  # > 1: also the older pages at table columns c with c % sweep == the step's phase
+    phase_ptr,  # [1] int32 step counter (SWEEP): the phase is its value mod sweep
     w0, w1, w2, w3,  # word offsets of the signature within a page
     E: tl.constexpr,
     BLOCK: tl.constexpr,
+    SWEEP: tl.constexpr = False,
 ):
     # one program per (request, tile of BLOCK table columns); tiles reserve their slots by one atomic
     b = tl.program_id(0).to(tl.int64)
@@ -38,9 +42,12 @@ def stale_pages_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(full - window, 0)
-    if (start < full) & (start + BLOCK > lo):
+    if (start < full) & ((start + BLOCK > lo) | SWEEP):
         cols = start + tl.arange(0, BLOCK)
-        live = (cols >= lo) & (cols < full) & (cols < table_width)
+        checked = cols >= lo
+        if SWEEP:
+            checked = checked | ((cols % sweep) == (tl.load(phase_ptr) % sweep))
+        live = checked & (cols < full) & (cols < table_width)
         page = tl.load(table_ptr + b * table_width + cols, mask=live, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), n_pages - 1)
         ok = tl.load(valid_ptr + page, mask=live, other=0) != 0

@@ -95,6 +95,7 @@ from dsaindex.kernels.topk import (
 from dsaindex.pq import PQCodec, rotate
 
 PAGE = 64
+CHECK_EVERY = 16  # a step checks one in this many of each request's older pages (PagedCacheSelector)
 
 
 def page_rows(cache: torch.Tensor, head_dim: int = 128) -> torch.Tensor:
@@ -118,8 +119,9 @@ def page_rows(cache: torch.Tensor, head_dim: int = 128) -> torch.Tensor:
 @dataclass
 class PagedStats:
     """Device counters of the last :meth:`PagedCacheSelector.select` (reading them syncs): ``encoded`` [B]
-    pages encoded by the step's catch-up, ``stale`` [B] completed pages scored from stale codes after it
-    (0 unless :meth:`PagedCacheSelector.prepare` was skipped for a prefill), ``stage1`` [B] keys stage 1
+    pages encoded by the step's catch-up, ``stale`` [B] stale pages its check found beyond those (0 unless
+    :meth:`PagedCacheSelector.prepare` was skipped for a prefill; the check covers each request's newest
+    pages and one in ``check_every`` of the older ones), ``stage1`` [B] keys stage 1
     passed to stage 2 (0 on the exact path). The first two are derived from ``found`` [B], the stale pages
     the catch-up found, when read: no kernel of the step computes them."""
 
@@ -166,6 +168,10 @@ class PagedCacheSelector:
         2.8 for 32 x 4,160 keys on the H200)
     use_triton : the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``), else their torch
         references (the same algorithm on a CPU)
+    check_every : a step checks the signatures of each request's last ``catch_up`` completed pages and of one
+        in ``check_every`` of its older pages (a phase that turns each step), so a page changed outside
+        decode without :meth:`prepare` is found within ``check_every`` steps; reading every page's each step
+        cost 64 us of a 1.0 ms step at 32 x 1M keys on the H200. 1: every page, every step
     exact_below : a step whose batch size times its longest request's keys is at most this is scored
         exactly, as the engine scores it without the plugin (the exact path; 0: never). Ignored with
         ``keys_on_host`` (exact scoring would read every key over the host link).
@@ -173,7 +179,8 @@ class PagedCacheSelector:
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
-                 use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW):
+                 use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
+                 check_every: int = CHECK_EVERY):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
@@ -193,7 +200,12 @@ class PagedCacheSelector:
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
-        self.check_window = self.catch_up if keys_on_host else 0  # 0: every completed page
+        # which completed pages a step checks: the last catch_up of each request (those decode completes), and
+        # on the device one column in `sweep` of the older ones, turning each step (every page within sweep
+        # steps); keys on the host: the window alone. check_every 1: every page, every step
+        self.check_window = self.catch_up if keys_on_host or check_every > 1 else 0
+        self.sweep = 0 if keys_on_host or check_every <= 1 else int(check_every)
+        self._phase = torch.zeros(1, dtype=torch.int32, device=dev)  # the sweep's step counter
         self.gather_block = 16 if keys_on_host else 64
         self.head_dim = head_dim
         self.num_pages = num_pages
@@ -217,9 +229,12 @@ class PagedCacheSelector:
                window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(the first ``e`` stale completed pages of each request [B, e] int64, scratch past them; stale pages
         in all [B] int32), among the last ``window`` completed pages of each request (0: all)."""
+        sweep = self.sweep if window else 0
         if self.use_triton:
-            return stale_pages(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window=window)
-        return stale_pages_reference(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window)
+            return stale_pages(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window=window,
+                               sweep=sweep, phase=self._phase)
+        return stale_pages_reference(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window,
+                                     sweep, self._phase)
 
     def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode physical ``pages`` [n] int64 (``num_pages``, the scratch page, is skipped) and record the
@@ -273,6 +288,8 @@ class PagedCacheSelector:
         Returns the stale pages found [B] int32 (:class:`PagedStats`)."""
         pick, count = self._stale(rows, table, lengths, self.catch_up, self.check_window)
         self._encode_pages(rows, pick.reshape(-1))
+        if self.sweep:
+            self._phase.add_(1)  # the next step checks the next column of each sweep
         return count
 
     def _check_cache(self, rows: torch.Tensor) -> None:

@@ -181,6 +181,13 @@ def test_stale_page_listing_matches_its_reference(strided):
     want = stale_pages_reference(cache, table, lengths, signature, valid, 8, D, window=3)
     assert torch.equal(got[1], want[1]) and got[1].tolist() == [3, 2, 0]
     assert [{p for p in row if p != 16} for row in got[0].tolist()] == windowed
+    # the window and a sweep: one column in 4 of the older pages, the phase taken mod 4 (6 % 4: columns 2, 6)
+    phase = torch.tensor([6], dtype=torch.int32, device=DEV)
+    swept = [windowed[0] | {int(table[0, 2])}, windowed[1], set()]
+    got = stale_pages(cache, table, lengths, signature, valid, 8, D, block=4, window=3, sweep=4, phase=phase)
+    want = stale_pages_reference(cache, table, lengths, signature, valid, 8, D, window=3, sweep=4, phase=phase)
+    assert torch.equal(got[1], want[1]) and got[1].tolist() == [4, 2, 0]
+    assert [{p for p in row if p != 16} for row in got[0].tolist()] == swept
 
 
 @pytest.mark.parametrize("with_metric", [False, True])
@@ -271,7 +278,8 @@ def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
     cache, table, _ = engine_cache(lengths, 10)
     q, w = queries(1)
     seq = torch.tensor(lengths, device=DEV)
-    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, catch_up=3, head_dim=D, device=DEV, exact_below=0)
+    sel = PagedCacheSelector(codec(), 10, topk=16, candidates=64, catch_up=3, head_dim=D, device=DEV, exact_below=0,
+                             check_every=1)
     left = []
     for _ in range(3):
         sel.select(cache, table, seq, q, w, eager_refresh=False)
@@ -288,6 +296,30 @@ def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
     assert fresh.prepare(cache, table, seq) == 7 and fresh.prepare(cache, table, seq) == 0
     assert torch.equal(fresh.codes[table[0, :7].long()], sel.codes[table[0, :7].long()])
     assert as_sets(sel.select(cache, table, seq, q, w)) == as_sets(fresh.select(cache, table, seq, q, w))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_a_page_changed_without_prepare_is_found_within_check_every_steps(use_triton):
+    """On the device a step checks each request's newest pages and one in ``check_every`` of the older
+    ones, turning: an old page whose bytes change outside decode (no prepare) is re-encoded within
+    ``check_every`` steps, and the steps before that leave it alone."""
+    lengths = [64 * 20 + 5]
+    cache, table, _ = engine_cache(lengths, 24)
+    q, w = queries(1)
+    seq = torch.tensor(lengths, device=DEV)
+    sel = PagedCacheSelector(codec(), 24, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0,
+                             use_triton=use_triton, check_every=4)
+    sel.prepare(cache, table, seq)
+    page = int(table[0, 5])  # an old page: outside the last catch_up (2) completed pages
+    cache[page] = page_bytes(clustered(64, torch.Generator().manual_seed(7))).to(DEV)
+    found = []
+    for _ in range(4):
+        sel.select(cache, table, seq, q, w, eager_refresh=False)
+        found.append(int(sel.stats.encoded[0]))
+    assert sorted(found) == [0, 0, 0, 1]  # once, in the step whose phase reached column 5
+    fresh = PagedCacheSelector(codec(), 24, topk=16, candidates=64, head_dim=D, device=DEV, use_triton=use_triton)
+    fresh.prepare(cache, table, seq)
+    assert torch.equal(sel.codes[page], fresh.codes[page])
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
