@@ -279,6 +279,9 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
 def per_layer(value: int | Mapping[int, int], layers: Iterable[int], what: str) -> dict[int, int]:
     """One decode setting for every layer in ``layers``, or a layer -> value mapping that must cover them all
     (a :class:`DsaIndexError` names the layers it misses). The loader's choosers and ``ServedIndex`` share it."""
+    layers = list(layers)
+    if not layers:
+        return {}
     if isinstance(value, Mapping):
         missing = sorted(set(layers) - set(value))
         if missing:

@@ -39,7 +39,7 @@ from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
-from dsaindex.runtime.loader import candidates_for_recall, decode_settings, per_layer
+from dsaindex.runtime.loader import candidates_for_recall, decode_settings, describe_points, per_layer
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
 
@@ -142,7 +142,7 @@ class ServedIndex(ModuleHooks):
                  device: str | torch.device | None = None):
         settings = settings or ServeSettings()
         decode, prefill = settings.decode, settings.prefill
-        if decode.auto:
+        if decode.auto and codecs:  # no decode layer: nothing to choose
             raise DsaIndexError("ServedIndex takes C and stage 1 chosen already; `auto` is chosen from a bundle.",
                                 "load through serve_index(), which reads the bundle's recall, or pass numbers.")
         slots, lag, stream_prefix = settings.slots, settings.lag, prefill.stream_prefix
@@ -189,6 +189,7 @@ class ServedIndex(ModuleHooks):
         # chosen per layer: describe() says which
         self._per_layer_c = isinstance(decode.candidates, Mapping)
         self._per_layer_p = isinstance(decode.prefilter, Mapping)
+        self.points = ""  # each decode layer's point and its recorded recall (serve_index says it at startup)
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
                                  self.topk, candidates=self.candidates[layer], prefilter=self.prefilter[layer],
@@ -258,6 +259,8 @@ class ServedIndex(ModuleHooks):
                 by_p.setdefault(p, []).append(layer)
             parts.append("decode stage 1: " + ", ".join(f"{p} x C (layers {_ranges(layers)})"
                                                         for p, layers in sorted(by_p.items())))
+        if self.points:
+            parts.append(f"decode points: {self.points}")
         if self.attend:
             parts.append(("attends (MLI lag): " if self.lag else "reuse: ")
                          + ", ".join(f"{layer} <- {src}" for layer, src in sorted(self.attend.items())))
@@ -591,6 +594,7 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     elif served is None:
         served = fingerprint_model(model, name or type(model).__name__)
     by_role: dict[str, dict[int, Any]] = {"decode": {}, "prefill": {}}
+    metrics: dict[str, float] = {}  # the decode bundles' recorded recall, for the startup line
     reuse: dict[int, int] | None = None
     chosen: dict[int, int] = {}
     factors: dict[int, int] = {}
@@ -624,9 +628,14 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
             c_layers, p_layers = decode_settings(settings.decode, loaded, topk)
             chosen.update(c_layers)
             factors.update(p_layers)
+        if any(loaded.kind_of(layer).role == "decode" for layer in loaded.layers):
+            metrics.update(loaded.manifest.metrics)
     if settings.decode.auto:
         decode = settings.decode
         settings = replace(settings, decode=replace(
             decode, candidates=chosen if decode.candidates == "auto" else decode.candidates,
             prefilter=factors if decode.prefilter == "auto" else decode.prefilter))
-    return ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
+    index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
+    if index.candidates:
+        index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target)
+    return index

@@ -122,10 +122,12 @@ def parse_basis(value: Any, where: str = "--basis") -> str:
 class DecodeSettings:
     """The PQ decode step (:class:`dsaindex.runtime.pq_batch.PQDecodeGroup`), per served layer.
 
-    candidates : C, keys reranked exactly per step: a count, a layer -> count mapping, or ``auto`` (each
-        layer's smallest C whose recorded held-out recall reaches ``recall_target``)
+    candidates : C, keys reranked exactly per step: ``auto`` (the default: each layer's cheapest recorded
+        operating point whose held-out served recall reaches ``recall_target``; a bundle where none does is
+        refused, naming what would), a count, or a layer -> count mapping
     prefilter : stage 1 keeps ``prefilter`` x C keys by a folded score before the full coarse score: a
-        factor, a layer -> factor mapping, or ``auto`` (with ``candidates="auto"``: chosen with each C)
+        factor, a layer -> factor mapping, or ``auto`` (with ``candidates="auto"``: chosen with each C);
+        None (the default): ``auto`` where C is, else :data:`dsaindex.coarse.PREFILTER`
     recall_target : what ``auto`` must reach, over all held-out queries and in the longest prefix band
     cache_capacity : exact keys cached on the device per request (None: 2 x C)
     exact_below : requests of at most this many keys are scored exactly (0: never)
@@ -134,8 +136,8 @@ class DecodeSettings:
     direct_upto : steps with at most this many live requests read candidates straight from the host (0: never)
     """
 
-    candidates: int | Auto | PerLayer = 1024
-    prefilter: int | Auto | PerLayer = PREFILTER
+    candidates: int | Auto | PerLayer = "auto"
+    prefilter: int | Auto | PerLayer | None = None
     recall_target: float = RECALL_TARGET
     cache_capacity: int | None = None
     exact_below: int = 0
@@ -146,6 +148,8 @@ class DecodeSettings:
     def __post_init__(self) -> None:
         if isinstance(self.candidates, str) and self.candidates != "auto":
             object.__setattr__(self, "candidates", parse_candidates(self.candidates) or DecodeSettings.candidates)
+        if self.prefilter is None:  # with C: chosen with it where it is chosen, else the runtime's factor
+            object.__setattr__(self, "prefilter", "auto" if self.candidates == "auto" else PREFILTER)
         if isinstance(self.prefilter, str):
             object.__setattr__(self, "prefilter", parse_prefilter(self.prefilter, self.candidates))
         elif self.prefilter == "auto" and self.candidates != "auto":
@@ -261,7 +265,7 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "A decode step of B requests whose longest has N keys is scored exactly, as the engine scores it "
            "without the plugin (DeepGEMM's logits + top-k), when B x N is at most this; above it, by the "
            "codes. Inside a CUDA graph both paths are captured as conditional nodes and each replay runs one. "
-           "0: always the codes. Ignored with `DSAINDEX_KEYS=host`.", "`2M` (2,097,152)"),
+           "0: always the codes. Ignored with `DSAINDEX_KEYS=host`.", "`16M` (16,777,216)"),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",

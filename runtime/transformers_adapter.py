@@ -13,7 +13,7 @@ greedily with exhaustive selection and with the runtime, token by token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from dsaindex.indexer import cache_argument, find_indexers, mla_indexer_tensors
 from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
+from dsaindex.runtime.loader import per_layer
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 
 
@@ -48,13 +49,15 @@ class RuntimeSelection(ModuleHooks):
     model : a transformers DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``)
     layers : layer id -> :class:`PQCodec` (``LoadedArtifacts.layers``), trained in ``basis``
     batch : rows of the generation batch; max_keys : longest sequence (prompt + new tokens)
-    candidates, prefilter, exact_below : as :class:`PQDecodeGroup` (``exact_below``: the length policy,
-    off by default here, where the point is to measure PQ selection); cache_capacity : its cache rows
-    (default twice the candidates, rounded up to its 4-row sets)
+    candidates, prefilter, exact_below : as :class:`PQDecodeGroup`, C and stage 1 for every layer or a layer
+    -> value mapping (``exact_below``: the length policy, off by default here, where the point is to measure
+    PQ selection); cache_capacity : its cache rows (default twice the candidates, rounded up to its 4-row
+    sets)
     """
 
     def __init__(self, model: torch.nn.Module, layers: dict[int, PQCodec], batch: int, max_keys: int,
-                 basis: str = "hadamard", candidates: int = 1024, prefilter: int = PREFILTER,
+                 basis: str = "hadamard", candidates: int | Mapping[int, int] = 1024,
+                 prefilter: int | Mapping[int, int] = PREFILTER,
                  cache_capacity: int | None = None, device: str | torch.device = "cpu",
                  use_triton: bool | None = None, exact_below: int = 0):
         super().__init__()
@@ -69,10 +72,12 @@ class RuntimeSelection(ModuleHooks):
                                         "train artifacts for every indexer layer of this model.")
         self.basis = basis
         pages = batch * (-(-max_keys // 64) + 1)
+        c_of = per_layer(candidates, self.indexers, "candidate count C")
+        p_of = per_layer(prefilter, self.indexers, "stage-1 prefilter")
         self.groups = {
             layer: PQDecodeGroup(layers[layer], HostKeyStore(pages, self.geometry.head_dim), batch, max_keys,
-                                 self.geometry.topk, candidates=candidates, prefilter=prefilter,
-                                 cache_capacity=cache_capacity or -(-2 * candidates // 4) * 4, device=device,
+                                 self.geometry.topk, candidates=c_of[layer], prefilter=p_of[layer],
+                                 cache_capacity=cache_capacity or -(-2 * c_of[layer] // 4) * 4, device=device,
                                  use_triton=use_triton, exact_below=exact_below)
             for layer in self.indexers
         }

@@ -152,7 +152,7 @@ def test_corrupt_bundle_is_refused(tmp_path):
 
 def test_runtime_check_cli(tmp_path):
     pq_bundle(tmp_path / "b")
-    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json")
+    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json", "--prefilter", "4")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["family"] == "deepseek_v32"
     bad = run_cli("runtime", "check", "-m", "preset:tiny-v4", "-a", str(tmp_path / "b"))
@@ -170,12 +170,13 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
         metrics.update({f"layer{layer}/k{topk}/rerank@128": 0.97 if low else 0.999,
                         f"layer{layer}/k{topk}/rerank@256": 0.998 if low else 1.0})
     pq_bundle(tmp_path / "b", metrics=metrics)
-    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json")
+    ok = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--json", "--prefilter", "4")
     assert ok.returncode == 0, ok.stderr
     auto = json.loads(ok.stdout)["candidates_auto"]
     assert auto == {"target": 0.995, "prefilter": 4,
                     "per_layer": {str(layer): 256 if layer == layers[0] else 128 for layer in layers}}
-    text = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.99")
+    text = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "b"), "--recall-target", "0.99",
+                   "--prefilter", "4")
     assert text.returncode == 0, text.stderr
     rest = ", ".join(str(layer) for layer in layers[1:])
     assert f"--candidates auto at 99.00% held-out recall (prefilter 4): C = 128 (layers {rest}), C = 256 (layers {layers[0]})" in text.stdout

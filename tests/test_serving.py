@@ -99,7 +99,8 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     index = serve(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
                  measure_recall=True)
     assert index.paths() == {i: LayerPaths("ivf", "pq") for i in range(4)}
-    assert index.describe() == "prefill ivf: layers 0-3; decode pq: layers 0-3"
+    assert index.describe() == ("prefill ivf: layers 0-3; decode pq: layers 0-3; decode points: layers 0, 1, 2, 3: "
+                                "C = 1024, stage 1 2 x C, held-out recall not recorded")
     with index:
         got = _generate(net, prompt, 12)
         assert all(ix == [None] for ix in index.ivf.values())  # decoding dropped the prefill indexes
@@ -122,7 +123,8 @@ def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
     index = serve(paths[:1], net, served=identity, candidates=2 * TOPK, prefilter=2, use_triton=False,
                  measure_recall=True)
     assert index.paths()[0] == LayerPaths("exact", "pq")
-    assert index.describe() == "prefill exact: layers 0-3; decode pq: layers 0-3"
+    assert index.describe() == ("prefill exact: layers 0-3; decode pq: layers 0-3; decode points: layers 0, 1, 2, 3: "
+                                f"C = {2 * TOPK}, stage 1 2 x C, held-out recall not recorded")
     with index:
         _generate(net, _text(3000, 500), 10)
     assert index.log.queries["prefill"] == {}  # the model's own prefill selection
@@ -142,14 +144,14 @@ def test_artifacts_of_another_model_or_twice_the_same_kind_are_refused(served, t
 
     net, paths, identity = served
     with pytest.raises(ArtifactMismatchError, match="two decode artifacts"):
-        serve([paths[0], paths[0]], net, served=identity)
+        serve([paths[0], paths[0]], net, served=identity, candidates=2 * TOPK)
     other = load_model("reference-v1", dtype="float32").model
     with torch.no_grad():
         other.model.layers[1].self_attn.indexer.wk.weight.mul_(1.01)  # another model, same geometry
     other_paths = _bundles(tmp_path, net, fingerprint_model(other, "reference-v1"), ivf=False)
     with pytest.raises(ArtifactMismatchError):
-        serve(other_paths, net, served=identity)
-    serve(other_paths, net, allow_other_weights=True)  # a deliberate transfer
+        serve(other_paths, net, served=identity, candidates=2 * TOPK)
+    serve(other_paths, net, allow_other_weights=True, candidates=2 * TOPK)  # a deliberate transfer
 
 
 def _recall_metrics(per_layer):
@@ -191,12 +193,18 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     index = serve(paths, net, served=identity, candidates="auto", recall_target=0.995, prefilter=2, use_triton=False)
     assert index.candidates == {0: 256, 1: 64, 2: 128, 3: 64}
     assert {layer: group.candidates for layer, group in index.groups.items()} == index.candidates
-    assert index.describe() == "prefill exact: layers 0-3; decode pq: layers 0-3; decode C: 64 (layers 1, 3), 128 (layers 2), 256 (layers 0)"
+    assert index.describe().startswith("prefill exact: layers 0-3; decode pq: layers 0-3; decode C: 64 (layers 1, 3), "
+                                       "128 (layers 2), 256 (layers 0); decode points: layer 0: C = 256, stage 1 2 x C, "
+                                       "held-out recall")
+    # the default is `auto`: the same choice with no setting given, and a bundle without recall is refused
+    assert serve(paths, net, served=identity, prefilter=2, use_triton=False).candidates == index.candidates
     with index:  # the groups serve with their own C
         _generate(net, _text(3000, 400), 3)
     bare = _bundles(tmp_path / "bare", net, identity, ivf=False)
     with pytest.raises(DsaIndexError, match="records no held-out recall"):
         serve(bare, net, served=identity, candidates="auto")
+    with pytest.raises(DsaIndexError, match="records no held-out recall.*pass a number to --candidates"):
+        serve(bare, net, served=identity)  # the default refuses too, naming what would serve
     # the served recall per stage-1 factor: layer 0 needs 8 x C, the others do with 2 x C
     staged = dict(metrics)
     for layer in range(4):
@@ -209,7 +217,8 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     assert index.candidates == dict.fromkeys(range(4), 64)
     assert index.prefilter == {0: 8, 1: 2, 2: 2, 3: 2}
     assert {layer: group.c1 // group.candidates for layer, group in index.groups.items()} == index.prefilter
-    assert index.describe().endswith("decode stage 1: 2 x C (layers 1-3), 8 x C (layers 0)")
+    assert "decode stage 1: 2 x C (layers 1-3), 8 x C (layers 0); decode points: " in index.describe()
+    assert serve(paths, net, served=identity, use_triton=False).prefilter == index.prefilter  # the default: auto
     with index:
         _generate(net, _text(3000, 400), 3)
     with pytest.raises(DsaIndexError, match="together with its C"):
@@ -481,13 +490,14 @@ def test_a_reuse_bundle_is_served_by_its_chosen_plan(served, tmp_path):
                       train_sequences=[0], eval_sequences=[1])
     manifest = new_bundle_manifest(identity, "hadamard", geometry_from_config(net.config).key_format, layers, lineage)
     write_bundle(tmp_path / "reuse", manifest, {0: {"overlap": overlap}})
-    index = serve([paths[0], tmp_path / "reuse"], net, served=identity, retention="1/2", use_triton=False)
+    index = serve([paths[0], tmp_path / "reuse"], net, served=identity, retention="1/2", use_triton=False,
+                  candidates=2 * TOPK)
     best = next(p for p in plans if p.retention == "1/2" and p.method == "optimal")
     assert best.kept == [0, 2]  # layers 1 and 3 overlap most with 0 and 2
     assert index.reuse == {1: 0, 3: 2} and set(index.groups) == {0, 2}  # reusing layers hold no state
     assert index.paths()[3].decode == "reuse 2"
     with pytest.raises(DsaIndexError, match="no retention was chosen"):
-        serve([tmp_path / "reuse"], net, served=identity)
+        serve([tmp_path / "reuse"], net, served=identity, candidates=2 * TOPK)
 
 
 def test_greedy_agreement_serves_whole_requests_in_prefill_chunks(served):

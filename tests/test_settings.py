@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dsaindex.coarse import PREFILTER
 from dsaindex.errors import DsaIndexError
 from dsaindex.runtime.settings import (
     ENGINES,
@@ -48,7 +49,8 @@ def _commands():
 
 
 # benchmarks and evaluation sweep C themselves: there it is a measurement's setting, not a serving default
-NOT_SERVING = {"bench decode": {"candidates", "exact_below", "pq_from"}, "eval pq": {"candidates"}}
+NOT_SERVING = {"bench decode": {"candidates", "prefilter", "exact_below", "pq_from"},
+               "eval pq": {"candidates", "prefilter"}}
 
 
 def test_command_options_default_to_the_settings_fields():
@@ -78,7 +80,9 @@ def test_library_signatures_default_to_the_settings_fields():
             # the measured values; a group's own switches (direct_upto=0: the cached path) are the caller's to set
             if name in ("prefilter", "filter_width", "recall_target") and \
                     param.default is not inspect.Parameter.empty and param.default is not None:
-                assert param.default == FIELDS[name], (fn.__qualname__, name, param.default, FIELDS[name])
+                # a signature that takes a count of C takes the factor a count gets (prefilter None: with C)
+                want = DecodeSettings(candidates=1).prefilter if name == "prefilter" else FIELDS[name]
+                assert param.default == want, (fn.__qualname__, name, param.default, want)
                 checked += 1
     assert checked >= 6, checked
 
@@ -117,7 +121,8 @@ def test_engines_read_the_one_table():
         assert bare.decode(2048).prefilter == "auto" and bare.recall_target == DecodeSettings().recall_target
         # a count given by hand: stage 1 at the runtime's factor unless set
         fixed = engine_settings(engine, {"DSAINDEX_CANDIDATES": "4096"})
-        assert fixed.decode(2048).candidates == 4096 and fixed.decode(2048).prefilter == DecodeSettings().prefilter
+        assert fixed.decode(2048).candidates == 4096
+        assert fixed.decode(2048).prefilter == DecodeSettings(candidates=4096).prefilter == PREFILTER
     assert engine_settings("sglang", {}).basis == "hadamard" and engine_settings("vllm", {}).basis == "raw"
     for name, bad, said in (("DSAINDEX_CANDIDATES", "lots", "neither a positive count nor `auto`"),
                             ("DSAINDEX_PREFILTER", "-2", "neither a positive factor nor `auto`"),

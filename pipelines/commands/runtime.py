@@ -52,10 +52,10 @@ def check_cmd(
     recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
                                         help="Also report the C each decode layer would get from `serve "
                                              "--candidates auto` at this held-out recall (or that it would refuse)."),
-    prefilter: str = typer.Option(str(DECODE.prefilter),
+    prefilter: str = typer.Option(DecodeSettings.prefilter,
                                   help="The server's stage 1 keeps prefilter x C keys: the C reported is the one whose "
-                                       "recall with that stage 1 reaches --recall-target; `auto`: the stage 1 and C "
-                                       "per layer that `serve --candidates auto --prefilter auto` would take."),
+                                       "recall with that stage 1 reaches --recall-target; `auto` (the default): the "
+                                       "stage 1 and C per layer that `serve` takes by default."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Load the artifacts exactly as a server would and validate them against the model: its config
@@ -70,7 +70,7 @@ def check_cmd(
     from dsaindex.pipelines.commands.serve import parse_prefilter
     from dsaindex.runtime.loader import load_bundle
 
-    prefilter = parse_prefilter(prefilter, "auto")  # refused before anything loads
+    prefilter = "auto" if prefilter is None else parse_prefilter(prefilter, "auto")  # refused before anything loads
 
     config = _model_config(model)
     served = None
@@ -186,9 +186,16 @@ def generate_cmd(
     prompt_offset: int = typer.Option(0, callback=at_least(0),
                                       help="Where in the held-out text the prompt starts (tokens)."),
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
-    candidates: int = typer.Option(DECODE.candidates, callback=at_least(1),
-                                   help="C: keys reranked exactly per step and layer."),
-    prefilter: int = typer.Option(DECODE.prefilter, callback=at_least(1), help="Stage 1 keeps prefilter x C keys."),
+    candidates: str = typer.Option(DECODE.candidates,
+                                   help="C: keys reranked exactly per step and layer, or `auto` (the default): each "
+                                        "layer's cheapest point whose recorded held-out recall reaches "
+                                        "--recall-target, as `serve` takes it."),
+    prefilter: str = typer.Option(DecodeSettings.prefilter,
+                                  help="Stage 1 keeps prefilter x C keys, or `auto` with --candidates auto (default: "
+                                       "auto with --candidates auto, else 4)."),
+    recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
+                                        help="With --candidates auto: the held-out recall each decode layer's point "
+                                             "must reach."),
     exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
                                     help="The length policy: score requests of at most this many keys exactly "
                                          "(0, the default here: every step through PQ, which is what this "
@@ -233,6 +240,18 @@ def generate_cmd(
         set_index_topk(net, topk)
     loaded = load_bundle(artifacts, net.config, device=dev, basis=basis, served=served,
                          allow_other_weights=allow_other_weights)
+    from dsaindex.pipelines.commands.serve import parse_candidates, parse_prefilter
+    from dsaindex.runtime.loader import decode_settings, describe_points
+
+    count = parse_candidates(candidates)
+    asked = DecodeSettings(candidates=count, recall_target=recall_target,
+                           prefilter=None if prefilter is None else parse_prefilter(prefilter, count))
+    from dsaindex.geometry import geometry_from_config
+
+    topk_now = geometry_from_config(net.config).topk
+    candidates, prefilter = decode_settings(asked, loaded, topk_now)  # per layer; refused where none reaches
+    typer.echo(f"decode points: {describe_points(loaded.manifest.metrics, candidates, prefilter, topk_now, recall_target)}",
+               err=True)
     if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
         from dsaindex.errors import DsaIndexError
 

@@ -34,9 +34,10 @@ def serve_cmd(
     recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
                                         help="With --candidates auto: the held-out recall of the exact top-k each "
                                              "decode layer must reach (at the bundle's longest prefixes too)."),
-    prefilter: str = typer.Option(str(DECODE.prefilter), help="Decode: stage 1 keeps prefilter x C keys, or `auto` (with "
-                                                        "--candidates auto): per layer, the cheapest stage 1 and C "
-                                                        "whose held-out recall reaches --recall-target."),
+    prefilter: str = typer.Option(DecodeSettings.prefilter, help="Decode: stage 1 keeps prefilter x C keys, or `auto` "
+                                                           "(with --candidates auto): per layer, the cheapest stage 1 "
+                                                           "and C whose held-out recall reaches --recall-target "
+                                                           "(default: auto with --candidates auto, else 4)."),
     ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
                                    help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
     exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
@@ -83,7 +84,8 @@ def serve_cmd(
             location(uri)
     settings = ServeSettings(
         decode=DecodeSettings(candidates=parse_candidates(candidates), recall_target=recall_target,
-                              prefilter=parse_prefilter(prefilter, parse_candidates(candidates)),
+                              prefilter=None if prefilter is None else parse_prefilter(prefilter,
+                                                                                       parse_candidates(candidates)),
                               exact_below=exact_below, filter_width=filter_width, direct_upto=direct_upto),
         prefill=PrefillSettings(ivf_budget=ivf_budget, stream_prefix=stream_prefix, chunk=prefill_chunk),
         basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri, retention=retention, lag=lag)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 
+from dsaindex.coarse import PREFILTER
+
 from dsaindex.console import at_least
 from dsaindex.runtime.settings import DecodeSettings
 
@@ -166,7 +168,7 @@ def eval_pq_cmd(
                                                     "positions) through the runtime's group and cache: recall "
                                                     "with the miss filter on a warm cache, and the host fetches."),
     warm_candidates: int = typer.Option(2048, callback=at_least(1), help="--warm: C, candidates per step."),
-    prefilter: int = typer.Option(DECODE.prefilter, callback=at_least(1), help="--warm: stage 1 keeps prefilter x C keys."),
+    prefilter: int = typer.Option(PREFILTER, callback=at_least(1), help="--warm: stage 1 keeps prefilter x C keys."),
     cache: int = typer.Option(4096, callback=at_least(4), help="--warm: exact keys cached per request (a "
                                                                "multiple of 4, at least C)."),
     min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "
