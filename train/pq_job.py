@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ from dsaindex.train.recall import (
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureStore
+    from dsaindex.train.cluster import RaySettings
 
 Progress = Callable[[int, int, str], None]
 """``progress(layers done, layers in all, the step running now)``, e.g. :func:`dsaindex.console.progress_bar`'s
@@ -75,6 +76,7 @@ class LayerResult:
     rotation: torch.Tensor | None = None  # [D, D] orthogonal: codes are of keys @ rotation.T
     additive: AdditiveCodec | None = None  # an RQ / LSQ code instead of PQ codebooks
     residual: PQCodec | None = None  # an RQ code as the runtime serves it (AdditiveCodec.served)
+    worker: dict = field(default_factory=dict)  # trained on Ray: host, pid, device, threads, seconds
 
     @property
     def codec(self) -> PQCodec | AdditiveCodec:
@@ -308,10 +310,15 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
             raise DsaIndexError(f"{option} {value} is below 1.", f"pass {option} 1 or more.")
 
 
-def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None = None) -> dict:
+def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None = None,
+             ray: str | RaySettings | None = None) -> dict:
     """Train and evaluate every layer of a store. Returns a report with results per layer.
 
-    ``progress(layers done, layers in all, step)`` is called as each layer's steps start."""
+    ``progress(layers done, layers in all, step)`` is called as each layer's steps start (on Ray: as each
+    layer's result arrives). ``ray``: None trains the layers one after another in this process; an address
+    (``"auto"``: a local cluster) or :class:`~dsaindex.train.cluster.RaySettings` trains each layer as a
+    Ray task (:mod:`dsaindex.train.cluster`) that reads its keys from the store itself; the results equal
+    the serial ones on the same device at the same thread count."""
     from dsaindex.artifacts.capture_store import CaptureStore
 
     store = CaptureStore.open(store_path)
@@ -320,20 +327,15 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None 
     store.check_chunks()  # every layer's chunks are there before the first layer trains
     key_format = geometry.key_format
     split = split_sequences(store.committed.sequences, opts.eval_fraction)
-    results = {}
     layers = list(store.layers)
-    # the next layer's keys are read (and decompressed) on a thread while this one trains
-    with ThreadPoolExecutor(max_workers=1) as reader:
-        pending = reader.submit(store.keys, layers[0]) if layers else None
-        for done, layer in enumerate(layers):
-            def step(text: str, done: int = done, layer: int = layer) -> None:
-                if progress:
-                    progress(done, len(layers), f"layer {layer}: {text}")
+    if ray is not None:
+        from dsaindex.train.cluster import location, run_layers
 
-            step("reading keys")
-            raw = pending.result()
-            pending = reader.submit(store.keys, layers[done + 1]) if done + 1 < len(layers) else None
-            results[layer] = train_layer(store, layer, split, opts, key_format, geometry.topk, step, raw)
+        done = run_layers(_train_layer_task, layers, (location(store_path), split, opts, key_format, geometry.topk),
+                          ray, opts.device, progress)
+        results = {layer: _layer_from_record(d["result"], d["worker"]) for layer, d in done.items()}
+    else:
+        results = _train_layers_here(store, layers, split, opts, key_format, geometry.topk, progress)
     if progress:
         progress(len(layers), len(layers), "done")
     per_layer = {layer: r.metrics for layer, r in results.items()}
@@ -345,6 +347,68 @@ def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None 
         "mean": mean_metrics(per_layer),
         "key_format": key_format,
     }
+
+
+def _train_layers_here(store: CaptureStore, layers: list[int], split: tuple[list[int], list[int]], opts: PQOptions,
+                       key_format: str, topk: int, progress: Progress | None) -> dict[int, LayerResult]:
+    """:func:`train_pq`'s layers one after another in this process; the next layer's keys are read (and
+    decompressed) on a thread while this one trains."""
+    results = {}
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        pending = reader.submit(store.keys, layers[0]) if layers else None
+        for done, layer in enumerate(layers):
+            def step(text: str, done: int = done, layer: int = layer) -> None:
+                if progress:
+                    progress(done, len(layers), f"layer {layer}: {text}")
+
+            step("reading keys")
+            raw = pending.result()
+            pending = reader.submit(store.keys, layers[done + 1]) if done + 1 < len(layers) else None
+            results[layer] = train_layer(store, layer, split, opts, key_format, topk, step, raw)
+    return results
+
+
+def _train_layer_task(layer: int, device: str, location: str, split: tuple[list[int], list[int]], opts: PQOptions,
+                      key_format: str, topk: int) -> dict:
+    """One layer of :func:`train_pq` on a Ray worker: the store opened at ``location``, the layer trained on
+    ``device``; returns :func:`_layer_record`."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+
+    store = CaptureStore.open(location)
+    return _layer_record(train_layer(store, layer, split, replace(opts, device=device), key_format, topk))
+
+
+def _layer_record(r: LayerResult) -> dict:
+    """A trained layer as plain numpy arrays, numbers and a metrics dict (what a Ray task sends back): the
+    codec as a bundle stores it (PQ / OPQ: codebooks, metric, rotation; RQ: the served residual codebooks
+    and beam; LSQ, compared only: the metrics alone)."""
+    def array(t: torch.Tensor | None) -> np.ndarray | None:
+        return None if t is None else t.detach().cpu().numpy()
+
+    record = {"layer": r.layer, "train_keys": r.train_keys, "train_seconds": r.train_seconds,
+              "metrics": dict(r.metrics), "metric": array(r.metric)}
+    if r.residual is not None:
+        record |= {"residual_codebooks": array(r.residual.codebooks), "beam": r.residual.beam}
+    elif r.additive is None:
+        record |= {"codebooks": array(r.codebooks), "rotation": array(r.rotation)}
+    return record
+
+
+def _layer_from_record(record: dict, worker: dict) -> LayerResult:
+    """The :class:`LayerResult` of a :func:`_layer_record` (an LSQ layer has no codec: its metrics only)."""
+    def tensor(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.array(a))  # a writable copy of the object store's
+
+    metric = tensor(record["metric"])
+    base = {"layer": record["layer"], "metric": metric, "train_keys": record["train_keys"],
+            "train_seconds": record["train_seconds"], "metrics": record["metrics"], "worker": worker}
+    if "residual_codebooks" in record:
+        residual = PQCodec(tensor(record["residual_codebooks"]), None if metric is None else metric.float(),
+                           residual=True, beam=record["beam"])
+        return LayerResult(codebooks=torch.empty(0), residual=residual, **base)
+    codebooks = tensor(record.get("codebooks"))
+    return LayerResult(codebooks=torch.empty(0) if codebooks is None else codebooks,
+                       rotation=tensor(record.get("rotation")), **base)
 
 
 def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
@@ -435,18 +499,19 @@ class PQJobResult:
             "train_seconds": {str(layer): round(r.train_seconds, 3) for layer, r in self.report["results"].items()},
             "mean": self.report["mean"],
             "per_layer": {str(k): v for k, v in self.report["per_layer"].items()},
-        }
+        } | ({"workers": {str(layer): r.worker for layer, r in self.report["results"].items()}}
+             if any(r.worker for r in self.report["results"].values()) else {})
 
 
 def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None, register: bool = True,
                tracking_uri: str | None = None, progress: Progress | None = None,
-               title: str | None = None) -> PQJobResult:
+               title: str | None = None, ray: str | RaySettings | None = None) -> PQJobResult:
     """The whole PQ training: train and evaluate every layer, plot recall vs C, write the bundle and
     (``register``) log the run and register the bundle as ``@candidate``.
 
     ``out`` (default :func:`default_bundle_path`, a fresh name) is checked before any training: an
     existing non-empty folder, or one that cannot be created and written, is refused at once rather
-    than after minutes of work. ``progress``: see :func:`train_pq`.
+    than after minutes of work. ``progress`` and ``ray``: see :func:`train_pq`.
     """
     from dsaindex.artifacts.bundle import check_bundle_destination
 
@@ -455,7 +520,7 @@ def run_pq_job(store_path: str | Path, opts: PQOptions, out: Path | None = None,
         from dsaindex.artifacts.registry import ensure_reachable
 
         ensure_reachable(tracking_uri)
-    report = train_pq(store_path, opts, progress=progress)
+    report = train_pq(store_path, opts, progress=progress, ray=ray)
     out.parent.mkdir(parents=True, exist_ok=True)
     title = title or f"{pq_label(opts)}{' score-aware' if opts.score_aware else ''} on {Path(store_path).name}"
     topk = report["store"].manifest.model.geometry.topk
@@ -487,14 +552,40 @@ def _bundle_on_store(bundle: str | Path, store_path: str | Path) -> tuple[object
     return manifest, place_layers(manifest, arrays), store, eval_seq
 
 
-def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions) -> dict:
+def evaluate_bundle(bundle: str | Path, store_path: str | Path, opts: PQOptions, progress: Progress | None = None,
+                    ray: str | RaySettings | None = None) -> dict:
     """Held-out recall of a trained PQ bundle (path or ``models:/`` URI) on a store of its model, with
-    the store's own split. Returns ``{per_layer, mean, ks}``."""
+    the store's own split. Returns ``{per_layer, mean, ks}``. ``progress(layers done, layers in all,
+    text)`` as each layer is evaluated; ``ray`` as in :func:`train_pq` (the codecs travel to the tasks,
+    each task reads its layer's held-out keys from the store)."""
     manifest, codecs, store, eval_seq = _bundle_on_store(bundle, store_path)
     topk = manifest.model.geometry.topk
-    per_layer = {layer: evaluate_layer(store, layer, eval_seq, codec, opts, manifest.key_format, topk)
-                 for layer, codec in codecs.items()}
+    layers = list(codecs)
+    if ray is not None:
+        from dsaindex.train.cluster import location, run_layers
+
+        where = location(store_path)
+        per_layer = {layer: d["result"] for layer, d in run_layers(
+            _evaluate_layer_task, layers, (where, eval_seq, codecs, opts, manifest.key_format, topk), ray,
+            opts.device, progress).items()}
+    else:
+        per_layer = {}
+        for layer in layers:
+            if progress:
+                progress(len(per_layer), len(layers), f"layer {layer}: held-out recall")
+            per_layer[layer] = evaluate_layer(store, layer, eval_seq, codecs[layer], opts, manifest.key_format, topk)
+    if progress:
+        progress(len(layers), len(layers), "done")
     return {"per_layer": per_layer, "mean": mean_metrics(per_layer), "ks": sorted({PAPER_K, topk})}
+
+
+def _evaluate_layer_task(layer: int, device: str, location: str, eval_seq: list[int], codecs: dict, opts: PQOptions,
+                         key_format: str, topk: int) -> dict[str, float]:
+    """One layer of :func:`evaluate_bundle` on a Ray worker: its held-out recall (a plain dict)."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+
+    store = CaptureStore.open(location)
+    return evaluate_layer(store, layer, eval_seq, codecs[layer], replace(opts, device=device), key_format, topk)
 
 
 def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates: int = 2048, prefilter: int = PREFILTER,

@@ -320,16 +320,23 @@ def check_inputs(keys: int, seq_len: int, opts: PQOptions, head_dim: int) -> int
     return sequences
 
 
-def _timed_job(run_dir: Path, opts: PQOptions, device: str, target_seconds: float, keep_store: bool) -> dict:
-    """One ``train pq`` job on the built store, timed by step: its options, timing and mean recall."""
+def _timed_job(run_dir: Path, opts: PQOptions, device: str, target_seconds: float, keep_store: bool,
+               threads: int | None = None) -> dict:
+    """One ``train pq`` job on the built store, timed by step: its options, timing and mean recall.
+    ``threads``: the job runs at that many torch / faiss threads (the Ray tasks' count, so that their
+    bundles can be compared with this one bit for bit)."""
+    import contextlib
+
     import torch
 
     from dsaindex.console import progress_bar
+    from dsaindex.train.cluster import pinned_threads
     from dsaindex.train.pq_job import pq_label, run_pq_job
 
     cuda = device.startswith("cuda")
     label = pq_label(opts)
-    with progress_bar(label, unit="layers") as update:
+    pinned = pinned_threads(threads) if threads else contextlib.nullcontext()
+    with progress_bar(label, unit="layers") as update, pinned:
         clock = StepClock(update, device)
         result = run_pq_job(run_dir / "store", opts, out=run_dir / f"bundle-{label}", register=False,
                             progress=clock)
@@ -353,10 +360,51 @@ def _timed_job(run_dir: Path, opts: PQOptions, device: str, target_seconds: floa
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
             "bundle": str(result.bundle) if keep_store else None,
+            "threads": threads or torch.get_num_threads(),
         },
         "recall_mean": {name: round(v, 5) for name, v in result.report["mean"].items()
                         if "@" not in name.split("/")[0]},
     }
+
+
+def _ray_scaling(run_dir: Path, opts: PQOptions, address: str, workers: list[int], serial: dict,
+                 keep_store: bool) -> dict:
+    """The same job on Ray once per worker count in ``workers``, one after another on the one store (each
+    worker a one-thread layer task): wall time (apart from the cluster's start), per-layer time on the
+    workers, speedup and scaling efficiency, and whether each bundle equals the serial one (``serial``:
+    :func:`_timed_job`'s result, run at one thread)."""
+    from dsaindex.console import progress_bar
+    from dsaindex.train.cluster import LOCAL, RaySettings, bundle_differences, connect
+    from dsaindex.train.pq_job import pq_label, run_pq_job
+
+    label = pq_label(opts)
+    runs = []
+    for count in workers:
+        settings = RaySettings(address=address, threads=1, workers=count, local_cpus=count if address == LOCAL else None)
+        out = run_dir / f"bundle-{label}-ray{count}"
+        t0 = time.perf_counter()
+        with connect(settings) as cluster, progress_bar(f"{label} on Ray, {count} workers", unit="layers") as update:
+            started = time.perf_counter()
+            result = run_pq_job(run_dir / "store", opts, out=out, register=False, progress=update, ray=settings)
+            seconds = time.perf_counter() - started
+        layers = [r.worker for r in result.report["results"].values()]
+        differences = bundle_differences(run_dir / f"bundle-{label}", out)
+        runs.append({
+            "workers": count, "cluster": cluster.describe(), "cluster_start_seconds": round(started - t0, 3),
+            "seconds": round(seconds, 3),
+            "layer_seconds": _spread([w["seconds"] for w in layers]),
+            "train_seconds_per_layer": _spread([r.train_seconds for r in result.report["results"].values()]),
+            "processes": len({(w["host"], w["pid"]) for w in layers}), "hosts": len({w["host"] for w in layers}),
+            "devices": sorted({w["device"] for w in layers}),
+            "bundle_equals_serial": not differences, "differences": differences[:5],
+            "bundle": str(out) if keep_store else None,
+        })
+    base = runs[0]
+    for run in runs:
+        run["speedup_vs_serial"] = round(serial["job"]["seconds"] / run["seconds"], 3)
+        run["scaling_efficiency"] = round(base["seconds"] * base["workers"] / (run["seconds"] * run["workers"]), 3)
+    return {"address": address, "threads_per_task": 1, "serial_seconds": serial["job"]["seconds"],
+            "efficiency_base_workers": base["workers"], "runs": runs}
 
 
 def bench_pq_job(
@@ -384,18 +432,32 @@ def bench_pq_job(
     device: str = typer.Option("auto", help="Device of the job (its PQOptions.device) and of the key generation."),
     target_seconds: float = typer.Option(TARGET_SECONDS, help="The job time to meet (seconds)."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+    ray: str = typer.Option(None, "--ray", help="Also run the job on Ray after the serial one, once per --workers "
+                                                "count: auto (a local cluster of that many CPUs each) or a "
+                                                "running cluster's address (host:port; that many layer tasks in "
+                                                "flight). The serial job then runs at one thread, as each "
+                                                "layer task does, and each Ray bundle is compared with its "
+                                                "bundle bit for bit."),
+    workers: str = typer.Option("1,2", help="--ray: worker counts to time one after another (comma-separated); "
+                                            "scaling efficiency is relative to the first."),
 ) -> None:
     """Time the whole `train pq` job (every layer: keys, score-aware metric, k-means, held-out recall,
-    bundle) on a production-size store built first (timed apart)."""
+    bundle) on a production-size store built first (timed apart); with --ray, also fanned out over Ray
+    workers (wall time, per-layer time, scaling efficiency, bundle equality with the serial one)."""
     import os
 
     import torch
 
-    from dsaindex.console import emit_report, human_bytes, progress_bar, resolve_device
+    from dsaindex.console import emit_report, human_bytes, parse_ints, progress_bar, resolve_device
     from dsaindex.errors import DsaIndexError
     from dsaindex.train.pq_job import PQOptions
 
     device = resolve_device(device)
+    worker_counts = parse_ints(workers, "--workers", minimum=1) if ray is not None else []
+    if ray is not None:
+        from dsaindex.train.cluster import check_reachable
+
+        check_reachable(ray)  # before the store is built
     all_opts = [PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
                           rotate=rotate, quantizer=q.strip(), max_train_keys=max_train_keys,
                           max_eval_queries=eval_queries, device=device) for q in quantizer.split(",")]
@@ -445,7 +507,10 @@ def bench_pq_job(
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            runs.append(_timed_job(run_dir, job_opts, device, target_seconds, keep_store))
+            runs.append(_timed_job(run_dir, job_opts, device, target_seconds, keep_store,
+                                   threads=1 if ray is not None else None))
+            if ray is not None:
+                runs[-1]["ray"] = _ray_scaling(run_dir, job_opts, ray, worker_counts, runs[-1], keep_store)
             report.update(runs[0])
             if out is not None and len(runs) < len(all_opts):  # the jobs done so far survive a later failure
                 out.write_text(json.dumps(report, indent=2))

@@ -15,7 +15,6 @@ from pathlib import Path
 import typer
 
 from dsaindex.coarse import PREFILTER
-
 from dsaindex.console import at_least
 from dsaindex.runtime.settings import DecodeSettings
 
@@ -31,6 +30,9 @@ _CANDIDATES_HELP = ("Candidate counts C of the coarse stage to evaluate (comma-s
 _BUDGETS = "4096,8192,16384,24576"
 _BUDGETS_HELP = "Candidate budgets to evaluate (comma-separated, keys per query)."
 _WHERE = " (a folder or s3://bucket/prefix)"
+_RAY_HELP = ("Run each layer as a Ray task: `auto` starts a local cluster on this machine; host:port or "
+             "ray://host:10001 joins a running one (dsaindex installed on every node). Tasks read their layers "
+             "from the store and take a GPU where the cluster has them. Default: one layer after another here.")
 
 
 def _pq_options(subspaces: int, trainer: str, iterations: int, score_aware: bool, max_train_keys: int,
@@ -132,6 +134,7 @@ def train_pq_cmd(
     device: str = typer.Option("auto", help="Device of the torch trainer and the evaluation."),
     register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
+    ray: str = typer.Option(None, "--ray", help=_RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
 ) -> None:
     """Train per-layer PQ codebooks, evaluate recall on held-out sequences, write and register a bundle."""
@@ -149,7 +152,7 @@ def train_pq_cmd(
     _check_target_model(store, model)
     with _bundle_out(out) as (job_out, publish), \
             progress_bar(pq_label(opts), enabled=not as_json, unit="layers") as update:
-        result = run_pq_job(store, opts, job_out, register, tracking_uri, progress=update)
+        result = run_pq_job(store, opts, job_out, register, tracking_uri, progress=update, ray=ray)
         result.bundle, result.plots = publish(result.bundle, result.plots)
     if as_json:
         print_json(result.as_dict())
@@ -178,6 +181,7 @@ def eval_pq_cmd(
     filter_width: str = typer.Option(f"{DECODE.filter_width:g}", help="--warm: the miss filter's margin below the k-th coarse score, "
                                                  "in standard deviations (comma-separated: one replay each; "
                                                  "the first is the headline; LeanSparse's is 1)."),
+    ray: str = typer.Option(None, "--ray", help=_RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Recall of a trained PQ bundle on a store's held-out sequences (the store must match its model)."""
@@ -200,7 +204,7 @@ def eval_pq_cmd(
     opts = _pq_options(32, "faiss", 1, True, 1, eval_queries, device, candidates)
     widths = tuple(parse_floats(filter_width, "--filter-width", minimum=0.0))
     store = _location(store)
-    result = evaluate_bundle(bundle, store, opts)
+    result = evaluate_bundle(bundle, store, opts, ray=ray)
     steady = None
     if warm:
         with progress_bar("decode windows", enabled=not as_json, unit="windows") as update:
@@ -367,6 +371,7 @@ def train_ivf_cmd(
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     register: bool = typer.Option(True, "--register/--no-register", help="Log an MLflow run and register the bundle."),
     tracking_uri: str = typer.Option(None, help=_URI_HELP),
+    ray: str = typer.Option(None, "--ray", help=_RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (and no progress bar)."),
 ) -> None:
     """Train per-layer routing encoders (learned IVF representatives), compare routing methods on
@@ -394,7 +399,7 @@ def train_ivf_cmd(
     with _bundle_out(out) as (job_out, publish), \
             progress_bar("IVF encoders", enabled=not as_json, unit="layers") as update:
         result = run_ivf_job(store, opts, budget_list, eval_queries, job_out, register, tracking_uri,
-                             progress=update, layers=layer_list)
+                             progress=update, layers=layer_list, ray=ray)
         bundle, plots = publish(result["bundle"], [result["plot"]])
         result |= {"bundle": str(bundle), "plot": str(plots[0])}
     if as_json:
@@ -422,6 +427,7 @@ def eval_ivf_cmd(
     budgets: str = typer.Option(_BUDGETS, help=_BUDGETS_HELP),
     eval_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    ray: str = typer.Option(None, "--ray", help=_RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Held-out routing recall of a trained ivf bundle beside contiguous blocks and plain IVF."""
@@ -431,7 +437,8 @@ def eval_ivf_cmd(
     from dsaindex.train.ivf_job import evaluate_bundle
 
     budget_list = parse_ints(budgets, "--budgets", minimum=1)
-    result = evaluate_bundle(_location(bundle), _location(store), budget_list, eval_queries, resolve_device(device))
+    result = evaluate_bundle(_location(bundle), _location(store), budget_list, eval_queries, resolve_device(device),
+                             ray=ray)
     if as_json:
         print_json(result)
         return
