@@ -34,6 +34,9 @@ RECALL_TARGET = 0.995
 # (bench paged): the codes' step is slower than the exact one up to 64 x 256K and 8 x 1M (16M and 8M keys),
 # faster from 32 x 1M (32M)
 PAGED_EXACT_BELOW = 1 << 24
+# the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
+# its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
+PREFILL_RECALL_TARGET = 0.95
 
 
 def check_filter_width(width: float) -> float:

@@ -10,6 +10,7 @@ places each layer's parameters on the device as the object its kind serves with
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -303,3 +304,24 @@ def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, top
         return candidates_for_recall(loaded.manifest.metrics, _decode_layers(loaded, layers), topk, target,
                                      str(loaded.path), prefilter)
     return dict.fromkeys(_decode_layers(loaded, layers), parsed or default)
+
+
+IVF_RECALL = re.compile(r"^mean/ivf-learned/recall@(\d+)$")
+
+
+def ivf_budget_for_recall(metrics: Mapping[str, float], target: float, source: str = "the bundle") -> int | None:
+    """The smallest IVF budget (candidates per prefill query) whose held-out recall with learned routing, as
+    an ivf bundle records it (``mean/ivf-learned/recall@B``, the mean over its layers), reaches ``target``;
+    None where the bundle records none (trained before it was measured). Raises :class:`DsaIndexError`
+    naming the best recorded budget where none reaches it."""
+    recorded = sorted((int(m.group(1)), float(v)) for k, v in metrics.items() if (m := IVF_RECALL.match(k)))
+    if not recorded:
+        return None
+    for budget, recall in recorded:
+        if recall >= target:
+            return budget
+    budget, recall = max(recorded, key=lambda br: br[1])
+    raise DsaIndexError(f"{source} records a held-out prefill recall of at most {_floor_pct(recall)} (IVF budget "
+                        f"{budget:,}), under the {100 * target:.2f}% target.",
+                        f"pass --ivf-budget N (e.g. {budget:,}, at that recall) or a lower --ivf-recall-target, "
+                        "or train the ivf bundle with larger --budgets (`dsaindex train ivf`).")

@@ -39,7 +39,13 @@ from dsaindex.pq import PQCodec
 from dsaindex.quant import to_basis
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
-from dsaindex.runtime.loader import candidates_for_recall, decode_settings, describe_points, per_layer
+from dsaindex.runtime.loader import (
+    candidates_for_recall,
+    decode_settings,
+    describe_points,
+    ivf_budget_for_recall,
+    per_layer,
+)
 from dsaindex.runtime.pq_batch import PQDecodeGroup
 from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
 
@@ -259,6 +265,8 @@ class ServedIndex(ModuleHooks):
                 by_p.setdefault(p, []).append(layer)
             parts.append("decode stage 1: " + ", ".join(f"{p} x C (layers {_ranges(layers)})"
                                                         for p, layers in sorted(by_p.items())))
+        if self.prefill_layers:
+            parts.append(f"prefill IVF budget: {self.ivf_budget:,} candidates a query")
         if self.points:
             parts.append(f"decode points: {self.points}")
         if self.attend:
@@ -595,6 +603,7 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
         served = fingerprint_model(model, name or type(model).__name__)
     by_role: dict[str, dict[int, Any]] = {"decode": {}, "prefill": {}}
     metrics: dict[str, float] = {}  # the decode bundles' recorded recall, for the startup line
+    budgets: list[int] = []  # each ivf bundle's smallest budget at the prefill recall target
     reuse: dict[int, int] | None = None
     chosen: dict[int, int] = {}
     factors: dict[int, int] = {}
@@ -630,11 +639,18 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
             factors.update(p_layers)
         if any(loaded.kind_of(layer).role == "decode" for layer in loaded.layers):
             metrics.update(loaded.manifest.metrics)
+        if settings.prefill.ivf_budget is None and any(loaded.kind_of(layer).role == "prefill"
+                                                         for layer in loaded.layers):
+            budget = ivf_budget_for_recall(loaded.manifest.metrics, settings.prefill.ivf_recall_target, str(uri))
+            if budget is not None:
+                budgets.append(budget)
     if settings.decode.auto:
         decode = settings.decode
         settings = replace(settings, decode=replace(
             decode, candidates=chosen if decode.candidates == "auto" else decode.candidates,
             prefilter=factors if decode.prefilter == "auto" else decode.prefilter))
+    if budgets:  # the largest, so that every prefill layer reaches the target
+        settings = replace(settings, prefill=replace(settings.prefill, ivf_budget=max(budgets)))
     index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
     if index.candidates:
         index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target)

@@ -24,7 +24,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PAGED_EXACT_BELOW, PREFILTER, RECALL_TARGET
+from dsaindex.coarse import (
+    DIRECT_UPTO,
+    FILTER_WIDTH,
+    PAGED_EXACT_BELOW,
+    PREFILL_RECALL_TARGET,
+    PREFILTER,
+    RECALL_TARGET,
+)
 from dsaindex.errors import DsaIndexError
 
 Auto = Literal["auto"]
@@ -164,12 +171,15 @@ class DecodeSettings:
 
 @dataclass(frozen=True)
 class PrefillSettings:
-    """Prefill selection: ``ivf_budget`` candidates per prefill query from the IVF index (None: 8 x top-k);
+    """Prefill selection: ``ivf_budget`` candidates per prefill query from the IVF index (None: the smallest
+    budget whose held-out recall, as the ivf bundle records it, reaches ``ivf_recall_target``; 8 x top-k for
+    a bundle that records none);
     ``stream_prefix``: LeanSparse's layer-wise streamed prefill of the model's indexer keys (one request at
     a time: :class:`dsaindex.runtime.streaming.PrefixStreamer`); ``chunk``: prompt tokens a server prefills
     at once (None: :func:`dsaindex.runtime.server.prefill_chunk` of the model)."""
 
     ivf_budget: int | None = None
+    ivf_recall_target: float = PREFILL_RECALL_TARGET
     stream_prefix: bool = False
     chunk: int | None = None
 

@@ -28,7 +28,7 @@ def _text(skip: int, n: int) -> torch.Tensor:
     return reference_bytes(skip, n)
 
 
-def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3), pq_metrics=None):
+def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3), pq_metrics=None, ivf_metrics=None):
     """A PQ32 bundle trained on the model's keys of another text, and an IVF bundle whose encoder adds
     nothing to the cluster means (routing by plain means), both recorded as trained for ``fingerprint``.
     ``pq_metrics``: the held-out metrics the PQ bundle records (as ``train pq`` writes them)."""
@@ -59,7 +59,8 @@ def _bundles(root, net, fingerprint, pq=True, ivf=True, layers=(0, 1, 2, 3), pq_
                       for k, s in shapes.items()} for i in layers}
         params = {"window": 64, "cluster_size": 16, "refit_every": 0, "sinks": 4, "features": f, "hidden": h}
         manifest = new_bundle_manifest(fingerprint, "hadamard", geometry.key_format,
-                                       {str(i): LayerArtifact(kind="ivf", params=params) for i in layers}, lineage)
+                                       {str(i): LayerArtifact(kind="ivf", params=params) for i in layers}, lineage,
+                                       metrics=ivf_metrics)
         write_bundle(root / "ivf", manifest, arrays)
         paths.append(root / "ivf")
     return paths
@@ -99,7 +100,8 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     index = serve(paths, net, served=identity, candidates=1024, prefilter=2, ivf_budget=512, use_triton=False,
                  measure_recall=True)
     assert index.paths() == {i: LayerPaths("ivf", "pq") for i in range(4)}
-    assert index.describe() == ("prefill ivf: layers 0-3; decode pq: layers 0-3; decode points: layers 0, 1, 2, 3: "
+    assert index.describe() == ("prefill ivf: layers 0-3; decode pq: layers 0-3; prefill IVF budget: 512 candidates "
+                                "a query; decode points: layers 0, 1, 2, 3: "
                                 "C = 1024, stage 1 2 x C, held-out recall not recorded")
     with index:
         got = _generate(net, prompt, 12)
@@ -114,6 +116,29 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     recall = index.log.recall()
     assert min(recall["prefill"].values()) >= 0.98 and min(recall["decode"].values()) >= 0.97, recall
     assert all(not m.self_attn.indexer._forward_hooks for m in net.model.layers)
+
+
+def test_the_ivf_budget_is_chosen_from_the_bundles_recorded_recall(served, tmp_path):
+    """Without a budget, serving takes the smallest one whose recorded held-out recall (learned routing,
+    as ``train ivf`` writes it) reaches the prefill target; a bundle below it at every budget is refused
+    naming the best; one that records none keeps 8 x top-k; a budget given is taken as given."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.loader import ivf_budget_for_recall
+
+    net, _, identity = served
+    recorded = {"mean/ivf-learned/recall@64": 0.90, "mean/ivf-learned/recall@128": 0.96,
+                "mean/ivf-learned/recall@256": 0.99, "mean/ivf/recall@64": 0.99}  # plain IVF's: not read
+    assert ivf_budget_for_recall(recorded, 0.95) == 128 and ivf_budget_for_recall(recorded, 0.98) == 256
+    assert ivf_budget_for_recall({}, 0.95) is None
+    paths = _bundles(tmp_path / "a", net, identity, pq=False, ivf_metrics=recorded)
+    assert serve(paths, net, served=identity, use_triton=False).ivf_budget == 128
+    assert "prefill IVF budget: 128 candidates a query" in serve(paths, net, served=identity).describe()
+    assert serve(paths, net, served=identity, ivf_recall_target=0.98).ivf_budget == 256
+    assert serve(paths, net, served=identity, ivf_budget=64).ivf_budget == 64
+    with pytest.raises(DsaIndexError, match=r"at most 99\.00% \(IVF budget 256\).*--ivf-budget"):
+        serve(paths, net, served=identity, ivf_recall_target=0.995)
+    bare = _bundles(tmp_path / "b", net, identity, pq=False)
+    assert serve(bare, net, served=identity).ivf_budget == 8 * TOPK
 
 
 def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):

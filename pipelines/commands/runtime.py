@@ -211,7 +211,11 @@ def generate_cmd(
                                            "serves them (IVF prefill, PQ decode), and the recall is reported "
                                            "per phase."),
     ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
-                                   help="Candidates per prefill query with --ivf-artifacts (default 8 x top-k)."),
+                                   help="Candidates per prefill query with --ivf-artifacts (default: the smallest the "
+                                        "ivf bundle records at --ivf-recall-target; 8 x top-k where it records none)."),
+    ivf_recall_target: float = typer.Option(PREFILL.ivf_recall_target, min=0.0, max=1.0,
+                                            help="Without --ivf-budget: the held-out prefill recall of the exact "
+                                                 "top-k the IVF budget must reach, as the ivf bundle records it."),
     prefill_chunk: int = typer.Option(None, callback=at_least(1),
                                       help="Feed the prompt in chunks of this many tokens (default: at once)."),
     out: str = typer.Option(None, help="Also write the JSON result to this file."),

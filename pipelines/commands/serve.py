@@ -39,7 +39,11 @@ def serve_cmd(
                                                            "and C whose held-out recall reaches --recall-target "
                                                            "(default: auto with --candidates auto, else 4)."),
     ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
-                                   help="Prefill: candidates per query from the IVF index (default 8 x top-k)."),
+                                   help="Prefill: candidates per query from the IVF index (default: the smallest the "
+                                        "ivf bundle records at --ivf-recall-target; 8 x top-k where it records none)."),
+    ivf_recall_target: float = typer.Option(PREFILL.ivf_recall_target, min=0.0, max=1.0,
+                                            help="Without --ivf-budget: the held-out prefill recall of the exact "
+                                                 "top-k the IVF budget must reach, as the ivf bundle records it."),
     exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
                                     help="Decode: score requests of at most this many keys exactly (0: never)."),
     direct_upto: int = typer.Option(DECODE.direct_upto, callback=at_least(0),
@@ -87,7 +91,8 @@ def serve_cmd(
                               prefilter=None if prefilter is None else parse_prefilter(prefilter,
                                                                                        parse_candidates(candidates)),
                               exact_below=exact_below, filter_width=filter_width, direct_upto=direct_upto),
-        prefill=PrefillSettings(ivf_budget=ivf_budget, stream_prefix=stream_prefix, chunk=prefill_chunk),
+        prefill=PrefillSettings(ivf_budget=ivf_budget, ivf_recall_target=ivf_recall_target, stream_prefix=stream_prefix,
+                                chunk=prefill_chunk),
         basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri, retention=retention, lag=lag)
     dev = resolve_device(device)
     loaded = load_model(model, device=dev, dtype=dtype)
