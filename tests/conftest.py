@@ -117,3 +117,145 @@ def s3_bucket(s3_endpoint):
     name = f"dsa-{uuid.uuid4().hex[:10]}"
     filesystem().mkdir(name)
     return f"s3://{name}"
+
+
+# ---- a throwaway PostgreSQL cluster (the backend store of a shared MLflow tracking server) ----------
+def _postgres_binaries():
+    """The folder holding ``initdb`` and ``postgres``: Debian's ``/usr/lib/postgresql/<major>/bin`` (newest
+    first), else the PATH; None where neither has them."""
+    import glob
+    import re
+    import shutil
+    from pathlib import Path
+
+    def major(folder: str) -> int:
+        found = re.search(r"/postgresql/(\d+)/bin$", folder)
+        return int(found.group(1)) if found else 0
+
+    for folder in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=major, reverse=True):
+        if all(os.access(os.path.join(folder, b), os.X_OK) for b in ("initdb", "postgres")):
+            return Path(folder)
+    initdb, postgres = shutil.which("initdb"), shutil.which("postgres")
+    if initdb and postgres:
+        return Path(os.path.realpath(initdb)).parent
+    return None
+
+
+def _missing(reason: str):
+    """Skip, except on CI (``CI`` set, as CI services set it): there a missing service fails the run."""
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"{reason} (CI is set: the slow server tests must run there; see tools/services.sh)")
+    pytest.skip(reason)
+
+
+class PostgresCluster:
+    """A running throwaway cluster: unix socket in ``socket_dir``, TCP on 127.0.0.1:``port``, one
+    superuser ``user`` trusted without a password."""
+
+    def __init__(self, socket_dir, port: int, user: str):
+        self.socket_dir, self.port, self.user = str(socket_dir), port, user
+
+    def connect(self, dbname: str = "postgres"):
+        import psycopg2
+
+        return psycopg2.connect(host=self.socket_dir, port=self.port, user=self.user, dbname=dbname)
+
+    def create_database(self, name: str) -> str:
+        """A new, empty database; its SQLAlchemy URI (over the unix socket; SQLAlchemy 2.1 takes a bare
+        ``postgresql://`` for psycopg 3, so the URI names psycopg2)."""
+        con = self.connect()
+        try:
+            con.autocommit = True
+            with con.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            con.close()
+        return self.uri(name)
+
+    def uri(self, dbname: str) -> str:
+        return f"postgresql+psycopg2://{self.user}@/{dbname}?host={self.socket_dir}&port={self.port}"
+
+    def query(self, dbname: str, sql: str, *args) -> list[tuple]:
+        con = self.connect(dbname)
+        try:
+            with con, con.cursor() as cur:
+                cur.execute(sql, args)
+                return cur.fetchall()
+        finally:
+            con.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster():
+    """A PostgreSQL cluster for the session, made with ``initdb`` in a temporary folder and run with
+    ``postgres`` on a free port (unix socket in that folder), stopped and deleted at the end.
+
+    PostgreSQL refuses to run as root: as root the cluster belongs to and runs as the ``postgres`` system
+    user (Debian's package makes it; it is created here where missing). Skips where no PostgreSQL binaries
+    or no psycopg2 are found, unless ``CI`` is set: then it fails."""
+    import importlib.util
+    import pwd
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    binaries = _postgres_binaries()
+    if binaries is None:
+        _missing("no PostgreSQL server binaries (initdb, postgres) under /usr/lib/postgresql/*/bin or on PATH "
+                 "(apt-get install -y postgresql)")
+    if importlib.util.find_spec("psycopg2") is None:
+        _missing("psycopg2 is not installed (pip install psycopg2-binary)")
+    as_user: dict = {}
+    if os.geteuid() == 0:
+        try:
+            account = pwd.getpwnam("postgres")
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                            "postgres"], check=True, capture_output=True)
+            account = pwd.getpwnam("postgres")
+        as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+    # not under pytest's tmp folder: that is private to root (0700), and the server runs as another user
+    base = tempfile.mkdtemp(prefix="dsaindex-pg-")
+    if as_user:
+        os.chown(base, as_user["user"], as_user["group"])
+    data, log = os.path.join(base, "data"), os.path.join(base, "server.log")
+    made = subprocess.run([str(binaries / "initdb"), "-D", data, "-U", "dsaindex", "--auth=trust", "-E", "UTF8",
+                           "--no-sync"], capture_output=True, text=True, cwd=base, **as_user)
+    if made.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.fail(f"initdb failed: {made.stderr[-2000:]}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with open(log, "w") as out:
+        if as_user:
+            os.chown(log, as_user["user"], as_user["group"])
+        server = subprocess.Popen([str(binaries / "postgres"), "-D", data, "-p", str(port), "-k", base,
+                                   "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200"],
+                                  stdout=out, stderr=subprocess.STDOUT, cwd=base, start_new_session=True, **as_user)
+    cluster = PostgresCluster(base, port, "dsaindex")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            cluster.connect().close()
+            break
+        except Exception:  # noqa: BLE001 - psycopg2.OperationalError until the server accepts connections
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                text = open(log).read()[-2000:]
+                shutil.rmtree(base, ignore_errors=True)
+                pytest.fail(f"PostgreSQL did not start: {text}")
+            time.sleep(0.1)
+    try:
+        yield cluster
+    finally:
+        server.send_signal(signal.SIGINT)  # fast shutdown: a client left connected must not hold it up
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+        shutil.rmtree(base, ignore_errors=True)

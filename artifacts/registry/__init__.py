@@ -24,7 +24,18 @@ bundle whose ``bundle_id`` is already registered returns that version.
 Tracking servers (``http(s)://``) are first asked one cheap question with a short timeout, so an
 unreachable server fails in seconds with its URI in the message; MLflow's own HTTP settings
 (``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``..._BACKOFF_FACTOR``,
-``..._BACKOFF_JITTER``) get short defaults unless the user set them.
+``..._BACKOFF_JITTER``) get short defaults unless the user set them; a 5xx of a proxy in front of the
+server and a request that times out are retried once. A server that refuses the credentials (HTTP 401) or
+the permission (403) is one line naming ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (basic
+auth) and ``MLFLOW_TRACKING_TOKEN``.
+
+A shared tracking server, as the tests run one (tests/test_registry_server.py): ``mlflow server
+--backend-store-uri postgresql+psycopg2://... --default-artifact-root s3://bucket/mlflow --no-serve-artifacts``
+(``--app-name basic-auth`` for users). Clients then write bundles straight to S3 with their own AWS
+credentials (the standard chain, ``AWS_ENDPOINT_URL``, as :mod:`dsaindex.artifacts.storage`), so bundle bytes
+never pass through the server's workers and a server that stops mid-registration cannot cut an upload
+short. Several registrations may run at once there (no lock): each gets its own version, and
+``@candidate`` ends on the newest (:func:`.recovery._point_candidate`).
 
 MLflow is imported inside the functions that use it, and every read and write goes through its client API:
 the same code serves a sqlite or file store and a tracking server (PostgreSQL or any backend behind it).

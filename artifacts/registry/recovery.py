@@ -10,6 +10,12 @@ database for its whole length, so a command that takes the lock knows every unfi
 finds is dead; on a tracking server (no lock) a version is undone once its record names a process of this
 machine that no longer runs (its ``pid`` and ``host``), or is older than :data:`STALE_VERSION_S`; a run
 without a version likewise (its :data:`PROCESS` tag), or once older than :data:`STALE_RUN_S`.
+
+``@candidate`` names the newest version that no rollback has given up (:data:`ABANDONED`). MLflow has no
+compare-and-set for aliases, so every writer of it (a registration's last steps, a rollback) converges
+instead of writing once (:func:`_point_candidate`): it lists the versions, points the alias at that newest
+one, and lists again until a listing made after its last write agrees. Two registrations at once on a
+tracking server (no lock) so end with ``@candidate`` on the higher of their versions, whichever writes last.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from dsaindex.artifacts.registry.tracking import (
 
 # the run tag naming the registering process ({"pid", "host"}): its run is undone once that process is gone
 PROCESS = TAG + "process"
+# the version tag a rollback sets first: the version no longer counts for @candidate, before it is deleted
+ABANDONED = TAG + "abandoned"
 STALE_VERSION_S = 900.0
 STALE_RUN_S = 24 * 3600.0
 
@@ -90,12 +98,8 @@ def _settle(client, uri: str, everything: bool) -> None:
         started = float(info.get("started") or mv.creation_timestamp or 0)
         if not everything and now_ms - started < STALE_VERSION_S * 1000 and not _dead_here(info):
             continue
-        name, version = mv.name, str(mv.version)
-        candidate = None
-        with contextlib.suppress(Exception):
-            candidate = _alias_version(client, name, CANDIDATE)
-        restore = info.get("previous_candidate") if candidate == version else None
-        _roll_back(client, name, version, None if restore is None else str(restore),
+        restore = info.get("previous_candidate")
+        _roll_back(client, mv.name, str(mv.version), None if restore is None else str(restore),
                    (mv.tags or {}).get(TAG + "model_id"), mv.run_id)
     try:
         exp = _call(client.get_experiment_by_name, DEFAULT_EXPERIMENT)
@@ -185,17 +189,19 @@ def _short_http(seconds: float):
 def _roll_back(client, name: str, version: str | None, previous_candidate: str | None,
                model_id: str | None, run_id: str | None, budget_s: float | None = None) -> bool:
     """Undo a failed registration as far as possible within ``budget_s`` seconds (None: no bound);
-    never raises. Returns whether every step was done; what is left keeps its registering tag (readers
-    skip it) and a later command's :func:`_settle` finishes it. After a request that timed out, the
-    first step that fails for want of an answer ends the rollback (the server is not answering)."""
+    never raises. ``@candidate`` on the version goes back to ``previous_candidate``, or onto a newer
+    version registered meanwhile (:func:`_give_back_candidate`). Returns whether every step was done; what
+    is left keeps its registering tag (readers skip it) and a later command's :func:`_settle` finishes it.
+    After a request that timed out, the first step that fails for want of an answer ends the rollback (the
+    server is not answering)."""
     from mlflow.entities import LoggedModelStatus
 
     # In this order a process killed in between leaves what the next command's cleanup finishes: the
     # version keeps its registering tag until deleted, the run stays RUNNING until marked.
     steps: list[tuple[Callable[..., Any], tuple]] = []
-    if version is not None:
-        if previous_candidate is not None:
-            steps.append((client.set_registered_model_alias, (name, CANDIDATE, previous_candidate)))
+    if version is not None:  # given up first, so that every writer of @candidate looks past it from then on
+        steps.append((client.set_model_version_tag, (name, version, ABANDONED, "true")))
+        steps.append((_give_back_candidate, (client, name, version, previous_candidate)))
         steps.append((client.delete_model_version, (name, version)))
     if model_id is not None:
         steps.append((client.finalize_logged_model, (model_id, LoggedModelStatus.FAILED)))
@@ -230,3 +236,38 @@ def _alias_version(client, name: str, alias: str) -> str | None:
         if "NOT_EXIST" in _error_code(err) or "not found" in str(err).lower():
             return None
         raise
+
+
+def _give_back_candidate(client, name: str, version: str, previous_candidate: str | None) -> None:
+    """Where ``@candidate`` is on ``version`` (already :data:`ABANDONED`), move it back to
+    ``previous_candidate``, or onto a newer version registered meanwhile (:func:`_point_candidate`); an alias
+    elsewhere (moved by a newer registration, or by hand) is left alone. A writer that reads the versions
+    before the mark and writes ``version`` after this check reads them again after its write, sees the mark
+    and moves the alias on itself."""
+    if _alias_version(client, name, CANDIDATE) == str(version):
+        _point_candidate(client, name, previous_candidate)
+
+
+def _point_candidate(client, name: str, floor: str | None = None, rounds: int = 20) -> str | None:
+    """Point ``@candidate`` of ``name`` at the newest version not :data:`ABANDONED` (finished or still
+    registering) and return it; with ``floor`` (a rollback's ``previous_candidate``) at ``floor`` instead
+    while no such version is newer than it. None (alias left as it is) where there is no version to name.
+
+    Without compare-and-set the alias is written, then the versions listed again, until a listing made
+    after this writer's last write agrees with the alias: whichever writer writes last saw every version
+    made before its last listing, and one made later is written by its own registration, so concurrent
+    writers end with the alias on the newest version."""
+    target: str | None = None
+    for _ in range(rounds):
+        live = [int(v.version) for v in _call(client.search_model_versions, f"name='{name}'")
+                if ABANDONED not in (v.tags or {})]
+        newest = max(live, default=None)
+        if floor is not None and int(floor) in live and (newest is None or newest <= int(floor)):
+            newest = int(floor)
+        if newest is None:
+            return None
+        target = str(newest)
+        if _alias_version(client, name, CANDIDATE) == target:
+            return target
+        _call(client.set_registered_model_alias, name, CANDIDATE, target)
+    return target

@@ -25,6 +25,7 @@ from dsaindex.artifacts.registry.recovery import (
     STALE_VERSION_S,
     _alias_version,
     _no_answer,
+    _point_candidate,
     _registering,
     _roll_back,
 )
@@ -35,8 +36,10 @@ from dsaindex.artifacts.registry.tracking import (
     REGISTERING,
     TAG,
     _call,
+    _credentials_error,
     _error_code,
     _interrupts_between_calls,
+    _is_http,
     _registration_lock,
     _short,
     artifact_root,
@@ -49,8 +52,10 @@ from dsaindex.errors import DsaIndexError
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
 
-# How long the undoing of a registration cut short (Ctrl-C, a store that stopped answering) may take.
+# How long the undoing of a registration cut short by Ctrl-C may take; after a store that stopped answering
+# (a tracking server let one request and its retry time out) a shorter try: the next command finishes it.
 ROLLBACK_S = 6.0
+NO_ANSWER_ROLLBACK_S = 3.0
 
 
 def _left_note(uri: str) -> str:
@@ -96,8 +101,10 @@ def register_bundle(
     plots : image (or any) files, logged as run artifacts under ``plots/``.
     tracking_uri, experiment : where to log; see the module docstring for the default.
 
-    The new version gets the alias ``candidate``. Any failure leaves no version behind and raises
-    :class:`DsaIndexError` (the logged model and the run are marked failed). A bundle whose ``bundle_id``
+    The new version gets the alias ``candidate`` (``alias`` None where a registration running at the same
+    time made a newer version, which then holds it: :func:`~.recovery._point_candidate`). Any failure
+    leaves no version behind and raises :class:`DsaIndexError` (the logged model and the run are marked
+    failed). A bundle whose ``bundle_id``
     is already registered under its name is not registered again: that version is returned with
     ``existing=True`` and ``alias`` one of its aliases (``candidate`` first) or None.
     """
@@ -144,6 +151,9 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
                         tags={TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name,
                               PROCESS: json.dumps({"pid": os.getpid(), "host": socket.gethostname()})})
         except Exception as err:  # noqa: BLE001 - nothing exists yet, nothing to roll back
+            refused = _credentials_error(err, uri)
+            if refused is not None:
+                raise DsaIndexError(f"{refused.problem} Nothing was registered.", refused.fix) from None
             raise DsaIndexError(
                 f"Cannot start a run in {uri} ({type(err).__name__}: {_short(err)}); nothing was registered.",
                 again,
@@ -192,7 +202,8 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
             mv = _call(client.create_model_version, name, source=f"models:/{model_id}", run_id=run_id,
                        model_id=model_id, tags={**_version_tags(manifest, model_id), REGISTERING: json.dumps(record)})
             version = str(mv.version)
-            _call(client.set_registered_model_alias, name, CANDIDATE, version)
+            # the newest version of the name, this one unless another registration made a newer one meanwhile
+            candidate = _point_candidate(client, name)
             status = _call(client.get_model_version, name, version).status
             if str(status) != "READY":
                 raise RuntimeError(f"model version {name}/{version} is {status}, not READY")
@@ -200,8 +211,9 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
             _call(client.delete_model_version_tag, name, version, REGISTERING)
         except BaseException as err:
             interrupted = not isinstance(err, Exception)
-            undone = _roll_back(client, name, version, previous_candidate, model_id, run_id,
-                                budget_s=ROLLBACK_S if interrupted or _no_answer(err) else None)
+            budget_s = (ROLLBACK_S if interrupted or (_no_answer(err) and not _is_http(uri)) else
+                        NO_ANSWER_ROLLBACK_S if _no_answer(err) else None)
+            undone = _roll_back(client, name, version, previous_candidate, model_id, run_id, budget_s=budget_s)
             left = "" if undone else " " + _left_note(uri)
             if interrupted:
                 if not undone:
@@ -212,12 +224,15 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
                     raise
                 raise type(err)(err.problem + left, err.fix) from err
             nothing = "nothing was registered" if undone else "the registration is not complete"
+            refused = _credentials_error(err, uri)
+            if refused is not None:
+                raise DsaIndexError(f"{refused.problem.rstrip('.')}; {nothing}.{left}", refused.fix) from None
             raise DsaIndexError(
                 f"Registering {shown} in {uri} failed ({type(err).__name__}: {_short(err)}); {nothing}.{left}",
                 again,
             ) from err
-    return {"name": name, "version": int(version), "run_id": run_id, "model_id": model_id, "alias": CANDIDATE,
-            "existing": False}
+    return {"name": name, "version": int(version), "run_id": run_id, "model_id": model_id,
+            "alias": CANDIDATE if candidate == version else None, "existing": False}
 
 
 def _registered_bundle(client, name: str, bundle_id: str) -> dict[str, Any] | None:

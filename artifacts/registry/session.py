@@ -24,6 +24,7 @@ from dsaindex.artifacts.registry.recovery import _settle
 from dsaindex.artifacts.registry.tracking import (
     _STORE_FIX,
     _call,
+    _credentials_error,
     _is_http,
     _no_database,
     _registration_lock,
@@ -35,8 +36,9 @@ from dsaindex.artifacts.registry.tracking import (
 from dsaindex.errors import DsaIndexError
 
 # MLflow's defaults (120 s per request, 7 retries with backoff 2) wait minutes on a dead server; these give
-# up on a server that stops answering mid-registration within ~20 s (then a rollback of at most ROLLBACK_S).
-HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "8", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+# up on a server that stops answering mid-registration within ~15 s (a request and its retry, 6 s each, then a
+# rollback of at most NO_ANSWER_ROLLBACK_S). A transient 5xx (a proxy in front of the server) is retried once.
+HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "6", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5"}
 HTTP_PROBE_SETTINGS = {**HTTP_SETTINGS, "MLFLOW_HTTP_REQUEST_TIMEOUT": "4", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
 _announced: set[str] = set()
@@ -90,6 +92,9 @@ def _session(tracking_uri: str | None, create: bool = False, lock_init: bool = T
             _settle(client, uri, everything=False)
         yield client
     except MlflowException as err:
+        refused = _credentials_error(err, uri)
+        if refused is not None:
+            raise refused from None
         raise DsaIndexError(f"The MLflow store {uri} refused a request ({_short(err)}).", _STORE_FIX) from err
     finally:
         mlflow.set_tracking_uri(previous)
@@ -146,7 +151,7 @@ def _probe(client, uri: str, user_env: dict[str, str | None]) -> None:
     except MlflowException as err:
         text = str(err)
         if "failed with exception" not in text and "timeout exception" not in text:
-            raise  # the server answered, with an error: reported as a refused request
+            raise  # the server answered, with an error: reported as refused credentials or a refused request
         reason = ("connection refused" if "refused" in text.lower() else
                   "no answer in time" if "timed out" in text.lower() or "timeout" in text.lower() else _short(err, 160))
         raise DsaIndexError(

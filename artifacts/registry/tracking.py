@@ -199,6 +199,32 @@ def _error_code(err: Exception) -> str:
     return str(getattr(err, "error_code", ""))
 
 
+_CREDENTIALS_FIX = ("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (the server's basic auth) or "
+                    "MLFLOW_TRACKING_TOKEN (a bearer token) to credentials the server accepts, then retry.")
+
+
+def _credentials_error(err: BaseException, uri: str) -> DsaIndexError | None:
+    """A :class:`DsaIndexError` naming the variables to set when ``err`` is a tracking server refusing the
+    credentials (HTTP 401) or the permission (HTTP 403); None for any other error."""
+    try:
+        status = int(err.get_http_status_code())  # MlflowException's, from its error code
+    except (AttributeError, TypeError, ValueError):
+        return None
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    given = (f"user {user!r}" if user and os.environ.get("MLFLOW_TRACKING_PASSWORD") is not None else
+             "a token" if os.environ.get("MLFLOW_TRACKING_TOKEN") else
+             f"user {user!r} without a password" if user else "no credentials")
+    if status == 401:
+        return DsaIndexError(f"The MLflow tracking server at {uri} refused the credentials (HTTP 401; {given} "
+                             "given).", _CREDENTIALS_FIX)
+    if status == 403:
+        return DsaIndexError(f"The MLflow tracking server at {uri} denied a request to {given} (HTTP 403: "
+                             f"{_short(err, 120)}).",
+                             "ask the server's admin for permission on this experiment and registered model, or "
+                             + _CREDENTIALS_FIX.replace("credentials the server accepts", "a user that has it"))
+    return None
+
+
 def _download(artifact_uri: str, dst: Path) -> Path:
     import mlflow.artifacts
 
