@@ -483,7 +483,7 @@ def test_mli_on_a_side_stream_selects_as_the_lag_in_line(served):
     set_index_topk(net, TOPK)
     prompt = _text(11_000, 300).cuda()
     for make in (lambda side: ServedIndex(net, {}, {}, ServeSettings.of(lag=True, side_stream=side), reuse={1: 0, 3: 2}),
-                 lambda side: serve(paths[:1], net, served=identity, lag=True, side_stream=side)):
+                 lambda side: serve(paths[:1], net, served=identity, lag=True, side_stream=side, candidates=2 * TOPK)):
         tokens = {}
         for side in (False, True):
             index = make(side)
