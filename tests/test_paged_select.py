@@ -92,6 +92,27 @@ def recall(got, want):
     return sum(len(g & w) for g, w in pairs) / max(1, sum(len(w) for _, w in pairs))
 
 
+def captured(step, warmups=1, strict=False):
+    """``step`` run ``warmups`` times on a side stream (Triton compiles outside the capture), then captured in a
+    CUDA graph: (the graph, the output the capture wrote). ``strict``: any host synchronization inside the
+    capture is an error."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if strict:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return graph, out
+
+
 # ---- the paged kernels -----------------------------------------------------------------------------
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.int8])
 def test_paged_stage_one_and_two_match_their_references(table_dtype):
@@ -472,19 +493,8 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps(opq):
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     static_q, static_w = queries(2)
     sel.prepare(cache, table, static_seq)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up: Triton compiles outside the capture
-            sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            static_out = sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    graph, static_out = captured(lambda: sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False),
+                                 warmups=2, strict=True)
     for step in range(70):  # keys appended one per step: two pages complete inside the graph
         lens = [n + step for n in lengths]
         for b, n in enumerate(lens):  # the engine writes the new key into its page
@@ -524,19 +534,9 @@ def test_one_captured_step_replays_the_exact_path_or_pq_as_each_step_needs():
     full = torch.tensor([64 * 38, 64 * 30], dtype=torch.int32, device=DEV)
     for s in (sel, ref_exact, ref_pq):
         s.prepare(cache, table, full)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)  # warms both paths
-    torch.cuda.current_stream().wait_stream(stream)
+    step = lambda: sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)  # noqa: E731
+    graph, static_out = captured(step, strict=True)  # the eager warm-up runs both paths
     assert sel._warm == {"exact", "pq"}
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            static_out = sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     seen = set()
     for step, lens in enumerate([[640, 300], [1280, 1000], [1281, 100], [2400, 1900], [700, 64], [1900, 1280]]):
         q, w = queries(2, seed=50 + step)
@@ -566,14 +566,7 @@ def test_a_captured_step_takes_the_exact_path_when_its_shapes_never_exceed_the_b
                              exact_below=1 << 30)
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     static_q, static_w = queries(2)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False)
+    graph, static_out = captured(lambda: sel.select(cache, table, static_seq, static_q, static_w, eager_refresh=False))
     for step, lens in enumerate([[700, 300], [1100, 64], [40, 1]]):
         q, w = queries(2, seed=80 + step)
         static_seq.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -699,14 +692,7 @@ def test_production_shape_leads_with_every_key_of_a_short_request_in_the_engines
             assert bool((slots[b, :n] >= 0).all())
         else:
             assert bool((row >= 0).all()) and int(row.max()) < n and row.unique().numel() == topk
-    graph, out = torch.cuda.CUDAGraph(), None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sel.select(cache, table, seq, q, w, eager_refresh=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        out = sel.select(cache, table, seq, q, w, eager_refresh=False)
+    graph, out = captured(lambda: sel.select(cache, table, seq, q, w, eager_refresh=False))
     graph.replay()
     torch.cuda.synchronize()
     assert as_sets(out) == as_sets(got)
@@ -739,14 +725,7 @@ def test_a_host_mapped_cache_takes_no_device_memory_and_selects_as_a_device_cach
     want = on_dev.select(dev_cache, table, seq, q, w)
     assert on_host.prepare(host, table, seq) == sum(n // 64 for n in lengths)
     assert torch.equal(on_host.codes, on_dev.codes)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        on_host.select(host, table, seq, q, w, eager_refresh=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = on_host.select(host, table, seq, q, w, eager_refresh=False)
+    graph, out = captured(lambda: on_host.select(host, table, seq, q, w, eager_refresh=False))
     graph.replay()
     torch.cuda.synchronize()
     assert as_sets(out) == as_sets(want)
