@@ -133,13 +133,14 @@ def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: t
                            metric: torch.Tensor | None, codes: torch.Tensor, head_dim: int,
                            rotation: torch.Tensor | None = None) -> None:
     """Write ``codes[p]`` [64, M] for every listed page ``p`` of ``pages`` [n] int64 other than the scratch
-    page (``codes.shape[0] - 1``): the nearest centroid of each of the page's FP8 keys, rotated first by
-    ``rotation`` [D, D] if given (:func:`dsaindex.pq.encode`). The spec of :func:`encode_pages`."""
+    page (``P``, the page count of ``rows``): the nearest centroid of each of the page's FP8 keys, rotated
+    first by ``rotation`` [D, D] if given (:func:`dsaindex.pq.encode`). ``codes`` [P + 1, 64, M], or [P, 64, M]
+    where they live in an engine's pool (the scratch page is never read or written). The spec of
+    :func:`encode_pages`."""
     from dsaindex.kernels.fp8_score import paged_keys_reference
     from dsaindex.pq import encode
 
-    scratch = codes.shape[0] - 1
-    real = pages[pages != scratch]
+    real = pages[pages != rows.shape[0]]  # the scratch page
     if real.numel() == 0:
         return
     keys, scales = paged_keys_reference(rows, real[None].to(torch.int32), head_dim)
@@ -164,6 +165,9 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
     checks.power_of_two("codebooks.shape[1] (centroids K)", k)
     checks.at_most("codebooks.shape[1] (centroids K)", k, 256, "codes are uint8")
     checks.shape("codes", codes, (None, PAGE, m), "P + 1, 64, M")
+    if codes.shape[0] not in (rows.shape[0], rows.shape[0] + 1) or not codes.is_contiguous():
+        raise ValueError(f"codes {tuple(codes.shape)} (contiguous: {codes.is_contiguous()}) for {rows.shape[0]} "
+                         f"pages: expected a contiguous [{rows.shape[0] + 1} or {rows.shape[0]}, {PAGE}, {m}].")
     checks.dtype("pages", pages, torch.int64)
     checks.same_device(rows=rows, pages=pages, whitened=whitened, codes=codes)
     if m * d != head_dim:
@@ -181,14 +185,14 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
         return
     write_sig = signature is not None
     if write_sig:
-        checks.shape("signature", signature, (codes.shape[0], SIGNATURE_WORDS), "P + 1, 4")
+        checks.shape("signature", signature, (rows.shape[0] + 1, SIGNATURE_WORDS), "P + 1, 4")
         checks.dtype("signature", signature, torch.int64)
-        checks.shape("valid", valid, (codes.shape[0],), "P + 1")
+        checks.shape("valid", valid, (rows.shape[0] + 1,), "P + 1")
         checks.dtype("valid", valid, torch.uint8)
         page_words(rows)  # pages 8-byte aligned: the signature is read as words
     scales = rows[0].view(torch.float32)[16 * head_dim :]
     encode_pages_kernel[(n, m)](rows, scales, rows.stride(0), pages.contiguous(), whitened,
-                                transform if transform is not None else whitened, codes, codes.shape[0] - 1,
+                                transform if transform is not None else whitened, codes, rows.shape[0],
                                 signature if write_sig else codes, valid if write_sig else codes,
                                 *signature_words(head_dim),
                                 D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=transform is not None and not rotate,

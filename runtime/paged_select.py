@@ -175,12 +175,15 @@ class PagedCacheSelector:
     exact_below : a step whose batch size times its longest request's keys is at most this is scored
         exactly, as the engine scores it without the plugin (the exact path; 0: never). Ignored with
         ``keys_on_host`` (exact scoring would read every key over the host link).
+    codes : where the codes live, when the engine's pool holds them ([num_pages, 64, M] uint8, contiguous, on
+        ``device``: the region an engine sized for the layer's codes instead of its keys, as the vLLM plugin's
+        ``DSAINDEX_KEYS=host`` does). Default: the selector allocates [num_pages + 1, 64, M] itself.
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
-                 check_every: int = CHECK_EVERY):
+                 check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
@@ -217,7 +220,16 @@ class PagedCacheSelector:
         self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
         # once: no factorization in a graph (an OPQ rotation folded into the whitening: [M, D/M, D])
         self.whitened, self.transform = whitened_codebooks(self.codebooks, self.metric, self.rotation)
-        self.codes = torch.zeros(num_pages + 1, PAGE, m, dtype=torch.uint8, device=dev)  # + one scratch page
+        if codes is None:  # + one scratch page, never read or written: the stale lists' filler
+            codes = torch.zeros(num_pages + 1, PAGE, m, dtype=torch.uint8, device=dev)
+        elif (tuple(codes.shape) != (num_pages, PAGE, m) or codes.dtype != torch.uint8 or not codes.is_contiguous()
+              or codes.device != dev):
+            raise DsaIndexError(f"The codes' storage is {tuple(codes.shape)} {codes.dtype} on {codes.device} "
+                                f"(contiguous: {codes.is_contiguous()}); the layer needs a contiguous "
+                                f"[{num_pages}, {PAGE}, {m}] uint8 on {dev}.",
+                                "size the engine's region for the layer with the codes' bytes per key (M), "
+                                "one page per cache page, or let the selector allocate its codes.")
+        self.codes = codes
         self.signature = torch.zeros(num_pages + 1, len(signature_words(head_dim)), dtype=torch.int64, device=dev)
         self.valid = torch.zeros(num_pages + 1, dtype=torch.uint8, device=dev)  # 1: the page holds codes
         self._sig_words = torch.tensor(signature_words(head_dim), device=dev)

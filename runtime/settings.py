@@ -280,9 +280,11 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",
            "Where the exact index keys of the layers the plugin serves live: `device` (the engine's HBM, as "
-           "without the plugin) or `host` (SGLang only: pinned host memory the GPU reads in place; the KV "
-           "pool is sized with the codes' bytes instead of the keys', so it admits more tokens, and each "
-           "step reads its C candidates' keys over the host link).", "`device`"),
+           "without the plugin) or `host` (pinned host memory the GPU reads in place; the KV pool is sized "
+           "with the codes' bytes instead of the keys', so it admits more tokens, and each step reads its C "
+           "candidates' keys over the host link. vLLM: the codes live in the pool's bytes for the layer; not "
+           "with a KV connector or HiSparse, and with a layer-outer KV cache layout, vLLM's default).",
+           "`device`"),
     EnvVar("DSAINDEX_CACHE_DIR", "cache_dir", _text, None,
            "Where `models:/` bundles are pulled to.", "the registry's cache (`~/.cache/dsaindex`)"),
     EnvVar("DSAINDEX_TRACKING_URI", "tracking_uri", _text, None,

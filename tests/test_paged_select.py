@@ -292,6 +292,36 @@ def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
     assert recall(picks[0], picks[1]) >= 0.95
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_codes_kept_in_an_engines_pool_select_as_the_selectors_own(use_triton):
+    """``codes=``: the codes live in bytes an engine sized for the layer ([P, 64, M], no scratch page: the
+    vLLM plugin's DSAINDEX_KEYS=host gives the layer's pool bytes). Encoding writes them there, and the
+    steps select what a selector with its own codes selects; a region of the wrong shape is refused."""
+    from dsaindex.errors import DsaIndexError
+
+    lengths = [64 * 9 + 5, 200, 64 * 3]
+    cache, table, _ = engine_cache(lengths, 20)
+    seq = torch.tensor(lengths, device=DEV)
+    q, w = queries(3)
+    pool = torch.full((20 + 7, 64, 8), 0xAB, dtype=torch.uint8, device=DEV)  # the layer's region in a pool
+    region = pool[7:]
+    own = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0,
+                             use_triton=use_triton)
+    kept = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0,
+                              use_triton=use_triton, codes=region)
+    assert kept.codes.data_ptr() == region.data_ptr() and own.codes.shape[0] == 21
+    want = own.select(cache, table, seq, q, w)
+    got = kept.select(cache, table, seq, q, w)
+    done = torch.cat([table[b, : n // 64] for b, n in enumerate(lengths)]).long()
+    assert torch.equal(region[done], own.codes[done])  # written in the pool, as the selector's own
+    assert bool((pool[:7] == 0xAB).all())  # nothing outside the region
+    assert as_sets(got) == as_sets(want)
+    with pytest.raises(DsaIndexError, match="contiguous"):
+        PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, codes=pool[:, :, :4])
+    with pytest.raises(DsaIndexError, match=r"\[20, 64, 8\]"):
+        PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, codes=pool)
+
+
 def test_a_captured_step_catches_up_on_pages_it_never_saw_prepared():
     """Without prepare() (a step inside a CUDA graph), stale pages are encoded ``catch_up`` per request
     per step, and the stats say how many are left; a page reused for other keys is encoded again."""

@@ -175,8 +175,8 @@ def plugin_report(dims: Any, machine: Any, lengths: list[int], chunk: int, artif
     console = Console()
     console.print(table)
     console.print("[dim]plugin, keys on GPU: DSAINDEX_KEYS=device (the default): the codes come on top of the "
-                  "engine's keys. plugin, keys on host: DSAINDEX_KEYS=host (SGLang): the served layers' keys live "
-                  "in pinned host memory and the pool counts the codes instead.[/dim]")
+                  "engine's keys. plugin, keys on host: DSAINDEX_KEYS=host (SGLang and vLLM): the served layers' "
+                  "keys live in pinned host memory and the pool counts the codes instead.[/dim]")
 
 
 @plan_app.command("memory")

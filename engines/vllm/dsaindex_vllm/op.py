@@ -63,12 +63,6 @@ def served_artifacts(hf_config: Any, device: torch.device | str) -> Any:
     from dsaindex.runtime.loader import load_bundle
 
     s = settings()
-    if s.keys != "device":
-        from dsaindex.errors import DsaIndexError
-
-        raise DsaIndexError(f"DSAINDEX_KEYS={s.keys}: the vLLM plugin keeps the exact index keys in vLLM's own "
-                            "GPU cache (host-resident keys are the SGLang plugin's mode).",
-                            "unset DSAINDEX_KEYS (or set it to device) for vLLM.")
     key = (s.artifacts, s.basis, str(device), s.allow_other_weights, id(hf_config))
     with _lock:
         if key not in _served:
@@ -248,6 +242,11 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         _LAYERS[self.k_cache.prefix] = self
         if self.codec is not None:
             self.model_path = reach_model_path(model_path(_builder_module(), hf_config))
+            if s.keys == "host" and not self._engine_only(None):
+                from dsaindex_vllm import host_keys
+
+                host_keys.refuse_unsupported(get_current_vllm_config())
+                host_keys.mark(self.k_cache, self.codec.codebooks.shape[0])  # M bytes of codes a key
 
     # vLLM's CustomOp dispatch: CUDA (and platforms vLLM does not know) call forward_cuda, the CPU build
     # forward_cpu; forward_native (custom op disabled in the compilation config) calls one of them. Layers
@@ -321,10 +320,12 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         the layer)."""
         kv_cache = self.k_cache.kv_cache
         if self.selector is None or self.selector.num_pages != kv_cache.shape[0]:
+            codes = getattr(self.k_cache, "_dsaindex_codes", None)  # DSAINDEX_KEYS=host: the pool holds them
             self.selector = PagedCacheSelector(self.codec, kv_cache.shape[0], self.topk_tokens,
                                                candidates=self.candidates, prefilter=self.prefilter,
                                                head_dim=self.head_dim, device=kv_cache.device,
-                                               exact_below=self.exact_below)
+                                               exact_below=self.exact_below, keys_on_host=codes is not None,
+                                               codes=codes)
         return self.selector
 
     def _encode_prefills(self, selector: PagedCacheSelector, meta) -> None:

@@ -428,16 +428,6 @@ def test_artifacts_of_another_model_fail_at_layer_build(tmp_path, monkeypatch):
     assert "indexer heads" in str(at_startup.value) and "Fix:" in str(at_startup.value)
 
 
-def test_host_resident_keys_are_refused_at_layer_build(plugin, monkeypatch):
-    """DSAINDEX_KEYS=host is the SGLang plugin's mode: vLLM's startup stops naming the variable."""
-    from dsaindex.errors import DsaIndexError
-
-    monkeypatch.setenv("DSAINDEX_KEYS", "host")
-    with pytest.raises(DsaIndexError) as err:
-        build_layer(vllm_config(CFG), prefix="model.layers.0.self_attn.indexer")
-    assert "DSAINDEX_KEYS=host" in str(err.value) and "device" in err.value.fix
-
-
 @pytest.mark.parametrize("lens_form", ["per_row", "last_row"])
 def test_mtp_verify_rows_each_select_their_own_prefix(plugin, monkeypatch, lens_form):
     """Speculative decoding (MTP): next_n = 3 query rows per request, request-major as vLLM lays out the decode
