@@ -760,6 +760,15 @@ def test_a_host_mapped_cache_takes_no_device_memory_and_selects_as_a_device_cach
     torch.cuda.synchronize()
     assert as_sets(out) == as_sets(want)
     assert torch.equal((out >= 0).sum(1), (want >= 0).sum(1))
+    # the vLLM plugin's form: keys on the host, codes in the bytes the engine's pool kept for the layer
+    pool = torch.zeros(120 + 3, 64, on_dev.codes.shape[2], dtype=torch.uint8, device=DEV)
+    in_pool = PagedCacheSelector(codec(), 120, topk=32, candidates=256, head_dim=D, device=DEV, keys_on_host=True,
+                                 codes=pool[3:])
+    assert in_pool.prepare(host, table, seq) == sum(n // 64 for n in lengths)
+    graph, out = captured(lambda: in_pool.select(host, table, seq, q, w, eager_refresh=False))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert as_sets(out) == as_sets(want) and bool((pool[:3] == 0).all())
 
 
 @pytest.mark.gpu
