@@ -255,12 +255,36 @@ def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
     return per_layer(decode.candidates, served, "candidate count C"), factors
 
 
+COST_KEYS = (1 << 17, 1 << 20)  # the prefix lengths a startup line prices a decode step at
+
+
+def step_bytes(keys: int, code_bytes: int, candidates: int, prefilter: int, key_bytes: int = 132) -> dict[str, int]:
+    """HBM bytes one decode query reads to select over ``keys`` keys: the exact indexer (every key's FP8
+    bytes and scale, ``key_bytes``) and the codes' step (stage 1 scans every key's ``code_bytes`` of codes,
+    stage 2 reads its ``prefilter`` x C survivors' codes again, the exact rescoring C keys). A floor that
+    says how the point's cost grows, not a timing: the steps are timed by ``dsaindex bench``."""
+    survivors = min(keys, prefilter * candidates)
+    coded = keys * code_bytes + survivors * code_bytes + min(keys, candidates) * key_bytes
+    return {"exact": keys * key_bytes, "codes": coded}
+
+
+def code_bytes_of(codec: Any) -> tuple[int, int]:
+    """(bytes of codes a key, bytes of an exact FP8 key with its scales) of a PQ / RQ codec: one code byte per
+    subspace (or residual level) of 256 centroids; D FP8 bytes plus a float32 scale per 128 of them."""
+    m, _, sub = codec.codebooks.shape
+    dim = sub if getattr(codec, "residual", False) else m * sub
+    return int(m), int(dim + 4 * max(1, dim // 128))
+
+
 def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int], prefilter: Mapping[int, int],
-                    topk: int, target: float = RECALL_TARGET) -> str:
+                    topk: int, target: float = RECALL_TARGET,
+                    code_bytes: Mapping[int, tuple[int, int]] | None = None) -> str:
     """What a server says at startup of its decode layers' operating points: per group of layers at the same
     (C, stage 1), the held-out recall of the exact top-``topk`` the bundle records there (the lower of all
     queries' and the longest prefix band's), and how it stands against ``target``; "not recorded" where
-    the bundle has no measurement at that point (a count given by hand)."""
+    the bundle has no measurement at that point (a count given by hand). With ``code_bytes`` (layer -> the
+    codes' and the exact key's bytes, :func:`code_bytes_of`), the step's cost too: the share of the exact
+    scan's bytes a query reads at 128K and 1M keys (:func:`step_bytes`)."""
     table = OperatingPoints.from_metrics(metrics)
     groups: dict[tuple[int, int, str], list[int]] = {}
     for layer in sorted(candidates):
@@ -272,6 +296,11 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
             recall = found[0].recall
             gap = "" if recall >= target else f", {100 * (target - recall):.2f} points under the {100 * target:.2f}% target"
             said = f"held-out recall {_floor_pct(recall)}{gap}"
+        if code_bytes is not None and layer in code_bytes:
+            m, key_bytes = code_bytes[layer]
+            shares = [step_bytes(n, m, c, p, key_bytes) for n in COST_KEYS]
+            said += (f", a query reads {shares[0]['codes'] / shares[0]['exact']:.2f}x the exact scan's bytes at 128K "
+                     f"keys, {shares[1]['codes'] / shares[1]['exact']:.2f}x at 1M")
         groups.setdefault((c, p, said), []).append(layer)
     return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C, "
                      f"{said}" for (c, p, said), layers in groups.items())

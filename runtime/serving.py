@@ -41,6 +41,7 @@ from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.ivf_prefill import IVFPrefillIndexer
 from dsaindex.runtime.loader import (
     candidates_for_recall,
+    code_bytes_of,
     decode_settings,
     describe_points,
     ivf_budget_for_recall,
@@ -653,5 +654,6 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
         settings = replace(settings, prefill=replace(settings.prefill, ivf_budget=max(budgets)))
     index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
     if index.candidates:
-        index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target)
+        index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target,
+                                       code_bytes={layer: code_bytes_of(codec) for layer, codec in by_role["decode"].items()})
     return index

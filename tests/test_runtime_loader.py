@@ -366,3 +366,22 @@ def test_startup_says_each_layers_point_and_the_recall_it_gives_up():
                     "layers 1, 2: C = 1024, stage 1 4 x C, held-out recall 99.87%; "
                     "layer 3: C = 1024, stage 1 4 x C, held-out recall not recorded")
     assert describe_points(metrics, {0: 2048}, {0: 8}, 512) == "layer 0: C = 2048, stage 1 8 x C, held-out recall 99.71%"
+
+
+def test_startup_prices_each_layers_step_in_bytes_against_the_exact_scan():
+    """The cost a server prints beside each point: the bytes a decode query reads against the exact indexer's
+    (every key's 132 bytes), from the codes' bytes a key, C and stage 1; cheaper with fewer code bytes or a
+    narrower stage 1, and closer to M / 132 as the prefix grows."""
+    from dsaindex.runtime.loader import describe_points, step_bytes
+
+    n, m, c, p = 1 << 17, 32, 4096, 8
+    cost = step_bytes(n, m, c, p)
+    assert cost == {"exact": n * 132, "codes": n * m + p * c * m + c * 132}
+    assert step_bytes(1000, m, c, p)["codes"] == 1000 * m + 1000 * m + 1000 * 132  # every key a survivor
+    long = step_bytes(1 << 20, m, c, p)
+    assert m / 132 < long["codes"] / long["exact"] < cost["codes"] / cost["exact"]
+    metrics = {"layer0/k512/prefilter8@4096": 0.9954}
+    said = describe_points(metrics, {0: 4096, 1: 4096}, {0: 8, 1: 4}, 512, code_bytes={0: (32, 132), 1: (16, 132)})
+    assert said == ("layer 0: C = 4096, stage 1 8 x C, held-out recall 99.54%, a query reads 0.33x the exact scan's "
+                    "bytes at 128K keys, 0.25x at 1M; layer 1: C = 4096, stage 1 4 x C, held-out recall not recorded, "
+                    "a query reads 0.17x the exact scan's bytes at 128K keys, 0.13x at 1M")

@@ -38,7 +38,7 @@ class PluginState:
         another model; SGLang's startup then fails with its message."""
         if self.loaded is not None:
             return
-        from dsaindex.runtime.loader import decode_settings, describe_points, load_bundle
+        from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points, load_bundle
         from dsaindex.runtime.paged_select import check_paged_codes
         from dsaindex.runtime.settings import engine_settings
 
@@ -66,7 +66,8 @@ class PluginState:
         logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (%s); "
                     "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU.",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors),
-                    describe_points(loaded.manifest.metrics, candidates, prefilter, topk, s.recall_target),
+                    describe_points(loaded.manifest.metrics, candidates, prefilter, topk, s.recall_target,
+                                    code_bytes={layer: code_bytes_of(sel.codec) for layer, sel in self.selectors.items()}),
                     "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
                     self.code_bytes)
 

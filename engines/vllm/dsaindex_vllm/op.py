@@ -37,7 +37,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
-from dsaindex.runtime.loader import decode_settings, describe_points
+from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex.runtime.settings import EngineSettings, engine_settings
 
@@ -237,7 +237,8 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
             self.prefilter = factors[self.layer_id]
             logger.info("dsaindex: %s", describe_points(loaded.manifest.metrics, per_layer, factors, topk_tokens,
-                                                        s.recall_target))
+                                                        s.recall_target,
+                                                        code_bytes={self.layer_id: code_bytes_of(self.codec)}))
 
         _LAYERS[self.k_cache.prefix] = self
         if self.codec is not None:
