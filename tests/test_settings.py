@@ -41,7 +41,8 @@ def _commands():
     from dsaindex.cli import app
 
     root = typer.main.get_command(app)
-    for path in (("serve",), ("runtime", "generate"), ("runtime", "check"), ("bench", "decode"), ("eval", "pq")):
+    for path in (("serve",), ("runtime", "generate"), ("runtime", "check"), ("bench", "decode"), ("eval", "pq"),
+                 ("bench", "frontier")):
         cmd = root
         for part in path:
             cmd = cmd.commands[part]
@@ -50,7 +51,7 @@ def _commands():
 
 # benchmarks and evaluation sweep C themselves: there it is a measurement's setting, not a serving default
 NOT_SERVING = {"bench decode": {"candidates", "prefilter", "exact_below", "pq_from"},
-               "eval pq": {"candidates", "prefilter"}}
+               "eval pq": {"candidates", "prefilter"}, "bench frontier": {"candidates", "prefilter"}}
 
 
 def test_command_options_default_to_the_settings_fields():

@@ -66,7 +66,7 @@ def _commands():
     root = typer.main.get_command(app)
     wanted = {("train", "pq"), ("train", "ivf"), ("eval", "pq"), ("eval", "pq-compare"), ("eval", "ivf"),
               ("runtime", "check"), ("runtime", "generate"), ("bench", "decode"), ("bench", "prefill-select"),
-              ("bench", "capture"), ("bench", "pq-train"), ("demo",)}
+              ("bench", "capture"), ("bench", "pq-train"), ("bench", "frontier"), ("demo",)}
     for path in sorted(wanted):
         cmd = root
         for part in path:

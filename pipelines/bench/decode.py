@@ -28,34 +28,35 @@ from typing import Any
 
 import typer
 
-from dsaindex.coarse import DIRECT_UPTO, PREFILTER
+from dsaindex.coarse import DIRECT_UPTO, FILTER_WIDTH, PREFILTER
 from dsaindex.console import at_least
 from dsaindex.pipelines.bench.timing import graph_median_ms, kernel_profile, median_ms
 
 HBM_BYTES_PER_S = 3.77e12  # read bandwidth measured on the H200 (DESIGN: 132 B/key -> ~35 us per 1M keys)
 
 
-def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int = 0):
-    """Random FP8 keys [B, N, 128] uint8 + scales on the GPU, random PQ codes, codebooks, queries, weights."""
+def synthetic_state(batch: int, keys: int, heads: int, subspaces: int, seed: int = 0, device: str = "cuda"):
+    """Random FP8 keys [B, N, 128] uint8 + scales on ``device`` (the GPU by default), random PQ codes,
+    codebooks, queries, weights."""
     import torch
 
     from dsaindex.quant import fp8_quantize
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     dim = 128
-    fp8 = torch.empty(batch, keys, dim, dtype=torch.uint8, device="cuda")
-    scales = torch.empty(batch, keys, dtype=torch.float32, device="cuda")
+    fp8 = torch.empty(batch, keys, dim, dtype=torch.uint8, device=device)
+    scales = torch.empty(batch, keys, dtype=torch.float32, device=device)
     for b in range(batch):
         for start in range(0, keys, 1 << 20):
             n = min(1 << 20, keys - start)
-            x = torch.randn(n, dim, device="cuda", generator=g)
+            x = torch.randn(n, dim, device=device, generator=g)
             c, s = fp8_quantize(x)
             fp8[b, start : start + n] = c.view(torch.uint8)
             scales[b, start : start + n] = s.reshape(-1)
-    codes = torch.randint(0, 256, (batch, keys, subspaces), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-    codebooks = torch.randn(subspaces, 256, dim // subspaces, device="cuda", generator=g) * 0.5
-    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
-    w = torch.rand(batch, heads, device="cuda", generator=g) * heads**-0.5 * dim**-0.5
+    codes = torch.randint(0, 256, (batch, keys, subspaces), device=device, generator=g, dtype=torch.int32).to(torch.uint8)
+    codebooks = torch.randn(subspaces, 256, dim // subspaces, device=device, generator=g) * 0.5
+    q = torch.randn(batch, heads, dim, device=device, generator=g).to(torch.bfloat16)
+    w = torch.rand(batch, heads, device=device, generator=g) * heads**-0.5 * dim**-0.5
     return fp8, scales, codes, codebooks, q, w
 
 
@@ -68,19 +69,22 @@ def synthetic_rotation(dim: int = 128, seed: int = 0):
 
 
 def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0, rotation=None,
-                  residual=False):
+                  residual=False, *, codec=None, device: str = "cuda", host=None, **options):
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
     ``keys`` a whole number of 64-key pages), with the length policy at ``exact_below`` keys; a residual
-    codec (RQ) when ``residual`` (``codebooks`` [M, K, D])."""
+    codec (RQ) when ``residual`` (``codebooks`` [M, K, D]). ``codec``: a trained codec to serve instead of
+    one built from ``codebooks`` (a bundle's layer); ``host``: a host key store with room for the keys'
+    pages (default: a new one; :meth:`PQDecodeGroup.free_all` gives the pages back); ``options``: further
+    arguments of the group (``direct_upto``, ``filter_width``, ``use_triton``, ...)."""
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
     batch, keys, dim = fp8.shape
-    host = HostKeyStore(batch * -(-keys // 64), dim)
-    group = PQDecodeGroup(PQCodec(codebooks.float().cpu(), rotation=rotation, residual=residual), host, batch, keys, topk,
-                          candidates=candidates,
-                          prefilter=prefilter, cache_capacity=cache, device="cuda", exact_below=exact_below)
+    host = HostKeyStore(batch * -(-keys // 64), dim) if host is None else host
+    codec = PQCodec(codebooks.float().cpu(), rotation=rotation, residual=residual) if codec is None else codec
+    group = PQDecodeGroup(codec, host, batch, keys, topk, candidates=candidates,
+                          prefilter=prefilter, cache_capacity=cache, device=device, exact_below=exact_below, **options)
     for b in range(batch):
         group.admit(b)
         group.load_encoded(b, codes[b], fp8[b], scales[b])
@@ -93,12 +97,18 @@ LINEAR_CONFIGS = [dict(block_n=128, iters=8, num_warps=4), dict(block_n=256, ite
                   dict(block_n=256, iters=4, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
 
 
-def timed(fn: Callable[[], Any], graphs: bool) -> tuple[float, str]:
+CPU_REPEATS = 5  # synchronized calls whose median times a step on the CPU (the kernels' torch references)
+
+
+def timed(fn: Callable[[], Any], graphs: bool, device: str = "cuda") -> tuple[float, str]:
     """Median ms of ``fn`` replayed from a CUDA graph (:func:`~dsaindex.pipelines.bench.timing.graph_median_ms`,
     what a decode server runs), or eagerly (:func:`~dsaindex.pipelines.bench.timing.median_ms`) where
-    capture fails (the reason is returned)."""
+    capture fails (the reason is returned). On a ``device`` other than CUDA: the median of
+    :data:`CPU_REPEATS` synchronized calls after a warm-up call (mode ``eager``)."""
     import torch
 
+    if not str(device).startswith("cuda"):
+        return median_ms(fn, CPU_REPEATS, device=device), "eager"
     if graphs:
         try:
             return graph_median_ms(fn), "cuda-graph"
@@ -109,11 +119,91 @@ def timed(fn: Callable[[], Any], graphs: bool) -> tuple[float, str]:
     return median_ms(fn), "eager"
 
 
-def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], graphs: bool) -> tuple[float, dict, str]:
+def best_of(configs: list[dict], make_fn: Callable[[dict], Callable[[], Any]], graphs: bool,
+            device: str = "cuda") -> tuple[float, dict, str]:
     """Fastest launch configuration: (ms, config, timing mode)."""
-    results = [(*timed(make_fn(cfg), graphs), cfg) for cfg in configs]
+    results = [(*timed(make_fn(cfg), graphs, device), cfg) for cfg in configs]
     ms, mode, cfg = min(results, key=lambda r: r[0])
     return ms, cfg, mode
+
+
+def pq_step_ms(group, queries, head_weights, graphs: bool, device: str = "cuda") -> tuple[float, dict, str]:
+    """Median ms of a :class:`PQDecodeGroup`'s step for ``queries`` [B, H, D] and ``head_weights`` [B, H],
+    timed after one step (compilation; a cached step's device cache filled, as consecutive decode steps
+    find it), at the fastest stage-1 launch configuration of :data:`LINEAR_CONFIGS` (the torch references
+    take none: timed once): (ms, configuration, timing mode). The group keeps that configuration."""
+
+    def step(cfg):
+        group.linear_config = cfg
+        return lambda: group.select(queries, head_weights)
+
+    group.select(queries, head_weights)  # compile, fill the cache
+    ms, cfg, mode = best_of(LINEAR_CONFIGS if group.use_triton else [{}], step, graphs, device)
+    group.linear_config = cfg
+    return ms, cfg, mode
+
+
+def triton_exact_ms(fp8, scales, lengths, queries, head_weights, topk: int, graphs: bool):
+    """The exact FP8 path on Triton over keys ``fp8`` [B, N, D] uint8 + ``scales`` [B, N] (``lengths`` [B]
+    int32): ``triton_fp8_logits`` (the fastest of :data:`LOGITS_CONFIGS`) and ``exact_fp8_triton`` (those
+    logits + :func:`~dsaindex.kernels.topk.rows_topk`). Returns (median ms by name, timing mode by name,
+    the logits' launch configuration, the threshold top-k's counts per request)."""
+    from dsaindex.kernels.fp8_score import fp8_logits
+    from dsaindex.kernels.topk import rows_topk
+
+    ms: dict[str, float] = {}
+    modes: dict[str, str] = {}
+
+    def logits_step(cfg):
+        return lambda: fp8_logits(fp8, scales, lengths, queries, head_weights, **cfg)
+
+    ms["triton_fp8_logits"], exact_cfg, modes["triton_fp8_logits"] = best_of(LOGITS_CONFIGS, logits_step, graphs)
+    ms["exact_fp8_triton"], modes["exact_fp8_triton"] = timed(
+        lambda: rows_topk(fp8_logits(fp8, scales, lengths, queries, head_weights, **exact_cfg), lengths, topk), graphs)
+    exact_counts = rows_topk(fp8_logits(fp8, scales, lengths, queries, head_weights, **exact_cfg), lengths, topk,
+                             return_counts=True)[2].tolist()
+    return ms, modes, exact_cfg, exact_counts
+
+
+def deepgemm_ms(fp8, scales, lengths, queries, head_weights, topk: int, graphs: bool, profile: bool = False) -> dict:
+    """The engines' exact indexer over the same keys in their paged layout (call it where
+    :func:`dsaindex.kernels.deepgemm.unavailable` is None): DeepGEMM's logits alone (``deepgemm_logits``),
+    with ``torch.topk`` (``deepgemm_logits_topk``), with the threshold top-k (``deepgemm_logits_fast_topk``)
+    and the faster of those two (``deepgemm_best``). Returns {"ms": median ms by name, "modes": timing mode
+    by name, "fast_counts": the threshold top-k's counts per request, "profile": the threshold path's
+    kernel profile with ``profile``, else None}."""
+    from dsaindex.kernels import deepgemm
+    from dsaindex.kernels.topk import rows_topk
+
+    keys = fp8.shape[1]
+    cache_pages, table = deepgemm.paged_cache(fp8, scales)
+    schedule = deepgemm.paged_schedule(lengths)
+
+    def dg_logits(masked: bool = False):
+        return deepgemm.paged_logits(cache_pages, table, lengths, queries, head_weights, keys, schedule, masked=masked)
+
+    ms: dict[str, float] = {}
+    modes: dict[str, str] = {}
+    dg_logits()  # JIT compilation happens outside the timing
+    ms["deepgemm_logits"], modes["deepgemm_logits"] = timed(dg_logits, graphs)
+    ms["deepgemm_logits_topk"], modes["deepgemm_logits_topk"] = timed(
+        lambda: dg_logits(masked=True).topk(topk, dim=1), graphs)
+    ms["deepgemm_logits_fast_topk"], modes["deepgemm_logits_fast_topk"] = timed(
+        lambda: rows_topk(dg_logits(), lengths, topk), graphs)
+    fast_counts = rows_topk(dg_logits(), lengths, topk, return_counts=True)[2].tolist()
+    profiled = kernel_profile(lambda: rows_topk(dg_logits(), lengths, topk)) if profile else None
+    ms["deepgemm_best"] = min(ms["deepgemm_logits_topk"], ms["deepgemm_logits_fast_topk"])
+    return {"ms": ms, "modes": modes, "fast_counts": fast_counts, "profile": profiled}
+
+
+def torch_exact_step(fp8, scales, queries, head_weights, topk: int) -> Callable[[], Any]:
+    """The ``torch_exact`` baseline's step over keys ``fp8`` [B, N, D] uint8 + ``scales`` [B, N], dequantized
+    to bf16 once (the step holds them; the FP8 keys may be freed): :func:`torch_exact_scores`, then
+    ``torch.topk``."""
+    import torch
+
+    keys = fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)
+    return lambda: torch_exact_scores(keys, queries, head_weights).float().topk(topk, dim=1)
 
 
 def torch_exact_scores(keys, queries, head_weights):
@@ -133,8 +223,6 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     import torch
 
     from dsaindex.kernels import deepgemm
-    from dsaindex.kernels.fp8_score import fp8_logits
-    from dsaindex.kernels.topk import rows_topk
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
@@ -156,8 +244,7 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
 
         return step
 
-    group.select(q, w)  # compile, fill the cache
-    ms["pq_warm"], linear_cfg, modes["pq_warm"] = best_of(LINEAR_CONFIGS, warm_step, graphs)
+    ms["pq_warm"], linear_cfg, modes["pq_warm"] = pq_step_ms(group, q, w, graphs)
     _, stats = warm_step(linear_cfg)()
     warm = stats.totals()
     profiles = {"pq_warm": kernel_profile(warm_step(linear_cfg))} if profile else {}
@@ -177,37 +264,21 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
         rq_stats = _time_residual(fp8, scales, codes, topk, candidates, prefilter, cache, q, w, linear_cfg, graphs,
                                   ms, modes, profiles if profile else None)
 
-    def logits_step(cfg):
-        return lambda: fp8_logits(fp8, scales, lengths, q, w, **cfg)
-
-    ms["triton_fp8_logits"], exact_cfg, modes["triton_fp8_logits"] = best_of(LOGITS_CONFIGS, logits_step, graphs)
-    ms["exact_fp8_triton"], modes["exact_fp8_triton"] = timed(
-        lambda: rows_topk(fp8_logits(fp8, scales, lengths, q, w, **exact_cfg), lengths, topk), graphs)
-    exact_counts = rows_topk(fp8_logits(fp8, scales, lengths, q, w, **exact_cfg), lengths, topk,
-                             return_counts=True)[2].tolist()
+    exact_ms, exact_modes, exact_cfg, exact_counts = triton_exact_ms(fp8, scales, lengths, q, w, topk, graphs)
+    ms |= exact_ms
+    modes |= exact_modes
     deepgemm_note = deepgemm.unavailable()
     if deepgemm_note is None:  # the engines' exact indexer, in their paged layout
-        cache_pages, table = deepgemm.paged_cache(fp8, scales)
-        schedule = deepgemm.paged_schedule(lengths)
-
-        def dg_logits(masked: bool = False):
-            return deepgemm.paged_logits(cache_pages, table, lengths, q, w, keys, schedule, masked=masked)
-
-        dg_logits()  # JIT compilation happens outside the timing
-        ms["deepgemm_logits"], modes["deepgemm_logits"] = timed(dg_logits, graphs)
-        ms["deepgemm_logits_topk"], modes["deepgemm_logits_topk"] = timed(
-            lambda: dg_logits(masked=True).topk(topk, dim=1), graphs)
-        ms["deepgemm_logits_fast_topk"], modes["deepgemm_logits_fast_topk"] = timed(
-            lambda: rows_topk(dg_logits(), lengths, topk), graphs)
-        fast_counts = rows_topk(dg_logits(), lengths, topk, return_counts=True)[2].tolist()
+        dg = deepgemm_ms(fp8, scales, lengths, q, w, topk, graphs, profile)
+        ms |= dg["ms"]
+        modes |= dg["modes"]
+        fast_counts = dg["fast_counts"]
         if profile:
-            profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(dg_logits(), lengths, topk))
-        ms["deepgemm_best"] = min(ms["deepgemm_logits_topk"], ms["deepgemm_logits_fast_topk"])
+            profiles["deepgemm_fast_topk"] = dg["profile"]
     ms["engine_paged"], modes["engine_paged"], paged_profile = engine_paged_step(
         fp8, scales, codes, codebooks, q, w, topk, candidates, prefilter, graphs, profile, rotation=rotation)
     if paged_profile is not None:
         profiles["engine_paged"] = paged_profile
-    cache_pages = table = None
     pq_cache_bytes = group.gpu_bytes()["cache"]
     group = None
     torch.cuda.empty_cache()
@@ -227,15 +298,11 @@ def time_case(batch: int, keys: int, heads: int, topk: int, candidates: int, pre
     if policy_path == "pq" and batch <= direct_upto:
         policy_path = "pq-direct"
     ms["policy"] = {"exact": ms["exact_path"], "pq": ms["pq_warm"], "pq-direct": ms["pq_direct"]}[policy_path]
-    gpu_state = {"bf16": fp8.view(torch.float8_e4m3fn).to(torch.bfloat16) * scales.unsqueeze(-1).to(torch.bfloat16)}
+    torch_exact = torch_exact_step(fp8, scales, q, w, topk)
     group = fp8 = codes = None  # free the device memory the torch baseline needs
     torch.cuda.empty_cache()
-
-    def torch_exact():
-        return torch_exact_scores(gpu_state["bf16"], q, w).float().topk(topk, dim=1)
-
     ms["torch_exact"], modes["torch_exact"] = timed(torch_exact, graphs)
-    gpu_state.clear()
+    torch_exact = None
     torch.cuda.empty_cache()
     floors = {"exact_fp8": batch * keys * 132 / HBM_BYTES_PER_S * 1e3, "pq32": batch * keys * 32 / HBM_BYTES_PER_S * 1e3}
     return {
@@ -335,19 +402,80 @@ def engine_paged_step(fp8, scales, codes, codebooks, q, w, topk, candidates, pre
     return ms, mode, kernel_profile(step) if profile else None
 
 
+STEP_MODES = ("filter", "rerank", "direct")  # the cold steps :func:`served_step` runs (see there)
+
+
+def served_step(codec, prefixes: list, queries, head_weights, topk: int, candidates: int, prefilter: int, cache: int,
+                mode: str, device: str, use_triton: bool | None = None, encoded: list | None = None, host=None,
+                filter_width: float = FILTER_WIDTH):
+    """One cold decode step of the runtime's :class:`~dsaindex.runtime.pq_batch.PQDecodeGroup` for a batch of
+    requests, each holding its causal prefix (``prefixes``: one [n_b, D] engine-key tensor a request) and
+    asking with one query (``queries`` [B, H, D], ``head_weights`` [B, H]).
+
+    ``mode``: ``filter`` (the cached step with the miss filter at ``filter_width``; the cache empty, so every
+    candidate is a miss), ``rerank`` (the same without the filter: every candidate rescored) or ``direct``
+    (candidates read straight from the host store). ``encoded``: per request (codes [n, M] uint8, FP8 bits
+    [n, D] uint8, scales [n]) of its first n keys, n a whole number of pages, as a prefill that encoded them
+    hands them over (the rest is appended); default: every key appended and its completed pages encoded
+    by the group. ``host``: a host key store with room for the prefixes' pages (default: a new one); the
+    pages are given back to it after the step. Returns (positions [B, topk] int64, the step's stats)."""
+    from dsaindex.runtime.host_store import HostKeyStore
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    lengths = [x.shape[0] for x in prefixes]
+    own_host = host is None
+    if own_host:
+        host = HostKeyStore(sum(-(-n // 64) for n in lengths) + len(lengths), prefixes[0].shape[1])
+    group = PQDecodeGroup(codec, host, len(lengths), max(lengths), topk, candidates=candidates,
+                          prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
+                          device=device, use_triton=use_triton, filter_width=filter_width,
+                          direct_upto=len(lengths) if mode == "direct" else 0)
+    for slot, keys in enumerate(prefixes):
+        group.admit(slot)
+        done = 0
+        if encoded is not None:
+            codes, fp8, scales = encoded[slot]
+            done = codes.shape[0]
+            if done:
+                group.load_encoded(slot, codes, fp8, scales)
+        if done < keys.shape[0]:
+            group.append(slot, keys[done:])
+    picked, stats = group.select(queries, head_weights)
+    if not own_host:
+        group.free_all()
+    return picked, stats
+
+
+def exact_topk_of_prefixes(prefixes: list, queries, head_weights, topk: int, device: str):
+    """The exact FP8 top-``topk`` positions [B, topk] int64 of each request's prefix (``prefixes``: one
+    [n_b, D] tensor a request; keys FP8-quantized as the engines store them) for ``queries`` [B, H, D] and
+    ``head_weights`` [B, H]: what :func:`served_step`'s selection is judged against."""
+    import torch
+
+    from dsaindex.kernels.fp8_score import fp8_topk_reference
+    from dsaindex.quant import fp8_quantize
+
+    lengths = [x.shape[0] for x in prefixes]
+    fp8 = torch.zeros(len(lengths), max(lengths), prefixes[0].shape[1], dtype=torch.uint8, device=device)
+    scales = torch.zeros(len(lengths), max(lengths), device=device)
+    for slot, x in enumerate(prefixes):
+        c, s = fp8_quantize(x.to(device))
+        fp8[slot, : x.shape[0]], scales[slot, : x.shape[0]] = c.view(torch.uint8), s.reshape(-1)
+    return fp8_topk_reference(fp8, scales, torch.tensor(lengths, device=device), queries, head_weights, topk)[1]
+
+
+def shares_found(picked, truth) -> list[float]:
+    """Per row, the share of ``truth``'s positions (rows of [B, k]) that ``picked`` (rows of [B, k']) holds."""
+    return [len(set(a) & set(b)) / len(b) for a, b in zip(picked.tolist(), truth.tolist(), strict=True)]
+
+
 def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: int, prefilter: int, cache: int,
                     min_prefix: int, max_queries: int, device: str, use_triton: bool | None = None) -> dict:
     """Recall of one cold PQ step against exact FP8 top-k for held-out queries (per layer and mean): with the
     miss filter, reranking every candidate, and the direct step (candidates read straight from the host)."""
-    import torch
-
     from dsaindex.artifacts.bundle import read_bundle
     from dsaindex.artifacts.capture_store import CaptureStore
-    from dsaindex.kernels.fp8_score import fp8_topk_reference
-    from dsaindex.quant import fp8_quantize
-    from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.loader import place_layers
-    from dsaindex.runtime.pq_batch import PQDecodeGroup
     from dsaindex.train.recall import held_out, split_sequences
 
     store = CaptureStore.open(store_path)
@@ -364,37 +492,21 @@ def recall_on_store(store_path: Path, artifacts: Path, topk: int, candidates: in
         nq = data.queries.shape[0]
         if nq == 0:
             continue
-        hits = {"filter": 0.0, "rerank": 0.0, "direct": 0.0}
+        hits = dict.fromkeys(STEP_MODES, 0.0)
         fetched = 0.0
-        for mode in ("filter", "rerank", "direct"):
+        for mode in STEP_MODES:
             for start in range(0, nq, 8):
                 rows = range(start, min(nq, start + 8))
-                lengths = [int(data.visible[i]) for i in rows]
-                host = HostKeyStore(sum(-(-n // 64) for n in lengths) + len(lengths), geometry.head_dim)
-                group = PQDecodeGroup(layer, host, len(lengths), max(lengths), topk, candidates=candidates,
-                                      prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
-                                      device=device, use_triton=use_triton,
-                                      direct_upto=len(lengths) if mode == "direct" else 0)
-                prefixes = []
-                for slot, i in enumerate(rows):
-                    s0 = int(data.key_start[i])
-                    prefixes.append(data.keys[s0 : s0 + lengths[slot]])
-                    group.admit(slot)
-                    group.append(slot, prefixes[-1])
+                prefixes = [data.keys[int(data.key_start[i]) : int(data.key_start[i]) + int(data.visible[i])]
+                            for i in rows]
                 q = data.queries[list(rows)].to(device)
                 w = data.head_weights[list(rows)].to(device)
-                picked, stats = group.select(q, w)
-                n = max(lengths)
-                fp8 = torch.zeros(len(lengths), n, geometry.head_dim, dtype=torch.uint8, device=device)
-                scales = torch.zeros(len(lengths), n, device=device)
-                for slot, x in enumerate(prefixes):
-                    c, s = fp8_quantize(x.to(device))
-                    fp8[slot, : x.shape[0]], scales[slot, : x.shape[0]] = c.view(torch.uint8), s.reshape(-1)
-                _, want = fp8_topk_reference(fp8, scales, torch.tensor(lengths, device=device), q, w, topk)
-                for a, b in zip(picked.tolist(), want.tolist(), strict=True):
-                    hits[mode] += len(set(a) & set(b)) / len(b)
+                picked, stats = served_step(layer, prefixes, q, w, topk, candidates, prefilter, cache, mode, device,
+                                            use_triton)
+                for share in shares_found(picked, exact_topk_of_prefixes(prefixes, q, w, topk, device)):
+                    hits[mode] += share
                 if mode == "filter":
-                    fetched += float(stats.fetched.sum()) / max(1.0, float(stats.candidates.sum())) * len(lengths)
+                    fetched += float(stats.fetched.sum()) / max(1.0, float(stats.candidates.sum())) * len(prefixes)
         per_layer[str(layer_id)] = {"queries": nq, "recall_filter": round(hits["filter"] / nq, 5),
                                     "recall_rerank": round(hits["rerank"] / nq, 5),
                                     "recall_direct": round(hits["direct"] / nq, 5),

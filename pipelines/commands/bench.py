@@ -9,6 +9,7 @@ import typer
 
 from dsaindex.console import at_least, emit_report, resolve_device
 from dsaindex.pipelines.bench.decode import bench_decode
+from dsaindex.pipelines.bench.frontier import bench_frontier
 from dsaindex.pipelines.bench.paged import bench_paged
 from dsaindex.pipelines.bench.pq_job import bench_pq_job
 from dsaindex.pipelines.bench.prefill import bench_prefill_select
@@ -19,6 +20,7 @@ from dsaindex.pipelines.bench.timing import time_call
 bench_app = typer.Typer(no_args_is_help=True)
 bench_app.command("decode")(bench_decode)
 bench_app.command("decode-reuse")(bench_decode_reuse)
+bench_app.command("frontier")(bench_frontier)
 bench_app.command("paged")(bench_paged)
 bench_app.command("prefill-select")(bench_prefill_select)
 bench_app.command("prefill-stream")(bench_prefill_stream)
