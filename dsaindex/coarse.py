@@ -30,10 +30,14 @@ DIRECT_UPTO = 2  # H200, 1M keys: faster at 1 and 2 requests, even at 4, slower 
 # measured recall (``dsaindex serve --candidates auto``; ``dsaindex.runtime.serving.candidates_for_recall``)
 RECALL_TARGET = 0.995
 # the engine plugins' exact path: a decode step of B requests whose longest has N keys is scored exactly (the
-# engine's own DeepGEMM logits + top-k) when B x N is at most this. H200, PQ32 at C = 4,096 and stage 1 at 8 x C
-# (bench paged): the codes' step is slower than the exact one up to 64 x 256K and 8 x 1M (16M and 8M keys),
-# faster from 32 x 1M (32M)
-PAGED_EXACT_BELOW = 1 << 24
+# engine's own DeepGEMM logits + top-k) when B x (N - PAGED_EXACT_OFFSET x the stage-1 width) is at most
+# PAGED_EXACT_BELOW. The codes' step costs each request a fixed part that grows with its stage 1 (P x C keys
+# ranked, decoded, rescored) and saves a share of every key's bytes. Read off the H200 grids of `bench paged
+# --exact-below 0` at C = 4,096 / 4 x C, C = 2,048 / 16 x C and C = 4,096 / 8 x C, N in 64K-1M, B in 1-64: the
+# codes win at 8 x 1M and 32 x 512K with a 16K stage 1, lose at 8 x 512K and 64 x 256K; with a 32K stage 1 they
+# lose up to 64 x 256K and tie at 8 x 1M; every step of one request is faster exactly
+PAGED_EXACT_BELOW = 5 << 20
+PAGED_EXACT_OFFSET = 12
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95

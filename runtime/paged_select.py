@@ -26,8 +26,9 @@ in its decode CUDA graph:
    from the engine's FP8 pages (:func:`~dsaindex.kernels.fp8_score.fp8_gather_scores_paged`, FP8 queries
    as the engines' logits); top-k.
 
-A small step is scored exactly instead (the *exact path*): when B times the longest request's keys is at
-most ``exact_below`` (:data:`dsaindex.coarse.PAGED_EXACT_BELOW`; ``DSAINDEX_EXACT_BELOW`` in the plugins),
+A small step is scored exactly instead (the *exact path*): when B times (the longest request's keys less
+``exact_offset``, by default :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width) is at most
+``exact_below`` (:data:`dsaindex.coarse.PAGED_EXACT_BELOW`; ``DSAINDEX_EXACT_BELOW`` in the plugins),
 stages 1-4 give way to what the engine runs without the plugin, DeepGEMM's ``fp8_paged_mqa_logits`` over the same pages (the Triton
 :func:`~dsaindex.kernels.fp8_score.fp8_logits_paged` where DeepGEMM does not import) and the threshold
 top-k :func:`~dsaindex.kernels.topk.rows_topk`; below that size the PQ step's fixed cost (a few dozen
@@ -59,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PREFILTER
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm
 from dsaindex.kernels import select as select_kernels
@@ -172,9 +173,11 @@ class PagedCacheSelector:
         in ``check_every`` of its older pages (a phase that turns each step), so a page changed outside
         decode without :meth:`prepare` is found within ``check_every`` steps; reading every page's each step
         cost 64 us of a 1.0 ms step at 32 x 1M keys on the H200. 1: every page, every step
-    exact_below : a step whose batch size times its longest request's keys is at most this is scored
-        exactly, as the engine scores it without the plugin (the exact path; 0: never). Ignored with
-        ``keys_on_host`` (exact scoring would read every key over the host link).
+    exact_below : a step of B requests whose longest has N keys, with B x (N - ``exact_offset``) at most
+        this, is scored exactly, as the engine scores it without the plugin (the exact path; 0: never).
+        Ignored with ``keys_on_host`` (exact scoring would read every key over the host link).
+    exact_offset : keys a request's fixed share of the codes' step is worth (default
+        :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C)
     codes : where the codes live, when the engine's pool holds them ([num_pages, 64, M] uint8, contiguous, on
         ``device``: the region an engine sized for the layer's codes instead of its keys, as the vLLM plugin's
         ``DSAINDEX_KEYS=host`` does). Default: the selector allocates [num_pages + 1, 64, M] itself.
@@ -183,7 +186,7 @@ class PagedCacheSelector:
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
-                 check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None):
+                 check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None):
         candidates = 2 * topk if candidates is None else candidates
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
@@ -202,6 +205,7 @@ class PagedCacheSelector:
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
+        self.exact_offset = PAGED_EXACT_OFFSET * self.c1 if exact_offset is None else max(0, int(exact_offset))
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
         # which completed pages a step checks: the last catch_up of each request (those decode completes), and
         # on the device one column in `sweep` of the older ones, turning each step (every page within sweep
@@ -340,11 +344,11 @@ class PagedCacheSelector:
             self.prepare(cache, table, lengths)
         found = self._catch_up(rows, table, lengths)
         args = (rows, table, lengths, queries, head_weights, init_tokens, local_tokens, schedule)
-        exact_width = min(w, -(-self.exact_below // (PAGE * max(1, b))))  # pages the exact path reads at most
-        if not exact_width or b * w * PAGE <= self.exact_below:  # the shapes alone decide
+        exact_width = self.exact_pages(b, w)  # pages the exact path reads at most
+        if not exact_width or self.takes_exact(b, w * PAGE):  # the shapes alone decide
             out, stage1 = self._run("exact" if exact_width else "pq", *args, exact_width)
-        else:
-            exact = lengths.max() * b <= self.exact_below  # on the device: no sync inside a graph
+        else:  # on the device: no sync inside a graph
+            exact = (lengths.max().to(torch.int64) - self.exact_offset) * b <= self.exact_below
             graph = _capturing_graph(dev)
             if graph is not None:  # one conditional node per path: a replay runs the one its step needs
                 out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)  # outlive the nodes
@@ -365,6 +369,17 @@ class PagedCacheSelector:
                     out, stage1 = self._run(path, *args, exact_width)
         self.stats = PagedStats(found, self.catch_up, stage1)
         return out
+
+    def takes_exact(self, batch: int, longest: int) -> bool:
+        """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path."""
+        return takes_exact_path(batch, longest, self.exact_below, self.exact_offset)
+
+    def exact_pages(self, batch: int, width: int) -> int:
+        """Pages of a request the exact path reads at most, for a step of ``batch`` requests over a page table
+        ``width`` pages wide (0: the step never takes it)."""
+        if not self.exact_below:
+            return 0
+        return min(width, -(-(self.exact_below // max(1, batch) + self.exact_offset) // PAGE))
 
     def _run(self, path: str, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
              head_weights: torch.Tensor, init_tokens: int, local_tokens: int, schedule: torch.Tensor | None,
@@ -464,6 +479,11 @@ class PagedCacheSelector:
     def gpu_bytes(self) -> int:
         """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
+
+
+def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int) -> bool:
+    """The exact-path rule of :class:`PagedCacheSelector`: B x (N - offset) at most the bound (0: never)."""
+    return exact_below > 0 and batch * (longest - exact_offset) <= exact_below
 
 
 def _capturing_graph(device: torch.device):

@@ -273,9 +273,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
     EnvVar("DSAINDEX_EXACT_BELOW", "exact_below", parse_count, PAGED_EXACT_BELOW,
            "A decode step of B requests whose longest has N keys is scored exactly, as the engine scores it "
-           "without the plugin (DeepGEMM's logits + top-k), when B x N is at most this; above it, by the "
-           "codes. Inside a CUDA graph both paths are captured as conditional nodes and each replay runs one. "
-           "0: always the codes. Ignored with `DSAINDEX_KEYS=host`.", "`16M` (16,777,216)"),
+           "without the plugin (DeepGEMM's logits + top-k), when B x (N - 12 x the layer's stage-1 width, "
+           "PREFILTER x C) is at most this; above it, by the codes. Inside a CUDA graph both paths are "
+           "captured as conditional nodes and each replay runs one. 0: always the codes. Ignored with "
+           "`DSAINDEX_KEYS=host`.", "`5M` (5,242,880)"),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",

@@ -440,16 +440,51 @@ def test_a_small_step_is_the_engines_exact_topk_with_every_key_of_a_short_reques
     lens = torch.tensor(lengths, device=DEV)
     want = exact(cache, table, lengths, q, w, 256)
     small = PagedCacheSelector(codec(), 40, topk=256, candidates=256, prefilter=1, head_dim=D, device=DEV,
-                               use_triton=use_triton, exact_below=3 * 1300)
+                               use_triton=use_triton, exact_below=3 * 1300, exact_offset=0)
     got = small.select(cache, table, lens, q, w).cpu()
     assert as_sets(got) == as_sets(want)
     assert int(small.stats.stage1.sum()) == 0
     assert sorted(got[2, :100].tolist()) == list(range(100)) and (got[2, 100:] == -1).all()
     pq = PagedCacheSelector(codec(), 40, topk=256, candidates=256, prefilter=1, head_dim=D, device=DEV,
-                            use_triton=use_triton, exact_below=3 * 1300 - 1)  # one key over: PQ
+                            use_triton=use_triton, exact_below=3 * 1300 - 1, exact_offset=0)  # one key over: PQ
     through_pq = pq.select(cache, table, lens, q, w)
     assert int(pq.stats.stage1.sum()) > 0
     assert recall(through_pq, want) < 1.0
+
+
+def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step():
+    """B x (N - offset) <= bound: the offset (default 12 x the stage-1 width, P x C) is what a request's fixed
+    share of the codes' step is worth in keys, so a step of few long requests leaves the exact path sooner
+    than one of many short ones of the same B x N; the shapes' and the device's choices agree."""
+    from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET
+
+    sel = PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=4, head_dim=D, device=DEV)
+    assert sel.exact_offset == PAGED_EXACT_OFFSET * 4 * 64 and sel.exact_below == PAGED_EXACT_BELOW
+    wide = PagedCacheSelector(codec(), 8, topk=16, candidates=128, prefilter=4, head_dim=D, device=DEV)
+    assert wide.exact_offset == 2 * sel.exact_offset
+    # at the production point (16K stage 1, the default bound): the H200 grid's sides
+    prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
+    assert not prod.takes_exact(8, 1 << 20) and not prod.takes_exact(32, 1 << 19)  # codes faster there
+    assert prod.takes_exact(8, 1 << 19) and prod.takes_exact(64, 1 << 18) and prod.takes_exact(1, 1 << 20)
+    assert not prod.takes_exact(64, 1 << 20)
+    # the pages the exact path may read: every length it takes fits, the first it refuses does not
+    off = sel.exact_offset
+    for b in (1, 3, 8):
+        n = sel.exact_below // b + off  # the longest request a step of b still scores exactly
+        assert sel.takes_exact(b, n) and not sel.takes_exact(b, n + 1)
+        assert sel.exact_pages(b, 1 << 20) * 64 >= n
+    off_sel = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0)
+    assert not off_sel.takes_exact(1, 1) and off_sel.exact_pages(1, 10) == 0
+    # the device predicate of a real step: a request just over the bound goes through the codes
+    lengths = [64 * 5 + 3]
+    cache, table, _ = engine_cache(lengths, 8)
+    q, w = queries(1)
+    lens = torch.tensor(lengths, device=DEV)
+    for over in (0, 1):
+        step = PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                                  exact_below=lengths[0] - 100 - over, exact_offset=100)
+        step.select(cache, table, lens, q, w)
+        assert (int(step.stats.stage1.sum()) == 0) == (over == 0)
 
 
 def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():
@@ -459,7 +494,7 @@ def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():
     cache, table, _ = engine_cache(lengths, 12, room=64 * 4)
     q, w = queries(1)
     sel = PagedCacheSelector(codec(), 12, topk=16, candidates=64, catch_up=4, head_dim=D, device=DEV,
-                             exact_below=64 * 7)
+                             exact_below=64 * 7, exact_offset=0)
     sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w, eager_refresh=False)
     assert int(sel.stats.encoded.sum()) == 3 and int(sel.stats.stage1.sum()) == 0
     sel.exact_below = 0
@@ -486,7 +521,8 @@ def test_inside_a_capture_each_path_is_a_conditional_node_writing_one_output(mon
     cache, table, _ = engine_cache(lengths, 20)
     q, w = queries(2)
     lens = torch.tensor(lengths, device=DEV)
-    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=2 * 700)
+    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=2 * 700,
+                             exact_offset=0)
     runs = []
     real_run = sel._run
     monkeypatch.setattr(sel, "_run", lambda path, *a: runs.append(path) or real_run(path, *a))
@@ -554,7 +590,7 @@ def test_one_captured_step_replays_the_exact_path_or_pq_as_each_step_needs():
     cache, table, _ = engine_cache(lengths, 80, strided=True, room=64 * 30)
     bound = 2 * (64 * 20)  # B x longest: steps up to 1,280 keys a request are exact
     sel = PagedCacheSelector(codec(), 80, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
-                             exact_below=bound)
+                             exact_below=bound, exact_offset=0)
     ref_exact = PagedCacheSelector(codec(), 80, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
                                    exact_below=1 << 30)
     ref_pq = PagedCacheSelector(codec(), 80, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
@@ -591,7 +627,7 @@ def test_a_captured_step_takes_the_exact_path_when_its_shapes_never_exceed_the_b
     lengths = [64 * 10 + 9, 64 * 6]
     cache, table, _ = engine_cache(lengths, 40, strided=True, room=64 * 8)
     sel = PagedCacheSelector(codec(), 40, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
-                             exact_below=2 * table.shape[1] * 64)
+                             exact_below=2 * table.shape[1] * 64, exact_offset=0)
     ref = PagedCacheSelector(codec(), 40, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
                              exact_below=1 << 30)
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)

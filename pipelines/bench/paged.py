@@ -7,8 +7,9 @@ CUDA graphs, as the engines run decode):
 * ``deepgemm_best``: DeepGEMM's ``fp8_paged_mqa_logits`` over the engines' paged index-K cache and the
   faster of ``torch.topk`` and the runtime's threshold top-k, what SGLang and vLLM run without the plugin;
 * ``plugin_device``: :class:`dsaindex.runtime.paged_select.PagedCacheSelector` over that cache in HBM (the
-  plugins' default, ``DSAINDEX_KEYS=device``), with its exact path: a step of B x N at most ``--exact-below``
-  keys is scored as the engine scores it, chosen on the device by a conditional graph node;
+  plugins' default, ``DSAINDEX_KEYS=device``), with its exact path: a step with B x (N - 12 x the stage-1
+  width) at most ``--exact-below`` keys is scored as the engine scores it, chosen on the device by a
+  conditional graph node;
   ``plugin_device_pq``: the same selector with the exact path off (every step through the codes), timed where
   the row's step takes the exact path, so each row shows both sides of the bound;
 * ``plugin_host``: the same step with the cache in pinned host memory the GPU reads in place
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PREFILTER
 from dsaindex.console import at_least
 
 KEY_BYTES = 132
@@ -42,7 +43,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     from dsaindex.pipelines.bench.timing import kernel_profile
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.mapped import host_mapped_zeros
-    from dsaindex.runtime.paged_select import PagedCacheSelector, device_bytes_per_key
+    from dsaindex.runtime.paged_select import PagedCacheSelector, device_bytes_per_key, takes_exact_path
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
@@ -69,7 +70,8 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(logits(), lengths, topk))
     codec = PQCodec(codebooks.float().cpu())
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
-    path = "exact" if exact_below and batch * keys <= exact_below else "pq"
+    offset = PAGED_EXACT_OFFSET * prefilter * candidates  # the selectors' default
+    path = "exact" if takes_exact_path(batch, keys, exact_below, offset) else "pq"
     runs = [(p, p, exact_below) for p in places]
     if path == "exact" and "device" in places:
         runs.append(("device_pq", "device", 0))
@@ -138,8 +140,9 @@ def bench_paged(
     places: str = typer.Option("device,host", "--keys-on", help="Where the exact keys live in the plugin's "
                                                                  "step: device, host, or both."),
     exact_below: int = typer.Option(PAGED_EXACT_BELOW, callback=at_least(0),
-                                    help="The plugins' exact path: steps of B x N at most this many keys are "
-                                         "scored as the engine scores them (DSAINDEX_EXACT_BELOW; 0: never)."),
+                                    help="The plugins' exact path: steps with B x (N - 12 x the stage-1 width) at "
+                                         "most this many keys are scored as the engine scores them "
+                                         "(DSAINDEX_EXACT_BELOW; 0: never)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),

@@ -50,9 +50,9 @@ def test_long_requests_keep_most_of_the_exact_topk(plugin, unfused):
 
 
 def test_a_small_step_is_scored_as_sglang_scores_it(plugin, unfused, monkeypatch):
-    """DSAINDEX_EXACT_BELOW: a step whose batch size times its longest request is at most the bound is
-    the engine's own exact top-k (every key scored, stage 1 passes nothing), through the same hook; one key
-    over the bound, the same step goes through the codes."""
+    """DSAINDEX_EXACT_BELOW: a step whose batch size times its longest request (less the selector's
+    per-request offset) is at most the bound is the engine's own exact top-k (every key scored, stage 1
+    passes nothing), through the same hook; one key over the bound, the same step goes through the codes."""
     lengths = [20000, 12345, 64 * 150]
     layer = plugin["state"].selectors[LAYER]
     pool, buf, table, meta, q_fp8, weights = build(lengths, seed=3)
@@ -62,6 +62,7 @@ def test_a_small_step_is_scored_as_sglang_scores_it(plugin, unfused, monkeypatch
     got = run_sglang(pool, meta, q_fp8, weights)
     assert as_sets(got) == as_sets(want)
     assert int(layer.selector.stats.stage1.sum()) == 0
+    layer.selector.exact_offset = 0  # the bound alone: B x N
     layer.selector.exact_below = 3 * 20000 - 1
     run_sglang(pool, meta, q_fp8, weights)
     assert int(layer.selector.stats.stage1.sum()) > 0
