@@ -1,7 +1,9 @@
-"""``dsaindex runtime check`` (the check an operator runs before starting a server) and ``dsaindex runtime
-generate`` (the runtime selecting inside transformers generation).
+"""``dsaindex runtime check`` (the check an operator runs before starting a server), ``dsaindex runtime
+generate`` (the runtime selecting inside transformers generation) and ``dsaindex runtime quality`` (held-out
+NLL and KL with the runtime's selection against the model's exact one; the computation is
+:mod:`dsaindex.pipelines.reference.quality`).
 
-Both take a model reference (a checkpoint folder, ``reference`` or a preset), so they live with the
+All take a model reference (a checkpoint folder, ``reference`` or a preset), so they live with the
 pipelines, where models are resolved; the runtime package itself only ever receives a config or a model.
 """
 
@@ -291,3 +293,198 @@ def generate_cmd(
     if out:
         Path(out).write_text(text)
     print(text)
+
+
+def _parse_lengths(text: str, limit: int) -> list[int]:
+    """``--lengths``: comma-separated token counts (``32768``, ``32K``) or ``max`` (the checkpoint's
+    ``max_position_embeddings``, ``limit``), each refused above ``limit``."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.settings import parse_count
+
+    lengths = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        length = limit if part.lower() == "max" else parse_count(part, "--lengths")
+        if length > limit:
+            raise DsaIndexError(f"--lengths {part} is beyond the checkpoint's longest sequence "
+                                f"(max_position_embeddings {limit:,}).",
+                                f"pass lengths of at most {limit:,} tokens, or `max`.")
+        lengths.append(length)
+    if not lengths:
+        raise DsaIndexError(f"--lengths {text!r} names no length.", "pass e.g. --lengths 32768,max.")
+    return sorted(set(lengths))
+
+
+def _quality_table(result: dict) -> object:
+    """A rich table of ``runtime quality``'s result: per length, a row per prefix band and one for all its
+    positions; then every position."""
+    from rich import box
+    from rich.table import Table
+
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+    def cells(row: dict) -> list[str]:
+        if not row["positions"]:
+            return [f"{row['positions']:,}", "-", "-", "-", "-", "-"]
+        delta = "-" if row["nll_delta_pct"] is None else f"{row['nll_delta_pct']:+.3f}%"
+        return [f"{row['positions']:,}", f"{row['nll_exact']:.4f}", f"{row['nll_runtime']:.4f}", delta,
+                f"{row['kl']:.1e}", f"{row['kl_max']:.1e}"]
+
+    table = Table(title=f"held-out NLL, exact vs runtime selection: {result['model']}, top-{result['topk']}, "
+                        f"positions with {result['min_prefix']:,}+ tokens before them",
+                  title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
+                  caption="prefix lo-hi: positions with lo to hi - 1 tokens before them; NLL: nats per token, "
+                          "teacher forced (the prompt prefilled, then a decode step per token); ΔNLL: runtime vs exact; KL: KL(p_exact || p_runtime) of the next-token "
+                          "distributions in nats, mean and max over the positions.")
+    for col in ("length", "prefix", "scored", "NLL\nexact", "NLL\nruntime", "ΔNLL", "KL\nmean", "KL\nmax"):
+        table.add_column(col, justify="left" if col in ("length", "prefix") else "right")
+    for entry in result["lengths"]:
+        docs = len(entry["documents"])
+        label = f"{entry['length']:,}"
+        for band in entry["bands"]:
+            lo, hi = band["prefix"]
+            table.add_row(label, f"{short(lo)}-{short(hi)}", *cells(band))
+            label = ""
+        table.add_row(f"({docs} doc{'s' if docs > 1 else ''})", "[bold]all[/bold]", *cells(entry["all"]),
+                      end_section=True)
+    table.add_row("[bold]overall[/bold]", "", *cells(result["overall"]))
+    return table
+
+
+@runtime_app.command("quality")
+def quality_cmd(
+    artifacts: list[str] = typer.Option(..., "--artifacts", "-a",
+                                        help="Bundle path, s3://bucket/prefix or models:/<name>@<alias>; repeat for "
+                                             "one pq (decode) and one ivf (prefill) bundle, as `serve` takes them."),
+    model: str = typer.Option("reference", "--model", "-m", help="`reference`, a checkpoint directory or a preset."),
+    corpus: Path = typer.Option(None, help="The held-out documents of this `dsaindex reference corpus` folder, in its "
+                                           "tokens (needed by a model with its own tokenizer, such as v2, the default "
+                                           "reference); default: the byte-token Python sources (reference-v1)."),
+    lengths: str = typer.Option("32768,max",
+                                help="Evaluated lengths in tokens, comma-separated (32768 or 32K; `max`: the "
+                                     "checkpoint's longest sequence). Each takes held-out documents at least that "
+                                     "long, cut to it."),
+    documents: int = typer.Option(2, callback=at_least(1),
+                                  help="Held-out documents per length (the first ones, in split order, that long)."),
+    min_prefix: int = typer.Option(None, callback=at_least(2),
+                                   help="Score the positions with at least this many tokens before them (default: "
+                                        "top-k + 1, the first position where selection drops a key). The tokens "
+                                        "before the first are the prompt, prefilled as a server would."),
+    candidates: str = typer.Option(DECODE.candidates,
+                                   help="C: keys reranked exactly per decode step and layer, or `auto` (the default): "
+                                        "each layer's cheapest point whose recorded held-out recall reaches "
+                                        "--recall-target, as `serve` takes it."),
+    prefilter: str = typer.Option(DecodeSettings.prefilter,
+                                  help="Stage 1 keeps prefilter x C keys, or `auto` with --candidates auto (default: "
+                                       "auto with --candidates auto, else 4)."),
+    recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
+                                        help="With --candidates auto: the held-out recall each decode layer's point "
+                                             "must reach."),
+    exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
+                                    help="The length policy: score requests of at most this many keys exactly "
+                                         "(0, the default: every decode step through PQ)."),
+    ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
+                                   help="Prefill candidates per query with an ivf bundle (default: the smallest the "
+                                        "ivf bundle records at --ivf-recall-target; 8 x top-k where it records none)."),
+    ivf_recall_target: float = typer.Option(PREFILL.ivf_recall_target, min=0.0, max=1.0,
+                                            help="Without --ivf-budget: the held-out prefill recall of the exact "
+                                                 "top-k the IVF budget must reach, as the ivf bundle records it."),
+    prefill_chunk: int = typer.Option(PREFILL.chunk, callback=at_least(1),
+                                      help="Prompt tokens prefilled at once (default: the server's, see `serve`)."),
+    topk: int = typer.Option(None, callback=at_least(1),
+                             help="Keys selected per query (default: the model's index_topk)."),
+    device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    basis: str = typer.Option(SERVE.basis, help="Key basis the artifacts were trained in."),
+    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
+    recall: bool = typer.Option(True, "--recall/--no-recall",
+                                help="Also report each layer's recall of the model's own top-k at the scored "
+                                     "steps (the model's own indexer then runs in the runtime's forwards too)."),
+    progress: bool = typer.Option(True, help="Show a progress bar (per scored position) on stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the table."),
+    out: Path = typer.Option(None, help="Also write the JSON result to this file."),
+) -> None:
+    """Held-out negative log-likelihood of the model with the runtime's selection against its own exact
+    selection, on long held-out documents: per evaluated length and prefix band, the NLL per token of
+    both (teacher forced: the prompt prefilled, then one decode step per token, the runtime serving each
+    step as `serve` would at its default settings), their relative difference and the mean KL divergence
+    of the runtime's next-token distribution from the exact one."""
+    import json
+
+    from dsaindex.console import progress_bar, resolve_device
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.indexer import set_index_topk
+    from dsaindex.pipelines.capture.models import load_model
+    from dsaindex.pipelines.commands.serve import parse_candidates, parse_prefilter
+    from dsaindex.pipelines.reference.quality import (
+        heldout_stream,
+        heldout_titles,
+        measure_quality,
+        pick_documents,
+    )
+    from dsaindex.runtime import server
+    from dsaindex.runtime.serving import serve_index
+
+    # refused before anything loads: the settings, the model reference, lengths beyond its positions
+    count = parse_candidates(candidates)
+    decode = DecodeSettings(candidates=count, recall_target=recall_target, exact_below=exact_below,
+                            prefilter=None if prefilter is None else parse_prefilter(prefilter, count))
+    for uri in artifacts:  # another scheme than s3:// (or a mistyped s3:/x) is refused before the model loads
+        if not uri.startswith("models:/"):
+            from dsaindex.artifacts.storage import location
+
+            location(uri)
+    if out is not None and not out.parent.is_dir():
+        raise DsaIndexError(f"--out {out}: the folder {out.parent} does not exist.", "create it, or pass another path.")
+    config = _model_config(model)
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    limit = int(get("max_position_embeddings", 0) or 0) or 1 << 17
+    wanted = _parse_lengths(lengths, limit)
+    k = topk or geometry_from_config(config).topk
+    first = min_prefix if min_prefix is not None else k + 1
+    if first >= wanted[0]:
+        raise DsaIndexError(f"--min-prefix {first:,} leaves no position to score at a length of {wanted[0]:,}.",
+                            f"pass --lengths above {first:,}, or a smaller --min-prefix.")
+
+    dev = resolve_device(device)
+    loaded_model = load_model(model, device=dev, dtype="float32")
+    net = loaded_model.model
+    served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting
+    if topk is not None:
+        set_index_topk(net, topk)
+    settings = ServeSettings(decode=decode, prefill=PrefillSettings(ivf_budget=ivf_budget,
+                                                                    ivf_recall_target=ivf_recall_target),
+                             basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri,
+                             measure_recall=recall, max_keys=wanted[-1] + 1)
+    index = serve_index(artifacts, net, settings, name=loaded_model.name, device=dev, served=served)
+    stream, bos, eos = heldout_stream(corpus, int(net.config.vocab_size), loaded_model.tokenizer)
+    titles = heldout_titles(corpus)
+    docs = {length: pick_documents(stream, eos, bos, length, documents, titles) for length in wanted}
+    chunk = server.prefill_chunk(net.config, prefill_chunk)
+    typer.echo(f"runtime: {index.describe()}; prompts prefilled {chunk:,} tokens at a time", err=True)
+    with progress_bar("quality", enabled=progress and not as_json, unit="positions") as update:
+        result = measure_quality(net, index, docs, first, chunk, update)
+    report = {"model": model, "artifacts": list(artifacts), "corpus": None if corpus is None else str(corpus),
+              "topk": int(geometry_from_config(net.config).topk), "min_prefix": first, "prefill_chunk": chunk,
+              "runtime": index.describe(), "candidates": {str(layer): c for layer, c in index.candidates.items()},
+              "prefilter": {str(layer): p for layer, p in index.prefilter.items()},
+              **({"ivf_budget": index.ivf_budget} if index.prefill_layers else {}), **result}
+    text = json.dumps(report, indent=2)
+    if out:
+        out.write_text(text)
+    if as_json:
+        print(text)
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(_quality_table(report))
+    for entry in report["lengths"]:
+        for phase, layers in entry.get("selection_recall", {}).items():
+            shares = ", ".join(f"{layer}: {share:.2%}" for layer, share in layers.items())
+            console.print(f"length {entry['length']:,}, {phase} recall of the model's own top-k by layer: {shares}")
+    if out:
+        console.print(f"result: {out}")
