@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import peaked_main_attention, run_cli
+from helpers import model_index_keys, peaked_main_attention, run_cli
 
 TOPK = 8  # the tiny reference geometry's top-k (2 layers, 1,024 positions), with 16 index heads x 32 dims
 
@@ -29,25 +29,6 @@ def _tiny_model():
     return model
 
 
-def _index_keys(net, texts):
-    """Every indexer layer's keys of ``net`` for ``texts`` (each [N] int64), in the Hadamard basis."""
-    from dsaindex.hooks import ModuleHooks
-    from dsaindex.indexer import mla_indexer_tensors
-    from dsaindex.quant import to_basis
-
-    keys: dict[int, list] = {}
-    with ModuleHooks() as hooks, torch.no_grad():
-        for i, layer in enumerate(net.model.layers):
-            def grab(mod, a, i=i):
-                cos, sin = a["position_embeddings"]
-                k, _, _ = mla_indexer_tensors(mod, "half_split_head", a["hidden_states"], a["q_resid"], cos, sin)
-                keys.setdefault(i, []).append(to_basis(k[0].float(), "hadamard"))
-            hooks.register(layer.self_attn.indexer, pre=grab)
-        for text in texts:
-            net(input_ids=text[None], use_cache=False)
-    return {i: torch.cat(chunks) for i, chunks in keys.items()}
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny reference-geometry checkpoint saved to a folder, loaded back as the command loads it, PQ codecs
@@ -63,7 +44,8 @@ def tiny(tmp_path_factory):
     loaded = load_model(str(root / "ckpt"), dtype="float32")
     net = loaded.model
     generator = torch.Generator().manual_seed(0)
-    keys = _index_keys(net, [torch.randint(0, 256, (600,), generator=generator) for _ in range(2)])
+    per_text = [model_index_keys(net, torch.randint(0, 256, (600,), generator=generator)) for _ in range(2)]
+    keys = {i: torch.cat([k[i] for k in per_text]) for i in per_text[0]}
     codecs = {i: PQCodec(train_codebooks(k, PQSpec(dim=32, subspaces=8), "torch", 6)) for i, k in keys.items()}
     lineage = Lineage(capture_store_id="s", capture_store_path="/nowhere", capture_store_digest="d" * 16,
                       train_sequences=[0], eval_sequences=[1])
