@@ -142,8 +142,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got.float() - want.float()).norm(dim=1) / want.float().norm(dim=1)
 
 
+@pytest.mark.parametrize("keys", ["device", "host"])
 @pytest.mark.parametrize("next_n", [1, 2], ids=["decode", "mtp_verify"])
-def test_sparse_attention_over_the_plugins_indices_is_exact_attention(plugin, kernels, monkeypatch, next_n):
+def test_sparse_attention_over_the_plugins_indices_is_exact_attention(plugin, kernels, monkeypatch, next_n, keys):
     """A long request (3,005 keys, top-2048) and a short one (100 keys: every key attended), decode and MTP
     verify (next_n = 2), every key a candidate (C = 4,096): vLLM's call reaches the plugin once per step and
     vLLM's own exact scan does not run; the attention vLLM's FlashMLA-sparse path computes from the plugin's
@@ -163,8 +164,13 @@ def test_sparse_attention_over_the_plugins_indices_is_exact_attention(plugin, ke
     monkeypatch.setattr(cuda_path, "sparse_attn_indexer",  # vLLM's function, its calls counted (then hooked)
                         functools.wraps(original)(lambda *a, **k: engine_calls.append(1) or original(*a, **k)))
     vc = vllm_config(CFG.__class__(**{**CFG.to_dict(), "architectures": ["DeepseekV32ForCausalLM"]}))
+    monkeypatch.setenv("DSAINDEX_KEYS", keys)
     layer, cache, buffer = build_layer(vc, rows=ROWS)
     assert layer.model_path == "function" and cuda_path.sparse_attn_indexer is not original
+    if keys == "host":  # vLLM binds the pool view its planner sized from the layer's spec: the codes' bytes
+        spec = cache.get_kv_cache_spec(vc)
+        cache.bind_kv_cache(torch.zeros(cache.kv_cache.shape[0], 1, PAGE, spec.head_size, dtype=torch.uint8))
+        assert spec.head_size == 32 and cache.kv_cache.shape[2] == D + 4 and cache._dsaindex_codes.shape[2] == 32
     gen = torch.Generator().manual_seed(17 + next_n)
     attn, latent = sparse_mla_attention_module(layer, cache, buffer, vc, gen)
 
@@ -177,6 +183,8 @@ def test_sparse_attention_over_the_plugins_indices_is_exact_attention(plugin, ke
     pages_flat = cache.kv_cache.view(cache.kv_cache.shape[0], -1)
     for i, n in enumerate(lens):
         write_keys(pages_flat, block_table[i].tolist(), synthetic_keys(n, seed=300 + i))
+    if keys == "host":  # what the prefill step does: host-resident pages are encoded when they are written
+        layer._selector().prepare(cache.kv_cache, block_table, torch.tensor(lens))
     q_fp8 = (synthetic_keys(rows * H, seed=31).view(rows, H, D) * 0.5).to(torch.float8_e4m3fn)
     weights = torch.rand(rows, H, generator=gen) * (D**-0.5) * (H**-0.5)
     ql_nope = torch.randn(rows, HEADS, LATENT, generator=gen).to(torch.bfloat16)  # q_nope absorbed by W_UK
@@ -214,6 +222,7 @@ def test_sparse_attention_over_the_plugins_indices_is_exact_attention(plugin, ke
     assert torch.equal(kernels["convert"][0], picked)
     assert kernels["attention"][0].tolist() == [min(n, TOPK) for n in row_lens]  # keys each row's kernel reads
     assert layer.selector.stats.stage1.tolist() == [n // PAGE * PAGE for n in row_lens]
+    assert layer.selector.keys_on_host == (keys == "host")
 
     # (b) the exact top-k of the indexer score over the same FP8 keys, and attention over it (the spec)
     _, exact = exact_topk(pages_flat, block_table.repeat_interleave(next_n, 0), row_lens, q_fp8, weights)
