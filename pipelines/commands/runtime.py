@@ -14,17 +14,11 @@ from pathlib import Path
 import typer
 
 from dsaindex.console import at_least
+from dsaindex.pipelines.commands import serving_options
+from dsaindex.pipelines.commands.serving_options import DECODE, SERVE
 from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
 
-# the option defaults are the settings' own (one definition: runtime/settings.py)
-DECODE, PREFILL, SERVE = DecodeSettings(), PrefillSettings(), ServeSettings()
-
 runtime_app = typer.Typer(no_args_is_help=True)
-
-
-_ALLOW_HELP = ("Serve artifacts trained for another model of the same geometry (other weights or config: a "
-               "deliberate transfer; measure recall there first). Family, dims, layers, basis and key format are "
-               "still checked.")
 
 
 def _model_config(model: str) -> object:
@@ -45,12 +39,12 @@ def check_cmd(
                                   help="Bundle path, s3://bucket/prefix or models:/<name>@<alias>."),
     device: str = typer.Option("cpu", help="Device to load the artifacts onto."),
     basis: str = typer.Option(SERVE.basis, help="Key basis the engine scores in."),
-    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    allow_other_weights: bool = serving_options.ALLOW_OTHER_WEIGHTS,
     weights: bool = typer.Option(True, "--weights/--config-only",
                                  help="Load the model's weights (on the CPU) to compare its indexer-weights digest "
                                       "with the artifacts', or compare the config digest only (for checkpoints "
                                       "too large to load here)."),
-    tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
+    tracking_uri: str = serving_options.TRACKING_URI,
     recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
                                         help="Also report the C each decode layer would get from `serve "
                                              "--candidates auto` at this held-out recall (or that it would refuse)."),
@@ -69,7 +63,7 @@ def check_cmd(
 
     from dsaindex.artifacts.bundle import read_manifest
     from dsaindex.artifacts.registry import load_uri
-    from dsaindex.pipelines.commands.serve import parse_prefilter
+    from dsaindex.pipelines.commands.serving_options import parse_prefilter
     from dsaindex.runtime.loader import load_bundle
 
     prefilter = "auto" if prefilter is None else parse_prefilter(prefilter, "auto")  # refused before anything loads
@@ -177,7 +171,7 @@ def _heldout_text(corpus: Path | None, config, tokens: int, tokenizer=None):
 @runtime_app.command("generate")
 def generate_cmd(
     artifacts: str = typer.Option(..., "--artifacts", "-a", help="PQ bundle path or models:/<name>@<alias>."),
-    model: str = typer.Option("reference", "--model", "-m", help="`reference`, a checkpoint directory or a preset."),
+    model: str = serving_options.MODEL,
     prompt_tokens: int = typer.Option(3072, callback=at_least(2),
                                       help="Prompt length in tokens (a begin token, then held-out text: of --corpus, "
                                            "or of the byte-level corpus of reference-v1)."),
@@ -188,36 +182,22 @@ def generate_cmd(
     prompt_offset: int = typer.Option(0, callback=at_least(0),
                                       help="Where in the held-out text the prompt starts (tokens)."),
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
-    candidates: str = typer.Option(DECODE.candidates,
-                                   help="C: keys reranked exactly per step and layer, or `auto` (the default): each "
-                                        "layer's cheapest point whose recorded held-out recall reaches "
-                                        "--recall-target, as `serve` takes it."),
-    prefilter: str = typer.Option(DecodeSettings.prefilter,
-                                  help="Stage 1 keeps prefilter x C keys, or `auto` with --candidates auto (default: "
-                                       "auto with --candidates auto, else 4)."),
-    recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
-                                        help="With --candidates auto: the held-out recall each decode layer's point "
-                                             "must reach."),
-    exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
-                                    help="The length policy: score requests of at most this many keys exactly "
-                                         "(0, the default here: every step through PQ, which is what this "
-                                         "command measures)."),
-    topk: int = typer.Option(None, callback=at_least(1),
-                             help="Keys selected per step (default: the model's index_topk)."),
-    device: str = typer.Option("auto", help="cuda, cpu or auto."),
-    basis: str = typer.Option(SERVE.basis, help="Key basis the artifacts were trained in."),
-    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
+    candidates: str = serving_options.CANDIDATES,
+    prefilter: str = serving_options.PREFILTER,
+    recall_target: float = serving_options.RECALL_TARGET,
+    exact_below: int = serving_options.EXACT_BELOW,
+    topk: int = serving_options.TOPK,
+    device: str = serving_options.DEVICE,
+    basis: str = serving_options.BASIS,
+    allow_other_weights: bool = serving_options.ALLOW_OTHER_WEIGHTS,
     progress: bool = typer.Option(True, help="Show a progress bar (per generated token) on stderr."),
     ivf_artifacts: str = typer.Option(None, "--ivf-artifacts",
                                       help="An ivf bundle too: whole requests are served as `dsaindex serve` "
                                            "serves them (IVF prefill, PQ decode), and the recall is reported "
                                            "per phase."),
-    ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
-                                   help="Candidates per prefill query with --ivf-artifacts (default: the smallest the "
-                                        "ivf bundle records at --ivf-recall-target; 8 x top-k where it records none)."),
-    ivf_recall_target: float = typer.Option(PREFILL.ivf_recall_target, min=0.0, max=1.0,
-                                            help="Without --ivf-budget: the held-out prefill recall of the exact "
-                                                 "top-k the IVF budget must reach, as the ivf bundle records it."),
+    ivf_budget: int = serving_options.IVF_BUDGET,
+    ivf_recall_target: float = serving_options.IVF_RECALL_TARGET,
+    # not the server's PREFILL_CHUNK: here no chunk (the default) feeds the whole prompt at once
     prefill_chunk: int = typer.Option(None, callback=at_least(1),
                                       help="Feed the prompt in chunks of this many tokens (default: at once)."),
     out: str = typer.Option(None, help="Also write the JSON result to this file."),
@@ -230,30 +210,18 @@ def generate_cmd(
 
     import torch
 
-    from dsaindex.console import progress_bar, resolve_device
-    from dsaindex.indexer import set_index_topk
-    from dsaindex.pipelines.capture.models import load_model
-    from dsaindex.runtime.loader import load_bundle
+    from dsaindex.console import progress_bar
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.runtime.loader import decode_settings, describe_points, load_bundle
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
-    dev = resolve_device(device)
-    loaded_model = load_model(model, device=dev, dtype="float32")
-    heldout, bos, decode = _heldout_text(corpus, loaded_model.model.config, prompt_offset + prompt_tokens + new_tokens,
+    asked = serving_options.parse_decode(candidates, prefilter, recall_target)  # refused before anything loads
+    loaded_model, dev = serving_options.load_served_model(model, device, topk)
+    net, served = loaded_model.model, loaded_model.fingerprint
+    heldout, bos, decode = _heldout_text(corpus, net.config, prompt_offset + prompt_tokens + new_tokens,
                                          loaded_model.tokenizer)
-    net = loaded_model.model
-    served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting, not another model
-    if topk is not None:
-        set_index_topk(net, topk)
     loaded = load_bundle(artifacts, net.config, device=dev, basis=basis, served=served,
                          allow_other_weights=allow_other_weights)
-    from dsaindex.pipelines.commands.serve import parse_candidates, parse_prefilter
-    from dsaindex.runtime.loader import decode_settings, describe_points
-
-    count = parse_candidates(candidates)
-    asked = DecodeSettings(candidates=count, recall_target=recall_target,
-                           prefilter=None if prefilter is None else parse_prefilter(prefilter, count))
-    from dsaindex.geometry import geometry_from_config
-
     topk_now = geometry_from_config(net.config).topk
     candidates, prefilter = decode_settings(asked, loaded, topk_now)  # per layer; refused where none reaches
     typer.echo(f"decode points: {describe_points(loaded.manifest.metrics, candidates, prefilter, topk_now, recall_target)}",
@@ -273,8 +241,8 @@ def generate_cmd(
 
         settings = ServeSettings(
             decode=DecodeSettings(candidates=candidates, prefilter=prefilter, exact_below=exact_below),
-            prefill=PrefillSettings(ivf_budget=ivf_budget), basis=basis, allow_other_weights=allow_other_weights,
-            measure_recall=True, max_keys=prompt_tokens + new_tokens + 1)
+            prefill=PrefillSettings(ivf_budget=ivf_budget, ivf_recall_target=ivf_recall_target), basis=basis,
+            allow_other_weights=allow_other_weights, measure_recall=True, max_keys=prompt_tokens + new_tokens + 1)
 
         def selection():
             return serve_index([artifacts, ivf_artifacts], net, settings, device=dev, served=served)
@@ -355,10 +323,8 @@ def _quality_table(result: dict) -> object:
 
 @runtime_app.command("quality")
 def quality_cmd(
-    artifacts: list[str] = typer.Option(..., "--artifacts", "-a",
-                                        help="Bundle path, s3://bucket/prefix or models:/<name>@<alias>; repeat for "
-                                             "one pq (decode) and one ivf (prefill) bundle, as `serve` takes them."),
-    model: str = typer.Option("reference", "--model", "-m", help="`reference`, a checkpoint directory or a preset."),
+    artifacts: list[str] = serving_options.ARTIFACTS,
+    model: str = serving_options.MODEL,
     corpus: Path = typer.Option(None, help="The held-out documents of this `dsaindex reference corpus` folder, in its "
                                            "tokens (needed by a model with its own tokenizer, such as v2, the default "
                                            "reference); default: the byte-token Python sources (reference-v1)."),
@@ -372,33 +338,18 @@ def quality_cmd(
                                    help="Score the positions with at least this many tokens before them (default: "
                                         "top-k + 1, the first position where selection drops a key). The tokens "
                                         "before the first are the prompt, prefilled as a server would."),
-    candidates: str = typer.Option(DECODE.candidates,
-                                   help="C: keys reranked exactly per decode step and layer, or `auto` (the default): "
-                                        "each layer's cheapest point whose recorded held-out recall reaches "
-                                        "--recall-target, as `serve` takes it."),
-    prefilter: str = typer.Option(DecodeSettings.prefilter,
-                                  help="Stage 1 keeps prefilter x C keys, or `auto` with --candidates auto (default: "
-                                       "auto with --candidates auto, else 4)."),
-    recall_target: float = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
-                                        help="With --candidates auto: the held-out recall each decode layer's point "
-                                             "must reach."),
-    exact_below: int = typer.Option(DECODE.exact_below, callback=at_least(0),
-                                    help="The length policy: score requests of at most this many keys exactly "
-                                         "(0, the default: every decode step through PQ)."),
-    ivf_budget: int = typer.Option(PREFILL.ivf_budget, callback=at_least(1),
-                                   help="Prefill candidates per query with an ivf bundle (default: the smallest the "
-                                        "ivf bundle records at --ivf-recall-target; 8 x top-k where it records none)."),
-    ivf_recall_target: float = typer.Option(PREFILL.ivf_recall_target, min=0.0, max=1.0,
-                                            help="Without --ivf-budget: the held-out prefill recall of the exact "
-                                                 "top-k the IVF budget must reach, as the ivf bundle records it."),
-    prefill_chunk: int = typer.Option(PREFILL.chunk, callback=at_least(1),
-                                      help="Prompt tokens prefilled at once (default: the server's, see `serve`)."),
-    topk: int = typer.Option(None, callback=at_least(1),
-                             help="Keys selected per query (default: the model's index_topk)."),
-    device: str = typer.Option("auto", help="cuda, cpu or auto."),
-    basis: str = typer.Option(SERVE.basis, help="Key basis the artifacts were trained in."),
-    allow_other_weights: bool = typer.Option(False, "--allow-other-weights", help=_ALLOW_HELP),
-    tracking_uri: str = typer.Option(None, help="MLflow tracking URI for models:/ URIs."),
+    candidates: str = serving_options.CANDIDATES,
+    prefilter: str = serving_options.PREFILTER,
+    recall_target: float = serving_options.RECALL_TARGET,
+    exact_below: int = serving_options.EXACT_BELOW,
+    ivf_budget: int = serving_options.IVF_BUDGET,
+    ivf_recall_target: float = serving_options.IVF_RECALL_TARGET,
+    prefill_chunk: int = serving_options.PREFILL_CHUNK,
+    topk: int = serving_options.TOPK,
+    device: str = serving_options.DEVICE,
+    basis: str = serving_options.BASIS,
+    allow_other_weights: bool = serving_options.ALLOW_OTHER_WEIGHTS,
+    tracking_uri: str = serving_options.TRACKING_URI,
     recall: bool = typer.Option(True, "--recall/--no-recall",
                                 help="Also report each layer's recall of the model's own top-k at the scored "
                                      "steps (the model's own indexer then runs in the runtime's forwards too)."),
@@ -413,12 +364,9 @@ def quality_cmd(
     of the runtime's next-token distribution from the exact one."""
     import json
 
-    from dsaindex.console import progress_bar, resolve_device
+    from dsaindex.console import progress_bar
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.indexer import set_index_topk
-    from dsaindex.pipelines.capture.models import load_model
-    from dsaindex.pipelines.commands.serve import parse_candidates, parse_prefilter
     from dsaindex.pipelines.reference.quality import (
         heldout_stream,
         heldout_titles,
@@ -429,14 +377,8 @@ def quality_cmd(
     from dsaindex.runtime.serving import serve_index
 
     # refused before anything loads: the settings, the model reference, lengths beyond its positions
-    count = parse_candidates(candidates)
-    decode = DecodeSettings(candidates=count, recall_target=recall_target, exact_below=exact_below,
-                            prefilter=None if prefilter is None else parse_prefilter(prefilter, count))
-    for uri in artifacts:  # another scheme than s3:// (or a mistyped s3:/x) is refused before the model loads
-        if not uri.startswith("models:/"):
-            from dsaindex.artifacts.storage import location
-
-            location(uri)
+    decode = serving_options.parse_decode(candidates, prefilter, recall_target, exact_below=exact_below)
+    serving_options.check_locations(artifacts)
     if out is not None and not out.parent.is_dir():
         raise DsaIndexError(f"--out {out}: the folder {out.parent} does not exist.", "create it, or pass another path.")
     config = _model_config(model)
@@ -449,12 +391,8 @@ def quality_cmd(
         raise DsaIndexError(f"--min-prefix {first:,} leaves no position to score at a length of {wanted[0]:,}.",
                             f"pass --lengths above {first:,}, or a smaller --min-prefix.")
 
-    dev = resolve_device(device)
-    loaded_model = load_model(model, device=dev, dtype="float32")
-    net = loaded_model.model
-    served = loaded_model.fingerprint  # the checkpoint's identity; --topk is a serving setting
-    if topk is not None:
-        set_index_topk(net, topk)
+    loaded_model, dev = serving_options.load_served_model(model, device, topk)
+    net, served = loaded_model.model, loaded_model.fingerprint
     settings = ServeSettings(decode=decode, prefill=PrefillSettings(ivf_budget=ivf_budget,
                                                                     ivf_recall_target=ivf_recall_target),
                              basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri,
