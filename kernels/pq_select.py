@@ -210,10 +210,10 @@ def paged_codes_reference(codes: torch.Tensor, page_table: torch.Tensor) -> torc
 
 def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                    codebooks: torch.Tensor, c: int, capacity: int | None = None, max_len: int | None = None,
-                   block_n: int = 128, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
+                   block_n: int = 256, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-                   chunk: int | None = None,
+                   chunk: int | None = None, stream: int = 1, gather: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -241,6 +241,12 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     it can be captured in a CUDA graph. ``chunk``: code bytes of a row each lane loads at once (default
     16 where M is a multiple of 16, else M). With 16, one lane holds 16 codes of one row, so a warp's
     table lookups at a time all read one subspace's table (two cache lines) instead of several.
+    ``stream`` 1 (the default) reads the codes past L1 (``.cg``) and keeps the tables there, 2 marks the
+    codes first to be evicted, 0 leaves both to the cache; ``gather`` holds the request's whole table in
+    each program and looks codes up with ``tl.gather``. Neither changes the scores. The default launch
+    (256-row tiles, 8 a program, 4 warps, ``stream`` 1) is the fastest measured on the H200 at 8 and
+    32 x 1M keys: 2.0x the bytes floor at 32 x 1M against 2.3x for 128-row tiles without ``stream``
+    (docs/results.md); ``gather`` is 6-10x slower there (its table goes through shared memory per tile).
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -279,7 +285,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     chunk = (16 if m % 16 == 0 else m) if chunk is None else chunk
     if chunk < 1 or m % chunk or triton.next_power_of_2(chunk) != chunk:
         raise ValueError(f"chunk: got {chunk}, want a power of two dividing the {m} subspaces")
-    paged = dict(HAS_TABLE=page_table is not None, CHUNK=chunk)
+    paged = dict(HAS_TABLE=page_table is not None, CHUNK=chunk, STREAM=stream, GATHER=gather)
     thr = torch.empty(b, dtype=torch.float32, device=codes.device) if int_table else dummy_f
     # the sampling pass reads a few thousand scattered rows: one tile per program, so they run at once
     pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n)), b)](  # also zeroes the counts
@@ -304,7 +310,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
 
 def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                         codebooks: torch.Tensor, counts: torch.Tensor | None = None, block_n: int = 64,
-                        iters: int = 1, page_table: torch.Tensor | None = None) -> torch.Tensor:
+                        iters: int = 1, page_table: torch.Tensor | None = None, stream: int = 0) -> torch.Tensor:
     """Stage 2 on Triton: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
     :func:`pq_candidate_scores_reference`. ``codebooks`` may be given in bf16 already (cast once at load).
     ``counts`` [B] int32 (optional): only the first ``counts[b]`` rows of a request can be filled (a
@@ -312,7 +318,7 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     one load of the queries. ``codes`` [B, N, M] uint8, ``queries`` [B, H, D] with
     D a power of two >= 16, ``head_weights`` [B, H], ``codebooks`` [M, K, D/M], all on one device;
     raises ``ValueError`` otherwise. ``page_table`` [B, W] int32: codes kept per physical page
-    [P, 64, M], as in :func:`pq_linear_topc`."""
+    [P, 64, M], as in :func:`pq_linear_topc`. ``stream``: codes read past L1, codebooks kept there."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
@@ -343,7 +349,7 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         counts if counts is not None else out, pages, pages.shape[-1], n, r,
         N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
         F32=select.interpreted(), HAS_COUNTS=counts is not None, WIDE=wide, ITERS=iters,
-        HAS_TABLE=page_table is not None, RESIDUAL=residual)
+        HAS_TABLE=page_table is not None, RESIDUAL=residual, STREAM=stream)
     return out
 
 

@@ -20,13 +20,33 @@ from dsaindex.kernels.topk_kernel import sample_rank
 
 
 @triton.jit
-def _entry(ptr, INT_TABLE: tl.constexpr):
+def _entry(ptr, INT_TABLE: tl.constexpr, STREAM: tl.constexpr = 0):
     """Table entries at ``ptr``: int8 widened to int32 (sums of 32 stay exact), else float32."""
-    if INT_TABLE:
-        value = tl.load(ptr).to(tl.int32)
+    if STREAM:
+        raw = tl.load(ptr, eviction_policy="evict_last")
     else:
-        value = tl.load(ptr).to(tl.float32)
+        raw = tl.load(ptr)
+    if INT_TABLE:
+        value = raw.to(tl.int32)
+    else:
+        value = raw.to(tl.float32)
     return value
+
+
+@triton.jit
+def _load_codes(codes_ptr, flat, valid, sub, M: tl.constexpr, STREAM: tl.constexpr):
+    """Code bytes ``sub`` of rows ``flat`` [BLOCK_N, len(sub)] (0 where not ``valid``); ``STREAM`` 1 reads them
+    past L1 (``.cg``), 2 marks them first to go, 3 streams them (``.cs``), so they do not evict the tables."""
+    at = codes_ptr + flat[:, None] * M + sub[None, :]
+    if STREAM == 1:
+        codes = tl.load(at, mask=valid[:, None], other=0, cache_modifier=".cg")
+    elif STREAM == 2:
+        codes = tl.load(at, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    elif STREAM == 3:
+        codes = tl.load(at, mask=valid[:, None], other=0, cache_modifier=".cs")
+    else:
+        codes = tl.load(at, mask=valid[:, None], other=0)
+    return codes
 
 
 @triton.jit
@@ -58,6 +78,8 @@ def pq_linear_kernel(
     HIST: tl.constexpr = False,
     NBINS: tl.constexpr = 1,
     CHUNK: tl.constexpr = 0,  # code bytes per load of a row (0: all M)
+    STREAM: tl.constexpr = 0,  # codes read past L1 or evicted first (see _load_codes), tables kept in L1
+    GATHER: tl.constexpr = False,  # the request's whole table held by the program, looked up with tl.gather
 ):
     # a lane reads CH code bytes of one row at once (one 16-byte load for CH = 16), so a warp's lookups at a
     # time all read one subspace's table, two cache lines (a lane per code byte, the old layout, spread a
@@ -78,13 +100,24 @@ def pq_linear_kernel(
     if SAMPLE:
         first = -1
     if first < length:
+        if GATHER:  # [K, M]: column m is subspace m's table
+            lut = tl.load(lut_ptr + b * M * K + tl.arange(0, M)[None, :] * K + tl.arange(0, K)[:, None])
         for it in range(ITERS):
             idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
             rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
             flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
-            exact = _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, 0, M, K, CH, INT_TABLE)
-            for h in tl.static_range(1, M // CH):
-                exact += _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, h, M, K, CH, INT_TABLE)
+            if GATHER:
+                codes = _load_codes(codes_ptr, flat, valid, tl.arange(0, M), M, STREAM)
+                looked = tl.gather(lut, codes.to(tl.int32), 0)  # [BLOCK_N, M]
+                if INT_TABLE:
+                    exact = tl.sum(looked.to(tl.int32), axis=1)
+                else:
+                    exact = tl.sum(looked.to(tl.float32), axis=1)
+            else:
+                exact = _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, 0, M, K, CH, INT_TABLE, STREAM)
+                for h in tl.static_range(1, M // CH):
+                    exact += _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, h, M, K, CH, INT_TABLE,
+                                        STREAM)
             score = exact.to(tl.float32)
             if HIST:  # int8 tables: integer scores in [-127 M, 127 M], one bin each
                 bins = tl.minimum(tl.maximum(exact + NBINS // 2, 0), NBINS - 1)
@@ -118,11 +151,11 @@ def _threshold_of_histogram(hist_ptr, thr_ptr, length, stride, target, capacity,
 
 @triton.jit
 def _chunk_sum(codes_ptr, lut_ptr, flat, valid, h, M: tl.constexpr, K: tl.constexpr, CH: tl.constexpr,
-               INT_TABLE: tl.constexpr):
+               INT_TABLE: tl.constexpr, STREAM: tl.constexpr = 0):
     """Table lookups of code bytes ``[h CH, (h + 1) CH)`` of each row, summed per row."""
     sub = h * CH + tl.arange(0, CH)
-    codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
-    return tl.sum(_entry(lut_ptr + sub[None, :] * K + codes.to(tl.int32), INT_TABLE), axis=1)
+    codes = _load_codes(codes_ptr, flat, valid, sub, M, STREAM)
+    return tl.sum(_entry(lut_ptr + sub[None, :] * K + codes.to(tl.int32), INT_TABLE, STREAM), axis=1)
 
 
 @triton.jit
@@ -170,6 +203,7 @@ def pq_candidate_kernel(
     BINS: tl.constexpr = False,
     NBINS: tl.constexpr = 8192,
     RESIDUAL: tl.constexpr = False,  # codebook [M, K, D] whole-key codewords: a key is their sum
+    STREAM: tl.constexpr = 0,  # codes read past L1 or evicted first (see _load_codes), codebooks kept in L1
 ):
     # ITERS consecutive tiles per program: the queries are loaded once for all of them
     pid = tl.program_id(0)
@@ -199,8 +233,11 @@ def pq_candidate_kernel(
                 keys = acc.to(tl.bfloat16)
             elif WIDE:  # D/M == 4: one 8-byte load per subspace brings its 4 bf16 centroid values
                 sub = tl.arange(0, M)
-                codes = tl.load(codes_ptr + flat[:, None] * M + sub[None, :], mask=valid[:, None], other=0)
-                words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32))  # [BLOCK_N, M] int64
+                codes = _load_codes(codes_ptr, flat, valid, sub, M, STREAM)
+                if STREAM:
+                    words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32), eviction_policy="evict_last")
+                else:
+                    words = tl.load(codebook_ptr + sub[None, :] * K + codes.to(tl.int32))  # [BLOCK_N, M] int64
                 lane0 = words.to(tl.int16).to(tl.bfloat16, bitcast=True)
                 lane1 = (words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
                 lane2 = (words >> 32).to(tl.int16).to(tl.bfloat16, bitcast=True)

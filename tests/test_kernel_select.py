@@ -127,6 +127,42 @@ def test_pq_linear_topc_matches_reference(b, n, m, c, table):
         assert set(best) - {-1} <= set(kept[:n_kept]), "keep_all lost one of the top c"
 
 
+@pytest.mark.parametrize("table", [torch.float32, torch.int8])
+def test_pq_linear_topc_load_variants_select_the_same_keys(table):
+    """Where the stage-1 kernel reads its bytes from (codes past L1, evicted first or cached; tables
+    gathered from the program's own copy) and its launch shape change its speed only: every variant
+    keeps the same keys with the same scores, paged or not."""
+    from dsaindex.kernels.pq_select import paged_codes_reference, pq_linear_topc
+
+    b, n, m, c = 2, 1280, 32, 48
+    codes, cb, q, w = pq_inputs(b, n, 8, m=m, d=128 // m, seed=5)
+    lengths = torch.tensor([n, n - 333], dtype=torch.int32, device=DEV)
+    pages = n // 64
+    perm = torch.randperm(b * pages, generator=torch.Generator().manual_seed(2)).to(DEV)
+    store = torch.empty(b * pages, 64, m, dtype=torch.uint8, device=DEV)
+    store[perm] = codes.reshape(b * pages, 64, m)
+    page_table = perm.view(b, pages).to(torch.int32)
+    assert torch.equal(paged_codes_reference(store, page_table), codes)
+
+    def kept(**kw):  # per request: the kept rows in order, and their scores
+        s, r, k = pq_linear_topc(codes if "page_table" not in kw else store, lengths, q, w, cb, c, capacity=3 * c,
+                                 keep_all=True, return_counts=True, table_dtype=table, **kw)
+        order = [r[i, : k[i]].argsort() for i in range(b)]
+        return [(r[i, : k[i]][o].tolist(), s[i, : k[i]][o]) for i, o in enumerate(order)]
+
+    want = kept(stream=0, block_n=128, iters=8)
+    assert all(len(rows) >= c for rows, _ in want)
+    for kw in (dict(), dict(stream=1), dict(stream=2), dict(stream=3), dict(gather=True), dict(gather=True, stream=1),
+               dict(block_n=64, iters=2, num_warps=2), dict(page_table=page_table),
+               dict(page_table=page_table, gather=True)):
+        for (rows, scores), (want_rows, want_scores) in zip(kept(**kw), want, strict=True):
+            assert rows == want_rows, kw
+            if table == torch.int8:  # integer sums: any order gives the same
+                assert torch.equal(scores, want_scores), kw
+            else:  # float32 sums in another order (gather adds all 32 lookups at once)
+                torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("b,n,m,c,block_n,iters,paged", [(3, 1300, 32, 64, 32, 2, False),
                                                           (2, 1500, 16, 100, 64, 1, True)])
 def test_int8_stage1_threshold_is_the_sample_rank_of_integer_scores(b, n, m, c, block_n, iters, paged):

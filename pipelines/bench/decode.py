@@ -93,8 +93,8 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
 
 LOGITS_CONFIGS = [dict(block_n=64, iters=4, num_warps=4), dict(block_n=128, iters=4, num_warps=4),
                   dict(block_n=64, iters=4, num_warps=4, num_stages=4)]
-LINEAR_CONFIGS = [dict(block_n=128, iters=8, num_warps=4), dict(block_n=256, iters=8, num_warps=8),
-                  dict(block_n=256, iters=4, num_warps=4), dict(block_n=512, iters=4, num_warps=8)]
+LINEAR_CONFIGS = [dict(), dict(block_n=128, iters=8, num_warps=4, stream=0), dict(block_n=512, iters=2, num_warps=8),
+                  dict(block_n=256, iters=4, num_warps=4)]
 
 
 CPU_REPEATS = 5  # synchronized calls whose median times a step on the CPU (the kernels' torch references)
