@@ -201,6 +201,12 @@ def _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table
     checks.same_device(codes=codes, queries=queries, head_weights=head_weights, codebooks=codebooks)
 
 
+def _check_stream(stream: int) -> None:
+    if stream not in (0, 1, 2):
+        raise ValueError(f"stream: got {stream!r}, want 0 (codes cached in L1), 1 (read past L1) or 2 (evicted "
+                         "first)")
+
+
 def paged_codes_reference(codes: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """Codes kept per physical page [P, 64, M] seen through a page table [B, W] as per-request codes
     [B, W * 64, M] (the references' view of the paged kernels' input)."""
@@ -285,6 +291,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     chunk = (16 if m % 16 == 0 else m) if chunk is None else chunk
     if chunk < 1 or m % chunk or triton.next_power_of_2(chunk) != chunk:
         raise ValueError(f"chunk: got {chunk}, want a power of two dividing the {m} subspaces")
+    _check_stream(stream)
     paged = dict(HAS_TABLE=page_table is not None, CHUNK=chunk, STREAM=stream, GATHER=gather)
     thr = torch.empty(b, dtype=torch.float32, device=codes.device) if int_table else dummy_f
     # the sampling pass reads a few thousand scattered rows: one tile per program, so they run at once
@@ -335,6 +342,7 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         checks.shape("counts", counts, (b,), "B")
         checks.dtype("counts", counts, torch.int32)
     checks.same_device(codes=codes, rows=rows, counts=counts)
+    _check_stream(stream)
     r = rows.shape[1]
     out = torch.empty(b, r, dtype=torch.float32, device=codes.device)
     if r == 0:

@@ -36,14 +36,12 @@ def _entry(ptr, INT_TABLE: tl.constexpr, STREAM: tl.constexpr = 0):
 @triton.jit
 def _load_codes(codes_ptr, flat, valid, sub, M: tl.constexpr, STREAM: tl.constexpr):
     """Code bytes ``sub`` of rows ``flat`` [BLOCK_N, len(sub)] (0 where not ``valid``); ``STREAM`` 1 reads them
-    past L1 (``.cg``), 2 marks them first to go, 3 streams them (``.cs``), so they do not evict the tables."""
+    past L1 (``.cg``), 2 marks them first to go, so they do not evict the tables."""
     at = codes_ptr + flat[:, None] * M + sub[None, :]
     if STREAM == 1:
         codes = tl.load(at, mask=valid[:, None], other=0, cache_modifier=".cg")
     elif STREAM == 2:
         codes = tl.load(at, mask=valid[:, None], other=0, eviction_policy="evict_first")
-    elif STREAM == 3:
-        codes = tl.load(at, mask=valid[:, None], other=0, cache_modifier=".cs")
     else:
         codes = tl.load(at, mask=valid[:, None], other=0)
     return codes
