@@ -29,7 +29,9 @@ same protocol holds there without rename or fsync: every chunk and the group's `
 ``committed``) is one PUT, which replaces the whole object at once and is durable and visible when it
 returns; the group's ``zarr.json`` is put after the rows it counts. A new store's arrays are put before its
 group's ``zarr.json``, so a creation cut short leaves array metadata only, which the next run replaces.
-Object storage has no advisory locks: there, keeping to one writer is the caller's part.
+Object storage has no advisory locks: there the writer lock is an object, ``.writer.lock`` under the
+store's prefix, taken with a conditional PUT and refreshed while the writer runs
+(:class:`~dsaindex.artifacts.storage.ObjectLock`); a writer that lost it commits nothing more.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsaindex._version import __version__
 from dsaindex.artifacts.fingerprint import ModelFingerprint
-from dsaindex.artifacts.storage import ObjectLocation, location
-from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError, differences
+from dsaindex.artifacts.storage import LOCK_OBJECT, ObjectLocation, ObjectLock, location
+from dsaindex.errors import CorruptStoreError, DsaIndexError, StoreMismatchError, WriterLockError, differences
 
 if TYPE_CHECKING:
     import torch
@@ -177,6 +179,7 @@ class CaptureStore:
         # stores created before chunks of zeros were written too: a missing chunk there may be one zarr skipped
         self.every_chunk_written = every_chunk_written
         self._lock_fd: int | None = None
+        self._object_lock: ObjectLock | None = None  # in object storage
 
     # ---- opening -------------------------------------------------------------------------------
     @staticmethod
@@ -279,16 +282,21 @@ class CaptureStore:
         if isinstance(path, ObjectLocation):
             from dsaindex.artifacts.storage import list_objects, remove_objects, upload_folder
 
-            found = list_objects(path)
-            if not _creation_cut_short(found):
-                raise DsaIndexError(f"{path} holds objects already.", "capture into a new prefix, or resume an "
-                                    "existing store.")
-            remove_objects(path)
-            # made in a local folder (metadata only: the arrays are empty), then put with the group's
-            # zarr.json last: until it is there the prefix is no store, and the next run starts it again
-            with tempfile.TemporaryDirectory(prefix="dsaindex-store-") as staging:
-                cls._create(Path(staging), manifest)
-                upload_folder(Path(staging), path, last="zarr.json")
+            lock = ObjectLock(path)  # two first runs into one prefix: one creates, the other is refused
+            lock.acquire()
+            try:
+                found = list_objects(path)
+                if not _creation_cut_short(found):
+                    raise DsaIndexError(f"{path} holds objects already.", "capture into a new prefix, or resume an "
+                                        "existing store.")
+                remove_objects(path, keep=(LOCK_OBJECT,))
+                # made in a local folder (metadata only: the arrays are empty), then put with the group's
+                # zarr.json last: until it is there the prefix is no store, and the next run starts it again
+                with tempfile.TemporaryDirectory(prefix="dsaindex-store-") as staging:
+                    cls._create(Path(staging), manifest)
+                    upload_folder(Path(staging), path, last="zarr.json")
+            finally:
+                lock.release()
             return cls._from_group(path, _open_remote_group(path, "r+"))
         if path.exists() and not path.is_dir():
             raise DsaIndexError(f"The store path {path} is a file, not a folder.",
@@ -362,6 +370,9 @@ class CaptureStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._object_lock is not None:
+            self._object_lock.release()
+            self._object_lock = None
 
     def __enter__(self) -> CaptureStore:
         return self
@@ -371,14 +382,17 @@ class CaptureStore:
 
     # ---- checks --------------------------------------------------------------------------------
     def _lock(self) -> None:
-        if isinstance(self.path, ObjectLocation):
-            return  # no advisory locks in object storage: one writer is the caller's part (module docstring)
+        if isinstance(self.path, ObjectLocation):  # a lock object, conditional PUTs (storage.ObjectLock)
+            lock = ObjectLock(self.path)
+            lock.acquire()
+            self._object_lock = lock
+            return
         fd = os.open(self.path / ".writer.lock", os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise DsaIndexError(
+            raise WriterLockError(
                 f"Another process is writing to {self.path}.", "wait for it to finish, or capture into another path."
             ) from None
         self._lock_fd = fd
@@ -495,6 +509,8 @@ class CaptureStore:
             keys=self.committed.keys + sum(batch.sequence_keys),
             queries=self.committed.queries + len(columns["query_position"]),
         )
+        if self._object_lock is not None:
+            self._object_lock.check()  # another writer took the store over: commit nothing beside it
         self._write_attrs()
 
     # ---- reading -------------------------------------------------------------------------------
@@ -656,8 +672,9 @@ def new_manifest(model: ModelFingerprint, settings: CaptureSettings, corpus: dic
 
 def _creation_cut_short(objects: list[str]) -> bool:
     """Whether the objects under a prefix are nothing, or what a store creation cut short leaves in object
-    storage: array and group metadata without the root ``zarr.json`` (put last), no chunk."""
-    return "zarr.json" not in objects and all(key.endswith("/zarr.json") for key in objects)
+    storage: array and group metadata without the root ``zarr.json`` (put last), no chunk; a writer's lock
+    object aside."""
+    return "zarr.json" not in objects and all(key.endswith("/zarr.json") or key == LOCK_OBJECT for key in objects)
 
 
 def _open_remote_group(path: ObjectLocation, mode: Literal["r", "r+"]):

@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dsaindex.errors import DsaIndexError
+from dsaindex.errors import DsaIndexError, WriterLockError
 
 SCHEME = "s3"
 _SCHEME_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(.*)$", re.S)
@@ -207,9 +207,10 @@ def read_object(where: ObjectLocation, rel: str) -> bytes:
         raise object_error(where, err, "Reading") from None
 
 
-def remove_objects(where: ObjectLocation) -> None:
-    """Delete every object under ``where/`` (a store this run created and committed nothing to)."""
-    keys = [f"{where.fs_path}/{rel}" for rel in list_objects(where)]
+def remove_objects(where: ObjectLocation, keep: tuple[str, ...] = ()) -> None:
+    """Delete every object under ``where/`` but those named in ``keep`` (a store this run created and
+    committed nothing to)."""
+    keys = [f"{where.fs_path}/{rel}" for rel in list_objects(where) if rel not in keep]
     if keys:
         filesystem().rm(keys)
 
@@ -268,3 +269,193 @@ def download_folder(where: ObjectLocation, folder: Path) -> int:
     except Exception as err:  # noqa: BLE001 - see list_objects
         raise object_error(where, err, "Reading") from None
     return len(rels)
+
+
+# ---- one writer -------------------------------------------------------------------------------------
+LOCK_OBJECT = ".writer.lock"  # under a store's prefix; never part of the store's data
+LOCK_TTL_S = 60.0  # a lock not refreshed for this long belongs to a writer that died elsewhere
+LOCK_HEARTBEAT_S = 10.0
+
+
+def _precondition_failed(err: BaseException) -> bool:
+    """Whether an s3fs error is S3's 412 (a conditional PUT whose condition did not hold); s3fs turns it
+    into FileExistsError (If-None-Match) or an OSError (If-Match) carrying botocore's error."""
+    seen: BaseException | None = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+            return True
+        if "pre-conditions you specified did not hold" in str(seen) or "PreconditionFailed" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class ObjectLock:
+    """One writer at a time for a store in object storage, as ``flock`` gives on a local disk.
+
+    The lock is the object ``<prefix>/.writer.lock``, created with a conditional PUT (``If-None-Match: *``:
+    of two writers racing, exactly one PUT succeeds) and refreshed every ``heartbeat`` seconds by a
+    background thread with ``If-Match`` on its own ETag, so a refresh never overwrites another writer's lock.
+    It names its holder (host, pid, a random id). A lock is taken over, again by ``If-Match`` on the ETag that
+    was read, when its holder is known dead: the same host with that pid gone (a capture killed with SIGKILL
+    and rerun), or no refresh for ``ttl`` seconds by the object store's own clock (a writer that died on
+    another machine). A holder whose refresh fails on the ETag has lost the lock; :meth:`check`, called
+    before each commit, then raises instead of committing beside the new holder. Needs conditional writes
+    (AWS S3 since 2024, MinIO, moto); a service without them is refused when the lock is taken."""
+
+    def __init__(self, where: ObjectLocation, ttl: float = LOCK_TTL_S, heartbeat: float = LOCK_HEARTBEAT_S):
+        import socket
+        import threading
+
+        self.where = where
+        self.key = f"{where.fs_path}/{LOCK_OBJECT}"
+        self.ttl, self.heartbeat = float(ttl), float(heartbeat)
+        self.owner = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        self.etag: str | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    # the object: PUT with a condition, HEAD for its ETag and the age of its last refresh
+    def _put(self, **condition) -> str:
+        import json
+        import time
+
+        body = json.dumps(self.owner | {"refreshed": time.time()}).encode()
+        bucket, _, key = self.key.partition("/")
+        out = filesystem().call_s3("put_object", Bucket=bucket, Key=key, Body=body, **condition)
+        return out["ETag"]
+
+    def _holder(self) -> tuple[dict, str, float] | None:
+        """(holder, ETag, seconds since its last refresh by the store's clock), or None when there is none.
+        The ETag is read before the body: a lock replaced in between makes a takeover conditioned on that
+        ETag fail, never succeed over the newer holder."""
+        import json
+        from email.utils import parsedate_to_datetime
+
+        bucket, _, key = self.key.partition("/")
+        fs = filesystem()
+        try:
+            head = fs.call_s3("head_object", Bucket=bucket, Key=key)
+            raw = fs.cat_file(self.key)
+        except FileNotFoundError:
+            return None
+        now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+        age = (now - head["LastModified"]).total_seconds()
+        try:
+            holder = json.loads(raw)
+        except ValueError:
+            holder = {}
+        return (holder if isinstance(holder, dict) else {}), head["ETag"], age
+
+    def _dead(self, holder: dict, age: float) -> str | None:
+        """Why the holder is known dead, or None."""
+        import socket
+
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
+                and holder["pid"] != os.getpid() and not _pid_alive(holder["pid"]):
+            return f"its process {holder['pid']} on this host is gone"
+        if age > self.ttl:
+            return f"it was last refreshed {age:.0f} s ago (more than {self.ttl:.0f} s)"
+        return None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`DsaIndexError` naming its holder and what to do."""
+        import logging
+        import threading
+
+        try:
+            try:
+                self.etag = self._put(IfNoneMatch="*")
+            except Exception as err:  # noqa: BLE001 - s3fs raises OSError kinds, botocore its own
+                if not _precondition_failed(err):
+                    raise
+                found = self._holder()
+                if found is None:  # released meanwhile
+                    self.etag = self._put(IfNoneMatch="*")
+                else:
+                    holder, etag, age = found
+                    why = self._dead(holder, age)
+                    if why is None:
+                        who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}"
+                        raise WriterLockError(
+                            f"Another writer ({who}, last refreshed {age:.0f} s ago) holds {self.where}/{LOCK_OBJECT}.",
+                            "wait for it to finish; if it died on another machine, run again after "
+                            f"{max(0.0, self.ttl - age):.0f} s, when its lock expires.") from None
+                    try:
+                        self.etag = self._put(IfMatch=etag)
+                    except Exception as err2:  # noqa: BLE001
+                        if _precondition_failed(err2):
+                            raise WriterLockError(f"Another writer took {self.where}/{LOCK_OBJECT} at the same time.",
+                                                "wait for it to finish, or write to another prefix.") from None
+                        raise
+                    logging.getLogger(__name__).warning(
+                        "took over the writer lock of %s from process %s on %s: %s", self.where, holder.get("pid"),
+                        holder.get("host"), why)
+        except DsaIndexError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            if _conditional_writes_unsupported(err):
+                raise DsaIndexError(f"The object store refused a conditional write under {self.where}, which the "
+                                    "writer lock needs.",
+                                    "use an S3 service with conditional writes (AWS S3, MinIO, moto), or a local "
+                                    "path.") from None
+            raise object_error(self.where, err, "Locking") from None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._refresh, name="dsaindex-object-lock", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            with self._guard:
+                if self.etag is None:
+                    return
+                try:
+                    self.etag = self._put(IfMatch=self.etag)
+                except Exception as err:  # noqa: BLE001 - a refresh that fails transiently is tried again
+                    if _precondition_failed(err):
+                        self.lost = "another writer took its lock over"
+                        self.etag = None
+                        return
+
+    def check(self) -> None:
+        """Raise :class:`DsaIndexError` when this writer has lost the lock (before it commits anything)."""
+        if self.lost is not None:
+            raise WriterLockError(f"This writer lost {self.where}/{LOCK_OBJECT}: {self.lost}. Nothing more was "
+                                "committed.",
+                                "check that no other capture writes to this store, then run the command again: "
+                                "it resumes after the last committed sequence.")
+
+    def release(self) -> None:
+        """Stop refreshing and delete the lock if it is still this writer's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat + 5)
+            self._thread = None
+        with self._guard:
+            etag, self.etag = self.etag, None
+        if etag is None:
+            return
+        try:
+            found = self._holder()
+            if found is not None and found[1] == etag:
+                filesystem().rm_file(self.key)
+        except Exception:  # noqa: BLE001 - a lock left behind expires, or is taken over by this host's next run
+            pass
+
+
+def _conditional_writes_unsupported(err: BaseException) -> bool:
+    text = str(err)
+    return "NotImplemented" in text or "not implemented" in text.lower()

@@ -40,6 +40,11 @@ class StoreMismatchError(DsaIndexError):
     """A store was made with another model or other settings than the ones given now."""
 
 
+class WriterLockError(DsaIndexError):
+    """Another writer holds a store's writer lock (or took it over from this one): nothing of that store may
+    be removed or committed by this process."""
+
+
 class CorruptStoreError(DsaIndexError):
     """A store is damaged, or is not a store of this project."""
 

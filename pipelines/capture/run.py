@@ -32,7 +32,7 @@ from dsaindex.artifacts.capture_store import (
     new_manifest,
 )
 from dsaindex.artifacts.storage import ObjectLocation, location, remove_objects
-from dsaindex.errors import DsaIndexError
+from dsaindex.errors import DsaIndexError, WriterLockError
 from dsaindex.geometry import IndexerGeometry, geometry_from_config
 from dsaindex.indexer import cache_argument
 from dsaindex.pipelines.capture.corpus import (
@@ -299,8 +299,8 @@ def capture(
         if created:
             CaptureStore.create(store_path, expected)
         store = CaptureStore.open_for_append(store_path, None if created else expected)
-    except BaseException:
-        if created:
+    except BaseException as err:
+        if created and not isinstance(err, WriterLockError):  # never what another writer is making
             _remove_new_store(store_path, existed)
         raise
     t0 = time.perf_counter()
@@ -348,8 +348,8 @@ def capture(
             added_seq += batch.num_sequences
             added_tok += batch.num_tokens
             _commit(store, batch)
-    except DsaIndexError:
-        if created and store.committed.sequences == 0:
+    except DsaIndexError as err:
+        if created and store.committed.sequences == 0 and not isinstance(err, WriterLockError):
             _remove_new_store(store_path, existed)
         raise
     return CaptureResult(store_path, added_seq, added_tok, added_keys, time.perf_counter() - t0, resumed_from)
