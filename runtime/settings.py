@@ -118,6 +118,17 @@ def parse_count(value: Any, where: str) -> int:
     return int(digits) * scale
 
 
+def parse_bytes(value: Any, where: str) -> int:
+    """A size in bytes, with a binary suffix or without (``2147483648``, ``2G``, ``512M``); at least 1 MiB."""
+    text = "" if value is None else str(value).strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) * scale < 1 << 20:
+        raise DsaIndexError(f"{where} {value!r} is not a size of at least 1 MiB.",
+                            f"set {where} to a number of bytes such as 2G or 512M.")
+    return int(digits) * scale
+
+
 def parse_basis(value: Any, where: str = "--basis") -> str:
     text = str(value).strip().lower()
     if text not in ("hadamard", "raw"):
@@ -291,6 +302,18 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("DSAINDEX_TRACKING_URI", "tracking_uri", _text, None,
            "The MLflow tracking server `models:/` URIs resolve against.",
            "`MLFLOW_TRACKING_URI`, else the local registry"),
+    EnvVar("DSAINDEX_CAPTURE", "capture", _text, None,
+           "A capture store (a local path or `s3://bucket/prefix`) the engine writes while it serves: each finished "
+           "request's indexer keys, read from the engine's index-K cache (FP8, dequantized), and the queries and "
+           "head weights of a sample of its decode steps, in the store format `dsaindex train pq` reads. Tensor "
+           "parallel rank 0 writes, on a background thread; a store of this model and settings is appended to, "
+           "another one stops startup. Works with or without `DSAINDEX_ARTIFACTS`. Unset: no capture.", "unset"),
+    EnvVar("DSAINDEX_CAPTURE_QUEUE", "capture_queue", parse_bytes, 2 << 30,
+           "Host memory the capture may hold (finished requests waiting for the writer, sampled queries of running "
+           "requests); a finished request that does not fit is dropped and counted, never waited for.", "`2G`"),
+    EnvVar("DSAINDEX_CAPTURE_QUERIES", "capture_queries", lambda v, w: parse_count(v, w), 32,
+           "Decode steps per request whose queries and head weights are recorded: the first half as one window "
+           "of consecutive steps, the rest spread evenly over the later steps. 0: keys only.", "32"),
 )
 
 
@@ -308,6 +331,9 @@ class EngineSettings:
     keys: str
     cache_dir: str | None
     tracking_uri: str | None
+    capture: str | None = None
+    capture_queue: int = 2 << 30
+    capture_queries: int = 32
 
     def decode(self, topk: int) -> DecodeSettings:
         """The decode settings these give a model whose top-k is ``topk`` (C ``auto`` unless set; none at all:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dsaindex_sglang import capture
 from dsaindex_sglang.selection import LayerSelection, to_sglang_selection
 
 logger = logging.getLogger("dsaindex_sglang")
@@ -82,10 +83,15 @@ STATE = PluginState()
 
 def validate_after_model_config(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on ``ModelConfig.__init__``: validate and load the artifacts for the target model
-    (draft models are not served by the artifacts)."""
+    (draft models are not served by the artifacts); with ``DSAINDEX_CAPTURE``, check the capture store against
+    the same config (:meth:`dsaindex_sglang.capture.CaptureState.prepare`)."""
     if getattr(self, "is_draft_model", False):
         return None
-    STATE.load(checkpoint_config(self))
+    config = checkpoint_config(self)
+    if STATE.uri:
+        STATE.load(config)
+    if capture.CAPTURE.on:
+        capture.CAPTURE.prepare(self, config)
     return None
 
 
@@ -116,7 +122,10 @@ def select_around_get_topk_paged(original, self, forward_batch, layer_id, q_fp8,
     rows all -1; page_size=1 KV slots when SGLang's fused top-k transform is on, logical key positions
     otherwise (see :func:`dsaindex_sglang.selection.to_sglang_selection`). Launch shapes depend on the batch
     and the page table's width only, and nothing synchronizes with the host while a CUDA graph is
-    captured, so SGLang's decode and verify graphs capture it."""
+    captured, so SGLang's decode and verify graphs capture it. With ``DSAINDEX_CAPTURE`` a decode step's
+    queries, weights and lengths are staged for the capture first (every indexer layer)."""
+    if capture.CAPTURE.on:
+        capture.stage(forward_batch, layer_id, q_fp8, weights, metadata)
     layer = STATE.selectors.get(int(layer_id))
     if layer is None:
         return original(self, forward_batch, layer_id, q_fp8, weights, metadata)
@@ -166,7 +175,7 @@ def encode_after_pop_transferred(result, self, *args, **kwargs):
     encoded now, once (the same :meth:`PagedCacheSelector.prepare` the prefill hook runs), instead of 2
     pages a step by the decode graphs' catch-up while stage 1 ranks stale codes. Returns None (the
     original's result is kept)."""
-    reqs = [r for r in (result or []) if getattr(r, "req_pool_idx", None) is not None]
+    reqs = [r for r in (result or []) if _pool_index(r) is not None]
     if not reqs or not STATE.selectors:
         return None
     scheduler = self.scheduler
@@ -180,7 +189,7 @@ def encode_after_pop_transferred(result, self, *args, **kwargs):
         return None
     tokens = scheduler.req_to_token_pool.req_to_token
     first = torch.arange(0, width * 64, 64, device=tokens.device)
-    slots = tokens[torch.tensor([r.req_pool_idx for r in reqs], device=tokens.device)][:, first]
+    slots = tokens[torch.tensor([_pool_index(r) for r in reqs], device=tokens.device)][:, first]
     table = (slots.long() // 64).to(torch.int32)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=tokens.device)
     for layer_id, layer in STATE.selectors.items():
@@ -188,6 +197,13 @@ def encode_after_pop_transferred(result, self, *args, **kwargs):
         STATE.arrived_pages += layer.over(cache, STATE.topk).prepare(cache, table.to(cache.device),
                                                                       seqlens.to(cache.device))
     return None
+
+
+def _pool_index(req) -> int | None:
+    """The request's ``req_to_token`` row: ``req.kv.req_pool_idx`` in SGLang 0.5.23 (``ReqKvInfo``,
+    schedule_batch.py:955), ``req.req_pool_idx`` in the releases before it."""
+    kv = getattr(req, "kv", None)
+    return getattr(kv, "req_pool_idx", None) if kv is not None else getattr(req, "req_pool_idx", None)
 
 
 # ---- DSAINDEX_KEYS=host: the served layers' exact index keys in pinned host memory -----------------------

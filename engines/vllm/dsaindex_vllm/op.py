@@ -40,6 +40,7 @@ from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex.runtime.settings import EngineSettings, engine_settings
+from dsaindex_vllm import capture
 
 logger = logging.getLogger("dsaindex_vllm")
 
@@ -175,13 +176,16 @@ def _hooked(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     def hooked(*args: Any, **kwargs: Any) -> torch.Tensor:
         layer = _LAYERS.get(resolve(arg("k_cache_prefix", args, kwargs)))
         q_quant = arg("q_quant", args, kwargs)
-        if (layer is None or layer._engine_only(q_quant) or arg("use_pcp", args, kwargs)
-                or arg("use_fp4_cache", args, kwargs) or arg("q_scale", args, kwargs) is not None
-                or (arg("dcp_world_size", args, kwargs) or 1) > 1 or arg("candidate_blocks", args, kwargs) is not None):
+        plain = not (arg("use_pcp", args, kwargs) or arg("use_fp4_cache", args, kwargs)
+                     or arg("q_scale", args, kwargs) is not None or (arg("dcp_world_size", args, kwargs) or 1) > 1
+                     or arg("candidate_blocks", args, kwargs) is not None)
+        if layer is not None and plain and capture.CAPTURE.on:
+            capture.stage(layer, q_quant, arg("weights", args, kwargs), get_forward_context().attn_metadata)
+        if layer is None or layer._engine_only(q_quant) or not plain:
             return original(*args, **kwargs)
         return layer._forward(lambda: original(*args, **kwargs), arg("hidden_states", args, kwargs), q_quant,
                               arg("k", args, kwargs), arg("weights", args, kwargs),
-                              insert_keys=not arg("skip_k_cache_insert", args, kwargs))
+                              insert_keys=not arg("skip_k_cache_insert", args, kwargs), stage=False)
 
     hooked._dsaindex = True  # type: ignore[attr-defined]
     return hooked
@@ -218,18 +222,22 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.exact_below = s.exact_below  # DSAINDEX_EXACT_BELOW: small steps scored as vLLM scores them
         self._engine_layer: bool | None = None
         self.model_path = "op"  # how vLLM's model code reaches this layer (reach_model_path)
-        if not s.artifacts:
+        if not s.artifacts and not s.capture:
             return
-        model_config = get_current_vllm_config().model_config
+        vllm_config = get_current_vllm_config()
+        model_config = vllm_config.model_config
         hf_config = getattr(model_config, "hf_config", None)
         if hf_config is None:
             from dsaindex.errors import DsaIndexError
 
             raise DsaIndexError("dsaindex could not read the served model's config from vLLM's config, so the "
-                                "artifacts of DSAINDEX_ARTIFACTS cannot be checked against it.",
-                                "unset DSAINDEX_ARTIFACTS, or build the model through vLLM's engine.")
-        loaded = served_artifacts(hf_config, topk_indices_buffer.device)
-        if self.layer_id is not None and self.layer_id in loaded.layers and loaded.kind_of(self.layer_id).role == "decode":
+                                "artifacts of DSAINDEX_ARTIFACTS (or the store of DSAINDEX_CAPTURE) cannot be "
+                                "checked against it.",
+                                "unset DSAINDEX_ARTIFACTS and DSAINDEX_CAPTURE, or build the model through vLLM's "
+                                "engine.")
+        loaded = served_artifacts(hf_config, topk_indices_buffer.device) if s.artifacts else None
+        if loaded is not None and self.layer_id is not None and self.layer_id in loaded.layers and \
+                loaded.kind_of(self.layer_id).role == "decode":
             self.codec = loaded.layers[self.layer_id]
             # a count, or `auto`: this layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
             # held-out recall, refused here if none reaches the target
@@ -241,8 +249,17 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
                                                         code_bytes={self.layer_id: code_bytes_of(self.codec)}))
 
         _LAYERS[self.k_cache.prefix] = self
-        if self.codec is not None:
+        if s.capture:  # the store checked against this model (startup), the writer decided, once per process
+            if not capture.CAPTURE.on:
+                capture.CAPTURE.configure(s)
+            capture.CAPTURE.prepare(hf_config, str(getattr(model_config, "model", None) or
+                                                   getattr(hf_config, "_name_or_path", "") or "served-model"),
+                                    s.basis, getattr(vllm_config, "parallel_config", None))
+            if self.layer_id is not None:
+                capture.CAPTURE.layers[self.layer_id] = self
+        if self.codec is not None or capture.CAPTURE.on:
             self.model_path = reach_model_path(model_path(_builder_module(), hf_config))
+        if self.codec is not None:
             if s.keys == "host" and not self._engine_only(None):
                 from dsaindex_vllm import host_keys
 
@@ -254,13 +271,13 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
     # the plugin serves go through one registered torch op (OP_QUALNAME): opaque to torch.compile, and one
     # of the ops vLLM splits its piecewise graphs at, as vLLM's own indexer op is.
     def forward_cuda(self, hidden_states, q_quant, k, weights):
-        if self._engine_only(q_quant):
+        if self._engine_only(q_quant) and not capture.CAPTURE.on:
             return SparseAttnIndexer.forward_cuda(self, hidden_states, q_quant, k, weights)
         return torch.ops.vllm.dsaindex_sparse_attn_indexer(hidden_states, self.k_cache.prefix, q_quant, k, weights,
                                                            self.topk_indices_buffer)
 
     def forward_cpu(self, hidden_states, q_quant, k, weights):
-        if self._engine_only(q_quant):
+        if self._engine_only(q_quant) and not capture.CAPTURE.on:
             return SparseAttnIndexer.forward_cpu(self, hidden_states, q_quant, k, weights)
         return torch.ops.vllm.dsaindex_sparse_attn_indexer(hidden_states, self.k_cache.prefix, q_quant, k, weights,
                                                            self.topk_indices_buffer)
@@ -284,11 +301,17 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             return False
 
     def _forward(self, engine: Callable[[], torch.Tensor], hidden_states, q_quant, k, weights,
-                 insert_keys: bool | None = None):
+                 insert_keys: bool | None = None, stage: bool = True):
         """The layer's step: ``engine()`` runs vLLM's own indexer for this call (the op's, or the CUDA model
         path's function with its arguments); ``insert_keys``: whether the decode-only path writes the step's
-        keys to the cache itself (default: unless the layer was built with ``skip_k_cache_insert``)."""
+        keys to the cache itself (default: unless the layer was built with ``skip_k_cache_insert``). With
+        ``DSAINDEX_CAPTURE`` a decode step's queries and weights are staged first (``stage``: not done yet by
+        the caller); a layer the plugin does not serve then runs ``engine()``."""
         metadata = get_forward_context().attn_metadata
+        if stage and capture.CAPTURE.on:
+            capture.stage(self, q_quant, weights, metadata)
+        if self._engine_only(q_quant):
+            return engine()
         if not isinstance(metadata, dict):  # profiling / dummy run
             return engine()
         meta = metadata[self.k_cache.prefix]
