@@ -43,3 +43,17 @@ def test_capture_json_reports_throughput(tmp_path):
     assert out["capture"]["sequences_added"] == 2 and out["capture"]["tokens_per_s"] > 0
     assert out["store"]["layers"] == [0, 1, 3]  # GLM-5 "shared" layer 2 has no indexer
     assert out["store"]["committed"]["tokens"] == 600 and out["store"]["key_bytes_on_disk"] > 0
+
+
+def test_train_pq_help_says_opq_is_the_default_and_how_to_train_plain_pq():
+    from dsaindex.train.pq_job import CPU_ROTATION_ROUNDS, GPU_ROTATION_ROUNDS
+
+    proc = run_cli("train", "pq", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.replace("│", " ").split())  # the rich panel's lines joined
+    assert "OPQ by default" in text and "--no-rotate for plain PQ" in text
+    assert "--rotate,--opq --no-rotate" in text and "[default: (rotate for --quantizer pq)]" in text
+    assert "(default: runs/bundles/<store>-opq<M>" in text and "-pq<M>[-sa] with --no-rotate" in text
+    # the rounds' default as the help states it is the one the job applies
+    assert (f"[default: ({GPU_ROTATION_ROUNDS} with --trainer torch on a GPU, else {CPU_ROTATION_ROUNDS})]"
+            in text)

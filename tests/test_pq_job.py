@@ -30,10 +30,13 @@ def test_bundle_holds_codebooks_lineage_and_metrics(trained):
     root, store, bundle, uri, result = trained
     manifest, arrays = read_bundle(bundle)  # verifies every checksum
     assert sorted(manifest.layer_ids) == [0, 1, 2, 3]
+    assert result["code"] == "OPQ32" and manifest.params["rotate"] is True  # OPQ by default
     for layer in manifest.layer_ids:
         assert arrays[layer]["codebooks"].shape == (32, 256, 4)
         assert arrays[layer]["metric"].shape == (32, 4, 4)  # score-aware by default
+        assert arrays[layer]["rotation"].shape == (128, 128)  # the learned rotation beside them
         assert manifest.layers[str(layer)].params["score_aware"] is True
+        assert manifest.layers[str(layer)].params["rotate"] is True
     train_seq, eval_seq = manifest.lineage.train_sequences, manifest.lineage.eval_sequences
     assert train_seq == [0, 1, 2, 3] and eval_seq == [4]
     assert manifest.basis == "hadamard" and manifest.key_format == "fp8_e4m3_ue8m0"
@@ -86,12 +89,50 @@ def test_a_rerun_with_the_default_out_writes_a_fresh_bundle(trained, tmp_path):
     root, store, bundle, uri, result = trained
     first = cli_in(tmp_path, "train", "pq", str(store), *FAST)
     assert first.returncode == 0, first.stderr
-    assert "bundle: runs/bundles/store-pq32-sa\n" in first.stdout
+    assert "bundle: runs/bundles/store-opq32-sa\n" in first.stdout  # OPQ, the default code
     assert "4/4 layers" in first.stderr  # the per-layer progress bar, on stderr
     second = cli_in(tmp_path, "train", "pq", str(store), *FAST)
     assert second.returncode == 0, second.stderr
-    assert "bundle: runs/bundles/store-pq32-sa-2\n" in second.stdout
-    assert read_bundle(tmp_path / "runs/bundles/store-pq32-sa-2")[0].layer_ids == [0, 1, 2, 3]
+    assert "bundle: runs/bundles/store-opq32-sa-2\n" in second.stdout
+    assert read_bundle(tmp_path / "runs/bundles/store-opq32-sa-2")[0].layer_ids == [0, 1, 2, 3]
+
+
+def test_opq_is_the_default_code_and_no_rotate_trains_plain_pq(trained, tmp_path):
+    """`train pq` without a rotation flag trains OPQ (a rotation per layer in the bundle, its Procrustes rounds
+    recorded: the CPU's default, or --rotation-rounds) and says so in its last line; --no-rotate trains plain
+    PQ (no rotation array, params rotate=false) and says that; `--json` names the code too."""
+    import numpy as np
+
+    from dsaindex.train.pq_job import CPU_ROTATION_ROUNDS
+
+    root, store, bundle, uri, result = trained
+    manifest, arrays = read_bundle(bundle)  # the module's bundle: trained without a rotation flag
+    for layer in manifest.layer_ids:
+        assert manifest.layers[str(layer)].params["rotation_rounds"] == CPU_ROTATION_ROUNDS  # --device cpu
+        rot = arrays[layer]["rotation"]
+        assert np.abs(rot @ rot.T - np.eye(128)).max() < 1e-4 and np.abs(rot - np.eye(128)).max() > 0.1
+
+    rounds = cli_in(tmp_path, "train", "pq", str(store), "--rotation-rounds", "1", *FAST)
+    assert rounds.returncode == 0, rounds.stderr
+    last = " ".join(rounds.stdout[rounds.stdout.rindex("\ncode: ") :].split())  # the last line, wrapped at 80
+    assert last == ("code: OPQ32 score-aware (a learned rotation: balanced PCA + 1 Procrustes round); --no-rotate "
+                    "trains plain PQ")
+    rotated, _ = read_bundle(tmp_path / "runs/bundles/store-opq32-sa")
+    assert {rotated.layers[str(i)].params["rotation_rounds"] for i in rotated.layer_ids} == {1}
+
+    plain = cli_in(tmp_path, "train", "pq", str(store), "--no-rotate", *FAST)
+    assert plain.returncode == 0, plain.stderr
+    assert "bundle: runs/bundles/store-pq32-sa\n" in plain.stdout
+    assert plain.stdout.endswith("\ncode: PQ32 score-aware (no rotation)\n")
+    manifest, arrays = read_bundle(tmp_path / "runs/bundles/store-pq32-sa")
+    assert manifest.params["rotate"] is False and manifest.params["rotation_rounds"] is None
+    for layer in manifest.layer_ids:
+        assert manifest.layers[str(layer)].params["rotate"] is False
+        assert "rotation" not in arrays[layer] and "rotation_rounds" not in manifest.layers[str(layer)].params
+    as_json = run_cli("train", "pq", str(store), "--no-rotate", "--out", str(tmp_path / "plain-json"), "--json",
+                      *FAST)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["code"] == "PQ32"
 
 
 def test_a_taken_or_unwritable_out_is_refused_before_training(trained, tmp_path):

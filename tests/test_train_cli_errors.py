@@ -20,6 +20,13 @@ STORE = "no-such-store"
     (("train", "pq", STORE, "--subspaces", "0"), "error: --subspaces 0 is below 1."),
     (("train", "pq", STORE, "--eval-queries", "0"), "error: --eval-queries 0 is below 1."),
     (("train", "pq", STORE, "--candidates", "0,1024"), "error: --candidates '0,1024' holds 0"),
+    (("train", "pq", STORE, "--rotation-rounds", "-1"), "error: --rotation-rounds -1 is below 0."),
+    # OPQ is the default for product codes only: a rotation asked for where the code takes none
+    (("train", "pq", STORE, "--quantizer", "rq", "--rotate"), "error: RQ codes take no OPQ rotation"),
+    (("train", "pq", STORE, "--no-rotate", "--rotation-rounds", "2"),
+     "error: --rotation-rounds 2 applies to OPQ codes only, not PQ32."),
+    (("train", "pq", STORE, "--quantizer", "rq", "--rotation-rounds", "2"),
+     "error: --rotation-rounds 2 applies to OPQ codes only, not RQ32."),
     (("train", "ivf", STORE, "--steps", "0"), "error: --steps 0 is below 1."),
     (("train", "ivf", STORE, "--window", "0"), "error: --window 0 is below 1."),
     (("train", "ivf", STORE, "--refit-every", "-1"), "error: --refit-every -1 is below 0."),

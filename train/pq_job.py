@@ -35,6 +35,23 @@ if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.train.cluster import RaySettings
 
+# OPQ's Procrustes rounds after the balanced-PCA start (:func:`dsaindex.train.codebooks.train_rotation`), by
+# where their k-means runs. GPU (the torch trainer on CUDA): 6, the rounds every recorded OPQ recall was measured
+# with (docs/results.md), under 2 s a layer at 262K keys. CPU: each round retrains the codebooks (4 k-means
+# iterations) and encodes the keys, about 2 s a layer at 13K keys on 2 cores, so 6 rounds tripled a layer's
+# training (4.5 -> 13-16 s on the demo's store); they lowered the held-out reconstruction error by only 0-3%
+# beyond the start (reference checkpoint, PQ16 and PQ32) and left recall unchanged. So the CPU runs the start
+# alone, OPQ's parametric form (Ge et al. 2013: eigenvalue allocation), at plain PQ's cost.
+GPU_ROTATION_ROUNDS = 6
+CPU_ROTATION_ROUNDS = 0
+
+
+def default_rotation_rounds(trainer: str, device: str) -> int:
+    """Procrustes rounds of an OPQ rotation where none were asked for: :data:`GPU_ROTATION_ROUNDS` when the
+    rounds' k-means runs on a GPU (``trainer`` torch on a CUDA ``device``), else :data:`CPU_ROTATION_ROUNDS`."""
+    return GPU_ROTATION_ROUNDS if trainer == "torch" and str(device).startswith("cuda") else CPU_ROTATION_ROUNDS
+
+
 Progress = Callable[[int, int, str], None]
 """``progress(layers done, layers in all, the step running now)``, e.g. :func:`dsaindex.console.progress_bar`'s
 ``update``."""
@@ -47,7 +64,10 @@ class PQOptions:
     trainer: str = "faiss"
     iterations: int = 20
     score_aware: bool = True
-    rotate: bool = False  # OPQ: a learned orthogonal rotation before PQ, stored in the bundle beside the codebooks
+    # OPQ: a learned orthogonal rotation before PQ, stored in the bundle beside the codebooks. Off here (library
+    # callers keep plain PQ); `dsaindex train pq` turns it on for product codes unless --no-rotate.
+    rotate: bool = False
+    rotation_rounds: int | None = None  # OPQ: Procrustes rounds; None: default_rotation_rounds(trainer, device)
     quantizer: str = "pq"  # or "rq" / "lsq": ``subspaces`` whole-key codebooks (train.additive; LSQ compared only)
     beam: int = 5  # rq: beam width of the residual search, in training and in the served codec's page encoding
     max_train_keys: int = 262144
@@ -57,6 +77,10 @@ class PQOptions:
     candidates: tuple[int, ...] = CANDIDATES
     seed: int = 0
     device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.rotate and self.rotation_rounds is None:  # resolved once, so Ray tasks on other devices agree
+            self.rotation_rounds = default_rotation_rounds(self.trainer, self.device)
 
     def params(self) -> dict:
         d = asdict(self)
@@ -187,8 +211,9 @@ def train_layer(store: CaptureStore, layer: int, split: tuple[list[int], list[in
     t0 = time.perf_counter()
     rotation = None
     if opts.rotate:
-        step("OPQ rotation")
-        rotation = train_rotation(keys, spec, opts.trainer, seed=opts.seed + layer, device=opts.device)
+        step(f"OPQ rotation (balanced PCA, {_rounds(opts.rotation_rounds)})")
+        rotation = train_rotation(keys, spec, opts.trainer, rounds=opts.rotation_rounds, seed=opts.seed + layer,
+                                  device=opts.device)
         keys = rotate(keys, rotation)  # the codebooks are trained in the rotated space
     rotate_seconds = time.perf_counter() - t0
     metric = None
@@ -293,13 +318,11 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
     if opts.beam != PQOptions.beam and opts.quantizer != "rq":
         raise DsaIndexError(f"--beam {opts.beam} applies to residual codes only, not {opts.quantizer.upper()}.",
                             "drop --beam, or pass --quantizer rq.")
+    if opts.quantizer != "pq" and opts.quantizer not in QUANTIZERS:
+        raise DsaIndexError(f"Unknown quantizer {opts.quantizer!r}.", f"pass pq, {', '.join(QUANTIZERS)}.")
+    check_rotation(opts)
     if opts.quantizer == "pq":
         PQSpec(dim=head_dim, subspaces=opts.subspaces, centroids=opts.centroids)
-    elif opts.quantizer not in QUANTIZERS:
-        raise DsaIndexError(f"Unknown quantizer {opts.quantizer!r}.", f"pass pq, {', '.join(QUANTIZERS)}.")
-    elif opts.rotate:
-        raise DsaIndexError(f"{opts.quantizer.upper()} codes take no OPQ rotation (their codewords span the whole key).",
-                            "compare rq or lsq without the opq prefix.")
     else:
         check_codebook_size(opts.centroids)
     for option, value in (("--iterations", opts.iterations), ("--max-train-keys", opts.max_train_keys),
@@ -308,6 +331,23 @@ def check_options(opts: PQOptions, head_dim: int) -> None:
                           ("--candidates", min(opts.candidates) if opts.candidates else 0)):
         if value < 1:
             raise DsaIndexError(f"{option} {value} is below 1.", f"pass {option} 1 or more.")
+
+
+def check_rotation(opts: PQOptions) -> None:
+    """Refuse a rotation the code cannot take (RQ / LSQ codewords span the whole key) and Procrustes rounds
+    without a rotation or below zero, named by their command-line options."""
+    from dsaindex.errors import DsaIndexError
+
+    if opts.rotate and opts.quantizer != "pq":
+        raise DsaIndexError(f"{opts.quantizer.upper()} codes take no OPQ rotation (their codewords span the whole key).",
+                            "drop --rotate/--opq (train pq), or compare rq or lsq without the opq prefix "
+                            "(eval pq-compare).")
+    if opts.rotation_rounds is not None and not opts.rotate:
+        raise DsaIndexError(f"--rotation-rounds {opts.rotation_rounds} applies to OPQ codes only, not "
+                            f"{pq_label(opts)}.", "drop --rotation-rounds, or train OPQ (leave out --no-rotate).")
+    if opts.rotation_rounds is not None and opts.rotation_rounds < 0:
+        raise DsaIndexError(f"--rotation-rounds {opts.rotation_rounds} is below 0.",
+                            "pass --rotation-rounds 0 (the balanced-PCA start alone) or more.")
 
 
 def train_pq(store_path: str | Path, opts: PQOptions, progress: Progress | None = None,
@@ -432,6 +472,8 @@ def write_pq_bundle(report: dict, opts: PQOptions, out: Path) -> object:
                   "train_seconds": round(r.train_seconds, 3)}
         if codec.residual:
             params |= {"quantizer": "rq", "beam": codec.beam}
+        if codec.rotation is not None:
+            params["rotation_rounds"] = opts.rotation_rounds
         layers[str(layer)] = LayerArtifact(kind="pq", params=params)
         arrays[layer] = {"codebooks": codec.codebooks.float().cpu().numpy()}
         if codec.metric is not None:
@@ -459,6 +501,21 @@ def pq_label(opts: PQOptions) -> str:
     if opts.quantizer != "pq":
         return f"{opts.quantizer.upper()}{opts.subspaces}"
     return f"{'OPQ' if opts.rotate else 'PQ'}{opts.subspaces}"
+
+
+def describe_code(opts: PQOptions) -> str:
+    """One line that says which code the options train and how: ``OPQ32 score-aware (a learned rotation:
+    balanced PCA + 6 Procrustes rounds)`` / ``PQ32 plain (no rotation)`` / ``RQ16 score-aware (beam 5)``."""
+    name = f"{pq_label(opts)} {'score-aware' if opts.score_aware else 'plain'}"
+    if opts.quantizer != "pq":
+        return f"{name} (beam {opts.beam})" if opts.quantizer == "rq" else name
+    if not opts.rotate:
+        return f"{name} (no rotation)"
+    return f"{name} (a learned rotation: balanced PCA + {_rounds(opts.rotation_rounds)})"
+
+
+def _rounds(n: int) -> str:
+    return f"{n} Procrustes round{'' if n == 1 else 's'}"
 
 
 def default_bundle_path(store_path: str | Path, opts: PQOptions) -> Path:
@@ -493,6 +550,7 @@ class PQJobResult:
 
     def as_dict(self) -> dict:
         return {
+            "code": pq_label(self.opts),
             "bundle": str(self.bundle),
             "registered": self.registered,
             "plots": [str(p) for p in self.plots],
