@@ -111,8 +111,8 @@ def _place_pq(params: PQParams, tensors: dict[str, Any]):
     from dsaindex.errors import CorruptBundleError
     from dsaindex.pq import PQCodec
 
-    fix = ("train the layer again (`dsaindex train pq STORE`: --rotate for OPQ codebooks, --quantizer rq for a "
-           "residual code, neither for plain PQ).")
+    fix = ("train the layer again (`dsaindex train pq STORE`: OPQ by default, --no-rotate for plain PQ, "
+           "--quantizer rq for a residual code).")
     rotation = tensors.get("rotation")
     if params.rotate and rotation is None:
         raise CorruptBundleError("The pq layer's params say its codes are of rotated keys (rotate=true, OPQ), but "

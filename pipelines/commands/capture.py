@@ -146,7 +146,7 @@ def demo_cmd(
     from dsaindex.console import print_pq_job, progress_bar, resolve_device
     from dsaindex.pipelines.capture.corpus import CorpusSpec
     from dsaindex.pipelines.capture.models import default_model_ref
-    from dsaindex.train.pq_job import PQOptions, run_pq_job
+    from dsaindex.train.pq_job import PQOptions, describe_code, pq_label, run_pq_job
 
     console = Console()
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -157,15 +157,17 @@ def demo_cmd(
     settings = CaptureSettings(seq_len=seq_len, chunk_len=min(1024, seq_len))
     run_capture_and_report(store, ref, CorpusSpec(), settings, sequences, device, "auto", 0, False, True)  # commit per sequence
 
-    console.rule(f"2/2 train PQ{subspaces} codebooks per layer (faiss), evaluate on the held-out sequence, "
-                 "register in the MLflow model registry")
     # C below the held-out prefixes (2K-4K keys) so the coarse stage prunes, and above the top-k (a C
-    # at or below it reranks the direct top-k: evaluation leaves such C out)
-    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64, candidates=(1024, 2048))
-    with progress_bar(f"PQ{subspaces}", unit="layers") as update:
-        result = run_pq_job(store, opts, out / f"pq{subspaces}-{stamp}", tracking_uri=tracking_uri,
-                            progress=update, title=f"PQ{subspaces} on {ref}")
-    print_pq_job(result, f"PQ{subspaces} (held out)", console)
+    # at or below it reranks the direct top-k: evaluation leaves such C out); OPQ, `train pq`'s default
+    opts = PQOptions(subspaces=subspaces, iterations=15, max_eval_queries=64, candidates=(1024, 2048), rotate=True)
+    label = pq_label(opts)
+    console.rule(f"2/2 train {label} codebooks per layer (faiss), evaluate on the held-out sequence, "
+                 "register in the MLflow model registry")
+    with progress_bar(label, unit="layers") as update:
+        result = run_pq_job(store, opts, out / f"{label.lower()}-{stamp}", tracking_uri=tracking_uri,
+                            progress=update, title=f"{label} on {ref}")
+    print_pq_job(result, f"{label} (held out)", console)
+    console.print(f"code: {describe_code(opts)}", markup=False, highlight=False)
     console.print(f"[dim]What the recall means here: the held-out queries have {seq_len // 2:,}-{seq_len:,} keys before "
                   f"them, so C = 1,024 reranks a quarter to a half of each prefix and C = 2,048 half of it or all of "
                   "it; recall near 100% at these lengths says little about long contexts. At 128K-token prefixes the "
