@@ -27,7 +27,7 @@ def test_report_times_every_layer_of_the_whole_job(tiny_run):
     assert written == report
     assert report["layers"] == 2 and report["sequences"] == 2 and report["keys_per_layer"] == 8192
     assert 0 < report["queries_per_layer"] <= 2 * 16
-    assert report["device"] == "cpu" and report["options"]["label"] == "PQ8" and report["options"]["score_aware"]
+    assert report["device"] == "cpu" and report["options"]["label"] == "OPQ8" and report["options"]["score_aware"]
     store = report["store"]
     assert store["bytes"] > store["key_bytes"] > 2 * 8192 * 128  # bf16 keys hardly compress
     assert store["seconds"] >= store["generate_seconds"] + store["write_seconds"] > 0
@@ -48,7 +48,7 @@ def test_report_times_every_layer_of_the_whole_job(tiny_run):
 def test_each_quantizer_is_timed_on_the_one_store(tiny_run):
     report = tiny_run[1]
     runs = report["runs"]
-    assert [r["options"]["label"] for r in runs] == ["PQ8", "RQ8"]
+    assert [r["options"]["label"] for r in runs] == ["OPQ8", "RQ8"]  # OPQ: train pq's default for product codes
     assert runs[0]["job"] == report["job"] and runs[0]["recall_mean"] == report["recall_mean"]
     rq = runs[1]["job"]
     assert {"reading keys", "score-aware metric", "RQ", "held-out recall"} <= set(rq["phases"])

@@ -423,7 +423,9 @@ def bench_pq_job(
     subspaces: int = typer.Option(32, callback=at_least(1), help="PQ subspaces (RQ: codebooks)."),
     quantizer: str = typer.Option("pq", help="pq (what the runtime serves) or rq (residual codes); a comma list "
                                              "(pq,rq) times each job in turn on the one store."),
-    rotate: bool = typer.Option(False, "--rotate/--no-rotate", "--opq", help="OPQ: a learned rotation first."),
+    rotate: bool | None = typer.Option(None, "--rotate/--no-rotate", "--opq", show_default="rotate for pq",
+                                help="OPQ, `train pq`'s default for product codes: a learned rotation first; "
+                                     "--no-rotate for plain PQ (rq takes none)."),
     score_aware: bool = typer.Option(True, "--score-aware/--plain", help="Score-aware codebooks or plain k-means."),
     trainer: str = typer.Option("torch", help="torch (GPU-capable batched Lloyd) or faiss (CPU)."),
     iterations: int = typer.Option(20, callback=at_least(1), help="k-means iterations."),
@@ -459,7 +461,8 @@ def bench_pq_job(
 
         check_reachable(ray)  # before the store is built
     all_opts = [PQOptions(subspaces=subspaces, trainer=trainer, iterations=iterations, score_aware=score_aware,
-                          rotate=rotate, quantizer=q.strip(), max_train_keys=max_train_keys,
+                          rotate=(q.strip() == "pq") if rotate is None else rotate, quantizer=q.strip(),
+                          max_train_keys=max_train_keys,
                           max_eval_queries=eval_queries, device=device) for q in quantizer.split(",")]
     geometry = synthetic_geometry(layers)
     sequences = [check_inputs(keys, seq_len, opts, geometry.head_dim) for opts in all_opts][0]  # every job checked
