@@ -383,8 +383,14 @@ class ObjectLock:
                 if not _precondition_failed(err):
                     raise
                 found = self._holder()
-                if found is None:  # released meanwhile
-                    self.etag = self._put(IfNoneMatch="*")
+                if found is None:  # released meanwhile: one more try, as a racing writer would
+                    try:
+                        self.etag = self._put(IfNoneMatch="*")
+                    except Exception as err2:  # noqa: BLE001
+                        if _precondition_failed(err2):
+                            raise WriterLockError(f"Another writer took {self.where}/{LOCK_OBJECT} at the same time.",
+                                                  "wait for it to finish, or write to another prefix.") from None
+                        raise
                 else:
                     holder, etag, age = found
                     why = self._dead(holder, age)
@@ -399,7 +405,7 @@ class ObjectLock:
                     except Exception as err2:  # noqa: BLE001
                         if _precondition_failed(err2):
                             raise WriterLockError(f"Another writer took {self.where}/{LOCK_OBJECT} at the same time.",
-                                                "wait for it to finish, or write to another prefix.") from None
+                                                  "wait for it to finish, or write to another prefix.") from None
                         raise
                     logging.getLogger(__name__).warning(
                         "took over the writer lock of %s from process %s on %s: %s", self.where, holder.get("pid"),

@@ -155,3 +155,17 @@ def test_a_second_writer_on_a_store_is_refused_and_removes_nothing(s3_bucket):
     assert LOCK_OBJECT not in list_objects(location(path))
     with CaptureStore.open_for_append(path) as again:  # free again once the writer closed
         assert again.committed.sequences == 2
+
+
+def test_a_lock_taken_between_the_refusal_and_the_read_is_refused_as_held(s3_bucket, monkeypatch):
+    """The holder released and another writer took the lock between this writer's refused PUT and its read
+    of the holder: the second PUT is refused too, as a lock held, not as an object-store failure."""
+    where = location(f"{s3_bucket}/between.zarr")
+    other = ObjectLock(where)
+    other.acquire()
+    late = ObjectLock(where)
+    monkeypatch.setattr(late, "_holder", lambda: None)  # it read no holder: the lock looked released
+    with pytest.raises(WriterLockError, match="at the same time"):
+        late.acquire()
+    assert holder_of(where)["id"] == other.owner["id"]
+    other.release()
