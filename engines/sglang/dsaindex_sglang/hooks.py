@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dsaindex_sglang import capture
+import dsaindex_sglang.capture as capture
 from dsaindex_sglang.selection import LayerSelection, to_sglang_selection
 
 logger = logging.getLogger("dsaindex_sglang")

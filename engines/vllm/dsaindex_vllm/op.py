@@ -37,10 +37,10 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
+import dsaindex_vllm.capture as capture
 from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points
 from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
 from dsaindex.runtime.settings import EngineSettings, engine_settings
-from dsaindex_vllm import capture
 
 logger = logging.getLogger("dsaindex_vllm")
 
