@@ -87,7 +87,7 @@ def test_an_opq_bundle_loads_its_rotations_and_a_bundle_without_them_is_refused(
     pq_bundle(tmp_path / "missing", rotations={0: rotations[0]}, rotate=(0, 3))
     with pytest.raises(CorruptBundleError, match=r"layer 3: .*rotate=true.*no 'rotation' array") as err:
         load_bundle(tmp_path / "missing", preset_config("tiny-v32"))
-    assert "--rotate" in err.value.fix
+    assert "dsaindex train pq" in err.value.fix and "OPQ by default" in err.value.fix
     # an array without the params' word, a wrong shape, a matrix that is not a rotation: refused as well
     pq_bundle(tmp_path / "unsaid", rotations={1: rotations[0]}, rotate=())
     with pytest.raises(CorruptBundleError, match="layer 1: .*do not say rotate=true"):
