@@ -219,7 +219,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    block_n: int = 256, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-                   chunk: int | None = None, stream: int = 1, gather: bool = False,
+                   chunk: int | None = None, stream: int = 1,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -248,11 +248,10 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     16 where M is a multiple of 16, else M). With 16, one lane holds 16 codes of one row, so a warp's
     table lookups at a time all read one subspace's table (two cache lines) instead of several.
     ``stream`` 1 (the default) reads the codes past L1 (``.cg``) and keeps the tables there, 2 marks the
-    codes first to be evicted, 0 leaves both to the cache; ``gather`` holds the request's whole table in
-    each program and looks codes up with ``tl.gather``. Neither changes the scores. The default launch
+    codes first to be evicted, 0 leaves both to the cache; none changes the scores. The default launch
     (256-row tiles, 8 a program, 4 warps, ``stream`` 1) is the fastest measured on the H200 at 8 and
     32 x 1M keys: 2.0x the bytes floor at 32 x 1M against 2.3x for 128-row tiles without ``stream``
-    (docs/results.md); ``gather`` is 6-10x slower there (its table goes through shared memory per tile).
+    (docs/results.md).
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -292,7 +291,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     if chunk < 1 or m % chunk or triton.next_power_of_2(chunk) != chunk:
         raise ValueError(f"chunk: got {chunk}, want a power of two dividing the {m} subspaces")
     _check_stream(stream)
-    paged = dict(HAS_TABLE=page_table is not None, CHUNK=chunk, STREAM=stream, GATHER=gather)
+    paged = dict(HAS_TABLE=page_table is not None, CHUNK=chunk, STREAM=stream)
     thr = torch.empty(b, dtype=torch.float32, device=codes.device) if int_table else dummy_f
     # the sampling pass reads a few thousand scattered rows: one tile per program, so they run at once
     pq_linear_kernel[(max(1, triton.cdiv(n_samples, block_n)), b)](  # also zeroes the counts

@@ -77,7 +77,6 @@ def pq_linear_kernel(
     NBINS: tl.constexpr = 1,
     CHUNK: tl.constexpr = 0,  # code bytes per load of a row (0: all M)
     STREAM: tl.constexpr = 0,  # codes read past L1 or evicted first (see _load_codes), tables kept in L1
-    GATHER: tl.constexpr = False,  # the request's whole table held by the program, looked up with tl.gather
 ):
     # a lane reads CH code bytes of one row at once (one 16-byte load for CH = 16), so a warp's lookups at a
     # time all read one subspace's table, two cache lines (a lane per code byte, the old layout, spread a
@@ -98,24 +97,13 @@ def pq_linear_kernel(
     if SAMPLE:
         first = -1
     if first < length:
-        if GATHER:  # [K, M]: column m is subspace m's table
-            lut = tl.load(lut_ptr + b * M * K + tl.arange(0, M)[None, :] * K + tl.arange(0, K)[:, None])
         for it in range(ITERS):
             idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
             rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
             flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
-            if GATHER:
-                codes = _load_codes(codes_ptr, flat, valid, tl.arange(0, M), M, STREAM)
-                looked = tl.gather(lut, codes.to(tl.int32), 0)  # [BLOCK_N, M]
-                if INT_TABLE:
-                    exact = tl.sum(looked.to(tl.int32), axis=1)
-                else:
-                    exact = tl.sum(looked.to(tl.float32), axis=1)
-            else:
-                exact = _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, 0, M, K, CH, INT_TABLE, STREAM)
-                for h in tl.static_range(1, M // CH):
-                    exact += _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, h, M, K, CH, INT_TABLE,
-                                        STREAM)
+            exact = _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, 0, M, K, CH, INT_TABLE, STREAM)
+            for h in tl.static_range(1, M // CH):
+                exact += _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, h, M, K, CH, INT_TABLE, STREAM)
             score = exact.to(tl.float32)
             if HIST:  # int8 tables: integer scores in [-127 M, 127 M], one bin each
                 bins = tl.minimum(tl.maximum(exact + NBINS // 2, 0), NBINS - 1)

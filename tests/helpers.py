@@ -174,12 +174,12 @@ def serve(uris, model, served=None, name=None, device=None, **options):
     return serve_index(uris, model, ServeSettings.of(**options), name=name, device=device, served=served)
 
 
-def tiny_reference_model(seed: int = 0, topk: int = 8):
-    """A fresh tiny reference-geometry model (fp32) keeping ``topk`` keys."""
+def tiny_reference_model(seed: int = 0, topk: int = 8, **overrides):
+    """A fresh tiny reference-geometry model (fp32) keeping ``topk`` keys (other config ``overrides`` too)."""
     from dsaindex.pipelines.capture.presets import TINY_REFERENCE_CONFIG, reference_config
     from dsaindex.pipelines.reference.forward import build_model
 
-    config = reference_config(TINY_REFERENCE_CONFIG, index_topk=topk)
+    config = reference_config(TINY_REFERENCE_CONFIG, index_topk=topk, **overrides)
     return build_model(config, seed=seed)
 
 
@@ -194,13 +194,14 @@ def peaked_main_attention(model, factor: float = 8.0) -> None:
             layer.self_attn.kv_b_proj.weight.mul_(factor)
 
 
-def trained_looking_model():
-    """A tiny model whose main attention is peaked and whose indexer weights are spread (few score ties)."""
+def trained_looking_model(topk: int = 8, **overrides):
+    """A tiny model whose main attention is peaked and whose indexer weights are spread (few score ties);
+    ``topk`` and config ``overrides`` as :func:`tiny_reference_model`."""
     import torch
 
     from dsaindex.pipelines.reference.forward import indexer_parameters
 
-    model = tiny_reference_model(topk=8).eval()
+    model = tiny_reference_model(topk=topk, **overrides).eval()
     peaked_main_attention(model)
     with torch.no_grad():
         for p in indexer_parameters(model):

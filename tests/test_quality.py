@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import model_index_keys, peaked_main_attention, run_cli
+from helpers import model_index_keys, run_cli, trained_looking_model
 
 TOPK = 8  # the tiny reference geometry's top-k (2 layers, 1,024 positions), with 16 index heads x 32 dims
 
@@ -17,16 +17,7 @@ def _tiny_model():
     index heads: with the 4 of the tiny geometry, one key in 16 scores exactly 0 (every head's ReLU
     zero) and such ties sit inside the top-k wherever head weights are negative, so that the model's own
     choice among them depends on the order of its float operations (one forward vs decode steps)."""
-    from dsaindex.pipelines.capture.presets import TINY_REFERENCE_CONFIG, reference_config
-    from dsaindex.pipelines.reference.forward import build_model, indexer_parameters
-
-    model = build_model(reference_config(TINY_REFERENCE_CONFIG, index_topk=TOPK, index_n_heads=16)).eval()
-    peaked_main_attention(model)
-    with torch.no_grad():
-        for p in indexer_parameters(model):
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5)
-    return model
+    return trained_looking_model(topk=TOPK, index_n_heads=16)
 
 
 @pytest.fixture(scope="module")
