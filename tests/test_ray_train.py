@@ -219,6 +219,25 @@ def test_bench_times_each_worker_count_and_compares_the_bundles(cluster, tmp_pat
     assert list(tmp_path.iterdir()) == []  # the work folder is removed
 
 
+def test_bench_without_the_serial_job_compares_each_run_with_the_first(cluster, tmp_path):
+    """``--no-serial`` skips the job without Ray: no top-level job timing, each Ray bundle compared with the
+    first Ray run's (equal: same thread count), the first run's recall reported."""
+    import json
+
+    proc = run_cli("bench", "pq-job", "--layers", "2", "--keys", "8192", "--seq-len", "4096", "--queries-per-seq",
+                   "16", "--subspaces", "8", "--iterations", "3", "--eval-queries", "8", "--max-train-keys", "4096",
+                   "--device", "cpu", "--ray", "auto", "--workers", "1,2", "--no-serial", "--work-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert "job" not in report and report["options"]["label"] == "OPQ8"
+    scaling = report["ray"]
+    assert scaling["serial_seconds"] is None and 0 < scaling["recall_mean"]["k512/direct"] <= 1
+    runs = scaling["runs"]
+    assert [r["workers"] for r in runs] == [1, 2]
+    assert all(r["bundle_equals_first"] and "speedup_vs_serial" not in r for r in runs), runs
+    assert runs[0]["speedup_vs_first"] == 1.0 and runs[1]["speedup_vs_first"] > 0
+
+
 def test_the_cli_hands_ray_to_the_jobs(routing_store, tmp_path):
     """``--ray`` on train pq / eval pq / train ivf reaches the layer fan-out: an address nothing answers at is
     refused by each command with the fix, exit 2, and no bundle is written."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from dsaindex.errors import DsaIndexError
-from dsaindex.pq import PQSpec, split_subspaces, whitening
+from dsaindex.pq import PQSpec, nearest_centroids, split_subspaces, whitening
 
 TRAINERS = ("faiss", "torch")
 
@@ -62,7 +62,7 @@ def _lloyd_torch(x: torch.Tensor, k: int, iterations: int, seed: int, block: int
         c_sq = (cent * cent).sum(-1).unsqueeze(1)  # [M, 1, k]
         for start in range(0, n, block):
             xb = x[:, start : start + block]
-            assign = (c_sq - 2 * torch.bmm(xb, cent.transpose(1, 2))).argmin(-1)  # [M, b]
+            assign = nearest_centroids(xb, cent, c_sq)  # [M, b]
             sums.scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), xb)
             counts.scatter_add_(1, assign, torch.ones_like(assign, dtype=torch.float32))
         empty = counts == 0

@@ -367,12 +367,12 @@ def _timed_job(run_dir: Path, opts: PQOptions, device: str, target_seconds: floa
     }
 
 
-def _ray_scaling(run_dir: Path, opts: PQOptions, address: str, workers: list[int], serial: dict,
+def _ray_scaling(run_dir: Path, opts: PQOptions, address: str, workers: list[int], serial: dict | None,
                  keep_store: bool) -> dict:
     """The same job on Ray once per worker count in ``workers``, one after another on the one store (each
     worker a one-thread layer task): wall time (apart from the cluster's start), per-layer time on the
     workers, speedup and scaling efficiency, and whether each bundle equals the serial one (``serial``:
-    :func:`_timed_job`'s result, run at one thread)."""
+    :func:`_timed_job`'s result, run at one thread) or, with no serial job, the first Ray run's."""
     from dsaindex.console import progress_bar
     from dsaindex.train.cluster import LOCAL, RaySettings, bundle_differences, connect
     from dsaindex.train.pq_job import pq_label, run_pq_job
@@ -388,7 +388,10 @@ def _ray_scaling(run_dir: Path, opts: PQOptions, address: str, workers: list[int
             result = run_pq_job(run_dir / "store", opts, out=out, register=False, progress=update, ray=settings)
             seconds = time.perf_counter() - started
         layers = [r.worker for r in result.report["results"].values()]
-        differences = bundle_differences(run_dir / f"bundle-{label}", out)
+        reference = run_dir / f"bundle-{label}" if serial is not None else run_dir / f"bundle-{label}-ray{workers[0]}"
+        differences = bundle_differences(reference, out)
+        if serial is None and not runs:  # the first run is the others' reference
+            recall = {name: round(v, 5) for name, v in result.report["mean"].items()}
         runs.append({
             "workers": count, "cluster": cluster.describe(), "cluster_start_seconds": round(started - t0, 3),
             "seconds": round(seconds, 3),
@@ -396,15 +399,22 @@ def _ray_scaling(run_dir: Path, opts: PQOptions, address: str, workers: list[int
             "train_seconds_per_layer": _spread([r.train_seconds for r in result.report["results"].values()]),
             "processes": len({(w["host"], w["pid"]) for w in layers}), "hosts": len({w["host"] for w in layers}),
             "devices": sorted({w["device"] for w in layers}),
-            "bundle_equals_serial": not differences, "differences": differences[:5],
+            ("bundle_equals_serial" if serial is not None else "bundle_equals_first"): not differences,
+            "differences": differences[:5],
             "bundle": str(out) if keep_store else None,
         })
     base = runs[0]
     for run in runs:
-        run["speedup_vs_serial"] = round(serial["job"]["seconds"] / run["seconds"], 3)
+        if serial is not None:
+            run["speedup_vs_serial"] = round(serial["job"]["seconds"] / run["seconds"], 3)
+        run["speedup_vs_first"] = round(base["seconds"] / run["seconds"], 3)
         run["scaling_efficiency"] = round(base["seconds"] * base["workers"] / (run["seconds"] * run["workers"]), 3)
-    return {"address": address, "threads_per_task": 1, "serial_seconds": serial["job"]["seconds"],
-            "efficiency_base_workers": base["workers"], "runs": runs}
+    out = {"address": address, "threads_per_task": 1,
+           "serial_seconds": serial["job"]["seconds"] if serial is not None else None,
+           "efficiency_base_workers": base["workers"], "runs": runs}
+    if serial is None:
+        out["recall_mean"] = recall
+    return out
 
 
 def bench_pq_job(
@@ -442,6 +452,9 @@ def bench_pq_job(
                                                 "bundle bit for bit."),
     workers: str = typer.Option("1,2", help="--ray: worker counts to time one after another (comma-separated); "
                                             "scaling efficiency is relative to the first."),
+    serial: bool = typer.Option(True, "--serial/--no-serial", help="--ray: also run the job without Ray first "
+                                "(the bundles' reference); --no-serial compares each Ray bundle with the first "
+                                "Ray run's instead, saving one whole job's time."),
 ) -> None:
     """Time the whole `train pq` job (every layer: keys, score-aware metric, k-means, held-out recall,
     bundle) on a production-size store built first (timed apart); with --ray, also fanned out over Ray
@@ -452,7 +465,7 @@ def bench_pq_job(
 
     from dsaindex.console import emit_report, human_bytes, parse_ints, progress_bar, resolve_device
     from dsaindex.errors import DsaIndexError
-    from dsaindex.train.pq_job import PQOptions
+    from dsaindex.train.pq_job import PQOptions, pq_label
 
     device = resolve_device(device)
     worker_counts = parse_ints(workers, "--workers", minimum=1) if ray is not None else []
@@ -510,9 +523,13 @@ def bench_pq_job(
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            runs.append(_timed_job(run_dir, job_opts, device, target_seconds, keep_store,
-                                   threads=1 if ray is not None else None))
-            if ray is not None:
+            if ray is not None and not serial:
+                runs.append({"options": job_opts.params() | {"device": device, "label": pq_label(job_opts)}})
+                runs[-1]["ray"] = _ray_scaling(run_dir, job_opts, ray, worker_counts, None, keep_store)
+            else:
+                runs.append(_timed_job(run_dir, job_opts, device, target_seconds, keep_store,
+                                       threads=1 if ray is not None else None))
+            if ray is not None and serial:
                 runs[-1]["ray"] = _ray_scaling(run_dir, job_opts, ray, worker_counts, runs[-1], keep_store)
             report.update(runs[0])
             if out is not None and len(runs) < len(all_opts):  # the jobs done so far survive a later failure
