@@ -121,6 +121,50 @@ def _cluster_info(ray: Any) -> ClusterInfo:
     return ClusterInfo(len(alive), sum(cpus), sum(gpus), cpus, gpus)
 
 
+AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def _token_at_hand() -> bool:
+    """Whether this process can present a Ray cluster token: ``RAY_AUTH_TOKEN``, the file named by
+    ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token`` (where ``ray start`` writes the one it makes)."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or (Path(path).is_file() if path
+                                                        else (Path.home() / ".ray" / "auth_token").is_file())
+
+
+def _use_cluster_token() -> bool:
+    """Present the cluster token where one is at hand and the user left ``RAY_AUTH_MODE`` unset.
+
+    ``ray start`` (Ray 2.60) turns token authentication on where a token is in ``~/.ray/auth_token`` (any
+    earlier local ``ray.init()`` leaves one there), but ``ray.init`` with an explicit address sends no token
+    unless ``RAY_AUTH_MODE=token``: the connection is refused after half a minute of retries. A cluster without
+    authentication ignores a token, so presenting one is safe either way. Returns whether a token is sent."""
+    mode = os.environ.get(AUTH_MODE)
+    if mode is not None:
+        return mode.lower() == "token"
+    if not _token_at_hand():
+        return False
+    try:  # Ray reads the mode when it is imported: its own switch refreshes that
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    except ImportError:
+        return False
+    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+
+
+def _refused(address: str, token: bool, err: Exception) -> Exception:
+    """The error for a cluster that answers at ``address`` but would not take this process as a driver."""
+    from dsaindex.errors import DsaIndexError
+
+    if token:
+        fix = ("pass the token the cluster was started with (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or the head "
+               "node's ~/.ray/auth_token copied to this machine), or check that --ray names the cluster's head.")
+    else:
+        fix = ("if the cluster uses token authentication (`ray start` turns it on), set RAY_AUTH_MODE=token and "
+               "its token (RAY_AUTH_TOKEN, or the head node's ~/.ray/auth_token copied here); or start the "
+               "cluster with RAY_AUTH_MODE=disabled on a trusted network.")
+    return DsaIndexError(f"The Ray cluster at {address} answers but did not accept this process ({err}).", fix)
+
+
 @contextlib.contextmanager
 def connect(settings: RaySettings) -> Iterator[ClusterInfo]:
     """Connect to (or start) the cluster of ``settings`` for the block; a cluster this call started, or a
@@ -137,7 +181,11 @@ def connect(settings: RaySettings) -> Iterator[ClusterInfo]:
         if settings.address == LOCAL:
             ray.init(num_cpus=settings.local_cpus, **quiet)
         else:
-            ray.init(address=settings.address, **quiet)
+            token = _use_cluster_token()
+            try:
+                ray.init(address=settings.address, **quiet)
+            except (ConnectionError, RuntimeError) as err:
+                raise _refused(settings.address, token, err) from None
         started = True
     try:
         yield _cluster_info(ray)
