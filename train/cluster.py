@@ -145,7 +145,9 @@ def _use_cluster_token() -> bool:
     if not _token_at_hand():
         return False
     try:  # Ray reads the mode when it is imported: its own switch refreshes that
-        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
     except ImportError:
         return False
     return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
