@@ -400,19 +400,21 @@ def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int, capacity: i
 
 def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
                       head_weights: torch.Tensor, codebooks: torch.Tensor, key_bound: float, c: int, capacity: int,
-                      scratch: torch.Tensor, block_n: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scratch: torch.Tensor, block_n: int = 128, page_table: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with the candidate selection folded in: the scores of :func:`pq_candidate_scores`, each
     candidate's :func:`score_bins` bin, and the request's (boundary bin, above, kept, 0) of
     :func:`boundary_of_bins`, computed by the last program of each request from a histogram built with
     atomics (no top-C kernel). ``rows`` [B, R] int32 with ``counts`` [B] int32 filled (a stage-1
     buffer); ``key_bound``: the largest norm of a decoded key; ``scratch`` [B, BIN_COUNT + 4] int32 zeros,
-    left zeroed. Returns (scores [B, R] float32, bins [B, R] int32 (set below each count), sel [B, 4]
-    int32)."""
+    left zeroed (its two append counters zeroed for :func:`keep_binned`). ``page_table`` [B, W] int32: codes
+    kept per physical page, as :func:`pq_candidate_scores`. Returns (scores [B, R] float32, bins [B, R] int32
+    (set below each count), sel [B, 4] int32)."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
 
-    _check_codes_and_queries(codes, queries, head_weights, codebooks)
+    _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table)
     b, m = queries.shape[0], codes.shape[2]
     _, k, d = codebooks.shape
     checks.shape("rows", rows, (b, None), "B, R")
@@ -432,13 +434,54 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     h, dim = queries.shape[1], queries.shape[2]
     residual = is_residual(codebooks, dim)
     wide = d == 4 and not residual
+    pages = out if page_table is None else page_table.contiguous()
     pq_candidate_kernel[(max(1, triton.cdiv(r, block_n)), b)](
         codes.contiguous(), rows.contiguous(), table.view(torch.int64) if wide else table,
-        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out, counts, out, 0,
-        codes.shape[1], r, N_HEADS=h, H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n,
-        F32=select.interpreted(), HAS_COUNTS=True, WIDE=wide, ITERS=1, bins_ptr=bins, scratch_ptr=scratch,
+        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out, counts, pages,
+        0 if page_table is None else page_table.shape[1], codes.shape[1], r, N_HEADS=h,
+        H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n, F32=select.interpreted(),
+        HAS_COUNTS=True, WIDE=wide, ITERS=1, HAS_TABLE=page_table is not None, bins_ptr=bins, scratch_ptr=scratch,
         sel_ptr=sel, key_bound=float(key_bound), c=c, capacity=capacity, BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual)
     return out, bins, sel
+
+
+def keep_binned_reference(rows: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, sel: torch.Tensor,
+                          capacity: int) -> torch.Tensor:
+    """The candidates a binned stage 2 keeps (the spec of :func:`keep_binned`): of each request's first
+    ``counts[b]`` slots, every one whose bin is above the boundary ``sel[b, 0]``, then those in it in slot
+    order up to ``sel[b, 2]`` in all. Returns [B, capacity] int64 key positions (``rows``), -1 after."""
+    b, n = rows.shape
+    out = torch.full((b, capacity), -1, dtype=torch.int64, device=rows.device)
+    live = torch.arange(n, device=rows.device)[None, :] < counts[:, None].long()
+    for i in range(b):
+        edge, kept = int(sel[i, 0]), int(sel[i, 2])
+        strict = rows[i][live[i] & (bins[i] > edge)].long()
+        tied = rows[i][live[i] & (bins[i] == edge)].long()
+        chosen = torch.cat([strict, tied])[:kept]
+        out[i, : chosen.numel()] = chosen
+    return out
+
+
+def keep_binned(rows: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, sel: torch.Tensor,
+                scratch: torch.Tensor, capacity: int, block_n: int = 1024) -> torch.Tensor:
+    """:func:`keep_binned_reference` in one launch (the same set; slots in no particular order): the top-C
+    step of a binned stage 2 (:func:`pq_candidate_bins`) without a top-C kernel. ``scratch``: the one
+    :func:`pq_candidate_bins` just used (its two append counters, which it left zeroed)."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import keep_binned_kernel
+
+    b, n = rows.shape
+    checks.dtype("rows", rows, torch.int32)
+    checks.shape("bins", bins, (b, n), "B, R")
+    checks.shape("sel", sel, (b, 4), "B, 4")
+    checks.shape("scratch", scratch, (b, BIN_COUNT + 4), "B, BIN_COUNT + 4")
+    out = torch.empty(b, capacity, dtype=torch.int64, device=rows.device)
+    if b:
+        keep_binned_kernel[(triton.cdiv(n, block_n) + 1, b)](
+            rows.contiguous(), bins, counts, sel, scratch[:, BIN_COUNT + 2 :], out, n, scratch.stride(0),
+            CAPC=capacity, CAPC_PAD=triton.next_power_of_2(capacity), BLOCK_N=block_n)
+    return out
 
 
 def decoded_key_bound(codebooks: torch.Tensor, residual: bool = False) -> float:
@@ -463,15 +506,16 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, capacity: int, key_bound: float, scratch: torch.Tensor,
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None,
+                   page_table: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
-    :func:`pq_candidate_bins` (no top-C kernel). Returns (rows [B, 2 c1] int32 key positions, bins
-    [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
-    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, None, max_len,
-                             linear_config)
+    :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page. Returns (rows
+    [B, 2 c1] int32 key positions, bins [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
+    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
+                             max_len, linear_config)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
-                                     scratch)
+                                     scratch, page_table=page_table)
     return rows1, bins, counts1, sel
 
 

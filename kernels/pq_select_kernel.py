@@ -287,6 +287,46 @@ def _boundary_of_histogram(scratch_ptr, sel_ptr, c, capacity, NBINS: tl.constexp
 
 
 @triton.jit
+def keep_binned_kernel(
+    rows_ptr,  # [B, n_in] int32 stage-2 candidates' key positions
+    bins_ptr,  # [B, n_in] int32 their score bins (score_bin)
+    count_ptr,  # [B] int32 filled candidate slots
+    sel_ptr,  # [B, 4] int32 boundary bin, candidates above it, candidates kept, -
+    ctr_ptr,  # append counters: two int32 per request at ctr_ptr + b * ctr_stride, zero on entry
+    out_ptr,  # [B, CAPC] int64 out: the kept candidates' positions (in no particular order), then -1
+    n_in,
+    ctr_stride,
+    CAPC: tl.constexpr,
+    CAPC_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # the top-C step of the paged decode step without a top-C kernel: programs 0 .. n-2 each take BLOCK_N
+    # stage-2 slots, and the candidates above the boundary bin, and those in it while room is left, get
+    # slots by one atomic per program and a prefix sum (as fp8_host_select_kernel); the last pads with -1
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kept = tl.load(sel_ptr + b * 4 + 2)
+    if pid < tl.num_programs(0) - 1:
+        edge = tl.load(sel_ptr + b * 4)
+        above = tl.load(sel_ptr + b * 4 + 1)
+        idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = idx < tl.minimum(tl.load(count_ptr + b), n_in)
+        bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
+        strict = live & (bins > edge)
+        tied = live & (bins == edge)
+        base_s = tl.atomic_add(ctr_ptr + b * ctr_stride, tl.sum(strict.to(tl.int32), axis=0))
+        base_t = tl.atomic_add(ctr_ptr + b * ctr_stride + 1, tl.sum(tied.to(tl.int32), axis=0))
+        slot = tl.where(strict, base_s + tl.cumsum(strict.to(tl.int32), axis=0) - 1,
+                        above + base_t + tl.cumsum(tied.to(tl.int32), axis=0) - 1)
+        keep = strict | (tied & (slot < kept))
+        pos = tl.load(rows_ptr + b * n_in + idx, mask=keep, other=0).to(tl.int64)
+        tl.store(out_ptr + b * CAPC + slot, pos, mask=keep)
+    else:
+        rest = tl.arange(0, CAPC_PAD)
+        tl.store(out_ptr + b * CAPC + rest, -1, mask=(rest >= kept) & (rest < CAPC))
+
+
+@triton.jit
 def pq_encode_kernel(
     keys_ptr,  # [N, M, DSUB] float32 keys, already in the codebook's (whitened) metric
     codebook_ptr,  # [M, K, DSUB] float32 codebooks in the same metric

@@ -328,6 +328,56 @@ def test_host_row_gather_matches_reference(kernel):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+def test_binned_candidates_are_kept_without_a_top_c_kernel_through_a_page_table():
+    """``keep_binned``: after ``pq_candidate_bins`` over codes kept per physical page, the candidates above
+    the boundary bin and those in it up to the kept count, the same set as ``keep_binned_reference``, padded
+    with -1; they hold the top C by stage-2 score (but for ties in the boundary bin past the capacity), and a
+    second step on the same scratch keeps the same set."""
+    from dsaindex.kernels.pq_select import (
+        BIN_COUNT,
+        decoded_key_bound,
+        keep_binned,
+        keep_binned_reference,
+        pq_candidate_bins,
+    )
+
+    b, n, c, cap = 3, 1024, 100, 140
+    codes, cb, q, w = pq_inputs(b, n, 16, m=16, d=8, seed=5)
+    g = torch.Generator().manual_seed(9)
+    pages = torch.randperm(b * n // 64, generator=g)  # the codes' physical pages, shuffled
+    paged = torch.zeros(b * n // 64, 64, 16, dtype=torch.uint8, device=DEV)
+    paged[pages.to(DEV)] = codes.reshape(b * n // 64, 64, 16)
+    table = pages.reshape(b, n // 64).to(torch.int32).to(DEV)
+    rows = torch.stack([torch.randperm(n, generator=g)[:700] for _ in range(b)]).to(torch.int32).to(DEV)
+    counts = torch.tensor([700, 60, 400], dtype=torch.int32, device=DEV)
+    scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+    scores, bins, sel = pq_candidate_bins(paged, rows, counts, q, w, cb, decoded_key_bound(cb), c, cap, scratch,
+                                          page_table=table)
+    live = torch.arange(700, device=DEV)[None, :] < counts[:, None]
+    flat_scores, _, _ = pq_candidate_bins(codes, rows, counts, q, w, cb, decoded_key_bound(cb), c, cap,
+                                          torch.zeros_like(scratch))
+    torch.testing.assert_close(scores[live], flat_scores[live])  # the page table reads the same codes
+    kept = keep_binned(rows, bins, counts, sel, scratch, cap)
+    want = keep_binned_reference(rows, bins, counts, sel, cap)
+    # the histogram and the done counter are zero; the append counters are reset by the next step's stage 2
+    assert int(scratch[:, : BIN_COUNT + 2].abs().sum()) == 0
+    _, bins2, sel2 = pq_candidate_bins(paged, rows, counts, q, w, cb, decoded_key_bound(cb), c, cap, scratch,
+                                       page_table=table)
+    again = keep_binned(rows, bins2, counts, sel2, scratch, cap)
+    assert torch.equal(again.sort(dim=1).values, kept.sort(dim=1).values)  # a second step keeps the same
+    for i in range(b):
+        got, ref = kept[i][kept[i] >= 0], want[i][want[i] >= 0]
+        assert torch.equal(got.sort().values, ref.sort().values), i
+        assert got.numel() == int(sel[i, 2]) and (kept[i][got.numel():] == -1).all()
+        assert got.unique().numel() == got.numel()
+    assert int(sel[1, 2]) == 60  # fewer live candidates than C: every one kept
+    for i in (0, 2):
+        assert c <= int(sel[i, 2]) <= cap
+        top = rows[i][live[i]][scores[i][live[i]].topk(c).indices].long()
+        if int(sel[i, 2]) < cap:  # the boundary bin fitted: the top C are all there
+            assert torch.isin(top, kept[i]).all(), i
+
+
 def test_stage2_bins_find_the_boundary_of_the_top_c():
     """``pq_candidate_bins``: the stage-2 scores of ``pq_candidate_scores``, each candidate's bin as
     ``score_bins`` computes it, the boundary of :func:`boundary_of_bins` from the kernel's own histogram,

@@ -293,6 +293,34 @@ def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
 
 
 @pytest.mark.parametrize("use_triton", [True, False])
+def test_binned_top_c_keeps_at_least_what_the_top_c_kernel_keeps(use_triton):
+    """``top_c="bins"`` (``"auto"``'s choice for small steps) keeps every stage-2 candidate above the C-th's score bin, and ties in it
+    up to C + BIN_SLACK, with no top-C kernel: the final top-k keeps at least as much of the exact top-k as
+    the exact top C does (the default, ``"topk"``), and an unknown ``top_c`` is refused."""
+    lengths = [2000, 1500]
+    cache, table, _ = engine_cache(lengths, 60)
+    q, w = queries(2)
+    want = exact(cache, table, lengths, q, w, 32)
+    kept, chosen = {}, {}
+    for top_c in ("bins", "topk", "auto"):
+        sel = PagedCacheSelector(codec(), 60, topk=32, candidates=48, prefilter=4, head_dim=D, device=DEV,
+                                 exact_below=0, use_triton=use_triton, top_c=top_c)
+        picks = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
+        chosen[top_c] = picks.sort(dim=1).values
+        assert (picks < torch.tensor(lengths, device=DEV)[:, None]).all()
+        assert all(row[row >= 0].unique().numel() == int((row >= 0).sum()) for row in picks)
+        kept[top_c] = recall(picks, want)
+    assert kept["bins"] >= kept["topk"] - 0.02 and kept["bins"] >= 0.8, kept
+    assert torch.equal(chosen["auto"], chosen["bins"])  # auto: bins for a step of 2 requests
+    default = PagedCacheSelector(codec(), 60, topk=32, head_dim=D, device=DEV)
+    assert default.top_c == "topk"
+    from dsaindex.errors import DsaIndexError
+
+    with pytest.raises(DsaIndexError, match="top_c 'sorted'"):
+        PagedCacheSelector(codec(), 60, topk=32, head_dim=D, device=DEV, top_c="sorted")
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
 def test_codes_kept_in_an_engines_pool_select_as_the_selectors_own(use_triton):
     """``codes=``: the codes live in bytes an engine sized for the layer ([P, 64, M], no scratch page: the
     vLLM plugin's DSAINDEX_KEYS=host gives the layer's pool bytes). Encoding writes them there, and the

@@ -34,7 +34,7 @@ KEY_BYTES = 132
 
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
-                    exact_below: int = PAGED_EXACT_BELOW) -> dict:
+                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("topk",)) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -72,16 +72,19 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
     offset = PAGED_EXACT_OFFSET * prefilter * candidates  # the selectors' default
     path = "exact" if takes_exact_path(batch, keys, exact_below, offset) else "pq"
-    runs = [(p, p, exact_below) for p in places]
+    runs = [(p, p, exact_below, top_cs[0]) for p in places]
     if path == "exact" and "device" in places:
-        runs.append(("device_pq", "device", 0))
-    for name, place, bound in runs:
+        runs.append(("device_pq", "device", 0, top_cs[0]))
+    if "device" in places:  # the other ways to keep stage 2's candidates, on the codes' path
+        runs += [(f"device_{mode}", "device", exact_below if path == "pq" else 0, mode) for mode in top_cs[1:]]
+    for name, place, bound, top_c in runs:
         rows = cache
         if place == "host":
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
-                                      device="cuda", keys_on_host=place == "host", exact_below=bound)
+                                      device="cuda", keys_on_host=place == "host", exact_below=bound,
+                                      top_c=top_c)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
@@ -143,6 +146,10 @@ def bench_paged(
                                     help="The plugins' exact path: steps with B x (N - 12 x the stage-1 width) at "
                                          "most this many keys are scored as the engine scores them "
                                          "(DSAINDEX_EXACT_BELOW; 0: never)."),
+    top_c: str = typer.Option("topk", "--top-c", help="How stage 2's candidates become the C rescored: topk (the "
+                              "plugins' default: the exact top C), bins (score bins, no top-C kernel) or auto (bins "
+                              "up to 24 requests, topk above); a comma list times the others too "
+                              "(plugin_device_<mode>, on the codes' path)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),
@@ -162,6 +169,11 @@ def bench_paged(
     key_counts = parse_ints(keys, "--keys", minimum=64)
     batch_sizes = parse_ints(batches, "--batches", minimum=1)
     chosen = tuple(p.strip() for p in places.split(",") if p.strip())
+    top_cs = tuple(dict.fromkeys(m.strip() for m in top_c.split(",") if m.strip()))
+    from dsaindex.runtime.paged_select import TOP_C
+
+    if not top_cs or any(m not in TOP_C for m in top_cs):
+        raise DsaIndexError(f"--top-c {top_c!r} names no way or an unknown one.", f"pass {', '.join(TOP_C)}.")
     if not chosen or any(p not in ("device", "host") for p in chosen):
         raise DsaIndexError(f"--keys-on {places!r} names no place or an unknown one.", "pass device, host or "
                                                                                        "device,host.")
@@ -178,12 +190,12 @@ def bench_paged(
     for n in key_counts:
         for b in batch_sizes:
             row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile,
-                                  exact_below)
+                                  exact_below, top_cs)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "path", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "subspaces": subspaces, "exact_below": exact_below, "places": list(chosen),
-              "rows": rows}
+              "top_c": list(top_cs), "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))
