@@ -246,7 +246,9 @@ class PagedCacheSelector:
         self.top_c = top_c
         self.key_bound = decoded_key_bound(self.codebooks)  # the scale of stage 2's score bins
         self.kept_capacity = candidates + BIN_SLACK  # candidates a binned stage 2 keeps at most
-        self._bin_scratch = torch.zeros(0, BIN_COUNT + 4, dtype=torch.int32, device=dev)  # grown to B, zero
+        # one zeroed scratch per batch size, never freed: an engine captures a graph per batch size, and each
+        # graph keeps the scratch it was captured with
+        self._bin_scratch: dict[int, torch.Tensor] = {}
         self.metric = None if codec.metric is None else codec.metric.to(dev)
         self.rotation = None if codec.rotation is None else codec.rotation.to(dev, torch.float32).contiguous()
         self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
@@ -501,9 +503,9 @@ class PagedCacheSelector:
             return cand, counts1
         if self.use_triton:
             b = table.shape[0]
-            if self._bin_scratch.shape[0] < b:  # zeros; stage 2 leaves them zeroed
-                self._bin_scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=self.device)
-            scratch = self._bin_scratch[:b]
+            scratch = self._bin_scratch.get(b)
+            if scratch is None:  # zeros; stage 2 leaves them zeroed (keep_binned's counters, stage 2 of the next)
+                scratch = self._bin_scratch[b] = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=self.device)
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,

@@ -307,6 +307,12 @@ def test_binned_top_c_keeps_at_least_what_the_top_c_kernel_keeps(use_triton):
                                  exact_below=0, use_triton=use_triton, top_c=top_c)
         picks = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
         chosen[top_c] = picks.sort(dim=1).values
+        if top_c == "bins" and use_triton:  # a scratch per batch size, kept: a graph captured with one reuses it
+            held = sel._bin_scratch[2]
+            sel.select(cache, table[:1], torch.tensor(lengths[:1], device=DEV), q[:1], w[:1])
+            assert sorted(sel._bin_scratch) == [1, 2] and sel._bin_scratch[2] is held
+            again = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
+            assert torch.equal(again.sort(dim=1).values, chosen[top_c])
         assert (picks < torch.tensor(lengths, device=DEV)[:, None]).all()
         assert all(row[row >= 0].unique().numel() == int((row >= 0).sum()) for row in picks)
         kept[top_c] = recall(picks, want)

@@ -126,7 +126,8 @@ AUTH_MODE = "RAY_AUTH_MODE"
 
 def _token_at_hand() -> bool:
     """Whether this process can present a Ray cluster token: ``RAY_AUTH_TOKEN``, the file named by
-    ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token`` (where ``ray start`` writes the one it makes)."""
+    ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token`` (where ``ray get-auth-token --generate`` and a local
+    ``ray.init()`` write one)."""
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or (Path(path).is_file() if path
                                                         else (Path.home() / ".ray" / "auth_token").is_file())
