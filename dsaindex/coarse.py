@@ -35,8 +35,11 @@ RECALL_TARGET = 0.995
 # ranked, decoded, rescored) and saves a share of every key's bytes. Read off the H200 grids of `bench paged
 # --exact-below 0` at C = 4,096 / 4 x C, C = 2,048 / 16 x C and C = 4,096 / 8 x C, N in 64K-1M, B in 1-64: the
 # codes win at 8 x 1M and 32 x 512K with a 16K stage 1, lose at 8 x 512K and 64 x 256K; with a 32K stage 1 they
-# lose up to 64 x 256K and tie at 8 x 1M; every step of one request is faster exactly
-PAGED_EXACT_BELOW = 5 << 20
+# lose up to 64 x 256K and tie at 8 x 1M; every step of one request is faster exactly. Since stage 2 keeps
+# its candidates by score bins at small B (``PagedCacheSelector(top_c="auto")``, no top-C kernel),
+# the codes' step wins from 3 x 1M and 64 x 256K (16K stage 1; `bench paged --top-c bins,topk`), so the bound
+# came down from 5M to 2.25M
+PAGED_EXACT_BELOW = 9 << 18
 PAGED_EXACT_OFFSET = 12
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)

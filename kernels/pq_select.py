@@ -448,11 +448,12 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
 def keep_binned_reference(rows: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, sel: torch.Tensor,
                           capacity: int) -> torch.Tensor:
     """The candidates a binned stage 2 keeps (the spec of :func:`keep_binned`): of each request's first
-    ``counts[b]`` slots, every one whose bin is above the boundary ``sel[b, 0]``, then those in it in slot
-    order up to ``sel[b, 2]`` in all. Returns [B, capacity] int64 key positions (``rows``), -1 after."""
+    ``counts[b]`` slots holding a key (``rows`` >= 0), every one whose bin is above the boundary ``sel[b,
+    0]``, then those in it in slot order up to ``sel[b, 2]`` in all. Returns [B, capacity] int64 key
+    positions (``rows``), -1 after."""
     b, n = rows.shape
     out = torch.full((b, capacity), -1, dtype=torch.int64, device=rows.device)
-    live = torch.arange(n, device=rows.device)[None, :] < counts[:, None].long()
+    live = (torch.arange(n, device=rows.device)[None, :] < counts[:, None].long()) & (rows >= 0)
     for i in range(b):
         edge, kept = int(sel[i, 0]), int(sel[i, 2])
         strict = rows[i][live[i] & (bins[i] > edge)].long()

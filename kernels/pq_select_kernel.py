@@ -311,6 +311,8 @@ def keep_binned_kernel(
         above = tl.load(sel_ptr + b * 4 + 1)
         idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         live = idx < tl.minimum(tl.load(count_ptr + b), n_in)
+        pos = tl.load(rows_ptr + b * n_in + idx, mask=live, other=-1)
+        live = live & (pos >= 0)  # stage 2 wrote no bin for an empty slot
         bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
         strict = live & (bins > edge)
         tied = live & (bins == edge)
@@ -318,9 +320,8 @@ def keep_binned_kernel(
         base_t = tl.atomic_add(ctr_ptr + b * ctr_stride + 1, tl.sum(tied.to(tl.int32), axis=0))
         slot = tl.where(strict, base_s + tl.cumsum(strict.to(tl.int32), axis=0) - 1,
                         above + base_t + tl.cumsum(tied.to(tl.int32), axis=0) - 1)
-        keep = strict | (tied & (slot < kept))
-        pos = tl.load(rows_ptr + b * n_in + idx, mask=keep, other=0).to(tl.int64)
-        tl.store(out_ptr + b * CAPC + slot, pos, mask=keep)
+        keep = (strict | tied) & (slot < kept)  # strict slots are below `above` <= kept: never past CAPC
+        tl.store(out_ptr + b * CAPC + slot, pos.to(tl.int64), mask=keep)
     else:
         rest = tl.arange(0, CAPC_PAD)
         tl.store(out_ptr + b * CAPC + rest, -1, mask=(rest >= kept) & (rest < CAPC))

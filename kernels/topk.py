@@ -25,7 +25,7 @@ def rows_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> 
 
 def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int | None = None,
               capacity: int | None = None, block_n: int = 1024, iters: int = 4, num_warps: int = 4,
-              return_counts: bool = False) -> tuple[torch.Tensor, ...]:
+              return_counts: bool = False, index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, ...]:
     """:func:`rows_topk_reference` by threshold selection on Triton.
 
     logits : [B, N] float32 (a row's entries past its length are ignored); lengths : [B] int; k : entries
@@ -34,7 +34,7 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
     keeps its spread small even when k is small against a long row); capacity : buffer slots per row
     (default ``4 target``)
 
-    Returns (values [B, k], columns [B, k] int64), and with ``return_counts`` the appended counts [B]: a
+    Returns (values [B, k], columns [B, k] int64, or ``index_dtype``), and with ``return_counts`` the appended counts [B]: a
     count outside ``[min(k, length), capacity]`` means that row's result is not provably exact
     (:func:`dsaindex.kernels.select.check_counts`), which a sampled threshold makes rare, not impossible.
     """
@@ -64,10 +64,11 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
             logits, lengths, thr, buf_scores, buf_pos, counts, logits.stride(0),
             BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, num_warps=num_warps)
     if capacity <= SMALL_TOPK_MAX:  # one program per row finishes (in column order)
-        values, columns = small_topk(buf_scores, k, buf_pos, counts=counts)
+        values, columns = small_topk(buf_scores, k, buf_pos, counts=counts, index_dtype=index_dtype)
     else:
         filled = torch.arange(capacity, device=logits.device)[None, :] < counts[:, None]
         values, columns = select.top_of_buffer(buf_scores.masked_fill(~filled, float("-inf")), buf_pos, k)
+        columns = columns.to(index_dtype)
     return (values, columns, counts) if return_counts else (values, columns)
 
 
@@ -82,7 +83,7 @@ def small_topk_reference(values: torch.Tensor, k: int,
     b, n = values.shape
     vals, at = values.topk(min(k, n), dim=1)
     pay = at if payload is None else payload.gather(1, at).long()
-    pay = torch.where(torch.isfinite(vals), pay, torch.full_like(pay, -1))
+    pay = torch.where(vals > float("-inf"), pay, torch.full_like(pay, -1))  # +inf is a value (a forced key)
     if k > n:
         vals = torch.cat([vals, vals.new_full((b, k - n), float("-inf"))], dim=1)
         pay = torch.cat([pay, pay.new_full((b, k - n), -1)], dim=1)
@@ -90,7 +91,8 @@ def small_topk_reference(values: torch.Tensor, k: int,
 
 
 def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None,
-               num_warps: int | None = None, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_warps: int | None = None, counts: torch.Tensor | None = None,
+               index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk_reference` in one Triton launch, one program per row holding the row in registers
     (rows of at most :data:`SMALL_TOPK_MAX` entries): the k-th largest by bisection on the float bits, then
     one compaction (4,096 entries at a time, prefix sums along 128-entry rows); no sort, so a single row
@@ -99,6 +101,7 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     finite values) come last, as in :func:`small_topk_reference`: a row's real entries lead.
     ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
+    ``index_dtype``: the payload's output dtype (int64, or int32: no cast kernel after it).
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton
 
@@ -118,7 +121,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
         checks.dtype("counts", counts, torch.int32)
         checks.same_device(values=values, counts=counts)
     out_val = torch.empty(b, k, dtype=torch.float32, device=values.device)
-    out_pay = torch.empty(b, k, dtype=torch.int64, device=values.device)
+    if index_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+    out_pay = torch.empty(b, k, dtype=index_dtype, device=values.device)
     if b == 0:
         return out_val, out_pay
     block = max(16, triton.next_power_of_2(n))

@@ -85,7 +85,7 @@ def row_topk_kernel(
     val_ptr,  # [B, n] float32 values
     pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column is the payload)
     out_val_ptr,  # [B, k] float32 out: the k largest, finite ones in column order, then -inf (a short row)
-    out_pay_ptr,  # [B, k] int64 out: their payload (-1 past a short row)
+    out_pay_ptr,  # [B, k] int64 (or int32) out: their payload (-1 past a short row)
     count_ptr,  # [B] int32 filled entries of each row (HAS_COUNTS; the rest is never read)
     n,
     k,

@@ -106,7 +106,9 @@ from dsaindex.pq import PQCodec, rotate
 PAGE = 64
 CHECK_EVERY = 16  # a step checks one in this many of each request's older pages (PagedCacheSelector)
 TOP_C = ("auto", "bins", "topk")  # PagedCacheSelector's ways to keep stage 2's candidates
-BINS_UP_TO = 24  # top_c="auto": steps of at most this many requests keep them by bins, larger ones by top-k
+# top_c="auto": a step whose requests' stage 1 keeps at most this many keys in all (B x P x C) keeps stage 2's
+# candidates by bins, a larger one by top-k: 24 requests at C = 4,096 / 4 x C, 12 at 8 x C (H200, 1M keys)
+BINS_UP_TO_KEYS = 24 * 16384
 BIN_SLACK = 256  # candidate slots past C of a binned stage 2: its boundary bin's ties (0.2% wide)
 
 
@@ -189,12 +191,12 @@ class PagedCacheSelector:
         Ignored with ``keys_on_host`` (exact scoring would read every key over the host link).
     exact_offset : keys a request's fixed share of the codes' step is worth (default
         :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C)
-    top_c : how stage 2's candidates become the C rescored: ``"topk"`` (default) the exact top C by a
-        one-program top-k of each request (34-40 us a step on the H200, whatever B); ``"auto"`` is ``"bins"``
-        for a step of at most :data:`BINS_UP_TO` requests and ``"topk"`` above (the faster of the two on the
-        H200 at 1M keys: bins 1.27x / 1.52x of DeepGEMM at 8 / 16 requests against 1.14x / 1.46x, equal at
-        24, top-k 1.71x / 1.88x at 32 / 64 against 1.69x / 1.80x; not the default while one run of it ended in
-        an illegal memory access at 64 x 1M, not yet explained); ``"bins"`` keeps every candidate whose
+    top_c : how stage 2's candidates become the C rescored: ``"auto"`` (default) is ``"bins"`` for a step
+        whose stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all (B x ``prefilter`` x C) and ``"topk"``
+        above, the faster of the two on the H200 at 1M keys (stage 1 at 4 x 4,096: bins 1.34x / 1.55x of
+        DeepGEMM at 8 / 16 requests against 1.17x / 1.49x, equal at 24 and above; at 8 x 4,096: bins 1.10x at 8
+        against 1.08x, top-k 1.29x at 16 against 1.18x); ``"topk"`` the exact top C by a one-program top-k
+        of each request (34-40 us a step on the H200, whatever B); ``"bins"`` keeps every candidate whose
         score bin (0.2% wide, :func:`~dsaindex.kernels.pq_select.score_bins`) is above the C-th's, and those in
         that bin up to ``C + BIN_SLACK`` in all, from a histogram stage 2 builds as it scores (no top-C
         kernel; at least the top C, as far as bins resolve)
@@ -207,7 +209,7 @@ class PagedCacheSelector:
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
-                 top_c: str = "topk"):
+                 top_c: str = "auto"):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
             raise DsaIndexError(f"top_c {top_c!r} is not a way to keep stage 2's candidates.",
@@ -268,6 +270,10 @@ class PagedCacheSelector:
         self.valid = torch.zeros(num_pages + 1, dtype=torch.uint8, device=dev)  # 1: the page holds codes
         self._sig_words = torch.tensor(signature_words(head_dim), device=dev)
         self.stats: PagedStats | None = None
+        # the catch-up's own stream on a GPU (see _catch_up), and whether the step still has to join it
+        self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" and self.use_triton else None
+        self._pending = False
+        self._no_stage1: dict[int, torch.Tensor] = {}  # the exact path's stage-1 counts, zeros per batch size
         self.encoded_pages = 0  # pages encoded by prepare() (a host counter, for logs and tests)
 
     # ---- codes of the engine's pages ----------------------------------------------------------------
@@ -329,14 +335,30 @@ class PagedCacheSelector:
         self.signature[pages] = page_words(rows)[pages.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)
 
-    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                  aside: bool = False) -> torch.Tensor:
         """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync.
-        Returns the stale pages found [B] int32 (:class:`PagedStats`)."""
+        Returns the stale pages found [B] int32 (:class:`PagedStats`). ``aside``: on the selector's side
+        stream (on a GPU), which the step's own stream joins before anything reads the codes
+        (:meth:`_join`): the check and the encoding then run beside the exact path's logits or the codes
+        path's query preparation instead of before them."""
+        if aside and self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                count = self._catch_up(rows, table, lengths)
+            self._pending = True
+            return count
         pick, count = self._stale(rows, table, lengths, self.catch_up, self.check_window)
         self._encode_pages(rows, pick.reshape(-1))
         if self.sweep:
             self._phase.add_(1)  # the next step checks the next column of each sweep
         return count
+
+    def _join(self) -> None:
+        """The step's stream waits for the catch-up on the side stream, if one is pending."""
+        if self._pending:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._pending = False
 
     def _check_cache(self, rows: torch.Tensor) -> None:
         if rows.shape[0] != self.num_pages:
@@ -372,7 +394,7 @@ class PagedCacheSelector:
             eager_refresh = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if eager_refresh:
             self.prepare(cache, table, lengths)
-        found = self._catch_up(rows, table, lengths)
+        found = self._catch_up(rows, table, lengths, aside=True)
         args = (rows, table, lengths, queries, head_weights, init_tokens, local_tokens, schedule)
         exact_width = self.exact_pages(b, w)  # pages the exact path reads at most
         if not exact_width or self.takes_exact(b, w * PAGE):  # the shapes alone decide
@@ -381,6 +403,7 @@ class PagedCacheSelector:
             exact = (lengths.max().to(torch.int64) - self.exact_offset) * b <= self.exact_below
             graph = _capturing_graph(dev)
             if graph is not None:  # one conditional node per path: a replay runs the one its step needs
+                self._join()  # a conditional body cannot wait on the catch-up's stream
                 out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)  # outlive the nodes
                 stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
                 for path, pred in (("exact", exact), ("pq", exact.logical_not())):
@@ -395,10 +418,19 @@ class PagedCacheSelector:
                 out, stage1 = self._run("pq", *args, exact_width)
             else:  # eagerly: the host reads the choice; the first call runs both paths (compiled before a capture)
                 chosen = "exact" if bool(exact) else "pq"
-                for path in [p for p in ("exact", "pq") if p not in self._warm and p != chosen] + [chosen]:
-                    out, stage1 = self._run(path, *args, exact_width)
+                if "exact" not in self._warm and chosen == "pq":  # compiled on lengths it can hold, result dropped
+                    self._run("exact", *_exact_warm_up(args, exact_width))
+                if "pq" not in self._warm and chosen == "exact":
+                    self._run("pq", *args, exact_width)
+                out, stage1 = self._run(chosen, *args, exact_width)
+        self._join()
         self.stats = PagedStats(found, self.catch_up, stage1)
         return out
+
+    def auto_top_c(self, batch: int) -> str:
+        """What ``top_c="auto"`` takes for a step of ``batch`` requests: ``"bins"`` while their stage 1 keeps at
+        most :data:`BINS_UP_TO_KEYS` keys in all, else ``"topk"``."""
+        return "bins" if batch * self.c1 <= BINS_UP_TO_KEYS else "topk"
 
     def takes_exact(self, batch: int, longest: int) -> bool:
         """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path."""
@@ -421,7 +453,9 @@ class PagedCacheSelector:
         if path == "exact":
             picked = self._select_exact(rows, table, lengths, queries, wt, exact_width, init_tokens, local_tokens,
                                         schedule)
-            counts1 = torch.zeros(b, dtype=torch.int32, device=rows.device)
+            counts1 = self._no_stage1.get(b)
+            if counts1 is None:  # made once (no fill kernel a step); never written
+                counts1 = self._no_stage1[b] = torch.zeros(b, dtype=torch.int32, device=rows.device)
         else:
             picked, counts1 = self._select_pq(rows, table, lengths, queries, wt, init_tokens, local_tokens)
         if picked.shape[1] < self.topk:  # fewer keys in the table than top-k
@@ -450,21 +484,24 @@ class PagedCacheSelector:
             lift = torch.zeros_like(logits).scatter_reduce_(1, forced.clamp_min(0), (forced >= 0).float(), "amax")
             logits = torch.where(lift > 0, torch.finfo(torch.float32).max, logits)
         # each reads a row's first lengths[b] entries only, and gives -1 past a short row (its -inf)
-        top = rows_topk if self.use_triton else rows_topk_reference
-        return top(logits, lengths, k)[1].to(torch.int32)
+        if self.use_triton:
+            return rows_topk(logits, lengths, k, index_dtype=torch.int32)[1]
+        return rows_topk_reference(logits, lengths, k)[1].to(torch.int32)
 
     def _select_pq(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
                    wt: torch.Tensor, init_tokens: int, local_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stages 2-4 of a step: (positions [B, k] int32, valid first; stage-1 counts [B] int32)."""
         dev = rows.device
         b, w = table.shape
-        q = queries.to(dev).float().to(torch.bfloat16).contiguous() if queries.dtype == torch.float8_e4m3fn \
-            else queries.to(dev, torch.bfloat16).contiguous()
+        q = queries.to(dev, torch.bfloat16).contiguous()  # FP8 e4m3 values are bf16 values: one cast, exact
         n_coded = (lengths // PAGE) * PAGE
         groups = []
-        stage1 = torch.zeros(b, dtype=torch.int32, device=dev)
+        stage1 = self._no_stage1.get(b) if not w else None
+        if stage1 is None and not w:
+            stage1 = self._no_stage1[b] = torch.zeros(b, dtype=torch.int32, device=dev)
         if w:  # the coarse stages score codes in the codebooks' space: OPQ queries rotated once
             q_code = q if self.rotation is None else rotate(q, self.rotation_bf16, torch.bfloat16)
+            self._join()  # stage 1 reads the codes the catch-up writes
             cand, stage1 = self._coarse(table, n_coded, q_code, wt)
             groups.append(cand)
         tail = n_coded[:, None].long() + torch.arange(PAGE, device=dev)[None, :]
@@ -484,18 +521,18 @@ class PagedCacheSelector:
             is_forced = (positions[:, :, None] == forced[:, None, :]).any(-1) & (positions >= 0)
             exact = exact.masked_fill(is_forced, float("inf"))
         k = min(self.topk, positions.shape[1])
-        top = small_topk if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
-        values, picked = top(exact, k, positions)
-        # valid entries first, -1 after: both top-k paths put -inf (nothing there) last, and SGLang's decode
-        # backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds all
-        # its keys there, its newest ones (the tail, after the candidate block) included
-        return torch.where(values > float("-inf"), picked, torch.full_like(picked, -1)).to(torch.int32), stage1
+        # valid entries first, -1 after: both top-k's put -inf (nothing there) last with payload -1, and SGLang's
+        # decode backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds
+        # all its keys there, its newest ones (the tail, after the candidate block) included
+        if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX:
+            return small_topk(exact, k, positions, index_dtype=torch.int32)[1], stage1
+        return small_topk_reference(exact, k, positions)[1].to(torch.int32), stage1
 
     def _coarse(self, table: torch.Tensor, n_coded: torch.Tensor, q: torch.Tensor,
                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stages 1 and 2 over the completed pages: (C candidate positions [B, C] int64, -1 none; stage-1
         counts [B] int32)."""
-        top_c = self.top_c if self.top_c != "auto" else ("bins" if table.shape[0] <= BINS_UP_TO else "topk")
+        top_c = self.top_c if self.top_c != "auto" else self.auto_top_c(table.shape[0])
         if self.use_triton and top_c == "topk":
             _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
                                               codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
@@ -525,6 +562,16 @@ class PagedCacheSelector:
     def gpu_bytes(self) -> int:
         """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
+
+
+def _exact_warm_up(args: tuple, width: int) -> tuple:
+    """A step's arguments for a run of the exact path that only compiles it (before a graph capture), on a
+    step whose requests are longer than the ``width`` pages it reads: their lengths clamped to those pages
+    and no schedule. DeepGEMM's paged logits write a column for every key of a request's length, so the
+    real lengths would write past the ``width`` x 64 columns of its output."""
+    rows, table, lengths, queries, head_weights, init_tokens, local_tokens, _ = args
+    return (rows, table, lengths.clamp_max(width * PAGE), queries, head_weights, init_tokens, local_tokens, None,
+            width)
 
 
 def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int) -> bool:

@@ -287,7 +287,7 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "without the plugin (DeepGEMM's logits + top-k), when B x (N - 12 x the layer's stage-1 width, "
            "PREFILTER x C) is at most this; above it, by the codes. Inside a CUDA graph both paths are "
            "captured as conditional nodes and each replay runs one. 0: always the codes. Ignored with "
-           "`DSAINDEX_KEYS=host`.", "`5M` (5,242,880)"),
+           "`DSAINDEX_KEYS=host`.", "`2304K` (2,359,296)"),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",

@@ -328,6 +328,32 @@ def test_host_row_gather_matches_reference(kernel):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+def test_binned_keep_skips_empty_slots_whatever_their_bins_hold():
+    """Stage 2 writes no bin for an empty candidate slot (-1) below a request's count; ``keep_binned`` keeps
+    only slots holding a key, whatever such a slot's bin holds, and never more than the kept count (an empty
+    slot counted above the boundary would be given a slot past the output)."""
+    from dsaindex.kernels.pq_select import BIN_COUNT, boundary_of_bins, keep_binned, keep_binned_reference
+
+    b, n, c, cap = 2, 600, 50, 70
+    g = torch.Generator().manual_seed(3)
+    rows = torch.stack([torch.randperm(5000, generator=g)[:n] for _ in range(b)]).to(torch.int32)
+    bins = torch.randint(BIN_COUNT // 2, BIN_COUNT // 2 + 200, (b, n), generator=g, dtype=torch.int32)
+    counts = torch.tensor([600, 450], dtype=torch.int32)
+    empty = torch.rand(b, n, generator=g) < 0.2
+    rows[empty] = -1
+    live = (torch.arange(n)[None, :] < counts[:, None]) & (rows >= 0)
+    sel = boundary_of_bins(bins, live, c, cap)
+    bins[empty] = BIN_COUNT - 1  # what an unwritten slot may hold: above every boundary
+    scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+    kept = keep_binned(rows.to(DEV), bins.to(DEV), counts.to(DEV), sel.to(DEV), scratch, cap).cpu()
+    want = keep_binned_reference(rows, bins, counts, sel, cap)
+    for i in range(b):
+        got = kept[i][: int(sel[i, 2])]
+        assert (got >= 0).all() and (kept[i][int(sel[i, 2]):] == -1).all(), i
+        assert torch.equal(got.sort().values, want[i][want[i] >= 0].sort().values), i
+        assert c <= int(sel[i, 2]) <= cap
+
+
 def test_binned_candidates_are_kept_without_a_top_c_kernel_through_a_page_table():
     """``keep_binned``: after ``pq_candidate_bins`` over codes kept per physical page, the candidates above
     the boundary bin and those in it up to the kept count, the same set as ``keep_binned_reference``, padded

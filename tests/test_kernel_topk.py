@@ -31,6 +31,19 @@ def test_rows_topk_selects_the_exhaustive_top_k(n, lengths, k):
     torch.testing.assert_close(values.sort(1).values, want_values.sort(1).values)  # the same k, in column order
 
 
+def test_rows_topk_gives_int32_columns_equal_to_its_int64_ones():
+    """``index_dtype=torch.int32``: the same columns (-1 past a short row), written as int32 by the kernel."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3000, generator=g).to(DEV)
+    lengths = torch.tensor([3000, 40], dtype=torch.int32, device=DEV)
+    _, wide = rows_topk(logits, lengths, 64, block_n=256, iters=2)
+    values, narrow = rows_topk(logits, lengths, 64, block_n=256, iters=2, index_dtype=torch.int32)
+    assert narrow.dtype == torch.int32 and torch.equal(narrow.long(), wide)
+    assert (narrow[1, 40:] == -1).all() and (values[1, 40:] == float("-inf")).all()
+    with pytest.raises(ValueError, match="index_dtype"):
+        rows_topk(logits, lengths, 64, index_dtype=torch.float32)
+
+
 def test_rows_topk_checks_its_inputs():
     with pytest.raises(ValueError, match="logits"):
         rows_topk(torch.zeros(2, 10, dtype=torch.float64, device=DEV), torch.tensor([10, 10]), 4)

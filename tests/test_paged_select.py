@@ -296,7 +296,7 @@ def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
 def test_binned_top_c_keeps_at_least_what_the_top_c_kernel_keeps(use_triton):
     """``top_c="bins"`` (``"auto"``'s choice for small steps) keeps every stage-2 candidate above the C-th's score bin, and ties in it
     up to C + BIN_SLACK, with no top-C kernel: the final top-k keeps at least as much of the exact top-k as
-    the exact top C does (the default, ``"topk"``), and an unknown ``top_c`` is refused."""
+    the exact top C does (``"topk"``), and an unknown ``top_c`` is refused."""
     lengths = [2000, 1500]
     cache, table, _ = engine_cache(lengths, 60)
     q, w = queries(2)
@@ -319,7 +319,14 @@ def test_binned_top_c_keeps_at_least_what_the_top_c_kernel_keeps(use_triton):
     assert kept["bins"] >= kept["topk"] - 0.02 and kept["bins"] >= 0.8, kept
     assert torch.equal(chosen["auto"], chosen["bins"])  # auto: bins for a step of 2 requests
     default = PagedCacheSelector(codec(), 60, topk=32, head_dim=D, device=DEV)
-    assert default.top_c == "topk"
+    assert default.top_c == "auto"
+    # auto: bins while the step's stage 1 keeps at most 384K keys in all (B x P x C), the top-C kernel above
+    from dsaindex.runtime.paged_select import BINS_UP_TO_KEYS
+
+    for prefilter, most in ((4, 24), (8, 12)):
+        wide = PagedCacheSelector(codec(), 60, topk=32, candidates=4096, prefilter=prefilter, head_dim=D, device=DEV)
+        assert most * 4096 * prefilter == BINS_UP_TO_KEYS
+        assert wide.auto_top_c(most) == "bins" and wide.auto_top_c(most + 1) == "topk"
     from dsaindex.errors import DsaIndexError
 
     with pytest.raises(DsaIndexError, match="top_c 'sorted'"):
@@ -445,12 +452,14 @@ def test_adopted_codes_count_as_current_until_the_page_changes():
         sel.adopt(cache, pages, made.codes[pages][:, :32])
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
 @pytest.mark.parametrize("exact_below", [0, 1 << 20])
-def test_forced_tokens_are_selected_once_and_slots_map_through_the_table(exact_below):
+def test_forced_tokens_are_selected_once_and_slots_map_through_the_table(exact_below, use_triton):
     lengths = [700, 200]
     cache, table, _ = engine_cache(lengths, 20)
     q, w = queries(2)
-    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=exact_below)
+    sel = PagedCacheSelector(codec(), 20, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=exact_below,
+                             use_triton=use_triton)
     got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w, init_tokens=3, local_tokens=5)
     for row, n in zip(got.tolist(), lengths, strict=True):
         kept = [p for p in row if p >= 0]
@@ -499,8 +508,9 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
     # at the production point (16K stage 1, the default bound): the H200 grid's sides
     prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
     assert not prod.takes_exact(8, 1 << 20) and not prod.takes_exact(32, 1 << 19)  # codes faster there
-    assert prod.takes_exact(8, 1 << 19) and prod.takes_exact(64, 1 << 18) and prod.takes_exact(1, 1 << 20)
-    assert not prod.takes_exact(64, 1 << 20)
+    assert prod.takes_exact(2, 1 << 20) and prod.takes_exact(32, 1 << 18) and prod.takes_exact(1, 1 << 20)
+    assert not prod.takes_exact(3, 1 << 20) and not prod.takes_exact(64, 1 << 18)  # bins win there
+    assert not prod.takes_exact(64, 1 << 20) and not prod.takes_exact(8, 1 << 19)
     # the pages the exact path may read: every length it takes fits, the first it refuses does not
     off = sel.exact_offset
     for b in (1, 3, 8):
@@ -519,6 +529,35 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
                                   exact_below=lengths[0] - 100 - over, exact_offset=100)
         step.select(cache, table, lens, q, w)
         assert (int(step.stats.stage1.sum()) == 0) == (over == 0)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_an_eager_first_step_on_the_codes_path_compiles_the_exact_path_within_its_pages(monkeypatch, use_triton):
+    """The first eager step runs the path it did not choose too (compiled before a graph capture). On a step
+    whose requests are longer than the pages the exact path reads, that run gets lengths within those pages
+    and no schedule: DeepGEMM's paged logits write a column for every key of a request's length, so the
+    real lengths would write past its output (a step of 64 x 1M keys on the H200 faulted)."""
+    import dsaindex.runtime.paged_select as ps
+
+    seen = []
+    real = ps.rows_topk if use_triton else ps.rows_topk_reference
+
+    def spy(logits, lengths, k, **options):
+        seen.append((int(lengths.max()), logits.shape[1]))
+        return real(logits, lengths, k, **options)
+
+    monkeypatch.setattr(ps, "rows_topk" if use_triton else "rows_topk_reference", spy)
+    lengths = [64 * 9 + 5, 64 * 4]
+    cache, table, _ = engine_cache(lengths, 16)
+    q, w = queries(2)
+    sel = PagedCacheSelector(codec(), 16, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV,
+                             exact_below=2 * 64, exact_offset=64, use_triton=use_triton)
+    assert sel.exact_pages(2, table.shape[1]) == 2 < table.shape[1]
+    want = exact(cache, table, lengths, q, w, 16)
+    got = sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w)
+    assert sel._warm == {"exact", "pq"} and int(sel.stats.stage1.sum()) > 0  # the codes' step was served
+    assert seen and all(longest <= columns for longest, columns in seen), seen
+    assert recall(got, want) > 0.9
 
 
 def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():

@@ -34,7 +34,7 @@ KEY_BYTES = 132
 
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
-                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("topk",)) -> dict:
+                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",)) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -146,9 +146,9 @@ def bench_paged(
                                     help="The plugins' exact path: steps with B x (N - 12 x the stage-1 width) at "
                                          "most this many keys are scored as the engine scores them "
                                          "(DSAINDEX_EXACT_BELOW; 0: never)."),
-    top_c: str = typer.Option("topk", "--top-c", help="How stage 2's candidates become the C rescored: topk (the "
-                              "plugins' default: the exact top C), bins (score bins, no top-C kernel) or auto (bins "
-                              "up to 24 requests, topk above); a comma list times the others too "
+    top_c: str = typer.Option("auto", "--top-c", help="How stage 2's candidates become the C rescored: topk (the "
+                              "exact top C), bins (score bins, no top-C kernel) or auto (the plugins' default: bins "
+                              "while B x P x C is at most 384K, topk above); a comma list times the others too "
                               "(plugin_device_<mode>, on the codes' path)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
