@@ -21,7 +21,9 @@ in its decode CUDA graph:
 2. stage 1: the head-folded query against every code of the completed pages (int8 tables, the top
    ``prefilter * C`` kept by a sampled threshold, :func:`~dsaindex.kernels.pq_select.pq_linear_topc` through
    the page table);
-3. stage 2: every head on the decoded codes of those, top C (:func:`~dsaindex.kernels.topk.small_topk`);
+3. stage 2: every head on the decoded codes of those, top C: on a small step the candidates above the C-th
+   score's bin (:func:`~dsaindex.kernels.pq_select.keep_binned`, no top-C kernel), on a larger one by
+   :func:`~dsaindex.kernels.topk.small_topk` (``top_c``);
 4. the C candidates, the incomplete last page and the model's forced init/local tokens rescored exactly
    from the engine's FP8 pages (:func:`~dsaindex.kernels.fp8_score.fp8_gather_scores_paged`, FP8 queries
    as the engines' logits); top-k.
@@ -36,7 +38,8 @@ launches) is more than the engine's whole step. The choice is made on the device
 graph each path is a conditional node (CUDA 12.4's IF nodes, through
 ``torch.cuda.CUDAGraph.begin_capture_to_if_node``) and a replay runs only the one its step needs; eagerly
 the host reads the lengths. The catch-up (1) runs on both paths, so a request's codes are current when
-its batch grows past the bound.
+its batch grows past the bound; on a GPU it runs on a side stream beside the rest of the step, joined
+before stage 1 reads the codes (inside a graph: a parallel branch).
 
 Pages that complete outside decode steps (a prefill, a prefix-cache hit) are encoded by
 :meth:`PagedCacheSelector.prepare`, which synchronizes and is called from the engine's eager prefill path
@@ -107,8 +110,9 @@ PAGE = 64
 CHECK_EVERY = 16  # a step checks one in this many of each request's older pages (PagedCacheSelector)
 TOP_C = ("auto", "bins", "topk")  # PagedCacheSelector's ways to keep stage 2's candidates
 # top_c="auto": a step whose requests' stage 1 keeps at most this many keys in all (B x P x C) keeps stage 2's
-# candidates by bins, a larger one by top-k: 24 requests at C = 4,096 / 4 x C, 12 at 8 x C (H200, 1M keys)
-BINS_UP_TO_KEYS = 24 * 16384
+# candidates by bins, a larger one by top-k: 16 requests at C = 4,096 / 4 x C, 8 at 8 x C (H200, 1M keys: bins
+# ahead up to 24 requests at 4 x C, by 1% from 17; at 8 x C ahead at 8, behind by 5% at 12)
+BINS_UP_TO_KEYS = 16 * 16384
 BIN_SLACK = 256  # candidate slots past C of a binned stage 2: its boundary bin's ties (0.2% wide)
 
 
@@ -194,8 +198,9 @@ class PagedCacheSelector:
     top_c : how stage 2's candidates become the C rescored: ``"auto"`` (default) is ``"bins"`` for a step
         whose stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all (B x ``prefilter`` x C) and ``"topk"``
         above, the faster of the two on the H200 at 1M keys (stage 1 at 4 x 4,096: bins 1.34x / 1.55x of
-        DeepGEMM at 8 / 16 requests against 1.17x / 1.49x, equal at 24 and above; at 8 x 4,096: bins 1.10x at 8
-        against 1.08x, top-k 1.29x at 16 against 1.18x); ``"topk"`` the exact top C by a one-program top-k
+        DeepGEMM at 8 / 16 requests against 1.17x / 1.49x, within 1% from 24; at 8 x 4,096: bins 1.09x at 8
+        against 1.06x, top-k 1.21x / 1.28x at 12 / 16 against 1.15x / 1.19x); ``"topk"`` the exact top C by a
+        one-program top-k
         of each request (34-40 us a step on the H200, whatever B); ``"bins"`` keeps every candidate whose
         score bin (0.2% wide, :func:`~dsaindex.kernels.pq_select.score_bins`) is above the C-th's, and those in
         that bin up to ``C + BIN_SLACK`` in all, from a histogram stage 2 builds as it scores (no top-C

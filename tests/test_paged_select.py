@@ -320,10 +320,10 @@ def test_binned_top_c_keeps_at_least_what_the_top_c_kernel_keeps(use_triton):
     assert torch.equal(chosen["auto"], chosen["bins"])  # auto: bins for a step of 2 requests
     default = PagedCacheSelector(codec(), 60, topk=32, head_dim=D, device=DEV)
     assert default.top_c == "auto"
-    # auto: bins while the step's stage 1 keeps at most 384K keys in all (B x P x C), the top-C kernel above
+    # auto: bins while the step's stage 1 keeps at most 256K keys in all (B x P x C), the top-C kernel above
     from dsaindex.runtime.paged_select import BINS_UP_TO_KEYS
 
-    for prefilter, most in ((4, 24), (8, 12)):
+    for prefilter, most in ((4, 16), (8, 8)):
         wide = PagedCacheSelector(codec(), 60, topk=32, candidates=4096, prefilter=prefilter, head_dim=D, device=DEV)
         assert most * 4096 * prefilter == BINS_UP_TO_KEYS
         assert wide.auto_top_c(most) == "bins" and wide.auto_top_c(most + 1) == "topk"

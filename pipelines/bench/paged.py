@@ -148,7 +148,7 @@ def bench_paged(
                                          "(DSAINDEX_EXACT_BELOW; 0: never)."),
     top_c: str = typer.Option("auto", "--top-c", help="How stage 2's candidates become the C rescored: topk (the "
                               "exact top C), bins (score bins, no top-C kernel) or auto (the plugins' default: bins "
-                              "while B x P x C is at most 384K, topk above); a comma list times the others too "
+                              "while B x P x C is at most 256K, topk above); a comma list times the others too "
                               "(plugin_device_<mode>, on the codes' path)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
