@@ -197,3 +197,33 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
                                 *signature_words(head_dim),
                                 D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=transform is not None and not rotate,
                                 ROTATE=rotate, WRITE_SIG=write_sig)
+
+
+def with_tail_reference(cand: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A decode step's rescoring list: each request's candidates ``cand`` [B, C] int64 (-1 none), then the 64
+    key positions of its open last page, ``64 * (lengths // 64) + j``, -1 at and past its length: [B, C + 64]
+    int64. The spec of :func:`with_tail`."""
+    tail = (lengths.long() // PAGE * PAGE)[:, None] + torch.arange(PAGE, device=cand.device)[None, :]
+    tail = torch.where(tail < lengths.long()[:, None], tail, torch.full_like(tail, -1))
+    return torch.cat([cand.long(), tail], dim=1)
+
+
+def with_tail(cand: torch.Tensor, lengths: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """:func:`with_tail_reference` in one launch (it replaced eight small torch kernels of a decode step).
+    ``cand`` [B, C] int64, ``lengths`` [B] int32 or int64, one device."""
+    import triton
+
+    from dsaindex.kernels.paged_codes_kernel import with_tail_kernel
+
+    checks.rank("cand", cand, 2, "B, C")
+    checks.dtype("cand", cand, torch.int64)
+    b, c = cand.shape
+    checks.shape("lengths", lengths, (b,), "B")
+    checks.dtype("lengths", lengths, torch.int32, torch.int64)
+    checks.same_device(cand=cand, lengths=lengths)
+    out = torch.empty(b, c + PAGE, dtype=torch.int64, device=cand.device)
+    if b:
+        with_tail_kernel[(triton.cdiv(c + PAGE, block), b)](cand.contiguous(), lengths.contiguous(), out, c,
+                                                             PAGE=PAGE, BLOCK=block)
+    return out
+

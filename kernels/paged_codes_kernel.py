@@ -9,6 +9,8 @@ whitens the subspace (with ``ROTATE``: projects each whole key through the subsp
 rotation, whitening folded in), and writes the nearest centroid of each key; the scratch page is skipped.
 With ``WRITE_SIG`` the page's first program also records its signature words and marks it valid, so a
 step's catch-up is two launches (list, encode) rather than five.
+``with_tail_kernel``: a decode step's rescoring list, each request's candidates followed by the keys of its
+open (incomplete) last page, -1 past its length.
 """
 
 import triton
@@ -120,3 +122,23 @@ def encode_pages_kernel(
             dist += diff * diff
         best = tl.argmin(dist, axis=1)
         tl.store(codes_ptr + (page * 64 + rows) * M + m, best.to(tl.uint8))
+
+
+@triton.jit
+def with_tail_kernel(
+    cand_ptr,  # [B, C] int64 candidate positions (-1 = none)
+    lengths_ptr,  # [B] int32 keys per request
+    out_ptr,  # [B, C + PAGE] int64 out
+    c,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(1).to(tl.int64)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    width = c + PAGE
+    length = tl.load(lengths_ptr + b).to(tl.int64)
+    cand = tl.load(cand_ptr + b * c + idx, mask=idx < c, other=-1)
+    tail = (length // PAGE) * PAGE + (idx - c)
+    tail = tl.where(tail < length, tail, -1)
+    tl.store(out_ptr + b * width + idx, tl.where(idx < c, cand, tail), mask=idx < width)
+

@@ -82,6 +82,8 @@ from dsaindex.kernels.paged_codes import (
     stale_pages,
     stale_pages_reference,
     whitened_codebooks,
+    with_tail,
+    with_tail_reference,
 )
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
@@ -405,8 +407,11 @@ class PagedCacheSelector:
         if not exact_width or self.takes_exact(b, w * PAGE):  # the shapes alone decide
             out, stage1 = self._run("exact" if exact_width else "pq", *args, exact_width)
         else:  # on the device: no sync inside a graph
-            exact = (lengths.max().to(torch.int64) - self.exact_offset) * b <= self.exact_below
+            # B x (N - offset) <= bound, as N <= bound // B + offset: two kernels, and none where unused
+            longest = min(self.exact_below // b + self.exact_offset, 2**31 - 1)
             graph = _capturing_graph(dev)
+            capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            exact = None if capturing and graph is None else lengths.amax() <= longest
             if graph is not None:  # one conditional node per path: a replay runs the one its step needs
                 self._join()  # a conditional body cannot wait on the catch-up's stream
                 out = torch.full((b, self.topk), -1, dtype=torch.int32, device=dev)  # outlive the nodes
@@ -419,7 +424,7 @@ class PagedCacheSelector:
                         stage1.copy_(counts1)
                     finally:
                         graph.end_capture_to_conditional_node()
-            elif dev.type == "cuda" and torch.cuda.is_current_stream_capturing():  # no conditional nodes: codes
+            elif capturing:  # no conditional nodes: codes
                 out, stage1 = self._run("pq", *args, exact_width)
             else:  # eagerly: the host reads the choice; the first call runs both paths (compiled before a capture)
                 chosen = "exact" if bool(exact) else "pq"
@@ -499,7 +504,7 @@ class PagedCacheSelector:
         dev = rows.device
         b, w = table.shape
         q = queries.to(dev, torch.bfloat16).contiguous()  # FP8 e4m3 values are bf16 values: one cast, exact
-        n_coded = (lengths // PAGE) * PAGE
+        n_coded = torch.bitwise_and(lengths, -PAGE)  # keys of completed pages
         groups = []
         stage1 = self._no_stage1.get(b) if not w else None
         if stage1 is None and not w:
@@ -509,14 +514,14 @@ class PagedCacheSelector:
             self._join()  # stage 1 reads the codes the catch-up writes
             cand, stage1 = self._coarse(table, n_coded, q_code, wt)
             groups.append(cand)
-        tail = n_coded[:, None].long() + torch.arange(PAGE, device=dev)[None, :]
-        groups.append(torch.where(tail < lengths[:, None], tail, torch.full_like(tail, -1)))
         forced = _forced(lengths.long(), init_tokens, local_tokens)
-        if forced is not None:
-            groups.append(forced)
-        positions = torch.cat(groups, dim=1)
-        if forced is not None:
-            positions = _dedup(positions)
+        if groups and forced is None and self.use_triton:  # the candidates, then the open page's keys
+            positions = with_tail(groups[0], lengths)
+        else:
+            positions = with_tail_reference(groups[0] if groups else lengths.new_empty(b, 0, dtype=torch.int64),
+                                            lengths)
+            if forced is not None:
+                positions = _dedup(torch.cat([positions, forced], dim=1))
         if self.use_triton:
             exact = fp8_gather_scores_paged(rows, table, positions, q, wt, block_n=self.gather_block)
         else:

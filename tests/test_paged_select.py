@@ -232,6 +232,24 @@ def test_page_encoding_in_place_matches_the_codec(with_metric):
     assert (got[8] == 77).all() and (got[table[0, 1].long()] == 77).all()  # scratch and unlisted: untouched
 
 
+def test_rescoring_list_appends_each_requests_open_page_as_its_reference():
+    """``with_tail``: the candidates as they are, then the 64 positions of the request's open page, -1 at and
+    past its length (a request ending on a page boundary has an empty tail; a request shorter than a page
+    has its whole tail)."""
+    from dsaindex.kernels.paged_codes import with_tail, with_tail_reference
+
+    g = torch.Generator().manual_seed(8)
+    cand = torch.randint(-1, 5000, (4, 300), generator=g)
+    lengths = torch.tensor([5000, 640, 37, 4097], dtype=torch.int32)
+    got = with_tail(cand.to(DEV), lengths.to(DEV)).cpu()
+    want = with_tail_reference(cand, lengths)
+    assert torch.equal(got, want) and got.shape == (4, 364)
+    assert torch.equal(got[:, :300], cand)
+    assert got[1, 300:].eq(-1).all()  # 640 keys: ten complete pages, no open one
+    assert got[2, 300:337].tolist() == list(range(37)) and got[2, 337:].eq(-1).all()
+    assert got[0, 300:308].tolist() == list(range(4992, 5000)) and got[0, 308:].eq(-1).all()
+
+
 def test_page_rows_takes_both_engine_layouts_and_refuses_others():
     from dsaindex.errors import DsaIndexError
 
