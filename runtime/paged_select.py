@@ -584,6 +584,24 @@ def _exact_warm_up(args: tuple, width: int) -> tuple:
             width)
 
 
+def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...]) -> str:
+    """The paged step's own choices, for a server's startup log: which steps take the exact path
+    (``exact_below``, 0: none) and how stage 2 keeps its candidates at each of the served layers' stage-1
+    widths ``stage1`` (P x C keys, the default ``top_c="auto"``)."""
+    if exact_below > 0:
+        exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
+                 f"top-k) while B x (N - {PAGED_EXACT_OFFSET} x P x C) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), "
+                 "by the codes above")
+    else:
+        exact = "every decode step is selected by the codes (no exact path)"
+    rules = []
+    for width in sorted(set(stage1)):
+        most = BINS_UP_TO_KEYS // max(1, width)
+        rules.append(f"up to {most} requests at a stage 1 of {width:,} keys" if most else
+                     f"no step at a stage 1 of {width:,} keys")
+    return f"{exact}; stage 2 keeps its candidates by score bins for {', '.join(rules)}, by a top-C kernel above"
+
+
 def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int) -> bool:
     """The exact-path rule of :class:`PagedCacheSelector`: B x (N - offset) at most the bound (0: never)."""
     return exact_below > 0 and batch * (longest - exact_offset) <= exact_below

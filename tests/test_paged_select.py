@@ -578,6 +578,21 @@ def test_an_eager_first_step_on_the_codes_path_compiles_the_exact_path_within_it
     assert recall(got, want) > 0.9
 
 
+def test_the_startup_description_states_the_exact_path_bound_and_the_bins_rule():
+    """What a server logs of the step's own choices: the exact path's bound and offset (or none), and per
+    stage-1 width the largest step whose candidates are kept by bins (``auto``'s rule)."""
+    from dsaindex.coarse import PAGED_EXACT_BELOW
+    from dsaindex.runtime.paged_select import describe_step
+
+    text = describe_step(PAGED_EXACT_BELOW, [4 * 4096, 8 * 4096, 4 * 4096])
+    assert f"<= {PAGED_EXACT_BELOW:,} (DSAINDEX_EXACT_BELOW)" in text and "12 x P x C" in text
+    assert "up to 16 requests at a stage 1 of 16,384 keys, up to 8 requests at a stage 1 of 32,768 keys" in text
+    sel = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=8, head_dim=D, device=DEV)
+    assert sel.auto_top_c(8) == "bins" and sel.auto_top_c(9) == "topk"  # what the text says
+    off = describe_step(0, [1 << 20])
+    assert "no exact path" in off and "no step at a stage 1 of 1,048,576 keys" in off
+
+
 def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():
     """The catch-up runs on both paths: a captured step that scores exactly still encodes the pages that
     complete, so the request's first PQ step (its batch grown past the bound) finds no stale code."""

@@ -64,13 +64,17 @@ class PluginState:
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
                               default=0.0)
         self.loaded = loaded
+        from dsaindex.runtime.paged_select import describe_step
+
         logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (%s); "
-                    "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU.",
+                    "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU; %s.",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors),
                     describe_points(loaded.manifest.metrics, candidates, prefilter, topk, s.recall_target,
                                     code_bytes={layer: code_bytes_of(sel.codec) for layer, sel in self.selectors.items()}),
                     "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
-                    self.code_bytes)
+                    self.code_bytes,
+                    describe_step(0 if self.keys == "host" else s.exact_below,
+                                  [max(candidates[layer], topk) * prefilter[layer] for layer in self.selectors]))
 
     def note_fallback(self, why: str) -> None:
         if why not in self.fallbacks:

@@ -39,7 +39,7 @@ from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
 import dsaindex_vllm.capture as capture
 from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points
-from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes
+from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes, describe_step
 from dsaindex.runtime.settings import EngineSettings, engine_settings
 
 logger = logging.getLogger("dsaindex_vllm")
@@ -244,9 +244,11 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             per_layer, factors = decode_settings(s.decode(topk_tokens), loaded, topk_tokens, layers=[self.layer_id])
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
             self.prefilter = factors[self.layer_id]
-            logger.info("dsaindex: %s", describe_points(loaded.manifest.metrics, per_layer, factors, topk_tokens,
-                                                        s.recall_target,
-                                                        code_bytes={self.layer_id: code_bytes_of(self.codec)}))
+            logger.info("dsaindex: %s; %s", describe_points(loaded.manifest.metrics, per_layer, factors, topk_tokens,
+                                                            s.recall_target,
+                                                            code_bytes={self.layer_id: code_bytes_of(self.codec)}),
+                        describe_step(0 if s.keys == "host" else self.exact_below,
+                                      [self.candidates * self.prefilter]))
 
         _LAYERS[self.k_cache.prefix] = self
         if s.capture:  # the store checked against this model (startup), the writer decided, once per process

@@ -504,3 +504,5 @@ def test_by_default_each_layer_serves_its_cheapest_recorded_point_at_the_target(
         op = build_layer(vllm_config(CFG))[0]
     assert (op.candidates, op.prefilter) == (4096, 8)  # 32K keys in stage 2, the same as 4 x 8192: the smaller C
     assert "C = 4096, stage 1 8 x C, held-out recall 99.61%" in caplog.text
+    # and what the step itself chooses: bins for up to 8 requests at a 32K stage 1 (256K keys in all)
+    assert "by score bins for up to 8 requests at a stage 1 of 32,768 keys" in caplog.text
