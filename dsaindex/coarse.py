@@ -38,9 +38,14 @@ RECALL_TARGET = 0.995
 # lose up to 64 x 256K and tie at 8 x 1M; every step of one request is faster exactly. Since stage 2 keeps
 # its candidates by score bins at small B (``PagedCacheSelector(top_c="auto")``, no top-C kernel),
 # the codes' step wins from 3 x 1M and 64 x 256K (16K stage 1; `bench paged --top-c bins,topk`), so the bound
-# came down from 5M to 2.25M
-PAGED_EXACT_BELOW = 9 << 18
-PAGED_EXACT_OFFSET = 12
+# came down from 5M to 2.25M. Both paths timed at every point of B in 1-64 x N in 256K-1M (`bench paged
+# --exact-below 1T`, H200, docs/results/bench_paged_exact_rule_p{4,8}_fused_h200.json): with a 16K stage 1 the
+# codes win at 2 x 1M, 8 x 512K and 64 x 256K and lose at 1 x 1M, 4 x 512K (by 2%) and 32 x 256K; with a 32K
+# stage 1 they win at 4 x 1M and 32 x 512K and lose at 2 x 1M, 16 x 512K and every B at 256K. An offset of 14
+# stage-1 widths and a bound of 1.375M keys put every one of those points on its faster side (12 and 2.25M
+# sent 2 x 1M to the exact path at 0.99x where the codes gave 1.06x)
+PAGED_EXACT_BELOW = 11 << 17
+PAGED_EXACT_OFFSET = 14
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95

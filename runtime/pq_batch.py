@@ -124,7 +124,7 @@ class PQDecodeGroup:
     miss_filter : drop weak cache misses before the host reads (LeanSparse's filter); filter_width : its
         margin below the k-th coarse score, in standard deviations (wider: more fetches, less recall lost)
     linear_config : launch shape of the stage-1 kernel (``block_n``, ``iters``, ``num_warps`` of
-        :func:`pq_linear_topc`)
+        :func:`pq_linear_topc`; default :func:`~dsaindex.kernels.pq_select.stage1_launch`, by the step's size)
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
@@ -172,7 +172,7 @@ class PQDecodeGroup:
         except ValueError as err:
             raise DsaIndexError(f"The miss filter's width is wrong: {err}.",
                                 "pass a width of at least 0 standard deviations (1 is the default).") from None
-        self.linear_config = dict(linear_config or {})
+        self.linear_config = None if linear_config is None else dict(linear_config)  # None: by the step's size
         self.page = host.page_size
         m = layer.subspaces
         self.dim = layer.dim

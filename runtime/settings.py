@@ -28,6 +28,7 @@ from dsaindex.coarse import (
     DIRECT_UPTO,
     FILTER_WIDTH,
     PAGED_EXACT_BELOW,
+    PAGED_EXACT_OFFSET,
     PREFILL_RECALL_TARGET,
     PREFILTER,
     RECALL_TARGET,
@@ -284,10 +285,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
     EnvVar("DSAINDEX_EXACT_BELOW", "exact_below", parse_count, PAGED_EXACT_BELOW,
            "A decode step of B requests whose longest has N keys is scored exactly, as the engine scores it "
-           "without the plugin (DeepGEMM's logits + top-k), when B x (N - 12 x the layer's stage-1 width, "
-           "PREFILTER x C) is at most this; above it, by the codes. Inside a CUDA graph both paths are "
-           "captured as conditional nodes and each replay runs one. 0: always the codes. Ignored with "
-           "`DSAINDEX_KEYS=host`.", "`2304K` (2,359,296)"),
+           f"without the plugin (DeepGEMM's logits + top-k), when B x (N - {PAGED_EXACT_OFFSET} x the layer's "
+           "stage-1 width, PREFILTER x C) is at most this; above it, by the codes. Inside a CUDA graph both paths "
+           "are captured as conditional nodes and each replay runs one. 0: always the codes. Ignored with "
+           f"`DSAINDEX_KEYS=host`.", f"`{PAGED_EXACT_BELOW >> 10}K` ({PAGED_EXACT_BELOW:,})"),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",

@@ -132,9 +132,12 @@ def test_pq_linear_topc_load_variants_select_the_same_keys(table):
     """Where the stage-1 kernel reads its codes from (past L1, evicted first or cached) and its launch
     shape change its speed only: every variant
     keeps the same keys with the same scores, paged or not."""
-    from dsaindex.kernels.pq_select import paged_codes_reference, pq_linear_topc
+    from dsaindex.kernels.pq_select import paged_codes_reference, pq_linear_topc, stage1_launch
 
     b, n, m, c = 2, 1280, 32, 48
+    # a decode step's launch by its size: wide tiles where few keys leave the default's programs short of a wave
+    assert stage1_launch(b, n) == dict(block_n=512, iters=1, num_warps=8) == stage1_launch(8, 1 << 20)
+    assert stage1_launch(16, 1 << 20) == {} == stage1_launch(9, 1 << 20)
     codes, cb, q, w = pq_inputs(b, n, 8, m=m, d=128 // m, seed=5)
     lengths = torch.tensor([n, n - 333], dtype=torch.int32, device=DEV)
     pages = n // 64
@@ -153,7 +156,7 @@ def test_pq_linear_topc_load_variants_select_the_same_keys(table):
     want = kept(stream=0, block_n=128, iters=8)
     assert all(len(rows) >= c for rows, _ in want)
     for kw in (dict(), dict(stream=1), dict(stream=2),
-               dict(block_n=64, iters=2, num_warps=2), dict(page_table=page_table),
+               dict(block_n=64, iters=2, num_warps=2), dict(page_table=page_table, **stage1_launch(b, n)),
                dict(page_table=page_table, stream=0)):
         for (rows, scores), (want_rows, want_scores) in zip(kept(**kw), want, strict=True):
             assert rows == want_rows, kw

@@ -514,7 +514,7 @@ def test_a_small_step_is_the_engines_exact_topk_with_every_key_of_a_short_reques
 
 
 def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step():
-    """B x (N - offset) <= bound: the offset (default 12 x the stage-1 width, P x C) is what a request's fixed
+    """B x (N - offset) <= bound: the offset (default 14 x the stage-1 width, P x C) is what a request's fixed
     share of the codes' step is worth in keys, so a step of few long requests leaves the exact path sooner
     than one of many short ones of the same B x N; the shapes' and the device's choices agree."""
     from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET
@@ -523,12 +523,17 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
     assert sel.exact_offset == PAGED_EXACT_OFFSET * 4 * 64 and sel.exact_below == PAGED_EXACT_BELOW
     wide = PagedCacheSelector(codec(), 8, topk=16, candidates=128, prefilter=4, head_dim=D, device=DEV)
     assert wide.exact_offset == 2 * sel.exact_offset
-    # at the production point (16K stage 1, the default bound): the H200 grid's sides
+    # at the production points (16K and 32K stage 1, the default bound): the sides of the H200 grid that timed
+    # both paths at every point (docs/results/bench_paged_exact_rule_p{4,8}_fused_h200.json)
     prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
     assert not prod.takes_exact(8, 1 << 20) and not prod.takes_exact(32, 1 << 19)  # codes faster there
-    assert prod.takes_exact(2, 1 << 20) and prod.takes_exact(32, 1 << 18) and prod.takes_exact(1, 1 << 20)
-    assert not prod.takes_exact(3, 1 << 20) and not prod.takes_exact(64, 1 << 18)  # bins win there
+    assert not prod.takes_exact(2, 1 << 20) and not prod.takes_exact(3, 1 << 20)  # the codes: 1.06x at 2 x 1M
+    assert prod.takes_exact(32, 1 << 18) and prod.takes_exact(1, 1 << 20) and prod.takes_exact(4, 1 << 19)
+    assert not prod.takes_exact(64, 1 << 18)  # bins win there
     assert not prod.takes_exact(64, 1 << 20) and not prod.takes_exact(8, 1 << 19)
+    p8 = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=8, head_dim=D, device=DEV)
+    assert p8.takes_exact(2, 1 << 20) and p8.takes_exact(16, 1 << 19) and p8.takes_exact(64, 1 << 18)
+    assert not p8.takes_exact(4, 1 << 20) and not p8.takes_exact(32, 1 << 19)
     # the pages the exact path may read: every length it takes fits, the first it refuses does not
     off = sel.exact_offset
     for b in (1, 3, 8):
@@ -581,11 +586,11 @@ def test_an_eager_first_step_on_the_codes_path_compiles_the_exact_path_within_it
 def test_the_startup_description_states_the_exact_path_bound_and_the_bins_rule():
     """What a server logs of the step's own choices: the exact path's bound and offset (or none), and per
     stage-1 width the largest step whose candidates are kept by bins (``auto``'s rule)."""
-    from dsaindex.coarse import PAGED_EXACT_BELOW
+    from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET
     from dsaindex.runtime.paged_select import describe_step
 
     text = describe_step(PAGED_EXACT_BELOW, [4 * 4096, 8 * 4096, 4 * 4096])
-    assert f"<= {PAGED_EXACT_BELOW:,} (DSAINDEX_EXACT_BELOW)" in text and "12 x P x C" in text
+    assert f"<= {PAGED_EXACT_BELOW:,} (DSAINDEX_EXACT_BELOW)" in text and f"{PAGED_EXACT_OFFSET} x P x C" in text
     assert "up to 16 requests at a stage 1 of 16,384 keys, up to 8 requests at a stage 1 of 32,768 keys" in text
     sel = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=8, head_dim=D, device=DEV)
     assert sel.auto_top_c(8) == "bins" and sel.auto_top_c(9) == "topk"  # what the text says

@@ -7,7 +7,7 @@ CUDA graphs, as the engines run decode):
 * ``deepgemm_best``: DeepGEMM's ``fp8_paged_mqa_logits`` over the engines' paged index-K cache and the
   faster of ``torch.topk`` and the runtime's threshold top-k, what SGLang and vLLM run without the plugin;
 * ``plugin_device``: :class:`dsaindex.runtime.paged_select.PagedCacheSelector` over that cache in HBM (the
-  plugins' default, ``DSAINDEX_KEYS=device``), with its exact path: a step with B x (N - 12 x the stage-1
+  plugins' default, ``DSAINDEX_KEYS=device``), with its exact path: a step with B x (N - 14 x the stage-1
   width) at most ``--exact-below`` keys is scored as the engine scores it, chosen on the device by a
   conditional graph node;
   ``plugin_device_pq``: the same selector with the exact path off (every step through the codes), timed where
@@ -143,8 +143,8 @@ def bench_paged(
     places: str = typer.Option("device,host", "--keys-on", help="Where the exact keys live in the plugin's "
                                                                  "step: device, host, or both."),
     exact_below: int = typer.Option(PAGED_EXACT_BELOW, callback=at_least(0),
-                                    help="The plugins' exact path: steps with B x (N - 12 x the stage-1 width) at "
-                                         "most this many keys are scored as the engine scores them "
+                                    help=f"The plugins' exact path: steps with B x (N - {PAGED_EXACT_OFFSET} x the "
+                                         "stage-1 width) at most this many keys are scored as the engine scores them "
                                          "(DSAINDEX_EXACT_BELOW; 0: never)."),
     top_c: str = typer.Option("auto", "--top-c", help="How stage 2's candidates become the C rescored: topk (the "
                               "exact top C), bins (score bins, no top-C kernel) or auto (the plugins' default: bins "
