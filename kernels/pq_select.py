@@ -404,15 +404,15 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with the candidate selection folded in: the scores of :func:`pq_candidate_scores`, each
     candidate's :func:`score_bins` bin, and the request's (boundary bin, above, kept, 0) of
-    :func:`boundary_of_bins`, computed by the last program of each request from a histogram built with
-    atomics (no top-C kernel). ``rows`` [B, R] int32 with ``counts`` [B] int32 filled (a stage-1
+    :func:`boundary_of_bins`, read by a one-program-a-request launch off a histogram the scoring launch built
+    with atomics (no top-C kernel). ``rows`` [B, R] int32 with ``counts`` [B] int32 filled (a stage-1
     buffer); ``key_bound``: the largest norm of a decoded key; ``scratch`` [B, BIN_COUNT + 4] int32 zeros,
     left zeroed (its two append counters zeroed for :func:`keep_binned`). ``page_table`` [B, W] int32: codes
     kept per physical page, as :func:`pq_candidate_scores`. Returns (scores [B, R] float32, bins [B, R] int32
     (set below each count), sel [B, 4] int32)."""
     import triton
 
-    from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
+    from dsaindex.kernels.pq_select_kernel import boundary_of_bins_kernel, pq_candidate_kernel
 
     _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table)
     b, m = queries.shape[0], codes.shape[2]
@@ -441,7 +441,9 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
         0 if page_table is None else page_table.shape[1], codes.shape[1], r, N_HEADS=h,
         H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n, F32=select.interpreted(),
         HAS_COUNTS=True, WIDE=wide, ITERS=1, HAS_TABLE=page_table is not None, bins_ptr=bins, scratch_ptr=scratch,
-        sel_ptr=sel, key_bound=float(key_bound), c=c, capacity=capacity, BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual)
+        key_bound=float(key_bound), BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual)
+    if b:
+        boundary_of_bins_kernel[(b,)](scratch, sel, c, capacity, NBINS=BIN_COUNT, num_warps=8)
     return out, bins, sel
 
 
