@@ -297,7 +297,7 @@ def fp8_host_select_reference(host_fp8: torch.Tensor, host_scales: torch.Tensor,
     sel_c, counts_c = sel.cpu(), counts.cpu()
     for i in range(b):
         edge, above, kept = (int(x) for x in sel_c[i, :3])
-        live = torch.arange(n_in) < min(int(counts_c[i]), n_in)
+        live = (torch.arange(n_in) < min(int(counts_c[i]), n_in)) & (rows[i].cpu() >= 0)  # empty slots: no bin
         bin_i = bins[i].cpu()
         strict = live & (bin_i > edge)
         tied = (live & (bin_i == edge)).nonzero().squeeze(1)[: kept - above]

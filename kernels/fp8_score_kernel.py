@@ -12,7 +12,13 @@ products DeepGEMM's logits compute; otherwise keys are widened to bf16 and multi
 import triton
 import triton.language as tl
 
-from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows, weighted_relu_heads
+from dsaindex.kernels.select_kernel import (
+    append_above,
+    binned_slots,
+    load_queries,
+    scan_rows,
+    weighted_relu_heads,
+)
 
 
 @triton.jit
@@ -117,8 +123,9 @@ def fp8_host_select_kernel(
     F32: tl.constexpr,
 ):
     # programs 0 .. n-2 each take BLOCK_N stage-2 slots: the candidates above the boundary bin, and those in
-    # it while room is left, get slots by one atomic per program and a prefix sum, and are read straight
-    # from their host pages and scored; the last program scores the tail and pads the unused slots
+    # it while room is left, get slots by one atomic per program and a prefix sum (binned_slots), and are
+    # read straight from their host pages and scored; the last program scores the tail and pads the unused
+    # slots
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     q_t, w = load_queries(q_ptr + b * N_HEADS * D, w_ptr + b * N_HEADS, N_HEADS, H_PAD, D)
@@ -126,19 +133,13 @@ def fp8_host_select_kernel(
     width = CAPC + PAGE
     kept = tl.load(sel_ptr + b * 4 + 2)
     if pid < tl.num_programs(0) - 1:
-        edge = tl.load(sel_ptr + b * 4)
-        above = tl.load(sel_ptr + b * 4 + 1)
         idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         live = idx < tl.minimum(tl.load(count_ptr + b), n_in)
+        row = tl.load(rows_ptr + b * n_in + idx, mask=live, other=-1)
+        live = live & (row >= 0)  # stage 2 wrote no bin for an empty slot
         bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
-        strict = live & (bins > edge)
-        tied = live & (bins == edge)
-        base_s = tl.atomic_add(ctr_ptr + b * ctr_stride, tl.sum(strict.to(tl.int32), axis=0))
-        base_t = tl.atomic_add(ctr_ptr + b * ctr_stride + 1, tl.sum(tied.to(tl.int32), axis=0))
-        slot = tl.where(strict, base_s + tl.cumsum(strict.to(tl.int32), axis=0) - 1,
-                        above + base_t + tl.cumsum(tied.to(tl.int32), axis=0) - 1)
-        keep = strict | (tied & (slot < kept))
-        pos = tl.load(rows_ptr + b * n_in + idx, mask=keep, other=0).to(tl.int64)
+        slot, keep = binned_slots(live, bins, sel_ptr + b * 4, ctr_ptr + b * ctr_stride)
+        pos = tl.where(keep, row, 0).to(tl.int64)
         page = tl.load(table_ptr + b * table_width + pos // PAGE, mask=keep, other=0).to(tl.int64)
         host_row = page * PAGE + pos % PAGE
         raw = tl.load(host_keys_ptr + host_row[:, None] * D + dims[None, :], mask=keep[:, None], other=0)

@@ -15,7 +15,13 @@ scores written per candidate.
 import triton
 import triton.language as tl
 
-from dsaindex.kernels.select_kernel import append_above, load_queries, scan_rows, weighted_relu_heads
+from dsaindex.kernels.select_kernel import (
+    append_above,
+    binned_slots,
+    load_queries,
+    scan_rows,
+    weighted_relu_heads,
+)
 from dsaindex.kernels.topk_kernel import sample_rank
 
 
@@ -298,25 +304,17 @@ def keep_binned_kernel(
 ):
     # the top-C step of the paged decode step without a top-C kernel: programs 0 .. n-2 each take BLOCK_N
     # stage-2 slots, and the candidates above the boundary bin, and those in it while room is left, get
-    # slots by one atomic per program and a prefix sum (as fp8_host_select_kernel); the last pads with -1
+    # slots by one atomic per program and a prefix sum (binned_slots); the last pads with -1
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kept = tl.load(sel_ptr + b * 4 + 2)
     if pid < tl.num_programs(0) - 1:
-        edge = tl.load(sel_ptr + b * 4)
-        above = tl.load(sel_ptr + b * 4 + 1)
         idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         live = idx < tl.minimum(tl.load(count_ptr + b), n_in)
         pos = tl.load(rows_ptr + b * n_in + idx, mask=live, other=-1)
         live = live & (pos >= 0)  # stage 2 wrote no bin for an empty slot
         bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
-        strict = live & (bins > edge)
-        tied = live & (bins == edge)
-        base_s = tl.atomic_add(ctr_ptr + b * ctr_stride, tl.sum(strict.to(tl.int32), axis=0))
-        base_t = tl.atomic_add(ctr_ptr + b * ctr_stride + 1, tl.sum(tied.to(tl.int32), axis=0))
-        slot = tl.where(strict, base_s + tl.cumsum(strict.to(tl.int32), axis=0) - 1,
-                        above + base_t + tl.cumsum(tied.to(tl.int32), axis=0) - 1)
-        keep = (strict | tied) & (slot < kept)  # strict slots are below `above` <= kept: never past CAPC
+        slot, keep = binned_slots(live, bins, sel_ptr + b * 4, ctr_ptr + b * ctr_stride)
         tl.store(out_ptr + b * CAPC + slot, pos.to(tl.int64), mask=keep)
     else:
         rest = tl.arange(0, CAPC_PAD)

@@ -35,6 +35,25 @@ def scan_rows(idx, stride, n_out, length, SAMPLE: tl.constexpr):
 
 
 @triton.jit
+def binned_slots(live, bins, sel_ptr, ctr_ptr):
+    """Slots of a tile of one request's stage-2 candidates a binned selection keeps: those above the boundary
+    bin (``sel_ptr``: boundary, above, kept) take slots from 0, those in it from ``above``, each group by one
+    atomic on its counter (``ctr_ptr``, two int32, zero before the launch) and a prefix sum; a tied candidate
+    past ``kept`` is dropped, and no slot reaches ``kept``. ``live``: the tile's real candidates (an empty
+    slot's bin was never written, so it must not be live). Returns (slot, keep)."""
+    edge = tl.load(sel_ptr)
+    above = tl.load(sel_ptr + 1)
+    kept = tl.load(sel_ptr + 2)
+    strict = live & (bins > edge)
+    tied = live & (bins == edge)
+    base_s = tl.atomic_add(ctr_ptr, tl.sum(strict.to(tl.int32), axis=0))
+    base_t = tl.atomic_add(ctr_ptr + 1, tl.sum(tied.to(tl.int32), axis=0))
+    slot = tl.where(strict, base_s + tl.cumsum(strict.to(tl.int32), axis=0) - 1,
+                    above + base_t + tl.cumsum(tied.to(tl.int32), axis=0) - 1)
+    return slot, (strict | tied) & (slot < kept)  # strict slots are below `above` <= kept
+
+
+@triton.jit
 def load_queries(q_ptr, w_ptr, N_HEADS: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
     """One request's queries as a [D, H_PAD] bf16 tile and its weights [H_PAD] float32.
 

@@ -466,11 +466,13 @@ def test_host_select_reads_the_kept_candidates_from_host_pages_and_the_tail_from
     keys, scales, q, w = fp8_inputs(1, 9 * 64, heads, d, seed=6, device="cpu")
     host_fp8, host_scales = keys[0].reshape(9, 64, d), scales[0].reshape(9, 64).float()
     table = torch.tensor([[3, 1, 7, 0], [0, 8, 2, 5]], dtype=torch.int32)
-    rows = torch.tensor([[0, 70, 9, 191, 5, 130, 12, 250], [200, 128, 64, 3, 127, 1, 2, 4]], dtype=torch.int32)
-    bins = torch.tensor([[50, 40, 60, 40, 39, 40, 99, 70], [7, 7, 7, 7, 9, 0, 0, 0]], dtype=torch.int32)
-    counts = torch.tensor([7, 5], dtype=torch.int32)  # request 0's last slot is unfilled
+    rows = torch.tensor([[0, 70, -1, 9, 191, 5, 130, 12, 250], [-1, 200, 128, 64, 3, 127, 1, 2, 4]],
+                        dtype=torch.int32)
+    bins = torch.tensor([[50, 40, 40, 60, 40, 39, 40, 99, 70], [99, 7, 7, 7, 7, 9, 0, 0, 0]], dtype=torch.int32)
+    counts = torch.tensor([8, 6], dtype=torch.int32)  # request 0's last slot is unfilled
     # request 0: boundary bin 40 (3 candidates in it), 3 above it (50, 60, 99), 6 kept; bin 39 and the unfilled
-    # slot are not; request 1: boundary 7 (4 in it), 1 above (9), 5 kept
+    # slot are not; request 1: boundary 7 (4 in it), 1 above (9), 5 kept. An empty slot (-1) below the count
+    # holds a bin stage 2 never wrote (here the boundary's, or one above it): never kept
     sel = torch.tensor([[40, 3, 6, 0], [7, 1, 5, 0]], dtype=torch.int32)
     pool_fp8 = torch.randint(0, 120, (2, 80, d), generator=g, dtype=torch.int32).to(torch.uint8)
     pool_scales = torch.rand(2, 80, generator=g)
