@@ -42,9 +42,12 @@ RECALL_TARGET = 0.995
 # --exact-below 1T`, H200, docs/results/bench_paged_exact_rule_p{4,8}_fused_h200.json): with a 16K stage 1 the
 # codes win at 2 x 1M, 8 x 512K and 64 x 256K and lose at 1 x 1M, 4 x 512K (by 2%) and 32 x 256K; with a 32K
 # stage 1 they win at 4 x 1M and 32 x 512K and lose at 2 x 1M, 16 x 512K and every B at 256K. An offset of 14
-# stage-1 widths and a bound of 1.375M keys put every one of those points on its faster side (12 and 2.25M
-# sent 2 x 1M to the exact path at 0.99x where the codes gave 1.06x)
-PAGED_EXACT_BELOW = 11 << 17
+# stage-1 widths puts every one of those points on its faster side (12 and 2.25M sent 2 x 1M to the exact path
+# at 0.99x where the codes gave 1.06x). With stage 2's boundary in a launch of its own the codes also win at
+# 4 x 512K (16K stage 1: 0.126 ms against 0.132) and tie DeepGEMM at 2 x 1M (32K: 0.128 against 0.131 exact),
+# while 2 x 512K, 32 x 256K and 16 x 512K (32K) stay exact: a bound of 1,088K keys
+# (docs/results/bench_paged_defaults_boundary_h200.json)
+PAGED_EXACT_BELOW = 17 << 16
 PAGED_EXACT_OFFSET = 14
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)

@@ -528,12 +528,12 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
     prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
     assert not prod.takes_exact(8, 1 << 20) and not prod.takes_exact(32, 1 << 19)  # codes faster there
     assert not prod.takes_exact(2, 1 << 20) and not prod.takes_exact(3, 1 << 20)  # the codes: 1.06x at 2 x 1M
-    assert prod.takes_exact(32, 1 << 18) and prod.takes_exact(1, 1 << 20) and prod.takes_exact(4, 1 << 19)
-    assert not prod.takes_exact(64, 1 << 18)  # bins win there
+    assert prod.takes_exact(32, 1 << 18) and prod.takes_exact(1, 1 << 20) and prod.takes_exact(2, 1 << 19)
+    assert not prod.takes_exact(64, 1 << 18) and not prod.takes_exact(4, 1 << 19)  # bins win there
     assert not prod.takes_exact(64, 1 << 20) and not prod.takes_exact(8, 1 << 19)
     p8 = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=8, head_dim=D, device=DEV)
-    assert p8.takes_exact(2, 1 << 20) and p8.takes_exact(16, 1 << 19) and p8.takes_exact(64, 1 << 18)
-    assert not p8.takes_exact(4, 1 << 20) and not p8.takes_exact(32, 1 << 19)
+    assert p8.takes_exact(1, 1 << 20) and p8.takes_exact(16, 1 << 19) and p8.takes_exact(64, 1 << 18)
+    assert not p8.takes_exact(2, 1 << 20) and not p8.takes_exact(4, 1 << 20) and not p8.takes_exact(32, 1 << 19)
     # the pages the exact path may read: every length it takes fits, the first it refuses does not
     off = sel.exact_offset
     for b in (1, 3, 8):

@@ -34,7 +34,7 @@ def bundle(tmp_path_factory, codebooks):
 def plugin(monkeypatch, bundle):
     """The plugin loaded by vLLM's own loader in this process; the registry restored afterwards. Its selector
     scores by the PQ codes at every step size: the runtime's exact scan of small steps (``exact_below``,
-    ``DSAINDEX_EXACT_BELOW``, 1.375M keys past an offset by default) would otherwise serve every CPU-sized step here, and these
+    ``DSAINDEX_EXACT_BELOW``, 1,088K keys past an offset by default) would otherwise serve every CPU-sized step here, and these
     tests are about the codes' path."""
     import inspect
 
