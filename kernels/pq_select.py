@@ -249,9 +249,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     table lookups at a time all read one subspace's table (two cache lines) instead of several.
     ``stream`` 1 (the default) reads the codes past L1 (``.cg``) and keeps the tables there, 2 marks the
     codes first to be evicted, 0 leaves both to the cache; none changes the scores. The default launch
-    (256-row tiles, 8 a program, 4 warps, ``stream`` 1) is the fastest measured on the H200 at 8 and
-    32 x 1M keys: 2.0x the bytes floor at 32 x 1M against 2.3x for 128-row tiles without ``stream``
-    (docs/results.md).
+    (256-row tiles, 8 a program, 4 warps, ``stream`` 1) is the fastest measured on the H200 at 32 x 1M
+    keys: 2.0x the bytes floor against 2.3x for 128-row tiles without ``stream`` (docs/results.md); a decode
+    step over fewer key slots launches as :func:`stage1_launch` says (one 512-row tile a program, 8 warps).
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -496,8 +496,8 @@ def decoded_key_bound(codebooks: torch.Tensor, residual: bool = False) -> float:
 
 
 # stage 1 of a decode step over at most this many key slots (B x the longest a page table holds) is launched as
-# one 512-row tile per program with 8 warps: twice the programs of the default launch (256 x 8 tiles, 4 warps),
-# which fills the GPU where few requests leave its programs short of a wave. H200, paged codes, C1 = 16,384:
+# one 512-row tile per program with 8 warps: four times the programs of the default launch (256 x 8 tiles,
+# 4 warps), which fills the GPU where few requests leave its programs short of a wave. H200, paged codes, C1 = 16,384:
 # 32.4 / 52.5 / 82.7 / 142.7 us at 1 / 2 / 4 / 8 x 1M against 45.6 / 60.6 / 88.7 / 152.3 us (docs/results.md)
 STAGE1_WIDE_TILES_UPTO = 8 << 20
 STAGE1_WIDE_TILES = dict(block_n=512, iters=1, num_warps=8)
