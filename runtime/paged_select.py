@@ -440,7 +440,7 @@ class PagedCacheSelector:
     def auto_top_c(self, batch: int) -> str:
         """What ``top_c="auto"`` takes for a step of ``batch`` requests: ``"bins"`` while their stage 1 keeps at
         most :data:`BINS_UP_TO_KEYS` keys in all, else ``"topk"``."""
-        return "bins" if batch * self.c1 <= BINS_UP_TO_KEYS else "topk"
+        return "bins" if batch <= bins_batch_limit(self.c1) else "topk"
 
     def takes_exact(self, batch: int, longest: int) -> bool:
         """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path."""
@@ -584,6 +584,12 @@ def _exact_warm_up(args: tuple, width: int) -> tuple:
             width)
 
 
+def bins_batch_limit(stage1: int) -> int:
+    """The most requests whose stage 2 keeps its candidates by score bins under ``top_c="auto"``, at a stage 1
+    of ``stage1`` keys (P x C): their stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all."""
+    return BINS_UP_TO_KEYS // max(1, stage1)
+
+
 def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...]) -> str:
     """The paged step's own choices, for a server's startup log: which steps take the exact path
     (``exact_below``, 0: none) and how stage 2 keeps its candidates at each of the served layers' stage-1
@@ -596,7 +602,7 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
         exact = "every decode step is selected by the codes (no exact path)"
     rules = []
     for width in sorted(set(stage1)):
-        most = BINS_UP_TO_KEYS // max(1, width)
+        most = bins_batch_limit(width)
         rules.append(f"up to {most} requests at a stage 1 of {width:,} keys" if most else
                      f"no step at a stage 1 of {width:,} keys")
     return f"{exact}; stage 2 keeps its candidates by score bins for {', '.join(rules)}, by a top-C kernel above"

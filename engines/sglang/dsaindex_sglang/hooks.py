@@ -40,7 +40,7 @@ class PluginState:
         if self.loaded is not None:
             return
         from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points, load_bundle
-        from dsaindex.runtime.paged_select import check_paged_codes
+        from dsaindex.runtime.paged_select import check_paged_codes, describe_step, device_bytes_per_key
         from dsaindex.runtime.settings import engine_settings
 
         s = engine_settings("sglang")
@@ -52,8 +52,6 @@ class PluginState:
         # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
         # held-out recall, refused here if none reaches the target
         candidates, prefilter = decode_settings(s.decode(topk), loaded, topk)
-        from dsaindex.runtime.paged_select import device_bytes_per_key
-
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).role != "decode":
@@ -64,8 +62,6 @@ class PluginState:
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
                               default=0.0)
         self.loaded = loaded
-        from dsaindex.runtime.paged_select import describe_step
-
         logger.info("dsaindex: artifacts %s validated for %s; PQ decode selection on layers %s (%s); "
                     "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU; %s.",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors),
