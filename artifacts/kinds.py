@@ -146,13 +146,16 @@ class IVFIndexSettings(BaseModel):
     """How a causal IVF index groups keys: one type for training, the bundle and the runtime.
 
     window : keys per seal (the open window); cluster_size : keys per cluster (a seal's cap);
-    refit_every : keys between refits of the whole prefix (0 = never); sinks : first keys always kept
+    refit_every : keys between refits of the whole prefix (0 = never); refit_fraction : past ``refit_every /
+    refit_fraction`` sealed keys, a refit waits for that share of the prefix instead (0: a fixed interval;
+    :meth:`dsaindex.runtime.causal_ivf.CausalIVF.refit_interval`); sinks : first keys always kept
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     window: int = 1024
     cluster_size: int = 128
     refit_every: int = 16384
+    refit_fraction: float = 0.0625  # dsaindex.runtime.causal_ivf.REFIT_FRACTION (no runtime import here)
     sinks: int = 4
 
     @model_validator(mode="after")
@@ -161,6 +164,8 @@ class IVFIndexSettings(BaseModel):
             raise ValueError(f"window {self.window} must be a positive multiple of cluster_size {self.cluster_size}")
         if self.refit_every < 0 or self.sinks < 0:
             raise ValueError("refit_every and sinks must not be negative")
+        if not 0 <= self.refit_fraction < 1:
+            raise ValueError(f"refit_fraction {self.refit_fraction} must be in [0, 1)")
         return self
 
 
@@ -200,7 +205,8 @@ def _summarize_ivf(layer: IVFLayer) -> dict[str, Any]:
 
 def _describe_ivf(layer: IVFLayer) -> str:
     s = layer.settings
-    return f"IVF routing (window {s.window}, clusters of {s.cluster_size}, refit every {s.refit_every})"
+    grows = f", then 1/{1 / s.refit_fraction:g} of the prefix" if s.refit_fraction else ""
+    return f"IVF routing (window {s.window}, clusters of {s.cluster_size}, refit every {s.refit_every}{grows})"
 
 
 register_kind(ArtifactKind("pq", PQParams, ("codebooks",), _place_pq, _summarize_pq, _describe_pq,

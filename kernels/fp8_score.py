@@ -442,7 +442,7 @@ def fp8_gather_scores_paged(pages: torch.Tensor, block_table: torch.Tensor, posi
     out = torch.empty(b, r, dtype=torch.float32, device=pages.device)
     if r == 0 or b == 0:
         return out
-    _launch(2, pages, scales, None, queries, head_weights, rows=positions.to(torch.int32).contiguous(),
+    _launch(2, pages, scales, None, queries, head_weights, rows=positions.to(torch.int32).contiguous(),  # int32: no copy
             out_score=out, n_out=r, block_n=block_n, iters=1, num_warps=num_warps, strides=strides, n_keys=r,
             table=block_table.contiguous(), query_fp8=query_fp8)
     return out

@@ -208,9 +208,11 @@ def with_tail_reference(cand: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     return torch.cat([cand.long(), tail], dim=1)
 
 
-def with_tail(cand: torch.Tensor, lengths: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def with_tail(cand: torch.Tensor, lengths: torch.Tensor, block: int = 1024,
+              dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """:func:`with_tail_reference` in one launch (it replaced eight small torch kernels of a decode step).
-    ``cand`` [B, C] int64, ``lengths`` [B] int32 or int64, one device."""
+    ``cand`` [B, C] int64, ``lengths`` [B] int32 or int64, one device. ``dtype``: the output's, int64 or int32
+    (what the exact rescoring reads: no cast kernel between them)."""
     import triton
 
     from dsaindex.kernels.paged_codes_kernel import with_tail_kernel
@@ -221,7 +223,9 @@ def with_tail(cand: torch.Tensor, lengths: torch.Tensor, block: int = 1024) -> t
     checks.shape("lengths", lengths, (b,), "B")
     checks.dtype("lengths", lengths, torch.int32, torch.int64)
     checks.same_device(cand=cand, lengths=lengths)
-    out = torch.empty(b, c + PAGE, dtype=torch.int64, device=cand.device)
+    if dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+    out = torch.empty(b, c + PAGE, dtype=dtype, device=cand.device)
     if b:
         with_tail_kernel[(triton.cdiv(c + PAGE, block), b)](cand.contiguous(), lengths.contiguous(), out, c,
                                                              PAGE=PAGE, BLOCK=block)

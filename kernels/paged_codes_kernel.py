@@ -128,7 +128,7 @@ def encode_pages_kernel(
 def with_tail_kernel(
     cand_ptr,  # [B, C] int64 candidate positions (-1 = none)
     lengths_ptr,  # [B] int32 keys per request
-    out_ptr,  # [B, C + PAGE] int64 out
+    out_ptr,  # [B, C + PAGE] int64 or int32 out
     c,
     PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -140,5 +140,5 @@ def with_tail_kernel(
     cand = tl.load(cand_ptr + b * c + idx, mask=idx < c, other=-1)
     tail = (length // PAGE) * PAGE + (idx - c)
     tail = tl.where(tail < length, tail, -1)
-    tl.store(out_ptr + b * width + idx, tl.where(idx < c, cand, tail), mask=idx < width)
+    tl.store(out_ptr + b * width + idx, tl.where(idx < c, cand, tail).to(out_ptr.dtype.element_ty), mask=idx < width)
 

@@ -53,6 +53,35 @@ def test_versions_are_causal_and_refits_grow_the_clusters():
     assert sorted(v.order.tolist()) == list(range(4, v.upto))
 
 
+def test_refits_wait_for_a_share_of_the_prefix_past_the_fixed_schedule():
+    """Up to ``refit_every / refit_fraction`` sealed keys the refits fall where the fixed schedule puts them;
+    past it, each waits until the keys since the last reach that share of the sealed prefix, at the first
+    seal where they do. Keys appended a window at a time (one seal an append), both ways."""
+    keys = interleaved_keys(4000)
+
+    def refit_points(fraction):
+        ivf = CausalIVF(D, window=64, cluster_size=16, refit_every=128, sinks=4, refit_fraction=fraction)
+        points = []
+        for lo in range(0, keys.shape[0], 64):
+            before = ivf.refits
+            ivf.append(keys[lo : lo + 64])
+            if ivf.refits > before:
+                points.append(ivf.last_refit)
+        return ivf, points
+
+    grown, points = refit_points(0.25)
+    _, fixed = refit_points(0.0)
+    assert [p for p in fixed if p <= 512] == [p for p in points if p <= 512]  # 128 / 0.25 keys: as before
+    assert len(points) < len(fixed) and fixed == list(range(4 + 128, 4 + 3968 + 1, 128))[: len(fixed)]
+    for before, at in zip(points, points[1:], strict=False):
+        due = max(128, int(0.25 * at))
+        assert due <= at - before < due + 64, (before, at)  # due, and at the first seal where it was
+        assert grown.refit_interval(at) == due
+    assert points[-1] > 2000 and points[-1] - points[-2] > 400  # the intervals grew with the prefix
+    with pytest.raises(DsaIndexError, match="refit_fraction"):
+        CausalIVF(D, refit_fraction=1.5)
+
+
 def test_budget_covering_the_prefix_is_exhaustive():
     keys = interleaved_keys(2000)
     ivf = CausalIVF(D, window=256, cluster_size=32, refit_every=0)

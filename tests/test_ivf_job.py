@@ -100,7 +100,7 @@ def test_runtime_check_prints_an_ivf_bundle(trained):
     proc = run_cli("runtime", "check", "--model", "preset:tiny-v32", "--artifacts", str(bundle))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"ok: {bundle} fits preset:tiny-v32 (same weights and config): deepseek_v32")
-    assert "0 (IVF routing (window 256, clusters of 32, refit every 512))" in proc.stdout
+    assert "0 (IVF routing (window 256, clusters of 32, refit every 512, then 1/16 of the prefix))" in proc.stdout
 
 
 def test_a_rerun_with_the_default_out_writes_a_fresh_bundle(trained, tmp_path):

@@ -11,7 +11,8 @@ appended and its ``chunk`` queries select their top-k:
 
 Times are medians of ``--repeats`` synchronized runs after a warm-up
 (:func:`dsaindex.pipelines.bench.timing.median_ms`). Maintenance per chunk is amortized at the prefix: the
-seals of the chunk's own append plus the latest refit times ``chunk / refit_every``;
+seals of the chunk's own append plus the latest refit times ``chunk / interval``, the keys the index waits
+for after a refit at that length (:meth:`~dsaindex.runtime.causal_ivf.CausalIVF.refit_interval`);
 ``maintenance_share`` divides it by the selection time IVF saves (exhaustive - ivf). Keys and
 queries come from a capture store (``--store``: its keys tiled with small noise up to the longest
 prefix) or are synthetic clustered keys; recall against the exhaustive top-k is reported as a check
@@ -80,7 +81,7 @@ def _recall(got, want) -> float:
 def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, store: Path | None, layer: int | None,
               heads: int, window: int, cluster_size: int, refit_every: int, refit_iterations: int, repeats: int,
               device: str, use_triton: bool, progress: Callable[[str], None] | None = None,
-              refit_search: str = "incremental") -> dict:
+              refit_search: str = "incremental", refit_fraction: float | None = None) -> dict:
     import torch
 
     from dsaindex.runtime.causal_ivf import CausalIVF
@@ -91,8 +92,9 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
     keys, queries, weights, source = bench_inputs(total, chunk, store, layer, heads)
     keys = keys.to(device)
     queries, weights = queries.to(device), weights.to(device)
+    grows = {} if refit_fraction is None else {"refit_fraction": refit_fraction}
     index = CausalIVF(keys.shape[1], window, cluster_size, refit_every, refit_iterations=refit_iterations,
-                      refit_search=refit_search, device=device)
+                      refit_search=refit_search, device=device, **grows)
     appends: list[dict] = []  # one per chunk appended: seconds, seals, refits
     rows = []
 
@@ -100,7 +102,8 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         seals, refits = len(index.versions), index.refits
         _, seconds = time_call(lambda: index.append(keys[lo:hi]), device)
         rec = {"at": lo, "seconds": seconds, "refit": index.refits > refits,
-               "versions": len(index.versions) - seals}
+               "versions": len(index.versions) - seals,
+               "interval": index.refit_interval(index.last_refit)}  # keys the refit's cost spreads over
         appends.append(rec)
         index.forget_before(hi - chunk)
         return rec
@@ -128,11 +131,12 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
             t = median_ms(lambda p=positions, b=b: select_chunk(index, queries, weights, p, b, topk,
                                                                 use_triton=use_triton), repeats, device) / 1e3
             ivf[str(b)] = {"seconds": round(t, 5), "speedup": round(t_ex / t, 3), "recall_check": round(_recall(got, truth), 4)}
-        refit_times = [a["seconds"] for a in appends if a["refit"]]
+        refits = [a for a in appends if a["refit"]]
         seal_times = [a["seconds"] for a in appends if not a["refit"] and a["versions"] > 0][-8:]
         seal_s = statistics.median(seal_times) if seal_times else 0.0
-        refit_s = refit_times[-1] - seal_s if refit_times else 0.0  # that append also sealed a chunk
-        maintenance = seal_s + max(0.0, refit_s) * chunk / refit_every if refit_every else seal_s
+        refit_s = refits[-1]["seconds"] - seal_s if refits else 0.0  # that append also sealed a chunk
+        # the latest refit's cost over the keys until the next (at least the interval at its length)
+        maintenance = seal_s + max(0.0, refit_s) * chunk / refits[-1]["interval"] if refits else seal_s
         for r in ivf.values():
             saved = t_ex - r["seconds"]
             r["maintenance_share"] = round(maintenance / saved, 4) if saved > 0 else None
@@ -141,6 +145,8 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
             "prefix": prefix, "clusters": index.versions[-1].clusters if index.versions else 0,
             "exhaustive_seconds": round(t_ex, 5), "ivf": ivf, "deepgemm": engines,
             "maintenance": {"seal_per_chunk_s": round(seal_s, 5), "last_refit_s": round(max(0.0, refit_s), 5),
+                            "last_refit_at": refits[-1]["at"] if refits else None,
+                            "refit_interval": refits[-1]["interval"] if refits else None,
                             "per_chunk_s": round(maintenance, 5), "this_append_s": round(this["seconds"], 5),
                             "refit_distance_work_saved": round(stats.saved, 4) if stats else None},
         })
@@ -148,7 +154,7 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "source": source, "chunk": chunk, "topk": topk, "heads": heads, "budgets": budgets,
         "index": {"window": window, "cluster_size": cluster_size, "refit_every": refit_every,
-                  "refit_iterations": refit_iterations, "refit_search": refit_search, "refits": index.refits},
+                  "refit_fraction": index.refit_fraction, "refit_iterations": refit_iterations, "refit_search": refit_search, "refits": index.refits},
         "scoring": "triton" if use_triton else "torch", "repeats": repeats, "rows": rows,
         "build_seconds": round(sum(a["seconds"] for a in appends), 3),
     }
@@ -220,6 +226,9 @@ def bench_prefill_select(
     window: int = typer.Option(1024, callback=at_least(1), help="Keys per seal."),
     cluster_size: int = typer.Option(128, callback=at_least(1), help="Keys per cluster."),
     refit_every: int = typer.Option(16384, callback=at_least(0), help="Keys between refits (0: never)."),
+    refit_fraction: float = typer.Option(None, help="Past refit_every / this many keys, a refit waits for this share "
+                                                    "of the prefix (0: every refit_every keys; default: the "
+                                                    "index's, 1/16)."),
     refit_iterations: int = typer.Option(1, callback=at_least(1), help="Lloyd iterations per refit."),
     refit_search: str = typer.Option("incremental", help="incremental (old keys keep their center unless a new "
                                      "one is closer) or exact (bound-certified, plain Lloyd's result)."),
@@ -241,7 +250,8 @@ def bench_prefill_select(
     with console.status("prefill-select") as status:
         report = run_bench(prefix_list, chunk, budget_list, topk, store, layer, heads, window, cluster_size,
                            refit_every, refit_iterations, repeats, device, use_triton,
-                           progress=lambda m: status.update(f"prefill-select: {m}"), refit_search=refit_search)
+                           progress=lambda m: status.update(f"prefill-select: {m}"), refit_search=refit_search,
+                           refit_fraction=refit_fraction)
     from dsaindex.console import emit_report
 
     emit_report(report, out, markdown, markdown_table(report))
