@@ -734,11 +734,12 @@ def test_one_captured_step_replays_the_exact_path_or_pq_as_each_step_needs():
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_a_captured_step_takes_the_exact_path_when_its_shapes_never_exceed_the_bound():
     """With the page table's width inside the bound (B x W x 64 keys), every replay is exact, whatever the
-    lengths; no conditional node is needed. Checked against eager exact steps."""
+    lengths; no conditional node is needed. Checked against eager exact steps; the catch-up queued beside the
+    exact path on the selector's side stream encodes the pages the replays complete."""
     lengths = [64 * 10 + 9, 64 * 6]
     cache, table, _ = engine_cache(lengths, 40, strided=True, room=64 * 8)
     sel = PagedCacheSelector(codec(), 40, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
-                             exact_below=2 * table.shape[1] * 64, exact_offset=0)
+                             exact_below=2 * table.shape[1] * 64, exact_offset=0, catch_up=24)
     ref = PagedCacheSelector(codec(), 40, topk=32, candidates=64, prefilter=1, head_dim=D, device=DEV,
                              exact_below=1 << 30)
     static_seq = torch.tensor(lengths, dtype=torch.int32, device=DEV)
@@ -753,6 +754,11 @@ def test_a_captured_step_takes_the_exact_path_when_its_shapes_never_exceed_the_b
         want = ref.select(cache, table, static_seq, q, w, eager_refresh=False)
         assert as_sets(static_out) == as_sets(want), (step, lens)
         assert int(sel.stats.stage1.sum()) == 0
+    # the catch-up ran beside the exact path in every replay: the pages the replays completed hold codes
+    sel.exact_below = 0
+    lens = torch.tensor([1100, 64], dtype=torch.int32, device=DEV)
+    sel.select(cache, table, lens, *queries(2), eager_refresh=False)
+    assert int(sel.stats.stale.sum()) == 0 and int(sel.stats.stage1.sum()) > 0
 
 
 # ---- OPQ: a codec with a learned rotation ----------------------------------------------------------
