@@ -67,7 +67,7 @@ def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Te
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(pos_list):
         groups.setdefault(bisect.bisect_right(uptos, p + 1), []).append(i)
-    keys = index.keys
+    keys = None  # the torch path's float keys, dequantized once (the Triton path reads the FP8 keys)
     for at, members in groups.items():
         version = index.versions[at - 1] if at else None
         reps = None
@@ -86,6 +86,7 @@ def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Te
                 out[rows] = _select_triton(index, version, route, q, w, p, budget, topk)
                 continue
             cand = candidate_table(index, version, route, p, budget)
+            keys = index.keys if keys is None else keys
             exact = _scores(use_triton, keys, q, w, rows=cand)
             out[rows] = _top_rows(exact, cand, topk)
     return out

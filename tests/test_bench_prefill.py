@@ -11,7 +11,7 @@ def test_prefill_select_report(tmp_path):
     # the CPU the refine scores every slot of a query's candidate list, used or not)
     report = run_bench([2048, 4096], chunk=256, budgets=[512, 4608], topk=32, store=None, layer=None, heads=4,
                        window=256, cluster_size=32, refit_every=1024, refit_iterations=1, repeats=1, device="cpu",
-                       use_triton=False)
+                       use_triton=False, key_storage="float32")
     assert [r["prefix"] for r in report["rows"]] == [2048, 4096]
     for row in report["rows"]:
         big = row["ivf"]["4608"]
@@ -31,6 +31,25 @@ def test_prefill_select_report(tmp_path):
     assert markdown_table(report).count("\n") == 4
     assert all(row["deepgemm"] == {"skipped": "not on a CUDA device"} for row in report["rows"])
     assert "| 2K | n/a | n/a |" in markdown_table(report)  # no DeepGEMM figures invented on the CPU
+
+
+def test_prefill_select_keeps_the_runtimes_fp8_keys_by_default():
+    """By default the index keeps its keys as the runtime's prefill index does (FP8 alone), and selects the
+    same way: a budget above the prefix is still exhaustive."""
+    from dsaindex.pipelines.bench.prefill import run_bench
+
+    report = run_bench([2048], chunk=256, budgets=[2304], topk=32, store=None, layer=None, heads=4, window=256,
+                       cluster_size=32, refit_every=1024, refit_iterations=1, repeats=1, device="cpu",
+                       use_triton=False)
+    assert report["index"]["key_storage"] == "fp8" and report["index"]["refits"] == 2
+    assert report["rows"][0]["ivf"]["2304"]["recall_check"] == 1.0
+
+
+def test_prefill_select_refuses_a_key_storage_it_cannot_run():
+    proc = run_cli("bench", "prefill-select", "--device", "cpu", "--prefixes", "2048", "--chunk", "256",
+                   "--key-storage", "streamed")
+    assert proc.returncode == 2, proc.stderr
+    assert "--key-storage 'streamed'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_prefill_select_names_a_missing_store(tmp_path):

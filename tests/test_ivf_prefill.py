@@ -68,9 +68,12 @@ def test_select_chunk_equals_per_query_selection(triton_path, key_storage):
         return learned.setdefault(id(v), v.centers * 1.5 + 0.1)
 
     for representatives in (None, reps):
+        ivf.release_float()
         got = select_chunk(ivf, queries, w, positions, budget=200, topk=20, representatives=representatives,
                            use_triton=triton_path, query_block=5)
         assert got.shape == (len(POSITIONS), 20)
+        if key_storage == "fp8":  # the Triton path reads the FP8 keys: no float copy of the prefix made
+            assert (ivf._float is None) == triton_path
         for i, p in enumerate(POSITIONS):
             cand = ivf.candidates(queries[i], w[i], p, 200, representatives=representatives)
             exact = indexer_scores(queries[i : i + 1].float(), ivf.keys[cand].float(), w[i : i + 1])[0]

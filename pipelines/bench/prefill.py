@@ -81,7 +81,8 @@ def _recall(got, want) -> float:
 def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, store: Path | None, layer: int | None,
               heads: int, window: int, cluster_size: int, refit_every: int, refit_iterations: int, repeats: int,
               device: str, use_triton: bool, progress: Callable[[str], None] | None = None,
-              refit_search: str = "incremental", refit_fraction: float | None = None) -> dict:
+              refit_search: str = "incremental", refit_fraction: float | None = None,
+              key_storage: str = "fp8") -> dict:
     import torch
 
     from dsaindex.runtime.causal_ivf import CausalIVF
@@ -94,7 +95,7 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
     queries, weights = queries.to(device), weights.to(device)
     grows = {} if refit_fraction is None else {"refit_fraction": refit_fraction}
     index = CausalIVF(keys.shape[1], window, cluster_size, refit_every, refit_iterations=refit_iterations,
-                      refit_search=refit_search, device=device, **grows)
+                      refit_search=refit_search, device=device, key_storage=key_storage, **grows)
     appends: list[dict] = []  # one per chunk appended: seconds, seals, refits
     rows = []
 
@@ -154,7 +155,8 @@ def run_bench(prefixes: list[int], chunk: int, budgets: list[int], topk: int, st
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "source": source, "chunk": chunk, "topk": topk, "heads": heads, "budgets": budgets,
         "index": {"window": window, "cluster_size": cluster_size, "refit_every": refit_every,
-                  "refit_fraction": index.refit_fraction, "refit_iterations": refit_iterations, "refit_search": refit_search, "refits": index.refits},
+                  "refit_fraction": index.refit_fraction, "key_storage": key_storage,
+                  "refit_iterations": refit_iterations, "refit_search": refit_search, "refits": index.refits},
         "scoring": "triton" if use_triton else "torch", "repeats": repeats, "rows": rows,
         "build_seconds": round(sum(a["seconds"] for a in appends), 3),
     }
@@ -233,6 +235,8 @@ def bench_prefill_select(
     refit_search: str = typer.Option("incremental", help="incremental (old keys keep their center unless a new "
                                      "one is closer) or exact (bound-certified, plain Lloyd's result)."),
     repeats: int = typer.Option(3, callback=at_least(1), help="Timed runs per measurement (median)."),
+    key_storage: str = typer.Option("fp8", help="How the index keeps its keys: fp8 (the runtime's: the engines' "
+                                                "132-byte format alone) or float32 (also a float32 copy)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
@@ -244,6 +248,11 @@ def bench_prefill_select(
 
     prefix_list = parse_ints(prefixes, "--prefixes", minimum=1)
     budget_list = parse_ints(budgets, "--budgets", minimum=1)
+    if key_storage not in ("fp8", "float32"):
+        from dsaindex.errors import DsaIndexError
+
+        raise DsaIndexError(f"--key-storage {key_storage!r} is not a way this benchmark keeps keys.",
+                            "pass fp8 (what the runtime's prefill index keeps) or float32.")
     device = resolve_device(device)
     use_triton = device.startswith("cuda")
     console = Console(stderr=True)
@@ -251,7 +260,7 @@ def bench_prefill_select(
         report = run_bench(prefix_list, chunk, budget_list, topk, store, layer, heads, window, cluster_size,
                            refit_every, refit_iterations, repeats, device, use_triton,
                            progress=lambda m: status.update(f"prefill-select: {m}"), refit_search=refit_search,
-                           refit_fraction=refit_fraction)
+                           refit_fraction=refit_fraction, key_storage=key_storage)
     from dsaindex.console import emit_report
 
     emit_report(report, out, markdown, markdown_table(report))
