@@ -74,9 +74,13 @@ def select_chunk(index: CausalIVF, queries: torch.Tensor, head_weights: torch.Te
         if version is not None:
             reps = version.centers if representatives is None else representatives(version)
             reps = reps.to(torch.bfloat16) if use_triton else reps
-        sel = torch.tensor(members, device=queries.device)
-        for lo in range(0, sel.numel(), query_block):
-            rows = sel[lo : lo + query_block]
+        first, count = members[0], len(members)
+        # a chunk's positions ascend, so a version's queries are a run of rows: slices (views, no index
+        # tensor copied to the device, which waited for the device each time); any order still works
+        run = members[-1] - first + 1 == count
+        sel = None if run else torch.tensor(members, device=queries.device)
+        for lo in range(0, count, query_block):
+            rows = slice(first + lo, first + min(count, lo + query_block)) if run else sel[lo : lo + query_block]
             q, w, p = queries[rows], head_weights[rows], positions[rows]
             route = None
             if reps is not None:

@@ -86,6 +86,19 @@ def test_select_chunk_equals_per_query_selection(triton_path, key_storage):
             assert float(mine.min()) >= float(kth) - tol * (1 + abs(float(kth)))
 
 
+def test_select_chunk_takes_queries_in_any_order():
+    """A chunk's queries in ascending positions (each version's queries a run of rows) and the same queries
+    shuffled select the same keys, row for row."""
+    keys, queries, w = keys_queries(1500, len(POSITIONS))
+    ivf = built_index(keys)
+    positions = torch.tensor(POSITIONS)
+    ordered = select_chunk(ivf, queries, w, positions, budget=200, topk=20, query_block=3)
+    perm = torch.randperm(len(POSITIONS), generator=torch.Generator().manual_seed(3))
+    shuffled = select_chunk(ivf, queries[perm], w[perm], positions[perm], budget=200, topk=20, query_block=3)
+    for i, j in enumerate(perm.tolist()):
+        assert set(shuffled[i].tolist()) == set(ordered[j].tolist())
+
+
 def test_exhaustive_chunk_is_the_causal_topk():
     keys, queries, w = keys_queries(700, 6, seed=2)
     positions = torch.tensor([0, 5, 63, 64, 300, 699])
