@@ -286,10 +286,14 @@ class CausalIVF:
         starts = [self.sealed + i * self.window for i in range(windows)]
         x = self._rows(self.sealed, self.sealed + windows * self.window).view(windows, self.window, self.dim)
         assign, centers = self._group_windows(x, starts)  # every completed window at once
-        for i in range(windows):
-            self._seal(assign[i], centers[i])
-            if self.refit_every and self.sealed - self.last_refit >= self.refit_interval(self.sealed):
-                self._refit()
+        first = 0
+        for i in range(windows):  # the windows up to each refit sealed together, then the refit
+            sealed = self.sealed + (i + 1 - first) * self.window
+            if i + 1 == windows or (self.refit_every and sealed - self.last_refit >= self.refit_interval(sealed)):
+                self._seal(assign[first : i + 1], centers[first : i + 1])
+                first = i + 1
+                if self.refit_every and self.sealed - self.last_refit >= self.refit_interval(self.sealed):
+                    self._refit()
 
     def refit_interval(self, sealed: int) -> int:
         """Keys a refit waits for once ``sealed`` keys are sealed: ``refit_every``, or past ``refit_every /
@@ -304,21 +308,31 @@ class CausalIVF:
         return seal_kmeans(x, self.window // self.cluster_size, self.iterations, seeds=starts)
 
     def _seal(self, assign: torch.Tensor, centers: torch.Tensor) -> None:
-        """A version adding the window's clusters to the last one's: on buffers shared with the seals before
-        it since the last refit (each version views a prefix of them)."""
-        lo, hi = self.sealed, self.sealed + self.window
-        order, starts = _grouped(assign, torch.arange(lo, hi, device=self.device), centers.shape[0])
+        """One version per window of ``assign`` [R, window] / ``centers`` [R, k, D] (consecutive windows), each
+        adding its window's clusters to the version before it: on buffers shared with the seals since the
+        last refit (each version views a prefix of them), grouped in one pass for all R windows (their
+        cluster ids offset by window: one sort, not one per window, as the versions' contents are the same)."""
+        r, k = centers.shape[0], centers.shape[1]
+        lo, hi = self.sealed, self.sealed + r * self.window
+        ids = assign + (torch.arange(r, device=assign.device) * k)[:, None]
+        order, starts = _grouped(ids.reshape(-1), torch.arange(lo, hi, device=self.device), r * k)
         prev = self.versions[-1] if self.versions else None
         if self._shared is None or self._shared_by is not prev:  # after a refit, or the first seal
             base = ((prev.centers, prev.order, prev.starts) if prev is not None else
-                    (centers[:0], order[:0], torch.zeros(1, dtype=starts.dtype, device=self.device)))
+                    (centers[0, :0], order[:0], torch.zeros(1, dtype=starts.dtype, device=self.device)))
             self._shared = tuple(_Growing(t) for t in base)
         shared_centers, shared_order, shared_starts = self._shared
-        offset = shared_starts.buf[shared_starts.n - 1]
-        version = Version(hi, shared_centers.extend(centers), shared_order.extend(order),
-                          shared_starts.extend(starts[1:] + offset))
-        self._shared_by = version
-        self.versions.append(version)
+        n_centers, n_order, n_starts = shared_centers.n, shared_order.n, shared_starts.n
+        offset = shared_starts.buf[n_starts - 1]
+        shared_centers.extend(centers.reshape(r * k, -1))
+        shared_order.extend(order)
+        shared_starts.extend(starts[1:] + offset)
+        for i in range(r):
+            version = Version(lo + (i + 1) * self.window, shared_centers.buf[: n_centers + (i + 1) * k],
+                              shared_order.buf[: n_order + (i + 1) * self.window],
+                              shared_starts.buf[: n_starts + (i + 1) * k])
+            self.versions.append(version)
+        self._shared_by = self.versions[-1]
         self.sealed = hi
 
     def _refit(self) -> None:

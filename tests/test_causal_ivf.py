@@ -210,12 +210,14 @@ def test_appending_in_pieces_equals_appending_at_once():
     keys = interleaved_keys(5000, seed=7)
     whole = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
     whole.append(keys)
-    pieces = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
-    for lo in range(0, 5000, 700):
-        pieces.append(keys[lo : lo + 700])
-    assert len(whole.versions) == len(pieces.versions)
-    for a, b in zip(whole.versions, pieces.versions, strict=True):
-        assert a.upto == b.upto and torch.equal(a.order, b.order)
+    for step in (700, 256):  # several windows sealed together between refits, and one seal an append
+        pieces = CausalIVF(D, window=256, cluster_size=32, refit_every=1024)
+        for lo in range(0, 5000, step):
+            pieces.append(keys[lo : lo + step])
+        assert len(whole.versions) == len(pieces.versions)
+        for a, b in zip(whole.versions, pieces.versions, strict=True):
+            assert a.upto == b.upto and torch.equal(a.order, b.order) and torch.equal(a.starts, b.starts)
+            torch.testing.assert_close(a.centers, b.centers)
 
 
 def test_warm_bounds_lead_to_the_plain_lloyd_result():
