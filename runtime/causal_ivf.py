@@ -289,10 +289,11 @@ class CausalIVF:
         first = 0
         for i in range(windows):  # the windows up to each refit sealed together, then the refit
             sealed = self.sealed + (i + 1 - first) * self.window
-            if i + 1 == windows or (self.refit_every and sealed - self.last_refit >= self.refit_interval(sealed)):
+            due = self.refit_every and sealed - self.last_refit >= self.refit_interval(sealed)
+            if due or i + 1 == windows:
                 self._seal(assign[first : i + 1], centers[first : i + 1])
                 first = i + 1
-                if self.refit_every and self.sealed - self.last_refit >= self.refit_interval(self.sealed):
+                if due:
                     self._refit()
 
     def refit_interval(self, sealed: int) -> int:
@@ -448,14 +449,6 @@ class BlockIndex(CausalIVF):
     def __init__(self, dim: int, window: int = 1024, cluster_size: int = 128, sinks: int = 4,
                  device: str | torch.device = "cpu"):
         super().__init__(dim, window, cluster_size, refit_every=0, sinks=sinks, device=device)
-
-    def refit_interval(self, sealed: int) -> int:
-        """Keys a refit waits for once ``sealed`` keys are sealed: ``refit_every``, or past ``refit_every /
-        refit_fraction`` keys that share of them. A refit regroups the whole prefix, so its cost grows with
-        the prefix; with the interval growing alike, its cost per key stays flat, and the share of keys
-        not yet regrouped stays at most what it is where the growth starts (1/16 by default, from 256K keys:
-        the schedule is the fixed one up to there, :data:`REFIT_FRACTION`)."""
-        return max(self.refit_every, int(self.refit_fraction * sealed))
 
     def _group_windows(self, x: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         w, k = x.shape[0], self.window // self.cluster_size

@@ -6,13 +6,13 @@ kernels and the host's own time (a GPU; not part of the package). The index keep
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dsaindex.pipelines.bench.prefill import bench_inputs
+from dsaindex.pipelines.bench.timing import time_call
 from dsaindex.runtime.causal_ivf import CausalIVF
 from dsaindex.runtime.ivf_prefill import select_chunk
 
@@ -20,11 +20,8 @@ CHUNK, BUDGET, TOPK = 4096, 16384, 512
 
 
 def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    """Milliseconds of one synchronized call."""
+    return time_call(fn, "cuda")[1] * 1e3
 
 
 def profiled(fn) -> dict:

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsaindex.kernels import deepgemm
 from dsaindex.pipelines.bench.decode import synthetic_state
+from dsaindex.pipelines.bench.timing import captured_graph
 from dsaindex.pq import PQCodec
 from dsaindex.runtime.paged_select import PagedCacheSelector
 
@@ -41,17 +42,7 @@ def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[list[dict]]:
 
 def timeline(step) -> dict:
     """The step ``step`` captured in a graph and replayed: its kernels' median start, duration and gap."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    torch.cuda.synchronize()
-    replays = replay_kernels(graph)
+    replays = replay_kernels(captured_graph(step))
     count = statistics.mode(len(r) for r in replays)
     replays = [r for r in replays if len(r) == count]
     rows = []

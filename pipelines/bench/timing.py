@@ -72,9 +72,16 @@ def graph_median_ms(fn: Callable[[], Any], warmup: int = 2, repeats: int | None 
     warm-up replay). ``fn`` must be capturable (no host synchronization, fixed shapes); a capture
     failure raises what ``torch.cuda.graph`` raised (the caller may time eagerly instead). Without a
     CUDA device it refuses with :class:`dsaindex.errors.DsaIndexError`."""
-    import torch
 
     _need_cuda("CUDA-graph timing")
+    return median_ms(captured_graph(fn, warmup).replay, repeats)
+
+
+def captured_graph(fn: Callable[[], Any], warmup: int = 2):
+    """``fn`` captured once in a CUDA graph on the current device, after ``warmup`` calls on a side stream
+    (compilation, allocations, lazy initialization, which a capture must not see); the device synchronized."""
+    import torch
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -85,7 +92,7 @@ def graph_median_ms(fn: Callable[[], Any], warmup: int = 2, repeats: int | None 
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
-    return median_ms(graph.replay, repeats)
+    return graph
 
 
 def event_median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1, idle_start: bool = True) -> float:

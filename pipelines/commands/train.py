@@ -374,8 +374,9 @@ def train_ivf_cmd(
                                      help="Keys per cluster (the cap of the size-capped k-means)."),
     refit_every: int = typer.Option(16384, callback=at_least(0), help="Keys between refits of the whole prefix "
                                                                       "(0: never)."),
-    refit_fraction: float = typer.Option(0.0625, help="Past refit_every / this many keys, a refit waits for this "
-                                                     "share of the prefix (0: every refit_every keys)."),
+    refit_fraction: float = typer.Option(None, help="Past refit_every / this many keys, a refit waits for this "
+                                                    "share of the prefix (0: every refit_every keys; default: "
+                                                    "1/16)."),
     budgets: str = typer.Option(_BUDGETS, help=_BUDGETS_HELP),
     steps: int = typer.Option(300, callback=at_least(1), help="Encoder training steps."),
     groups_per_step: int = typer.Option(32, callback=at_least(1),
@@ -406,8 +407,8 @@ def train_ivf_cmd(
     from dsaindex.train.ivf_job import run_ivf_job
 
     try:
-        settings = IVFIndexSettings(window=window, cluster_size=cluster_size, refit_every=refit_every,
-                                    refit_fraction=refit_fraction)
+        grows = {} if refit_fraction is None else {"refit_fraction": refit_fraction}
+        settings = IVFIndexSettings(window=window, cluster_size=cluster_size, refit_every=refit_every, **grows)
     except ValidationError as err:
         raise DsaIndexError(f"Invalid index settings: {err.errors()[0]['msg']}.",
                             "pass --window as a multiple of --cluster-size (1024 and 128, say), and "
