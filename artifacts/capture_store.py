@@ -80,8 +80,21 @@ class QuerySampling(BaseModel):
     seed: int = 0
 
 
+class PrefillSelection(BaseModel):
+    """How the captured model chose the keys its sparse attention read during the capture, where that was
+    not its own exact indexer: the runtime's IVF prefill selection (``kind``) from the ivf bundle
+    ``bundle_id`` at ``budget`` candidates a query, as ``dsaindex serve`` prefills. Later layers' keys
+    follow from that choice, so it is part of what a store holds."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["ivf"] = "ivf"
+    bundle_id: str
+    budget: int
+
+
 class CaptureSettings(BaseModel):
-    """Settings that shape what a capture writes; a resume must use the same ones."""
+    """Settings that shape what a capture writes; a resume must use the same ones. ``prefill_selection``:
+    None where the model selected with its own exact indexer (every store before it was recorded)."""
 
     model_config = ConfigDict(extra="forbid")
     seq_len: int = 4096
@@ -89,6 +102,7 @@ class CaptureSettings(BaseModel):
     basis: Literal["raw", "hadamard"] = "hadamard"
     key_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     sampling: QuerySampling = QuerySampling()
+    prefill_selection: PrefillSelection | None = None
 
 
 class CaptureManifest(BaseModel):

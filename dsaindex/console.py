@@ -272,6 +272,14 @@ def routing_table(mean: dict, budgets: list[int], title: str) -> Any:
     return table
 
 
+def _selection_line(selection: dict | None) -> str:
+    """How a store's model selected its attention's keys while it was captured."""
+    if not selection:
+        return "the model's own exact indexer"
+    return (f"the runtime's {selection['kind'].upper()} prefill, {selection['budget']:,} candidates a query "
+            f"(bundle {selection['bundle_id']})")
+
+
 def print_store_summary(s: dict) -> None:
     """A capture store's :meth:`~dsaindex.artifacts.capture_store.CaptureStore.info` as a table."""
     from rich.console import Console
@@ -295,6 +303,7 @@ def print_store_summary(s: dict) -> None:
                     f"({key_bytes / n_keys:.0f} bytes per key)"),
         ("corpus", f"{', '.join(s['corpus']['sources'])}: {s['corpus']['files']} files, {human_bytes(s['corpus']['bytes'])}"),
         ("tokenizer", s["tokenizer"]),
+        ("prefill selection", _selection_line(s["settings"].get("prefill_selection"))),
         ("store id", f"{s['store_id']} ({s['schema']}, created {s['created_at']})"),
     ]
     for k, v in rows:

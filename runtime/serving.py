@@ -197,6 +197,7 @@ class ServedIndex(ModuleHooks):
         self._per_layer_c = isinstance(decode.candidates, Mapping)
         self._per_layer_p = isinstance(decode.prefilter, Mapping)
         self.points = ""  # each decode layer's point and its recorded recall (serve_index says it at startup)
+        self.bundles: dict[str, str] = {}  # where each served bundle came from -> its bundle id (serve_index)
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
                                  self.topk, candidates=self.candidates[layer], prefilter=self.prefilter[layer],
@@ -605,6 +606,7 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     by_role: dict[str, dict[int, Any]] = {"decode": {}, "prefill": {}}
     metrics: dict[str, float] = {}  # the decode bundles' recorded recall, for the startup line
     budgets: list[int] = []  # each ivf bundle's smallest budget at the prefill recall target
+    bundles: dict[str, str] = {}
     reuse: dict[int, int] | None = None
     chosen: dict[int, int] = {}
     factors: dict[int, int] = {}
@@ -612,6 +614,7 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
         loaded = load_bundle(uri, model.config, device=dev, basis=settings.basis, served=served,
                              tracking_uri=settings.tracking_uri, allow_other_weights=settings.allow_other_weights)
+        bundles[str(uri)] = loaded.manifest.bundle_id
         for layer, obj in loaded.layers.items():
             role = loaded.kind_of(layer).role
             if role == "model":
@@ -653,6 +656,7 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     if budgets:  # the largest, so that every prefill layer reaches the target
         settings = replace(settings, prefill=replace(settings.prefill, ivf_budget=max(budgets)))
     index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
+    index.bundles = bundles
     if index.candidates:
         index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target,
                                        code_bytes={layer: code_bytes_of(codec) for layer, codec in by_role["decode"].items()})

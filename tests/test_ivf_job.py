@@ -162,3 +162,95 @@ def test_prefill_indexer_routes_with_the_loaded_encoder(trained):
     assert len(learned.index.versions) < len(whole.versions)  # old versions are dropped as prefill moves on
     with pytest.raises(DsaIndexError, match="cannot hold the top-16"):
         IVFPrefillIndexer(128, topk=16, budget=8, layer=layer)
+
+
+def _count_indexer_forwards(monkeypatch) -> list[int]:
+    """Count the calls that reach tiny-v32's own indexer forward (its exact scores of every key) from now on."""
+    import functools
+
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as modeling
+
+    calls = [0]
+    own = modeling.DeepseekV32Indexer.forward
+
+    @functools.wraps(own)
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling.DeepseekV32Indexer, "forward", counted)
+    return calls
+
+
+def test_capture_prefills_through_the_runtimes_ivf_selection(trained, tmp_path, monkeypatch):
+    """`capture --ivf-artifacts`: the model's attention reads the runtime's IVF selection, so its own indexer
+    never scores a chunk. The first indexer layer's keys come before any selection and equal the exact
+    capture's; later layers' keys follow the served selection, which at a budget of a sixth of the keys is
+    not the exact one. The store records the bundle and the budget, and a resume with other ones is refused."""
+    import numpy as np
+
+    from dsaindex.artifacts.bundle import read_manifest
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from helpers import run_cli_in_process
+
+    root, exact_store, bundle, result = trained
+    calls = _count_indexer_forwards(monkeypatch)
+    store = tmp_path / "served"
+    args = ("capture", str(store), "-m", "preset:tiny-v32", "-n", "1", "--seq-len", "1536", "--chunk-len", "768",
+            "--no-progress", "--ivf-artifacts", str(bundle))
+    proc = run_cli_in_process(*args, "--ivf-budget", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert calls[0] == 0  # 2 chunks x 4 layers selected by the runtime
+    bundle_id = read_manifest(bundle).bundle_id
+    assert f"256 candidates a query (bundle {bundle_id})" in proc.stderr
+    served, exact = CaptureStore.open(store), CaptureStore.open(exact_store)
+    assert served.manifest.settings.prefill_selection.model_dump() == {"kind": "ivf", "bundle_id": bundle_id,
+                                                                         "budget": 256}
+    assert exact.manifest.settings.prefill_selection is None
+    assert np.array_equal(served.array("tokens"), exact.array("tokens")[:1536])
+    assert np.array_equal(served.keys(0), exact.keys(0)[:1536])
+    for layer in (1, 2, 3):
+        differ = (served.keys(layer) != exact.keys(layer)[:1536]).any(axis=1)
+        assert not differ[:32].any() and differ.mean() > 0.5, layer  # the first top-32 keys see every key
+    info = run_cli_in_process("store", "info", str(store))
+    assert "the runtime's IVF prefill, 256 candidates a query" in info.stdout
+
+    for other in (("--ivf-budget", "512"), ()):  # resumed with another budget, or with the model's own selection
+        again = run_cli_in_process(*(args if other else args[:-2]), "-n", "2", *other)
+        assert again.returncode == 2 and "prefill_selection" in again.stderr, again.stderr
+    assert CaptureStore.open(store).committed.sequences == 1
+
+    control = run_cli_in_process("capture", str(tmp_path / "exact"), "-m", "preset:tiny-v32", "-n", "1", "--seq-len",
+                                 "256", "--no-progress")
+    assert control.returncode == 0 and calls[0] == 4  # without the bundle, the model's own indexer scores
+
+    # a capture the bundle was not trained on is measured whole (one sequence: no split), longest prefixes apart
+    measured = {}
+    for longer in ("0", "1024"):
+        proc = run_cli("eval", "ivf", str(bundle), "--store", str(store), "--budgets", "256", "--eval-queries", "64",
+                       "--min-prefix", longer, "--device", "cpu", "--json")
+        assert proc.returncode == 0, proc.stderr
+        measured[longer] = json.loads(proc.stdout)
+    assert measured["0"]["sequences"] == [0] and measured["0"]["held_out"].startswith("every sequence")
+    counts = {longer: r["per_layer"]["1"]["queries"]["256"] for longer, r in measured.items()}
+    assert 0 < counts["1024"] < counts["0"], counts
+
+
+def test_capture_refuses_an_ivf_budget_without_a_bundle_and_a_bundle_that_is_not_ivf(trained, tmp_path):
+    import numpy as np
+
+    from dsaindex.artifacts.bundle import LayerArtifact, read_bundle, write_bundle
+
+    root, store, bundle, result = trained
+    proc = run_cli("capture", str(tmp_path / "a"), "-m", "preset:tiny-v32", "--ivf-budget", "256")
+    assert proc.returncode == 2 and "--ivf-artifacts" in proc.stderr
+    proc = run_cli("capture", str(tmp_path / "b"), "-m", "preset:tiny-v32", "--ivf-artifacts", str(tmp_path / "none"))
+    assert proc.returncode == 2 and "no bundle there" in proc.stderr
+    manifest, _ = read_bundle(bundle)
+    layers = {str(i): LayerArtifact(kind="pq", params={"subspaces": 32, "score_aware": False}) for i in range(4)}
+    pq = tmp_path / "pq"
+    write_bundle(pq, manifest.model_copy(update={"layers": layers}),
+                 {i: {"codebooks": np.zeros((32, 256, 4), dtype=np.float32)} for i in range(4)})
+    proc = run_cli("capture", str(tmp_path / "c"), "-m", "preset:tiny-v32", "--ivf-artifacts", str(pq))
+    assert proc.returncode == 2 and "not an ivf bundle alone: it holds decode codes" in proc.stderr, proc.stderr
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "c"))

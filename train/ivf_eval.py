@@ -37,18 +37,21 @@ def make_index(method: str, dim: int, settings: IVFIndexSettings, device: str | 
 
 
 def evaluate_routing(store: CaptureStore, layer: int, budgets: list[int], topk: int, settings: IVFIndexSettings,
-                     methods: tuple[str, ...] = METHODS, max_queries: int = 64, device: str = "cpu", encoder: dict | None = None) -> dict:
+                     methods: tuple[str, ...] = METHODS, max_queries: int = 64, device: str = "cpu", encoder: dict | None = None,
+                     sequences: list[int] | None = None, min_prefix: int = 0) -> dict:
     """Mean recall per (method, budget) over held-out queries of one layer, plus the query count.
 
     ``encoder`` (parameters of :mod:`dsaindex.train.ivf`) adds the method ``ivf-learned``: the ``ivf``
-    index routed with learned representatives."""
+    index routed with learned representatives. ``sequences``: the store's sequences whose queries are
+    measured (None: the held-out split of :func:`split_sequences`); ``min_prefix``: only queries with more
+    keys before them than this (and than the smallest budget)."""
     methods = tuple(methods) + ((LEARNED,) if encoder is not None and LEARNED not in methods else ())
-    _, eval_seqs = split_sequences(len(store.array("sequence_keys")))
+    eval_seqs = sequences if sequences is not None else split_sequences(len(store.array("sequence_keys")))[1]
     sums = {(m, b): 0.0 for m in methods for b in budgets}
     counts = dict.fromkeys(budgets, 0)
     profile = {"window_share": 0.0, "keys_per_block": 0.0, "keys_per_cluster": 0.0, "queries": 0, "far": 0,
                "clustered": 0}
-    for part in queries_by_sequence(store, layer, eval_seqs, min(budgets), max_queries, device):
+    for part in queries_by_sequence(store, layer, eval_seqs, max(min(budgets), min_prefix), max_queries, device):
         keys = part.keys
         indexes = {m: make_index(m, keys.shape[1], settings, device) for m in methods}
         for index in indexes.values():

@@ -19,7 +19,7 @@ import numpy as np
 from dsaindex.artifacts.kinds import ENCODER_ARRAYS, IVFLayer
 from dsaindex.train.ivf import IVFOptions, routing_groups, train_encoder
 from dsaindex.train.ivf_eval import LEARNED, METHODS, evaluate_routing
-from dsaindex.train.recall import split_sequences
+from dsaindex.train.recall import measured_sequences, split_sequences
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureStore
@@ -243,24 +243,28 @@ def run_ivf_job(store_path: str | Path, opts: IVFOptions, budgets: list[int], ev
 
 def evaluate_bundle(bundle: str | Path, store_path: str | Path, budgets: list[int], eval_queries: int = 64,
                     device: str = "cpu", progress: Progress | None = None,
-                    ray: str | RaySettings | None = None) -> dict:
+                    ray: str | RaySettings | None = None, min_prefix: int = 0) -> dict:
     """Held-out routing recall of a trained ``ivf`` bundle on a store of its model, beside contiguous
-    blocks and plain IVF. Returns ``{bundle, store, topk, mean, per_layer}``. ``progress(layers done,
-    layers in all, text)`` as each layer is evaluated; ``ray`` as in :func:`train_ivf` (the encoders travel
-    to the tasks, each task reads its layer's held-out queries from the store)."""
+    blocks and plain IVF: on the bundle's held-out sequences of its training store, on every sequence of
+    another store. Returns ``{bundle, store, topk, sequences, held_out, min_prefix, mean, per_layer}``.
+    ``min_prefix``: only queries with more keys before them (the longest prefixes of a long capture).
+    ``progress(layers done, layers in all, text)`` as each layer is evaluated; ``ray`` as in
+    :func:`train_ivf` (the encoders travel to the tasks, each task reads its layer's queries from the store)."""
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.artifacts.compat import check_store_for_bundle
 
     manifest, encoders = load_encoders(bundle, "cpu" if ray is not None else device)
     store = CaptureStore.open(store_path)
     check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
+    sequences, held_how = measured_sequences(store, [manifest])
     topk = store.manifest.model.geometry.topk
     layers = list(encoders)
     if ray is not None:
         from dsaindex.train.cluster import location, run_layers
 
-        done = run_layers(_evaluate_layer_task, layers, (location(store_path), budgets, topk, encoders, eval_queries),
-                          ray, device, progress)
+        done = run_layers(_evaluate_layer_task, layers,
+                          (location(store_path), budgets, topk, encoders, eval_queries, sequences, min_prefix), ray, device,
+                          progress)
         results = {layer: {"eval": d["result"]} for layer, d in done.items()}
     else:
         results = {}
@@ -269,20 +273,21 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, budgets: list[in
                 progress(len(results), len(layers), f"layer {layer}: held-out recall")
             enc = encoders[layer]
             results[layer] = {"eval": evaluate_routing(store, layer, budgets, topk, enc.settings, METHODS,
-                                                       eval_queries, device, encoder=enc.params)}
+                                                       eval_queries, device, encoder=enc.params, sequences=sequences,
+                                                       min_prefix=min_prefix)}
     if progress:
         progress(len(layers), len(layers), "done")
     mean = mean_recall({"results": results, "budgets": budgets})
-    return {"bundle": str(bundle), "store": str(store_path), "topk": topk, "mean": mean,
-            "per_layer": {str(k): r["eval"] for k, r in results.items()}}
+    return {"bundle": str(bundle), "store": str(store_path), "topk": topk, "sequences": sequences,
+            "held_out": held_how, "min_prefix": min_prefix, "mean": mean, "per_layer": {str(k): r["eval"] for k, r in results.items()}}
 
 
 def _evaluate_layer_task(layer: int, device: str, location: str, budgets: list[int], topk: int, encoders: dict,
-                         eval_queries: int) -> dict:
+                         eval_queries: int, sequences: list[int], min_prefix: int) -> dict:
     """One layer of :func:`evaluate_bundle` on a Ray worker: its routing recall (a plain dict)."""
     from dsaindex.artifacts.capture_store import CaptureStore
 
     enc = encoders[layer]
     params = {name: t.to(device) for name, t in enc.params.items()}
     return evaluate_routing(CaptureStore.open(location), layer, budgets, topk, enc.settings, METHODS, eval_queries,
-                            device, encoder=params)
+                            device, encoder=params, sequences=sequences, min_prefix=min_prefix)

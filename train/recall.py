@@ -104,6 +104,26 @@ def split_sequences(num_sequences: int, eval_fraction: float = 0.2) -> tuple[lis
     return list(range(num_sequences - n_eval)), list(range(num_sequences - n_eval, num_sequences))
 
 
+def measured_sequences(store: CaptureStore, manifests: list) -> tuple[list[int], str]:
+    """The store's sequences that no bundle (``manifests``: their :class:`BundleManifest`) trained on, and how
+    they were chosen: a bundle trained on this very store (same store id) leaves its recorded held-out
+    sequences; the store of another capture is held out whole."""
+    from dsaindex.errors import DsaIndexError
+
+    keep = set(range(store.committed.sequences))
+    trained_here = [m for m in manifests if m.lineage.capture_store_id == store.manifest.store_id]
+    for m in trained_here:
+        keep &= set(m.lineage.eval_sequences)
+    if not keep:
+        raise DsaIndexError(f"Every sequence of store {store.manifest.store_id} trained one of the bundles; none is "
+                            "held out for all of them.",
+                            "pass --store a capture the bundles were not trained on (`dsaindex capture` with "
+                            "another corpus or seed).")
+    how = ("the held-out sequences of the bundles' training store" if trained_here
+           else "every sequence (no bundle was trained on this store)")
+    return sorted(keep), how
+
+
 def sequence_key_offsets(store: CaptureStore) -> np.ndarray:
     counts = store.array("sequence_keys").astype(np.int64)
     return np.concatenate([[0], np.cumsum(counts)])

@@ -112,25 +112,6 @@ def load_bundles(refs: list[str], store, store_ref: str, layers: list[int] | Non
     return out
 
 
-def measured_sequences(store, bundles: list[Bundle]) -> tuple[list[int], str]:
-    """The store's sequences no bundle was trained on: a bundle trained on this very store (same store id)
-    leaves its recorded held-out sequences; the store of another capture is held out whole."""
-    from dsaindex.errors import DsaIndexError
-
-    keep = set(range(store.committed.sequences))
-    trained_here = [b for b in bundles if b.manifest.lineage.capture_store_id == store.manifest.store_id]
-    for b in trained_here:
-        keep &= set(b.manifest.lineage.eval_sequences)
-    if not keep:
-        raise DsaIndexError(f"Every sequence of store {store.manifest.store_id} trained one of the bundles; none is "
-                            "held out for all of them.",
-                            "pass --store a capture the bundles were not trained on (`dsaindex capture` with "
-                            "another corpus or seed).")
-    how = ("the held-out sequences of the bundles' training store" if trained_here
-           else "every sequence (no bundle was trained on this store)")
-    return sorted(keep), how
-
-
 def check_points(bundles: list[Bundle], candidates: list[int], prefilters: list[int], topk: int,
                  key_counts: list[int] | None, device: str) -> None:
     """Refuse a (C, P) the served step cannot run, before any work: C below the top-k, C not below every
@@ -579,6 +560,7 @@ def bench_frontier(
     from dsaindex.console import emit_report, parse_ints, progress_bar, resolve_device
     from dsaindex.errors import DsaIndexError
     from dsaindex.runtime.settings import parse_fraction
+    from dsaindex.train.recall import measured_sequences
 
     # every input is checked before the first measurement (recall and timing take minutes)
     refs = list(artifacts or []) + list(more or [])
@@ -614,7 +596,7 @@ def bench_frontier(
         raise DsaIndexError(f"--min-prefix {min_prefix} is not above the largest C ({max(cs)}): a query with at most "
                             "C keys before it has every key rescored (exhaustive, not coarse-to-fine).",
                             f"pass --min-prefix {max(cs) + 1} or more, or leave it out.")
-    sequences, held_how = measured_sequences(cstore, bundles)
+    sequences, held_how = measured_sequences(cstore, [b.manifest for b in bundles])
     steps = [s for s in STEPS if any(step_for(b, direct_upto) == s for b in batch_sizes)]
     if not timed_run:
         reason = "--no-timing" if timing is False else "no CUDA device"

@@ -19,14 +19,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dsaindex.artifacts.capture_store import (
     CaptureSettings,
     CaptureStore,
+    PrefillSelection,
     QuerySampling,
     SequenceBatch,
     new_manifest,
@@ -94,10 +96,50 @@ def _encode_keys(vectors, basis: str, key_dtype: str) -> np.ndarray:
     return vectors.float().cpu().numpy()
 
 
-class SequenceCapturer:
-    """Runs one sequence through the model in chunks and gathers per-layer keys, queries, weights."""
+@dataclass(frozen=True)
+class PrefillRequest:
+    """``capture --ivf-artifacts``: the captured model prefills through the runtime's IVF selection, as
+    ``dsaindex serve`` prefills, instead of its own exact indexer. ``budget``: candidates a query (None: the
+    smallest the bundle records at ``recall_target``, as the server chooses). Each chunk's selection then
+    costs the budget, not the prefix, which is what makes 512K-1M-token captures affordable."""
 
-    def __init__(self, loaded: LoadedModel, settings: CaptureSettings, device: str):
+    artifacts: str
+    budget: int | None = None
+    recall_target: float | None = None
+
+
+def served_prefill(loaded: LoadedModel, request: PrefillRequest, settings: CaptureSettings, device: str) -> Any:
+    """The runtime's prefill selection for ``loaded`` (a :class:`dsaindex.runtime.serving.ServedIndex`, not
+    attached), loaded and validated as a server loads it. Refuses a bundle that does not select prefill
+    (pq codes, reuse plans): a capture records keys, it serves no decode step."""
+    from dsaindex.runtime.serving import serve_index
+    from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
+
+    prefill = PrefillSettings(ivf_budget=request.budget)
+    if request.recall_target is not None:
+        prefill = replace(prefill, ivf_recall_target=request.recall_target)
+    # decode fixed (not chosen from a bundle's recall): a pq bundle passed here is refused below, not sized
+    decode = DecodeSettings(candidates=geometry_from_config(loaded.model.config).topk, prefilter=1)
+    index = serve_index(request.artifacts, loaded.model,
+                        ServeSettings(decode=decode, prefill=prefill, basis=settings.basis,
+                                      max_keys=settings.seq_len + 1),
+                        name=loaded.name, device=device, served=loaded.fingerprint)
+    if index.decode_layers or index.reuse or not index.prefill_layers:
+        held = ([f"decode codes for layers {sorted(index.decode_layers)}"] if index.decode_layers else []) + (
+            ["a cross-layer reuse plan"] if index.reuse else [])
+        raise DsaIndexError(f"--ivf-artifacts {request.artifacts} is not an ivf bundle alone: it holds "
+                            f"{' and '.join(held) or 'no prefill routing'}.",
+                            "pass the ivf bundle of `dsaindex train ivf` (pq codes and reuse plans serve decode "
+                            "and attention, not a capture's prefill).")
+    return index
+
+
+class SequenceCapturer:
+    """Runs one sequence through the model in chunks and gathers per-layer keys, queries, weights.
+    ``selection``: the runtime's prefill selection installed in the model while it runs (None: the model's
+    own indexer selects)."""
+
+    def __init__(self, loaded: LoadedModel, settings: CaptureSettings, device: str, selection: Any = None):
         from dsaindex.pipelines.capture.tap import IndexerTap
 
         self.loaded = loaded
@@ -106,13 +148,24 @@ class SequenceCapturer:
         self.geometry = geometry_from_config(loaded.model.config)
         self._records: list = []
         self.tap = IndexerTap(loaded.model, self.geometry, self._records.append)
+        self.selection = selection
 
     def __enter__(self) -> SequenceCapturer:
         self.tap.__enter__()
+        if self.selection is not None:
+            try:
+                self.selection.__enter__()
+            except BaseException:
+                self.tap.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.tap.__exit__(*exc)
+        try:
+            if self.selection is not None:
+                self.selection.__exit__(*exc)
+        finally:
+            self.tap.__exit__(*exc)
 
     def run(self, tokens: list[int], seq_index: int, batch: SequenceBatch,
             on_chunk: Callable[[int], None] | None = None) -> None:
@@ -173,19 +226,23 @@ def score_tensor_bytes(chunk_len: int, n_heads: int, keys: int) -> int:
 
 
 def out_of_memory_error(settings: CaptureSettings, geometry: IndexerGeometry, seq_index: int, seq_tokens: int,
-                        committed: int, new_store: bool, free_bytes: int | None = None) -> DsaIndexError:
+                        committed: int, new_store: bool, free_bytes: int | None = None,
+                        attention_heads: int | None = None) -> DsaIndexError:
     """The one-line error for a CUDA out-of-memory in capture: the score tensor of one chunk at the
     current ``--chunk-len`` and a smaller one to use (fitting half of ``free_bytes`` where known).
     ``committed``: sequences the store holds; ``new_store``: this run created it (and, holding nothing,
-    removes it)."""
+    removes it). ``attention_heads``: the runtime selects (``--ivf-artifacts``), so the largest tensor is the
+    attention's [B, heads, S, T] scores, not the indexer's."""
     from dsaindex.console import human_bytes
 
     chunk = min(settings.chunk_len, seq_tokens)
     keys = geometry.keys_for_tokens(seq_tokens)
-    need = score_tensor_bytes(chunk, geometry.n_heads, keys)
+    heads, what = ((attention_heads, "attention's [B, heads, S, T]") if attention_heads
+                   else (geometry.n_heads, "indexer's [B, S, H, T]"))
+    need = score_tensor_bytes(chunk, heads, keys)
     smaller = 1 << max(0, (chunk // 4).bit_length() - 1)  # a power of two, at most a quarter
     if free_bytes:
-        while smaller > 64 and score_tensor_bytes(smaller, geometry.n_heads, keys) > free_bytes // 2:
+        while smaller > 64 and score_tensor_bytes(smaller, heads, keys) > free_bytes // 2:
             smaller //= 2
     if committed:
         then = (f"capture into a new store path (this one keeps its {committed} committed sequences and its "
@@ -194,12 +251,12 @@ def out_of_memory_error(settings: CaptureSettings, geometry: IndexerGeometry, se
         then = "run the command again (nothing was committed; the new store was removed)"
     else:
         then = "capture into a new store path (this one holds no sequence but keeps its chunk length)"
+    shape = f"[1, {chunk}, {heads}, {keys}]" if not attention_heads else f"[1, {heads}, {chunk}, {keys}]"
     return DsaIndexError(
         f"CUDA ran out of memory capturing sequence {seq_index} ({seq_tokens} tokens) at --chunk-len "
-        f"{settings.chunk_len}: the indexer's [B, S, H, T] = [1, {chunk}, {geometry.n_heads}, {keys}] fp32 score "
-        f"tensor of one chunk alone needs ~{human_bytes(need)}.",
+        f"{settings.chunk_len}: the {what} = {shape} fp32 score tensor of one chunk alone needs ~{human_bytes(need)}.",
         f"lower --chunk-len, e.g. --chunk-len {smaller} "
-        f"(~{human_bytes(score_tensor_bytes(smaller, geometry.n_heads, keys))} per chunk), and {then}.",
+        f"(~{human_bytes(score_tensor_bytes(smaller, heads, keys))} per chunk), and {then}.",
     )
 
 
@@ -253,6 +310,7 @@ def capture(
     progress: Callable[[int, int], None] | None = None,
     loaded: LoadedModel | None = None,
     notice: Callable[[str], None] | None = None,
+    prefill: PrefillRequest | None = None,
 ) -> CaptureResult:
     """Capture until the store holds ``max_sequences`` sequences (resuming if it already holds some).
 
@@ -260,7 +318,10 @@ def capture(
     captured (``flush_tokens`` > 0: once that many tokens are buffered). On Ctrl-C the whole sequences
     captured so far are committed before the ``KeyboardInterrupt`` goes on. A CUDA out-of-memory becomes a
     :class:`DsaIndexError` naming the ``--chunk-len`` to use. ``progress(tokens_done, tokens_total)`` is
-    called after every chunk; ``notice(message)`` receives remarks on the input (binary files skipped).
+    called after every chunk; ``notice(message)`` receives remarks on the input (binary files skipped) and
+    the prefill selection chosen. ``prefill``: select the model's keys during prefill with the runtime's IVF
+    selection (:class:`PrefillRequest`; the bundle and budget are recorded in the store's settings, so a
+    resume must use the same).
     """
     if settings.chunk_len <= 0 or settings.seq_len <= 0:
         raise DsaIndexError("seq_len and chunk_len must be positive.", "pass --seq-len and --chunk-len > 0.")
@@ -282,10 +343,27 @@ def capture(
                f"or invalid UTF-8): {names}")
     corpus_info = corpus.describe()
     check_text(corpus, max_sequences * settings.seq_len)
+    if prefill is not None and not prefill.artifacts.startswith("models:/"):  # the registry resolves those later
+        where = location(prefill.artifacts)
+        if isinstance(where, Path) and not (where / "zarr.json").is_file():
+            raise DsaIndexError(f"--ivf-artifacts {prefill.artifacts}: no bundle there.",
+                                "pass the folder `dsaindex train ivf --out` wrote, s3://bucket/prefix or "
+                                "models:/<name>@<alias>.")
 
     import torch
 
     loaded = loaded or load_model(model_ref, device=device, dtype=dtype)
+    selection = None
+    if prefill is not None:  # validated against the model before the store is created
+        selection = served_prefill(loaded, prefill, settings, device)
+        settings = settings.model_copy(update={"prefill_selection": PrefillSelection(
+            bundle_id=next(iter(selection.bundles.values())), budget=selection.ivf_budget)})
+        if notice:
+            layers = sorted(selection.prefill_layers)
+            exact = sorted(set(geometry_from_config(loaded.model.config).indexer_layers) - set(layers))
+            notice(f"the model prefills through the runtime's IVF selection at layers {layers}, "
+                   f"{selection.ivf_budget:,} candidates a query (bundle {settings.prefill_selection.bundle_id})"
+                   + (f"; layers {exact} keep the model's own exact selection" if exact else ""))
     tokenizer = loaded.tokenizer
     expected = new_manifest(loaded.fingerprint, settings, corpus_info, tokenizer.name)
     sequences = pack_sequences(iter_documents(corpus), tokenizer.encode, settings.seq_len, [tokenizer.eos_id])
@@ -312,7 +390,7 @@ def capture(
             total_tokens = todo * settings.seq_len
             done_tokens = 0
             batch = SequenceBatch()
-            with SequenceCapturer(loaded, settings, device) as capturer:
+            with SequenceCapturer(loaded, settings, device, selection) as capturer:
                 try:
                     for seq_index, tokens in enumerate(sequences):
                         if seq_index < resumed_from:
@@ -332,8 +410,10 @@ def capture(
                             _commit(store, batch)  # whole sequences captured before are kept
                             batch = SequenceBatch()
                             committed = store.committed.sequences
+                            heads = None if selection is None else int(loaded.model.config.num_attention_heads)
                             raise out_of_memory_error(settings, capturer.geometry, seq_index, len(tokens), committed,
-                                                      created and not committed, _free_cuda_bytes(device)) from None
+                                                      created and not committed, _free_cuda_bytes(device),
+                                                      heads) from None
                         if batch.num_tokens >= flush_tokens:
                             with interrupts_deferred():  # a Ctrl-C here waits for the commit and the reset
                                 store.append(batch)

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 import typer
 
 from dsaindex.pipelines.capture.presets import PRESETS
+from dsaindex.pipelines.commands import serving_options
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureSettings
     from dsaindex.pipelines.capture.corpus import CorpusSpec
+    from dsaindex.pipelines.capture.run import PrefillRequest
 
 
 _MODEL_HELP = (
@@ -31,7 +33,8 @@ def capture_cmd(
     text_field: str = typer.Option("text", help="Field holding the text in JSONL corpus files."),
     sequences: int = typer.Option(8, "--sequences", "-n", min=1, help="Sequences the store should hold when done."),
     seq_len: int = typer.Option(4096, min=1, help="Tokens per sequence."),
-    chunk_len: int = typer.Option(2048, min=1, help="Tokens per forward call (bounds the indexer's [S,H,T] scores)."),
+    chunk_len: int = typer.Option(2048, min=1, help="Tokens per forward call (bounds the indexer's [S,H,T] scores, "
+                                                    "and the attention's [heads,S,T] ones)."),
     basis: str = typer.Option("hadamard", help="Key basis to store: hadamard (as engines rotate keys) or raw."),
     key_dtype: str = typer.Option("bfloat16", help="Storage dtype of keys and queries: bfloat16 or float32."),
     queries: int = typer.Option(32, min=0, help="Scattered query positions sampled per sequence."),
@@ -43,6 +46,13 @@ def capture_cmd(
     flush_tokens: int = typer.Option(
         0, min=0, help="Commit after every sequence (0), or once this many tokens are buffered (fewer, larger "
         "commits; a kill loses what is buffered)."),
+    ivf_artifacts: str = typer.Option(
+        None, "--ivf-artifacts",
+        help="Prefill the model through the runtime's IVF selection from this ivf bundle (path, s3:// or "
+             "models:/), as `dsaindex serve` does, instead of its own exact indexer: each chunk then costs the "
+             "budget, not the prefix, which makes 512K-1M-token sequences affordable. Recorded in the store."),
+    ivf_budget: int = serving_options.IVF_BUDGET,
+    ivf_recall_target: float = serving_options.IVF_RECALL_TARGET,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
@@ -53,6 +63,7 @@ def capture_cmd(
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.capture.corpus import CorpusSpec
     from dsaindex.pipelines.capture.models import default_model_ref
+    from dsaindex.pipelines.capture.run import PrefillRequest
 
     # every option is checked before a model loads or a store is created
     where = location(store)  # a local folder or s3://; another scheme is refused, never taken for a folder
@@ -69,13 +80,18 @@ def capture_cmd(
         key_dtype=key_dtype,
         sampling=QuerySampling(scattered=queries, windows=windows, window_len=window_len, seed=seed),
     )
+    if ivf_artifacts is None and ivf_budget is not None:
+        raise DsaIndexError("--ivf-budget sizes the runtime's IVF prefill, which needs --ivf-artifacts.",
+                            "pass --ivf-artifacts IVF_BUNDLE too, or leave --ivf-budget out.")
+    prefill = None if ivf_artifacts is None else PrefillRequest(ivf_artifacts, ivf_budget, ivf_recall_target)
     spec = CorpusSpec(sources=tuple(corpus) if corpus else ("stdlib",), text_field=text_field)
     run_capture_and_report(where, model or default_model_ref(), spec, settings, sequences, resolve_device(device), dtype,
-                           flush_tokens, as_json, progress)
+                           flush_tokens, as_json, progress, prefill)
 
 
 def run_capture_and_report(store: str | Path, model: str, spec: CorpusSpec, settings: CaptureSettings, sequences: int,
-                           device: str, dtype: str, flush_tokens: int, as_json: bool, progress: bool) -> None:
+                           device: str, dtype: str, flush_tokens: int, as_json: bool, progress: bool,
+                           prefill: PrefillRequest | None = None) -> None:
     """Capture (see :func:`dsaindex.pipelines.capture.run.capture`) and print the run and the store. A Ctrl-C
     ends it with :class:`typer.Abort` carrying what the store kept (the CLI prints it and exits 130)."""
     from dsaindex.artifacts.capture_store import CaptureStore
@@ -88,7 +104,7 @@ def run_capture_and_report(store: str | Path, model: str, spec: CorpusSpec, sett
     try:
         with progress_bar(f"capture {model}", enabled=progress and not as_json) as update:
             result = capture(store, model, spec, settings, sequences, device=device, dtype=dtype,
-                             flush_tokens=flush_tokens, progress=update, notice=notice)
+                             flush_tokens=flush_tokens, progress=update, notice=notice, prefill=prefill)
     except KeyboardInterrupt:
         raise typer.Abort(_interrupted_message(store, sequences)) from None
     summary = CaptureStore.open(store).info()

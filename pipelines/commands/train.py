@@ -449,11 +449,15 @@ def eval_ivf_cmd(
                                                         + "."),
     budgets: str = typer.Option(_BUDGETS, help=_BUDGETS_HELP),
     eval_queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
+    min_prefix: int = typer.Option(0, callback=at_least(0),
+                                   help="Only queries with more keys before them than this (e.g. 524288: the "
+                                        "512K-1M prefixes of a long capture)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     ray: str = typer.Option(None, "--ray", help=_RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Held-out routing recall of a trained ivf bundle beside contiguous blocks and plain IVF."""
+    """Held-out routing recall of a trained ivf bundle beside contiguous blocks and plain IVF: on the bundle's
+    held-out sequences of its training store, or on every sequence of another capture of the same model."""
     from rich.console import Console
 
     from dsaindex.console import parse_ints, print_json, resolve_device, routing_table
@@ -461,12 +465,14 @@ def eval_ivf_cmd(
 
     budget_list = parse_ints(budgets, "--budgets", minimum=1)
     result = evaluate_bundle(_location(bundle), _location(store), budget_list, eval_queries, resolve_device(device),
-                             ray=ray)
+                             ray=ray, min_prefix=min_prefix)
     if as_json:
         print_json(result)
         return
+    longer = f", prefixes over {min_prefix:,} keys" if min_prefix else ""
     Console().print(routing_table(result["mean"], budget_list,
-                                  f"held-out recall of the exact top-{result['topk']}, mean of layers"))
+                                  f"held-out recall of the exact top-{result['topk']}, mean of layers "
+                                  f"({result['held_out']}{longer})"))
 
 
 def _reuse_rows(plans: dict) -> object:
