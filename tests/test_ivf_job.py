@@ -234,6 +234,10 @@ def test_capture_prefills_through_the_runtimes_ivf_selection(trained, tmp_path, 
     assert measured["0"]["sequences"] == [0] and measured["0"]["held_out"].startswith("every sequence")
     counts = {longer: r["per_layer"]["1"]["queries"]["256"] for longer, r in measured.items()}
     assert 0 < counts["1024"] < counts["0"], counts
+    fixed = run_cli("eval", "ivf", str(bundle), "--store", str(store), "--budgets", "256", "--eval-queries", "8",
+                    "--refit-fraction", "0", "--device", "cpu", "--json")
+    assert fixed.returncode == 0, fixed.stderr
+    assert measured["0"]["refit_fraction"] == 0.0625 and json.loads(fixed.stdout)["refit_fraction"] == 0
 
 
 def test_capture_refuses_an_ivf_budget_without_a_bundle_and_a_bundle_that_is_not_ivf(trained, tmp_path):

@@ -243,17 +243,27 @@ def run_ivf_job(store_path: str | Path, opts: IVFOptions, budgets: list[int], ev
 
 def evaluate_bundle(bundle: str | Path, store_path: str | Path, budgets: list[int], eval_queries: int = 64,
                     device: str = "cpu", progress: Progress | None = None,
-                    ray: str | RaySettings | None = None, min_prefix: int = 0) -> dict:
+                    ray: str | RaySettings | None = None, min_prefix: int = 0,
+                    refit_fraction: float | None = None) -> dict:
     """Held-out routing recall of a trained ``ivf`` bundle on a store of its model, beside contiguous
     blocks and plain IVF: on the bundle's held-out sequences of its training store, on every sequence of
     another store. Returns ``{bundle, store, topk, sequences, held_out, min_prefix, mean, per_layer}``.
-    ``min_prefix``: only queries with more keys before them (the longest prefixes of a long capture).
+    ``min_prefix``: only queries with more keys before them (the longest prefixes of a long capture);
+    ``refit_fraction``: route with this refit schedule instead of the bundle's (0: a fixed interval), to
+    compare schedules on one capture.
     ``progress(layers done, layers in all, text)`` as each layer is evaluated; ``ray`` as in
     :func:`train_ivf` (the encoders travel to the tasks, each task reads its layer's queries from the store)."""
     from dsaindex.artifacts.capture_store import CaptureStore
     from dsaindex.artifacts.compat import check_store_for_bundle
 
     manifest, encoders = load_encoders(bundle, "cpu" if ray is not None else device)
+    if refit_fraction is not None:
+        import dataclasses
+
+        from dsaindex.artifacts.kinds import IVFIndexSettings
+
+        encoders = {layer: dataclasses.replace(enc, settings=IVFIndexSettings(
+            **{**enc.settings.model_dump(), "refit_fraction": refit_fraction})) for layer, enc in encoders.items()}
     store = CaptureStore.open(store_path)
     check_store_for_bundle(store.manifest, manifest, str(store_path), str(bundle))
     sequences, held_how = measured_sequences(store, [manifest])
@@ -279,7 +289,8 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, budgets: list[in
         progress(len(layers), len(layers), "done")
     mean = mean_recall({"results": results, "budgets": budgets})
     return {"bundle": str(bundle), "store": str(store_path), "topk": topk, "sequences": sequences,
-            "held_out": held_how, "min_prefix": min_prefix, "mean": mean, "per_layer": {str(k): r["eval"] for k, r in results.items()}}
+            "held_out": held_how, "min_prefix": min_prefix,
+            "refit_fraction": next(iter(encoders.values())).settings.refit_fraction, "mean": mean, "per_layer": {str(k): r["eval"] for k, r in results.items()}}
 
 
 def _evaluate_layer_task(layer: int, device: str, location: str, budgets: list[int], topk: int, encoders: dict,

@@ -452,6 +452,9 @@ def eval_ivf_cmd(
     min_prefix: int = typer.Option(0, callback=at_least(0),
                                    help="Only queries with more keys before them than this (e.g. 524288: the "
                                         "512K-1M prefixes of a long capture)."),
+    refit_fraction: float = typer.Option(None, min=0.0, max=0.999,
+                                         help="Route with this refit schedule instead of the bundle's (0: refit every "
+                                              "refit_every keys at any length), to compare schedules on one capture."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     ray: str = typer.Option(None, "--ray", help=_RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -465,11 +468,12 @@ def eval_ivf_cmd(
 
     budget_list = parse_ints(budgets, "--budgets", minimum=1)
     result = evaluate_bundle(_location(bundle), _location(store), budget_list, eval_queries, resolve_device(device),
-                             ray=ray, min_prefix=min_prefix)
+                             ray=ray, min_prefix=min_prefix, refit_fraction=refit_fraction)
     if as_json:
         print_json(result)
         return
-    longer = f", prefixes over {min_prefix:,} keys" if min_prefix else ""
+    longer = (f", prefixes over {min_prefix:,} keys" if min_prefix else "") + (
+        f", refit fraction {refit_fraction:g}" if refit_fraction is not None else "")
     Console().print(routing_table(result["mean"], budget_list,
                                   f"held-out recall of the exact top-{result['topk']}, mean of layers "
                                   f"({result['held_out']}{longer})"))
