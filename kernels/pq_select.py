@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from dsaindex.kernels import checks, select
+from dsaindex.kernels.pq_scan_cuda import check_scan, pq_scan_select
 from dsaindex.pq import (
     PQSpec,
     encode,
@@ -219,7 +220,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    block_n: int = 256, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-                   chunk: int | None = None, stream: int = 1,
+                   chunk: int | None = None, stream: int = 1, scan: str = "triton",
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -252,6 +253,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     (256-row tiles, 8 a program, 4 warps, ``stream`` 1) is the fastest measured on the H200 at 32 x 1M
     keys: 2.0x the bytes floor against 2.3x for 128-row tiles without ``stream`` (docs/results.md); a decode
     step over fewer key slots launches as :func:`stage1_launch` says (one 512-row tile a program, 8 warps).
+    ``scan="cuda"`` (int8 tables, 256 centroids, M a multiple of 16, a CUDA device) runs the selecting pass
+    as the CUDA kernel of :mod:`dsaindex.kernels.pq_scan_cuda` (tables in shared memory; the tile options
+    then apply to the sampling pass only): the same keys and scores, appended in another order.
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -259,7 +263,11 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     from dsaindex.kernels.pq_select_kernel import pq_linear_kernel
 
     _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table)
+    check_scan(scan)
     b, m = queries.shape[0], codes.shape[2]
+    if scan == "cuda" and (table_dtype != torch.int8 or codebooks.shape[1] != 256 or m % 16):
+        raise ValueError(f"scan='cuda' looks up int8 tables of 256 centroids, 16 subspaces at a time: got "
+                         f"{table_dtype} tables, {codebooks.shape[1]} centroids, {m} subspaces")
     n_rows = codes.shape[1] if page_table is None else page_table.shape[1] * 64
     checks.shape("lengths", lengths, (b,), "B")
     n = n_rows if max_len is None else min(max_len, n_rows)
@@ -301,10 +309,14 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         HIST=int_table, NBINS=n_bins, **paged)
     if not int_table:
         thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
-    pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
-        codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, table.shape[-1], n_rows, 0, 1,
-        M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, INT_TABLE=int_table,
-        num_warps=num_warps, **paged)
+    if scan == "cuda":
+        pq_scan_select(codes, lengths, lut, thr, buf_scores, buf_pos, counts,
+                       None if page_table is None else table, n)
+    else:
+        pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
+            codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, table.shape[-1], n_rows, 0, 1,
+            M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, INT_TABLE=int_table,
+            num_warps=num_warps, **paged)
     if keep_all:  # the buffer as the kernel wrote it (a decode step rescores it in stage 2)
         values, rows = buf_scores, buf_pos
     else:
@@ -510,13 +522,15 @@ def stage1_launch(batch: int, slots: int) -> dict:
 
 
 def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,
-            linear_config) -> tuple[torch.Tensor, torch.Tensor]:
+            linear_config, scan: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 of both coarse forms: every key above a sampled threshold aiming at ``c1`` (int8 tables,
-    up to 2 c1 kept). ``linear_config`` None: :func:`stage1_launch`. Returns (rows [B, 2 c1] int32, counts
-    [B] int32)."""
+    up to 2 c1 kept). ``linear_config`` None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel
+    (:func:`pq_linear_topc`). Returns (rows [B, 2 c1] int32, counts [B] int32)."""
     if linear_config is None:
         slots = codes.shape[1] if page_table is None else page_table.shape[1] * 64
         linear_config = stage1_launch(queries.shape[0], slots if max_len is None else min(max_len, slots))
+    if scan != "triton":
+        linear_config = {**linear_config, "scan": scan}
     _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
                                        max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
                                        centroid_norms=centroid_norms, page_table=page_table, **linear_config)
@@ -527,13 +541,14 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, capacity: int, key_bound: float, scratch: torch.Tensor,
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None,
-                   page_table: torch.Tensor | None = None,
+                   page_table: torch.Tensor | None = None, scan: str = "triton",
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
-    :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page. Returns (rows
+    :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page; ``scan``: stage
+    1's selecting kernel (:func:`pq_linear_topc`). Returns (rows
     [B, 2 c1] int32 key positions, bins [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
     rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
-                             max_len, linear_config)
+                             max_len, linear_config, scan)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
                                      scratch, page_table=page_table)
@@ -544,19 +559,20 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None, one_program_max: int | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scan: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode step's two coarse stages and its top C, on Triton: stage 1 keeps every key above a
     sampled threshold aiming at ``c1`` (int8 tables, :func:`pq_linear_topc` with ``keep_all``), stage 2
     scores those with every head (:func:`pq_candidate_scores`), and the best ``c`` are kept
     (:func:`~dsaindex.kernels.topk.small_topk` reading only the filled slots, one program a row; stage-1
     buffers wider than ``one_program_max``, default :data:`~dsaindex.kernels.topk.SMALL_TOPK_MAX`, by the
     threshold top-k :func:`~dsaindex.kernels.topk.rows_topk`, which also reads only the filled slots).
-    Inputs as :func:`pq_linear_topc` (``page_table``: codes kept per physical page). Returns (scores [B, c]
+    Inputs as :func:`pq_linear_topc` (``page_table``: codes kept per physical page; ``scan``: stage 1's
+    selecting kernel). Returns (scores [B, c]
     float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk
 
     rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
-                             max_len, linear_config)
+                             max_len, linear_config, scan)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
                                  page_table=page_table)

@@ -85,6 +85,7 @@ from dsaindex.kernels.paged_codes import (
     with_tail,
     with_tail_reference,
 )
+from dsaindex.kernels.pq_scan_cuda import SCANS
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
@@ -210,17 +211,22 @@ class PagedCacheSelector:
     codes : where the codes live, when the engine's pool holds them ([num_pages, 64, M] uint8, contiguous, on
         ``device``: the region an engine sized for the layer's codes instead of its keys, as the vLLM plugin's
         ``DSAINDEX_KEYS=host`` does). Default: the selector allocates [num_pages + 1, 64, M] itself.
+    scan : stage 1's selecting kernel: ``"triton"`` (default) or ``"cuda"`` (the tables in shared memory,
+        :mod:`dsaindex.kernels.pq_scan_cuda`; the same keys kept; not yet timed against the default)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
-                 top_c: str = "auto"):
+                 top_c: str = "auto", scan: str = "triton"):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
             raise DsaIndexError(f"top_c {top_c!r} is not a way to keep stage 2's candidates.",
                                 f"pass one of {', '.join(TOP_C)}.")
+        if scan not in SCANS:
+            raise DsaIndexError(f"scan {scan!r} is not a stage-1 kernel.", f"pass one of {', '.join(SCANS)}.")
+        self.scan = scan
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -551,7 +557,7 @@ class PagedCacheSelector:
         if self.use_triton and top_c == "topk":
             _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
                                               codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                                              page_table=table)
+                                              page_table=table, scan=self.scan)
             return cand, counts1
         if self.use_triton:
             b = table.shape[0]
@@ -561,7 +567,7 @@ class PagedCacheSelector:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                page_table=table)
+                page_table=table, scan=self.scan)
             return keep_binned(rows1, bins, counts1, sel, scratch, self.kept_capacity), counts1
         codes = paged_codes_reference(self.codes, table)
         _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1)

@@ -155,9 +155,11 @@ def test_pq_linear_topc_load_variants_select_the_same_keys(table):
 
     want = kept(stream=0, block_n=128, iters=8)
     assert all(len(rows) >= c for rows, _ in want)
-    for kw in (dict(), dict(stream=1), dict(stream=2),
-               dict(block_n=64, iters=2, num_warps=2), dict(page_table=page_table, **stage1_launch(b, n)),
-               dict(page_table=page_table, stream=0)):
+    variants = [dict(), dict(stream=1), dict(stream=2), dict(block_n=64, iters=2, num_warps=2),
+                dict(page_table=page_table, **stage1_launch(b, n)), dict(page_table=page_table, stream=0)]
+    if CUDA and table == torch.int8:  # the selecting pass as the CUDA kernel (tables in shared memory)
+        variants += [dict(scan="cuda"), dict(page_table=page_table, scan="cuda")]
+    for kw in variants:
         for (rows, scores), (want_rows, want_scores) in zip(kept(**kw), want, strict=True):
             assert rows == want_rows, kw
             if table == torch.int8:  # integer sums: any order gives the same
@@ -761,3 +763,90 @@ def test_fp8_gather_scores_shared_match_reference(query_fp8):
     assert torch.equal(torch.isinf(got), rows < 0)
     live = rows >= 0
     torch.testing.assert_close(got[live], want[live], rtol=1e-3, atol=FP8_DOT_ATOL * float(want[live].abs().max()))
+
+
+def test_the_cuda_scan_states_what_it_takes():
+    """The CUDA selecting pass takes int8 tables of 256 centroids and 16-byte multiples of codes on a CUDA
+    device; anything else is refused with the reason, never run on the wrong inputs."""
+    from dsaindex.kernels.pq_scan_cuda import available, source
+    from dsaindex.kernels.pq_select import pq_linear_topc
+
+    codes, cb, q, w = pq_inputs(1, 256, 4, m=32, d=4, seed=1)
+    lengths = torch.tensor([256], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="scan: got 'fast'"):
+        pq_linear_topc(codes, lengths, q, w, cb, 16, scan="fast")
+    with pytest.raises(ValueError, match="int8 tables of 256 centroids"):
+        pq_linear_topc(codes, lengths, q, w, cb, 16, scan="cuda", table_dtype=torch.float16)
+    if not available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            pq_linear_topc(codes, lengths, q, w, cb, 16, scan="cuda", table_dtype=torch.int8, keep_all=True)
+    assert "#define M_SUB 64" in source(64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        source(24)
+
+
+def _nvrtc():
+    """NVRTC where this machine has it (CUDA builds of torch ship it), else None."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import site
+
+    found = ctypes.util.find_library("nvrtc")
+    for root in site.getsitepackages() + [site.getusersitepackages()]:
+        found = found or next(iter(sorted(glob.glob(f"{root}/nvidia/cu*/lib/libnvrtc.so*")
+                                          + glob.glob(f"{root}/nvidia/cuda_nvrtc/lib/libnvrtc.so*"))), None)
+    return ctypes.CDLL(found) if found else None
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code(m):
+    """NVRTC compiles the scan for sm_90 at every subspace count it takes: one shared-memory load per code
+    byte and one global load per 16 code bytes (where NVRTC is installed: CUDA builds of torch ship it)."""
+    import ctypes
+
+    from dsaindex.kernels.pq_scan_cuda import source
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no NVRTC on this machine")
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source(m).encode(), b"scan.cu", 0, None, None) == 0
+    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
+    rc = lib.nvrtcCompileProgram(prog, 1, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    text = ptx.value.decode()
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert text.count("ld.shared.s8") == m and text.count("ld.global.cg") == m // 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_cuda_scan_counts_an_overflow_as_the_triton_scan_does():
+    """A buffer smaller than what passes the threshold: both scans count every key that passes (the caller
+    sees the overflow), and every stored row is one that passes, with its own score."""
+    from dsaindex.kernels.pq_select import pq_linear_topc
+
+    b, n, c = 3, 70_000, 256
+    codes, cb, q, w = pq_inputs(b, n, 8, m=32, d=4, seed=3)
+    lengths = torch.tensor([n, n - 1001, 97], dtype=torch.int32, device=DEV)
+    outs = {scan: pq_linear_topc(codes, lengths, q, w, cb, c, capacity=2 * c, keep_all=True, return_counts=True,
+                                 table_dtype=torch.int8, scan=scan) for scan in ("triton", "cuda")}
+    assert torch.equal(outs["cuda"][2], outs["triton"][2])
+    s, r, k = outs["cuda"]
+    assert int(k[0]) > 2 * c and int(k[2]) == 97  # overflowing, and a short request taking every key
+    for i in range(b):
+        filled = min(int(k[i]), 2 * c)
+        rows = r[i, :filled].long()
+        assert bool((rows < lengths[i]).all()) and len(set(rows.tolist())) == filled
+    # no overflow in the short request: the same rows with the same integer scores, in another order
+    ts, tr, _ = outs["triton"]
+    mine, theirs = r[2, :97].argsort(), tr[2, :97].argsort()
+    assert torch.equal(r[2, :97][mine], tr[2, :97][theirs]) and torch.equal(s[2, :97][mine], ts[2, :97][theirs])

@@ -19,7 +19,8 @@ from dsaindex.kernels.pq_select import (
 )
 
 LAUNCHES = [dict(block_n=256, iters=8, num_warps=4), dict(block_n=256, iters=2, num_warps=4),
-            dict(block_n=512, iters=1, num_warps=8), dict(block_n=128, iters=4, num_warps=4)]
+            dict(block_n=512, iters=1, num_warps=8), dict(block_n=128, iters=4, num_warps=4),
+            dict(scan="cuda")]  # the selecting pass with the tables in shared memory (kernels/pq_scan_cuda.py)
 C, C1 = 4096, 16384
 
 
@@ -59,7 +60,7 @@ def sweep(b: int, n: int = 1 << 20) -> list[dict]:
 
 def main() -> None:
     rows = []
-    for b in (1, 2, 4, 8, 32):
+    for b in (1, 2, 4, 8, 32, 64):
         rows += sweep(b)
         for row in rows[-len(LAUNCHES) - 2 :]:
             print(row, flush=True)

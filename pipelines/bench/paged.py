@@ -34,7 +34,8 @@ KEY_BYTES = 132
 
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
-                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",)) -> dict:
+                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
+                    scans: tuple[str, ...] = ("triton",)) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -72,19 +73,22 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
     offset = PAGED_EXACT_OFFSET * prefilter * candidates  # the selectors' default
     path = "exact" if takes_exact_path(batch, keys, exact_below, offset) else "pq"
-    runs = [(p, p, exact_below, top_cs[0]) for p in places]
+    runs = [(p, p, exact_below, top_cs[0], scans[0]) for p in places]
     if path == "exact" and "device" in places:
-        runs.append(("device_pq", "device", 0, top_cs[0]))
-    if "device" in places:  # the other ways to keep stage 2's candidates, on the codes' path
-        runs += [(f"device_{mode}", "device", exact_below if path == "pq" else 0, mode) for mode in top_cs[1:]]
-    for name, place, bound, top_c in runs:
+        runs.append(("device_pq", "device", 0, top_cs[0], scans[0]))
+    if "device" in places:  # the other ways to keep stage 2's candidates, or to scan stage 1, on the codes' path
+        runs += [(f"device_{mode}", "device", exact_below if path == "pq" else 0, mode, scans[0])
+                 for mode in top_cs[1:]]
+        runs += [(f"device_scan_{scan}", "device", exact_below if path == "pq" else 0, top_cs[0], scan)
+                 for scan in scans[1:]]
+    for name, place, bound, top_c, scan in runs:
         rows = cache
         if place == "host":
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
                                       device="cuda", keys_on_host=place == "host", exact_below=bound,
-                                      top_c=top_c)
+                                      top_c=top_c, scan=scan)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
@@ -150,6 +154,9 @@ def bench_paged(
                               "exact top C), bins (score bins, no top-C kernel) or auto (the plugins' default: bins "
                               "while B x P x C is at most 256K, topk above); a comma list times the others too "
                               "(plugin_device_<mode>, on the codes' path)."),
+    scan: str = typer.Option("triton", "--scan", help="Stage 1's selecting kernel: triton (the default) or cuda "
+                             "(tables in shared memory); a comma list times the others too (plugin_device_scan_<s>, "
+                             "on the codes' path)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),
@@ -174,6 +181,11 @@ def bench_paged(
 
     if not top_cs or any(m not in TOP_C for m in top_cs):
         raise DsaIndexError(f"--top-c {top_c!r} names no way or an unknown one.", f"pass {', '.join(TOP_C)}.")
+    from dsaindex.kernels.pq_scan_cuda import SCANS
+
+    scans = tuple(dict.fromkeys(m.strip() for m in scan.split(",") if m.strip()))
+    if not scans or any(m not in SCANS for m in scans):
+        raise DsaIndexError(f"--scan {scan!r} names no stage-1 kernel or an unknown one.", f"pass {', '.join(SCANS)}.")
     if not chosen or any(p not in ("device", "host") for p in chosen):
         raise DsaIndexError(f"--keys-on {places!r} names no place or an unknown one.", "pass device, host or "
                                                                                        "device,host.")
@@ -190,12 +202,12 @@ def bench_paged(
     for n in key_counts:
         for b in batch_sizes:
             row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile,
-                                  exact_below, top_cs)
+                                  exact_below, top_cs, scans)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "path", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "subspaces": subspaces, "exact_below": exact_below, "places": list(chosen),
-              "top_c": list(top_cs), "rows": rows}
+              "top_c": list(top_cs), "scan": list(scans), "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))
