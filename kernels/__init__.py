@@ -15,6 +15,9 @@ Public API, by module:
 * :mod:`~dsaindex.kernels.pq_select`: ``pq_linear_topc``, ``pq_candidate_scores``, ``pq_encode``
   (+ ``_reference``); ``pq_linear_scores_reference``, ``folded_lookup_tables`` (``lookup_tables``: the
   same in one launch, optionally float16).
+* :mod:`~dsaindex.kernels.pq_scan_cuda`: ``pq_scan_select``, stage 1's selecting pass as a CUDA kernel
+  (tables in shared memory; NVRTC through torch), ``pq_linear_topc(..., scan="cuda")``; its spec is the
+  Triton pass it replaces.
 * :mod:`~dsaindex.kernels.topk`: ``rows_topk`` (threshold top-k of long rows) and ``small_topk`` (rows of
   up to 16K entries, one program each), each + ``_reference``.
 * :mod:`~dsaindex.kernels.deepgemm`: the engines' exact indexer (DeepGEMM), where it imports.

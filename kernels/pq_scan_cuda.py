@@ -124,7 +124,11 @@ def _compiled(subspaces: int, device_index: int):
     import torch
 
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(source(subspaces), KERNEL)
+        try:
+            return torch.cuda._compile_kernel(source(subspaces), KERNEL)
+        except (OSError, RuntimeError) as err:  # no CUDA_HOME for torch's include paths, no NVRTC, a compile error
+            raise ValueError(f"the CUDA scan did not compile here ({err}); set CUDA_HOME to the CUDA toolkit, or "
+                             "use scan='triton'") from err
 
 
 def rows_per_block(batch: int, slots: int) -> int:
