@@ -15,7 +15,9 @@ the order of the appended keys may differ, which the next stage does not read.
 
 The source is compiled at first use by NVRTC through torch (``torch.cuda._compile_kernel``), once per
 process, device and subspace count: no compiler is needed beyond what a CUDA build of torch ships. It is
-launched on the current stream, so a CUDA graph captures it.
+launched on the current stream, so a CUDA graph captures it. Without a GPU, ``tests/test_pq_scan_cuda.py``
+runs this very source on the CPU (a thread per CUDA thread, warps meeting at barriers) against the pass's
+specification.
 """
 
 from __future__ import annotations

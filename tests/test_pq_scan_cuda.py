@@ -1,0 +1,72 @@
+"""Stage 1's selecting pass as a CUDA kernel (:mod:`dsaindex.kernels.pq_scan_cuda`), its own source run on the
+CPU by a warp-synchronous emulator (``tests/cuda_emulator.py``: a thread per CUDA thread, barriers for the
+block and warp meeting points), against the pass's specification: every row of a request whose integer
+table sum reaches its threshold is appended once with that sum; the count includes rows past the buffer.
+The GPU tests in ``test_kernel_select.py`` compare the compiled kernel with the Triton pass."""
+
+import numpy as np
+import pytest
+from cuda_emulator import compiler, run_scan
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to run the emulated kernel")
+
+
+def _inputs(b, n, m, seed):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (b, n, m), dtype=np.uint8)
+    lut = rng.integers(-127, 128, (b, m, 256), dtype=np.int8)
+    return codes, lut
+
+
+def _sums(codes, lut):
+    """[B, N] integer score of every row: the sum of its M table entries."""
+    b, n, m = codes.shape
+    return lut[np.arange(b)[:, None, None], np.arange(m)[None, None, :], codes].astype(np.int64).sum(-1)
+
+
+def _thresholds(sums, lengths, share):
+    """A threshold per request keeping about ``share`` of its rows (-inf for the last: it takes every row)."""
+    thr = [float(np.quantile(sums[i, :n], 1 - share)) for i, n in enumerate(lengths)]
+    thr[-1] = float("-inf")
+    return np.asarray(thr, dtype=np.float32)
+
+
+@pytest.mark.parametrize("m,paged", [(32, False), (32, True), (16, True), (64, False)])
+def test_the_scan_appends_every_row_at_or_above_the_threshold_once(m, paged):
+    b, n = 3, 1300
+    codes, lut = _inputs(b, n, m, seed=m + paged)
+    lengths = np.asarray([n, n - 333, 41], dtype=np.int32)
+    sums = _sums(codes, lut)
+    thr = _thresholds(sums, lengths, 0.2)
+    table = None
+    if paged:  # the codes kept per physical 64-row page, behind a shuffled page table
+        pages = -(-n // 64)
+        padded = np.zeros((b, pages * 64, m), dtype=np.uint8)
+        padded[:, :n] = codes
+        perm = np.random.default_rng(7).permutation(b * pages)
+        store = np.empty((b * pages, 64, m), dtype=np.uint8)
+        store[perm] = padded.reshape(b * pages, 64, m)
+        codes, table = store, perm.reshape(b, pages).astype(np.int32)
+    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=n, n=n, page_table=table)
+    for i in range(b):
+        want = np.nonzero(sums[i, : lengths[i]] >= thr[i])[0]
+        got = rows[i, : counts[i]]
+        assert counts[i] == len(want) and np.array_equal(np.sort(got), want), i
+        assert np.array_equal(scores[i, : counts[i]], sums[i, got].astype(np.float32)), i
+        assert (rows[i, counts[i]:] == -1).all()  # nothing written past the count
+    assert counts[-1] == lengths[-1]  # -inf: every row of the short request
+
+
+def test_rows_past_the_buffer_are_counted_not_stored():
+    b, n, m, capacity = 2, 3000, 32, 100
+    codes, lut = _inputs(b, n, m, seed=3)
+    lengths = np.asarray([n, 2500], dtype=np.int32)
+    sums = _sums(codes, lut)
+    thr = np.asarray([np.quantile(sums[0], 0.5), np.quantile(sums[1, :2500], 0.5)], dtype=np.float32)
+    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=capacity, n=n, rows_per_block=2048)
+    for i in range(b):
+        passing = set(np.nonzero(sums[i, : lengths[i]] >= thr[i])[0].tolist())
+        assert counts[i] == len(passing) > capacity
+        stored = rows[i].tolist()
+        assert len(set(stored)) == capacity and set(stored) <= passing
+        assert np.array_equal(scores[i], sums[i, rows[i]].astype(np.float32))
