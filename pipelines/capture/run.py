@@ -4,7 +4,9 @@ One sequence at a time (so a resumed run reproduces an uninterrupted one exactly
 ``chunk_len`` tokens through the model's own KV cache: transformers' indexer materializes a
 [B, S, H, T] fp32 tensor, so a 32K sequence is never scored in one piece. Each sequence is committed
 to the store as soon as it is captured (``flush_tokens`` > 0 buffers that many tokens per commit instead);
-a Ctrl-C first commits the whole sequences already captured, and never interrupts a commit.
+a Ctrl-C first commits the whole sequences already captured, and never interrupts a commit. With a
+:class:`PrefillRequest` (``--ivf-artifacts``) the runtime's IVF prefill selects for the model instead of its
+own indexer (:func:`served_prefill`), so a chunk's selection costs the budget rather than the prefix.
 
 Inputs are checked before any model loads: settings, the store location, the corpus files and the text of
 the part of the corpus the run will read.
