@@ -1,7 +1,8 @@
 """One decode step of the paged selector replayed from a CUDA graph, kernel by kernel on the device's clock: each
 kernel's start (from the step's first kernel), its duration and the gap before it, medians over replays (a GPU;
 not part of the package). The eager profile of ``bench paged --profile`` sums kernel times; this shows where a
-small step's latency goes between them. ``python3 tools/step_timeline.py OUT.json [B,...] [N]``."""
+small step's latency goes between them; ``codes_scan_cuda`` is the codes' path with stage 1's CUDA scan
+(kernels/pq_scan_cuda.py). ``python3 tools/step_timeline.py OUT.json [B,...] [N]``."""
 
 import json
 import statistics
@@ -70,10 +71,10 @@ def case(b: int, n: int) -> dict:
         return rows_topk(deepgemm.paged_logits(cache, table, lengths, q, w, n, schedule, masked=False), lengths, 512)
 
     out["deepgemm_fast_topk"] = timeline(baseline)
-    for name, bound in (("codes", 0), ("default", None)):
+    for name, bound, scan in (("codes", 0, "triton"), ("default", None, "triton"), ("codes_scan_cuda", 0, "cuda")):
         kw = {} if bound is None else {"exact_below": bound}
         sel = PagedCacheSelector(PQCodec(codebooks.float().cpu()), cache.shape[0], 512, candidates=C, prefilter=P,
-                                 device="cuda", **kw)
+                                 device="cuda", scan=scan, **kw)
         sel.adopt(cache, table.reshape(-1), codes.reshape(-1, 64, codes.shape[2]))
         out[name] = timeline(lambda sel=sel: sel.select(cache, table, lengths, q, w, eager_refresh=False,
                                                         schedule=schedule))
@@ -87,7 +88,7 @@ def main() -> None:
     results = []
     for b in batches:
         results.append(case(b, n))
-        for name in ("deepgemm_fast_topk", "codes", "default"):
+        for name in ("deepgemm_fast_topk", "codes", "default", "codes_scan_cuda"):
             r = results[-1][name]
             print(f"B={b} {name}: span {r['span_us']} us, busy {r['busy_us']} us, {r['kernels']} kernels", flush=True)
             for row in r["timeline"]:
