@@ -10,6 +10,7 @@ appends; it says nothing of its speed.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import shutil
@@ -106,6 +107,7 @@ def emulated_scan(subspaces: int):
     from dsaindex.kernels.pq_scan_cuda import source
 
     folder = Path(tempfile.mkdtemp(prefix="cuda_emu_"))
+    atexit.register(shutil.rmtree, folder, True)  # the library stays loaded until the process ends
     src = folder / "scan.cpp"
     src.write_text(_HEADER + source(subspaces) + _LAUNCH)
     lib = folder / "scan.so"
