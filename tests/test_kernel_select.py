@@ -829,24 +829,27 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code(m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_the_cuda_scan_counts_an_overflow_as_the_triton_scan_does():
-    """A buffer smaller than what passes the threshold: both scans count every key that passes (the caller
-    sees the overflow), and every stored row is one that passes, with its own score."""
-    from dsaindex.kernels.pq_select import pq_linear_topc
+def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only():
+    """The compiled kernel with a threshold that passes far more rows than the buffer holds (the sampling pass
+    never aims that low, so it is called directly): the count is every passing row, each stored row passes
+    and appears once, with its integer sum; a request of 97 rows at -inf takes them all."""
+    from dsaindex.kernels.pq_scan_cuda import pq_scan_select
 
-    b, n, c = 3, 70_000, 256
-    codes, cb, q, w = pq_inputs(b, n, 8, m=32, d=4, seed=3)
+    b, n, m, capacity = 3, 70_000, 32, 512
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (b, n, m), generator=g, dtype=torch.int32).to(torch.uint8).to(DEV)
+    lut = torch.randint(-127, 128, (b, m, 256), generator=g, dtype=torch.int32).to(torch.int8).to(DEV)
     lengths = torch.tensor([n, n - 1001, 97], dtype=torch.int32, device=DEV)
-    outs = {scan: pq_linear_topc(codes, lengths, q, w, cb, c, capacity=2 * c, keep_all=True, return_counts=True,
-                                 table_dtype=torch.int8, scan=scan) for scan in ("triton", "cuda")}
-    assert torch.equal(outs["cuda"][2], outs["triton"][2])
-    s, r, k = outs["cuda"]
-    assert int(k[0]) > 2 * c and int(k[2]) == 97  # overflowing, and a short request taking every key
+    sums = lut.long()[torch.arange(b, device=DEV)[:, None, None], torch.arange(m, device=DEV), codes.long()].sum(-1)
+    thr = torch.tensor([0.0, 0.0, float("-inf")], device=DEV)
+    scores = torch.full((b, capacity), float("nan"), device=DEV)
+    rows = torch.full((b, capacity), -1, dtype=torch.int32, device=DEV)
+    counts = torch.zeros(b, dtype=torch.int32, device=DEV)
+    pq_scan_select(codes, lengths, lut, thr, scores, rows, counts, None, n)
     for i in range(b):
-        filled = min(int(k[i]), 2 * c)
-        rows = r[i, :filled].long()
-        assert bool((rows < lengths[i]).all()) and len(set(rows.tolist())) == filled
-    # no overflow in the short request: the same rows with the same integer scores, in another order
-    ts, tr, _ = outs["triton"]
-    mine, theirs = r[2, :97].argsort(), tr[2, :97].argsort()
-    assert torch.equal(r[2, :97][mine], tr[2, :97][theirs]) and torch.equal(s[2, :97][mine], ts[2, :97][theirs])
+        passing = sums[i, : int(lengths[i])] >= thr[i]
+        assert int(counts[i]) == int(passing.sum())
+        stored = rows[i, : min(int(counts[i]), capacity)].long()
+        assert len(set(stored.tolist())) == len(stored) and bool(passing[stored].all())
+        assert torch.equal(scores[i, : len(stored)], sums[i, stored].float())
+    assert int(counts[0]) > capacity and int(counts[2]) == 97
