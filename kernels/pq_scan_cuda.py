@@ -9,6 +9,12 @@ one key at a time, its M code bytes read in 16-byte loads past L1 (``ld.global.c
 32-bit shared address whose subspace offset is an immediate. A warp's lookups at one subspace fall in one
 256-byte table: two words share a bank, so a lookup costs at most two shared-memory cycles.
 
+**Measured slower; not the default.** H200, stage 1 alone at B x 1M paged keys (``tools/stage_sweep.py``,
+docs/results/bench_stage1_scan_cuda_h200.json): 35 / 59 / 99 / 193 / 855 / 1,584 us at B = 1 / 2 / 4 / 8 / 32 /
+64, against 32 / 52 / 81 / 140 / 500 / 1,004 us for the Triton scan's default launches, the same keys kept.
+The byte lookups from shared memory (two-way bank conflicts at most) and one atomic per warp do not beat
+Triton's L1 gathers. It stays for further variants (int32 tables, appends gathered per block).
+
 Selection is the Triton scan's exactly: integer sums, kept where the sum reaches the request's threshold
 (from the sampling pass of the same step), appended to the request's buffer with one atomic per warp. Only
 the order of the appended keys may differ, which the next stage does not read.

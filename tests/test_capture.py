@@ -197,3 +197,18 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     assert out["capture"]["resumed_from"] == killed_at
     assert_same_store(tmp_path / "ref", target)
     assert not list(target.rglob("*.partial"))
+
+
+def test_a_corpus_that_ends_inside_a_sequence_is_said(tmp_path):
+    """Two files of 600 words are under two 4,096-byte sequences: the second is the shorter remainder, captured
+    as it is, and the command says so instead of passing it off as a full sequence."""
+    from dsaindex.artifacts.capture_store import CaptureStore
+    from helpers import run_cli, text_corpus
+
+    corpus = text_corpus(tmp_path)
+    proc = run_cli("capture", str(tmp_path / "s"), "-m", "preset:tiny-v32", "-c", str(corpus), "-n", "3",
+                   "--seq-len", "4096", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    tokens = CaptureStore.open(tmp_path / "s").array("sequence_tokens").tolist()
+    assert tokens[0] == 4096 and 16 <= tokens[-1] < 4096
+    assert f"the corpus ends within sequence {len(tokens) - 1}: it holds {tokens[-1]:,} tokens, not 4,096" in proc.stderr

@@ -406,6 +406,9 @@ def capture(
                             if progress:
                                 progress(done_tokens, total_tokens)
 
+                        if len(tokens) < settings.seq_len and notice:
+                            notice(f"the corpus ends within sequence {seq_index}: it holds {len(tokens):,} tokens, "
+                                   f"not {settings.seq_len:,}")
                         try:
                             capturer.run(tokens, seq_index, batch, on_chunk)
                         except torch.cuda.OutOfMemoryError:
