@@ -290,7 +290,8 @@ def evaluate_bundle(bundle: str | Path, store_path: str | Path, budgets: list[in
     mean = mean_recall({"results": results, "budgets": budgets})
     return {"bundle": str(bundle), "store": str(store_path), "topk": topk, "sequences": sequences,
             "held_out": held_how, "min_prefix": min_prefix,
-            "refit_fraction": next(iter(encoders.values())).settings.refit_fraction, "mean": mean, "per_layer": {str(k): r["eval"] for k, r in results.items()}}
+            "refit_fraction": next(iter(encoders.values())).settings.refit_fraction, "mean": mean,
+            "per_layer": {str(k): r["eval"] for k, r in results.items()}}
 
 
 def _evaluate_layer_task(layer: int, device: str, location: str, budgets: list[int], topk: int, encoders: dict,

@@ -72,7 +72,6 @@ def graph_median_ms(fn: Callable[[], Any], warmup: int = 2, repeats: int | None 
     warm-up replay). ``fn`` must be capturable (no host synchronization, fixed shapes); a capture
     failure raises what ``torch.cuda.graph`` raised (the caller may time eagerly instead). Without a
     CUDA device it refuses with :class:`dsaindex.errors.DsaIndexError`."""
-
     _need_cuda("CUDA-graph timing")
     return median_ms(captured_graph(fn, warmup).replay, repeats)
 
