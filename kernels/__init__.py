@@ -16,8 +16,8 @@ Public API, by module:
   (+ ``_reference``); ``pq_linear_scores_reference``, ``folded_lookup_tables`` (``lookup_tables``: the
   same in one launch, optionally float16).
 * :mod:`~dsaindex.kernels.pq_scan_cuda`: ``pq_scan_select``, stage 1's selecting pass as a CUDA kernel
-  (tables in shared memory; NVRTC through torch), ``pq_linear_topc(..., scan="cuda")``; its spec is the
-  Triton pass it replaces.
+  (int32 tables in shared memory read at lane-rotated columns; NVRTC through torch), taken by
+  ``pq_linear_topc``'s default ``scan="auto"`` on a CUDA device; its spec is the Triton pass beside it.
 * :mod:`~dsaindex.kernels.topk`: ``rows_topk`` (threshold top-k of long rows) and ``small_topk`` (rows of
   up to 16K entries, one program each), each + ``_reference``.
 * :mod:`~dsaindex.kernels.deepgemm`: the engines' exact indexer (DeepGEMM), where it imports.

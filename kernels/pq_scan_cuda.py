@@ -1,29 +1,34 @@
-"""Stage 1's selecting scan as a CUDA kernel with the lookup tables in shared memory.
+"""Stage 1's selecting scan as a CUDA kernel: int32 tables in shared memory, read without bank conflicts.
 
 The Triton scan (:func:`dsaindex.kernels.pq_select.pq_linear_topc`, ``scan="triton"``) gathers each key's
-32 table entries from L1: at 32 x 1M keys on the H200 it runs at 2.0x the bytes floor, bound by the gathers'
-throughput, not by HBM (docs/results.md, "Stage 1's lookups"). Triton cannot address shared memory by a
-loaded byte without staging the table again at every tile. This kernel does: each block copies its
-request's int8 tables (M x 256 bytes, 8 KB at M = 32) into shared memory once, then each thread scores
-one key at a time, its M code bytes read in 16-byte loads past L1 (``ld.global.cg``) and looked up with a
-32-bit shared address whose subspace offset is an immediate. A warp's lookups at one subspace fall in one
-256-byte table: two words share a bank, so a lookup costs at most two shared-memory cycles.
+32 table entries from L1 and runs at 2.0x the bytes floor at 32 x 1M keys on the H200, bound by the gathers
+(docs/results.md, "Stage 1's lookups"). This kernel looks the codes up in shared memory instead:
 
-**Measured slower; not the default.** H200, stage 1 alone at B x 1M paged keys (``tools/stage_sweep.py``,
-docs/results/bench_stage1_scan_cuda_h200.json): 35 / 59 / 99 / 193 / 855 / 1,584 us at B = 1 / 2 / 4 / 8 / 32 /
-64, against 32 / 52 / 81 / 140 / 500 / 1,004 us for the Triton scan's default launches, the same keys kept.
-The byte lookups from shared memory (two-way bank conflicts at most) and one atomic per warp do not beat
-Triton's L1 gathers. It stays for further variants (int32 tables, appends gathered per block).
+- **Tables.** Each block writes its request's 32 int8 tables as int32 into shared memory, row ``c`` (a
+  code) holding the 32 subspaces' entries twice over (64 columns, 64 KB).
+- **Rotation.** Each thread scores one key at a time. Its 32 code bytes (two 16-byte loads past L1) are
+  rotated by its lane index, so byte ``p`` holds subspace ``(p + lane) % 32``, whose entry sits at column
+  ``p + lane``: its bank. At every lookup the 32 lanes of a warp read 32 different banks whatever their codes.
+  One byte-permute makes the lookup's address (the code times the row, plus the lane's column), so a lookup
+  is a permute, a shared load at an immediate offset, and an add.
+- **Appends.** The rows that reach the request's threshold (from the sampling pass of the same step) are
+  staged in shared memory (a shared atomic per warp) and appended to the request's buffer with one global
+  atomic a block. With an atomic per warp to one counter per request, waited on by the whole warp, the scan
+  waited on L2 more than on its codes.
+- **Loads.** Each thread has its next two rows' codes in flight while it scores the current one; the
+  block's slice of the page table is read once.
 
-Selection is the Triton scan's exactly: integer sums, kept where the sum reaches the request's threshold
-(from the sampling pass of the same step), appended to the request's buffer with one atomic per warp. Only
-the order of the appended keys may differ, which the next stage does not read.
+Selection is the Triton scan's exactly: integer sums, kept where the sum reaches the threshold. Only the order
+of the appended keys differs, which the next stage does not read.
 
-The source is compiled at first use by NVRTC through torch (``torch.cuda._compile_kernel``), once per
-process, device and subspace count: no compiler is needed beyond what a CUDA build of torch ships. It is
-launched on the current stream, so a CUDA graph captures it. Without a GPU, ``tests/test_pq_scan_cuda.py``
-runs this very source on the CPU (a thread per CUDA thread, warps meeting at barriers) against the pass's
-specification.
+**Measured** (H200, stage 1 alone at B x 1M paged keys, both passes, docs/results.md "Stage 1 in shared
+memory"): 29 / 107 / 373 / 749 us at B = 1 / 8 / 32 / 64 against 32 / 138 / 497 / 989 us for the Triton scan,
+the same keys kept; a read of the same codes with the lookups left out takes 304 us at 32 x 1M.
+
+The source is compiled at first use by NVRTC through torch (``torch.cuda._compile_kernel``), once per process
+and device: no compiler is needed beyond what a CUDA build of torch ships. It is launched on the current
+stream, so a CUDA graph captures it. Without a GPU, ``tests/test_pq_scan_cuda.py`` runs this very source on the
+CPU (a thread per CUDA thread, warps meeting at barriers) against the pass's specification.
 """
 
 from __future__ import annotations
@@ -34,18 +39,27 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SCANS = ("triton", "cuda")
-THREADS = 256
+SCANS = ("auto", "triton", "cuda")  # "auto": the CUDA scan where it runs (see :func:`resolve_scan`), else Triton
 KERNEL = "pq_scan_select"
+SUBSPACES = 32  # code bytes a key the kernel reads
+THREADS = 512
+MAX_ROWS = 8192  # rows a block scans at most: it stages as many kept rows
+SHARED = 256 * 64 * 4 + MAX_ROWS * 4  # its dynamic shared memory: the int32 tables, the staged rows
 
 _SOURCE = r"""
-#define M_SUB __M__
-#define K_ENT 256
+#ifndef SHARED_DYNAMIC
+#define SHARED_DYNAMIC extern __shared__ __align__(16) int smem[]
+#endif
+#define THREADS 512
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 2
+#endif
+#define MAX_ROWS 8192
 
-extern "C" __global__ void __launch_bounds__(256) pq_scan_select(
-    const unsigned char* __restrict__ codes,  // [B, n_rows, M] or [P, 64, M] (paged) uint8
+extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
+    const unsigned char* __restrict__ codes,  // [B, n_rows, 32] or [P, 64, 32] (paged) uint8
     const int* __restrict__ lengths,          // [B] valid rows per request
-    const signed char* __restrict__ lut,      // [B, M, 256] int8 tables
+    const signed char* __restrict__ lut,      // [B, 32, 256] int8 tables
     const float* __restrict__ thr,            // [B] thresholds of the sampling pass
     float* __restrict__ out_score,            // [B, capacity]
     int* __restrict__ out_pos,                // [B, capacity]
@@ -53,37 +67,107 @@ extern "C" __global__ void __launch_bounds__(256) pq_scan_select(
     const int* __restrict__ table,            // [B, table_width] physical page of each 64-row page (paged)
     int table_width, int n_rows, int capacity, int rows_per_block, int paged)
 {
-    __shared__ __align__(16) signed char lut_s[M_SUB * K_ENT];
+    // lut_s[c * 64 + col] = table (col mod 32) at code c, as int32: columns 32..63 repeat 0..31, so a lane
+    // whose bytes are rotated by its lane index finds code position p's table at column p + lane, and the
+    // 32 lanes of a warp read 32 different banks at every lookup whatever their codes
+    // the block's kept rows are staged in shared memory (room for every row it scans) and appended to the
+    // request's buffer with one atomic at its end: an atomic per warp, to one counter per request, waited on
+    // by the whole warp, made the scan wait on L2 more than on its codes
+    SHARED_DYNAMIC;
+    int* lut_s = smem;
+    unsigned* staged = reinterpret_cast<unsigned*>(smem + 256 * 64);  // a kept row: its sum << 16 | its offset
+    __shared__ int pages_s[MAX_ROWS / 64];
+    __shared__ int st_n, st_base;
     const int b = blockIdx.y;
     const long long length = lengths[b];
     const long long first = (long long)blockIdx.x * rows_per_block;
     if (first >= length) return;  // the whole block: a grid sized for the longest request
-    const int4* src = reinterpret_cast<const int4*>(lut + (long long)b * M_SUB * K_ENT);
-    int4* dst = reinterpret_cast<int4*>(lut_s);
-    for (int i = threadIdx.x; i < M_SUB * K_ENT / 16; i += blockDim.x) dst[i] = src[i];
+    if (threadIdx.x == 0) st_n = 0;  // before the barrier below
+    const long long stop = min(length, first + rows_per_block);
+    if (paged) {  // the block's slice of the page table, read once
+        for (int i = threadIdx.x; i < MAX_ROWS / 64 && first + 64LL * i < stop; i += blockDim.x)
+            pages_s[i] = table[(long long)b * table_width + (first >> 6) + i];
+    }
+    // the codes of this thread's next PREFETCH_ROWS rows are in flight while it scores the current one; the
+    // first ones are asked for before the tables are built (their pages read from global memory: the slice
+    // above is visible after the barrier only)
+    long long r = first + threadIdx.x;
+    uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
+#if PREFETCH_ROWS == 2
+    uint4 n0 = v0, n1 = v0;
+#endif
+#define ROW_OF(rr, page) (paged ? (long long)(page) * 64 + ((rr) & 63) : (long long)b * n_rows + (rr))
+#define PAGE_G(rr) (paged ? table[(long long)b * table_width + ((rr) >> 6)] : 0)
+#define PAGE_S(rr) (paged ? pages_s[((rr) - first) >> 6] : 0)
+    if (r < stop) {
+        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(r, PAGE_G(r)) * 32);
+        v0 = __ldcg(row);
+        v1 = __ldcg(row + 1);
+    }
+#if PREFETCH_ROWS == 2
+    if (r + blockDim.x < stop) {
+        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(r + blockDim.x, PAGE_G(r + blockDim.x)) * 32);
+        n0 = __ldcg(row);
+        n1 = __ldcg(row + 1);
+    }
+#endif
+    const unsigned* src = reinterpret_cast<const unsigned*>(lut + (long long)b * 32 * 256);
+    for (int i = threadIdx.x; i < 32 * 64; i += blockDim.x) {  // word i: subspace i % 32, codes 4 (i / 32) + 0..3
+        const int s = i & 31, c4 = (i >> 5) * 4;
+        const unsigned w = src[s * 64 + (i >> 5)];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int v = (int)(signed char)((w >> (8 * j)) & 0xffu);
+            lut_s[(c4 + j) * 64 + s] = v;
+            lut_s[(c4 + j) * 64 + s + 32] = v;
+        }
+    }
     __syncthreads();
     const float t = thr[b];
     const int lane = threadIdx.x & 31;
-    const long long stop = min(length, first + rows_per_block);
+    const unsigned ws = (unsigned)lane >> 2, bs = ((unsigned)lane & 3u) * 8u;
+    const unsigned base = (unsigned)lane * 4u;  // byte offset of the lane's first column in a code's row
+    const char* lut_bytes = reinterpret_cast<const char*>(lut_s);
     // every thread of the block loops as often (stop is the block's), so each ballot sees whole warps
-    for (long long base = first; base < stop; base += blockDim.x) {
-        const long long r = base + threadIdx.x;
+    for (long long row0 = first; row0 < stop; row0 += blockDim.x, r += blockDim.x) {
         const bool valid = r < stop;
+        unsigned w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#if PREFETCH_ROWS == 2
+        v0 = n0;
+        v1 = n1;
+        const long long next = r + 2LL * blockDim.x;
+        if (next < stop) {
+            const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(next, PAGE_S(next)) * 32);
+            n0 = __ldcg(row);
+            n1 = __ldcg(row + 1);
+        }
+#else
+        const long long next = r + blockDim.x;
+        if (next < stop) {
+            const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(next, PAGE_S(next)) * 32);
+            v0 = __ldcg(row);
+            v1 = __ldcg(row + 1);
+        }
+#endif
         int score = 0;
         if (valid) {
-            const long long flat = paged ? (long long)table[(long long)b * table_width + (r >> 6)] * 64 + (r & 63)
-                                         : (long long)b * n_rows + r;
-            const uint4* row = reinterpret_cast<const uint4*>(codes + flat * M_SUB);
+            unsigned u[8];  // rotate the words left by ws (three selects a word), then the bytes by bs bits
 #pragma unroll
-            for (int q = 0; q < M_SUB / 16; ++q) {
-                const uint4 v = __ldcg(row + q);
-                const unsigned w[4] = {v.x, v.y, v.z, v.w};
+            for (int k = 0; k < 8; ++k) u[k] = (ws & 1u) ? w[(k + 1) & 7] : w[k];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+            for (int k = 0; k < 8; ++k) w[k] = (ws & 2u) ? u[(k + 2) & 7] : u[k];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        score += lut_s[(q * 16 + i * 4 + j) * K_ENT + ((w[i] >> (8 * j)) & 0xffu)];
-                    }
+            for (int k = 0; k < 8; ++k) u[k] = (ws & 4u) ? w[(k + 4) & 7] : w[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) w[k] = __funnelshift_r(u[k], u[(k + 1) & 7], bs);
+            // now byte p of w holds subspace (p + lane) % 32's code; one byte-permute makes its row's
+            // byte address plus the lane's column offset: {base, code, 0, 0}
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned at = __byte_perm(w[k], base, 0x5504u + 16u * j);
+                    score += *reinterpret_cast<const int*>(lut_bytes + at + 4 * (4 * k + j));
                 }
             }
         }
@@ -93,26 +177,33 @@ extern "C" __global__ void __launch_bounds__(256) pq_scan_select(
         if (mask) {
             const int leader = __ffs(mask) - 1;
             int slot0 = 0;
-            if (lane == leader) slot0 = atomicAdd(count + b, __popc(mask));
+            if (lane == leader) slot0 = atomicAdd(&st_n, __popc(mask));  // shared memory: no wait on L2
             slot0 = __shfl_sync(0xffffffffu, slot0, leader);
-            if (keep) {
+            if (keep) {  // |sum| <= 32 x 127 fits 16 bits, the row's offset in the block too
                 const int slot = slot0 + __popc(mask & ((1u << lane) - 1u));
-                if (slot < capacity) {  // past it: counted, not stored (the caller sees the overflow)
-                    out_score[(long long)b * capacity + slot] = s;
-                    out_pos[(long long)b * capacity + slot] = (int)r;
-                }
+                staged[slot] = ((unsigned)score << 16) | (unsigned)(r - first);
             }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
+    __syncthreads();
+    const long long out = (long long)b * capacity;
+    for (int i = threadIdx.x; i < st_n; i += blockDim.x) {
+        const int slot = st_base + i;
+        if (slot < capacity) {  // past it: counted, not stored (the caller sees the overflow)
+            const unsigned e = staged[i];
+            out_score[out + slot] = (float)((int)e >> 16);
+            out_pos[out + slot] = (int)(first + (e & 0xffffu));
         }
     }
 }
 """
 
 
-def source(subspaces: int) -> str:
-    """The kernel's CUDA source for ``subspaces`` code bytes a key (a multiple of 16)."""
-    if subspaces <= 0 or subspaces % 16:
-        raise ValueError(f"the CUDA scan reads 16 code bytes at a time: got {subspaces} subspaces, want a multiple of 16")
-    return _SOURCE.replace("__M__", str(subspaces))
+def source() -> str:
+    """The kernel's CUDA source."""
+    return _SOURCE
 
 
 def check_scan(scan: str) -> None:
@@ -127,32 +218,52 @@ def available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel") and torch.version.hip is None
 
 
+def takes(subspaces: int, centroids: int, int_tables: bool) -> str | None:
+    """Why the CUDA scan cannot read these codes (None: it can): 32 one-byte codes a key, int8 tables."""
+    if subspaces != SUBSPACES or centroids != 256 or not int_tables:
+        return (f"the CUDA scan looks up int8 tables of 256 centroids, {SUBSPACES} subspaces: got {subspaces} "
+                f"subspaces, {centroids} centroids, {'int8' if int_tables else 'float'} tables")
+    return None
+
+
+def resolve_scan(scan: str, subspaces: int, centroids: int, int_tables: bool, device: torch.device) -> str:
+    """The kernel ``scan`` names here: "auto" is "cuda" where :func:`takes` and :func:`available` allow it on
+    ``device``, else "triton"; "cuda" where it cannot run raises ``ValueError``."""
+    check_scan(scan)
+    if scan == "triton":
+        return scan
+    why = takes(subspaces, centroids, int_tables)
+    if scan == "auto":
+        return "cuda" if why is None and device.type == "cuda" and available() else "triton"
+    if why is not None:
+        raise ValueError(why)
+    return scan
+
+
 @functools.cache
-def _compiled(subspaces: int, device_index: int):
+def _compiled(device_index: int):
     import torch
 
     with torch.cuda.device(device_index):
         try:
-            return torch.cuda._compile_kernel(source(subspaces), KERNEL)
-        except (OSError, RuntimeError) as err:  # no CUDA_HOME for torch's include paths, no NVRTC, a compile error
+            kernel = torch.cuda._compile_kernel(source(), KERNEL)
+            kernel.set_shared_memory_config(SHARED)
+            return kernel
+        except (OSError, RuntimeError, AttributeError) as err:  # no CUDA_HOME for torch's include paths, no
+            # NVRTC, a compile error, a torch without large shared memory for compiled kernels
             raise ValueError(f"the CUDA scan did not compile here ({err}); set CUDA_HOME to the CUDA toolkit, or "
                              "use scan='triton'") from err
 
 
-def rows_per_block(batch: int, slots: int) -> int:
-    """Keys a block scans: 2,048 (the table copy, 8 KB from L2, is then 1/8 of the codes a block reads), or
-    512 where few key slots would leave the GPU short of blocks (the bound of the Triton scan's wide tiles)."""
-    return 512 if batch * slots <= 8 << 20 else 2048
-
-
 def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, thr: torch.Tensor,
                    buf_scores: torch.Tensor, buf_pos: torch.Tensor, counts: torch.Tensor,
-                   page_table: torch.Tensor | None, n: int, block_rows: int | None = None) -> None:
+                   page_table: torch.Tensor | None, n: int, block_rows: int = MAX_ROWS) -> None:
     """Append every one of the first ``n`` rows of each request whose integer score reaches ``thr`` to its
-    buffer, as the Triton selecting pass does. ``codes`` [B, N, M] or [P, 64, M] uint8 (``page_table`` [B, W]
-    int32); ``lengths`` [B] int32; ``lut`` [B, M, 256] int8; ``thr`` [B] float32; ``buf_scores`` [B, cap]
+    buffer, as the Triton selecting pass does. ``codes`` [B, N, 32] or [P, 64, 32] uint8 (``page_table`` [B, W]
+    int32); ``lengths`` [B] int32; ``lut`` [B, 32, 256] int8; ``thr`` [B] float32; ``buf_scores`` [B, cap]
     float32, ``buf_pos`` [B, cap] int32, ``counts`` [B] int32 (zeroed by the sampling pass before it), all
-    contiguous on one CUDA device. Raises ``ValueError`` otherwise."""
+    contiguous on one CUDA device; ``block_rows`` a multiple of 64 up to :data:`MAX_ROWS`. Raises
+    ``ValueError`` otherwise."""
     import torch
 
     b, m = lut.shape[0], codes.shape[-1]
@@ -169,15 +280,16 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
         if t.dtype != want[name] or t.device != codes.device or not t.is_contiguous():
             raise ValueError(f"{name}: got {t.dtype} on {t.device} (contiguous: {t.is_contiguous()}), want "
                              f"{want[name]} contiguous on {codes.device}")
-    if lut.shape[1:] != (m, 256):
-        raise ValueError(f"lut: got shape {tuple(lut.shape)}, want [B, {m}, 256] (one byte a code)")
-    if codes.data_ptr() % 16 or lut.data_ptr() % 16:
-        raise ValueError("codes and lut must start on a 16-byte boundary (the kernel reads 16 bytes at a time)")
+    if m != SUBSPACES or lut.shape[1:] != (m, 256):
+        raise ValueError(f"lut: got shape {tuple(lut.shape)} for {m} code bytes, want [B, {SUBSPACES}, 256]")
+    if codes.data_ptr() % 16:
+        raise ValueError("codes must start on a 16-byte boundary (the kernel reads 16 bytes at a time)")
+    if block_rows % 64 or not 0 < block_rows <= MAX_ROWS:
+        raise ValueError(f"block_rows: got {block_rows}, want a multiple of 64 up to {MAX_ROWS} (whole pages a block)")
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
-    rows = block_rows or rows_per_block(b, n)
-    kernel = _compiled(m, codes.device.index if codes.device.index is not None else torch.cuda.current_device())
+    kernel = _compiled(codes.device.index if codes.device.index is not None else torch.cuda.current_device())
     table = page_table if paged else lengths
-    kernel(grid=(max(1, -(-n // rows)), b, 1), block=(THREADS, 1, 1),
+    kernel(grid=(max(1, -(-n // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=SHARED,
            args=[codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, int(table.shape[-1]) if paged else 0,
-                 int(n_rows), int(buf_scores.shape[1]), int(rows), int(paged)])
+                 int(n_rows), int(buf_scores.shape[1]), int(block_rows), int(paged)])

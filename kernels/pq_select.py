@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from dsaindex.kernels import checks, select
-from dsaindex.kernels.pq_scan_cuda import check_scan, pq_scan_select
+from dsaindex.kernels.pq_scan_cuda import pq_scan_select, resolve_scan
 from dsaindex.pq import (
     PQSpec,
     encode,
@@ -220,7 +220,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    block_n: int = 256, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-                   chunk: int | None = None, stream: int = 1, scan: str = "triton",
+                   chunk: int | None = None, stream: int = 1, scan: str = "auto",
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -253,9 +253,10 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     (256-row tiles, 8 a program, 4 warps, ``stream`` 1) is the fastest measured on the H200 at 32 x 1M
     keys: 2.0x the bytes floor against 2.3x for 128-row tiles without ``stream`` (docs/results.md); a decode
     step over fewer key slots launches as :func:`stage1_launch` says (one 512-row tile a program, 8 warps).
-    ``scan="cuda"`` (int8 tables, 256 centroids, M a multiple of 16, a CUDA device) runs the selecting pass
-    as the CUDA kernel of :mod:`dsaindex.kernels.pq_scan_cuda` (tables in shared memory; the tile options
-    then apply to the sampling pass only): the same keys and scores, appended in another order.
+    ``scan="cuda"`` (int8 tables, 256 centroids, 32 subspaces, a CUDA device) runs the selecting pass as
+    the CUDA kernel of :mod:`dsaindex.kernels.pq_scan_cuda` (tables in shared memory; the tile options then
+    apply to the sampling pass only): the same keys and scores, appended in another order; ``"auto"`` (the
+    default) takes it where it runs, else ``"triton"``.
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -263,11 +264,8 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     from dsaindex.kernels.pq_select_kernel import pq_linear_kernel
 
     _check_codes_and_queries(codes, queries, head_weights, codebooks, page_table)
-    check_scan(scan)
     b, m = queries.shape[0], codes.shape[2]
-    if scan == "cuda" and (table_dtype != torch.int8 or codebooks.shape[1] != 256 or m % 16):
-        raise ValueError(f"scan='cuda' looks up int8 tables of 256 centroids, 16 subspaces at a time: got "
-                         f"{table_dtype} tables, {codebooks.shape[1]} centroids, {m} subspaces")
+    scan = resolve_scan(scan, m, codebooks.shape[1], table_dtype == torch.int8, codes.device)
     n_rows = codes.shape[1] if page_table is None else page_table.shape[1] * 64
     checks.shape("lengths", lengths, (b,), "B")
     n = n_rows if max_len is None else min(max_len, n_rows)
@@ -522,15 +520,14 @@ def stage1_launch(batch: int, slots: int) -> dict:
 
 
 def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,
-            linear_config, scan: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+            linear_config, scan: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 of both coarse forms: every key above a sampled threshold aiming at ``c1`` (int8 tables,
     up to 2 c1 kept). ``linear_config`` None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel
     (:func:`pq_linear_topc`). Returns (rows [B, 2 c1] int32, counts [B] int32)."""
     if linear_config is None:
         slots = codes.shape[1] if page_table is None else page_table.shape[1] * 64
         linear_config = stage1_launch(queries.shape[0], slots if max_len is None else min(max_len, slots))
-    if scan != "triton":
-        linear_config = {**linear_config, "scan": scan}
+    linear_config = {"scan": scan, **linear_config}
     _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
                                        max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
                                        centroid_norms=centroid_norms, page_table=page_table, **linear_config)
@@ -541,7 +538,7 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, capacity: int, key_bound: float, scratch: torch.Tensor,
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None,
-                   page_table: torch.Tensor | None = None, scan: str = "triton",
+                   page_table: torch.Tensor | None = None, scan: str = "auto",
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
     :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page; ``scan``: stage
@@ -559,7 +556,7 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None, one_program_max: int | None = None,
-                   scan: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scan: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode step's two coarse stages and its top C, on Triton: stage 1 keeps every key above a
     sampled threshold aiming at ``c1`` (int8 tables, :func:`pq_linear_topc` with ``keep_all``), stage 2
     scores those with every head (:func:`pq_candidate_scores`), and the best ``c`` are kept

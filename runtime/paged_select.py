@@ -85,7 +85,7 @@ from dsaindex.kernels.paged_codes import (
     with_tail,
     with_tail_reference,
 )
-from dsaindex.kernels.pq_scan_cuda import SCANS
+from dsaindex.kernels.pq_scan_cuda import available, resolve_scan
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
@@ -211,22 +211,20 @@ class PagedCacheSelector:
     codes : where the codes live, when the engine's pool holds them ([num_pages, 64, M] uint8, contiguous, on
         ``device``: the region an engine sized for the layer's codes instead of its keys, as the vLLM plugin's
         ``DSAINDEX_KEYS=host`` does). Default: the selector allocates [num_pages + 1, 64, M] itself.
-    scan : stage 1's selecting kernel: ``"triton"`` (default) or ``"cuda"`` (the tables in shared memory,
-        :mod:`dsaindex.kernels.pq_scan_cuda`; the same keys kept; 1.5-1.7x slower at 32-64 x 1M on the H200)
+    scan : stage 1's selecting kernel: ``"auto"`` (default: ``"cuda"`` where it runs, see
+        :func:`stage1_scan`), ``"cuda"`` (int32 tables in shared memory, :mod:`dsaindex.kernels.pq_scan_cuda`;
+        the same keys kept; 1.3x faster at 32-64 x 1M on the H200) or ``"triton"``
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
-                 top_c: str = "auto", scan: str = "triton"):
+                 top_c: str = "auto", scan: str = "auto"):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
             raise DsaIndexError(f"top_c {top_c!r} is not a way to keep stage 2's candidates.",
                                 f"pass one of {', '.join(TOP_C)}.")
-        if scan not in SCANS:
-            raise DsaIndexError(f"scan {scan!r} is not a stage-1 kernel.", f"pass one of {', '.join(SCANS)}.")
-        self.scan = scan
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rescoring "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -240,6 +238,11 @@ class PagedCacheSelector:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
+        try:
+            self.scan = resolve_scan(scan, m, codec.codebooks.shape[1], True, dev)
+        except ValueError as err:
+            raise DsaIndexError(f"scan {scan!r}: {err}.", "pass scan='auto' (the CUDA scan where it runs) or "
+                                "'triton'.") from err
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
@@ -601,10 +604,27 @@ def bins_batch_limit(stage1: int) -> int:
     return BINS_UP_TO_KEYS // max(1, stage1)
 
 
-def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...]) -> str:
+def stage1_scan(codecs, device: torch.device | None = None) -> str:
+    """What stage 1's selecting pass runs for the served ``codecs`` (PQ codecs, or the layers' dict of them) on
+    ``device`` (default: the current CUDA device, if any) under the default ``scan="auto"``, in words."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    chosen = {}
+    for codec in (codecs.values() if isinstance(codecs, dict) else codecs):
+        m, k = codec.codebooks.shape[:2]
+        chosen[(m, k)] = resolve_scan("auto", m, k, True, device)
+    if chosen and all(v == "cuda" for v in chosen.values()):
+        return "stage 1 looks codes up in shared memory (the CUDA scan)"
+    why = "no CUDA device with NVRTC here" if device.type != "cuda" or not available() else \
+        "codes of other than 32 subspaces of 256 centroids"
+    return f"stage 1 runs the Triton scan ({why})" if chosen and "cuda" not in chosen.values() else \
+        f"stage 1 runs the CUDA scan on layers of 32 subspaces, the Triton scan on the others ({why})"
+
+
+def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...], scan: str = "") -> str:
     """The paged step's own choices, for a server's startup log: which steps take the exact path
-    (``exact_below``, 0: none) and how stage 2 keeps its candidates at each of the served layers' stage-1
-    widths ``stage1`` (P x C keys, the default ``top_c="auto"``)."""
+    (``exact_below``, 0: none), how stage 2 keeps its candidates at each of the served layers' stage-1
+    widths ``stage1`` (P x C keys, the default ``top_c="auto"``), and ``scan`` (:func:`stage1_scan`'s words)."""
     if exact_below > 0:
         exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
                  f"top-k) while B x (N - {PAGED_EXACT_OFFSET} x P x C) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), "
@@ -616,7 +636,8 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
         most = bins_batch_limit(width)
         rules.append(f"up to {most} requests at a stage 1 of {width:,} keys" if most else
                      f"no step at a stage 1 of {width:,} keys")
-    return f"{exact}; stage 2 keeps its candidates by score bins for {', '.join(rules)}, by a top-C kernel above"
+    kept = f"stage 2 keeps its candidates by score bins for {', '.join(rules)}, by a top-C kernel above"
+    return f"{exact}; {scan + '; ' if scan else ''}{kept}"
 
 
 def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int) -> bool:

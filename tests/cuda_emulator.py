@@ -35,7 +35,7 @@ static emu_dim3 blockDim, gridDim;
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
 #define __global__
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 using std::min;
@@ -64,6 +64,17 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 template <class T> inline T __ldcg(const T* p) { return *p; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31u));
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+    return r;
+}
+#define SHARED_DYNAMIC static __attribute__((aligned(16))) int smem[256 * 64 + 8192]
 """
 
 _LAUNCH = r"""
@@ -101,15 +112,15 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def emulated_scan(subspaces: int):
-    """The scan of ``subspaces`` code bytes compiled for the CPU: a ctypes function ``emu_launch(grid x, grid y,
-    threads, <the kernel's arguments>)``."""
+def emulated_scan():
+    """The scan compiled for the CPU: a ctypes function ``emu_launch(grid x, grid y, threads, <the kernel's
+    arguments>)``."""
     from dsaindex.kernels.pq_scan_cuda import source
 
     folder = Path(tempfile.mkdtemp(prefix="cuda_emu_"))
     atexit.register(shutil.rmtree, folder, True)  # the library stays loaded until the process ends
     src = folder / "scan.cpp"
-    src.write_text(_HEADER + source(subspaces) + _LAUNCH)
+    src.write_text(_HEADER + source() + _LAUNCH)
     lib = folder / "scan.so"
     proc = subprocess.run([compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-o", str(lib), str(src)],
                           capture_output=True, text=True)
@@ -123,10 +134,12 @@ def emulated_scan(subspaces: int):
 
 
 def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.ndarray, capacity: int, n: int,
-             page_table: np.ndarray | None = None, rows_per_block: int = 512, threads: int = 256):
+             page_table: np.ndarray | None = None, rows_per_block: int = 512):
     """The kernel's launch as :func:`dsaindex.kernels.pq_scan_cuda.pq_scan_select` makes it, on the CPU:
     (scores [B, capacity] float32, rows [B, capacity] int32, counts [B] int32), unset slots NaN / -1."""
-    b, m = lut.shape[0], codes.shape[-1]
+    from dsaindex.kernels.pq_scan_cuda import THREADS
+
+    b = lut.shape[0]
     codes = np.ascontiguousarray(codes, dtype=np.uint8)
     lengths = np.ascontiguousarray(lengths, dtype=np.int32)
     lut = np.ascontiguousarray(lut, dtype=np.int8)
@@ -138,7 +151,7 @@ def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.nd
     table = np.ascontiguousarray(page_table if paged else lengths, dtype=np.int32)
     n_rows = table.shape[-1] * 64 if paged else codes.shape[1]
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    emulated_scan(m)(max(1, -(-n // rows_per_block)), b, threads, ptr(codes), ptr(lengths), ptr(lut), ptr(thr),
+    emulated_scan()(max(1, -(-n // rows_per_block)), b, THREADS, ptr(codes), ptr(lengths), ptr(lut), ptr(thr),
                      ptr(scores), ptr(rows), ptr(counts), ptr(table), table.shape[-1] if paged else 0, n_rows, capacity,
                      rows_per_block, int(paged))
     return scores, rows, counts

@@ -766,23 +766,28 @@ def test_fp8_gather_scores_shared_match_reference(query_fp8):
 
 
 def test_the_cuda_scan_states_what_it_takes():
-    """The CUDA selecting pass takes int8 tables of 256 centroids and 16-byte multiples of codes on a CUDA
-    device; anything else is refused with the reason, never run on the wrong inputs."""
-    from dsaindex.kernels.pq_scan_cuda import available, source
+    """The CUDA selecting pass takes int8 tables of 256 centroids and 32 code bytes a key on a CUDA device;
+    anything else is refused with the reason, never run on the wrong inputs, and ``auto`` takes Triton
+    there."""
+    from dsaindex.kernels.pq_scan_cuda import available, resolve_scan
     from dsaindex.kernels.pq_select import pq_linear_topc
 
     codes, cb, q, w = pq_inputs(1, 256, 4, m=32, d=4, seed=1)
     lengths = torch.tensor([256], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="scan: got 'fast'"):
         pq_linear_topc(codes, lengths, q, w, cb, 16, scan="fast")
-    with pytest.raises(ValueError, match="int8 tables of 256 centroids"):
+    with pytest.raises(ValueError, match="int8 tables of 256 centroids, 32 subspaces: got 32 subspaces, 256 "
+                                         "centroids, float tables"):
         pq_linear_topc(codes, lengths, q, w, cb, 16, scan="cuda", table_dtype=torch.float16)
     if not available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             pq_linear_topc(codes, lengths, q, w, cb, 16, scan="cuda", table_dtype=torch.int8, keep_all=True)
-    assert "#define M_SUB 64" in source(64)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        source(24)
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="got 16 subspaces"):
+        resolve_scan("cuda", 16, 256, True, cuda)
+    assert resolve_scan("auto", 16, 256, True, cuda) == "triton" == resolve_scan("auto", 32, 256, False, cuda)
+    assert resolve_scan("auto", 32, 256, True, torch.device("cpu")) == "triton"
+    assert resolve_scan("auto", 32, 256, True, cuda) == ("cuda" if available() else "triton")
 
 
 def _nvrtc():
@@ -799,11 +804,13 @@ def _nvrtc():
     return ctypes.CDLL(found) if found else None
 
 
-@pytest.mark.parametrize("m", [16, 32, 64])
-def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code(m):
-    """NVRTC compiles the scan for sm_90 at every subspace count it takes: one shared-memory load per code
-    byte and one global load per 16 code bytes (where NVRTC is installed: CUDA builds of torch ship it)."""
+def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
+    """NVRTC compiles the scan for sm_90 (where NVRTC is installed: CUDA builds of torch ship it): one
+    shared-memory load per code byte, at the column offsets 0, 4, .., 124 of the lane's rotated row; each
+    row's codes in two 16-byte loads (three places in the source: the first two rows, then each next one
+    before the current is scored); one global atomic a block (the kept rows staged in shared memory)."""
     import ctypes
+    import re
 
     from dsaindex.kernels.pq_scan_cuda import source
 
@@ -811,7 +818,8 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code(m):
     if lib is None:
         pytest.skip("no NVRTC on this machine")
     prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source(m).encode(), b"scan.cu", 0, None, None) == 0
+    m = 32
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"scan.cu", 0, None, None) == 0
     opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
     rc = lib.nvrtcCompileProgram(prog, 1, opts)
     size = ctypes.c_size_t()
@@ -824,7 +832,9 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code(m):
     lib.nvrtcGetPTX(prog, ptx)
     text = ptx.value.decode()
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    assert text.count("ld.shared.s8") == m and text.count("ld.global.cg") == m // 16
+    offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%r\d+(?:\+(\d+))?\];", text)]
+    assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)]
+    assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1
 
 
 @pytest.mark.gpu

@@ -598,6 +598,29 @@ def test_the_startup_description_states_the_exact_path_bound_and_the_bins_rule()
     assert "no exact path" in off and "no step at a stage 1 of 1,048,576 keys" in off
 
 
+def test_the_stage1_kernel_is_chosen_and_said():
+    """``scan="auto"`` (the default) takes the CUDA scan only where it runs (a CUDA device, 32 subspaces of 256
+    centroids); here, without one, the selector runs Triton's, the startup text says so and why, and an
+    explicit ``scan="cuda"`` is refused with the reason rather than run."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.kernels.pq_scan_cuda import available
+    from dsaindex.runtime.paged_select import describe_step, stage1_scan
+
+    pq = codec()
+    sel = PagedCacheSelector(pq, 8, topk=16, candidates=64, prefilter=4, head_dim=D, device=DEV)
+    cpu = torch.device("cpu")
+    assert sel.scan == ("cuda" if DEV.startswith("cuda") and available() and pq.codebooks.shape[:2] == (32, 256)
+                        else "triton")
+    said = stage1_scan([pq], cpu)
+    assert said == "stage 1 runs the Triton scan (no CUDA device with NVRTC here)"
+    assert said in describe_step(0, [256], said)
+    if not DEV.startswith("cuda"):
+        with pytest.raises(DsaIndexError, match="scan 'cuda'"):
+            PagedCacheSelector(pq, 8, topk=16, candidates=64, prefilter=4, head_dim=D, device=DEV, scan="cuda")
+    with pytest.raises(DsaIndexError, match="scan 'fast'"):
+        PagedCacheSelector(pq, 8, topk=16, candidates=64, prefilter=4, head_dim=D, device=DEV, scan="fast")
+
+
 def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():
     """The catch-up runs on both paths: a captured step that scores exactly still encodes the pages that
     complete, so the request's first PQ step (its batch grown past the bound) finds no stale code."""

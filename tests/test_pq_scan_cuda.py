@@ -31,8 +31,11 @@ def _thresholds(sums, lengths, share):
     return np.asarray(thr, dtype=np.float32)
 
 
-@pytest.mark.parametrize("m,paged", [(32, False), (32, True), (16, True), (64, False)])
-def test_the_scan_appends_every_row_at_or_above_the_threshold_once(m, paged):
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_scan_appends_every_row_at_or_above_the_threshold_once(paged):
+    """The int32 tables are read at a column rotated by the lane, each lane's code bytes rotated to match:
+    every lookup must land on the subspace its byte came from."""
+    m = 32
     b, n = 3, 1300
     codes, lut = _inputs(b, n, m, seed=m + paged)
     lengths = np.asarray([n, n - 333, 41], dtype=np.int32)
@@ -70,3 +73,18 @@ def test_rows_past_the_buffer_are_counted_not_stored():
         stored = rows[i].tolist()
         assert len(set(stored)) == capacity and set(stored) <= passing
         assert np.array_equal(scores[i], sums[i, rows[i]].astype(np.float32))
+
+
+def test_the_scan_stages_a_whole_block_of_kept_rows():
+    """At -inf every row of a block is kept: the block's staging must hold all of them, and the appends of
+    both blocks land once each (rows of the second block carry their offset past the first)."""
+    from dsaindex.kernels.pq_scan_cuda import MAX_ROWS
+
+    b, n, m = 1, MAX_ROWS + 300, 32
+    codes, lut = _inputs(b, n, m, seed=5)
+    sums = _sums(codes, lut)
+    thr = np.asarray([-np.inf], dtype=np.float32)
+    scores, rows, counts = run_scan(codes, np.asarray([n], dtype=np.int32), lut, thr, capacity=n, n=n,
+                                    rows_per_block=MAX_ROWS)
+    assert counts[0] == n and np.array_equal(np.sort(rows[0]), np.arange(n))
+    assert np.array_equal(scores[0], sums[0, rows[0]].astype(np.float32))

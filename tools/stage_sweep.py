@@ -15,11 +15,10 @@ from dsaindex.kernels.pq_select import (
     pq_candidate_bins,
     pq_candidate_scores,
     pq_linear_topc,
-    stage1_launch,
 )
 
-LAUNCHES = [dict(block_n=256, iters=8, num_warps=4), dict(block_n=256, iters=2, num_warps=4),
-            dict(block_n=512, iters=1, num_warps=8), dict(block_n=128, iters=4, num_warps=4),
+LAUNCHES = [dict(scan="triton", block_n=256, iters=8, num_warps=4), dict(scan="triton", block_n=256, iters=2, num_warps=4),
+            dict(scan="triton", block_n=512, iters=1, num_warps=8), dict(scan="triton", block_n=128, iters=4, num_warps=4),
             dict(scan="cuda")]  # the selecting pass with the tables in shared memory (kernels/pq_scan_cuda.py)
 C, C1 = 4096, 16384
 
@@ -33,7 +32,7 @@ def sweep(b: int, n: int = 1 << 20) -> list[dict]:
     w = torch.rand(b, 64, device="cuda")
     codes = torch.randint(0, 256, (pages, 64, 32), dtype=torch.uint8, device="cuda")
     cb = torch.randn(32, 256, 4, device="cuda") * 0.3
-    default = stage1_launch(b, n) or LAUNCHES[0]
+    default = dict(scan="cuda")  # the decode step's default where the CUDA scan runs
 
     def stage1(**launch):
         return pq_linear_topc(codes, lengths, q, w, cb, C1, capacity=2 * C1, keep_all=True, return_counts=True,

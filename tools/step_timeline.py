@@ -1,8 +1,8 @@
 """One decode step of the paged selector replayed from a CUDA graph, kernel by kernel on the device's clock: each
 kernel's start (from the step's first kernel), its duration and the gap before it, medians over replays (a GPU;
 not part of the package). The eager profile of ``bench paged --profile`` sums kernel times; this shows where a
-small step's latency goes between them; ``codes_scan_cuda`` is the codes' path with stage 1's CUDA scan
-(kernels/pq_scan_cuda.py). ``python3 tools/step_timeline.py OUT.json [B,...] [N]``."""
+small step's latency goes between them; ``codes`` and ``default`` run stage 1's CUDA scan
+(kernels/pq_scan_cuda.py, the default), ``codes_scan_triton`` the codes' path with the Triton scan. ``python3 tools/step_timeline.py OUT.json [B,...] [N]``."""
 
 import json
 import statistics
@@ -71,7 +71,7 @@ def case(b: int, n: int) -> dict:
         return rows_topk(deepgemm.paged_logits(cache, table, lengths, q, w, n, schedule, masked=False), lengths, 512)
 
     out["deepgemm_fast_topk"] = timeline(baseline)
-    for name, bound, scan in (("codes", 0, "triton"), ("default", None, "triton"), ("codes_scan_cuda", 0, "cuda")):
+    for name, bound, scan in (("codes", 0, "auto"), ("default", None, "auto"), ("codes_scan_triton", 0, "triton")):
         kw = {} if bound is None else {"exact_below": bound}
         sel = PagedCacheSelector(PQCodec(codebooks.float().cpu()), cache.shape[0], 512, candidates=C, prefilter=P,
                                  device="cuda", scan=scan, **kw)
@@ -88,7 +88,7 @@ def main() -> None:
     results = []
     for b in batches:
         results.append(case(b, n))
-        for name in ("deepgemm_fast_topk", "codes", "default", "codes_scan_cuda"):
+        for name in ("deepgemm_fast_topk", "codes", "default", "codes_scan_triton"):
             r = results[-1][name]
             print(f"B={b} {name}: span {r['span_us']} us, busy {r['busy_us']} us, {r['kernels']} kernels", flush=True)
             for row in r["timeline"]:

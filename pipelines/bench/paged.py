@@ -154,9 +154,9 @@ def bench_paged(
                               "exact top C), bins (score bins, no top-C kernel) or auto (the plugins' default: bins "
                               "while B x P x C is at most 256K, topk above); a comma list times the others too "
                               "(plugin_device_<mode>, on the codes' path)."),
-    scan: str = typer.Option("triton", "--scan", help="Stage 1's selecting kernel: triton (the default) or cuda "
-                             "(tables in shared memory); a comma list times the others too (plugin_device_scan_<s>, "
-                             "on the codes' path)."),
+    scan: str = typer.Option("auto", "--scan", help="Stage 1's selecting kernel: auto (the default: cuda where it "
+                             "runs), cuda (tables in shared memory) or triton; a comma list times the others too "
+                             "(plugin_device_scan_<s>, on the codes' path)."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),

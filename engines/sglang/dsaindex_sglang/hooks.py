@@ -40,7 +40,12 @@ class PluginState:
         if self.loaded is not None:
             return
         from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points, load_bundle
-        from dsaindex.runtime.paged_select import check_paged_codes, describe_step, device_bytes_per_key
+        from dsaindex.runtime.paged_select import (
+            check_paged_codes,
+            describe_step,
+            device_bytes_per_key,
+            stage1_scan,
+        )
         from dsaindex.runtime.settings import engine_settings
 
         s = engine_settings("sglang")
@@ -70,7 +75,8 @@ class PluginState:
                     "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
                     self.code_bytes,
                     describe_step(0 if self.keys == "host" else s.exact_below,
-                                  [max(candidates[layer], topk) * prefilter[layer] for layer in self.selectors]))
+                                  [max(candidates[layer], topk) * prefilter[layer] for layer in self.selectors],
+                                  stage1_scan([sel.codec for sel in self.selectors.values()])))
 
     def note_fallback(self, why: str) -> None:
         if why not in self.fallbacks:

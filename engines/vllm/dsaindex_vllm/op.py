@@ -39,7 +39,7 @@ from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
 import dsaindex_vllm.capture as capture
 from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points
-from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes, describe_step
+from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes, describe_step, stage1_scan
 from dsaindex.runtime.settings import EngineSettings, engine_settings
 
 logger = logging.getLogger("dsaindex_vllm")
@@ -248,7 +248,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
                                                             s.recall_target,
                                                             code_bytes={self.layer_id: code_bytes_of(self.codec)}),
                         describe_step(0 if s.keys == "host" else self.exact_below,
-                                      [self.candidates * self.prefilter]))
+                                      [self.candidates * self.prefilter], stage1_scan([self.codec])))
 
         _LAYERS[self.k_cache.prefix] = self
         if s.capture:  # the store checked against this model (startup), the writer decided, once per process
