@@ -832,7 +832,7 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
     lib.nvrtcGetPTX(prog, ptx)
     text = ptx.value.decode()
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%r\d+(?:\+(\d+))?\];", text)]
+    offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%rd?\d+(?:\+(\d+))?\];", text)]
     assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)]
     assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1
 
