@@ -281,7 +281,8 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
                     code_bytes: Mapping[int, tuple[int, int]] | None = None) -> str:
     """What a server says at startup of its decode layers' operating points: per group of layers at the same
     (C, stage 1), the held-out recall of the exact top-``topk`` the bundle records there (the lower of all
-    queries' and the longest prefix band's), and how it stands against ``target``; "not recorded" where
+    queries' and the longest prefix band's, whose end it names: recall past it was not measured, and a fixed
+    C serves less there), and how it stands against ``target``; "not recorded" where
     the bundle has no measurement at that point (a count given by hand). With ``code_bytes`` (layer -> the
     codes' and the exact key's bytes, :func:`code_bytes_of`), the step's cost too: the share of the exact
     scan's bytes a query reads at 128K and 1M keys (:func:`step_bytes`)."""
@@ -295,7 +296,10 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
         else:
             recall = found[0].recall
             gap = "" if recall >= target else f", {100 * (target - recall):.2f} points under the {100 * target:.2f}% target"
-            said = f"held-out recall {_floor_pct(recall)}{gap}"
+            # where the bundle measured it: C does not grow with the prefix, so longer requests get less
+            reach = f" at prefixes up to {found[0].band.split('-', 1)[1]} (longer ones not measured)" \
+                if found[0].band and "-" in found[0].band else ""
+            said = f"held-out recall {_floor_pct(recall)}{reach}{gap}"
         if code_bytes is not None and layer in code_bytes:
             m, key_bytes = code_bytes[layer]
             shares = [step_bytes(n, m, c, p, key_bytes) for n in COST_KEYS]

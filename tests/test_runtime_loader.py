@@ -366,6 +366,13 @@ def test_startup_says_each_layers_point_and_the_recall_it_gives_up():
                     "layers 1, 2: C = 1024, stage 1 4 x C, held-out recall 99.87%; "
                     "layer 3: C = 1024, stage 1 4 x C, held-out recall not recorded")
     assert describe_points(metrics, {0: 2048}, {0: 8}, 512) == "layer 0: C = 2048, stage 1 8 x C, held-out recall 99.71%"
+    # with prefix bands: the longest well-populated band decides, and its end is said
+    banded = {"layer0/k512/prefilter4@4096": 0.997, "layer0/k512@64K-128K/prefilter4@4096": 0.993,
+              "layer0/k512@64K-128K/queries": 40, "layer0/k512@128K-256K/prefilter4@4096": 0.90,
+              "layer0/k512@128K-256K/queries": 3}
+    assert describe_points(banded, {0: 4096}, {0: 4}, 512, 0.995) == (
+        "layer 0: C = 4096, stage 1 4 x C, held-out recall 99.30% at prefixes up to 128K (longer ones not measured), "
+        "0.20 points under the 99.50% target")
 
 
 def test_startup_prices_each_layers_step_in_bytes_against_the_exact_scan():
