@@ -615,10 +615,11 @@ def stage1_scan(codecs, device: torch.device | None = None) -> str:
         chosen[(m, k)] = resolve_scan("auto", m, k, True, device)
     if chosen and all(v == "cuda" for v in chosen.values()):
         return "stage 1 looks codes up in shared memory (the CUDA scan)"
-    why = "no CUDA device with NVRTC here" if device.type != "cuda" or not available() else \
-        "codes of other than 32 subspaces of 256 centroids"
-    return f"stage 1 runs the Triton scan ({why})" if chosen and "cuda" not in chosen.values() else \
-        f"stage 1 runs the CUDA scan on layers of 32 subspaces, the Triton scan on the others ({why})"
+    no_gpu = device.type != "cuda" or not available()
+    why = "no CUDA device with NVRTC here" if no_gpu else "codes of other than 32 subspaces of 256 centroids"
+    if "cuda" in chosen.values():
+        return f"stage 1 runs the CUDA scan on layers of 32 subspaces, the Triton scan on the others ({why})"
+    return f"stage 1 runs the Triton scan ({why})"
 
 
 def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...], scan: str = "") -> str:

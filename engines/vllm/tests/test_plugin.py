@@ -506,3 +506,5 @@ def test_by_default_each_layer_serves_its_cheapest_recorded_point_at_the_target(
     assert "C = 4096, stage 1 8 x C, held-out recall 99.61%" in caplog.text
     # and what the step itself chooses: bins for up to 8 requests at a 32K stage 1 (256K keys in all)
     assert "by score bins for up to 8 requests at a stage 1 of 32,768 keys" in caplog.text
+    # and which stage-1 kernel runs: on this CPU machine, Triton's, with the reason
+    assert "stage 1 runs the Triton scan (no CUDA device with NVRTC here)" in caplog.text
