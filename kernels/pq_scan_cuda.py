@@ -228,13 +228,21 @@ def takes(subspaces: int, centroids: int, int_tables: bool) -> str | None:
 
 def resolve_scan(scan: str, subspaces: int, centroids: int, int_tables: bool, device: torch.device) -> str:
     """The kernel ``scan`` names here: "auto" is "cuda" where :func:`takes` and :func:`available` allow it on
-    ``device``, else "triton"; "cuda" where it cannot run raises ``ValueError``."""
+    ``device`` and it compiles, else "triton"; "cuda" where it cannot run raises ``ValueError``."""
+    import torch
+
     check_scan(scan)
     if scan == "triton":
         return scan
     why = takes(subspaces, centroids, int_tables)
     if scan == "auto":
-        return "cuda" if why is None and device.type == "cuda" and available() else "triton"
+        if why is not None or device.type != "cuda" or not available():
+            return "triton"
+        try:  # compiled here, once a process, so a machine whose NVRTC cannot build it falls back, not fails
+            _compiled(device.index if device.index is not None else torch.cuda.current_device())
+        except ValueError:
+            return "triton"
+        return "cuda"
     if why is not None:
         raise ValueError(why)
     return scan
