@@ -69,24 +69,30 @@ def fp8_score_kernel(
             valid = rows >= 0
         else:
             rows, valid = scan_rows(idx, stride, n_out, length, MODE == 0)
-        page = rows.to(tl.int64) // 64
-        if HAS_TABLE:
-            page = tl.load(table_ptr + b * table_width + page, mask=valid, other=0).to(tl.int64)
-        within = rows.to(tl.int64) % 64
-        key_at = b * key_slot_stride + page * key_page_stride + within * D
-        raw = tl.load(keys_ptr + key_at[:, None] + dims[None, :], mask=valid[:, None], other=0)
-        if FP8_DOT:
-            keys = raw.to(tl.float8e4nv, bitcast=True)
+        empty = False
+        if MODE == 2:  # a block of no candidates (a C grown for other requests of the step): no key read
+            empty = tl.max(valid.to(tl.int32), axis=0) == 0
+        if empty:
+            tl.store(out_score_ptr + b * n_out + idx, float("-inf"), mask=idx < n_out)
         else:
-            keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        scale = tl.load(scales_ptr + b * scale_slot_stride + page * scale_page_stride + within, mask=valid, other=0.0)
-        # relu(s * x) = s * relu(x) for the positive ue8m0 scale: apply it after the head sum
-        score = weighted_relu_heads(keys, q_t, w, F32) * scale
-        if MODE == 1:
-            append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
-                         count_ptr + b, CAPACITY)
-        else:
-            tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
+            page = rows.to(tl.int64) // 64
+            if HAS_TABLE:
+                page = tl.load(table_ptr + b * table_width + page, mask=valid, other=0).to(tl.int64)
+            within = rows.to(tl.int64) % 64
+            key_at = b * key_slot_stride + page * key_page_stride + within * D
+            raw = tl.load(keys_ptr + key_at[:, None] + dims[None, :], mask=valid[:, None], other=0)
+            if FP8_DOT:
+                keys = raw.to(tl.float8e4nv, bitcast=True)
+            else:
+                keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            scale = tl.load(scales_ptr + b * scale_slot_stride + page * scale_page_stride + within, mask=valid, other=0.0)
+            # relu(s * x) = s * relu(x) for the positive ue8m0 scale: apply it after the head sum
+            score = weighted_relu_heads(keys, q_t, w, F32) * scale
+            if MODE == 1:
+                append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
+                             count_ptr + b, CAPACITY)
+            else:
+                tl.store(out_score_ptr + b * n_out + idx, tl.where(valid, score, float("-inf")), mask=idx < n_out)
 
 
 @triton.jit

@@ -147,6 +147,28 @@ def pq_linear_topc_reference(codes: torch.Tensor, lengths: torch.Tensor, queries
     return select.topk_of_prefixes(pq_linear_scores_reference(codes, queries, head_weights, codebooks), lengths, c)
 
 
+def grown_counts(count: int, lengths: torch.Tensor, band: int, most: int) -> torch.Tensor:
+    """[B] int64: ``count`` times the power of two covering each request's ``lengths`` in units of ``band``
+    keys (1 up to ``band``, 2 up to twice it, ...), at most ``most``; ``count`` where ``band`` is 0. A
+    request's C by its prefix length, the spec of the kernels' ``grown``."""
+    lengths = lengths.reshape(-1).long()
+    if band <= 0:
+        return torch.full_like(lengths, count)
+    need = ((lengths + band - 1) // band).clamp_min(1)
+    mult = torch.ones_like(lengths)
+    for _ in range(16):
+        mult = torch.where((mult < need) & (mult < most), mult * 2, mult)
+    return count * mult
+
+
+def check_growth(band: int, most: int) -> None:
+    """Raise ``ValueError`` unless (``band``, ``most``) is a growth the kernels take: ``band`` >= 0 keys and
+    ``most`` a power of two from 1 to 2**15."""
+    if band < 0 or most < 1 or most & (most - 1) or most > 1 << 15:
+        raise ValueError(f"growth: got band {band} and most {most}; want band >= 0 and most a power of two "
+                         "from 1 to 32768")
+
+
 def pq_linear_scores_reference(codes: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                                codebooks: torch.Tensor) -> torch.Tensor:
     """Stage-1 scores [B, N] float32 of ``codes`` [B, N, M] uint8 for ``queries`` [B, H, D], ``head_weights``
@@ -220,7 +242,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    block_n: int = 256, iters: int = 8, num_warps: int = 4, return_counts: bool = False,
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-                   chunk: int | None = None, stream: int = 1, scan: str = "auto",
+                   chunk: int | None = None, stream: int = 1, scan: str = "auto", grow: tuple[int, int] = (0, 1),
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -256,7 +278,9 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     ``scan="cuda"`` (int8 tables, 256 centroids, 32 subspaces, a CUDA device) runs the selecting pass as
     the CUDA kernel of :mod:`dsaindex.kernels.pq_scan_cuda` (tables in shared memory; the tile options then
     apply to the sampling pass only): the same keys and scores, appended in another order; ``"auto"`` (the
-    default) takes it where it runs, else ``"triton"``.
+    default) takes it where it runs, else ``"triton"``. ``grow`` (band, most), with ``keep_all`` and int8
+    tables: each request aims at :func:`grown_counts` of ``c`` by its length instead of ``c`` (its C by its
+    prefix length), and its capacity grows alike inside a buffer ``most`` times as wide.
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -272,6 +296,11 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     k = codebooks.shape[1]
     capacity = 3 * c if capacity is None else capacity
     checks.at_least("capacity", capacity, 2 * c, "twice the candidates c")
+    band, most = grow
+    check_growth(band, most)
+    if band and not (keep_all and table_dtype == torch.int8):
+        raise ValueError("grow: a C grown by length needs keep_all and int8 tables (the decode step's stage 1)")
+    width = capacity * (most if band else 1)  # buffer slots per request
     codes = codes.contiguous()
     lengths = lengths.to(device=codes.device, dtype=torch.int32)
     int_table = table_dtype == torch.int8
@@ -287,8 +316,8 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     dummy_i = torch.empty(1, dtype=torch.int32, device=codes.device)
     dummy_f = torch.empty(1, dtype=torch.float32, device=codes.device)
     if keep_all:  # slots past the count are never read (the count travels with the buffer)
-        buf_scores = torch.empty(b, capacity, dtype=torch.float32, device=codes.device)
-        buf_pos = torch.empty(b, capacity, dtype=torch.int32, device=codes.device)
+        buf_scores = torch.empty(b, width, dtype=torch.float32, device=codes.device)
+        buf_pos = torch.empty(b, width, dtype=torch.int32, device=codes.device)
         counts = torch.empty(b, dtype=torch.int32, device=codes.device)
     else:
         buf_scores, buf_pos, counts = select.new_buffers(b, capacity, codes.device, zero_counts=False)
@@ -304,7 +333,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         codes, lengths, lut, thr, dummy_f if int_table else samples, dummy_i, counts, table, table.shape[-1],
         n_rows, n_samples, stride, M=m, K=k, BLOCK_N=block_n, ITERS=1, CAPACITY=1, SAMPLE=True,
         INT_TABLE=int_table, num_warps=num_warps, hist_ptr=hist, target=c, capacity=capacity,
-        HIST=int_table, NBINS=n_bins, **paged)
+        HIST=int_table, NBINS=n_bins, band=band, most=most, **paged)
     if not int_table:
         thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
     if scan == "cuda":
@@ -313,7 +342,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     else:
         pq_linear_kernel[(max(1, triton.cdiv(n, block_n * iters)), b)](
             codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, table.shape[-1], n_rows, 0, 1,
-            M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=capacity, SAMPLE=False, INT_TABLE=int_table,
+            M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=width, SAMPLE=False, INT_TABLE=int_table,
             num_warps=num_warps, **paged)
     if keep_all:  # the buffer as the kernel wrote it (a decode step rescores it in stage 2)
         values, rows = buf_scores, buf_pos
@@ -393,13 +422,17 @@ def score_bins(scores: torch.Tensor, bound: torch.Tensor, n_bins: int = BIN_COUN
     return torch.where(scores >= 0, half + at, half - 1 - at).to(torch.int32)
 
 
-def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int, capacity: int,
+def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int | torch.Tensor, capacity: int | torch.Tensor,
                      n_bins: int = BIN_COUNT) -> torch.Tensor:
     """[B, 4] int32 (boundary bin, candidates above it, candidates kept, 0) of each request's ``live``
     candidates' ``bins`` [B, R]: the boundary is the highest bin whose suffix count reaches ``c`` (0 when
-    fewer), everything above it is kept, and the candidates in it up to ``capacity`` in all."""
+    fewer), everything above it is kept, and the candidates in it up to ``capacity`` in all. ``c`` and
+    ``capacity``: one for all requests, or [B] each (a C grown by length, :func:`grown_counts`)."""
     rows = []
+    per_c = torch.as_tensor(c).reshape(-1).expand(bins.shape[0]).tolist() if bins.shape[0] else []
+    per_cap = torch.as_tensor(capacity).reshape(-1).expand(bins.shape[0]).tolist() if bins.shape[0] else []
     for b in range(bins.shape[0]):
+        c, capacity = int(per_c[b]), int(per_cap[b])
         hist = torch.bincount(bins[b][live[b]].long(), minlength=n_bins)
         suffix = hist.flip(0).cumsum(0).flip(0)
         edge = max(int((suffix >= c).sum()) - 1, 0)
@@ -411,6 +444,7 @@ def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int, capacity: i
 def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
                       head_weights: torch.Tensor, codebooks: torch.Tensor, key_bound: float, c: int, capacity: int,
                       scratch: torch.Tensor, block_n: int = 128, page_table: torch.Tensor | None = None,
+                      lengths: torch.Tensor | None = None, grow: tuple[int, int] = (0, 1),
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with the candidate selection folded in: the scores of :func:`pq_candidate_scores`, each
     candidate's :func:`score_bins` bin, and the request's (boundary bin, above, kept, 0) of
@@ -418,8 +452,9 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     with atomics (no top-C kernel). ``rows`` [B, R] int32 with ``counts`` [B] int32 filled (a stage-1
     buffer); ``key_bound``: the largest norm of a decoded key; ``scratch`` [B, BIN_COUNT + 4] int32 zeros,
     left zeroed (its two append counters zeroed for :func:`keep_binned`). ``page_table`` [B, W] int32: codes
-    kept per physical page, as :func:`pq_candidate_scores`. Returns (scores [B, R] float32, bins [B, R] int32
-    (set below each count), sel [B, 4] int32)."""
+    kept per physical page, as :func:`pq_candidate_scores`. ``grow`` (band, most) with ``lengths`` [B] int32:
+    each request's ``c`` is :func:`grown_counts` of it by its length, its capacity that plus ``capacity - c``.
+    Returns (scores [B, R] float32, bins [B, R] int32 (set below each count), sel [B, 4] int32)."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import boundary_of_bins_kernel, pq_candidate_kernel
@@ -452,8 +487,16 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
         H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n, F32=select.interpreted(),
         HAS_COUNTS=True, WIDE=wide, ITERS=1, HAS_TABLE=page_table is not None, bins_ptr=bins, scratch_ptr=scratch,
         key_bound=float(key_bound), BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual)
+    band, most = grow
+    check_growth(band, most)
+    if band:
+        if lengths is None:
+            raise ValueError("grow: a C grown by length needs the requests' lengths")
+        checks.shape("lengths", lengths, (b,), "B")
+        checks.dtype("lengths", lengths, torch.int32)
     if b:
-        boundary_of_bins_kernel[(b,)](scratch, sel, c, capacity, NBINS=BIN_COUNT, num_warps=8)
+        boundary_of_bins_kernel[(b,)](scratch, sel, c, capacity, NBINS=BIN_COUNT, num_warps=8,
+                                      lengths_ptr=lengths if band else sel, band=band, most=most)
     return out, bins, sel
 
 
@@ -520,17 +563,19 @@ def stage1_launch(batch: int, slots: int) -> dict:
 
 
 def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,
-            linear_config, scan: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+            linear_config, scan: str = "auto", grow: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 of both coarse forms: every key above a sampled threshold aiming at ``c1`` (int8 tables,
-    up to 2 c1 kept). ``linear_config`` None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel
-    (:func:`pq_linear_topc`). Returns (rows [B, 2 c1] int32, counts [B] int32)."""
+    up to 2 c1 kept; ``grow``: c1 grown by each request's length, :func:`pq_linear_topc`). ``linear_config``
+    None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel (:func:`pq_linear_topc`). Returns
+    (rows [B, 2 c1 (x most)] int32, counts [B] int32)."""
     if linear_config is None:
         slots = codes.shape[1] if page_table is None else page_table.shape[1] * 64
         linear_config = stage1_launch(queries.shape[0], slots if max_len is None else min(max_len, slots))
     linear_config = {"scan": scan, **linear_config}
     _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
                                        max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
-                                       centroid_norms=centroid_norms, page_table=page_table, **linear_config)
+                                       centroid_norms=centroid_norms, page_table=page_table, grow=grow,
+                                       **linear_config)
     return rows1, counts1
 
 
@@ -538,17 +583,18 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, capacity: int, key_bound: float, scratch: torch.Tensor,
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None,
-                   page_table: torch.Tensor | None = None, scan: str = "auto",
+                   page_table: torch.Tensor | None = None, scan: str = "auto", grow: tuple[int, int] = (0, 1),
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
     :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page; ``scan``: stage
-    1's selecting kernel (:func:`pq_linear_topc`). Returns (rows
+    1's selecting kernel (:func:`pq_linear_topc`); ``grow`` (band, most): c1, c and the capacity's C grown by
+    each request's length (:func:`grown_counts`; ``capacity`` less ``c`` is the slack kept). Returns (rows
     [B, 2 c1] int32 key positions, bins [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
     rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
-                             max_len, linear_config, scan)
+                             max_len, linear_config, scan, grow)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
-                                     scratch, page_table=page_table)
+                                     scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow)
     return rows1, bins, counts1, sel
 
 

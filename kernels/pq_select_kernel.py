@@ -83,6 +83,8 @@ def pq_linear_kernel(
     NBINS: tl.constexpr = 1,
     CHUNK: tl.constexpr = 0,  # code bytes per load of a row (0: all M)
     STREAM: tl.constexpr = 0,  # codes read past L1 or evicted first (see _load_codes), tables kept in L1
+    band=0,  # (HIST) > 0: target and capacity grow with the request's length (grown); 0: as given
+    most=1,  # (HIST) the most they grow by
 ):
     # a lane reads CH code bytes of one row at once (one 16-byte load for CH = 16), so a warp's lookups at a
     # time all read one subspace's table, two cache lines (a lane per code byte, the old layout, spread a
@@ -120,8 +122,22 @@ def pq_linear_kernel(
                 append_above(score, rows, valid, thr, out_score_ptr + b * CAPACITY, out_pos_ptr + b * CAPACITY,
                              count_ptr + b, CAPACITY)
     if HIST:
-        _threshold_of_histogram(hist_ptr + b * (NBINS + M), thr_ptr + b, length, stride, target, capacity,
+        _threshold_of_histogram(hist_ptr + b * (NBINS + M), thr_ptr + b, length, stride,
+                                grown(target, length, band, most), grown(capacity, length, band, most),
                                 oversample, NBINS)
+
+
+@triton.jit
+def grown(count, length, band, most):
+    """``count`` times the power of two that covers ``length`` in units of ``band`` keys (1 up to ``band``,
+    2 up to twice it, 4 up to four times), at most ``most`` (a power of two); ``count`` as it is where
+    ``band`` is 0. A request's C by its prefix length; the torch twin is
+    :func:`dsaindex.kernels.pq_select.grown_counts`."""
+    need = tl.maximum((length + band - 1) // tl.maximum(band, 1), 1)
+    mult = length * 0 + 1
+    for _ in tl.static_range(16):
+        mult = tl.where((mult < need) & (mult < most), mult * 2, mult)
+    return tl.where(band > 0, count * mult, count)
 
 
 @triton.jit
@@ -267,14 +283,20 @@ def score_bin(score, bound, NBINS: tl.constexpr):
 
 
 @triton.jit
-def boundary_of_bins_kernel(scratch_ptr, sel_ptr, c, capacity, NBINS: tl.constexpr):
+def boundary_of_bins_kernel(scratch_ptr, sel_ptr, c, capacity, NBINS: tl.constexpr, lengths_ptr=None, band=0,
+                            most=1):
     """One program a request reads the histogram of its stage-2 candidates' score bins: the boundary bin is
     the highest whose suffix count reaches ``c`` (0 when fewer candidates), the candidates above it all fit
     (fewer than ``c``), and those in it fill the rest up to ``capacity``. It writes (boundary, above, kept, 0)
     and leaves the histogram and the counters zeroed. (A launch of its own: when the last stage-2 program of a
     request did this, every program paid a device-wide fence before its done-counter, 8 us of a 53 us stage 2
-    at 8 x 1M on the H200.)"""
+    at 8 x 1M on the H200.) ``band`` > 0: ``c`` grows with the request's length ``lengths_ptr[b]``
+    (:func:`grown`), and ``capacity`` keeps its slack past it."""
     b = tl.program_id(0).to(tl.int64)
+    if band > 0:
+        wanted = grown(c, tl.load(lengths_ptr + b), band, most)
+        capacity = wanted + capacity - c
+        c = wanted
     row = scratch_ptr + b * (NBINS + 4)
     at = tl.arange(0, NBINS)
     h = tl.load(row + at)
@@ -316,9 +338,11 @@ def keep_binned_kernel(
         bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
         slot, keep = binned_slots(live, bins, sel_ptr + b * 4, ctr_ptr + b * ctr_stride)
         tl.store(out_ptr + b * CAPC + slot, pos.to(tl.int64), mask=keep)
-    else:
-        rest = tl.arange(0, CAPC_PAD)
-        tl.store(out_ptr + b * CAPC + rest, -1, mask=(rest >= kept) & (rest < CAPC))
+    else:  # in pieces of at most 4,096 slots: a grown C's buffer is wider than a program holds at once
+        PIECE: tl.constexpr = 4096 if CAPC_PAD > 4096 else CAPC_PAD
+        for start in range(0, CAPC, PIECE):
+            rest = start + tl.arange(0, PIECE)
+            tl.store(out_ptr + b * CAPC + rest, -1, mask=(rest >= kept) & (rest < CAPC))
 
 
 @triton.jit

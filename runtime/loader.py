@@ -22,7 +22,7 @@ from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
 from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
-from dsaindex.runtime.operating_points import OperatingPoints
+from dsaindex.runtime.operating_points import OperatingPoints, band_start
 from dsaindex.runtime.settings import DecodeSettings, parse_candidates
 
 if TYPE_CHECKING:
@@ -276,16 +276,35 @@ def code_bytes_of(codec: Any) -> tuple[int, int]:
     return int(m), int(dim + 4 * max(1, dim // 128))
 
 
+def growth_bands(metrics: Mapping[str, float], candidates: Mapping[int, int], prefilter: Mapping[int, int],
+                 topk: int) -> dict[int, int]:
+    """Layer -> the keys past which its C grows with the prefix (``grow_band`` of
+    :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`): the end of the longest prefix band the bundle
+    records its served recall in at the layer's (C, stage 1); 0 (a fixed C) where it records none, or where
+    that band is open-ended (its recall holds to any length)."""
+    table = OperatingPoints.from_metrics(metrics)
+    out = {}
+    for layer in sorted(candidates):
+        found = [x for x in table.of(layer, topk, int(prefilter[layer])) if x.candidates == int(candidates[layer])]
+        band = found[0].band if found else None
+        end = band.split("-", 1)[1] if band and "-" in band else ""
+        out[layer] = band_start(end) if end and end[0].isdigit() else 0
+    return out
+
+
 def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int], prefilter: Mapping[int, int],
                     topk: int, target: float = RECALL_TARGET,
-                    code_bytes: Mapping[int, tuple[int, int]] | None = None) -> str:
+                    code_bytes: Mapping[int, tuple[int, int]] | None = None,
+                    grow: Mapping[int, tuple[int, int]] | None = None) -> str:
     """What a server says at startup of its decode layers' operating points: per group of layers at the same
     (C, stage 1), the held-out recall of the exact top-``topk`` the bundle records there (the lower of all
     queries' and the longest prefix band's, whose end it names: recall past it was not measured, and a fixed
     C serves less there), and how it stands against ``target``; "not recorded" where
     the bundle has no measurement at that point (a count given by hand). With ``code_bytes`` (layer -> the
     codes' and the exact key's bytes, :func:`code_bytes_of`), the step's cost too: the share of the exact
-    scan's bytes a query reads at 128K and 1M keys (:func:`step_bytes`)."""
+    scan's bytes a query reads at 128K and 1M keys (:func:`step_bytes`). With ``grow`` (layer -> (band, most):
+    C grows past ``band`` keys by up to ``most``, as :func:`growth_bands` and ``DSAINDEX_LONG_PREFIX=grow``
+    set it), how C grows past the measured prefixes instead of "longer ones not measured"."""
     table = OperatingPoints.from_metrics(metrics)
     groups: dict[tuple[int, int, str], list[int]] = {}
     for layer in sorted(candidates):
@@ -297,8 +316,14 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
             recall = found[0].recall
             gap = "" if recall >= target else f", {100 * (target - recall):.2f} points under the {100 * target:.2f}% target"
             # where the bundle measured it: C does not grow with the prefix, so longer requests get less
-            reach = f" at prefixes up to {found[0].band.split('-', 1)[1]} (longer ones not measured)" \
-                if found[0].band and "-" in found[0].band else ""
+            reach = f" at prefixes up to {found[0].band.split('-', 1)[1]}" if found[0].band and "-" in found[0].band \
+                else ""
+            band, most = (grow or {}).get(layer, (0, 1))
+            if reach and band and most > 1:
+                reach += (f"; past {_keys(band)} C doubles with each doubling of the prefix, up to {most} x C = "
+                          f"{most * c:,} past {_keys(band * most // 2)} (recall there not recorded by the bundle)")
+            elif reach:
+                reach += " (longer ones not measured; C stays fixed there)"
             said = f"held-out recall {_floor_pct(recall)}{reach}{gap}"
         if code_bytes is not None and layer in code_bytes:
             m, key_bytes = code_bytes[layer]
@@ -308,6 +333,14 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
         groups.setdefault((c, p, said), []).append(layer)
     return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C, "
                      f"{said}" for (c, p, said), layers in groups.items())
+
+
+def _keys(n: int) -> str:
+    """A key count as a prefix length: 131072 -> 128K, 1048576 -> 1M."""
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n:,}"
 
 
 def per_layer(value: int | Mapping[int, int], layers: Iterable[int], what: str) -> dict[int, int]:

@@ -90,6 +90,7 @@ from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
     decoded_key_bound,
+    grown_counts,
     keep_binned,
     keep_binned_reference,
     paged_codes_reference,
@@ -214,13 +215,22 @@ class PagedCacheSelector:
     scan : stage 1's selecting kernel: ``"auto"`` (default: ``"cuda"`` where it runs, see
         :func:`stage1_scan`), ``"cuda"`` (int32 tables in shared memory, :mod:`dsaindex.kernels.pq_scan_cuda`;
         the same keys kept; 1.3x faster at 32-64 x 1M on the H200) or ``"triton"``
+    grow_band : > 0: C grows with a request's prefix past this many keys (the end of the longest prefix band
+        the bundle measured its recall in): C and the stage-1 width double for each doubling of the prefix
+        (2 x C up to twice the band, 4 x C up to four times), per request on the device, so a step's shapes
+        still depend on the batch and the page table only. A fixed C served 4-7 points less recall at
+        256K-512K prefixes than at 128K on the reference checkpoint; C = 16,384 there (4 x 4,096) served
+        99.63% (docs/results.md). 0 (default): C fixed. Stage 2 then keeps its candidates by bins.
+    grow_most : the most C grows by (a power of two; default and at most: the largest whose candidates, bin
+        slack and open page fit the final top-k's one program, :data:`~dsaindex.kernels.topk.SMALL_TOPK_MAX`
+        entries: 4 at C = 4,096, 8 at 2,048)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
-                 top_c: str = "auto", scan: str = "auto"):
+                 top_c: str = "auto", scan: str = "auto", grow_band: int = 0, grow_most: int | None = None):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
             raise DsaIndexError(f"top_c {top_c!r} is not a way to keep stage 2's candidates.",
@@ -244,6 +254,7 @@ class PagedCacheSelector:
             raise DsaIndexError(f"scan {scan!r}: {err}.", "pass scan='auto' (the CUDA scan where it runs) or "
                                 "'triton'.") from err
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
+        self.grow_band, self.grow_most = _growth_setting(grow_band, grow_most, candidates, top_c)
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
@@ -452,10 +463,21 @@ class PagedCacheSelector:
         self.stats = PagedStats(found, self.catch_up, stage1)
         return out
 
-    def auto_top_c(self, batch: int) -> str:
-        """What ``top_c="auto"`` takes for a step of ``batch`` requests: ``"bins"`` while their stage 1 keeps at
-        most :data:`BINS_UP_TO_KEYS` keys in all, else ``"topk"``."""
-        return "bins" if batch <= bins_batch_limit(self.c1) else "topk"
+    def auto_top_c(self, batch: int, width: int = 0) -> str:
+        """What ``top_c="auto"`` takes for a step of ``batch`` requests over a page table ``width`` pages wide:
+        ``"bins"`` while their stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all, or where C can grow
+        in the step (:meth:`growth`: a top-C kernel keeps one C for all), else ``"topk"``."""
+        return "bins" if batch <= bins_batch_limit(self.c1) or self.growth(width)[0] else "topk"
+
+    def growth(self, width: int) -> tuple[int, int]:
+        """(band, most) of a step over a page table ``width`` pages wide: C grows past ``grow_band`` keys by at
+        most ``most``, no more than the table's keys need; (0, 1) where C stays fixed."""
+        if not self.grow_band:
+            return 0, 1
+        most = 1
+        while most < self.grow_most and most * self.grow_band < width * PAGE:
+            most *= 2
+        return (self.grow_band, most) if most > 1 else (0, 1)
 
     def takes_exact(self, batch: int, longest: int) -> bool:
         """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path."""
@@ -556,7 +578,9 @@ class PagedCacheSelector:
                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stages 1 and 2 over the completed pages: (C candidate positions [B, C] int64, -1 none; stage-1
         counts [B] int32)."""
-        top_c = self.top_c if self.top_c != "auto" else self.auto_top_c(table.shape[0])
+        top_c = self.top_c if self.top_c != "auto" else self.auto_top_c(table.shape[0], table.shape[1])
+        band, most = self.growth(table.shape[1])
+        capacity = self.candidates * most + BIN_SLACK  # the kept slots: the widest C of the step and its slack
         if self.use_triton and top_c == "topk":
             _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
                                               codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
@@ -570,18 +594,21 @@ class PagedCacheSelector:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                page_table=table, scan=self.scan)
-            return keep_binned(rows1, bins, counts1, sel, scratch, self.kept_capacity), counts1
+                page_table=table, scan=self.scan, grow=(band, most))
+            return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
-        _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1)
+        c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
+        _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1 * most)
+        rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
         coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
-        counts1 = n_coded.clamp_max(self.c1).to(torch.int32)
+        counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)
         if top_c == "topk":
             return small_topk_reference(coarse, self.candidates, rows1)[1], counts1
         bins = score_bins(coarse, score_bound(q, w, self.key_bound))
         live = (torch.arange(coarse.shape[1], device=coarse.device)[None, :] < counts1[:, None]) & (rows1 >= 0)
-        sel = boundary_of_bins(bins, live, self.candidates, self.kept_capacity)
-        return keep_binned_reference(rows1.to(torch.int32), bins, counts1, sel, self.kept_capacity), counts1
+        c = grown_counts(self.candidates, n_coded, band, most)
+        sel = boundary_of_bins(bins, live, c, c + self.kept_capacity - self.candidates)
+        return keep_binned_reference(rows1.to(torch.int32), bins, counts1, sel, capacity), counts1
 
     def gpu_bytes(self) -> int:
         """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
@@ -602,6 +629,31 @@ def bins_batch_limit(stage1: int) -> int:
     """The most requests whose stage 2 keeps its candidates by score bins under ``top_c="auto"``, at a stage 1
     of ``stage1`` keys (P x C): their stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all."""
     return BINS_UP_TO_KEYS // max(1, stage1)
+
+
+def growth_limit(candidates: int, forced: int = 128) -> int:
+    """The most a C of ``candidates`` may grow by in the paged step (a power of two, at least 1): its grown
+    candidates, their bin slack, the open page and ``forced`` tokens fit the final top-k's one program."""
+    most = 1
+    while candidates * most * 2 + BIN_SLACK + PAGE + forced <= SMALL_TOPK_MAX:
+        most *= 2
+    return most
+
+
+def _growth_setting(band: int, most: int | None, candidates: int, top_c: str) -> tuple[int, int]:
+    """(band, most) of a :class:`PagedCacheSelector`'s ``grow_band`` / ``grow_most``, checked."""
+    band = int(band)
+    if band < 0:
+        raise DsaIndexError(f"grow_band {band} is negative.", "pass 0 (a fixed C) or the keys past which C grows.")
+    limit = growth_limit(candidates)
+    most = limit if most is None else int(most)
+    if most < 1 or most & (most - 1) or most > limit:
+        raise DsaIndexError(f"grow_most {most}: C = {candidates:,} may grow by a power of two up to {limit} (the "
+                            f"final top-k holds {SMALL_TOPK_MAX:,} entries).", f"pass a power of two up to {limit}.")
+    if band and top_c == "topk":
+        raise DsaIndexError("top_c='topk' keeps one C for every request of a step; a C grown by length needs bins.",
+                            "pass top_c='auto' or 'bins', or grow_band=0.")
+    return (band, most) if band and most > 1 else (0, 1)
 
 
 def stage1_scan(codecs, device: torch.device | None = None) -> str:

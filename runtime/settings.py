@@ -98,6 +98,19 @@ def parse_keys(value: Any, where: str = "DSAINDEX_KEYS") -> str:
     return text
 
 
+LONG_PREFIX = ("grow", "fixed")  # what C does past the prefixes a bundle measured its recall at
+
+
+def parse_long_prefix(value: Any, where: str = "DSAINDEX_LONG_PREFIX") -> str:
+    """What a decode layer's C does past the longest prefix band its bundle measured recall in: ``grow``
+    (doubles with each doubling of the prefix) or ``fixed``."""
+    text = "" if value is None else str(value).strip().lower()
+    if text not in LONG_PREFIX:
+        raise DsaIndexError(f"{where} {value!r} is not a rule for C past the measured prefixes.",
+                            f"set {where} to {' or '.join(LONG_PREFIX)}.")
+    return text
+
+
 def parse_flag(value: Any, where: str) -> bool:
     """A yes/no setting: 1, true, yes, on / 0, false, no, off (any case) or empty (no)."""
     text = "" if value is None else str(value).strip().lower()
@@ -289,6 +302,12 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "stage-1 width, PREFILTER x C) is at most this; above it, by the codes. Inside a CUDA graph both paths "
            "are captured as conditional nodes and each replay runs one. 0: always the codes. Ignored with "
            f"`DSAINDEX_KEYS=host`.", f"`{PAGED_EXACT_BELOW >> 10}K` ({PAGED_EXACT_BELOW:,})"),
+    EnvVar("DSAINDEX_LONG_PREFIX", "long_prefix", parse_long_prefix, "grow",
+           "What a layer's C does for a request whose prefix is longer than the longest prefix band its bundle "
+           "measured recall in (e.g. 64K-128K): `grow` doubles C and the stage-1 width for each doubling of the "
+           "prefix, per request (a fixed C served 4-7 points less at 256K-512K than at 128K on the reference "
+           "checkpoint; 4 x C there served 99.6%), up to what the final top-k holds; `fixed` keeps C.",
+           "`grow`"),
     EnvVar("DSAINDEX_ALLOW_OTHER_WEIGHTS", "allow_other_weights", parse_flag, False,
            "`1` (or true/yes): serve artifacts trained for another model of the same geometry.", "0"),
     EnvVar("DSAINDEX_KEYS", "keys", parse_keys, "device",
@@ -335,6 +354,7 @@ class EngineSettings:
     capture: str | None = None
     capture_queue: int = 2 << 30
     capture_queries: int = 32
+    long_prefix: str = "grow"
 
     def decode(self, topk: int) -> DecodeSettings:
         """The decode settings these give a model whose top-k is ``topk`` (C ``auto`` unless set; none at all:

@@ -409,6 +409,49 @@ def test_binned_candidates_are_kept_without_a_top_c_kernel_through_a_page_table(
             assert torch.isin(top, kept[i]).all(), i
 
 
+def test_a_c_grown_by_each_requests_length_sets_its_own_boundary_and_stage1_width():
+    """``grow`` (band, most): each request's C is ``grown_counts`` of it by its length (1, 2, 4 x up to the cap),
+    in the bins' boundary (the same as :func:`boundary_of_bins` given those Cs, the capacity keeping its slack)
+    and in stage 1's threshold, which aims at the grown width inside a buffer ``most`` times as wide."""
+    from dsaindex.kernels.pq_select import (
+        BIN_COUNT,
+        boundary_of_bins,
+        decoded_key_bound,
+        grown_counts,
+        pq_candidate_bins,
+        pq_linear_topc,
+    )
+
+    b, n, c, slack = 4, 1024, 40, 8
+    codes, cb, q, w = pq_inputs(b, n, 16, m=16, d=8, seed=6)
+    lengths = torch.tensor([200, 300, 700, 1024], dtype=torch.int32, device=DEV)  # 1, 2, 4, and 4 x capped
+    grown = grown_counts(c, lengths, 256, 4)
+    assert grown.tolist() == [40, 80, 160, 160]
+    assert grown_counts(c, lengths, 0, 4).tolist() == [40] * 4 and grown_counts(c, lengths, 256, 2).tolist() == \
+        [40, 80, 80, 80]
+    g = torch.Generator().manual_seed(4)
+    rows = torch.stack([torch.randperm(int(n), generator=g)[:600] for _ in range(b)]).to(torch.int32).to(DEV)
+    counts = torch.tensor([600, 600, 600, 150], dtype=torch.int32, device=DEV)  # the last: fewer than its C
+    scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+    _, bins, sel = pq_candidate_bins(codes, rows, counts, q, w, cb, decoded_key_bound(cb), c, c + slack, scratch,
+                                     lengths=lengths, grow=(256, 4))
+    live = torch.arange(600, device=DEV)[None, :] < counts[:, None]
+    assert torch.equal(sel.cpu(), boundary_of_bins(bins, live, grown, grown + slack).cpu())
+    assert [int(x) for x in sel[:3, 2]] >= grown[:3].tolist() and int(sel[3, 2]) == 150
+    assert all(grown[i] <= int(sel[i, 2]) <= grown[i] + slack for i in range(3))
+    c1 = 32
+    _, pos, got = pq_linear_topc(codes, lengths, q, w, cb, c1, capacity=2 * c1, return_counts=True, keep_all=True,
+                                 table_dtype=torch.int8, grow=(256, 4))
+    assert pos.shape == (b, 2 * c1 * 4)
+    aim = grown_counts(c1, lengths, 256, 4).cpu()
+    assert (got.cpu() >= aim * 3 // 4).all() and (got.cpu() <= 2 * aim).all(), (got, aim)
+    for bad in ((-1, 2), (256, 3), (256, 1 << 16)):
+        with pytest.raises(ValueError, match="growth"):
+            pq_linear_topc(codes, lengths, q, w, cb, c1, keep_all=True, table_dtype=torch.int8, grow=bad)
+    with pytest.raises(ValueError, match="keep_all and int8"):
+        pq_linear_topc(codes, lengths, q, w, cb, c1, grow=(256, 2))
+
+
 def test_stage2_bins_find_the_boundary_of_the_top_c():
     """``pq_candidate_bins``: the stage-2 scores of ``pq_candidate_scores``, each candidate's bin as
     ``score_bins`` computes it, the boundary of :func:`boundary_of_bins` from the kernel's own histogram,

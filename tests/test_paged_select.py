@@ -969,3 +969,45 @@ def test_verify_rows_share_their_requests_pages_and_select_as_decode_steps():
         assert as_sets(out[r : r + 1]) == as_sets(want), r
         n = int(rows_len[r])
         assert int(out[r].max()) < n and int((out[r] >= 0).sum()) == min(32, n)  # no key past its own
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_c_grows_with_each_requests_prefix_past_the_band_and_nowhere_else(use_triton):
+    """``grow_band``: a request's C (and stage-1 width) doubles for each doubling of its keys past the band, per
+    request inside one step. A request within the band selects exactly as with a fixed C; a longer one keeps
+    more of the exact top-k; stage 1 passes about its grown width to stage 2; the growth stops at ``grow_most``."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.kernels.pq_select import grown_counts
+
+    lengths = [400, 900, 2000]  # within the band, 2 x it, 4 x it (of 512 keys)
+    cache, table, _ = engine_cache(lengths, 60)
+    q, w = queries(3)
+    lens = torch.tensor(lengths, device=DEV)
+    want = exact(cache, table, lengths, q, w, 32)
+    book = codec()
+    picks, stage1 = {}, {}
+    for band in (0, 512):
+        sel = PagedCacheSelector(book, 60, topk=32, candidates=32, prefilter=2, head_dim=D, device=DEV,
+                                 exact_below=0, use_triton=use_triton, grow_band=band, grow_most=4)
+        picks[band] = sel.select(cache, table, lens, q, w)
+        stage1[band] = sel.stats.stage1.long().cpu()
+        assert (picks[band] < lens[:, None]).all()
+        assert all(row[row >= 0].unique().numel() == int((row >= 0).sum()) for row in picks[band])
+    assert torch.equal(picks[512][0].sort().values, picks[0][0].sort().values)  # within the band: as a fixed C
+    assert torch.equal(grown_counts(64, lens - lens % 64, 512, 4).cpu(), torch.tensor([64, 128, 256]))
+    if use_triton:  # a sampled threshold aims at the width: about it, and at most twice it
+        assert (stage1[512] >= torch.tensor([48, 96, 192])).all() and (stage1[512] <= torch.tensor([128, 256, 512])).all()
+        assert stage1[512][0] == stage1[0][0]
+    else:
+        assert stage1[512].tolist() == [64, 128, 256] and stage1[0].tolist() == [64, 64, 64]
+    longer = [recall(picks[band][2:], want[2:]) for band in (0, 512)]
+    assert longer[1] > longer[0] + 0.1, longer
+    capped = PagedCacheSelector(book, 60, topk=32, candidates=32, prefilter=2, head_dim=D, device=DEV, exact_below=0,
+                                use_triton=use_triton, grow_band=512, grow_most=2)
+    assert capped.growth(table.shape[1]) == (512, 2) and capped.growth(8) == (0, 1)  # 512 keys: no room to grow
+    assert capped.auto_top_c(3, table.shape[1]) == "bins"
+    for bad, match in (({"grow_band": -1}, "negative"), ({"grow_most": 3}, "power of two"),
+                       ({"grow_most": 4096}, "power of two"), ({"top_c": "topk"}, "needs bins")):
+        with pytest.raises(DsaIndexError, match=match):
+            PagedCacheSelector(book, 60, topk=32, candidates=32, head_dim=D, device=DEV,
+                               **{"grow_band": 512, "grow_most": 2, **bad})

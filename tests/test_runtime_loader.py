@@ -371,8 +371,36 @@ def test_startup_says_each_layers_point_and_the_recall_it_gives_up():
               "layer0/k512@64K-128K/queries": 40, "layer0/k512@128K-256K/prefilter4@4096": 0.90,
               "layer0/k512@128K-256K/queries": 3}
     assert describe_points(banded, {0: 4096}, {0: 4}, 512, 0.995) == (
-        "layer 0: C = 4096, stage 1 4 x C, held-out recall 99.30% at prefixes up to 128K (longer ones not measured), "
-        "0.20 points under the 99.50% target")
+        "layer 0: C = 4096, stage 1 4 x C, held-out recall 99.30% at prefixes up to 128K (longer ones not measured; "
+        "C stays fixed there), 0.20 points under the 99.50% target")
+
+
+def test_c_grows_past_the_end_of_the_band_each_layers_recall_was_measured_in_and_startup_says_so():
+    """``growth_bands``: the keys past which a layer's C grows (the end of the longest well-populated band of its
+    served point; 0 with no band, an open-ended band or a point not recorded), and the startup line that says
+    how C grows there."""
+    from dsaindex.runtime.loader import describe_points, growth_bands
+
+    banded = {"layer0/k512/prefilter4@4096": 0.997, "layer0/k512@64K-128K/prefilter4@4096": 0.996,
+              "layer0/k512@64K-128K/queries": 40, "layer0/k512@128K-256K/prefilter4@4096": 0.90,
+              "layer0/k512@128K-256K/queries": 3,  # too few queries to count
+              "layer1/k512/prefilter4@4096": 0.997, "layer1/k512@1M-max/prefilter4@4096": 0.996,
+              "layer1/k512@1M-max/queries": 40, "layer2/k512/prefilter4@4096": 0.997,
+              "layer4/k512/prefilter4@4096": 0.997, "layer4/k512@16K-32K/prefilter4@4096": 0.996,
+              "layer4/k512@16K-32K/queries": 9}
+    layers = {0: 4096, 1: 4096, 2: 4096, 3: 4096, 4: 4096}
+    bands = growth_bands(banded, layers, dict.fromkeys(layers, 4), 512)
+    assert bands == {0: 128 << 10, 1: 0, 2: 0, 3: 0, 4: 32 << 10}
+    assert growth_bands(banded, {0: 4096}, {0: 8}, 512) == {0: 0}  # another stage 1: not recorded
+    said = describe_points(banded, {0: 4096, 4: 4096}, {0: 4, 4: 4}, 512, 0.995,
+                           grow={0: (bands[0], 4), 4: (bands[4], 2)})
+    assert said == ("layer 0: C = 4096, stage 1 4 x C, held-out recall 99.60% at prefixes up to 128K; past 128K C "
+                    "doubles with each doubling of the prefix, up to 4 x C = 16,384 past 256K (recall there not "
+                    "recorded by the bundle); layer 4: C = 4096, stage 1 4 x C, held-out recall 99.60% at prefixes up "
+                    "to 32K; past 32K C doubles with each doubling of the prefix, up to 2 x C = 8,192 past 32K (recall "
+                    "there not recorded by the bundle)")
+    fixed = describe_points(banded, {0: 4096}, {0: 4}, 512, 0.995, grow={0: (0, 4)})
+    assert fixed.endswith("at prefixes up to 128K (longer ones not measured; C stays fixed there)")
 
 
 def test_startup_prices_each_layers_step_in_bytes_against_the_exact_scan():

@@ -124,12 +124,16 @@ def test_engines_read_the_one_table():
         fixed = engine_settings(engine, {"DSAINDEX_CANDIDATES": "4096"})
         assert fixed.decode(2048).candidates == 4096
         assert fixed.decode(2048).prefilter == DecodeSettings(candidates=4096).prefilter == PREFILTER
+        # C grows past the bundle's measured prefixes unless told to stay
+        assert bare.long_prefix == "grow" and engine_settings(engine, {"DSAINDEX_LONG_PREFIX": " Fixed "}).long_prefix \
+            == "fixed"
     assert engine_settings("sglang", {}).basis == "hadamard" and engine_settings("vllm", {}).basis == "raw"
     for name, bad, said in (("DSAINDEX_CANDIDATES", "lots", "neither a positive count nor `auto`"),
                             ("DSAINDEX_PREFILTER", "-2", "neither a positive factor nor `auto`"),
                             ("DSAINDEX_RECALL_TARGET", "99", "not a recall between 0 and 1"),
                             ("DSAINDEX_ALLOW_OTHER_WEIGHTS", "maybe", "not a yes/no value"),
-                            ("DSAINDEX_BASIS", "rotated", "not a key basis")):
+                            ("DSAINDEX_BASIS", "rotated", "not a key basis"),
+                            ("DSAINDEX_LONG_PREFIX", "double", "not a rule for C past the measured prefixes")):
         with pytest.raises(DsaIndexError, match=re.escape(said)) as err:
             engine_settings("vllm", {name: bad})
         assert name in err.value.problem and name in err.value.fix

@@ -35,7 +35,7 @@ KEY_BYTES = 132
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
                     exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
-                    scans: tuple[str, ...] = ("triton",)) -> dict:
+                    scans: tuple[str, ...] = ("triton",), grow_band: int = 0) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -88,7 +88,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
                                       device="cuda", keys_on_host=place == "host", exact_below=bound,
-                                      top_c=top_c, scan=scan)
+                                      top_c=top_c, scan=scan, grow_band=grow_band)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
@@ -157,6 +157,11 @@ def bench_paged(
     scan: str = typer.Option("auto", "--scan", help="Stage 1's selecting kernel: auto (the default: cuda where it "
                              "runs), cuda (tables in shared memory) or triton; a comma list times the others too "
                              "(plugin_device_scan_<s>, on the codes' path)."),
+    grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
+                                  help="C grows with each doubling of a request's keys past this many (what the "
+                                       "plugins do past the end of the prefix band a bundle measured its recall in, "
+                                       "DSAINDEX_LONG_PREFIX=grow; 131072 for bundles measured at 128K). 0: C fixed, "
+                                       "the point the frontier's recall was measured at."),
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),
@@ -193,6 +198,9 @@ def bench_paged(
         raise DsaIndexError("--keys must be multiples of the 64-key page.", "pass e.g. 65536,262144,1048576.")
     if candidates < topk:
         raise DsaIndexError(f"--candidates {candidates} is below --topk {topk}.", f"pass --candidates {topk} or more.")
+    if grow_band and "topk" in top_cs:
+        raise DsaIndexError("--top-c topk keeps one C for every request of a step; --grow-band needs bins or auto.",
+                            "drop topk from --top-c, or pass --grow-band 0.")
     if not torch.cuda.is_available():
         raise DsaIndexError("bench paged needs a CUDA device (the engines' step runs from CUDA graphs).",
                             "run it on a GPU machine.")
@@ -202,12 +210,12 @@ def bench_paged(
     for n in key_counts:
         for b in batch_sizes:
             row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile,
-                                  exact_below, top_cs, scans)
+                                  exact_below, top_cs, scans, grow_band)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "path", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "subspaces": subspaces, "exact_below": exact_below, "places": list(chosen),
-              "top_c": list(top_cs), "scan": list(scans), "rows": rows}
+              "top_c": list(top_cs), "scan": list(scans), "grow_band": grow_band, "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))

@@ -39,11 +39,18 @@ class PluginState:
         another model; SGLang's startup then fails with its message."""
         if self.loaded is not None:
             return
-        from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points, load_bundle
+        from dsaindex.runtime.loader import (
+            code_bytes_of,
+            decode_settings,
+            describe_points,
+            growth_bands,
+            load_bundle,
+        )
         from dsaindex.runtime.paged_select import (
             check_paged_codes,
             describe_step,
             device_bytes_per_key,
+            growth_limit,
             stage1_scan,
         )
         from dsaindex.runtime.settings import engine_settings
@@ -57,12 +64,15 @@ class PluginState:
         # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
         # held-out recall, refused here if none reaches the target
         candidates, prefilter = decode_settings(s.decode(topk), loaded, topk)
+        # DSAINDEX_LONG_PREFIX=grow: C grows with a request's prefix past the band its recall was measured in
+        bands = growth_bands(loaded.manifest.metrics, candidates, prefilter, topk) if s.long_prefix == "grow" else {}
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).role != "decode":
                 continue  # other roles (ivf prefill, ...) are not the plugin's; SGLang keeps its own path there
             self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer],
-                                                   keys_on_host=s.keys == "host", exact_below=s.exact_below)
+                                                   keys_on_host=s.keys == "host", exact_below=s.exact_below,
+                                                   grow_band=bands.get(layer, 0))
         self.keys = s.keys
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
                               default=0.0)
@@ -71,7 +81,9 @@ class PluginState:
                     "their exact index keys on the %s (DSAINDEX_KEYS=%s), %.1f B per key of codes on the GPU; %s.",
                     loaded.manifest.bundle_id, loaded.manifest.model.name, sorted(self.selectors),
                     describe_points(loaded.manifest.metrics, candidates, prefilter, topk, s.recall_target,
-                                    code_bytes={layer: code_bytes_of(sel.codec) for layer, sel in self.selectors.items()}),
+                                    code_bytes={layer: code_bytes_of(sel.codec) for layer, sel in self.selectors.items()},
+                                    grow={layer: (sel.grow_band, growth_limit(max(sel.candidates, topk)))
+                                          for layer, sel in self.selectors.items()}),
                     "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
                     self.code_bytes,
                     describe_step(0 if self.keys == "host" else s.exact_below,

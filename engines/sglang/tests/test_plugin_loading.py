@@ -140,3 +140,23 @@ def test_auto_candidates_take_each_layers_c_from_the_bundles_recall(tmp_path, be
     strict = run_json(script, env | {"DSAINDEX_RECALL_TARGET": "0.999"})
     assert strict["ok"] is False and strict["type"] == "DsaIndexError"
     assert "Layer 0 of" in strict["message"] and "99.70%" in strict["message"] and "Fix:" in strict["message"]
+
+
+STARTUP_GROW = STARTUP.replace('print(json.dumps({"ok": True}))', """import dsaindex_sglang.hooks as hooks
+    print(json.dumps({"ok": True, "band": {str(k): v.grow_band for k, v in hooks.STATE.selectors.items()}}))""")
+
+
+def test_c_grows_past_the_prefix_band_each_layers_recall_was_measured_in_unless_told_to_stay(tmp_path, bench_dir):
+    """DSAINDEX_LONG_PREFIX (default ``grow``): each layer's selector grows C past the end of the longest prefix
+    band its bundle records the served recall in (0 where it records none); ``fixed`` keeps C."""
+    metrics = {}
+    for layer in range(4):
+        metrics.update({f"layer{layer}/k2048/prefilter4@4096": 0.998})
+        if layer != 3:  # layer 3: no band recorded
+            metrics.update({f"layer{layer}/k2048@64K-128K/prefilter4@4096": 0.996,
+                            f"layer{layer}/k2048@64K-128K/queries": 20})
+    pq_bundle(tmp_path / "b", "bench-v32", metrics=metrics)
+    env = {"DSAINDEX_ARTIFACTS": str(tmp_path / "b")}
+    script = STARTUP_GROW.replace("MODEL_PATH", repr(str(bench_dir)))
+    assert run_json(script, env) == {"ok": True, "band": {"0": 131072, "1": 131072, "2": 131072, "3": 0}}
+    assert run_json(script, env | {"DSAINDEX_LONG_PREFIX": "fixed"}) == {"ok": True, "band": dict.fromkeys("0123", 0)}

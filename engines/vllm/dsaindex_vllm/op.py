@@ -38,8 +38,14 @@ from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
 import dsaindex_vllm.capture as capture
-from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points
-from dsaindex.runtime.paged_select import PagedCacheSelector, check_paged_codes, describe_step, stage1_scan
+from dsaindex.runtime.loader import code_bytes_of, decode_settings, describe_points, growth_bands
+from dsaindex.runtime.paged_select import (
+    PagedCacheSelector,
+    check_paged_codes,
+    describe_step,
+    growth_limit,
+    stage1_scan,
+)
 from dsaindex.runtime.settings import EngineSettings, engine_settings
 
 logger = logging.getLogger("dsaindex_vllm")
@@ -220,6 +226,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
         self.prefilter = s.decode(topk_tokens).prefilter  # the layer's own once its artifact is known (below)
         self.exact_below = s.exact_below  # DSAINDEX_EXACT_BELOW: small steps scored as vLLM scores them
+        self.grow_band = 0  # DSAINDEX_LONG_PREFIX=grow: the keys past which C grows (set with the artifact, below)
         self._engine_layer: bool | None = None
         self.model_path = "op"  # how vLLM's model code reaches this layer (reach_model_path)
         if not s.artifacts and not s.capture:
@@ -244,9 +251,14 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             per_layer, factors = decode_settings(s.decode(topk_tokens), loaded, topk_tokens, layers=[self.layer_id])
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
             self.prefilter = factors[self.layer_id]
+            # DSAINDEX_LONG_PREFIX=grow: C grows with a request's prefix past the band its recall was measured in
+            self.grow_band = growth_bands(loaded.manifest.metrics, per_layer, factors, topk_tokens)[self.layer_id] \
+                if s.long_prefix == "grow" else 0
             logger.info("dsaindex: %s; %s", describe_points(loaded.manifest.metrics, per_layer, factors, topk_tokens,
                                                             s.recall_target,
-                                                            code_bytes={self.layer_id: code_bytes_of(self.codec)}),
+                                                            code_bytes={self.layer_id: code_bytes_of(self.codec)},
+                                                            grow={self.layer_id: (self.grow_band,
+                                                                                  growth_limit(self.candidates))}),
                         describe_step(0 if s.keys == "host" else self.exact_below,
                                       [self.candidates * self.prefilter], stage1_scan([self.codec])))
 
@@ -351,7 +363,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
                                                candidates=self.candidates, prefilter=self.prefilter,
                                                head_dim=self.head_dim, device=kv_cache.device,
                                                exact_below=self.exact_below, keys_on_host=codes is not None,
-                                               codes=codes)
+                                               codes=codes, grow_band=self.grow_band)
         return self.selector
 
     def _encode_prefills(self, selector: PagedCacheSelector, meta) -> None:

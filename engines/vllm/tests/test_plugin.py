@@ -508,3 +508,27 @@ def test_by_default_each_layer_serves_its_cheapest_recorded_point_at_the_target(
     assert "by score bins for up to 8 requests at a stage 1 of 32,768 keys" in caplog.text
     # and which stage-1 kernel runs: on this CPU machine, Triton's, with the reason
     assert "stage 1 runs the Triton scan (no CUDA device with NVRTC here)" in caplog.text
+    assert op.grow_band == 0 and "C stays fixed" not in caplog.text  # no prefix band recorded: no end to grow past
+
+
+@pytest.mark.parametrize("rule", ["grow", "fixed"])
+def test_c_grows_past_the_prefix_band_the_layers_recall_was_measured_in(plugin, monkeypatch, tmp_path, caplog, rule):
+    """DSAINDEX_LONG_PREFIX (default ``grow``): the layer's selector grows C past the end of the longest prefix band
+    its bundle records the served recall in, and startup says how; ``fixed`` keeps C and says so."""
+    import logging
+
+    metrics = {}
+    for i in geometry_from_config(CFG).indexer_layers:
+        metrics.update({f"layer{i}/k{TOPK}/prefilter4@4096": 0.998, f"layer{i}/k{TOPK}@64K-128K/prefilter4@4096": 0.996,
+                        f"layer{i}/k{TOPK}@64K-128K/queries": 20})
+    write_pq_bundle(tmp_path / "b", PRESET, metrics=metrics)
+    monkeypatch.setenv("DSAINDEX_ARTIFACTS", str(tmp_path / "b"))
+    monkeypatch.delenv("DSAINDEX_CANDIDATES")
+    monkeypatch.setenv("DSAINDEX_LONG_PREFIX", rule)
+    with caplog.at_level(logging.INFO, logger="dsaindex_vllm"):
+        op = build_layer(vllm_config(CFG))[0]
+    assert (op.candidates, op.prefilter, op.grow_band) == (4096, 4, 131072 if rule == "grow" else 0)
+    assert op._selector().grow_band == op.grow_band
+    said = ("past 128K C doubles with each doubling of the prefix, up to 4 x C = 16,384 past 256K" if rule == "grow"
+            else "at prefixes up to 128K (longer ones not measured; C stays fixed there)")
+    assert said in caplog.text
