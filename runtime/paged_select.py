@@ -674,10 +674,13 @@ def stage1_scan(codecs, device: torch.device | None = None) -> str:
     return f"stage 1 runs the Triton scan ({why})"
 
 
-def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...], scan: str = "") -> str:
+def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...], scan: str = "",
+                  grows: bool = False) -> str:
     """The paged step's own choices, for a server's startup log: which steps take the exact path
     (``exact_below``, 0: none), how stage 2 keeps its candidates at each of the served layers' stage-1
-    widths ``stage1`` (P x C keys, the default ``top_c="auto"``), and ``scan`` (:func:`stage1_scan`'s words)."""
+    widths ``stage1`` (P x C keys, the default ``top_c="auto"``; ``grows``: C grows by length on some layer,
+    whose steps over page tables wider than its band keep them by bins), and ``scan`` (:func:`stage1_scan`'s
+    words)."""
     if exact_below > 0:
         exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
                  f"top-k) while B x (N - {PAGED_EXACT_OFFSET} x P x C) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), "
@@ -690,6 +693,8 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
         rules.append(f"up to {most} requests at a stage 1 of {width:,} keys" if most else
                      f"no step at a stage 1 of {width:,} keys")
     kept = f"stage 2 keeps its candidates by score bins for {', '.join(rules)}, by a top-C kernel above"
+    if grows:
+        kept += " (by bins at any batch size where a request's C can grow: one C a step is what a top-C kernel keeps)"
     return f"{exact}; {scan + '; ' if scan else ''}{kept}"
 
 

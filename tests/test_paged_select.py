@@ -596,6 +596,8 @@ def test_the_startup_description_states_the_exact_path_bound_and_the_bins_rule()
     assert sel.auto_top_c(8) == "bins" and sel.auto_top_c(9) == "topk"  # what the text says
     off = describe_step(0, [1 << 20])
     assert "no exact path" in off and "no step at a stage 1 of 1,048,576 keys" in off
+    assert "can grow" not in text and "by bins at any batch size where a request's C can grow" in \
+        describe_step(0, [16384], grows=True)
 
 
 def test_the_stage1_kernel_is_chosen_and_said():

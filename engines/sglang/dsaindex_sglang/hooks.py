@@ -88,7 +88,8 @@ class PluginState:
                     self.code_bytes,
                     describe_step(0 if self.keys == "host" else s.exact_below,
                                   [max(candidates[layer], topk) * prefilter[layer] for layer in self.selectors],
-                                  stage1_scan([sel.codec for sel in self.selectors.values()])))
+                                  stage1_scan([sel.codec for sel in self.selectors.values()]),
+                                  grows=any(sel.grow_band for sel in self.selectors.values())))
 
     def note_fallback(self, why: str) -> None:
         if why not in self.fallbacks:

@@ -260,7 +260,8 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
                                                             grow={self.layer_id: (self.grow_band,
                                                                                   growth_limit(self.candidates))}),
                         describe_step(0 if s.keys == "host" else self.exact_below,
-                                      [self.candidates * self.prefilter], stage1_scan([self.codec])))
+                                      [self.candidates * self.prefilter], stage1_scan([self.codec]),
+                                      grows=self.grow_band > 0))
 
         _LAYERS[self.k_cache.prefix] = self
         if s.capture:  # the store checked against this model (startup), the writer decided, once per process

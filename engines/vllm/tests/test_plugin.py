@@ -532,3 +532,4 @@ def test_c_grows_past_the_prefix_band_the_layers_recall_was_measured_in(plugin, 
     said = ("past 128K C doubles with each doubling of the prefix, up to 4 x C = 16,384 past 256K" if rule == "grow"
             else "at prefixes up to 128K (longer ones not measured; C stays fixed there)")
     assert said in caplog.text
+    assert ("by bins at any batch size where a request's C can grow" in caplog.text) == (rule == "grow")
