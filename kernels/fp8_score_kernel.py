@@ -163,9 +163,11 @@ def fp8_host_select_kernel(
         first = tl.load(n_encoded_ptr + b).to(tl.int64)
         tl.store(out_score_ptr + b * width + CAPC + j, tl.where(in_tail, score, float("-inf")))
         tl.store(out_pos_ptr + b * width + CAPC + j, tl.where(in_tail, first + j, -1))
-        rest = tl.arange(0, CAPC_PAD)
-        empty = (rest >= kept) & (rest < CAPC)
-        tl.store(out_score_ptr + b * width + rest, float("-inf"), mask=empty)
-        tl.store(out_pos_ptr + b * width + rest, -1, mask=empty)
+        PIECE: tl.constexpr = 4096 if CAPC_PAD > 4096 else CAPC_PAD  # a grown C's slots, a piece at a time
+        for start in range(0, CAPC, PIECE):
+            rest = start + tl.arange(0, PIECE)
+            empty = (rest >= kept) & (rest < CAPC)
+            tl.store(out_score_ptr + b * width + rest, float("-inf"), mask=empty)
+            tl.store(out_pos_ptr + b * width + rest, -1, mask=empty)
         four = tl.arange(0, 4)
         tl.store(stats_ptr + b * 4 + four, tl.where(four % 2 == 0, kept, 0))

@@ -66,6 +66,7 @@ from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
     decoded_key_bound,
+    grown_counts,
     pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
@@ -80,6 +81,7 @@ from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_t
 from dsaindex.pq import PQCodec, encode, rotate
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
+from dsaindex.runtime.paged_select import growth_limit
 
 
 @dataclass
@@ -167,6 +169,7 @@ class PQDecodeGroup:
         self.cache_capacity, self.miss_filter = cache_capacity, miss_filter
         self.direct_upto = max(0, direct_upto)
         self.direct_slack = 256  # a direct step's candidate slots past C: the boundary bin's ties (0.2% wide)
+        self.grow_band, self.grow_most = 0, 1  # C grown by the prefix on direct steps (grow_past)
         try:
             self.filter_width = check_filter_width(filter_width)
         except ValueError as err:
@@ -447,12 +450,41 @@ class PQDecodeGroup:
         cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
         return cand_scores, cand, counts1
 
-    def _coarse_reference(self, q_code: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, ...]:
-        """Both coarse stages in torch: (stage-1 rows [S, C1] int64, their count [S] int32, stage-2 scores)."""
+    def _coarse_reference(self, q_code: torch.Tensor, w: torch.Tensor, longest: int,
+                          grow: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, ...]:
+        """Both coarse stages in torch: (stage-1 rows [S, C1] int64, their count [S] int32, stage-2 scores);
+        ``grow`` (band, most): each request's C1 grown by its length (:func:`grown_counts`)."""
         codes = self.codes[:, :longest]
-        _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1)
-        counts1 = torch.minimum(self.n_encoded, torch.tensor(self.c1, device=self.device)).to(torch.int32)
+        band, most = grow
+        c1 = grown_counts(self.c1, self.n_encoded, band, most)
+        _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1 * most)
+        rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
+        counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
         return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
+
+    def grow_past(self, band: int, most: int | None = None) -> tuple[int, int]:
+        """Let C grow with each request's prefix past ``band`` keys (0: fixed), doubling with each doubling of
+        the prefix up to ``most`` x (default and at most :func:`~dsaindex.runtime.paged_select.growth_limit`:
+        what the final top-k's one program holds), as the engine plugins' step does. Only a group whose every
+        step is direct (``slots`` <= ``direct_upto``) grows C: the cached step keeps one C for its cache and
+        plan. Returns the (band, most) in effect, (0, 1) for a fixed C."""
+        limit = growth_limit(self.candidates)
+        most = limit if most is None else int(most)
+        if band < 0 or most < 1 or most & (most - 1) or most > limit:
+            raise DsaIndexError(f"C grown past {band} keys by up to {most} x: C = {self.candidates:,} may grow by a "
+                                f"power of two up to {limit}, past a band of 0 keys or more.",
+                                f"pass a band >= 0 and a power of two up to {limit}.")
+        grows = band > 0 and most > 1 and self.slots <= self.direct_upto
+        self.grow_band, self.grow_most = (int(band), most) if grows else (0, 1)
+        return self.grow_band, self.grow_most
+
+    def _growth(self, longest: int) -> tuple[int, int]:
+        """(band, most) of a direct step whose longest request has ``longest`` coded keys: no more growth than
+        its keys need."""
+        most = 1
+        while self.grow_band and most < self.grow_most and most * self.grow_band < longest:
+            most *= 2
+        return (self.grow_band, most) if most > 1 else (0, 1)
 
     def _select_direct(self, q: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, StepStats]:
         """A PQ step whose candidates are read straight from the host store (``direct_upto``): stage 2 bins
@@ -462,20 +494,25 @@ class PQDecodeGroup:
             raise DsaIndexError("The host key store is not pinned; the device cannot read it directly.",
                                 "create the HostKeyStore with pin=True (the default where CUDA is present).")
         q_code = self._code_queries(q)
-        capacity = self.candidates + self.direct_slack
+        band, most = self._growth(longest)  # C grown by each request's prefix (grow_past), or fixed
+        capacity = self.candidates + self.direct_slack  # a request's kept slots before its growth
+        width = self.candidates * most + self.direct_slack  # the widest request's
         if self.use_triton:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
-                centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config)
+                centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config,
+                grow=(band, most))
             exact, positions, counts = fp8_host_select(
                 self.host.fp8, self.host.scales, self.page_table, rows1, bins, counts1, sel, self.bin_scratch,
-                self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, capacity)
+                self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, width)
         else:
-            rows1, counts1, coarse = self._coarse_reference(q_code, w, longest)
+            rows1, counts1, coarse = self._coarse_reference(q_code, w, longest, (band, most))
             bins = score_bins(coarse, score_bound(q_code, w, self.key_bound))
             live = torch.arange(rows1.shape[1], device=self.device)[None, :] < counts1[:, None]
-            sel = boundary_of_bins(bins, live, self.candidates, capacity)
+            c = grown_counts(self.candidates, self.n_encoded, band, most)
+            sel = boundary_of_bins(bins, live, c, c + self.direct_slack)
+            capacity = width
             exact, positions, counts = fp8_host_select_reference(
                 self.host.fp8, self.host.scales, self.page_table, rows1.to(torch.int32), bins, counts1, sel,
                 self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, capacity)

@@ -44,6 +44,7 @@ from dsaindex.runtime.loader import (
     code_bytes_of,
     decode_settings,
     describe_points,
+    growth_bands,
     ivf_budget_for_recall,
     per_layer,
 )
@@ -658,6 +659,11 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
     index.bundles = bundles
     if index.candidates:
+        grow = {}  # C grown past the band each layer's recall was measured in, where every step is direct
+        if settings.decode.long_prefix == "grow":
+            bands = growth_bands(metrics, index.candidates, index.prefilter, topk)
+            grow = {layer: index.groups[layer].grow_past(band) for layer, band in bands.items() if layer in index.groups}
         index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target,
-                                       code_bytes={layer: code_bytes_of(codec) for layer, codec in by_role["decode"].items()})
+                                       code_bytes={layer: code_bytes_of(codec) for layer, codec in by_role["decode"].items()},
+                                       grow=grow)
     return index

@@ -166,6 +166,9 @@ class DecodeSettings:
     pq_from : layer -> the first key position the code ranks (older keys only; None: all)
     filter_width : the miss filter's margin below the k-th coarse score, in standard deviations
     direct_upto : steps with at most this many live requests read candidates straight from the host (0: never)
+    long_prefix : past the longest prefix band a bundle measured recall in, ``grow`` (C doubles with each
+        doubling of a request's prefix, on direct steps: a server whose every step is direct, ``slots`` <=
+        ``direct_upto``) or ``fixed``
     """
 
     candidates: int | Auto | PerLayer = "auto"
@@ -176,8 +179,10 @@ class DecodeSettings:
     pq_from: Mapping[int, int] | None = None
     filter_width: float = FILTER_WIDTH
     direct_upto: int = DIRECT_UPTO
+    long_prefix: str = "grow"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "long_prefix", parse_long_prefix(self.long_prefix, "long_prefix"))
         if isinstance(self.candidates, str) and self.candidates != "auto":
             object.__setattr__(self, "candidates", parse_candidates(self.candidates) or DecodeSettings.candidates)
         if self.prefilter is None:  # with C: chosen with it where it is chosen, else the runtime's factor

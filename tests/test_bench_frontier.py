@@ -192,6 +192,24 @@ def test_without_timing_the_recall_still_runs_and_the_choice_is_by_stage_2_work(
     assert case["chosen"] == min(good, key=lambda i: (report["rows"][i]["stage2_keys"], i))
 
 
+def test_the_direct_steps_recall_with_c_grown_past_a_band_is_measured_and_recorded(routing_store, bundles, tmp_path):
+    """``--grow-band``: the direct step's C grows with each query's prefix past the band, as a server grows it
+    past its bundle's measured prefixes; the recall of that rule is at least the fixed C's, above it where
+    the prefixes pass the band, and the JSON says which rule it measured."""
+    means = {}
+    for band in (0, 64):
+        out = tmp_path / f"grow{band}.json"
+        proc = run_cli("bench", "frontier", "-s", str(routing_store), "-a", str(bundles[0]), "--topk", str(TOPK),
+                       "--candidates", "64", "--prefilter", "1", "--layers", "1", "--queries", "8", "--batches", "1",
+                       "--no-timing", "--device", "cpu", "--grow-band", str(band), "--out", str(out), "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(out.read_text())
+        assert report["grow_band"] == band and report["steps"] == ["direct"]
+        assert report["min_prefix"] >= 2 * 64  # every query's coded prefix is past the band: its C grows
+        means[band] = report["rows"][0]["recall"]["direct"]["mean"]
+    assert means[64] > means[0], means
+
+
 def test_pareto_front_keeps_only_points_nothing_beats():
     from dsaindex.pipelines.bench.frontier import pareto_front
 

@@ -229,6 +229,42 @@ def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(u
 
 
 @pytest.mark.usefixtures("torch_encoding")
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_a_direct_step_grows_each_requests_c_past_the_band_as_the_plugins_step_does(use_triton):
+    """``grow_past``: on a direct step a request longer than the band keeps C doubled for each doubling of its
+    prefix (up to ``most``), read straight from the host; a request within the band selects as with a fixed C.
+    A group whose steps can be cached ones (more slots than ``direct_upto``) keeps C fixed."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    lengths = [230, 1100]  # 192 coded keys (within a band of 256), 1,088 (4.25 x: grown 4 x, the cap)
+    keys = histories(lengths, seed=4)
+    codec = layer()
+    q, w = queries(2, seed=5)
+    picked, stats = {}, {}
+    for band in (0, 256):
+        group = PQDecodeGroup(codec, HostKeyStore(40, D), 2, 1200, 16, candidates=32, prefilter=2,
+                              cache_capacity=32, device=DEV, direct_upto=2, use_triton=use_triton)
+        assert group.grow_past(band, 4) == ((band, 4) if band else (0, 1))
+        for slot, x in enumerate(keys):
+            group.admit(slot)
+            group.append(slot, x)
+        picked[band], stats[band] = group.select(q, w)
+        assert (picked[band].cpu() < torch.tensor(lengths)[:, None]).all()
+    assert torch.equal(picked[256][0].sort().values, picked[0][0].sort().values)  # within the band: as fixed
+    grown, fixed = stats[256].candidates.cpu(), stats[0].candidates.cpu()
+    assert grown[0] == fixed[0] and 128 <= int(grown[1]) <= 128 + 256 and int(fixed[1]) <= 32 + 256
+    assert int(stats[256].stage1[1]) >= 4 * int(stats[0].stage1[1]) * 3 // 4
+    want = exact_topk(keys, q, w, 16)
+    assert overlap(picked[256][1:].cpu(), want[1:]) > overlap(picked[0][1:].cpu(), want[1:])
+    cached = PQDecodeGroup(codec, HostKeyStore(40, D), 3, 1200, 16, candidates=32, prefilter=2, cache_capacity=32,
+                           device=DEV, direct_upto=2, use_triton=use_triton)
+    assert cached.grow_past(256) == (0, 1)  # its steps may be cached ones
+    with pytest.raises(DsaIndexError, match="power of two"):
+        group.grow_past(256, 3)
+
+
+@pytest.mark.usefixtures("torch_encoding")
 def test_load_encoded_history_selects_like_appending_it():
     """A history handed over already encoded (codes + FP8 pages) gives the same state and selection."""
     from dsaindex.errors import DsaIndexError

@@ -256,6 +256,33 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
         serve(paths, net, served=identity, candidates={1: 64, 2: 64}, use_triton=False)
 
 
+def test_decode_c_grows_past_the_band_the_bundle_measured_where_every_step_is_direct(served, tmp_path):
+    """``long_prefix="grow"`` (the default): each decode group grows C past the end of the longest prefix band
+    its bundle records the served recall in, where every step is direct (slots <= direct_upto), and the
+    startup points say so; ``fixed``, or a server whose steps may be cached ones, keeps C and says that."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.settings import DecodeSettings
+
+    net, _, identity = served
+    metrics = {}
+    for layer in range(4):
+        metrics.update({f"layer{layer}/k{TOPK}/prefilter2@64": 0.999, f"layer{layer}/k{TOPK}@1K-2K/prefilter2@64": 0.998,
+                        f"layer{layer}/k{TOPK}@1K-2K/queries": 20.0})
+    paths = _bundles(tmp_path, net, identity, ivf=False, pq_metrics=metrics)
+    index = serve(paths, net, served=identity, use_triton=False)
+    assert {layer: group.grow_band for layer, group in index.groups.items()} == dict.fromkeys(range(4), 2048)
+    assert "held-out recall 99.80% at prefixes up to 2K; past 2K C doubles with each doubling of the prefix" \
+        in index.describe()
+    with index:  # a 3,000-token prompt: its decode steps keep 2 x C
+        _generate(net, _text(3000, 400), 2)
+    for options in ({"long_prefix": "fixed"}, {"slots": 3}):
+        kept = serve(paths, net, served=identity, use_triton=False, **options)
+        assert {group.grow_band for group in kept.groups.values()} == {0}, options
+        assert "(longer ones not measured; C stays fixed there)" in kept.describe()
+    with pytest.raises(DsaIndexError, match="long_prefix 'double' is not a rule"):
+        DecodeSettings(long_prefix="double")
+
+
 def test_serve_takes_a_count_or_auto_for_candidates():
     from dsaindex.errors import DsaIndexError
     from dsaindex.pipelines.commands.serve import parse_candidates, parse_prefilter

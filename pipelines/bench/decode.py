@@ -407,7 +407,7 @@ STEP_MODES = ("filter", "rerank", "direct")  # the cold steps :func:`served_step
 
 def served_step(codec, prefixes: list, queries, head_weights, topk: int, candidates: int, prefilter: int, cache: int,
                 mode: str, device: str, use_triton: bool | None = None, encoded: list | None = None, host=None,
-                filter_width: float = FILTER_WIDTH):
+                filter_width: float = FILTER_WIDTH, grow_band: int = 0):
     """One cold decode step of the runtime's :class:`~dsaindex.runtime.pq_batch.PQDecodeGroup` for a batch of
     requests, each holding its causal prefix (``prefixes``: one [n_b, D] engine-key tensor a request) and
     asking with one query (``queries`` [B, H, D], ``head_weights`` [B, H]).
@@ -418,7 +418,9 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
     [n, D] uint8, scales [n]) of its first n keys, n a whole number of pages, as a prefill that encoded them
     hands them over (the rest is appended); default: every key appended and its completed pages encoded
     by the group. ``host``: a host key store with room for the prefixes' pages (default: a new one); the
-    pages are given back to it after the step. Returns (positions [B, topk] int64, the step's stats)."""
+    pages are given back to it after the step. ``grow_band``: on the direct step, C grows with each request's
+    prefix past this many keys (:meth:`~dsaindex.runtime.pq_batch.PQDecodeGroup.grow_past`). Returns
+    (positions [B, topk] int64, the step's stats)."""
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
@@ -430,6 +432,8 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
                           prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
                           device=device, use_triton=use_triton, filter_width=filter_width,
                           direct_upto=len(lengths) if mode == "direct" else 0)
+    if grow_band and mode == "direct":
+        group.grow_past(grow_band)
     for slot, keys in enumerate(prefixes):
         group.admit(slot)
         done = 0

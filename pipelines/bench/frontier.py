@@ -149,10 +149,11 @@ def check_points(bundles: list[Bundle], candidates: list[int], prefilters: list[
 # ---- recall --------------------------------------------------------------------------------------------
 def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int, candidates: list[int],
                    prefilters: list[int], steps: list[str], filter_width: float, min_prefix: int, max_queries: int,
-                   device: str, use_triton: bool | None, progress=None) -> tuple[dict, int]:
+                   device: str, use_triton: bool | None, progress=None, grow_band: int = 0) -> tuple[dict, int]:
     """Per (bundle index, C, P, step) the held-out queries' results: a list of (layer, prefix keys, share of
     the exact top-k selected, share of the candidates read from host). Returns it and the query count per
-    layer measured (the same queries for every point)."""
+    layer measured (the same queries for every point). ``grow_band``: the direct step's C grows with each
+    query's prefix past this many keys (the default past a bundle's measured band)."""
     import torch
 
     from dsaindex.pipelines.bench.decode import exact_topk_of_prefixes, served_step, shares_found
@@ -198,7 +199,7 @@ def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int
                         for step in steps:
                             picked, stats = served_step(b.codecs[layer], prefixes, q, w, topk, c, p, cache_for(c),
                                                         step, device, use_triton, encoded=encoded, host=host,
-                                                        filter_width=filter_width)
+                                                        filter_width=filter_width, grow_band=grow_band)
                             fetched = (stats.fetched.float() / stats.candidates.clamp_min(1).float()).tolist()
                             results.setdefault((bi, c, p, step), []).extend(
                                 (layer, n, share, f)
@@ -535,6 +536,11 @@ def bench_frontier(
                                     help="Steps of at most this many requests read their candidates straight from "
                                          "the host (the direct step, no miss filter), as the server runs them."),
     queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
+    grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
+                                  help="The direct step's C grows with each doubling of a query's prefix past this "
+                                       "many keys, as servers grow it past the band a bundle measured (e.g. 131072 "
+                                       "for bundles measured at 128K): the recall of that rule on a longer store. "
+                                       "0: C fixed. The filter step keeps C fixed."),
     min_prefix: int = typer.Option(None, callback=at_least(1),
                                    help="Only queries with at least this many keys before them (default: 4 x k, and "
                                         "above the largest C: shorter prefixes would be rescored whole)."),
@@ -610,7 +616,7 @@ def bench_frontier(
     use_triton = None if cuda else False  # on the CPU the kernels' torch references (a CPU server runs them)
     with progress_bar("served recall", enabled=show_progress, unit="layers") as update:
         results, counts = measure_recall(cstore, bundles, sequences, k, cs, ps, steps, width, min_prefix, queries,
-                                         device, use_triton, update)
+                                         device, use_triton, update, grow_band)
     if not any(counts.values()):
         raise DsaIndexError(f"No held-out query of {display(store_ref)} (sequences {sequences}) has {min_prefix} keys "
                             "or more before it.",
@@ -644,6 +650,7 @@ def bench_frontier(
         "queries_per_layer": queries, "queries": sum(counts.values()),
         "queries_by_layer": {str(layer): n for layer, n in counts.items()},
         "recall_target": target, "filter_width": width, "direct_upto": direct_upto, "steps": steps,
+        "grow_band": grow_band,
         "selection": "the runtime's Triton kernels" if cuda else "the kernels' torch references (CPU)",
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "timing": {"skipped": None if timed_run else ("--no-timing" if timing is False else "no CUDA device"),

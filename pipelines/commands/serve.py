@@ -41,6 +41,7 @@ def serve_cmd(
     filter_width: float = typer.Option(DECODE.filter_width, min=0.0,
                                        help="Decode: the miss filter's margin below the k-th coarse score, in "
                                             "standard deviations (wider: more host reads, less recall lost)."),
+    long_prefix: str = serving_options.LONG_PREFIX,
     prefill_chunk: int = serving_options.PREFILL_CHUNK,
     stream_prefix: bool = typer.Option(PREFILL.stream_prefix, "--stream-prefix",
                                        help="Keep the model's indexer keys in pinned host memory and stream each "
@@ -67,7 +68,8 @@ def serve_cmd(
     serving_options.check_locations(artifacts)
     settings = ServeSettings(
         decode=serving_options.parse_decode(candidates, prefilter, recall_target, exact_below=exact_below,
-                                            filter_width=filter_width, direct_upto=direct_upto),
+                                            filter_width=filter_width, direct_upto=direct_upto,
+                                            long_prefix=long_prefix),
         prefill=PrefillSettings(ivf_budget=ivf_budget, ivf_recall_target=ivf_recall_target, stream_prefix=stream_prefix,
                                 chunk=prefill_chunk),
         basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri, retention=retention, lag=lag)
