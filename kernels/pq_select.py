@@ -161,6 +161,36 @@ def grown_counts(count: int, lengths: torch.Tensor, band: int, most: int) -> tor
     return count * mult
 
 
+def growth_of(keys: int, band: int, most: int) -> int:
+    """The factor :func:`grown_counts` gives a request of ``keys`` keys (a host integer)."""
+    if band <= 0:
+        return 1
+    need, mult = max(1, -(-keys // band)), 1
+    while mult < need and mult < most:
+        mult *= 2
+    return mult
+
+
+def grown_exact_rule(lengths: torch.Tensor, per_request: int, offset: int, band: int, most: int,
+                     use_triton: bool = True) -> torch.Tensor:
+    """The paged step's exact-path predicate where C grows by length, as a 0-d bool tensor on the lengths'
+    device (no sync): the longest request's N takes the exact path when N <= ``per_request`` + ``offset`` x
+    :func:`growth_of` N (one launch: ``grown_exact_rule_kernel``; torch ops with ``use_triton`` off)."""
+    import triton
+
+    from dsaindex.kernels.pq_select_kernel import grown_exact_rule_kernel
+
+    check_growth(band, most)
+    lengths = lengths.reshape(-1)
+    if not use_triton:
+        longest = lengths.long().amax()
+        return longest <= per_request + offset * grown_counts(1, longest, band, most)[0]
+    out = torch.empty((), dtype=torch.bool, device=lengths.device)
+    grown_exact_rule_kernel[(1,)](lengths.to(torch.int32).contiguous(), lengths.numel(), out, int(per_request),
+                                  int(offset), int(band), int(most), BLOCK=max(16, triton.next_power_of_2(lengths.numel())))
+    return out
+
+
 def check_growth(band: int, most: int) -> None:
     """Raise ``ValueError`` unless (``band``, ``most``) is a growth the kernels take: ``band`` >= 0 keys and
     ``most`` a power of two from 1 to 2**15."""

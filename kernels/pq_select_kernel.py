@@ -141,6 +141,17 @@ def grown(count, length, band, most):
 
 
 @triton.jit
+def grown_exact_rule_kernel(lengths_ptr, n, out_ptr, per_request, offset, band, most, BLOCK: tl.constexpr):
+    """The paged step's exact-path predicate where C grows by length, in one program: the longest of the
+    ``n`` requests' lengths N takes the exact path when N <= ``per_request`` + ``offset`` x N's growth
+    (:func:`grown`; each request's share of the codes' step grows with its stage-1 width)."""
+    at = tl.arange(0, BLOCK)
+    longest = tl.max(tl.load(lengths_ptr + at, mask=at < n, other=0), axis=0)
+    share = grown(offset, longest, band, most).to(tl.int64)
+    tl.store(out_ptr, longest.to(tl.int64) <= per_request + share)
+
+
+@triton.jit
 def _threshold_of_histogram(hist_ptr, thr_ptr, length, stride, target, capacity, oversample, NBINS: tl.constexpr):
     """The last sampling program of a request to finish turns the request's histogram into its threshold:
     the rank-th largest sample score (the rank of :func:`dsaindex.kernels.select.thresholds_from_samples`),

@@ -91,6 +91,8 @@ from dsaindex.kernels.pq_select import (
     boundary_of_bins,
     decoded_key_bound,
     grown_counts,
+    grown_exact_rule,
+    growth_of,
     keep_binned,
     keep_binned_reference,
     paged_codes_reference,
@@ -424,7 +426,7 @@ class PagedCacheSelector:
             self.prepare(cache, table, lengths)
         args = (rows, table, lengths, queries, head_weights, init_tokens, local_tokens, schedule)
         exact_width = self.exact_pages(b, w)  # pages the exact path reads at most
-        if exact_width and self.takes_exact(b, w * PAGE):  # the shapes alone decide: exact, the catch-up beside
+        if exact_width and self.always_exact(b, w):  # the shapes alone decide: exact, the catch-up beside
             out, stage1, found = self._exact_beside_catch_up(rows, table, lengths,
                                                              lambda: self._run("exact", *args, exact_width))
         elif not exact_width:  # the shapes alone decide: the codes, made current first
@@ -434,11 +436,16 @@ class PagedCacheSelector:
             # the catch-up on the step's stream: a conditional body cannot wait on another stream, and
             # forked, its join cost more than it hid (3.4-13 us of gaps at 1 x 1M keys on the H200)
             found = self._catch_up(rows, table, lengths)  # on the device: no sync inside a graph
-            # B x (N - offset) <= bound, as N <= bound // B + offset: two kernels, and none where unused
-            longest = min(self.exact_below // b + self.exact_offset, 2**31 - 1)
             graph = _capturing_graph(dev)
             capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            exact = None if capturing and graph is None else lengths.amax() <= longest
+            band, most = self.growth(w)
+            if capturing and graph is None:
+                exact = None
+            elif band:  # the offset grows with the longest request's stage-1 width: one kernel
+                exact = grown_exact_rule(lengths, self.exact_below // b, self.exact_offset, band, most,
+                                         self.use_triton)
+            else:  # B x (N - offset) <= bound, as N <= bound // B + offset: two kernels, and none where unused
+                exact = lengths.amax() <= min(self.exact_below // b + self.exact_offset, 2**31 - 1)
             if graph is not None:  # one conditional node per path: a replay runs the one its step needs
                 # outlive the nodes; exactly one of them writes every entry, so no fill
                 out = torch.empty((b, self.topk), dtype=torch.int32, device=dev)
@@ -480,15 +487,36 @@ class PagedCacheSelector:
         return (self.grow_band, most) if most > 1 else (0, 1)
 
     def takes_exact(self, batch: int, longest: int) -> bool:
-        """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path."""
-        return takes_exact_path(batch, longest, self.exact_below, self.exact_offset)
+        """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path (with
+        C grown by length, the offset grows with that request's stage-1 width)."""
+        return takes_exact_path(batch, longest, self.exact_below, self.exact_offset, (self.grow_band, self.grow_most))
+
+    def _levels(self, width: int) -> list[tuple[int, int, int]]:
+        """(first keys, last keys, offset) of each growth level of requests up to ``width`` pages long: one
+        level of every length where C is fixed; the offset is constant within a level, so the exact path's
+        rule is a bound on N there."""
+        band, most = self.growth(width)
+        top, levels, first, mult = width * PAGE, [], 1, 1
+        while first <= top:
+            last = top if mult >= most or not band else min(top, band * mult)
+            levels.append((first, last, self.exact_offset * mult))
+            first, mult = last + 1, mult * 2
+        return levels
+
+    def always_exact(self, batch: int, width: int) -> bool:
+        """Whether every step of ``batch`` requests over a page table ``width`` pages wide takes the exact path
+        (the shapes alone decide): the longest of each growth level's lengths does."""
+        return self.exact_below > 0 and all(batch * (last - off) <= self.exact_below
+                                            for _, last, off in self._levels(width))
 
     def exact_pages(self, batch: int, width: int) -> int:
         """Pages of a request the exact path reads at most, for a step of ``batch`` requests over a page table
         ``width`` pages wide (0: the step never takes it)."""
         if not self.exact_below:
             return 0
-        return min(width, -(-(self.exact_below // max(1, batch) + self.exact_offset) // PAGE))
+        most = max((min(last, self.exact_below // max(1, batch) + off) for first, last, off in self._levels(width)
+                    if first <= self.exact_below // max(1, batch) + off), default=0)
+        return min(width, -(-most // PAGE))
 
     def _run(self, path: str, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
              head_weights: torch.Tensor, init_tokens: int, local_tokens: int, schedule: torch.Tensor | None,
@@ -682,9 +710,10 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
     whose steps over page tables wider than its band keep them by bins), and ``scan`` (:func:`stage1_scan`'s
     words)."""
     if exact_below > 0:
+        width = " (P x C grown with N as C grows)" if grows else ""
         exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
-                 f"top-k) while B x (N - {PAGED_EXACT_OFFSET} x P x C) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), "
-                 "by the codes above")
+                 f"top-k) while B x (N - {PAGED_EXACT_OFFSET} x P x C{width}) <= {exact_below:,} "
+                 "(DSAINDEX_EXACT_BELOW), by the codes above")
     else:
         exact = "every decode step is selected by the codes (no exact path)"
     rules = []
@@ -698,9 +727,11 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
     return f"{exact}; {scan + '; ' if scan else ''}{kept}"
 
 
-def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int) -> bool:
-    """The exact-path rule of :class:`PagedCacheSelector`: B x (N - offset) at most the bound (0: never)."""
-    return exact_below > 0 and batch * (longest - exact_offset) <= exact_below
+def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int,
+                     grow: tuple[int, int] = (0, 1)) -> bool:
+    """The exact-path rule of :class:`PagedCacheSelector`: B x (N - offset) at most the bound (0: never); with
+    ``grow`` (band, most), the offset times the longest request's growth (:func:`growth_of`)."""
+    return exact_below > 0 and batch * (longest - exact_offset * growth_of(longest, *grow)) <= exact_below
 
 
 def _capturing_graph(device: torch.device):

@@ -44,7 +44,12 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     from dsaindex.pipelines.bench.timing import kernel_profile
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.mapped import host_mapped_zeros
-    from dsaindex.runtime.paged_select import PagedCacheSelector, device_bytes_per_key, takes_exact_path
+    from dsaindex.runtime.paged_select import (
+        PagedCacheSelector,
+        device_bytes_per_key,
+        growth_limit,
+        takes_exact_path,
+    )
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
@@ -72,7 +77,8 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     codec = PQCodec(codebooks.float().cpu())
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
     offset = PAGED_EXACT_OFFSET * prefilter * candidates  # the selectors' default
-    path = "exact" if takes_exact_path(batch, keys, exact_below, offset) else "pq"
+    grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
+    path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow) else "pq"
     runs = [(p, p, exact_below, top_cs[0], scans[0]) for p in places]
     if path == "exact" and "device" in places:
         runs.append(("device_pq", "device", 0, top_cs[0], scans[0]))
