@@ -315,7 +315,7 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
         else:
             recall = found[0].recall
             gap = "" if recall >= target else f", {100 * (target - recall):.2f} points under the {100 * target:.2f}% target"
-            # where the bundle measured it: C does not grow with the prefix, so longer requests get less
+            # where the bundle measured it, and what C does past it (a fixed C serves longer requests less)
             reach = f" at prefixes up to {found[0].band.split('-', 1)[1]}" if found[0].band and "-" in found[0].band \
                 else ""
             band, most = (grow or {}).get(layer, (0, 1))
