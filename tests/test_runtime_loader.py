@@ -200,6 +200,19 @@ def test_runtime_check_reports_the_candidates_serve_would_choose(tmp_path):
     both = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "staged"), "--prefilter", "auto")
     assert both.returncode == 0, both.stderr
     assert f"C = 256 (layers {', '.join(map(str, layers))}); stage 1 4 x C (layers" in both.stdout
+    assert "grows_past" not in json.loads(out.stdout)["candidates_auto"] and "doubles" not in both.stdout
+    # a bundle whose served recall is recorded in a prefix band: C grows past its end (the servers' default)
+    banded = dict(staged)
+    for layer in layers:
+        banded.update({f"layer{layer}/k{topk}@64K-128K/prefilter4@256": 0.996, f"layer{layer}/k{topk}@64K-128K/queries": 20})
+    pq_bundle(tmp_path / "banded", metrics=banded)
+    grows = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "banded"), "--prefilter", "4")
+    assert grows.returncode == 0, grows.stderr
+    assert f"; C doubles with each doubling of the prefix past 131,072 keys (layers {', '.join(map(str, layers))})" \
+        in grows.stdout
+    grown = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "banded"), "--prefilter", "4",
+                    "--json")
+    assert json.loads(grown.stdout)["candidates_auto"]["grows_past"] == {str(layer): 131072 for layer in layers}
     bad = run_cli("runtime", "check", "-m", "preset:tiny-v32", "-a", str(tmp_path / "staged"), "--prefilter", "x")
     assert bad.returncode == 2 and "neither a positive factor nor `auto`" in bad.stderr
     pq_bundle(tmp_path / "bare")

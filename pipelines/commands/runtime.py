@@ -115,6 +115,12 @@ def check_cmd(
                 for layer, p in auto["prefilter_per_layer"].items():
                     by_p.setdefault(p, []).append(layer)
                 line += "; stage 1 " + ", ".join(f"{p} x C (layers {', '.join(layers)})" for p, layers in sorted(by_p.items()))
+            by_band: dict[int, list[str]] = {}
+            for layer, band in auto.get("grows_past", {}).items():
+                by_band.setdefault(band, []).append(layer)
+            if by_band:  # the end of the prefixes the recall was measured at: C grows past it by default
+                line += "; C doubles with each doubling of the prefix past " + ", ".join(
+                    f"{band:,} keys (layers {', '.join(layers)})" for band, layers in sorted(by_band.items()))
             typer.echo(f"{head}: {line}")
 
 
@@ -126,7 +132,7 @@ def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECOD
     "prefilter", "unmeasured": message} where it records none; None for other bundles."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.runtime.loader import decode_settings
+    from dsaindex.runtime.loader import decode_settings, growth_bands
     from dsaindex.runtime.operating_points import OperatingPoints
 
     topk = geometry_from_config(config).topk
@@ -146,6 +152,9 @@ def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECOD
     out = {"target": target, "prefilter": prefilter, "per_layer": {str(layer): c for layer, c in chosen.items()}}
     if prefilter == "auto":
         out["prefilter_per_layer"] = {str(layer): p for layer, p in factors.items()}
+    bands = growth_bands(loaded.manifest.metrics, chosen, factors, topk)
+    if any(bands.values()):  # where C grows by default (the plugins' DSAINDEX_LONG_PREFIX, serve's --long-prefix)
+        out["grows_past"] = {str(layer): band for layer, band in bands.items() if band}
     return out
 
 
