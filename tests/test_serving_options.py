@@ -71,7 +71,7 @@ def test_the_commands_show_each_shared_option_as_declared():
 def test_the_defaults_are_the_settings_fields():
     fields = {f.name: f.default for f in dataclasses.fields(DecodeSettings)}
     declared = _declarations()
-    for name in ("candidates", "prefilter", "recall_target", "exact_below"):
+    for name in ("candidates", "prefilter", "recall_target", "exact_below", "long_prefix"):
         assert declared[name].default == fields[name], name
 
 
@@ -83,6 +83,7 @@ def test_the_defaults_are_the_settings_fields():
     (["--exact-below", "-1"], "--exact-below"),
     (["--ivf-budget", "0"], "--ivf-budget"),
     (["--recall-target", "1.5"], "--recall-target"),
+    (["--long-prefix", "double"], "--long-prefix 'double' is not a rule for C past the measured prefixes"),
 ])
 def test_the_commands_refuse_a_bad_serving_option_alike_before_loading(tmp_path, bad, needle):
     missing = str(tmp_path / "no-bundle")  # nothing is read: the option is refused first

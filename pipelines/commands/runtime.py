@@ -195,6 +195,7 @@ def generate_cmd(
     prefilter: str = serving_options.PREFILTER,
     recall_target: float = serving_options.RECALL_TARGET,
     exact_below: int = serving_options.EXACT_BELOW,
+    long_prefix: str = serving_options.LONG_PREFIX,
     topk: int = serving_options.TOPK,
     device: str = serving_options.DEVICE,
     basis: str = serving_options.BASIS,
@@ -221,10 +222,12 @@ def generate_cmd(
 
     from dsaindex.console import progress_bar
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.runtime.loader import decode_settings, describe_points, load_bundle
+    from dsaindex.runtime.loader import decode_settings, describe_points, growth_bands, load_bundle
+    from dsaindex.runtime.paged_select import growth_limit
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
-    asked = serving_options.parse_decode(candidates, prefilter, recall_target)  # refused before anything loads
+    # refused before anything loads
+    asked = serving_options.parse_decode(candidates, prefilter, recall_target, long_prefix=long_prefix)
     loaded_model, dev = serving_options.load_served_model(model, device, topk)
     net, served = loaded_model.model, loaded_model.fingerprint
     heldout, bos, decode = _heldout_text(corpus, net.config, prompt_offset + prompt_tokens + new_tokens,
@@ -233,7 +236,11 @@ def generate_cmd(
                          allow_other_weights=allow_other_weights)
     topk_now = geometry_from_config(net.config).topk
     candidates, prefilter = decode_settings(asked, loaded, topk_now)  # per layer; refused where none reaches
-    typer.echo(f"decode points: {describe_points(loaded.manifest.metrics, candidates, prefilter, topk_now, recall_target)}",
+    grow = {}  # whole requests (--ivf-artifacts) are served as `serve` serves them: C grown past the band
+    if ivf_artifacts is not None and asked.long_prefix == "grow":
+        grow = {layer: (band, growth_limit(max(candidates[layer], topk_now)))
+                for layer, band in growth_bands(loaded.manifest.metrics, candidates, prefilter, topk_now).items()}
+    typer.echo(f"decode points: {describe_points(loaded.manifest.metrics, candidates, prefilter, topk_now, recall_target, grow=grow)}",
                err=True)
     if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
         from dsaindex.errors import DsaIndexError
@@ -249,7 +256,8 @@ def generate_cmd(
         from dsaindex.runtime.serving import serve_index
 
         settings = ServeSettings(
-            decode=DecodeSettings(candidates=candidates, prefilter=prefilter, exact_below=exact_below),
+            decode=DecodeSettings(candidates=candidates, prefilter=prefilter, exact_below=exact_below,
+                                  long_prefix=asked.long_prefix),
             prefill=PrefillSettings(ivf_budget=ivf_budget, ivf_recall_target=ivf_recall_target), basis=basis,
             allow_other_weights=allow_other_weights, measure_recall=True, max_keys=prompt_tokens + new_tokens + 1)
 
@@ -351,6 +359,7 @@ def quality_cmd(
     prefilter: str = serving_options.PREFILTER,
     recall_target: float = serving_options.RECALL_TARGET,
     exact_below: int = serving_options.EXACT_BELOW,
+    long_prefix: str = serving_options.LONG_PREFIX,
     ivf_budget: int = serving_options.IVF_BUDGET,
     ivf_recall_target: float = serving_options.IVF_RECALL_TARGET,
     prefill_chunk: int = serving_options.PREFILL_CHUNK,
@@ -386,7 +395,8 @@ def quality_cmd(
     from dsaindex.runtime.serving import serve_index
 
     # refused before anything loads: the settings, the model reference, lengths beyond its positions
-    decode = serving_options.parse_decode(candidates, prefilter, recall_target, exact_below=exact_below)
+    decode = serving_options.parse_decode(candidates, prefilter, recall_target, exact_below=exact_below,
+                                          long_prefix=long_prefix)
     serving_options.check_locations(artifacts)
     if out is not None and not out.parent.is_dir():
         raise DsaIndexError(f"--out {out}: the folder {out.parent} does not exist.", "create it, or pass another path.")

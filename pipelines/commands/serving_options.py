@@ -93,6 +93,10 @@ def parse_decode(candidates: str, prefilter: str | None, recall_target: float, *
     refused here, before anything loads; no ``--prefilter``: the settings' default for that C), the other
     fields (``exact_below``, ``filter_width``, ...) as given in ``more``."""
     count = parse_candidates(candidates)
+    if "long_prefix" in more:  # named as the option, not as the settings field
+        from dsaindex.runtime.settings import parse_long_prefix
+
+        more["long_prefix"] = parse_long_prefix(more["long_prefix"], "--long-prefix")
     return DecodeSettings(candidates=count, recall_target=recall_target,
                           prefilter=None if prefilter is None else parse_prefilter(prefilter, count), **more)
 
