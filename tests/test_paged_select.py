@@ -82,6 +82,14 @@ def exact(cache, table, lengths, q, w, k):
     return fp8_topk_reference(keys, scales, lens, q.float(), w, k, query_fp8=True)[1]
 
 
+def one_request(n):
+    """One request of ``n`` keys in an 8-page cache: (lengths, cache, page table, queries, weights, lengths on
+    the device)."""
+    cache, table, _ = engine_cache([n], 8)
+    q, w = queries(1)
+    return [n], cache, table, q, w, torch.tensor([n], device=DEV)
+
+
 def as_sets(positions):
     return [set(row) - {-1} for row in positions.tolist()]
 
@@ -543,10 +551,7 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
     off_sel = PagedCacheSelector(codec(), 8, topk=16, candidates=64, head_dim=D, device=DEV, exact_below=0)
     assert not off_sel.takes_exact(1, 1) and off_sel.exact_pages(1, 10) == 0
     # the device predicate of a real step: a request just over the bound goes through the codes
-    lengths = [64 * 5 + 3]
-    cache, table, _ = engine_cache(lengths, 8)
-    q, w = queries(1)
-    lens = torch.tensor(lengths, device=DEV)
+    lengths, cache, table, q, w, lens = one_request(64 * 5 + 3)
     for over in (0, 1):
         step = PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV,
                                   exact_below=lengths[0] - 100 - over, exact_offset=100)
@@ -571,10 +576,7 @@ def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(us
     assert prod.takes_exact(64, 1 << 18) and not fixed.takes_exact(64, 1 << 18)  # 2 x C at 256K
     assert prod.takes_exact(8, 1 << 17) == fixed.takes_exact(8, 1 << 17)  # within the band: the same rule
     # a small selector: band 128 keys, growth to 4 x, offset 50; a request of 323 keys grows 4 x (share 200)
-    lengths = [64 * 5 + 3]
-    cache, table, _ = engine_cache(lengths, 8)
-    q, w = queries(1)
-    lens = torch.tensor(lengths, device=DEV)
+    lengths, cache, table, q, w, lens = one_request(64 * 5 + 3)
     for over in (0, 1):
         step = PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV,
                                   exact_below=lengths[0] - 200 - over, exact_offset=50, grow_band=128, grow_most=4,
