@@ -479,11 +479,7 @@ class PagedCacheSelector:
     def growth(self, width: int) -> tuple[int, int]:
         """(band, most) of a step over a page table ``width`` pages wide: C grows past ``grow_band`` keys by at
         most ``most``, no more than the table's keys need; (0, 1) where C stays fixed."""
-        if not self.grow_band:
-            return 0, 1
-        most = 1
-        while most < self.grow_most and most * self.grow_band < width * PAGE:
-            most *= 2
+        most = growth_of(width * PAGE, self.grow_band, self.grow_most)
         return (self.grow_band, most) if most > 1 else (0, 1)
 
     def takes_exact(self, batch: int, longest: int) -> bool:

@@ -67,6 +67,7 @@ from dsaindex.kernels.pq_select import (
     boundary_of_bins,
     decoded_key_bound,
     grown_counts,
+    growth_of,
     pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
@@ -481,9 +482,7 @@ class PQDecodeGroup:
     def _growth(self, longest: int) -> tuple[int, int]:
         """(band, most) of a direct step whose longest request has ``longest`` coded keys: no more growth than
         its keys need."""
-        most = 1
-        while self.grow_band and most < self.grow_most and most * self.grow_band < longest:
-            most *= 2
+        most = growth_of(longest, self.grow_band, self.grow_most)
         return (self.grow_band, most) if most > 1 else (0, 1)
 
     def _select_direct(self, q: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, StepStats]:
