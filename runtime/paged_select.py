@@ -664,8 +664,9 @@ def growth_limit(candidates: int, forced: int = 128) -> int:
     return most
 
 
-def _growth_setting(band: int, most: int | None, candidates: int, top_c: str) -> tuple[int, int]:
-    """(band, most) of a :class:`PagedCacheSelector`'s ``grow_band`` / ``grow_most``, checked."""
+def growth_setting(band: int, most: int | None, candidates: int) -> tuple[int, int]:
+    """(band, most) of C grown past ``band`` keys by up to ``most`` x (default: :func:`growth_limit`),
+    checked; (0, 1) where C stays fixed."""
     band = int(band)
     if band < 0:
         raise DsaIndexError(f"grow_band {band} is negative.", "pass 0 (a fixed C) or the keys past which C grows.")
@@ -674,10 +675,16 @@ def _growth_setting(band: int, most: int | None, candidates: int, top_c: str) ->
     if most < 1 or most & (most - 1) or most > limit:
         raise DsaIndexError(f"grow_most {most}: C = {candidates:,} may grow by a power of two up to {limit} (the "
                             f"final top-k holds {SMALL_TOPK_MAX:,} entries).", f"pass a power of two up to {limit}.")
+    return (band, most) if band and most > 1 else (0, 1)
+
+
+def _growth_setting(band: int, most: int | None, candidates: int, top_c: str) -> tuple[int, int]:
+    """(band, most) of a :class:`PagedCacheSelector`'s ``grow_band`` / ``grow_most``, checked."""
+    band, most = growth_setting(band, most, candidates)
     if band and top_c == "topk":
         raise DsaIndexError("top_c='topk' keeps one C for every request of a step; a C grown by length needs bins.",
                             "pass top_c='auto' or 'bins', or grow_band=0.")
-    return (band, most) if band and most > 1 else (0, 1)
+    return band, most
 
 
 def stage1_scan(codecs, device: torch.device | None = None) -> str:

@@ -82,7 +82,7 @@ from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_t
 from dsaindex.pq import PQCodec, encode, rotate
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.paged_select import growth_limit
+from dsaindex.runtime.paged_select import growth_setting
 
 
 @dataclass
@@ -469,13 +469,8 @@ class PQDecodeGroup:
         what the final top-k's one program holds), as the engine plugins' step does. Only a group whose every
         step is direct (``slots`` <= ``direct_upto``) grows C: the cached step keeps one C for its cache and
         plan. Returns the (band, most) in effect, (0, 1) for a fixed C."""
-        limit = growth_limit(self.candidates)
-        most = limit if most is None else int(most)
-        if band < 0 or most < 1 or most & (most - 1) or most > limit:
-            raise DsaIndexError(f"C grown past {band} keys by up to {most} x: C = {self.candidates:,} may grow by a "
-                                f"power of two up to {limit}, past a band of 0 keys or more.",
-                                f"pass a band >= 0 and a power of two up to {limit}.")
-        grows = band > 0 and most > 1 and self.slots <= self.direct_upto
+        band, most = growth_setting(band, most, self.candidates)
+        grows = most > 1 and self.slots <= self.direct_upto
         self.grow_band, self.grow_most = (int(band), most) if grows else (0, 1)
         return self.grow_band, self.grow_most
 
@@ -511,10 +506,9 @@ class PQDecodeGroup:
             live = torch.arange(rows1.shape[1], device=self.device)[None, :] < counts1[:, None]
             c = grown_counts(self.candidates, self.n_encoded, band, most)
             sel = boundary_of_bins(bins, live, c, c + self.direct_slack)
-            capacity = width
             exact, positions, counts = fp8_host_select_reference(
                 self.host.fp8, self.host.scales, self.page_table, rows1.to(torch.int32), bins, counts1, sel,
-                self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, capacity)
+                self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, width)
         k = min(self.topk, exact.shape[1])
         top = small_topk if self.use_triton and exact.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
         return top(exact, k, positions)[1], StepStats(counts, counts1.to(torch.int32))

@@ -262,6 +262,8 @@ def test_a_direct_step_grows_each_requests_c_past_the_band_as_the_plugins_step_d
     assert cached.grow_past(256) == (0, 1)  # its steps may be cached ones
     with pytest.raises(DsaIndexError, match="power of two"):
         group.grow_past(256, 3)
+    with pytest.raises(DsaIndexError, match="negative"):
+        group.grow_past(-1)
 
 
 @pytest.mark.usefixtures("torch_encoding")
