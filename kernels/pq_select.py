@@ -171,6 +171,13 @@ def growth_of(keys: int, band: int, most: int) -> int:
     return mult
 
 
+def step_growth(keys: int, band: int, most: int) -> tuple[int, int]:
+    """(band, factor) of a step whose longest request holds ``keys`` keys, C grown past ``band`` by up to
+    ``most`` x: no more growth than those keys need, and (0, 1) where C stays fixed."""
+    factor = growth_of(keys, band, most)
+    return (band, factor) if factor > 1 else (0, 1)
+
+
 def grown_exact_rule(lengths: torch.Tensor, per_request: int, offset: int, band: int, most: int,
                      use_triton: bool = True) -> torch.Tensor:
     """The paged step's exact-path predicate where C grows by length, as a 0-d bool tensor on the lengths'

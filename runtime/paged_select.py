@@ -102,6 +102,7 @@ from dsaindex.kernels.pq_select import (
     pq_linear_topc_reference,
     score_bins,
     score_bound,
+    step_growth,
 )
 from dsaindex.kernels.topk import (
     SMALL_TOPK_MAX,
@@ -479,8 +480,7 @@ class PagedCacheSelector:
     def growth(self, width: int) -> tuple[int, int]:
         """(band, most) of a step over a page table ``width`` pages wide: C grows past ``grow_band`` keys by at
         most ``most``, no more than the table's keys need; (0, 1) where C stays fixed."""
-        most = growth_of(width * PAGE, self.grow_band, self.grow_most)
-        return (self.grow_band, most) if most > 1 else (0, 1)
+        return step_growth(width * PAGE, self.grow_band, self.grow_most)
 
     def takes_exact(self, batch: int, longest: int) -> bool:
         """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path (with

@@ -67,7 +67,6 @@ from dsaindex.kernels.pq_select import (
     boundary_of_bins,
     decoded_key_bound,
     grown_counts,
-    growth_of,
     pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
@@ -77,6 +76,7 @@ from dsaindex.kernels.pq_select import (
     rq_whitened,
     score_bins,
     score_bound,
+    step_growth,
 )
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode, rotate
@@ -471,14 +471,13 @@ class PQDecodeGroup:
         plan. Returns the (band, most) in effect, (0, 1) for a fixed C."""
         band, most = growth_setting(band, most, self.candidates)
         grows = most > 1 and self.slots <= self.direct_upto
-        self.grow_band, self.grow_most = (int(band), most) if grows else (0, 1)
+        self.grow_band, self.grow_most = (band, most) if grows else (0, 1)
         return self.grow_band, self.grow_most
 
     def _growth(self, longest: int) -> tuple[int, int]:
         """(band, most) of a direct step whose longest request has ``longest`` coded keys: no more growth than
         its keys need."""
-        most = growth_of(longest, self.grow_band, self.grow_most)
-        return (self.grow_band, most) if most > 1 else (0, 1)
+        return step_growth(longest, self.grow_band, self.grow_most)
 
     def _select_direct(self, q: torch.Tensor, w: torch.Tensor, longest: int) -> tuple[torch.Tensor, StepStats]:
         """A PQ step whose candidates are read straight from the host store (``direct_upto``): stage 2 bins

@@ -420,6 +420,7 @@ def test_a_c_grown_by_each_requests_length_sets_its_own_boundary_and_stage1_widt
         grown_counts,
         pq_candidate_bins,
         pq_linear_topc,
+        step_growth,
     )
 
     b, n, c, slack = 4, 1024, 40, 8
@@ -429,6 +430,9 @@ def test_a_c_grown_by_each_requests_length_sets_its_own_boundary_and_stage1_widt
     assert grown.tolist() == [40, 80, 160, 160]
     assert grown_counts(c, lengths, 0, 4).tolist() == [40] * 4 and grown_counts(c, lengths, 256, 2).tolist() == \
         [40, 80, 80, 80]
+    # a step's (band, factor) is its longest request's growth, and (0, 1) where that request needs none
+    assert [step_growth(k, 256, 4) for k in (200, 300, 700, 1024)] == [(0, 1), (256, 2), (256, 4), (256, 4)]
+    assert step_growth(1024, 0, 4) == (0, 1) and step_growth(1024, 256, 1) == (0, 1)
     g = torch.Generator().manual_seed(4)
     rows = torch.stack([torch.randperm(int(n), generator=g)[:600] for _ in range(b)]).to(torch.int32).to(DEV)
     counts = torch.tensor([600, 600, 600, 150], dtype=torch.int32, device=DEV)  # the last: fewer than its C
