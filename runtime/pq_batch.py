@@ -466,12 +466,12 @@ class PQDecodeGroup:
     def grow_past(self, band: int, most: int | None = None) -> tuple[int, int]:
         """Let C grow with each request's prefix past ``band`` keys (0: fixed), doubling with each doubling of
         the prefix up to ``most`` x (default and at most :func:`~dsaindex.runtime.paged_select.growth_limit`:
-        what the final top-k's one program holds), as the engine plugins' step does. Only a group whose every
-        step is direct (``slots`` <= ``direct_upto``) grows C: the cached step keeps one C for its cache and
-        plan. Returns the (band, most) in effect, (0, 1) for a fixed C."""
-        band, most = growth_setting(band, most, self.candidates)
-        grows = most > 1 and self.slots <= self.direct_upto
-        self.grow_band, self.grow_most = (band, most) if grows else (0, 1)
+        what the final top-k's one program holds), as the engine plugins' step does. A grown C is served by
+        the direct step, whatever the live count: the cached step keeps one C for its cache and plan, so a
+        step whose longest request is past the band reads its candidates straight from the host (steps
+        within the band stay cached where ``direct_upto`` says so). Returns the (band, most) in effect, (0, 1)
+        for a fixed C."""
+        self.grow_band, self.grow_most = growth_setting(band, most, self.candidates)
         return self.grow_band, self.grow_most
 
     def _growth(self, longest: int) -> tuple[int, int]:
@@ -516,7 +516,7 @@ class PQDecodeGroup:
         s, dev = self.slots, self.device
         longest = max(self.encoded_host) if self.slots else 0
         live = sum(pages is not None for pages in self.pages)
-        if longest and live <= self.direct_upto:
+        if longest and (live <= self.direct_upto or self._growth(longest)[1] > 1):  # a grown C is direct
             return self._select_direct(q, w, longest)
         plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:

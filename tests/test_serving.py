@@ -256,10 +256,11 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
         serve(paths, net, served=identity, candidates={1: 64, 2: 64}, use_triton=False)
 
 
-def test_decode_c_grows_past_the_band_the_bundle_measured_where_every_step_is_direct(served, tmp_path):
+def test_decode_c_grows_past_the_band_the_bundle_measured(served, tmp_path):
     """``long_prefix="grow"`` (the default): each decode group grows C past the end of the longest prefix band
-    its bundle records the served recall in, where every step is direct (slots <= direct_upto), and the
-    startup points say so; ``fixed``, or a server whose steps may be cached ones, keeps C and says that."""
+    its bundle records the served recall in, and the startup points say so; a server whose steps may be
+    cached ones (more slots than ``direct_upto``) says too that such steps read from the host; ``fixed``
+    keeps C and says that."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.runtime.settings import DecodeSettings
 
@@ -275,10 +276,15 @@ def test_decode_c_grows_past_the_band_the_bundle_measured_where_every_step_is_di
         in index.describe()
     with index:  # a 3,000-token prompt: its decode steps keep 2 x C
         _generate(net, _text(3000, 400), 2)
-    for options in ({"long_prefix": "fixed"}, {"slots": 3}):
-        kept = serve(paths, net, served=identity, use_triton=False, **options)
-        assert {group.grow_band for group in kept.groups.values()} == {0}, options
-        assert "(longer ones not measured; C stays fixed there)" in kept.describe()
+    assert "straight from the host" not in index.describe()  # one slot: every step is direct already
+    wide = serve(paths, net, served=identity, use_triton=False, slots=3)
+    assert {group.grow_band for group in wide.groups.values()} == {2048}
+    assert "a step of more than 2 requests whose longest is past its band reads the grown candidates straight " \
+        "from the host" in wide.describe()
+    kept = serve(paths, net, served=identity, use_triton=False, long_prefix="fixed", slots=3)
+    assert {group.grow_band for group in kept.groups.values()} == {0}
+    assert "(longer ones not measured; C stays fixed there)" in kept.describe()
+    assert "straight from the host" not in kept.describe()
     with pytest.raises(DsaIndexError, match="long_prefix 'double' is not a rule"):
         DecodeSettings(long_prefix="double")
 

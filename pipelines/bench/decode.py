@@ -418,8 +418,9 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
     [n, D] uint8, scales [n]) of its first n keys, n a whole number of pages, as a prefill that encoded them
     hands them over (the rest is appended); default: every key appended and its completed pages encoded
     by the group. ``host``: a host key store with room for the prefixes' pages (default: a new one); the
-    pages are given back to it after the step. ``grow_band``: on the direct step, C grows with each request's
-    prefix past this many keys (:meth:`~dsaindex.runtime.pq_batch.PQDecodeGroup.grow_past`). Returns
+    pages are given back to it after the step. ``grow_band``: C grows with each request's prefix past this
+    many keys (:meth:`~dsaindex.runtime.pq_batch.PQDecodeGroup.grow_past`; a step past it is a direct one,
+    as the server runs it, whatever ``mode``). Returns
     (positions [B, topk] int64, the step's stats)."""
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
@@ -432,7 +433,7 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
                           prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
                           device=device, use_triton=use_triton, filter_width=filter_width,
                           direct_upto=len(lengths) if mode == "direct" else 0)
-    if grow_band and mode == "direct":
+    if grow_band:
         group.grow_past(grow_band)
     for slot, keys in enumerate(prefixes):
         group.admit(slot)

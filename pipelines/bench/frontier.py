@@ -152,8 +152,9 @@ def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int
                    device: str, use_triton: bool | None, progress=None, grow_band: int = 0) -> tuple[dict, int]:
     """Per (bundle index, C, P, step) the held-out queries' results: a list of (layer, prefix keys, share of
     the exact top-k selected, share of the candidates read from host). Returns it and the query count per
-    layer measured (the same queries for every point). ``grow_band``: the direct step's C grows with each
-    query's prefix past this many keys (the default past a bundle's measured band)."""
+    layer measured (the same queries for every point). ``grow_band``: C grows with each query's prefix past
+    this many keys (the default past a bundle's measured band); a step past it is a direct one, as servers
+    run it."""
     import torch
 
     from dsaindex.pipelines.bench.decode import exact_topk_of_prefixes, served_step, shares_found
@@ -249,9 +250,10 @@ def recorded_recall(manifest, layers: list[int], topk: int, prefilter: int, cand
 # ---- timing --------------------------------------------------------------------------------------------
 def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: list[int], prefilters: list[int],
                heads: int, topk: int, direct_upto: int, filter_width: float, graphs: bool, device: str,
-               progress=None) -> dict[str, dict]:
+               progress=None, grow_band: int = 0) -> dict[str, dict]:
     """Per B x N (:func:`case_key`): {"baseline": the exact step's timing, "steps": {(bundle index, C, P):
-    (median ms, timing mode)}}, every step over the same synthetic keys and queries as its baseline."""
+    (median ms, timing mode)}}, every step over the same synthetic keys and queries as its baseline.
+    ``grow_band``: C grown past it as the server grows it (a step past it is a direct one)."""
     import torch
 
     from dsaindex.pipelines.bench.decode import pq_group_over, pq_step_ms, synthetic_state
@@ -282,6 +284,8 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
                     group = pq_group_over(fp8, scales, codes, codec.codebooks, topk, c, p, cache_for(c), codec=codec,
                                           device=device, host=host, direct_upto=direct_upto,
                                           filter_width=filter_width, use_triton=use_triton)
+                    if grow_band:
+                        group.grow_past(grow_band)
                     ms, _, mode = pq_step_ms(group, q, w, graphs, device)
                     steps[(bi, c, p)] = (ms, mode)
                     group.free_all()
@@ -537,10 +541,11 @@ def bench_frontier(
                                          "the host (the direct step, no miss filter), as the server runs them."),
     queries: int = typer.Option(64, callback=at_least(1), help="Held-out queries per layer."),
     grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
-                                  help="The direct step's C grows with each doubling of a query's prefix past this "
+                                  help="C grows with each doubling of a query's prefix past this "
                                        "many keys, as servers grow it past the band a bundle measured (e.g. 131072 "
-                                       "for bundles measured at 128K): the recall of that rule on a longer store. "
-                                       "0: C fixed. The filter step keeps C fixed."),
+                                       "for bundles measured at 128K): the recall of that rule on a longer store, "
+                                       "and its steps' time. 0: C fixed. A step past the band is a direct one, "
+                                       "whatever the batch, as servers run it."),
     min_prefix: int = typer.Option(None, callback=at_least(1),
                                    help="Only queries with at least this many keys before them (default: 4 x k, and "
                                         "above the largest C: shorter prefixes would be rescored whole)."),
@@ -627,7 +632,7 @@ def bench_frontier(
     if timed_run:
         with progress_bar("decode steps", enabled=show_progress, unit="steps") as update:
             timings = time_cases(cases, bundles, cs, ps, geometry.n_heads, k, direct_upto, width, graphs, device,
-                                 update)
+                                 update, grow_band)
     rows = []
     for bi, b in enumerate(bundles):
         for c in cs:

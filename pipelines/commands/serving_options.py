@@ -54,9 +54,9 @@ RECALL_TARGET = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
                                   "layer must reach (at the bundle's longest prefixes too).")
 LONG_PREFIX = typer.Option(DECODE.long_prefix, "--long-prefix",
                            help="Decode, past the longest prefix band the pq bundle measured its recall in: grow "
-                                "(the default: each request's C doubles with each doubling of its prefix, where "
-                                "every step is direct, --direct-upto at least the requests served at once) or "
-                                "fixed.")
+                                "(the default: each request's C doubles with each doubling of its prefix; a step "
+                                "with such a request reads its candidates straight from host memory, not through "
+                                "the device cache) or fixed.")
 EXACT_BELOW = typer.Option(DECODE.exact_below, callback=at_least(0),
                            help="Decode, the length policy: score requests of at most this many keys exactly "
                                 "(0, the default: never, so every decode step goes through PQ).")
