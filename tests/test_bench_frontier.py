@@ -195,19 +195,22 @@ def test_without_timing_the_recall_still_runs_and_the_choice_is_by_stage_2_work(
 def test_the_direct_steps_recall_with_c_grown_past_a_band_is_measured_and_recorded(routing_store, bundles, tmp_path):
     """``--grow-band``: the direct step's C grows with each query's prefix past the band, as a server grows it
     past its bundle's measured prefixes; the recall of that rule is at least the fixed C's, above it where
-    the prefixes pass the band, and the JSON says which rule it measured."""
+    the prefixes pass the band, and the JSON says which rule it measured. A batch past ``--direct-upto``
+    whose requests pass the band is a direct step too, as the server runs it."""
     means = {}
-    for band in (0, 64):
-        out = tmp_path / f"grow{band}.json"
+    for band, batch in ((0, 1), (64, 1), (64, 8)):
+        out = tmp_path / f"grow{band}_{batch}.json"
         proc = run_cli("bench", "frontier", "-s", str(routing_store), "-a", str(bundles[0]), "--topk", str(TOPK),
-                       "--candidates", "64", "--prefilter", "1", "--layers", "1", "--queries", "8", "--batches", "1",
-                       "--no-timing", "--device", "cpu", "--grow-band", str(band), "--out", str(out), "--no-progress")
+                       "--candidates", "64", "--prefilter", "1", "--layers", "1", "--queries", "8", "--batches",
+                       str(batch), "--keys", "4096", "--no-timing", "--device", "cpu", "--grow-band", str(band),
+                       "--out", str(out), "--no-progress")
         assert proc.returncode == 0, proc.stderr
         report = json.loads(out.read_text())
         assert report["grow_band"] == band and report["steps"] == ["direct"]
+        assert [case["step"] for case in report["cases"]] == ["direct"]
         assert report["min_prefix"] >= 2 * 64  # every query's coded prefix is past the band: its C grows
-        means[band] = report["rows"][0]["recall"]["direct"]["mean"]
-    assert means[64] > means[0], means
+        means[band, batch] = report["rows"][0]["recall"]["direct"]["mean"]
+    assert means[64, 1] > means[0, 1] and means[64, 8] == means[64, 1], means
 
 
 def test_pareto_front_keeps_only_points_nothing_beats():

@@ -59,9 +59,10 @@ def case_key(batch: int, keys: int) -> str:
     return f"{batch}x{keys}"
 
 
-def step_for(batch: int, direct_upto: int) -> str:
-    """The step a server runs for ``batch`` live requests: ``direct`` up to ``direct_upto``, else ``filter``."""
-    return "direct" if batch <= direct_upto else "filter"
+def step_for(batch: int, direct_upto: int, keys: int = 0, grow_band: int = 0) -> str:
+    """The step a server runs for ``batch`` live requests of ``keys`` keys: ``direct`` up to ``direct_upto``,
+    or where C grows (``keys`` past a ``grow_band`` > 0), else ``filter``."""
+    return "direct" if batch <= direct_upto or 0 < grow_band < keys else "filter"
 
 
 def cache_for(candidates: int) -> int:
@@ -363,11 +364,11 @@ def choose(rows: list[dict], case: str, step: str, target: float, timed_run: boo
 
 
 def frontier_cases(rows: list[dict], cases: list[tuple[int, int]], timings: dict | None, direct_upto: int,
-                   target: float) -> list[dict]:
+                   target: float, grow_band: int = 0) -> list[dict]:
     """Per B x N: its step, baseline, Pareto front (row indices; with timing) and chosen row."""
     out = []
     for batch, keys in cases:
-        key, step = case_key(batch, keys), step_for(batch, direct_upto)
+        key, step = case_key(batch, keys), step_for(batch, direct_upto, keys, grow_band)
         entry = {"batch": batch, "keys": keys, "step": step,
                  "baseline": timings[key]["baseline"] if timings else None,
                  "chosen_by": "median_ms" if timings else "stage2_keys (no timing in this run)"}
@@ -608,7 +609,8 @@ def bench_frontier(
                             "C keys before it has every key rescored (exhaustive, not coarse-to-fine).",
                             f"pass --min-prefix {max(cs) + 1} or more, or leave it out.")
     sequences, held_how = measured_sequences(cstore, [b.manifest for b in bundles])
-    steps = [s for s in STEPS if any(step_for(b, direct_upto) == s for b in batch_sizes)]
+    steps = [s for s in STEPS if any(step_for(b, direct_upto, n, grow_band) == s for b in batch_sizes
+                                     for n in key_counts)]
     if not timed_run:
         reason = "--no-timing" if timing is False else "no CUDA device"
         typer.echo(f"note: the timing part is skipped ({reason}); pass --timing to time the kernels' torch "
@@ -664,7 +666,7 @@ def bench_frontier(
         "bundles": [{"bundle": b.ref, "bundle_id": b.manifest.bundle_id, "code": b.label,
                      "trained_on": b.manifest.lineage.capture_store_id} for b in bundles],
         "rows": rows,
-        "cases": frontier_cases(rows, cases, timings, direct_upto, target),
+        "cases": frontier_cases(rows, cases, timings, direct_upto, target, grow_band),
     }
     if plot is not None:
         report["plot"] = str(frontier_plot(report, plot))
