@@ -49,6 +49,14 @@ RECALL_TARGET = 0.995
 # (docs/results/bench_paged_defaults_boundary_h200.json)
 PAGED_EXACT_BELOW = 17 << 16
 PAGED_EXACT_OFFSET = 14
+# where C grows by length (``DSAINDEX_LONG_PREFIX=grow``) a request's share of the codes' step grows with its
+# growth g faster than g x the fixed share: stage 2 scores g x the stage-1 width by score bins at any batch. The
+# offset of a grown step is (PAGED_EXACT_OFFSET x g + PAGED_GROWN_EXTRA x (g - 1)) stage-1 widths. With the
+# fixed share alone (1.5 -> 0) the codes took 16 x 1M at 4 x C on the H200 at 0.94x DeepGEMM; with it every
+# point of B in 2-64 x N in 256K-1M at C = 4,096, 4 x C is on its faster side or within 1% (the codes 1.00x at
+# 32 x 1M, 1.04x at 64 x 1M; docs/results/paged_grown_c_*_h200.json). On the H100 the codes' step would also
+# win at 4-16 x 1M (1.11-1.23x), which this H200 fit sends to the exact path (0.97-0.99x)
+PAGED_GROWN_EXTRA = 1.5
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95

@@ -179,15 +179,17 @@ def step_growth(keys: int, band: int, most: int) -> tuple[int, int]:
 
 
 def grown_exact_rule(lengths: torch.Tensor, per_request: int, offset: int, band: int, most: int,
-                     use_triton: bool = True) -> torch.Tensor:
+                     use_triton: bool = True, extra: int = 0) -> torch.Tensor:
     """The paged step's exact-path predicate where C grows by length, as a 0-d bool tensor on the lengths'
-    device (no sync): the longest request's N takes the exact path when N <= ``per_request`` + ``offset`` x
-    :func:`growth_of` N (one launch: ``grown_exact_rule_kernel``; torch ops with ``use_triton`` off)."""
+    device (no sync): the longest request's N takes the exact path when N <= ``per_request`` + ``offset`` x g
+    + ``extra`` x (g - 1), g = :func:`growth_of` N (one launch: ``grown_exact_rule_kernel``; torch ops with
+    ``use_triton`` off)."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import grown_exact_rule_kernel
 
     check_growth(band, most)
+    per_request, offset = per_request - extra, offset + extra  # offset g + extra (g - 1) = (offset + extra) g - extra
     lengths = lengths.reshape(-1)
     if not use_triton:
         longest = lengths.long().amax()

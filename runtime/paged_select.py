@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PAGED_GROWN_EXTRA, PREFILTER
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm
 from dsaindex.kernels import select as select_kernels
@@ -201,7 +201,10 @@ class PagedCacheSelector:
         this, is scored exactly, as the engine scores it without the plugin (the exact path; 0: never).
         Ignored with ``keys_on_host`` (exact scoring would read every key over the host link).
     exact_offset : keys a request's fixed share of the codes' step is worth (default
-        :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C)
+        :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C); where C grows g x,
+        ``exact_offset`` x g + ``grown_extra`` x (g - 1)
+    grown_extra : keys a grown request's share gains for each C's worth of growth past its first (default
+        :data:`dsaindex.coarse.PAGED_GROWN_EXTRA` x the stage-1 width)
     top_c : how stage 2's candidates become the C rescored: ``"auto"`` (default) is ``"bins"`` for a step
         whose stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all (B x ``prefilter`` x C) and ``"topk"``
         above, the faster of the two on the H200 at 1M keys (stage 1 at 4 x 4,096: bins 1.34x / 1.55x of
@@ -233,6 +236,7 @@ class PagedCacheSelector:
                  prefilter: int = PREFILTER, catch_up: int = 2, head_dim: int = 128, device: str | torch.device = "cuda",
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
+                 grown_extra: int | None = None,
                  top_c: str = "auto", scan: str = "auto", grow_band: int = 0, grow_most: int | None = None):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
@@ -262,6 +266,7 @@ class PagedCacheSelector:
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
         self.exact_offset = PAGED_EXACT_OFFSET * self.c1 if exact_offset is None else max(0, int(exact_offset))
+        self.grown_extra = int(PAGED_GROWN_EXTRA * self.c1) if grown_extra is None else max(0, int(grown_extra))
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
         # which completed pages a step checks: the last catch_up of each request (those decode completes), and
         # on the device one column in `sweep` of the older ones, turning each step (every page within sweep
@@ -444,7 +449,7 @@ class PagedCacheSelector:
                 exact = None
             elif band:  # the offset grows with the longest request's stage-1 width: one kernel
                 exact = grown_exact_rule(lengths, self.exact_below // b, self.exact_offset, band, most,
-                                         self.use_triton)
+                                         self.use_triton, self.grown_extra)
             else:  # B x (N - offset) <= bound, as N <= bound // B + offset: two kernels, and none where unused
                 exact = lengths.amax() <= min(self.exact_below // b + self.exact_offset, 2**31 - 1)
             if graph is not None:  # one conditional node per path: a replay runs the one its step needs
@@ -485,7 +490,8 @@ class PagedCacheSelector:
     def takes_exact(self, batch: int, longest: int) -> bool:
         """Whether a step of ``batch`` requests whose longest holds ``longest`` keys takes the exact path (with
         C grown by length, the offset grows with that request's stage-1 width)."""
-        return takes_exact_path(batch, longest, self.exact_below, self.exact_offset, (self.grow_band, self.grow_most))
+        return takes_exact_path(batch, longest, self.exact_below, self.exact_offset, (self.grow_band, self.grow_most),
+                                self.grown_extra)
 
     def _levels(self, width: int) -> list[tuple[int, int, int]]:
         """(first keys, last keys, offset) of each growth level of requests up to ``width`` pages long: one
@@ -495,7 +501,7 @@ class PagedCacheSelector:
         top, levels, first, mult = width * PAGE, [], 1, 1
         while first <= top:
             last = top if mult >= most or not band else min(top, band * mult)
-            levels.append((first, last, self.exact_offset * mult))
+            levels.append((first, last, self.exact_offset * mult + self.grown_extra * (mult - 1)))
             first, mult = last + 1, mult * 2
         return levels
 
@@ -713,10 +719,10 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
     whose steps over page tables wider than its band keep them by bins), and ``scan`` (:func:`stage1_scan`'s
     words)."""
     if exact_below > 0:
-        width = " (P x C grown with N as C grows)" if grows else ""
+        share = (f"({PAGED_EXACT_OFFSET} g + {PAGED_GROWN_EXTRA:g} (g - 1)) x P x C, g the growth of its C"
+                 if grows else f"{PAGED_EXACT_OFFSET} x P x C")
         exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
-                 f"top-k) while B x (N - {PAGED_EXACT_OFFSET} x P x C{width}) <= {exact_below:,} "
-                 "(DSAINDEX_EXACT_BELOW), by the codes above")
+                 f"top-k) while B x (N - {share}) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), by the codes above")
     else:
         exact = "every decode step is selected by the codes (no exact path)"
     rules = []
@@ -731,10 +737,12 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
 
 
 def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int,
-                     grow: tuple[int, int] = (0, 1)) -> bool:
+                     grow: tuple[int, int] = (0, 1), grown_extra: int = 0) -> bool:
     """The exact-path rule of :class:`PagedCacheSelector`: B x (N - offset) at most the bound (0: never); with
-    ``grow`` (band, most), the offset times the longest request's growth (:func:`growth_of`)."""
-    return exact_below > 0 and batch * (longest - exact_offset * growth_of(longest, *grow)) <= exact_below
+    ``grow`` (band, most), the offset is ``exact_offset`` x g + ``grown_extra`` x (g - 1), g the longest
+    request's growth (:func:`growth_of`)."""
+    g = growth_of(longest, *grow)
+    return exact_below > 0 and batch * (longest - exact_offset * g - grown_extra * (g - 1)) <= exact_below
 
 
 def _capturing_graph(device: torch.device):

@@ -562,7 +562,8 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(use_triton):
     """With C grown by length, a request's share of the codes' step grows with its stage-1 width, so the exact
-    path's offset does too: B x (N - offset x N's growth) <= bound. The rule is not monotone in N (a request
+    path's offset does too: B x (N - offset x g - extra x (g - 1)) <= bound, g N's growth. The rule is not
+    monotone in N (a request
     just past a band's end costs the codes more than one just before it): the shapes decide only where every
     level's longest length takes the exact path, the exact path reads the pages its longest admitted length
     needs, and the device's predicate (one kernel) agrees with the host's."""
@@ -571,25 +572,32 @@ def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(us
     prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV,
                               grow_band=1 << 17)
     fixed = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
-    # 4 x C at 1M keys: each request's share is 4 x 229K keys, so up to 8 such requests are scored exactly
-    assert prod.takes_exact(8, 1 << 20) and not prod.takes_exact(9, 1 << 20) and not fixed.takes_exact(8, 1 << 20)
+    # 4 x C at 1M keys: each request's share is (14 x 4 + 1.5 x 3) x 16K keys. The H200's grid at 4 x C put the
+    # codes at 0.94x DeepGEMM at 16 x 1M, 1.00x at 32 and 1.04x at 64: up to 19 such requests are scored exactly
+    assert prod.takes_exact(16, 1 << 20) and prod.takes_exact(19, 1 << 20) and not prod.takes_exact(20, 1 << 20)
+    assert not prod.takes_exact(32, 1 << 20) and not prod.takes_exact(64, 1 << 20)
+    assert not fixed.takes_exact(8, 1 << 20) and not fixed.takes_exact(16, 1 << 20)
     assert prod.takes_exact(64, 1 << 18) and not fixed.takes_exact(64, 1 << 18)  # 2 x C at 256K
+    assert prod.takes_exact(16, 1 << 19) and not fixed.takes_exact(16, 1 << 19)  # 4 x C at 512K: 0.64x
     assert prod.takes_exact(8, 1 << 17) == fixed.takes_exact(8, 1 << 17)  # within the band: the same rule
-    # a small selector: band 128 keys, growth to 4 x, offset 50; a request of 323 keys grows 4 x (share 200)
+    # a small selector: band 128 keys, growth to 4 x, offset 50, extra 10; a request of 323 keys grows 4 x
+    # (share 50 x 4 + 10 x 3 = 230)
     lengths, cache, table, q, w, lens = one_request(64 * 5 + 3)
     for over in (0, 1):
         step = PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV,
-                                  exact_below=lengths[0] - 200 - over, exact_offset=50, grow_band=128, grow_most=4,
-                                  use_triton=use_triton)
-        assert step._levels(table.shape[1]) == [(1, 128, 50), (129, 256, 100), (257, 384, 200)]
+                                  exact_below=lengths[0] - 230 - over, exact_offset=50, grow_band=128, grow_most=4,
+                                  use_triton=use_triton, grown_extra=10)
+        assert step._levels(table.shape[1]) == [(1, 128, 50), (129, 256, 110), (257, 384, 230)]
         assert not step.always_exact(1, table.shape[1])  # 384 keys would not: the step's lengths decide
         assert step.exact_pages(1, table.shape[1]) == -(-(lengths[0] - over) // 64)
         step.select(cache, table, lens, q, w)
         assert (int(step.stats.stage1.sum()) == 0) == (over == 0) == step.takes_exact(1, lengths[0])
     for n in (100, 128, 129, 200, 250, 256, 257, 300, 384):  # the device's predicate is the host's
         for bound in (1, 60, 130, 170):
-            got = grown_exact_rule(torch.tensor([3, n, 17], device=DEV), bound, 50, 128, 4, use_triton=use_triton)
-            assert bool(got) == takes_exact_path(1, n, bound, 50, (128, 4)), (n, bound)
+            for extra in (0, 10):
+                got = grown_exact_rule(torch.tensor([3, n, 17], device=DEV), bound, 50, 128, 4, use_triton=use_triton,
+                                       extra=extra)
+                assert bool(got) == takes_exact_path(1, n, bound, 50, (128, 4), extra), (n, bound, extra)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

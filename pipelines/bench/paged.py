@@ -26,7 +26,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PAGED_GROWN_EXTRA, PREFILTER
 from dsaindex.console import at_least
 
 KEY_BYTES = 132
@@ -78,7 +78,8 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
     offset = PAGED_EXACT_OFFSET * prefilter * candidates  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
-    path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow) else "pq"
+    extra = int(PAGED_GROWN_EXTRA * prefilter * candidates)
+    path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow, extra) else "pq"
     runs = [(p, p, exact_below, top_cs[0], scans[0]) for p in places]
     if path == "exact" and "device" in places:
         runs.append(("device_pq", "device", 0, top_cs[0], scans[0]))
