@@ -220,6 +220,7 @@ def pq_candidate_kernel(
     NBINS: tl.constexpr = 8192,
     RESIDUAL: tl.constexpr = False,  # codebook [M, K, D] whole-key codewords: a key is their sum
     STREAM: tl.constexpr = 0,  # codes read past L1 or evicted first (see _load_codes), codebooks kept in L1
+    DEDUP: tl.constexpr = False,  # (BINS) one histogram atomic per distinct bin of a tile, adding its count
 ):
     # ITERS consecutive tiles per program: the queries are loaded once for all of them
     pid = tl.program_id(0)
@@ -270,7 +271,16 @@ def pq_candidate_kernel(
             if BINS:
                 bins = score_bin(score, bound, NBINS)
                 tl.store(bins_ptr + b * n_out + idx, bins, mask=valid)
-                tl.atomic_add(scratch_ptr + b * (NBINS + 4) + bins, 1, mask=valid, sem="relaxed")
+                if DEDUP:  # a tile's candidates crowd into few bins: count each bin's once, add it once
+                    tagged = tl.where(valid, bins, -1)
+                    same = tagged[:, None] == tagged[None, :]
+                    lane = tl.arange(0, BLOCK_N)
+                    count = tl.sum(same.to(tl.int32), axis=1)
+                    before = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+                    tl.atomic_add(scratch_ptr + b * (NBINS + 4) + bins, count, mask=valid & (before == 0),
+                                  sem="relaxed")
+                else:
+                    tl.atomic_add(scratch_ptr + b * (NBINS + 4) + bins, 1, mask=valid, sem="relaxed")
         tl.store(out_ptr + b * n_out + idx, score, mask=idx < n_out)
 
 

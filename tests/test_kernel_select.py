@@ -489,6 +489,15 @@ def test_stage2_bins_find_the_boundary_of_the_top_c():
     assert agree.float().mean() > 0.99
     want_sel = boundary_of_bins(bins, live, c, c + 8)
     assert torch.equal(sel.cpu(), want_sel.cpu())
+    # ``dedup``: one atomic per distinct bin of a tile builds the same histogram, also where every score
+    # crowds into a few bins (a bound 10^4 too wide)
+    for scale in (1.0, 1e4):
+        _, plain_bins, plain = pq_candidate_bins(codes, rows, counts, q, w, cb, bound * scale, c, c + 8, scratch)
+        _, got_bins, got = pq_candidate_bins(codes, rows, counts, q, w, cb, bound * scale, c, c + 8, scratch,
+                                             dedup=True)
+        assert torch.equal(got_bins[live], plain_bins[live]) and torch.equal(got.cpu(), plain.cpu()), scale
+        assert int(scratch.abs().sum()) == 0
+    assert plain_bins[live].unique().numel() < 40  # crowded: the dedup had many repeats to count
     edge, above, kept = sel[0, :3].tolist()
     top = want[0][live[0]].topk(c).values
     assert above < c <= kept <= c + 8 and edge > 0
