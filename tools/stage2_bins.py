@@ -7,7 +7,6 @@ the prefix past the measured band") came from it."""
 
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -19,24 +18,17 @@ from dsaindex.kernels.pq_select import (
     pq_candidate_bins,
     pq_candidate_scores,
 )
+from dsaindex.pipelines.bench.timing import event_median_ms
 
 SMALL = os.environ.get("SMALL") == "1"
 
 
 def median_ms(fn, reps: int = 30) -> float:
-    fn()
+    """CUDA-event median of ``fn`` (one untimed call first); on the CPU check, one call and no time."""
     if SMALL:
-        return 0.0
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return 0.0
+    return event_median_ms(fn, reps)
 
 
 def stage2_calls(state: dict, band: int, c: int, scratch: torch.Tensor) -> dict:
