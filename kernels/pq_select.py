@@ -439,11 +439,6 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
 
 
 BIN_COUNT = 8192  # score bins of the direct step's candidate selection (0.2% wide, each sign)
-# the decode steps' stage 2 adds each distinct bin of a tile to the histogram once, with its count
-# (pq_candidate_bins' dedup). H100, 32 x 1M, C1 = 64K (a grown C): stage 2 0.91 -> 0.81 ms (scores alone 0.55),
-# 2.20 -> 0.71 ms where every score crowds into a few bins; the plugins' grown step 1.33x -> 1.38x DeepGEMM at
-# 32 x 1M, 1.39x -> 1.44x at 64 x 1M (docs/results/stage2_bins_dedup_h100.json, paged_grown_dedup_{off,on}_h100.json)
-BINS_DEDUP = True
 BIN_OCTAVES, BIN_TOP = 12.0, 1.0  # the bins span 12 octaves, ending one octave above the score bound
 
 
@@ -488,7 +483,7 @@ def boundary_of_bins(bins: torch.Tensor, live: torch.Tensor, c: int | torch.Tens
 def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
                       head_weights: torch.Tensor, codebooks: torch.Tensor, key_bound: float, c: int, capacity: int,
                       scratch: torch.Tensor, block_n: int = 128, page_table: torch.Tensor | None = None,
-                      lengths: torch.Tensor | None = None, grow: tuple[int, int] = (0, 1), dedup: bool = False,
+                      lengths: torch.Tensor | None = None, grow: tuple[int, int] = (0, 1), dedup: bool = True,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with the candidate selection folded in: the scores of :func:`pq_candidate_scores`, each
     candidate's :func:`score_bins` bin, and the request's (boundary bin, above, kept, 0) of
@@ -498,8 +493,11 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     left zeroed (its two append counters zeroed for :func:`keep_binned`). ``page_table`` [B, W] int32: codes
     kept per physical page, as :func:`pq_candidate_scores`. ``grow`` (band, most) with ``lengths`` [B] int32:
     each request's ``c`` is :func:`grown_counts` of it by its length, its capacity that plus ``capacity - c``.
-    ``dedup``: a tile adds each distinct bin to the histogram once, with its count (fewer atomics on the bins
-    a request's candidates crowd into; the same histogram).
+    ``dedup`` (default): a tile adds each distinct bin to the histogram once, with its count, instead of one
+    atomic a candidate (the same histogram; fewer atomics on the bins a request's candidates crowd into). H100,
+    32 x 1M, C1 = 64K (a grown C): 0.91 -> 0.81 ms (the scores alone 0.55), 2.20 -> 0.71 ms where every score
+    crowds into a few bins; the plugins' grown step 1.33x -> 1.38x DeepGEMM at 32 x 1M
+    (docs/results/stage2_bins_dedup_h100.json, paged_grown_dedup_{off,on}_h100.json).
     Returns (scores [B, R] float32, bins [B, R] int32 (set below each count), sel [B, 4] int32)."""
     import triton
 
@@ -640,8 +638,7 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                              max_len, linear_config, scan, grow)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
-                                     scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow,
-                                     dedup=BINS_DEDUP)
+                                     scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow)
     return rows1, bins, counts1, sel
 
 

@@ -265,8 +265,9 @@ class PagedCacheSelector:
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
-        self.exact_offset = PAGED_EXACT_OFFSET * self.c1 if exact_offset is None else max(0, int(exact_offset))
-        self.grown_extra = int(PAGED_GROWN_EXTRA * self.c1) if grown_extra is None else max(0, int(grown_extra))
+        offset, extra = exact_shares(self.c1)
+        self.exact_offset = offset if exact_offset is None else max(0, int(exact_offset))
+        self.grown_extra = extra if grown_extra is None else max(0, int(grown_extra))
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
         # which completed pages a step checks: the last catch_up of each request (those decode completes), and
         # on the device one column in `sweep` of the older ones, turning each step (every page within sweep
@@ -734,6 +735,13 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
     if grows:
         kept += " (by bins at any batch size where a request's C can grow: one C a step is what a top-C kernel keeps)"
     return f"{exact}; {scan + '; ' if scan else ''}{kept}"
+
+
+def exact_shares(stage1: int) -> tuple[int, int]:
+    """The exact-path rule's default (``exact_offset``, ``grown_extra``) of a selector whose stage 1 keeps
+    ``stage1`` keys (P x C): :data:`~dsaindex.coarse.PAGED_EXACT_OFFSET` and
+    :data:`~dsaindex.coarse.PAGED_GROWN_EXTRA` stage-1 widths."""
+    return PAGED_EXACT_OFFSET * stage1, int(PAGED_GROWN_EXTRA * stage1)
 
 
 def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PAGED_GROWN_EXTRA, PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PREFILTER
 from dsaindex.console import at_least
 
 KEY_BYTES = 132
@@ -47,6 +47,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     from dsaindex.runtime.paged_select import (
         PagedCacheSelector,
         device_bytes_per_key,
+        exact_shares,
         growth_limit,
         takes_exact_path,
     )
@@ -76,9 +77,8 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(logits(), lengths, topk))
     codec = PQCodec(codebooks.float().cpu())
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
-    offset = PAGED_EXACT_OFFSET * prefilter * candidates  # the selectors' default
+    offset, extra = exact_shares(prefilter * candidates)  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
-    extra = int(PAGED_GROWN_EXTRA * prefilter * candidates)
     path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow, extra) else "pq"
     runs = [(p, p, exact_below, top_cs[0], scans[0]) for p in places]
     if path == "exact" and "device" in places:
