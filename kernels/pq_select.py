@@ -37,6 +37,7 @@ import torch
 
 from dsaindex.kernels import checks, select
 from dsaindex.kernels.pq_scan_cuda import pq_scan_select, resolve_scan
+from dsaindex.kernels.pq_stage2_cuda import resolve_stage2
 from dsaindex.pq import (
     PQSpec,
     encode,
@@ -394,15 +395,19 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
 
 def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
                         codebooks: torch.Tensor, counts: torch.Tensor | None = None, block_n: int = 64,
-                        iters: int = 1, page_table: torch.Tensor | None = None, stream: int = 0) -> torch.Tensor:
-    """Stage 2 on Triton: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
+                        iters: int = 1, page_table: torch.Tensor | None = None, stream: int = 0,
+                        stage2: str = "auto") -> torch.Tensor:
+    """Stage 2: scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none), like
     :func:`pq_candidate_scores_reference`. ``codebooks`` may be given in bf16 already (cast once at load).
     ``counts`` [B] int32 (optional): only the first ``counts[b]`` rows of a request can be filled (a
     stage-1 buffer), so tiles past it are skipped. ``iters`` tiles of ``block_n`` rows per program share
     one load of the queries. ``codes`` [B, N, M] uint8, ``queries`` [B, H, D] with
     D a power of two >= 16, ``head_weights`` [B, H], ``codebooks`` [M, K, D/M], all on one device;
     raises ``ValueError`` otherwise. ``page_table`` [B, W] int32: codes kept per physical page
-    [P, 64, M], as in :func:`pq_linear_topc`. ``stream``: codes read past L1, codebooks kept there."""
+    [P, 64, M], as in :func:`pq_linear_topc`. ``stream``: codes read past L1, codebooks kept there (Triton).
+    ``stage2``: ``"triton"``, ``"cuda"`` (:mod:`dsaindex.kernels.pq_stage2_cuda`: codebooks in shared memory;
+    ``counts`` needed) or ``"auto"`` (the default: the CUDA kernel where it runs, for launches of at least
+    :data:`~dsaindex.kernels.pq_stage2_cuda.CUDA_FROM_SLOTS` slots B x R, :func:`resolve_stage2`)."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel
@@ -426,6 +431,13 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         return out
     table = codebooks.to(torch.bfloat16).contiguous()
     residual = is_residual(codebooks, dim)
+    if counts is not None and resolve_stage2(stage2, h, dim, m, k, residual, codes.device, b * r) == "cuda":
+        from dsaindex.kernels.pq_stage2_cuda import pq_stage2
+
+        pq_stage2(codes.contiguous(), rows.to(torch.int32).contiguous(), counts, queries.to(torch.bfloat16).contiguous(),
+                  head_weights.float().contiguous(), table, scores=out,
+                  page_table=None if page_table is None else page_table.contiguous())
+        return out
     wide = d == 4 and not residual  # one 8-byte load per subspace instead of four 2-byte ones
     pages = out if page_table is None else page_table.contiguous()
     pq_candidate_kernel[(triton.cdiv(r, block_n * iters), b)](
@@ -484,7 +496,7 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
                       head_weights: torch.Tensor, codebooks: torch.Tensor, key_bound: float, c: int, capacity: int,
                       scratch: torch.Tensor, block_n: int = 128, page_table: torch.Tensor | None = None,
                       lengths: torch.Tensor | None = None, grow: tuple[int, int] = (0, 1), dedup: bool = True,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      stage2: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with the candidate selection folded in: the scores of :func:`pq_candidate_scores`, each
     candidate's :func:`score_bins` bin, and the request's (boundary bin, above, kept, 0) of
     :func:`boundary_of_bins`, read by a one-program-a-request launch off a histogram the scoring launch built
@@ -497,7 +509,9 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     atomic a candidate (the same histogram; fewer atomics on the bins a request's candidates crowd into). H100,
     32 x 1M, C1 = 64K (a grown C): 0.91 -> 0.81 ms (the scores alone 0.55), 2.20 -> 0.71 ms where every score
     crowds into a few bins; the plugins' grown step 1.33x -> 1.38x DeepGEMM at 32 x 1M
-    (docs/results/stage2_bins_dedup_h100.json, paged_grown_dedup_{off,on}_h100.json).
+    (docs/results/stage2_bins_dedup_h100.json, paged_grown_dedup_{off,on}_h100.json). ``stage2``: the scoring
+    launch's kernel, as :func:`pq_candidate_scores` (the CUDA one counts the bins in a shared-memory histogram of
+    each block, added to the request's once a non-empty bin; ``dedup`` and ``block_n`` are the Triton one's).
     Returns (scores [B, R] float32, bins [B, R] int32 (set below each count), sel [B, 4] int32)."""
     import triton
 
@@ -524,13 +538,21 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     residual = is_residual(codebooks, dim)
     wide = d == 4 and not residual
     pages = out if page_table is None else page_table.contiguous()
-    pq_candidate_kernel[(max(1, triton.cdiv(r, block_n)), b)](
-        codes.contiguous(), rows.contiguous(), table.view(torch.int64) if wide else table,
-        queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out, counts, pages,
-        0 if page_table is None else page_table.shape[1], codes.shape[1], r, N_HEADS=h,
-        H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n, F32=select.interpreted(),
-        HAS_COUNTS=True, WIDE=wide, ITERS=1, HAS_TABLE=page_table is not None, bins_ptr=bins, scratch_ptr=scratch,
-        key_bound=float(key_bound), BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual, DEDUP=dedup)
+    if resolve_stage2(stage2, h, dim, m, k, residual, dev, b * r) == "cuda":
+        from dsaindex.kernels.pq_stage2_cuda import pq_stage2
+
+        pq_stage2(codes.contiguous(), rows.contiguous(), counts, queries.to(torch.bfloat16).contiguous(),
+                  head_weights.float().contiguous(), table, scores=out, bins=bins, scratch=scratch,
+                  page_table=None if page_table is None else pages, key_bound=float(key_bound))
+    else:
+        pq_candidate_kernel[(max(1, triton.cdiv(r, block_n)), b)](
+            codes.contiguous(), rows.contiguous(), table.view(torch.int64) if wide else table,
+            queries.to(torch.bfloat16).contiguous(), head_weights.float().contiguous(), out, counts, pages,
+            0 if page_table is None else page_table.shape[1], codes.shape[1], r, N_HEADS=h,
+            H_PAD=max(16, triton.next_power_of_2(h)), D=dim, M=m, K=k, BLOCK_N=block_n, F32=select.interpreted(),
+            HAS_COUNTS=True, WIDE=wide, ITERS=1, HAS_TABLE=page_table is not None, bins_ptr=bins,
+            scratch_ptr=scratch, key_bound=float(key_bound), BINS=True, NBINS=BIN_COUNT, RESIDUAL=residual,
+            DEDUP=dedup)
     band, most = grow
     check_growth(band, most)
     if band:
@@ -628,17 +650,19 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None,
                    page_table: torch.Tensor | None = None, scan: str = "auto", grow: tuple[int, int] = (0, 1),
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   stage2: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
     :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page; ``scan``: stage
     1's selecting kernel (:func:`pq_linear_topc`); ``grow`` (band, most): c1, c and the capacity's C grown by
-    each request's length (:func:`grown_counts`; ``capacity`` less ``c`` is the slack kept). Returns (rows
+    each request's length (:func:`grown_counts`; ``capacity`` less ``c`` is the slack kept); ``stage2``: stage 2's
+    kernel (:func:`pq_candidate_bins`). Returns (rows
     [B, 2 c1] int32 key positions, bins [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
     rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
                              max_len, linear_config, scan, grow)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
-                                     scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow)
+                                     scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow,
+                                     stage2=stage2)
     return rows1, bins, counts1, sel
 
 
@@ -646,7 +670,7 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None, one_program_max: int | None = None,
-                   scan: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scan: str = "auto", stage2: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode step's two coarse stages and its top C, on Triton: stage 1 keeps every key above a
     sampled threshold aiming at ``c1`` (int8 tables, :func:`pq_linear_topc` with ``keep_all``), stage 2
     scores those with every head (:func:`pq_candidate_scores`), and the best ``c`` are kept
@@ -654,7 +678,7 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     buffers wider than ``one_program_max``, default :data:`~dsaindex.kernels.topk.SMALL_TOPK_MAX`, by the
     threshold top-k :func:`~dsaindex.kernels.topk.rows_topk`, which also reads only the filled slots).
     Inputs as :func:`pq_linear_topc` (``page_table``: codes kept per physical page; ``scan``: stage 1's
-    selecting kernel). Returns (scores [B, c]
+    selecting kernel; ``stage2``: stage 2's, :func:`pq_candidate_scores`). Returns (scores [B, c]
     float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk
 
@@ -662,7 +686,7 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                              max_len, linear_config, scan)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
-                                 page_table=page_table)
+                                 page_table=page_table, stage2=stage2)
     c = min(c, coarse.shape[1])
     # slots past a row's count were never written: neither top-k reads them
     if coarse.shape[1] <= (SMALL_TOPK_MAX if one_program_max is None else one_program_max):

@@ -104,6 +104,9 @@ from dsaindex.kernels.pq_select import (
     score_bound,
     step_growth,
 )
+from dsaindex.kernels.pq_stage2_cuda import CUDA_FROM_SLOTS as STAGE2_CUDA_FROM_SLOTS
+from dsaindex.kernels.pq_stage2_cuda import STAGE2S, resolve_stage2
+from dsaindex.kernels.pq_stage2_cuda import compiles as stage2_compiles
 from dsaindex.kernels.topk import (
     SMALL_TOPK_MAX,
     rows_topk,
@@ -221,6 +224,9 @@ class PagedCacheSelector:
     scan : stage 1's selecting kernel: ``"auto"`` (default: ``"cuda"`` where it runs, see
         :func:`stage1_scan`), ``"cuda"`` (int32 tables in shared memory, :mod:`dsaindex.kernels.pq_scan_cuda`;
         the same keys kept; 1.3x faster at 32-64 x 1M on the H200) or ``"triton"``
+    stage2 : stage 2's kernel: ``"auto"`` (default: ``"cuda"`` where it runs, 64 heads and PQ32 codes),
+        ``"cuda"`` (codebooks and the score-bin histogram in shared memory, keys decoded into tensor-core
+        fragments, :mod:`dsaindex.kernels.pq_stage2_cuda`) or ``"triton"``
     grow_band : > 0: C grows with a request's prefix past this many keys (the end of the longest prefix band
         the bundle measured its recall in): C and the stage-1 width double for each doubling of the prefix
         (2 x C up to twice the band, 4 x C up to four times), per request on the device, so a step's shapes
@@ -237,7 +243,8 @@ class PagedCacheSelector:
                  use_triton: bool | None = None, keys_on_host: bool = False, exact_below: int = PAGED_EXACT_BELOW,
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
                  grown_extra: int | None = None,
-                 top_c: str = "auto", scan: str = "auto", grow_band: int = 0, grow_most: int | None = None):
+                 top_c: str = "auto", scan: str = "auto", grow_band: int = 0, grow_most: int | None = None,
+                 stage2: str = "auto"):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
             raise DsaIndexError(f"top_c {top_c!r} is not a way to keep stage 2's candidates.",
@@ -260,6 +267,9 @@ class PagedCacheSelector:
         except ValueError as err:
             raise DsaIndexError(f"scan {scan!r}: {err}.", "pass scan='auto' (the CUDA scan where it runs) or "
                                 "'triton'.") from err
+        if stage2 not in STAGE2S:
+            raise DsaIndexError(f"stage2 {stage2!r} is not a stage-2 kernel.", f"pass one of {', '.join(STAGE2S)}.")
+        self.stage2 = stage2
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.grow_band, self.grow_most = _growth_setting(grow_band, grow_most, candidates, top_c)
         self.catch_up = max(1, catch_up)
@@ -477,11 +487,22 @@ class PagedCacheSelector:
         self.stats = PagedStats(found, self.catch_up, stage1)
         return out
 
-    def auto_top_c(self, batch: int, width: int = 0) -> str:
+    def auto_top_c(self, batch: int, width: int = 0, heads: int | None = None) -> str:
         """What ``top_c="auto"`` takes for a step of ``batch`` requests over a page table ``width`` pages wide:
-        ``"bins"`` while their stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all, or where C can grow
-        in the step (:meth:`growth`: a top-C kernel keeps one C for all), else ``"topk"``."""
-        return "bins" if batch <= bins_batch_limit(self.c1) or self.growth(width)[0] else "topk"
+        ``"bins"`` while their stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all, where C can grow in
+        the step (:meth:`growth`: a top-C kernel keeps one C for all), or where the CUDA stage 2 scores the step
+        (:meth:`stage2_kernel` for ``heads`` query heads: its shared-memory histogram makes the bins cheaper than
+        a top-C kernel, H100 32 x 1M 0.591 against 0.633 ms), else ``"topk"``."""
+        if batch <= bins_batch_limit(self.c1) or self.growth(width)[0]:
+            return "bins"
+        return "bins" if heads is not None and self.stage2_kernel(batch, width, heads) == "cuda" else "topk"
+
+    def stage2_kernel(self, batch: int, width: int, heads: int) -> str:
+        """Stage 2's kernel for a step of ``batch`` requests of ``heads`` heads over a page table ``width`` pages
+        wide (:func:`~dsaindex.kernels.pq_stage2_cuda.resolve_stage2` of its stage-1 buffer's slots)."""
+        m, k, _ = self.codebooks.shape
+        slots = batch * 2 * self.c1 * self.growth(width)[1]
+        return resolve_stage2(self.stage2, heads, self.head_dim, m, k, False, self.device, slots)
 
     def growth(self, width: int) -> tuple[int, int]:
         """(band, most) of a step over a page table ``width`` pages wide: C grows past ``grow_band`` keys by at
@@ -609,13 +630,13 @@ class PagedCacheSelector:
                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stages 1 and 2 over the completed pages: (C candidate positions [B, C] int64, -1 none; stage-1
         counts [B] int32)."""
-        top_c = self.top_c if self.top_c != "auto" else self.auto_top_c(table.shape[0], table.shape[1])
+        top_c = self.top_c if self.top_c != "auto" else self.auto_top_c(table.shape[0], table.shape[1], q.shape[1])
         band, most = self.growth(table.shape[1])
         capacity = self.candidates * most + BIN_SLACK  # the kept slots: the widest C of the step and its slack
         if self.use_triton and top_c == "topk":
             _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
                                               codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                                              page_table=table, scan=self.scan)
+                                              page_table=table, scan=self.scan, stage2=self.stage2)
             return cand, counts1
         if self.use_triton:
             b = table.shape[0]
@@ -625,7 +646,7 @@ class PagedCacheSelector:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                page_table=table, scan=self.scan, grow=(band, most))
+                page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2)
             return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
         c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
@@ -696,7 +717,8 @@ def _growth_setting(band: int, most: int | None, candidates: int, top_c: str) ->
 
 def stage1_scan(codecs, device: torch.device | None = None) -> str:
     """What stage 1's selecting pass runs for the served ``codecs`` (PQ codecs, or the layers' dict of them) on
-    ``device`` (default: the current CUDA device, if any) under the default ``scan="auto"``, in words."""
+    ``device`` (default: the current CUDA device, if any) under the default ``scan="auto"``, in words; with the
+    CUDA scan, also where the default ``stage2="auto"`` runs the CUDA stage 2."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     chosen = {}
@@ -704,7 +726,11 @@ def stage1_scan(codecs, device: torch.device | None = None) -> str:
         m, k = codec.codebooks.shape[:2]
         chosen[(m, k)] = resolve_scan("auto", m, k, True, device)
     if chosen and all(v == "cuda" for v in chosen.values()):
-        return "stage 1 looks codes up in shared memory (the CUDA scan)"
+        said = "stage 1 looks codes up in shared memory (the CUDA scan)"
+        if all(m == 32 and k == 256 for m, k in chosen) and stage2_compiles(device):
+            said += (f"; stage 2 scores 64-head steps of at least {STAGE2_CUDA_FROM_SLOTS:,} candidate slots (B x 2 "
+                     "x P x C) with codebooks in shared memory (the CUDA kernel) and keeps their candidates by bins")
+        return said
     no_gpu = device.type != "cuda" or not available()
     why = "no CUDA device with NVRTC here" if no_gpu else "codes of other than 32 subspaces of 256 centroids"
     if "cuda" in chosen.values():

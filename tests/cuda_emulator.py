@@ -1,11 +1,14 @@
-"""Run the CUDA stage-1 scan's own source on the CPU, for tests on machines without a GPU.
+"""Run the project's CUDA kernels' own sources on the CPU, for tests on machines without a GPU.
 
-The kernel source of :mod:`dsaindex.kernels.pq_scan_cuda` is compiled by the host C++ compiler behind a small
-header that gives the CUDA names it uses a CPU meaning: every thread of a block is an OS thread,
-``__syncthreads`` a barrier of the block, ``__ballot_sync`` / ``__shfl_sync`` exchanges through a barrier of
-the warp (so a warp's lanes meet there as they do on the GPU), ``atomicAdd`` an atomic, ``__ldcg`` a plain
-load. Blocks run one after another. It checks the kernel's indexing, its block and warp logic and its
-appends; it says nothing of its speed.
+A kernel source (:mod:`dsaindex.kernels.pq_scan_cuda`, :mod:`dsaindex.kernels.pq_stage2_cuda`) is compiled by
+the host C++ compiler behind a small header that gives the CUDA names it uses a CPU meaning: every thread of a
+block is an OS thread, ``__syncthreads`` a barrier of the block, ``__ballot_sync`` / ``__shfl_sync`` exchanges
+through a barrier of the warp (so a warp's lanes meet there as they do on the GPU), ``atomicAdd`` an atomic,
+``__ldcg`` / ``__ldg`` plain loads. The warp-wide tensor-core steps (``mma_bf16``, ``ldsm_x4``) are exchanges
+too: each lane deposits its fragment registers, and each computes its own output registers from the whole
+warp's, by the PTX ISA's fragment layouts for ``mma.m16n8k16`` and ``ldmatrix``. Blocks run one after
+another. It checks the kernels' indexing, their block and warp logic and their fragment layouts; it says
+nothing of their speed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import numpy as np
 _HEADER = r"""
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
+#include <math.h>
 #include <barrier>
 #include <cstdint>
 #include <memory>
@@ -34,10 +40,15 @@ static thread_local emu_dim3 threadIdx, blockIdx;
 static emu_dim3 blockDim, gridDim;
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
+struct uint2 { unsigned x, y; };
+#define EMULATED
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
+using std::max;
 using std::min;
 
 static std::barrier<>* emu_block;
@@ -60,10 +71,23 @@ inline long long emu_exchange(long long mine, int from, bool vote) {
 }
 inline unsigned __ballot_sync(unsigned, bool p) { return (unsigned)emu_exchange(p ? 1 : 0, 0, true); }
 inline int __shfl_sync(unsigned, int v, int src) { return (int)emu_exchange(v, src, false); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+    unsigned bits;
+    std::memcpy(&bits, &v, 4);
+    bits = (unsigned)emu_exchange((long long)bits, (int)(threadIdx.x % 32) ^ mask, false);
+    return __uint_as_float(bits);
+}
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int mask) {
+    return (unsigned)emu_exchange((long long)v, (int)(threadIdx.x % 32) ^ mask, false);
+}
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldg(const T* p) { return *p; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
     return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31u));
@@ -74,14 +98,42 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
     return r;
 }
-#define SHARED_DYNAMIC static __attribute__((aligned(16))) int smem[256 * 64 + 8192]
+
+// the tensor-core steps, warp-wide: fragments deposited, then each lane computes its own registers
+static unsigned emu_frag_a[64][32][4], emu_frag_b[64][32][2];
+static const void* emu_rows[64][32];
+inline float emu_bf16(unsigned word, int high) { return __uint_as_float(high ? word & 0xffff0000u : word << 16); }
+inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) emu_frag_a[w][l][i] = a[i];
+    emu_frag_b[w][l][0] = b0;
+    emu_frag_b[w][l][1] = b1;
+    emu_warps[w]->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {  // c[i]: row g + 8 (i / 2), column 2t + i % 2
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            // A[row][k]: lane (row % 8, (k % 8) / 2), register (row >= 8) + 2 (k >= 8); B[k][col]: lane (col,
+            // (k % 8) / 2), register k >= 8; the lower column in a register's low half
+            const float av = emu_bf16(emu_frag_a[w][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
+            const float bv = emu_bf16(emu_frag_b[w][col * 4 + (k % 8) / 2][k >= 8], k % 2);
+            sum += av * bv;
+        }
+        c[i] += sum;
+    }
+    emu_warps[w]->arrive_and_wait();
+}
+inline void ldsm_x4(unsigned* a, const void* row) {  // matrix m's row r from lane 8 m + r; lane l gets word l % 4 of row l / 4
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    emu_rows[w][l] = row;
+    emu_warps[w]->arrive_and_wait();
+    for (int m = 0; m < 4; ++m) a[m] = static_cast<const unsigned*>(emu_rows[w][m * 8 + l / 4])[l % 4];
+    emu_warps[w]->arrive_and_wait();
+}
 """
 
 _LAUNCH = r"""
-extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned threads,
-    const unsigned char* codes, const int* lengths, const signed char* lut, const float* thr, float* out_score,
-    int* out_pos, int* count, const int* table, int table_width, int n_rows, int capacity, int rows_per_block,
-    int paged)
+extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned threads, PARAMS)
 {
     blockDim = {threads, 1, 1};
     gridDim = {gx, gy, 1};
@@ -96,8 +148,7 @@ extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned threads,
                 team.emplace_back([=] {
                     threadIdx = {t, 0, 0};
                     blockIdx = {x, y, 0};
-                    pq_scan_select(codes, lengths, lut, thr, out_score, out_pos, count, table, table_width, n_rows,
-                                   capacity, rows_per_block, paged);
+                    KERNEL(ARGS);
                 });
             }
             for (auto& t : team) t.join();
@@ -106,31 +157,61 @@ extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned threads,
 }
 """
 
+_SCAN_PARAMS = ("const unsigned char* codes, const int* lengths, const signed char* lut, const float* thr, "
+                "float* out_score, int* out_pos, int* count, const int* table, int table_width, int n_rows, "
+                "int capacity, int rows_per_block, int paged")
+_STAGE2_PARAMS = ("const unsigned char* codes, const int* rows, const int* counts, const uint2* codebook, "
+                  "const unsigned* queries, const float* weights, float* out_score, int* out_bins, int* scratch, "
+                  "const int* table, int table_width, int n_rows, int n_out, int per_block, int paged, "
+                  "int want_scores, int want_bins, double key_bound")
+
 
 def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-@functools.cache
-def emulated_scan():
-    """The scan compiled for the CPU: a ctypes function ``emu_launch(grid x, grid y, threads, <the kernel's
-    arguments>)``."""
-    from dsaindex.kernels.pq_scan_cuda import source
+def _argtype(param: str):
+    if "*" in param:
+        return ctypes.c_void_p
+    return ctypes.c_double if param.startswith("double") else ctypes.c_int
 
+
+def _build(source: str, kernel: str, params: str, shared_words: int):
+    """``source`` compiled for the CPU with its dynamic shared memory ``shared_words`` 4-byte words: a ctypes
+    function ``emu_launch(grid x, grid y, threads, <the kernel's arguments>)``."""
     folder = Path(tempfile.mkdtemp(prefix="cuda_emu_"))
     atexit.register(shutil.rmtree, folder, True)  # the library stays loaded until the process ends
-    src = folder / "scan.cpp"
-    src.write_text(_HEADER + source() + _LAUNCH)
-    lib = folder / "scan.so"
+    names = ", ".join(p.split()[-1].lstrip("*") for p in params.split(", "))
+    shared = f"#define SHARED_DYNAMIC static __attribute__((aligned(16))) unsigned smem_words[{shared_words}]; " \
+             "int* smem = reinterpret_cast<int*>(smem_words)\n"
+    launch = _LAUNCH.replace("PARAMS", params).replace("KERNEL", kernel).replace("ARGS", names)
+    src = folder / f"{kernel}.cpp"
+    src.write_text(_HEADER + shared + source + launch)
+    lib = folder / f"{kernel}.so"
     proc = subprocess.run([compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-o", str(lib), str(src)],
                           capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"the emulated scan did not compile:\n{proc.stderr}")
+        raise RuntimeError(f"the emulated {kernel} did not compile:\n{proc.stderr}")
     fn = ctypes.CDLL(str(lib)).emu_launch
-    p = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_uint] * 3 + [p] * 8 + [ctypes.c_int] * 5
+    fn.argtypes = [ctypes.c_uint] * 3 + [_argtype(p) for p in params.split(", ")]
     fn.restype = None
     return fn
+
+
+@functools.cache
+def emulated_scan():
+    """Stage 1's scan compiled for the CPU (:func:`_build`)."""
+    from dsaindex.kernels.pq_scan_cuda import source
+
+    return _build(source(), "pq_scan_select", _SCAN_PARAMS, 256 * 64 + 8192)
+
+
+@functools.cache
+def emulated_stage2():
+    """Stage 2 compiled for the CPU (:func:`_build`)."""
+    from dsaindex.kernels.pq_stage2_cuda import SHARED_BINS, source
+
+    return _build(source(), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
 
 
 def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.ndarray, capacity: int, n: int,
@@ -155,3 +236,31 @@ def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.nd
                      ptr(scores), ptr(rows), ptr(counts), ptr(table), table.shape[-1] if paged else 0, n_rows, capacity,
                      rows_per_block, int(paged))
     return scores, rows, counts
+
+
+def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries: np.ndarray, weights: np.ndarray,
+               codebook: np.ndarray, key_bound: float, page_table: np.ndarray | None = None, per_block: int = 256,
+               scratch: np.ndarray | None = None, want_scores: bool = True, want_bins: bool = True):
+    """The launch :func:`dsaindex.kernels.pq_stage2_cuda.pq_stage2` makes, on the CPU. ``queries`` [B, 64, 128] and
+    ``codebook`` [32, 256, 4] as bf16 bit patterns (uint16). Returns (scores [B, R] float32, bins [B, R] int32,
+    scratch [B, NBINS + 4] int32); unset slots NaN / -1, ``scratch`` zeros unless given."""
+    from dsaindex.kernels.pq_stage2_cuda import NBINS, THREADS
+
+    b, r = rows.shape
+    codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    counts = np.ascontiguousarray(counts, dtype=np.int32)
+    queries = np.ascontiguousarray(queries, dtype=np.uint16)
+    weights = np.ascontiguousarray(weights, dtype=np.float32)
+    codebook = np.ascontiguousarray(codebook, dtype=np.uint16)
+    scores = np.full((b, r), np.nan, dtype=np.float32)
+    bins = np.full((b, r), -1, dtype=np.int32)
+    scratch = np.zeros((b, NBINS + 4), dtype=np.int32) if scratch is None else np.ascontiguousarray(scratch, np.int32)
+    paged = page_table is not None
+    table = np.ascontiguousarray(page_table if paged else counts, dtype=np.int32)
+    n_rows = table.shape[-1] * 64 if paged else codes.shape[1]
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    emulated_stage2()(-(-r // per_block), b, THREADS, ptr(codes), ptr(rows), ptr(counts), ptr(codebook), ptr(queries),
+                      ptr(weights), ptr(scores), ptr(bins), ptr(scratch), ptr(table), table.shape[-1] if paged else 0,
+                      n_rows, r, per_block, int(paged), int(want_scores), int(want_bins), float(key_bound))
+    return scores, bins, scratch

@@ -920,3 +920,89 @@ def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only(
         assert len(set(stored.tolist())) == len(stored) and bool(passing[stored].all())
         assert torch.equal(scores[i, : len(stored)], sums[i, stored].float())
     assert int(counts[0]) > capacity and int(counts[2]) == 97
+
+
+def test_the_cuda_stage2_compiles_for_hopper_on_tensor_cores_without_spills():
+    """NVRTC compiles stage 2 for sm_90 (where NVRTC is installed): the heads scored by ``mma.m16n8k16`` on bf16,
+    the queries read by ``ldmatrix``, each codeword one 8-byte shared load, and no local memory in the PTX (the
+    64 fragment registers of a warp's 32 keys stay in registers)."""
+    import ctypes
+
+    from dsaindex.kernels.pq_stage2_cuda import source
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no NVRTC on this machine")
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"stage2.cu", 0, None, None) == 0
+    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
+    rc = lib.nvrtcCompileProgram(prog, 1, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    text = ptx.value.decode()
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    # the loop over the four m-tiles of 16 heads stays rolled (its body: 8 steps x 4 n-tiles)
+    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * 4
+    assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8
+    assert text.count("ld.shared.v2.u32") == 8 * 4  # a codeword a lookup: 8 steps of 4 n-tiles
+    assert ".local" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_cuda_stage2_scores_and_bins_as_the_triton_one(paged):
+    """The compiled CUDA stage 2 against the Triton one at a serving shape (64 heads, PQ32), several blocks a
+    request, empty slots and unequal counts: the same scores up to float summation order, the same bins but
+    at bin edges, the same histogram totals and boundary (within a bin)."""
+    from dsaindex.kernels.pq_select import (
+        BIN_COUNT,
+        decoded_key_bound,
+        paged_codes_reference,
+        pq_candidate_bins,
+        pq_candidate_scores,
+    )
+
+    b, n, r = 4, 200_000, 40_000
+    codes, cb, q, w = pq_inputs(b, n, 64, seed=9)
+    w = w - 0.3  # negative weights too
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randint(0, n, (b, r), generator=g, dtype=torch.int32)
+    rows[torch.rand(b, r, generator=g) < 0.05] = -1
+    rows = rows.to(DEV)
+    counts = torch.tensor([r, 30_001, 5, 0], dtype=torch.int32, device=DEV)
+    table = None
+    if paged:
+        pages = -(-n // 64)
+        padded = torch.zeros(b, pages * 64, 32, dtype=torch.uint8, device=DEV)
+        padded[:, :n] = codes
+        perm = torch.randperm(b * pages, generator=g).to(DEV)
+        store = torch.empty(b * pages, 64, 32, dtype=torch.uint8, device=DEV)
+        store[perm] = padded.reshape(b * pages, 64, 32)
+        table = perm.view(b, pages).to(torch.int32)
+        assert torch.equal(paged_codes_reference(store, table)[:, :n], codes)
+        codes = store
+    cb16 = cb.to(torch.bfloat16)
+    kb = decoded_key_bound(cb16)
+    live = (torch.arange(r, device=DEV)[None, :] < counts[:, None]) & (rows >= 0)
+    got = {}
+    for kernel in ("triton", "cuda"):
+        scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+        got[kernel] = pq_candidate_bins(codes, rows, counts, q, w, cb16, kb, 4096, 4096 + 256, scratch,
+                                        page_table=table, stage2=kernel)
+        assert not scratch.any()  # the boundary launch left it zeroed
+        scores = pq_candidate_scores(codes, rows, q, w, cb16, counts=counts, page_table=table, stage2=kernel)
+        torch.testing.assert_close(scores[live], got[kernel][0][live])
+        assert torch.isneginf(scores[~live]).all()
+    (s_t, bins_t, sel_t), (s_c, bins_c, sel_c) = got["triton"], got["cuda"]
+    torch.testing.assert_close(s_c[live], s_t[live], rtol=1e-4, atol=1e-5 * float(s_t[live].abs().max()))
+    assert (bins_c[live] - bins_t[live]).abs().max() <= 1
+    assert (bins_c[live] == bins_t[live]).float().mean() > 0.999
+    assert (sel_c[:, 0] - sel_t[:, 0]).abs().max() <= 1  # the boundary bin
+    assert torch.equal(sel_c[2:, 2], sel_t[2:, 2])  # requests of fewer candidates than C keep them all

@@ -35,7 +35,8 @@ KEY_BYTES = 132
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
                     exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
-                    scans: tuple[str, ...] = ("triton",), grow_band: int = 0) -> dict:
+                    scans: tuple[str, ...] = ("triton",), grow_band: int = 0,
+                    stage2s: tuple[str, ...] = ("auto",)) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -80,22 +81,23 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     offset, extra = exact_shares(prefilter * candidates)  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
     path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow, extra) else "pq"
-    runs = [(p, p, exact_below, top_cs[0], scans[0]) for p in places]
+    runs = [(p, p, exact_below, top_cs[0], scans[0], stage2s[0]) for p in places]
     if path == "exact" and "device" in places:
-        runs.append(("device_pq", "device", 0, top_cs[0], scans[0]))
-    if "device" in places:  # the other ways to keep stage 2's candidates, or to scan stage 1, on the codes' path
-        runs += [(f"device_{mode}", "device", exact_below if path == "pq" else 0, mode, scans[0])
-                 for mode in top_cs[1:]]
-        runs += [(f"device_scan_{scan}", "device", exact_below if path == "pq" else 0, top_cs[0], scan)
-                 for scan in scans[1:]]
-    for name, place, bound, top_c, scan in runs:
+        runs.append(("device_pq", "device", 0, top_cs[0], scans[0], stage2s[0]))
+    if "device" in places:  # the other ways to keep stage 2's candidates, or to run stage 1 or 2, on the codes' path
+        codes_bound = exact_below if path == "pq" else 0
+        runs += [(f"device_{mode}", "device", codes_bound, mode, scans[0], stage2s[0]) for mode in top_cs[1:]]
+        runs += [(f"device_scan_{scan}", "device", codes_bound, top_cs[0], scan, stage2s[0]) for scan in scans[1:]]
+        runs += [(f"device_stage2_{kernel}", "device", codes_bound, top_cs[0], scans[0], kernel)
+                 for kernel in stage2s[1:]]
+    for name, place, bound, top_c, scan, stage2 in runs:
         rows = cache
         if place == "host":
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
                                       device="cuda", keys_on_host=place == "host", exact_below=bound,
-                                      top_c=top_c, scan=scan, grow_band=grow_band)
+                                      top_c=top_c, scan=scan, grow_band=grow_band, stage2=stage2)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
@@ -164,6 +166,9 @@ def bench_paged(
     scan: str = typer.Option("auto", "--scan", help="Stage 1's selecting kernel: auto (the default: cuda where it "
                              "runs), cuda (tables in shared memory) or triton; a comma list times the others too "
                              "(plugin_device_scan_<s>, on the codes' path)."),
+    stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel: auto (the default: cuda where it runs), "
+                               "cuda (codebooks and score bins in shared memory) or triton; a comma list times the "
+                               "others too (plugin_device_stage2_<s>, on the codes' path)."),
     grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
                                   help="C grows with each doubling of a request's keys past this many (what the "
                                        "plugins do past the end of the prefix band a bundle measured its recall in, "
@@ -198,6 +203,12 @@ def bench_paged(
     scans = tuple(dict.fromkeys(m.strip() for m in scan.split(",") if m.strip()))
     if not scans or any(m not in SCANS for m in scans):
         raise DsaIndexError(f"--scan {scan!r} names no stage-1 kernel or an unknown one.", f"pass {', '.join(SCANS)}.")
+    from dsaindex.kernels.pq_stage2_cuda import STAGE2S
+
+    stage2s = tuple(dict.fromkeys(m.strip() for m in stage2.split(",") if m.strip()))
+    if not stage2s or any(m not in STAGE2S for m in stage2s):
+        raise DsaIndexError(f"--stage2 {stage2!r} names no stage-2 kernel or an unknown one.",
+                            f"pass {', '.join(STAGE2S)}.")
     if not chosen or any(p not in ("device", "host") for p in chosen):
         raise DsaIndexError(f"--keys-on {places!r} names no place or an unknown one.", "pass device, host or "
                                                                                        "device,host.")
@@ -217,12 +228,13 @@ def bench_paged(
     for n in key_counts:
         for b in batch_sizes:
             row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile,
-                                  exact_below, top_cs, scans, grow_band)
+                                  exact_below, top_cs, scans, grow_band, stage2s)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "path", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "subspaces": subspaces, "exact_below": exact_below, "places": list(chosen),
-              "top_c": list(top_cs), "scan": list(scans), "grow_band": grow_band, "rows": rows}
+              "top_c": list(top_cs), "scan": list(scans), "stage2": list(stage2s), "grow_band": grow_band,
+              "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))
