@@ -50,13 +50,18 @@ RECALL_TARGET = 0.995
 PAGED_EXACT_BELOW = 17 << 16
 PAGED_EXACT_OFFSET = 14
 # where C grows by length (``DSAINDEX_LONG_PREFIX=grow``) a request's share of the codes' step grows with its
-# growth g faster than g x the fixed share: stage 2 scores g x the stage-1 width by score bins at any batch. The
-# offset of a grown step is (PAGED_EXACT_OFFSET x g + PAGED_GROWN_EXTRA x (g - 1)) stage-1 widths. With the
-# fixed share alone (1.5 -> 0) the codes took 16 x 1M at 4 x C on the H200 at 0.94x DeepGEMM; with it every
-# point of B in 2-64 x N in 256K-1M at C = 4,096, 4 x C is on its faster side or within 1% (the codes 1.00x at
-# 32 x 1M, 1.04x at 64 x 1M; docs/results/paged_grown_c_*_h200.json). On the H100 the codes' step would also
-# win at 4-16 x 1M (1.11-1.23x), which this H200 fit sends to the exact path (0.97-0.99x)
-PAGED_GROWN_EXTRA = 1.5
+# growth g: stage 2 scores g x the stage-1 width by score bins at any batch, while stage 1 still scans every key
+# once. The offset of a grown step is (PAGED_EXACT_OFFSET x g + PAGED_GROWN_EXTRA x (g - 1)) stage-1 widths.
+# With the Triton stage 2 it was +1.5 (fitted on the H200: the codes took 16 x 1M at 4 x C at 0.94x DeepGEMM with
+# the fixed share alone). The CUDA stage 2 (kernels/pq_stage2_cuda.py) cut the grown step by a third (H100,
+# 32 x 1M: 1.27 -> 0.90 ms), so the share now grows slower than g: both paths timed on the H100 at C = 4,096,
+# 4 x C, band 128K (docs/results/paged_grown_rule_cuda_stage2_h100.json), the codes win from 3 x 1M (4 x 1M:
+# 0.218 ms against 0.274, 8 x 1M 0.316 against 0.480, 16 x 1M 0.523 against 0.905) and lose at 2 x 1M (0.166
+# against 0.159). -2 sends up to 4 x 1M to the exact path and the codes from 5: on the H200, where DeepGEMM is
+# faster against the codes' step (a fixed C gave 2.10x there against 2.70x on the H100 at 32 x 1M), 4 x 1M may
+# be a tie, 6 x 1M and up keep a margin. Every step at 512K (g = 4) and 256K (g = 2) stays exact, as before,
+# though the H100 gives the codes 1.04x-1.30x at 8-16 x 512K and 32-64 x 256K: not timed on an H200
+PAGED_GROWN_EXTRA = -2
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95
@@ -95,3 +100,9 @@ def miss_filter_keep(cand_scores: torch.Tensor, valid: torch.Tensor, k: int, wid
     std = (var / (n_valid - 1)).sqrt()
     kth = cand_scores[:, min(k, c) - 1 : min(k, c)]
     return valid & (cand_scores >= kth - width * std)
+
+
+def grown_offset_words() -> str:
+    """The grown step's exact-path offset in stage-1 widths, as the startup text and settings table say it."""
+    sign = "+" if PAGED_GROWN_EXTRA >= 0 else "-"
+    return f"({PAGED_EXACT_OFFSET} g {sign} {abs(PAGED_GROWN_EXTRA):g} (g - 1))"

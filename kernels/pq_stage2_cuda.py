@@ -45,7 +45,7 @@ HEADS, DIM, SUBSPACES, CENTROIDS = 64, 128, 32, 256
 NBINS = 8192  # the score bins of pq_select.BIN_COUNT (checked there)
 SHARED_SCORES = SUBSPACES * CENTROIDS * 8 + HEADS * DIM * 2  # codewords, queries
 SHARED_BINS = SHARED_SCORES + NBINS * 4  # and the histogram
-PER_BLOCK = 4096  # candidates a block scores at most (a multiple of 32 x the block's warps)
+PER_BLOCK = None  # candidates a block scores: None sizes it to the launch (:func:`block_size`)
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
@@ -275,18 +275,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
                 part[nt][1] += wa * fmaxf(acc[nt][1], 0.0f) + wb * fmaxf(acc[nt][3], 0.0f);
             }
         }
-        float score = 0.0f;
+        // the 8 lanes of a quad column (g) each hold 8 partial sums, part[nt][c] over their rows of heads; a
+        // reduce-scatter in three exchanges leaves lane g the whole sum of n-tile g & 3, column 2t + (g >> 2):
+        // each exchange halves what a lane holds, keeping the half its own candidate is in
+        float r1[4], r2[2];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                float v = part[nt][c];  // the quad column's sum over the 8 row pairs of heads
-                v += __shfl_xor_sync(FULL, v, 4);
-                v += __shfl_xor_sync(FULL, v, 8);
-                v += __shfl_xor_sync(FULL, v, 16);
-                if (nt == (g & 3) && c == (g >> 2)) score = v;
-            }
+            const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
+            r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
         }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
+            r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
+        }
+        const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
         if (mine < (int)end) {
             const bool valid = pos_own >= 0;
             if (want_scores) out_score[row0 + mine] = valid ? score : NEG_INF;
@@ -324,6 +327,18 @@ def takes(heads: int, dim: int, subspaces: int, centroids: int, residual: bool) 
     return None
 
 
+def block_size(batch: int, slots: int, sms: int) -> int:
+    """Candidates a block scores for ``batch`` requests of ``slots`` stage-1 slots on ``sms`` multiprocessors:
+    about two blocks a multiprocessor over the half of the slots a stage 1 fills, a power of two from 1,024 to
+    8,192 (shapes only: a CUDA graph captures one launch). H100, 32 requests of 96K candidates: 251 / 246 us at
+    4,096 / 8,192 a block; at 24K candidates 1,024-4,096 a block within 5%."""
+    want = batch * slots // 2 // max(1, 2 * sms)
+    size = 1024
+    while size < want and size < 8192:
+        size *= 2
+    return size
+
+
 def available() -> bool:
     """Whether the CUDA stage 2 can run here: a CUDA device and a torch that compiles kernels with NVRTC."""
     from dsaindex.kernels.pq_scan_cuda import available as nvrtc
@@ -345,10 +360,10 @@ def compiles(device: torch.device) -> bool:
 
 
 # "auto" takes the CUDA stage 2 for a launch over at least this many candidate slots (B x R, shapes only, so a
-# CUDA graph captures one kernel): below it a block's setup (64 KB of codebook staged, the histogram zeroed and
-# added back) outweighs its faster scoring. H100, the plugins' step: 8 x 1M at a fixed C (8 x 32K slots) 0.242 ms
-# against 0.222 by Triton; 8 x 1M at a grown C (8 x 128K) 0.323 against 0.398; 32 x 1M fixed 0.591 against 0.647
-CUDA_FROM_SLOTS = 1 << 20
+# CUDA graph captures one kernel); below it, unmeasured, a block's setup (64 KB of codebook staged, the histogram
+# zeroed and added back) may outweigh its faster scoring. H100, the plugins' step at a fixed C against Triton's
+# stage 2: 8 x 1M (8 x 32K slots) 0.215 against 0.222 ms, 16 x 1M 0.354 against 0.365, 32 x 1M 0.596 against 0.646
+CUDA_FROM_SLOTS = 1 << 18
 
 
 def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids: int, residual: bool,
@@ -372,6 +387,19 @@ def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids:
     return stage2
 
 
+def _multiprocessors(device: torch.device) -> int:
+    import torch
+
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 @functools.cache
 def _compiled(device_index: int):
     import torch
@@ -389,13 +417,14 @@ def _compiled(device_index: int):
 def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
               head_weights: torch.Tensor, codebook: torch.Tensor, scores: torch.Tensor | None = None,
               bins: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-              page_table: torch.Tensor | None = None, key_bound: float = 1.0, per_block: int = PER_BLOCK) -> None:
+              page_table: torch.Tensor | None = None, key_bound: float = 1.0, per_block: int | None = PER_BLOCK) -> None:
     """Score the first ``counts[b]`` candidate ``rows`` [B, R] int32 (-1: none) of each request against its
     ``queries`` [B, 64, 128] bf16 with ``head_weights`` [B, 64] float32 through ``codebook`` [32, 256, 4] bf16:
     ``scores`` [B, R] float32 (optional: -inf where no key), ``bins`` [B, R] int32 and ``scratch`` [B, NBINS + 4]
     int32 (optional, together: each scored key's bin, counted into the histogram ``scratch[:, :NBINS]``) with
     ``key_bound`` the bins' scale. ``codes`` [B, N, 32] or [P, 64, 32] uint8 (``page_table`` [B, W] int32);
-    every tensor contiguous on one CUDA device. Raises ``ValueError`` otherwise."""
+    every tensor contiguous on one CUDA device; ``per_block``: candidates a block scores (None: :func:`block_size`).
+    Raises ``ValueError`` otherwise."""
     import torch
 
     if not available() or codes.device.type != "cuda":
@@ -424,6 +453,8 @@ def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, que
                              f"want {dtype} {shape} contiguous on {codes.device}")
     if codes.shape[-1] != SUBSPACES or codes.data_ptr() % 16:
         raise ValueError(f"codes: want {SUBSPACES} bytes a key, starting on a 16-byte boundary")
+    if per_block is None:
+        per_block = block_size(b, r, _multiprocessors(codes.device))
     if per_block <= 0 or per_block % (32 * THREADS // 32):
         raise ValueError(f"per_block: got {per_block}, want a positive multiple of {THREADS} (32 candidates a warp)")
     if b == 0 or r == 0:

@@ -63,7 +63,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PAGED_GROWN_EXTRA, PREFILTER
+from dsaindex.coarse import (
+    PAGED_EXACT_BELOW,
+    PAGED_EXACT_OFFSET,
+    PAGED_GROWN_EXTRA,
+    PREFILTER,
+    grown_offset_words,
+)
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm
 from dsaindex.kernels import select as select_kernels
@@ -746,7 +752,7 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
     whose steps over page tables wider than its band keep them by bins), and ``scan`` (:func:`stage1_scan`'s
     words)."""
     if exact_below > 0:
-        share = (f"({PAGED_EXACT_OFFSET} g + {PAGED_GROWN_EXTRA:g} (g - 1)) x P x C, g the growth of its C"
+        share = (f"{grown_offset_words()} x P x C, g the growth of its C"
                  if grows else f"{PAGED_EXACT_OFFSET} x P x C")
         exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
                  f"top-k) while B x (N - {share}) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), by the codes above")

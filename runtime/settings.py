@@ -29,10 +29,10 @@ from dsaindex.coarse import (
     FILTER_WIDTH,
     PAGED_EXACT_BELOW,
     PAGED_EXACT_OFFSET,
-    PAGED_GROWN_EXTRA,
     PREFILL_RECALL_TARGET,
     PREFILTER,
     RECALL_TARGET,
+    grown_offset_words,
 )
 from dsaindex.errors import DsaIndexError
 
@@ -305,7 +305,7 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "A decode step of B requests whose longest has N keys is scored exactly, as the engine scores it "
            f"without the plugin (DeepGEMM's logits + top-k), when B x (N - {PAGED_EXACT_OFFSET} x the layer's "
            "stage-1 width, PREFILTER x C) is at most this; where `DSAINDEX_LONG_PREFIX=grow` grows the longest "
-           f"request's C g x, the offset is ({PAGED_EXACT_OFFSET} g + {PAGED_GROWN_EXTRA:g} (g - 1)) stage-1 widths; "
+           f"request's C g x, the offset is {grown_offset_words()} stage-1 widths; "
            "above it, by the codes. Inside a CUDA graph both paths "
            "are captured as conditional nodes and each replay runs one. 0: always the codes. Ignored with "
            f"`DSAINDEX_KEYS=host`.", f"`{PAGED_EXACT_BELOW >> 10}K` ({PAGED_EXACT_BELOW:,})"),

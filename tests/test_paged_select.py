@@ -572,10 +572,11 @@ def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(us
     prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV,
                               grow_band=1 << 17)
     fixed = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
-    # 4 x C at 1M keys: each request's share is (14 x 4 + 1.5 x 3) x 16K keys. The H200's grid at 4 x C put the
-    # codes at 0.94x DeepGEMM at 16 x 1M, 1.00x at 32 and 1.04x at 64: up to 19 such requests are scored exactly
-    assert prod.takes_exact(16, 1 << 20) and prod.takes_exact(19, 1 << 20) and not prod.takes_exact(20, 1 << 20)
-    assert not prod.takes_exact(32, 1 << 20) and not prod.takes_exact(64, 1 << 20)
+    # 4 x C at 1M keys: each request's share is (14 x 4 - 2 x 3) x 16K keys. With the CUDA stage 2 the H100 put the
+    # codes ahead from 3 x 1M (1.26x the exact path at 4, 1.52x at 8) and behind at 2: up to 4 such requests are
+    # scored exactly
+    assert prod.takes_exact(2, 1 << 20) and prod.takes_exact(4, 1 << 20) and not prod.takes_exact(5, 1 << 20)
+    assert not any(prod.takes_exact(b, 1 << 20) for b in (8, 16, 32, 64))
     assert not fixed.takes_exact(8, 1 << 20) and not fixed.takes_exact(16, 1 << 20)
     assert prod.takes_exact(64, 1 << 18) and not fixed.takes_exact(64, 1 << 18)  # 2 x C at 256K
     assert prod.takes_exact(16, 1 << 19) and not fixed.takes_exact(16, 1 << 19)  # 4 x C at 512K: 0.64x
@@ -594,7 +595,7 @@ def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(us
         assert (int(step.stats.stage1.sum()) == 0) == (over == 0) == step.takes_exact(1, lengths[0])
     for n in (100, 128, 129, 200, 250, 256, 257, 300, 384):  # the device's predicate is the host's
         for bound in (1, 60, 130, 170):
-            for extra in (0, 10):
+            for extra in (0, 10, -10):  # a share growing slower than g too
                 got = grown_exact_rule(torch.tensor([3, n, 17], device=DEV), bound, 50, 128, 4, use_triton=use_triton,
                                        extra=extra)
                 assert bool(got) == takes_exact_path(1, n, bound, 50, (128, 4), extra), (n, bound, extra)

@@ -139,3 +139,14 @@ def test_the_selector_keeps_candidates_by_bins_where_the_cuda_stage2_scores(monk
 
     with pytest.raises(DsaIndexError, match="stage2 'fast'"):
         PagedCacheSelector(codec, 64, topk=2048, device="cpu", stage2="fast")
+
+
+def test_a_block_scores_about_half_of_its_share_of_the_stage1_slots():
+    """Blocks sized to the launch: about two a multiprocessor over the half of the slots a stage 1 fills,
+    1,024 to 8,192 candidates (shapes only)."""
+    from dsaindex.kernels.pq_stage2_cuda import block_size
+
+    assert block_size(32, 32768, 132) == 2048  # a fixed C at 32 x 1M: 24K filled of 32K slots a request
+    assert block_size(32, 131072, 132) == 8192  # grown 4 x
+    assert block_size(8, 131072, 132) == 2048
+    assert block_size(1, 32768, 132) == 1024 and block_size(64, 131072, 132) == 8192
