@@ -431,6 +431,8 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         return out
     table = codebooks.to(torch.bfloat16).contiguous()
     residual = is_residual(codebooks, dim)
+    if stage2 == "cuda" and counts is None:
+        raise ValueError("stage2='cuda' scores a stage-1 buffer: pass its counts")
     if counts is not None and resolve_stage2(stage2, h, dim, m, k, residual, codes.device, b * r) == "cuda":
         from dsaindex.kernels.pq_stage2_cuda import pq_stage2
 
