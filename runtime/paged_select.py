@@ -218,7 +218,8 @@ class PagedCacheSelector:
         whose stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all (B x ``prefilter`` x C) and ``"topk"``
         above, the faster of the two on the H200 at 1M keys (stage 1 at 4 x 4,096: bins 1.34x / 1.55x of
         DeepGEMM at 8 / 16 requests against 1.17x / 1.49x, within 1% from 24; at 8 x 4,096: bins 1.09x at 8
-        against 1.06x, top-k 1.21x / 1.28x at 12 / 16 against 1.15x / 1.19x); ``"topk"`` the exact top C by a
+        against 1.06x, top-k 1.21x / 1.28x at 12 / 16 against 1.15x / 1.19x), and ``"bins"`` at any batch
+        where the CUDA stage 2 scores the step (:meth:`auto_top_c`); ``"topk"`` the exact top C by a
         one-program top-k
         of each request (34-40 us a step on the H200, whatever B); ``"bins"`` keeps every candidate whose
         score bin (0.2% wide, :func:`~dsaindex.kernels.pq_select.score_bins`) is above the C-th's, and those in

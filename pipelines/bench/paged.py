@@ -161,7 +161,8 @@ def bench_paged(
                                          "(DSAINDEX_EXACT_BELOW; 0: never)."),
     top_c: str = typer.Option("auto", "--top-c", help="How stage 2's candidates become the C rescored: topk (the "
                               "exact top C), bins (score bins, no top-C kernel) or auto (the plugins' default: bins "
-                              "while B x P x C is at most 256K, topk above); a comma list times the others too "
+                              "while B x P x C is at most 256K or where the CUDA stage 2 scores, topk above); a comma "
+                              "list times the others too "
                               "(plugin_device_<mode>, on the codes' path)."),
     scan: str = typer.Option("auto", "--scan", help="Stage 1's selecting kernel: auto (the default: cuda where it "
                              "runs), cuda (tables in shared memory) or triton; a comma list times the others too "
