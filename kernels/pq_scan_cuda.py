@@ -33,8 +33,9 @@ CPU (a thread per CUDA thread, warps meeting at barriers) against the pass's spe
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
+
+from dsaindex.kernels import nvrtc
 
 if TYPE_CHECKING:
     import torch
@@ -213,9 +214,7 @@ def check_scan(scan: str) -> None:
 
 def available() -> bool:
     """Whether the CUDA scan can run here: a CUDA device and a torch that compiles kernels with NVRTC."""
-    import torch
-
-    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel") and torch.version.hip is None
+    return nvrtc.available()
 
 
 def takes(subspaces: int, centroids: int, int_tables: bool) -> str | None:
@@ -229,38 +228,18 @@ def takes(subspaces: int, centroids: int, int_tables: bool) -> str | None:
 def resolve_scan(scan: str, subspaces: int, centroids: int, int_tables: bool, device: torch.device) -> str:
     """The kernel ``scan`` names here: "auto" is "cuda" where :func:`takes` and :func:`available` allow it on
     ``device`` and it compiles, else "triton"; "cuda" where it cannot run raises ``ValueError``."""
-    import torch
-
     check_scan(scan)
     if scan == "triton":
         return scan
     why = takes(subspaces, centroids, int_tables)
-    if scan == "auto":
-        if why is not None or device.type != "cuda" or not available():
-            return "triton"
-        try:  # compiled here, once a process, so a machine whose NVRTC cannot build it falls back, not fails
-            _compiled(device.index if device.index is not None else torch.cuda.current_device())
-        except ValueError:
-            return "triton"
-        return "cuda"
+    if scan == "auto":  # compiled here, once a process, so a machine whose NVRTC cannot build it falls back, not fails
+        return "cuda" if why is None and nvrtc.compiles(source(), KERNEL, SHARED, device, *_NAMES) else "triton"
     if why is not None:
         raise ValueError(why)
     return scan
 
 
-@functools.cache
-def _compiled(device_index: int):
-    import torch
-
-    with torch.cuda.device(device_index):
-        try:
-            kernel = torch.cuda._compile_kernel(source(), KERNEL)
-            kernel.set_shared_memory_config(SHARED)
-            return kernel
-        except (OSError, RuntimeError, AttributeError) as err:  # no CUDA_HOME for torch's include paths, no
-            # NVRTC, a compile error, a torch without large shared memory for compiled kernels
-            raise ValueError(f"the CUDA scan did not compile here ({err}); set CUDA_HOME to the CUDA toolkit, or "
-                             "use scan='triton'") from err
+_NAMES = ("the CUDA scan", "scan='triton'")  # what a build failure says, and the way around it
 
 
 def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, thr: torch.Tensor,
@@ -296,7 +275,7 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
         raise ValueError(f"block_rows: got {block_rows}, want a multiple of 64 up to {MAX_ROWS} (whole pages a block)")
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
-    kernel = _compiled(codes.device.index if codes.device.index is not None else torch.cuda.current_device())
+    kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)
     table = page_table if paged else lengths
     kernel(grid=(max(1, -(-n // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=SHARED,
            args=[codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, int(table.shape[-1]) if paged else 0,

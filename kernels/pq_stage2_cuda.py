@@ -32,8 +32,9 @@ reference.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
+
+from dsaindex.kernels import nvrtc
 
 if TYPE_CHECKING:
     import torch
@@ -341,22 +342,12 @@ def block_size(batch: int, slots: int, sms: int) -> int:
 
 def available() -> bool:
     """Whether the CUDA stage 2 can run here: a CUDA device and a torch that compiles kernels with NVRTC."""
-    from dsaindex.kernels.pq_scan_cuda import available as nvrtc
-
-    return nvrtc()
+    return nvrtc.available()
 
 
 def compiles(device: torch.device) -> bool:
     """Whether the kernel compiles on ``device`` (compiled once a process; False where NVRTC cannot build it)."""
-    import torch
-
-    if device.type != "cuda" or not available():
-        return False
-    try:
-        _compiled(device.index if device.index is not None else torch.cuda.current_device())
-    except ValueError:
-        return False
-    return True
+    return nvrtc.compiles(source(), KERNEL, SHARED_BINS, device, *_NAMES)
 
 
 # "auto" takes the CUDA stage 2 for a launch over at least this many candidate slots (B x R, shapes only, so a
@@ -387,31 +378,7 @@ def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids:
     return stage2
 
 
-def _multiprocessors(device: torch.device) -> int:
-    import torch
-
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _compiled(device_index: int):
-    import torch
-
-    with torch.cuda.device(device_index):
-        try:
-            kernel = torch.cuda._compile_kernel(source(), KERNEL)
-            kernel.set_shared_memory_config(SHARED_BINS)
-            return kernel
-        except (OSError, RuntimeError, AttributeError) as err:
-            raise ValueError(f"the CUDA stage 2 did not compile here ({err}); set CUDA_HOME to the CUDA toolkit, or "
-                             "use stage2='triton'") from err
+_NAMES = ("the CUDA stage 2", "stage2='triton'")  # what a build failure says, and the way around it
 
 
 def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
@@ -454,14 +421,14 @@ def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, que
     if codes.shape[-1] != SUBSPACES or codes.data_ptr() % 16:
         raise ValueError(f"codes: want {SUBSPACES} bytes a key, starting on a 16-byte boundary")
     if per_block is None:
-        per_block = block_size(b, r, _multiprocessors(codes.device))
+        per_block = block_size(b, r, nvrtc.multiprocessors(nvrtc.device_index(codes.device)))
     if per_block <= 0 or per_block % (32 * THREADS // 32):
         raise ValueError(f"per_block: got {per_block}, want a positive multiple of {THREADS} (32 candidates a warp)")
     if b == 0 or r == 0:
         return
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
-    kernel = _compiled(codes.device.index if codes.device.index is not None else torch.cuda.current_device())
+    kernel = nvrtc.compiled(source(), KERNEL, SHARED_BINS, nvrtc.device_index(codes.device), *_NAMES)
     shared = SHARED_BINS if bins is not None else SHARED_SCORES
     kernel(grid=(-(-r // per_block), b, 1), block=(THREADS, 1, 1), shared_mem=shared,
            args=[codes, rows, counts, codebook, queries, head_weights, scores if scores is not None else rows,

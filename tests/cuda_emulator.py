@@ -214,6 +214,19 @@ def emulated_stage2():
     return _build(source(), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
 
 
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _pages(page_table: np.ndarray | None, stand_in: np.ndarray, codes: np.ndarray):
+    """A launch's (table, table width, rows a request): the page table of paged codes, else ``stand_in`` (an
+    int32 array the kernel never reads as a table) and the codes' rows."""
+    if page_table is None:
+        return stand_in, 0, codes.shape[1]
+    table = np.ascontiguousarray(page_table, dtype=np.int32)
+    return table, table.shape[-1], table.shape[-1] * 64
+
+
 def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.ndarray, capacity: int, n: int,
              page_table: np.ndarray | None = None, rows_per_block: int = 512):
     """The kernel's launch as :func:`dsaindex.kernels.pq_scan_cuda.pq_scan_select` makes it, on the CPU:
@@ -228,13 +241,10 @@ def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.nd
     scores = np.full((b, capacity), np.nan, dtype=np.float32)
     rows = np.full((b, capacity), -1, dtype=np.int32)
     counts = np.zeros(b, dtype=np.int32)
-    paged = page_table is not None
-    table = np.ascontiguousarray(page_table if paged else lengths, dtype=np.int32)
-    n_rows = table.shape[-1] * 64 if paged else codes.shape[1]
-    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    emulated_scan()(max(1, -(-n // rows_per_block)), b, THREADS, ptr(codes), ptr(lengths), ptr(lut), ptr(thr),
-                     ptr(scores), ptr(rows), ptr(counts), ptr(table), table.shape[-1] if paged else 0, n_rows, capacity,
-                     rows_per_block, int(paged))
+    table, width, n_rows = _pages(page_table, lengths, codes)
+    emulated_scan()(max(1, -(-n // rows_per_block)), b, THREADS, _ptr(codes), _ptr(lengths), _ptr(lut), _ptr(thr),
+                     _ptr(scores), _ptr(rows), _ptr(counts), _ptr(table), width, n_rows, capacity, rows_per_block,
+                     int(page_table is not None))
     return scores, rows, counts
 
 
@@ -256,11 +266,8 @@ def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries:
     scores = np.full((b, r), np.nan, dtype=np.float32)
     bins = np.full((b, r), -1, dtype=np.int32)
     scratch = np.zeros((b, NBINS + 4), dtype=np.int32) if scratch is None else np.ascontiguousarray(scratch, np.int32)
-    paged = page_table is not None
-    table = np.ascontiguousarray(page_table if paged else counts, dtype=np.int32)
-    n_rows = table.shape[-1] * 64 if paged else codes.shape[1]
-    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    emulated_stage2()(-(-r // per_block), b, THREADS, ptr(codes), ptr(rows), ptr(counts), ptr(codebook), ptr(queries),
-                      ptr(weights), ptr(scores), ptr(bins), ptr(scratch), ptr(table), table.shape[-1] if paged else 0,
-                      n_rows, r, per_block, int(paged), int(want_scores), int(want_bins), float(key_bound))
+    table, width, n_rows = _pages(page_table, counts, codes)
+    emulated_stage2()(-(-r // per_block), b, THREADS, _ptr(codes), _ptr(rows), _ptr(counts), _ptr(codebook),
+                      _ptr(queries), _ptr(weights), _ptr(scores), _ptr(bins), _ptr(scratch), _ptr(table), width, n_rows,
+                      r, per_block, int(page_table is not None), int(want_scores), int(want_bins), float(key_bound))
     return scores, bins, scratch

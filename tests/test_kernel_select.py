@@ -861,34 +861,42 @@ def _nvrtc():
     return ctypes.CDLL(found) if found else None
 
 
-def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
-    """NVRTC compiles the scan for sm_90 (where NVRTC is installed: CUDA builds of torch ship it): one
-    shared-memory load per code byte, at the column offsets 0, 4, .., 124 of the lane's rotated row; each
-    row's codes in two 16-byte loads (three places in the source: the first two rows, then each next one
-    before the current is scored); one global atomic a block (the kept rows staged in shared memory)."""
+def _hopper_ptx(source: str) -> str:
+    """NVRTC's PTX of ``source`` for sm_90 (the test skips where this machine has no NVRTC)."""
     import ctypes
-    import re
-
-    from dsaindex.kernels.pq_scan_cuda import source
 
     lib = _nvrtc()
     if lib is None:
         pytest.skip("no NVRTC on this machine")
     prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None) == 0
+    try:
+        opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
+        rc = lib.nvrtcCompileProgram(prog, 1, opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, log.value.decode()
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
+    """NVRTC compiles the scan for sm_90 (where NVRTC is installed: CUDA builds of torch ship it): one
+    shared-memory load per code byte, at the column offsets 0, 4, .., 124 of the lane's rotated row; each
+    row's codes in two 16-byte loads (three places in the source: the first two rows, then each next one
+    before the current is scored); one global atomic a block (the kept rows staged in shared memory)."""
+    import re
+
+    from dsaindex.kernels.pq_scan_cuda import source
+
     m = 32
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"scan.cu", 0, None, None) == 0
-    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
-    rc = lib.nvrtcCompileProgram(prog, 1, opts)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    assert rc == 0, log.value.decode()
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    text = ptx.value.decode()
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = _hopper_ptx(source())
     offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%rd?\d+(?:\+(\d+))?\];", text)]
     assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)]
     assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1
@@ -926,27 +934,10 @@ def test_the_cuda_stage2_compiles_for_hopper_on_tensor_cores_without_spills():
     """NVRTC compiles stage 2 for sm_90 (where NVRTC is installed): the heads scored by ``mma.m16n8k16`` on bf16,
     the queries read by ``ldmatrix``, each codeword one 8-byte shared load, and no local memory in the PTX (the
     64 fragment registers of a warp's 32 keys stay in registers)."""
-    import ctypes
 
     from dsaindex.kernels.pq_stage2_cuda import source
 
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC on this machine")
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"stage2.cu", 0, None, None) == 0
-    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
-    rc = lib.nvrtcCompileProgram(prog, 1, opts)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    assert rc == 0, log.value.decode()
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    text = ptx.value.decode()
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = _hopper_ptx(source())
     # the loop over the four m-tiles of 16 heads stays rolled (its body: 8 steps x 4 n-tiles)
     assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * 4
     assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8

@@ -32,6 +32,16 @@ from dsaindex.console import at_least
 KEY_BYTES = 132
 
 
+def _options(value: str, flag: str, what: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The distinct names of a comma list ``value`` of ``flag``, in order; each one of ``allowed``."""
+    from dsaindex.errors import DsaIndexError
+
+    names = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+    if not names or any(m not in allowed for m in names):
+        raise DsaIndexError(f"{flag} {value!r} names no {what} or an unknown one.", f"pass {', '.join(allowed)}.")
+    return names
+
+
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
                     exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
@@ -193,26 +203,14 @@ def bench_paged(
 
     key_counts = parse_ints(keys, "--keys", minimum=64)
     batch_sizes = parse_ints(batches, "--batches", minimum=1)
-    chosen = tuple(p.strip() for p in places.split(",") if p.strip())
-    top_cs = tuple(dict.fromkeys(m.strip() for m in top_c.split(",") if m.strip()))
+    from dsaindex.kernels.pq_scan_cuda import SCANS
+    from dsaindex.kernels.pq_stage2_cuda import STAGE2S
     from dsaindex.runtime.paged_select import TOP_C
 
-    if not top_cs or any(m not in TOP_C for m in top_cs):
-        raise DsaIndexError(f"--top-c {top_c!r} names no way or an unknown one.", f"pass {', '.join(TOP_C)}.")
-    from dsaindex.kernels.pq_scan_cuda import SCANS
-
-    scans = tuple(dict.fromkeys(m.strip() for m in scan.split(",") if m.strip()))
-    if not scans or any(m not in SCANS for m in scans):
-        raise DsaIndexError(f"--scan {scan!r} names no stage-1 kernel or an unknown one.", f"pass {', '.join(SCANS)}.")
-    from dsaindex.kernels.pq_stage2_cuda import STAGE2S
-
-    stage2s = tuple(dict.fromkeys(m.strip() for m in stage2.split(",") if m.strip()))
-    if not stage2s or any(m not in STAGE2S for m in stage2s):
-        raise DsaIndexError(f"--stage2 {stage2!r} names no stage-2 kernel or an unknown one.",
-                            f"pass {', '.join(STAGE2S)}.")
-    if not chosen or any(p not in ("device", "host") for p in chosen):
-        raise DsaIndexError(f"--keys-on {places!r} names no place or an unknown one.", "pass device, host or "
-                                                                                       "device,host.")
+    chosen = _options(places, "--keys-on", "place", ("device", "host"))
+    top_cs = _options(top_c, "--top-c", "way", TOP_C)
+    scans = _options(scan, "--scan", "stage-1 kernel", SCANS)
+    stage2s = _options(stage2, "--stage2", "stage-2 kernel", STAGE2S)
     if any(n % 64 for n in key_counts):
         raise DsaIndexError("--keys must be multiples of the 64-key page.", "pass e.g. 65536,262144,1048576.")
     if candidates < topk:
