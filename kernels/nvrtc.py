@@ -25,21 +25,33 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+_FAILED: dict[tuple, str] = {}  # (name, source, shared, device index) -> why its build failed, once a process
+
+
 @functools.cache
-def compiled(source: str, name: str, shared: int, index: int, what: str, fallback: str):
-    """Kernel ``name`` of ``source`` built for device ``index`` with up to ``shared`` bytes of dynamic shared
-    memory; ``ValueError`` naming ``what`` and the ``fallback`` option where it does not build (no CUDA_HOME for
-    torch's include paths, no NVRTC, a compile error, a torch without large shared memory for compiled kernels)."""
+def _build(source: str, name: str, shared: int, index: int):
     import torch
 
     with torch.cuda.device(index):
+        kernel = torch.cuda._compile_kernel(source, name)
+        kernel.set_shared_memory_config(shared)
+        return kernel
+
+
+def compiled(source: str, name: str, shared: int, index: int, what: str, fallback: str):
+    """Kernel ``name`` of ``source`` built for device ``index`` with up to ``shared`` bytes of dynamic shared
+    memory, once a process; ``ValueError`` naming ``what`` and the ``fallback`` option where it does not build
+    (no CUDA_HOME for torch's include paths, no NVRTC, a compile error, a torch without large shared memory for
+    compiled kernels). A failed build is remembered too: a later call raises at once instead of compiling again
+    (``auto`` falls back once, not at every step)."""
+    key = (name, source, shared, index)
+    if key not in _FAILED:
         try:
-            kernel = torch.cuda._compile_kernel(source, name)
-            kernel.set_shared_memory_config(shared)
-            return kernel
+            return _build(source, name, shared, index)
         except (OSError, RuntimeError, AttributeError) as err:
-            raise ValueError(f"{what} did not compile here ({err}); set CUDA_HOME to the CUDA toolkit, or use "
-                             f"{fallback}") from err
+            _FAILED[key] = str(err)
+    raise ValueError(f"{what} did not compile here ({_FAILED[key]}); set CUDA_HOME to the CUDA toolkit, or use "
+                     f"{fallback}")
 
 
 def compiles(source: str, name: str, shared: int, device: torch.device, what: str, fallback: str) -> bool:
