@@ -406,7 +406,7 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     raises ``ValueError`` otherwise. ``page_table`` [B, W] int32: codes kept per physical page
     [P, 64, M], as in :func:`pq_linear_topc`. ``stream``: codes read past L1, codebooks kept there (Triton).
     ``stage2``: ``"triton"``, ``"cuda"`` (:mod:`dsaindex.kernels.pq_stage2_cuda`: codebooks in shared memory;
-    ``counts`` needed) or ``"auto"`` (the default: the CUDA kernel where it runs, for launches of at least
+    ``counts`` needed), ``"int8"`` (the same on 8-bit operands, opt-in) or ``"auto"`` (the default: the CUDA kernel where it runs, for launches of at least
     :data:`~dsaindex.kernels.pq_stage2_cuda.CUDA_FROM_SLOTS` slots B x R, :func:`resolve_stage2`)."""
     import triton
 
@@ -431,14 +431,15 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
         return out
     table = codebooks.to(torch.bfloat16).contiguous()
     residual = is_residual(codebooks, dim)
-    if stage2 == "cuda" and counts is None:
-        raise ValueError("stage2='cuda' scores a stage-1 buffer: pass its counts")
-    if counts is not None and resolve_stage2(stage2, h, dim, m, k, residual, codes.device, b * r) == "cuda":
+    if stage2 in ("cuda", "int8") and counts is None:
+        raise ValueError(f"stage2={stage2!r} scores a stage-1 buffer: pass its counts")
+    kernel = resolve_stage2(stage2, h, dim, m, k, residual, codes.device, b * r) if counts is not None else "triton"
+    if kernel != "triton":
         from dsaindex.kernels.pq_stage2_cuda import pq_stage2
 
         pq_stage2(codes.contiguous(), rows.to(torch.int32).contiguous(), counts, queries.to(torch.bfloat16).contiguous(),
                   head_weights.float().contiguous(), table, scores=out,
-                  page_table=None if page_table is None else page_table.contiguous())
+                  page_table=None if page_table is None else page_table.contiguous(), int8=kernel == "int8")
         return out
     wide = d == 4 and not residual  # one 8-byte load per subspace instead of four 2-byte ones
     pages = out if page_table is None else page_table.contiguous()
@@ -540,12 +541,13 @@ def pq_candidate_bins(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Ten
     residual = is_residual(codebooks, dim)
     wide = d == 4 and not residual
     pages = out if page_table is None else page_table.contiguous()
-    if resolve_stage2(stage2, h, dim, m, k, residual, dev, b * r) == "cuda":
+    kernel = resolve_stage2(stage2, h, dim, m, k, residual, dev, b * r)
+    if kernel != "triton":
         from dsaindex.kernels.pq_stage2_cuda import pq_stage2
 
         pq_stage2(codes.contiguous(), rows.contiguous(), counts, queries.to(torch.bfloat16).contiguous(),
                   head_weights.float().contiguous(), table, scores=out, bins=bins, scratch=scratch,
-                  page_table=None if page_table is None else pages, key_bound=float(key_bound))
+                  page_table=None if page_table is None else pages, key_bound=float(key_bound), int8=kernel == "int8")
     else:
         pq_candidate_kernel[(max(1, triton.cdiv(r, block_n)), b)](
             codes.contiguous(), rows.contiguous(), table.view(torch.int64) if wide else table,

@@ -32,6 +32,7 @@ reference.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from dsaindex.kernels import nvrtc
@@ -39,13 +40,17 @@ from dsaindex.kernels import nvrtc
 if TYPE_CHECKING:
     import torch
 
-STAGE2S = ("auto", "triton", "cuda")  # "auto": the CUDA kernel where it runs and pays (:func:`resolve_stage2`)
+# "auto": the CUDA kernel where it runs and pays (:func:`resolve_stage2`); "int8": the CUDA kernel on 8-bit operands
+# (opt-in: the tensor cores' s8 form, native on Hopper where e4m3's is lowered to f16 there)
+STAGE2S = ("auto", "triton", "cuda", "int8")
 KERNEL = "pq_stage2"
 THREADS = 256
 HEADS, DIM, SUBSPACES, CENTROIDS = 64, 128, 32, 256
 NBINS = 8192  # the score bins of pq_select.BIN_COUNT (checked there)
 SHARED_SCORES = SUBSPACES * CENTROIDS * 8 + HEADS * DIM * 2  # codewords, queries
 SHARED_BINS = SHARED_SCORES + NBINS * 4  # and the histogram
+SHARED_SCORES8 = SUBSPACES * CENTROIDS * 4 + HEADS * DIM  # the int8 kernel's: codewords of one word, int8 queries
+SHARED_BINS8 = SHARED_SCORES8 + NBINS * 4
 PER_BLOCK = None  # candidates a block scores: None sizes it to the launch (:func:`block_size`)
 
 _SOURCE = r"""
@@ -72,6 +77,12 @@ _SOURCE = r"""
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
+__device__ __forceinline__ void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // four 8 x 8 bf16 matrices from shared memory, lane 8 j + r giving row r of matrix j
@@ -102,14 +113,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
     int* __restrict__ scratch,                // [B, NBINS + 4] (want_bins): the histogram, added to
     const int* __restrict__ table,            // [B, table_width] physical page of each 64-row page (paged)
     int table_width, int n_rows, int n_out, int per_block, int paged, int want_scores, int want_bins,
-    double key_bound)
+    double key_bound,
+    const float* __restrict__ bounds)         // [B] the bins' score bound of each request (INT8; else computed)
 {
     SHARED_DYNAMIC;
+#ifdef INT8
+    // INT8: codewords of 4 int8 (one word), code-major; queries 64 heads x 128 int8, head h 8 chunks of 16 bytes
+    // at chunk c ^ (h & 7); the codebook's per-subspace scales are folded into the queries, each head's scale into
+    // its weight, so a score is sum_h w_h relu(q8_h . k8) with integer products
+    unsigned* book_s = reinterpret_cast<unsigned*>(smem);  // codeword (s, c) at c * 32 + s
+    unsigned* q_s = book_s + 32 * 256;
+    int* hist_s = reinterpret_cast<int*>(q_s + HEADS * 32);
+#else
     uint2* book_s = reinterpret_cast<uint2*>(smem);     // codeword (s, c) at c * 32 + s
     unsigned* q_s = reinterpret_cast<unsigned*>(smem) + 2 * 32 * 256;  // head h: 16 chunks of 4 words, chunk c at c ^ (h & 7)
     int* hist_s = reinterpret_cast<int*>(q_s + HEADS * 64);
+#endif
     __shared__ float w_s[HEADS];
+#ifndef INT8
     __shared__ float norm_s[HEADS];
+#endif
     const int b = blockIdx.y;
     const long long row0 = (long long)b * n_out;
     const long long first = (long long)blockIdx.x * per_block;
@@ -119,6 +142,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
         for (long long i = max(first, end) + threadIdx.x; i < stop; i += THREADS) out_score[row0 + i] = NEG_INF;
     }
     if (first >= end) return;  // the whole block: nothing filled in its range
+#ifdef INT8
+    {  // the codebook turned code-major: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3), lanes taking
+       // consecutive subspaces so that their shared stores land in consecutive banks; its loads before its stores
+        const uint4* src = reinterpret_cast<const uint4*>(codebook);
+        constexpr int PER_THREAD = 32 * 64 / THREADS;
+        uint4 four[PER_THREAD];
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * THREADS;
+            four[k] = src[(i & 31) * 64 + (i >> 5)];
+        }
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5);
+            book_s[c * 32 + s] = four[k].x;
+            book_s[(c + 1) * 32 + s] = four[k].y;
+            book_s[(c + 2) * 32 + s] = four[k].z;
+            book_s[(c + 3) * 32 + s] = four[k].w;
+        }
+    }
+    // queries in their natural order (a 32-dimension step's fragment positions 4t .. 4t + 3 and 16 + 4t .. are the
+    // codewords of subspaces 8 step + t and 8 step + 4 + t), 16-byte chunk c of head h at c ^ (h & 7) (ldmatrix)
+    const unsigned* qb = queries + (long long)b * HEADS * 32;
+#pragma unroll
+    for (int k = 0; k < HEADS * 32 / THREADS; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        const int h = i >> 5, word = i & 31;
+        q_s[h * 32 + (((word >> 2) ^ (h & 7)) << 2) + (word & 3)] = qb[i];
+    }
+#else
     {  // the codebook turned code-major: a thread reads 16-byte pairs of codewords (s, c), (s, c + 1), lanes
        // taking consecutive subspaces so that their shared stores land in consecutive banks; all its loads
        // issued before any store (a block's setup is latency, not bytes)
@@ -148,11 +201,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
         const int chunk = 2 * step + (in_step & 1);
         q_s[h * 64 + ((chunk ^ (h & 7)) << 2) + (in_step >> 1)] = qb[i];
     }
+#endif
     if (threadIdx.x < HEADS) w_s[threadIdx.x] = weights[(long long)b * HEADS + threadIdx.x];
     if (want_bins) {
         for (int i = threadIdx.x; i < NBINS; i += THREADS) hist_s[i] = 0;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#ifdef INT8
+    __syncthreads();
+    const float bound = fmaxf(bounds[b], 1e-30f);
+#else
     for (int h = warp; h < HEADS; h += WARPS) {  // |q_h| of the bins' bound, from the bf16 queries
         float ss = 0.0f;
         for (int i = lane; i < 64; i += 32) {
@@ -167,6 +225,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
     float bound = 0.0f;
     for (int h = 0; h < HEADS; ++h) bound += fabsf(w_s[h]) * norm_s[h];
     bound = fmaxf(bound * (float)key_bound, 1e-30f);
+#endif
     // a step of a warp: 32 candidates, four n-tiles of 8; the lane owns the score of n-tile g & 3, column
     // 2t + (g >> 2), and decodes column g of each n-tile, owned by lane (nt + 4 (g & 1)) * 4 + (g >> 1)
     const int own = (g & 3) * 8 + 2 * t + (g >> 2);
@@ -201,7 +260,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             const int pos = __shfl_sync(FULL, p_nxt, (nt + 4 * (g & 1)) * 4 + (g >> 1));
             r_nxt[nt] = pos < 0 ? -1 : (paged ? table_b[pos >> 6] * 64 + (pos & 63) : pos);
         }
+#ifdef INT8
+        unsigned kf[4][8];  // n-tile nt's codeword of subspace 4 j + t: the B fragment of step s is j = 2 s, 2 s + 1
+#else
         unsigned kf[4][8][2];
+#endif
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             // byte k of (hi:lo): the code of subspace 4k + t, this lane's column of every step, gathered from
@@ -225,6 +288,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             }
             const unsigned shift = 8u * (unsigned)(g & 3);
             const unsigned rlo = __funnelshift_r(lo, hi, shift), rhi = __funnelshift_r(hi, lo, shift);
+#ifdef INT8
+            unsigned u[8];  // one word a codeword: lookup i reads subspace 4 ((i + g) % 8) + t
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
+                u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];
+            }
+            unsigned v[8], x[8];  // into subspace order j = 0 .. 7 (subspace 4 j + t)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) x[k] = (g & 2) ? v[(k + 6) & 7] : v[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) kf[nt][k] = (g & 4) ? x[(k + 4) & 7] : x[k];
+#else
             uint2 u[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
@@ -243,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
                 kf[nt][k][0] = y.x;
                 kf[nt][k][1] = y.y;
             }
+#endif
         }
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {  // the next step's codes in flight while this one is scored
@@ -258,10 +337,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
         for (int nt = 0; nt < 4; ++nt) part[nt][0] = part[nt][1] = 0.0f;
 #pragma unroll 1
         for (int mt = 0; mt < 4; ++mt) {  // 16 heads at a time
+            const int h = mt * 16 + jr + 8 * (j & 1);
+#ifdef INT8
+            int iacc[4][4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) iacc[nt][0] = iacc[nt][1] = iacc[nt][2] = iacc[nt][3] = 0;
+#pragma unroll
+            for (int step = 0; step < 4; ++step) {
+                unsigned a[4];
+                ldsm_x4(a, q_s + h * 32 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_s8(iacc[nt], a, kf[nt][2 * step], kf[nt][2 * step + 1]);
+            }
+            float acc[4][4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[nt][e] = (float)iacc[nt][e];
+            }
+#else
             float acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-            const int h = mt * 16 + jr + 8 * (j & 1);
 #pragma unroll
             for (int step = 0; step < 8; ++step) {
                 unsigned a[4];
@@ -269,6 +366,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[nt], a, kf[nt][step][0], kf[nt][step][1]);
             }
+#endif
             const float wa = w_s[mt * 16 + g], wb = w_s[mt * 16 + g + 8];  // heads of rows g and g + 8
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
@@ -313,9 +411,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
 """
 
 
-def source() -> str:
-    """The kernel's CUDA source."""
-    return _SOURCE
+_SOURCE8 = "#define INT8 1\n" + _SOURCE
+
+
+def source(int8: bool = False) -> str:
+    """The kernel's CUDA source (``int8``: the form on 8-bit operands, :func:`int8_operands`)."""
+    return _SOURCE8 if int8 else _SOURCE
 
 
 def takes(heads: int, dim: int, subspaces: int, centroids: int, residual: bool) -> str | None:
@@ -345,9 +446,9 @@ def available() -> bool:
     return nvrtc.available()
 
 
-def compiles(device: torch.device) -> bool:
+def compiles(device: torch.device, int8: bool = False) -> bool:
     """Whether the kernel compiles on ``device`` (compiled once a process; False where NVRTC cannot build it)."""
-    return nvrtc.compiles(source(), KERNEL, SHARED_BINS, device, *_NAMES)
+    return nvrtc.compiles(source(int8), KERNEL, SHARED_BINS, device, *_NAMES)
 
 
 # "auto" takes the CUDA stage 2 for a launch over at least this many candidate slots (B x R, shapes only, so a
@@ -361,7 +462,8 @@ def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids:
                    device: torch.device, slots: int | None = None) -> str:
     """The kernel ``stage2`` names for a launch over ``slots`` candidate slots (B x R; None: any): ``"auto"`` is
     ``"cuda"`` from :data:`CUDA_FROM_SLOTS` slots where :func:`takes` allows it and it compiles on ``device``, else
-    ``"triton"``; ``"cuda"`` where it cannot run raises ``ValueError``."""
+    ``"triton"``; ``"cuda"`` or ``"int8"`` where it cannot run raises ``ValueError`` (``"int8"`` at any size: it
+    is asked for by name)."""
     if stage2 not in STAGE2S:
         raise ValueError(f"stage2: got {stage2!r}, want one of {', '.join(STAGE2S)}")
     if stage2 == "triton":
@@ -370,10 +472,11 @@ def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids:
     if stage2 == "auto":
         large = slots is None or slots >= CUDA_FROM_SLOTS
         return "cuda" if large and why is None and compiles(device) else "triton"
+    kind = "the int8 CUDA stage 2" if stage2 == "int8" else "the CUDA stage 2"
     if why is not None:
         raise ValueError(why)
     if device.type != "cuda" or not available():
-        raise ValueError("the CUDA stage 2 needs a CUDA device and a CUDA build of torch with NVRTC; use "
+        raise ValueError(f"{kind} needs a CUDA device and a CUDA build of torch with NVRTC; use "
                          "stage2='triton' elsewhere")
     return stage2
 
@@ -381,16 +484,61 @@ def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids:
 _NAMES = ("the CUDA stage 2", "stage2='triton'")  # what a build failure says, and the way around it
 
 
+def int8_codebook(codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A codebook [32, 256, 4] as the int8 kernel reads it: (codewords [32, 256, 4] int8, each subspace's scale
+    [32] float32), each subspace scaled to its largest magnitude (127). Cached per codebook tensor (its storage
+    and version), so a step pays it once."""
+    import torch
+
+    key = (codebook.data_ptr(), codebook._version, str(codebook.device), tuple(codebook.shape))
+    hit = _BOOKS8.get(key)
+    if hit is not None and hit[0]() is codebook:
+        return hit[1], hit[2]
+    cb = codebook.float()
+    scale = cb.abs().amax(dim=(1, 2)).clamp_min(1e-30) / 127.0
+    book8 = torch.round(cb / scale[:, None, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    if len(_BOOKS8) > 64:
+        _BOOKS8.clear()
+    _BOOKS8[key] = (weakref.ref(codebook), book8, scale)
+    return book8, scale
+
+
+_BOOKS8: dict = {}
+
+
+def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor,
+                  key_bound: float) -> tuple[torch.Tensor, ...]:
+    """The int8 kernel's operands for ``queries`` [B, 64, 128] and ``head_weights`` [B, 64] against ``codebook``
+    [32, 256, 4]: (queries [B, 64, 128] int8, weights [B, 64] float32, codewords [32, 256, 4] int8, bounds [B]
+    float32). The codebook's per-subspace scales multiply the queries' dimensions (so one integer dot product
+    covers every subspace), each head is then scaled to 127 and its scale moves into its weight (a ReLU commutes
+    with a positive scale): ``sum_h w_h relu(q_h . k)`` is ``sum_h w8_h relu(q8_h . k8)`` up to the rounding.
+    ``bounds``: the bins' scale, ``sum_h |w_h| |q_h| key_bound`` of the bf16 queries, as the other kernels'."""
+    import torch
+
+    book8, scale = int8_codebook(codebook)
+    q = queries.to(torch.bfloat16).float()
+    folded = q * scale.repeat_interleave(DIM // SUBSPACES)[None, None, :]
+    tau = folded.abs().amax(dim=2).clamp_min(1e-30) / 127.0
+    q8 = torch.round(folded / tau[..., None]).clamp(-127, 127).to(torch.int8).contiguous()
+    w = head_weights.float()
+    bounds = ((w.abs() * q.norm(dim=2)).sum(1) * key_bound).clamp_min(1e-30).contiguous()
+    return q8, (w * tau).contiguous(), book8, bounds
+
+
 def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
               head_weights: torch.Tensor, codebook: torch.Tensor, scores: torch.Tensor | None = None,
               bins: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-              page_table: torch.Tensor | None = None, key_bound: float = 1.0, per_block: int | None = PER_BLOCK) -> None:
+              page_table: torch.Tensor | None = None, key_bound: float = 1.0, per_block: int | None = PER_BLOCK,
+              int8: bool = False) -> None:
     """Score the first ``counts[b]`` candidate ``rows`` [B, R] int32 (-1: none) of each request against its
     ``queries`` [B, 64, 128] bf16 with ``head_weights`` [B, 64] float32 through ``codebook`` [32, 256, 4] bf16:
     ``scores`` [B, R] float32 (optional: -inf where no key), ``bins`` [B, R] int32 and ``scratch`` [B, NBINS + 4]
     int32 (optional, together: each scored key's bin, counted into the histogram ``scratch[:, :NBINS]``) with
     ``key_bound`` the bins' scale. ``codes`` [B, N, 32] or [P, 64, 32] uint8 (``page_table`` [B, W] int32);
     every tensor contiguous on one CUDA device; ``per_block``: candidates a block scores (None: :func:`block_size`).
+    ``int8``: score on 8-bit operands (:func:`int8_operands`: the tensor cores' s8 form, half the ``mma`` and
+    half the shared-memory bytes of the bf16 one; scores within the operands' rounding of the bf16 ones).
     Raises ``ValueError`` otherwise."""
     import torch
 
@@ -428,10 +576,17 @@ def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, que
         return
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
-    kernel = nvrtc.compiled(source(), KERNEL, SHARED_BINS, nvrtc.device_index(codes.device), *_NAMES)
-    shared = SHARED_BINS if bins is not None else SHARED_SCORES
+    bounds = counts  # read by the int8 kernel only
+    if int8:
+        queries, head_weights, codebook, bounds = int8_operands(queries, head_weights, codebook, key_bound)
+    kernel = nvrtc.compiled(source(int8), KERNEL, SHARED_BINS, nvrtc.device_index(codes.device), *_NAMES)
+    if int8:
+        shared = SHARED_BINS8 if bins is not None else SHARED_SCORES8
+    else:
+        shared = SHARED_BINS if bins is not None else SHARED_SCORES
     kernel(grid=(-(-r // per_block), b, 1), block=(THREADS, 1, 1), shared_mem=shared,
            args=[codes, rows, counts, codebook, queries, head_weights, scores if scores is not None else rows,
                  bins if bins is not None else rows, scratch if scratch is not None else rows,
                  page_table if paged else counts, int(page_table.shape[1]) if paged else 0, int(n_rows), int(r),
-                 int(per_block), int(paged), int(scores is not None), int(bins is not None), float(key_bound)])
+                 int(per_block), int(paged), int(scores is not None), int(bins is not None), float(key_bound),
+                 bounds])

@@ -233,7 +233,8 @@ class PagedCacheSelector:
         the same keys kept; 1.3x faster at 32-64 x 1M on the H200) or ``"triton"``
     stage2 : stage 2's kernel: ``"auto"`` (default: ``"cuda"`` where it runs, 64 heads and PQ32 codes),
         ``"cuda"`` (codebooks and the score-bin histogram in shared memory, keys decoded into tensor-core
-        fragments, :mod:`dsaindex.kernels.pq_stage2_cuda`) or ``"triton"``
+        fragments, :mod:`dsaindex.kernels.pq_stage2_cuda`), ``"int8"`` (the same kernel on 8-bit operands: the
+        tensor cores' s8 form, half its ``mma``; opt-in, not yet timed) or ``"triton"``
     grow_band : > 0: C grows with a request's prefix past this many keys (the end of the longest prefix band
         the bundle measured its recall in): C and the stage-1 width double for each doubling of the prefix
         (2 x C up to twice the band, 4 x C up to four times), per request on the device, so a step's shapes
@@ -502,7 +503,7 @@ class PagedCacheSelector:
         a top-C kernel, H100 32 x 1M 0.591 against 0.633 ms), else ``"topk"``."""
         if batch <= bins_batch_limit(self.c1) or self.growth(width)[0]:
             return "bins"
-        return "bins" if heads is not None and self.stage2_kernel(batch, width, heads) == "cuda" else "topk"
+        return "bins" if heads is not None and self.stage2_kernel(batch, width, heads) != "triton" else "topk"
 
     def stage2_kernel(self, batch: int, width: int, heads: int) -> str:
         """Stage 2's kernel for a step of ``batch`` requests of ``heads`` heads over a page table ``width`` pages

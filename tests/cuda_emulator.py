@@ -123,6 +123,27 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     }
     emu_warps[w]->arrive_and_wait();
 }
+inline int emu_s8(unsigned word, int byte) { return (int)(signed char)((word >> (8 * byte)) & 0xffu); }
+inline void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) emu_frag_a[w][l][i] = a[i];
+    emu_frag_b[w][l][0] = b0;
+    emu_frag_b[w][l][1] = b1;
+    emu_warps[w]->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {  // c[i]: row g + 8 (i / 2), column 2t + i % 2
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        int sum = 0;
+        for (int k = 0; k < 32; ++k) {
+            // A[row][k]: lane (row % 8, (k % 16) / 4), register (row >= 8) + 2 (k >= 16), byte k % 4; B[k][col]:
+            // lane (col, (k % 16) / 4), register k >= 16, byte k % 4
+            const int av = emu_s8(emu_frag_a[w][(row % 8) * 4 + (k % 16) / 4][(row >= 8) + 2 * (k >= 16)], k % 4);
+            const int bv = emu_s8(emu_frag_b[w][col * 4 + (k % 16) / 4][k >= 16], k % 4);
+            sum += av * bv;
+        }
+        c[i] += sum;
+    }
+    emu_warps[w]->arrive_and_wait();
+}
 inline void ldsm_x4(unsigned* a, const void* row) {  // matrix m's row r from lane 8 m + r; lane l gets word l % 4 of row l / 4
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     emu_rows[w][l] = row;
@@ -163,7 +184,7 @@ _SCAN_PARAMS = ("const unsigned char* codes, const int* lengths, const signed ch
 _STAGE2_PARAMS = ("const unsigned char* codes, const int* rows, const int* counts, const uint2* codebook, "
                   "const unsigned* queries, const float* weights, float* out_score, int* out_bins, int* scratch, "
                   "const int* table, int table_width, int n_rows, int n_out, int per_block, int paged, "
-                  "int want_scores, int want_bins, double key_bound")
+                  "int want_scores, int want_bins, double key_bound, const float* bounds")
 
 
 def compiler() -> str | None:
@@ -207,11 +228,11 @@ def emulated_scan():
 
 
 @functools.cache
-def emulated_stage2():
-    """Stage 2 compiled for the CPU (:func:`_build`)."""
+def emulated_stage2(int8: bool = False):
+    """Stage 2 compiled for the CPU (:func:`_build`); ``int8``: its form on 8-bit operands."""
     from dsaindex.kernels.pq_stage2_cuda import SHARED_BINS, source
 
-    return _build(source(), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
+    return _build(source(int8), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
 
 
 def _ptr(a: np.ndarray):
@@ -250,24 +271,29 @@ def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.nd
 
 def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries: np.ndarray, weights: np.ndarray,
                codebook: np.ndarray, key_bound: float, page_table: np.ndarray | None = None, per_block: int = 256,
-               scratch: np.ndarray | None = None, want_scores: bool = True, want_bins: bool = True):
+               scratch: np.ndarray | None = None, want_scores: bool = True, want_bins: bool = True,
+               bounds: np.ndarray | None = None):
     """The launch :func:`dsaindex.kernels.pq_stage2_cuda.pq_stage2` makes, on the CPU. ``queries`` [B, 64, 128] and
-    ``codebook`` [32, 256, 4] as bf16 bit patterns (uint16). Returns (scores [B, R] float32, bins [B, R] int32,
-    scratch [B, NBINS + 4] int32); unset slots NaN / -1, ``scratch`` zeros unless given."""
+    ``codebook`` [32, 256, 4] as bf16 bit patterns (uint16), or with ``bounds`` [B] float32 (the int8 kernel, the
+    operands of :func:`~dsaindex.kernels.pq_stage2_cuda.int8_operands`) as int8. Returns (scores [B, R] float32,
+    bins [B, R] int32, scratch [B, NBINS + 4] int32); unset slots NaN / -1, ``scratch`` zeros unless given."""
     from dsaindex.kernels.pq_stage2_cuda import NBINS, THREADS
 
     b, r = rows.shape
     codes = np.ascontiguousarray(codes, dtype=np.uint8)
     rows = np.ascontiguousarray(rows, dtype=np.int32)
     counts = np.ascontiguousarray(counts, dtype=np.int32)
-    queries = np.ascontiguousarray(queries, dtype=np.uint16)
+    int8 = bounds is not None
+    queries = np.ascontiguousarray(queries, dtype=np.int8 if int8 else np.uint16)
     weights = np.ascontiguousarray(weights, dtype=np.float32)
-    codebook = np.ascontiguousarray(codebook, dtype=np.uint16)
+    codebook = np.ascontiguousarray(codebook, dtype=np.int8 if int8 else np.uint16)
+    bounds = np.ascontiguousarray(bounds if int8 else np.zeros(b), dtype=np.float32)
     scores = np.full((b, r), np.nan, dtype=np.float32)
     bins = np.full((b, r), -1, dtype=np.int32)
     scratch = np.zeros((b, NBINS + 4), dtype=np.int32) if scratch is None else np.ascontiguousarray(scratch, np.int32)
     table, width, n_rows = _pages(page_table, counts, codes)
-    emulated_stage2()(-(-r // per_block), b, THREADS, _ptr(codes), _ptr(rows), _ptr(counts), _ptr(codebook),
-                      _ptr(queries), _ptr(weights), _ptr(scores), _ptr(bins), _ptr(scratch), _ptr(table), width, n_rows,
-                      r, per_block, int(page_table is not None), int(want_scores), int(want_bins), float(key_bound))
+    emulated_stage2(int8)(-(-r // per_block), b, THREADS, _ptr(codes), _ptr(rows), _ptr(counts), _ptr(codebook),
+                          _ptr(queries), _ptr(weights), _ptr(scores), _ptr(bins), _ptr(scratch), _ptr(table), width,
+                          n_rows, r, per_block, int(page_table is not None), int(want_scores), int(want_bins),
+                          float(key_bound), _ptr(bounds))
     return scores, bins, scratch

@@ -945,6 +945,23 @@ def test_the_cuda_stage2_compiles_for_hopper_on_tensor_cores_without_spills():
     assert ".local" not in text
 
 
+def test_the_int8_stage2_compiles_for_hopper_on_the_s8_tensor_cores():
+    """The int8 form (``stage2="int8"``) for sm_90: ``mma.m16n8k32`` on s8 (a native IMMA on Hopper, where the e4m3
+    form is lowered to f16), half the bf16 form's: 4 steps of 32 dimensions x 4 n-tiles a head tile; half its
+    ``ldmatrix``; each codeword one 4-byte shared load; no local memory."""
+    import re
+
+    from dsaindex.kernels.pq_stage2_cuda import source
+
+    text = _hopper_ptx(source(int8=True))
+    assert text.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == 4 * 4
+    assert "bf16.bf16" not in text
+    assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4
+    assert len(re.findall(r"ld\.shared\.u32\s", text)) >= 8 * 4  # 8 codewords a candidate, 4 n-tiles
+    assert "ld.shared.v2.u32" not in text.split("mma.sync")[0][-4000:]  # the lookups are one word each
+    assert ".local" not in text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("paged", [False, True])
@@ -997,3 +1014,36 @@ def test_the_cuda_stage2_scores_and_bins_as_the_triton_one(paged):
     assert (bins_c[live] == bins_t[live]).float().mean() > 0.999
     assert (sel_c[:, 0] - sel_t[:, 0]).abs().max() <= 1  # the boundary bin
     assert torch.equal(sel_c[2:, 2], sel_t[2:, 2])  # requests of fewer candidates than C keep them all
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_int8_stage2_keeps_the_triton_ones_scores_and_top_candidates():
+    """The compiled int8 stage 2 at a serving shape against the Triton (bf16) one: scores within the 8-bit
+    operands' rounding (a small share of a request's score range), the top C nearly the same keys, the boundary
+    bin within a few bins; its histogram left zeroed as the other kernels leave it."""
+    from dsaindex.kernels.pq_select import BIN_COUNT, decoded_key_bound, pq_candidate_bins
+
+    b, n, r = 4, 200_000, 40_000
+    codes, cb, q, w = pq_inputs(b, n, 64, seed=19)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, n, (b, r), generator=g, dtype=torch.int32).to(DEV)
+    counts = torch.tensor([r, 30_001, 5, 0], dtype=torch.int32, device=DEV)
+    cb16 = cb.to(torch.bfloat16)
+    kb = decoded_key_bound(cb16)
+    live = torch.arange(r, device=DEV)[None, :] < counts[:, None]
+    got = {}
+    for kernel in ("triton", "int8"):
+        scratch = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=DEV)
+        got[kernel] = pq_candidate_bins(codes, rows, counts, q, w, cb16, kb, 4096, 4096 + 256, scratch, stage2=kernel)
+        assert not scratch.any()
+    (s_t, _, sel_t), (s_8, _, sel_8) = got["triton"], got["int8"]
+    assert torch.isneginf(s_8[~live]).all()
+    for i in range(2):  # the two requests of more candidates than C
+        x, y = s_t[i][live[i]], s_8[i][live[i]]
+        moved = (y - x).abs() / (x.max() - x.min())
+        assert float(moved.mean()) < 0.003 and float(moved.max()) < 0.02
+        top_t, top_8 = set(x.topk(4096).indices.tolist()), set(y.topk(4096).indices.tolist())
+        assert len(top_t & top_8) / 4096 > 0.98
+    assert (sel_8[:2, 0] - sel_t[:2, 0]).abs().max() <= 8
+    assert torch.equal(sel_8[2:, 2], sel_t[2:, 2])

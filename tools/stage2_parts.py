@@ -1,9 +1,10 @@
 """Stage 2's CUDA kernel taken apart: the kernel as shipped, and with parts of its work removed by editing its
-source (the codebook lookups, the ``mma``, the queries' ``ldmatrix``, the code loads), at a grown C's shape: 32
+source (the codebook lookups, the ``mma``, the queries' ``ldmatrix``, the code loads), launch tunings (loops unrolled,
+threads and blocks a multiprocessor), and its int8 form (``int8``, alone or with tunings), at a grown C's shape: 32
 requests x 1M keys, 96K candidates each (random positions). CUDA-graph medians per launch, in us (a GPU; not part
 of the package). ``python3 tools/stage2_parts.py [VARIANTS] [OUT.json]``: VARIANTS a comma list of ``base`` and
-``+``-joined removals (default: ``base,no_book+no_mma+no_ldsm``). The table in docs/results.md ("Stage 2 as a
-CUDA kernel") came from it."""
+``+``-joined removals and tunings (default: ``base,int8,no_book+no_mma+no_ldsm``). The table in docs/results.md
+("Stage 2 as a CUDA kernel") came from it."""
 
 import json
 import sys
@@ -27,21 +28,47 @@ REMOVALS = {
 }
 
 
-def variant_source(name: str) -> str:
-    """The kernel's source with the removals ``name`` joins by ``+`` (``base``: as shipped)."""
-    src = s2.source()
-    for part in name.split("+"):
-        if part == "base":
+MT_LOOP = "#pragma unroll 1\n        for (int mt = 0; mt < 4; ++mt) {"
+# launch variants, not removals: (text replaced, its replacement) pairs, #defines put before the source, threads
+TUNINGS = {
+    "unroll_mt": ([(MT_LOOP, MT_LOOP.replace("unroll 1", "unroll"))], "", None),
+    "unroll_mt2": ([(MT_LOOP, MT_LOOP.replace("unroll 1", "unroll 2"))], "", None),
+    "t512": ([], "#define THREADS 512\n#define MIN_BLOCKS 1\n", 512),
+    "mb1": ([], "#define MIN_BLOCKS 1\n", None),
+    "mb3": ([], "#define MIN_BLOCKS 3\n", None),  # the int8 form's 72 KB of shared memory fits 3 blocks
+}
+
+
+def variant_source(name: str) -> tuple[str, int]:
+    """The kernel's source with the removals and tunings ``name`` joins by ``+`` (``base``: as shipped; ``int8``:
+    its form on 8-bit operands), and its threads a block."""
+    parts = name.split("+")
+    src, prefix, threads = s2.source("int8" in parts), "", s2.THREADS
+    for part in parts:
+        if part in ("base", "int8"):
             continue
-        old, new = REMOVALS[part]
-        if old not in src:
-            raise SystemExit(f"{part}: the kernel's source no longer holds {old!r}; update tools/stage2_parts.py")
-        src = src.replace(old, new)
-    return src
+        edits, defines, t = TUNINGS.get(part, ([REMOVALS.get(part, (None, None))], "", None))
+        for old, new in edits:
+            if old is None or old not in src:
+                raise SystemExit(f"{part}: unknown, or the kernel's source no longer holds {old!r}; update "
+                                 "tools/stage2_parts.py")
+            src = src.replace(old, new)
+        prefix += defines
+        threads = t or threads
+    return prefix + src, threads
+
+
+def registers(kernel) -> int:
+    """Registers a thread of a compiled kernel uses (the driver's CU_FUNC_ATTRIBUTE_NUM_REGS)."""
+    import ctypes
+
+    out = ctypes.c_int(0)
+    ctypes.CDLL("libcuda.so.1").cuFuncGetAttribute(ctypes.byref(out), 4, kernel.func)
+    return out.value
 
 
 def main() -> None:
-    names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "base,no_book+no_mma+no_ldsm").split(",")
+    names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "base,int8,no_book+no_mma+no_ldsm").split(",")
     g = torch.Generator(device="cuda").manual_seed(0)
     codes = torch.randint(0, 256, (B, N, 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
     rows = torch.randint(0, N, (B, SLOTS), device="cuda", generator=g, dtype=torch.int32)
@@ -52,15 +79,24 @@ def main() -> None:
     out = torch.empty(B, SLOTS, dtype=torch.float32, device="cuda")
     bins = torch.empty(B, SLOTS, dtype=torch.int32, device="cuda")
     scratch = torch.zeros(B, s2.NBINS + 4, dtype=torch.int32, device="cuda")
+    q8, w8, cb8, bounds = s2.int8_operands(q, w, cb, 1.0)
     res = {}
     for name in names:
-        kernel = torch.cuda._compile_kernel(variant_source(name), s2.KERNEL)
+        source, threads = variant_source(name)
+        int8 = "int8" in name.split("+")
+        operands = (cb8, q8, w8) if int8 else (cb, q, w)
+        kernel = torch.cuda._compile_kernel(source, s2.KERNEL)
         kernel.set_shared_memory_config(s2.SHARED_BINS)
+        res[f"{name}_registers"] = registers(kernel)
+        print(name, res[f"{name}_registers"], "registers", flush=True)
         for per_block, with_bins in ((4096, False), (8192, False), (4096, True)):
-            def call(k=kernel, pb=per_block, wb=with_bins):
-                k(grid=(-(-SLOTS // pb), B, 1), block=(s2.THREADS, 1, 1),
-                  shared_mem=s2.SHARED_BINS if wb else s2.SHARED_SCORES,
-                  args=[codes, rows, counts, cb, q, w, out, bins, scratch, counts, 0, N, SLOTS, pb, 0, 1, int(wb), 1.0])
+            shared = (s2.SHARED_BINS8 if with_bins else s2.SHARED_SCORES8) if int8 else \
+                (s2.SHARED_BINS if with_bins else s2.SHARED_SCORES)
+
+            def call(k=kernel, pb=per_block, wb=with_bins, th=threads, sh=shared, ops=operands):
+                k(grid=(-(-SLOTS // pb), B, 1), block=(th, 1, 1), shared_mem=sh,
+                  args=[codes, rows, counts, *ops, out, bins, scratch, counts, 0, N, SLOTS, pb, 0, 1, int(wb), 1.0,
+                        bounds])
             call()
             scratch.zero_()
             tag = f"{name}_{per_block}{'_bins' if with_bins else ''}"

@@ -178,7 +178,8 @@ def bench_paged(
                              "runs), cuda (tables in shared memory) or triton; a comma list times the others too "
                              "(plugin_device_scan_<s>, on the codes' path)."),
     stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel: auto (the default: cuda where it runs), "
-                               "cuda (codebooks and score bins in shared memory) or triton; a comma list times the "
+                               "cuda (codebooks and score bins in shared memory), int8 (the same on 8-bit operands) or "
+                               "triton; a comma list times the "
                                "others too (plugin_device_stage2_<s>, on the codes' path)."),
     grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
                                   help="C grows with each doubling of a request's keys past this many (what the "

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The decode step's GPU measurements in one run (a CUDA machine with dsaindex installed with its deepgemm extra,
+# CUDA_HOME and DG_JIT_CACHE_DIR set): the GPU tests, tensor-core rates, stage 2's variants, the plugins' step at a
+# fixed and a grown C with each stage 2 side by side, the exact-path rule's grid, and a profile of the grown step at
+# 32 x 1M. Every JSON and a log go to OUT. Usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART]
+set -uo pipefail
+OUT=${1:?usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART]}
+LIMIT=${2:-240}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+D="python3 -m dsaindex"
+t0=$(date +%s)
+part() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
+common="--candidates 4096 --prefilter 4 --keys-on device"
+{
+part "device"; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+part "tensor-core rates"; timeout "$LIMIT" python3 tools/mma_rate.py "$OUT/mma_rate.json"
+part "stage 2 variants"
+timeout "$LIMIT" python3 tools/stage2_parts.py base,int8,int8+mb3,int8+unroll_mt2,unroll_mt2,t512,no_book+no_mma+no_ldsm \
+    "$OUT/stage2_parts.json"
+part "grown C, each stage 2"
+timeout "$LIMIT" $D bench paged --batches 1,2,4,8,16,32,64 --keys 1048576 $common --grow-band 131072 \
+    --stage2 auto,int8,triton --out "$OUT/paged_grown.json"
+part "fixed C, each stage 2"
+timeout "$LIMIT" $D bench paged --batches 1,2,8,32,64 --keys 1048576 $common --grow-band 0 --stage2 auto,int8,triton \
+    --out "$OUT/paged_fixed.json"
+part "the exact-path rule: both paths at each step"
+timeout "$LIMIT" $D bench paged --batches 2,4,8,16 --keys 524288,1048576 $common --grow-band 131072 \
+    --exact-below 1099511627776 --out "$OUT/rule_grown_1m_512k.json"
+timeout "$LIMIT" $D bench paged --batches 32,64 --keys 262144 $common --grow-band 131072 --exact-below 1099511627776 \
+    --out "$OUT/rule_grown_256k.json"
+part "profile, grown C at 32 x 1M"
+timeout "$LIMIT" $D bench paged --batches 32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile \
+    --stage2 auto,int8 --out "$OUT/profile_grown_32x1m.json"
+part "GPU tests"
+timeout "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider
+timeout "$LIMIT" python3 -m pytest -q tests/test_kernel_select.py -k "stage2 or cuda" -p no:cacheprovider
+part "done"
+} 2>&1 | tee "$OUT/log.txt"
