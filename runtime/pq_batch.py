@@ -67,6 +67,9 @@ from dsaindex.kernels.pq_select import (
     boundary_of_bins,
     decoded_key_bound,
     grown_counts,
+    growth_of,
+    keep_binned,
+    keep_binned_reference,
     pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
@@ -193,13 +196,8 @@ class PQDecodeGroup:
         self.slots, self.max_keys = slots, max_keys
         max_pages = -(-max_keys // self.page)
         self.codes = torch.zeros(slots, max_pages * self.page, m, dtype=torch.uint8, device=dev)
-        self.spill = max(64, candidates // 8)  # misses whose cache set is full are read into these rows
-        self.pool_rows = cache_capacity + 1 + self.page + self.spill  # cache, trash row, tail, spill rows
-        self.pool_fp8 = torch.zeros(slots, self.pool_rows, self.dim, dtype=torch.uint8, device=dev)
-        self.pool_scales = torch.zeros(slots, self.pool_rows, dtype=torch.float32, device=dev)
-        self.cache_pos = torch.full((slots, cache_capacity), -1, dtype=torch.long, device=dev)
-        self.cache_stamp = torch.zeros(slots, cache_capacity, dtype=torch.long, device=dev)
-        self.set_count = torch.zeros(slots, cache_capacity // WAYS, dtype=torch.int32, device=dev)
+        self.base_cache = cache_capacity  # the cache of a fixed C; a grown C's scales with its growth (grow_past)
+        self._allocate_cache(cache_capacity, max(64, candidates // 8))
         self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=dev)
         self.n_encoded = torch.zeros(slots, dtype=torch.int32, device=dev)
         self.tail_len = torch.zeros(slots, dtype=torch.int32, device=dev)
@@ -224,6 +222,18 @@ class PQDecodeGroup:
         self._no_stats = StepStats.zeros(slots, dev)  # an exact-only step's stats: no launch per step
         self.host_reads = "unified-addressing kernel"
         self._host_pinned = host.fp8.is_pinned()
+
+    def _allocate_cache(self, capacity: int, spill: int) -> None:
+        """The device cache of ``capacity`` rows a request and the pool behind it: the cache rows, a trash row,
+        the tail (the open page), then ``spill`` rows for misses whose cache set is full."""
+        dev, slots = self.device, self.slots
+        self.cache_capacity, self.spill = capacity, spill
+        self.pool_rows = capacity + 1 + self.page + spill
+        self.pool_fp8 = torch.zeros(slots, self.pool_rows, self.dim, dtype=torch.uint8, device=dev)
+        self.pool_scales = torch.zeros(slots, self.pool_rows, dtype=torch.float32, device=dev)
+        self.cache_pos = torch.full((slots, capacity), -1, dtype=torch.long, device=dev)
+        self.cache_stamp = torch.zeros(slots, capacity, dtype=torch.long, device=dev)
+        self.set_count = torch.zeros(slots, capacity // WAYS, dtype=torch.int32, device=dev)
 
     # ---- request lifecycle ------------------------------------------------------------------------
     def admit(self, slot: int) -> None:
@@ -466,12 +476,22 @@ class PQDecodeGroup:
     def grow_past(self, band: int, most: int | None = None) -> tuple[int, int]:
         """Let C grow with each request's prefix past ``band`` keys (0: fixed), doubling with each doubling of
         the prefix up to ``most`` x (default and at most :func:`~dsaindex.runtime.paged_select.growth_limit`:
-        what the final top-k's one program holds), as the engine plugins' step does. A grown C is served by
-        the direct step, whatever the live count: the cached step keeps one C for its cache and plan, so a
-        step whose longest request is past the band reads its candidates straight from the host (steps
-        within the band stay cached where ``direct_upto`` says so). Returns the (band, most) in effect, (0, 1)
-        for a fixed C."""
-        self.grow_band, self.grow_most = growth_setting(band, most, self.candidates)
+        what the final top-k's one program holds), as the engine plugins' step does. A step of more than
+        ``direct_upto`` requests stays a cached one: stage 2 keeps each request's grown C by score bins, and
+        its device cache scales with the most C grows for the group's ``max_keys`` (:attr:`cache_capacity`,
+        ``gpu_bytes``), so hits are not read from the host again. Such a step keeps every candidate (no miss
+        filter: at 256K-512K prefixes the filter served 98.40% against 99.63% with every candidate rescored,
+        docs/results.md), so it selects what the direct step selects. Called before any request is admitted
+        (the cache is sized here). Returns the (band, most) in effect, (0, 1) for a fixed C."""
+        grow = growth_setting(band, most, self.candidates)
+        factor = growth_of(self.max_keys, *grow)
+        capacity, spill = self.base_cache * factor, max(64, self.candidates * factor // 8)
+        if (capacity, spill) != (self.cache_capacity, self.spill):
+            if any(pages is not None for pages in self.pages):
+                raise DsaIndexError("C cannot start growing while the group holds requests: the device cache is "
+                                    "sized for the growth.", "call grow_past before admitting requests.")
+            self._allocate_cache(capacity, spill)
+        self.grow_band, self.grow_most = grow
         return self.grow_band, self.grow_most
 
     def _growth(self, longest: int) -> tuple[int, int]:
@@ -512,19 +532,47 @@ class PQDecodeGroup:
         top = small_topk if self.use_triton and exact.shape[1] <= SMALL_TOPK_MAX else small_topk_reference
         return top(exact, k, positions)[1], StepStats(counts, counts1.to(torch.int32))
 
+    def _grown_coarse(self, q: torch.Tensor, w: torch.Tensor, longest: int,
+                      grow: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """The coarse stages of a cached step whose C grows (``grow``: (band, most)): each request's grown C kept
+        by score bins, as the direct step keeps them. Returns (scores [S, W] float32, all 0 and -inf where no
+        candidate: the plan reads them for its miss filter only, off on these steps; positions [S, W] int64, -1
+        after a request's kept candidates; stage-1 counts [S]), W = C x most + the boundary bin's slack."""
+        q_code = self._code_queries(q)
+        band, most = grow
+        capacity = self.candidates + self.direct_slack
+        width = self.candidates * most + self.direct_slack
+        if self.use_triton:
+            rows1, bins, counts1, sel = pq_coarse_bins(
+                self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
+                self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
+                centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config, grow=grow)
+            cand = keep_binned(rows1, bins, counts1, sel, self.bin_scratch, width)
+        else:
+            rows1, counts1, coarse = self._coarse_reference(q_code, w, longest, grow)
+            bins = score_bins(coarse, score_bound(q_code, w, self.key_bound))
+            live = torch.arange(rows1.shape[1], device=self.device)[None, :] < counts1[:, None]
+            c = grown_counts(self.candidates, self.n_encoded, band, most)
+            sel = boundary_of_bins(bins, live, c, c + self.direct_slack)
+            cand = keep_binned_reference(rows1.to(torch.int32), bins, counts1, sel, width)
+        scores = torch.where(cand >= 0, 0.0, float("-inf"))
+        return scores, cand, counts1
+
     def _select_pq(self, q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
         s, dev = self.slots, self.device
         longest = max(self.encoded_host) if self.slots else 0
         live = sum(pages is not None for pages in self.pages)
-        if longest and (live <= self.direct_upto or self._growth(longest)[1] > 1):  # a grown C is direct
+        if longest and live <= self.direct_upto:
             return self._select_direct(q, w, longest)
         plan = decode_plan if self.use_triton else decode_plan_reference
         if longest:
-            cand_scores, cand, counts1 = self._coarse(q, w, longest)
+            grow = self._growth(longest)  # a grown C: kept by bins, every candidate rescored (no miss filter)
+            grown = grow[1] > 1
+            cand_scores, cand, counts1 = self._grown_coarse(q, w, longest, grow) if grown else self._coarse(q, w, longest)
             src, dst, rows, positions, counts = plan(cand, cand_scores, self.cache_pos, self.cache_stamp, self.step,
                                                      self.n_encoded, self.tail_len, self.topk, self.page,
-                                                     self.miss_filter, spill=self.spill, set_count=self.set_count,
-                                                     filter_width=self.filter_width)
+                                                     self.miss_filter and not grown, spill=self.spill,
+                                                     set_count=self.set_count, filter_width=self.filter_width)
             self._read_host(src, dst)
             stats = StepStats(counts, counts1.to(torch.int32))
         else:

@@ -659,15 +659,19 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
     index.bundles = bundles
     if index.candidates:
-        grow = {}  # C grown past the band each layer's recall was measured in (those steps are direct ones)
+        grow = {}  # C grown past the band each layer's recall was measured in (every candidate rescored there)
         if settings.decode.long_prefix == "grow":
             bands = growth_bands(metrics, index.candidates, index.prefilter, topk)
             grow = {layer: index.groups[layer].grow_past(band) for layer, band in bands.items() if layer in index.groups}
         index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target,
                                        code_bytes={layer: code_bytes_of(codec) for layer, codec in by_role["decode"].items()},
                                        grow=grow)
-        if any(most > 1 for _, most in grow.values()) and index.slots > settings.decode.direct_upto:
+        grown = [layer for layer, (_, most) in grow.items() if most > 1]
+        if grown and index.slots > settings.decode.direct_upto:
+            rows = max(index.groups[layer].cache_capacity for layer in grown)
+            mib = max(index.groups[layer].gpu_bytes()["cache"] for layer in grown) / 2**20
             index.points += (f"; a step of more than {settings.decode.direct_upto} requests whose longest is past "
-                             "its band reads the grown candidates straight from the host, not through the device "
-                             "cache (DSAINDEX_LONG_PREFIX=fixed keeps C, and the cache, at the recall given up)")
+                             f"its band rescores every grown candidate (no miss filter), through a device cache "
+                             f"sized for the growth ({rows:,} rows, {mib:.1f} MiB a request and layer; "
+                             "--long-prefix fixed keeps C and its cache, at the recall given up)")
     return index

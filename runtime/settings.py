@@ -168,7 +168,8 @@ class DecodeSettings:
     filter_width : the miss filter's margin below the k-th coarse score, in standard deviations
     direct_upto : steps with at most this many live requests read candidates straight from the host (0: never)
     long_prefix : past the longest prefix band a bundle measured recall in, ``grow`` (C doubles with each
-        doubling of a request's prefix; such a step is a direct one, whatever ``direct_upto`` says) or ``fixed``
+        doubling of a request's prefix; such a step rescores every candidate, with no miss filter, and its device
+        cache is sized for the growth) or ``fixed``
     """
 
     candidates: int | Auto | PerLayer = "auto"

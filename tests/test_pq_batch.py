@@ -233,8 +233,9 @@ def test_direct_host_rescoring_selects_like_the_cached_step_without_the_filter(u
 def test_a_direct_step_grows_each_requests_c_past_the_band_as_the_plugins_step_does(use_triton):
     """``grow_past``: on a direct step a request longer than the band keeps C doubled for each doubling of its
     prefix (up to ``most``), read straight from the host; a request within the band selects as with a fixed C.
-    A group whose steps can be cached ones (more live requests than ``direct_upto``) takes the direct step
-    with the grown C where its longest request is past the band, and the cached step where none is."""
+    A group whose steps can be cached ones (more live requests than ``direct_upto``) keeps them cached with the
+    grown C: every candidate rescored (no miss filter), so it selects what the direct step selects, through a
+    device cache sized for the growth, whose hits the next step does not read from the host again."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.runtime.pq_batch import PQDecodeGroup
 
@@ -258,23 +259,34 @@ def test_a_direct_step_grows_each_requests_c_past_the_band_as_the_plugins_step_d
     assert int(stats[256].stage1[1]) >= 4 * int(stats[0].stage1[1]) * 3 // 4
     want = exact_topk(keys, q, w, 16)
     assert overlap(picked[256][1:].cpu(), want[1:]) > overlap(picked[0][1:].cpu(), want[1:])
-    # three live requests, direct_upto 2: a step with the 1,100-key one is direct and grown, as above
-    cached = PQDecodeGroup(codec, HostKeyStore(80, D), 3, 1200, 16, candidates=32, prefilter=2, cache_capacity=32,
+    # three live requests, direct_upto 2: a step with the 1,100-key one stays cached, its C grown as above
+    cached = PQDecodeGroup(codec, HostKeyStore(80, D), 3, 1200, 16, candidates=32, prefilter=2, cache_capacity=64,
                            device=DEV, direct_upto=2, use_triton=use_triton)
+    assert (cached.cache_capacity, cached.spill) == (64, 64)
     assert cached.grow_past(256, 4) == (256, 4)
+    assert (cached.cache_capacity, cached.spill) == (64 * 4, 64)  # 1,200 keys grow C 4 x: the cache alike
+    assert cached.cache_pos.shape == (3, 256) and cached.pool_fp8.shape[1] == 256 + 1 + 64 + 64
     for slot, x in enumerate(keys + keys[:1]):
         cached.admit(slot)
         cached.append(slot, x)
     q3, w3 = torch.cat([q, q[:1]]), torch.cat([w, w[:1]])
     got, got_stats = cached.select(q3, w3)
-    assert int(cached.step.sum()) == 0 and (cached.cache_pos == -1).all()  # no plan ran: the cache untouched
-    assert torch.equal(got[:2].sort(1).values, picked[256].sort(1).values)
+    assert cached.step.tolist() == [1, 1, 1]  # the plan ran: a cached step
+    assert torch.equal(got[:2].sort(1).values, picked[256].sort(1).values)  # the direct step's selection
     assert torch.equal(got_stats.candidates[:2].cpu(), grown)
+    assert int(got_stats.dropped.sum()) == 0  # no miss filter on a grown step: every candidate rescored
+    assert int(got_stats.fetched.sum()) == int(got_stats.candidates.sum())  # a cold cache: all read from the host
+    again, again_stats = cached.select(q3, w3)  # the same step again: the cache holds them
+    assert torch.equal(again.sort(1).values, got.sort(1).values)
+    assert int(again_stats.fetched.sum()) * 10 < int(again_stats.candidates.sum())
+    assert int(again_stats.hits.sum()) + int(again_stats.fetched.sum()) == int(again_stats.candidates.sum())
+    with pytest.raises(DsaIndexError, match="call grow_past before admitting requests"):
+        cached.grow_past(512, 2)  # a different cache while requests hold this one
     cached.free(1)
     cached.admit(1)
-    cached.append(1, keys[0])  # now none is past the band: the cached step, its plan advancing each request
+    cached.append(1, keys[0])  # now none is past the band: the cached step with a fixed C and the miss filter
     cached.select(q3, w3)
-    assert cached.step.tolist() == [1, 1, 1] and (cached.cache_pos >= 0).any()
+    assert cached.step.tolist() == [3, 3, 3] and (cached.cache_pos >= 0).any()
     with pytest.raises(DsaIndexError, match="power of two"):
         group.grow_past(256, 3)
     with pytest.raises(DsaIndexError, match="negative"):

@@ -259,9 +259,10 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
 def test_decode_c_grows_past_the_band_the_bundle_measured(served, tmp_path):
     """``long_prefix="grow"`` (the default): each decode group grows C past the end of the longest prefix band
     its bundle records the served recall in, and the startup points say so; a server whose steps may be
-    cached ones (more slots than ``direct_upto``) says too that such steps read from the host; ``fixed``
-    keeps C and says that."""
+    cached ones (more slots than ``direct_upto``) sizes its device cache for the growth and says so; ``fixed``
+    keeps C and its cache and says that."""
     from dsaindex.errors import DsaIndexError
+    from dsaindex.kernels.pq_select import growth_of
     from dsaindex.runtime.settings import DecodeSettings
 
     net, _, identity = served
@@ -276,15 +277,19 @@ def test_decode_c_grows_past_the_band_the_bundle_measured(served, tmp_path):
         in index.describe()
     with index:  # a 3,000-token prompt: its decode steps keep 2 x C
         _generate(net, _text(3000, 400), 2)
-    assert "straight from the host" not in index.describe()  # one slot: every step is direct already
+    assert "rescores every grown candidate" not in index.describe()  # one slot: every step is direct already
     wide = serve(paths, net, served=identity, use_triton=False, slots=3)
     assert {group.grow_band for group in wide.groups.values()} == {2048}
-    assert "a step of more than 2 requests whose longest is past its band reads the grown candidates straight " \
-        "from the host" in wide.describe()
+    group = wide.groups[0]  # its device cache sized for the most C grows for its longest request
+    assert group.cache_capacity == group.base_cache * growth_of(group.max_keys, group.grow_band, group.grow_most) > \
+        group.base_cache
+    assert (f"a step of more than 2 requests whose longest is past its band rescores every grown candidate (no miss "
+            f"filter), through a device cache sized for the growth ({group.cache_capacity:,} rows, ") in wide.describe()
     kept = serve(paths, net, served=identity, use_triton=False, long_prefix="fixed", slots=3)
     assert {group.grow_band for group in kept.groups.values()} == {0}
+    assert {group.cache_capacity for group in kept.groups.values()} == {kept.groups[0].base_cache}
     assert "(longer ones not measured; C stays fixed there)" in kept.describe()
-    assert "straight from the host" not in kept.describe()
+    assert "rescores every grown candidate" not in kept.describe()
     with pytest.raises(DsaIndexError, match="long_prefix 'double' is not a rule"):
         DecodeSettings(long_prefix="double")
 

@@ -69,13 +69,14 @@ def synthetic_rotation(dim: int = 128, seed: int = 0):
 
 
 def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, cache, exact_below=0, rotation=None,
-                  residual=False, *, codec=None, device: str = "cuda", host=None, **options):
+                  residual=False, *, codec=None, device: str = "cuda", host=None, grow_band: int = 0, **options):
     """A :class:`PQDecodeGroup` whose history is the given keys (host pages = the FP8 keys, codes as given;
     ``keys`` a whole number of 64-key pages), with the length policy at ``exact_below`` keys; a residual
     codec (RQ) when ``residual`` (``codebooks`` [M, K, D]). ``codec``: a trained codec to serve instead of
     one built from ``codebooks`` (a bundle's layer); ``host``: a host key store with room for the keys'
     pages (default: a new one; :meth:`PQDecodeGroup.free_all` gives the pages back); ``options``: further
-    arguments of the group (``direct_upto``, ``filter_width``, ``use_triton``, ...)."""
+    arguments of the group (``direct_upto``, ``filter_width``, ``use_triton``, ...); ``grow_band``: C grown past it
+    (:meth:`PQDecodeGroup.grow_past`, before the keys are loaded: it sizes the device cache)."""
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
@@ -85,6 +86,8 @@ def pq_group_over(fp8, scales, codes, codebooks, topk, candidates, prefilter, ca
     codec = PQCodec(codebooks.float().cpu(), rotation=rotation, residual=residual) if codec is None else codec
     group = PQDecodeGroup(codec, host, batch, keys, topk, candidates=candidates,
                           prefilter=prefilter, cache_capacity=cache, device=device, exact_below=exact_below, **options)
+    if grow_band:
+        group.grow_past(grow_band)
     for b in range(batch):
         group.admit(b)
         group.load_encoded(b, codes[b], fp8[b], scales[b])
@@ -419,8 +422,8 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
     hands them over (the rest is appended); default: every key appended and its completed pages encoded
     by the group. ``host``: a host key store with room for the prefixes' pages (default: a new one); the
     pages are given back to it after the step. ``grow_band``: C grows with each request's prefix past this
-    many keys (:meth:`~dsaindex.runtime.pq_batch.PQDecodeGroup.grow_past`; a step past it is a direct one,
-    as the server runs it, whatever ``mode``). Returns
+    many keys (:meth:`~dsaindex.runtime.pq_batch.PQDecodeGroup.grow_past`; a step past it rescores every
+    candidate, as the server runs it, whatever ``mode``). Returns
     (positions [B, topk] int64, the step's stats)."""
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup

@@ -60,8 +60,9 @@ def case_key(batch: int, keys: int) -> str:
 
 
 def step_for(batch: int, direct_upto: int, keys: int = 0, grow_band: int = 0) -> str:
-    """The step a server runs for ``batch`` live requests of ``keys`` keys: ``direct`` up to ``direct_upto``,
-    or where C grows (``keys`` past a ``grow_band`` > 0), else ``filter``."""
+    """Whose recall the step a server runs for ``batch`` live requests of ``keys`` keys serves: ``direct`` (every
+    candidate rescored) up to ``direct_upto``, or where C grows (``keys`` past a ``grow_band`` > 0: the cached
+    step keeps every grown candidate, no miss filter), else ``filter`` (the cached step's miss filter)."""
     return "direct" if batch <= direct_upto or 0 < grow_band < keys else "filter"
 
 
@@ -154,8 +155,8 @@ def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int
     """Per (bundle index, C, P, step) the held-out queries' results: a list of (layer, prefix keys, share of
     the exact top-k selected, share of the candidates read from host). Returns it and the query count per
     layer measured (the same queries for every point). ``grow_band``: C grows with each query's prefix past
-    this many keys (the default past a bundle's measured band); a step past it is a direct one, as servers
-    run it."""
+    this many keys (the default past a bundle's measured band); a step past it rescores every candidate (the
+    cached step without its miss filter, or the direct step), as servers run it."""
     import torch
 
     from dsaindex.pipelines.bench.decode import exact_topk_of_prefixes, served_step, shares_found
@@ -254,7 +255,7 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
                progress=None, grow_band: int = 0) -> dict[str, dict]:
     """Per B x N (:func:`case_key`): {"baseline": the exact step's timing, "steps": {(bundle index, C, P):
     (median ms, timing mode)}}, every step over the same synthetic keys and queries as its baseline.
-    ``grow_band``: C grown past it as the server grows it (a step past it is a direct one)."""
+    ``grow_band``: C grown past it as the server grows it (a step past it rescores every candidate)."""
     import torch
 
     from dsaindex.pipelines.bench.decode import pq_group_over, pq_step_ms, synthetic_state
@@ -284,9 +285,7 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
                         progress(done, total, f"B={batch} N={keys:,}: {b.label} C={c} P={p}")
                     group = pq_group_over(fp8, scales, codes, codec.codebooks, topk, c, p, cache_for(c), codec=codec,
                                           device=device, host=host, direct_upto=direct_upto,
-                                          filter_width=filter_width, use_triton=use_triton)
-                    if grow_band:
-                        group.grow_past(grow_band)
+                                          filter_width=filter_width, use_triton=use_triton, grow_band=grow_band)
                     ms, _, mode = pq_step_ms(group, q, w, graphs, device)
                     steps[(bi, c, p)] = (ms, mode)
                     group.free_all()
@@ -545,8 +544,8 @@ def bench_frontier(
                                   help="C grows with each doubling of a query's prefix past this "
                                        "many keys, as servers grow it past the band a bundle measured (e.g. 131072 "
                                        "for bundles measured at 128K): the recall of that rule on a longer store, "
-                                       "and its steps' time. 0: C fixed. A step past the band is a direct one, "
-                                       "whatever the batch, as servers run it."),
+                                       "and its steps' time. 0: C fixed. A step past the band rescores every "
+                                       "candidate (no miss filter), whatever the batch, as servers run it."),
     min_prefix: int = typer.Option(None, callback=at_least(1),
                                    help="Only queries with at least this many keys before them (default: 4 x k, and "
                                         "above the largest C: shorter prefixes would be rescored whole)."),
