@@ -29,6 +29,8 @@ from dsaindex.coarse import FILTER_WIDTH, check_filter_width, miss_filter_keep
 from dsaindex.kernels import checks
 
 WAYS = 4
+ONE_TILE_UPTO = 8192  # candidates the plan holds in one tile (a fixed C's); wider lists without the miss filter
+PLAN_CHUNK = 1024  # (a grown C's) go through the chunked kernel, this many candidates at a time
 
 
 def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.Tensor,
@@ -109,7 +111,7 @@ def decode_plan_reference(cand: torch.Tensor, cand_scores: torch.Tensor, cache_p
 def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.Tensor, cache_stamp: torch.Tensor,
                 step: torch.Tensor, n_encoded: torch.Tensor, tail_len: torch.Tensor, topk: int, page: int,
                 miss_filter: bool = True, ways: int = WAYS, spill: int = 256, set_count: torch.Tensor | None = None,
-                filter_width: float = FILTER_WIDTH, num_warps: int | None = None,
+                filter_width: float = FILTER_WIDTH, num_warps: int | None = None, chunk: int | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`decode_plan_reference` in one Triton launch (one program per request).
 
@@ -123,7 +125,9 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     for misses whose set is full; set_count : [B, cap / ways] int32
     zeros, a scratch the kernel leaves zeroed (allocated per call if not given); filter_width : the miss
     filter's margin below the k-th coarse score, in standard deviations; num_warps : the launch's warps
-    (default: 4 candidates a thread, 4 to 16 warps). All on one device. The
+    (default: 4 candidates a thread, 4 to 16 warps); chunk : without the miss filter, take the candidates this
+    many at a time (a power of two; default: :data:`PLAN_CHUNK` past :data:`ONE_TILE_UPTO` candidates, where one
+    tile of all of them would spill registers: a grown C's list), else all at once. All on one device. The
     pool needs ``cap + 1 + page + spill`` rows. Raises ``ValueError`` on an input of the wrong dtype,
     shape or device.
     """
@@ -163,6 +167,18 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
     stats = torch.empty(b, 4, dtype=torch.int32, device=dev)
     if b == 0:
         return src, dst, rows, positions, stats
+    filtered = bool(miss_filter and c > 1)
+    if chunk is None and not filtered and c > ONE_TILE_UPTO:
+        chunk = PLAN_CHUNK
+    if chunk is not None and not filtered:
+        from dsaindex.kernels.decode_plan_kernel import decode_plan_chunked_kernel
+
+        checks.power_of_two("chunk", chunk)
+        decode_plan_chunked_kernel[(b,)](
+            cand.contiguous(), cache_pos, cache_stamp, set_count, step, n_encoded.to(torch.int32).contiguous(),
+            tail_len.to(torch.int32).contiguous(), src, dst, rows, positions, stats, c, CAP=cap, WAYS=ways, PAGE=page,
+            SPILL=spill, CHUNK=chunk, num_warps=num_warps or max(4, min(8, chunk // 128)))
+        return src, dst, rows, positions, stats
     block_c = max(16, triton.next_power_of_2(c))
     warps = min(16, max(4, block_c // 128))  # 4 candidates a thread: with 8 the kernel spilled on the H200
     decode_plan_kernel[(b,)](
@@ -170,5 +186,5 @@ def decode_plan(cand: torch.Tensor, cand_scores: torch.Tensor, cache_pos: torch.
         n_encoded.to(torch.int32).contiguous(), tail_len.to(torch.int32).contiguous(),
         src, dst, rows, positions, stats, c, max(1, min(topk, c)), filter_width,
         CAP=cap, WAYS=ways, PAGE=page, SPILL=spill, BLOCK_C=block_c,
-        MISS_FILTER=bool(miss_filter and c > 1), num_warps=num_warps or warps)
+        MISS_FILTER=filtered, num_warps=num_warps or warps)
     return src, dst, rows, positions, stats

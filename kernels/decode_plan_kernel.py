@@ -108,3 +108,110 @@ def decode_plan_kernel(
     tl.store(stats_ptr + b * 4 + 1, tl.sum(hit.to(tl.int32), axis=0))
     tl.store(stats_ptr + b * 4 + 2, tl.sum(fetch.to(tl.int32), axis=0))
     tl.store(stats_ptr + b * 4 + 3, tl.sum((valid & (keep == 0)).to(tl.int32), axis=0))
+
+
+@triton.jit
+def decode_plan_chunked_kernel(
+    cand_ptr, cache_pos_ptr, cache_stamp_ptr, set_count_ptr, step_ptr, n_encoded_ptr, tail_len_ptr,
+    src_ptr, dst_ptr, rows_ptr, pos_ptr, stats_ptr,  # as decode_plan_kernel's
+    c,
+    CAP: tl.constexpr,
+    WAYS: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPILL: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # decode_plan_kernel without its miss filter, for candidate lists wider than one program holds at once (a
+    # grown C: up to 16K and more): the same three phases, each a loop over CHUNK candidates, the state between
+    # them in the outputs (a hit's row in rows, a miss's cache row in dst, claimed only once every miss of the
+    # request has counted its turn in its set and read its set's stamps)
+    SETS: tl.constexpr = CAP // WAYS
+    b = tl.program_id(0).to(tl.int64)
+    step = tl.load(step_ptr + b) + 1
+    tl.store(step_ptr + b, step)
+    step32 = step.to(tl.int32)
+    ways = tl.arange(0, WAYS)
+    width = c + PAGE
+    n_valid = tl.zeros([], dtype=tl.int32)
+    n_hit = tl.zeros([], dtype=tl.int32)
+    # phase 1: lookups; this step's hits are stamped (their rows are not replaced below), their rows written
+    for start in range(0, c, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        inside = offs < c
+        cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
+        valid = cand >= 0
+        home = tl.where(valid, cand.to(tl.int32) % SETS, 0)
+        held = tl.load(cache_pos_ptr + b * CAP + home[:, None] * WAYS + ways[None, :], mask=valid[:, None], other=-2)
+        match = held.to(tl.int32) == cand.to(tl.int32)[:, None]
+        hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
+        hit_row = home * WAYS + tl.sum(tl.where(match, ways[None, :], 0), axis=1)
+        tl.store(cache_stamp_ptr + b * CAP + hit_row, step, mask=hit)
+        tl.store(rows_ptr + b * width + offs, tl.where(hit, hit_row, -1).to(tl.int32), mask=inside)
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        n_hit += tl.sum(hit.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    # phase 2: each miss's turn in its set (an atomic counter) and the row that turn takes: empty rows first,
+    # then least recently used, never a row hit this step; -1 where its set has no such row left
+    for start in range(0, c, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        inside = offs < c
+        cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
+        hit = tl.load(rows_ptr + b * width + offs, mask=inside, other=-1) >= 0
+        fetch = (cand >= 0) & (hit == 0)
+        home = tl.where(fetch, cand.to(tl.int32) % SETS, 0)
+        at = b * CAP + home[:, None] * WAYS + ways[None, :]
+        empty_way = tl.load(cache_pos_ptr + at, mask=fetch[:, None], other=-2) < 0
+        stamp = tl.load(cache_stamp_ptr + at, mask=fetch[:, None], other=0).to(tl.int32)
+        free = stamp != step32
+        prio = tl.where(free, tl.where(empty_way, -1, stamp), 2147483647)
+        order = tl.zeros([CHUNK, WAYS], dtype=tl.int32)
+        for i in tl.static_range(WAYS):
+            prio_i = tl.sum(tl.where(ways[None, :] == i, prio, 0), axis=1)[:, None]
+            order += ((prio_i < prio) | ((prio_i == prio) & (i < ways[None, :]))).to(tl.int32)
+        n_free = tl.sum(free.to(tl.int32), axis=1)
+        turn = tl.atomic_add(set_count_ptr + b * SETS + home, 1, mask=fetch)
+        owner = fetch & (turn < n_free)
+        way_row = home * WAYS + tl.sum(tl.where(order == turn[:, None], ways[None, :], 0), axis=1)
+        tl.store(dst_ptr + b * c + offs, tl.where(owner, way_row, tl.where(fetch, -1, CAP)).to(tl.int64), mask=inside)
+    tl.debug_barrier()
+    # phase 3: the counters reset, the rows claimed; a miss whose set is full takes a spill row (past the SPILL
+    # rows, it is dropped); the fetch and rescoring lists
+    spilled = tl.zeros([], dtype=tl.int32)
+    n_fetch = tl.zeros([], dtype=tl.int32)
+    n_lost = tl.zeros([], dtype=tl.int32)
+    for start in range(0, c, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        inside = offs < c
+        cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
+        valid = cand >= 0
+        hit_row = tl.load(rows_ptr + b * width + offs, mask=inside, other=-1)
+        hit = hit_row >= 0
+        fetch = valid & (hit == 0)
+        way_row = tl.load(dst_ptr + b * c + offs, mask=inside, other=CAP)
+        owner = fetch & (way_row >= 0)
+        home = tl.where(fetch, cand.to(tl.int32) % SETS, 0)
+        tl.store(set_count_ptr + b * SETS + home, 0, mask=fetch)
+        tl.store(cache_pos_ptr + b * CAP + way_row, cand, mask=owner)
+        tl.store(cache_stamp_ptr + b * CAP + way_row, step, mask=owner)
+        spill = fetch & (owner == 0)
+        spill_rank = spilled + tl.cumsum(spill.to(tl.int32), axis=0) - 1
+        spilled += tl.sum(spill.to(tl.int32), axis=0)
+        lost = spill & (spill_rank >= SPILL)
+        fetch = fetch & (lost == 0)
+        dst = tl.where(owner, way_row, tl.where(fetch, CAP + 1 + PAGE + spill_rank, CAP)).to(tl.int64)
+        tl.store(src_ptr + b * c + offs, tl.where(fetch, cand, -1), mask=inside)
+        tl.store(dst_ptr + b * c + offs, dst, mask=inside)
+        row = tl.where(hit, hit_row, tl.where(fetch, dst, -1).to(tl.int32))
+        tl.store(rows_ptr + b * width + offs, row.to(tl.int32), mask=inside)
+        tl.store(pos_ptr + b * width + offs, tl.where(valid & (lost == 0), cand, -1), mask=inside)
+        n_fetch += tl.sum(fetch.to(tl.int32), axis=0)
+        n_lost += tl.sum(lost.to(tl.int32), axis=0)
+    j = tl.arange(0, PAGE)
+    live = j < tl.load(tail_len_ptr + b)
+    first = tl.load(n_encoded_ptr + b).to(tl.int64)
+    tl.store(rows_ptr + b * width + c + j, tl.where(live, CAP + 1 + j, -1).to(tl.int32))
+    tl.store(pos_ptr + b * width + c + j, tl.where(live, first + j, -1))
+    tl.store(stats_ptr + b * 4 + 0, n_valid)
+    tl.store(stats_ptr + b * 4 + 1, n_hit)
+    tl.store(stats_ptr + b * 4 + 2, n_fetch)
+    tl.store(stats_ptr + b * 4 + 3, n_lost)
