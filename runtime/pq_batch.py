@@ -81,6 +81,7 @@ from dsaindex.kernels.pq_select import (
     score_bound,
     step_growth,
 )
+from dsaindex.kernels.pq_stage2_cuda import STAGE2S
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode, rotate
 from dsaindex.quant import fp8_quantize
@@ -131,6 +132,8 @@ class PQDecodeGroup:
         margin below the k-th coarse score, in standard deviations (wider: more fetches, less recall lost)
     linear_config : launch shape of the stage-1 kernel (``block_n``, ``iters``, ``num_warps`` of
         :func:`pq_linear_topc`; default :func:`~dsaindex.kernels.pq_select.stage1_launch`, by the step's size)
+    stage2 : stage 2's kernel on a GPU (:func:`~dsaindex.kernels.pq_select.pq_candidate_scores`): ``"auto"``
+        (the default), ``"cuda"``, ``"int8"`` (8-bit operands, opt-in) or ``"triton"``
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
@@ -153,7 +156,8 @@ class PQDecodeGroup:
                  candidates: int = 2048, prefilter: int = PREFILTER, cache_capacity: int = 4096, miss_filter: bool = True,
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None,
-                 pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH, direct_upto: int = 0):
+                 pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH, direct_upto: int = 0,
+                 stage2: str = "auto"):
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -172,6 +176,9 @@ class PQDecodeGroup:
         self.topk, self.candidates, self.c1 = topk, candidates, prefilter * candidates
         self.cache_capacity, self.miss_filter = cache_capacity, miss_filter
         self.direct_upto = max(0, direct_upto)
+        if stage2 not in STAGE2S:
+            raise DsaIndexError(f"stage2 {stage2!r} is not a stage-2 kernel.", f"pass one of {', '.join(STAGE2S)}.")
+        self.stage2 = stage2  # stage 2's kernel on the GPU (pq_candidate_scores); the torch reference elsewhere
         self.direct_slack = 256  # a direct step's candidate slots past C: the boundary bin's ties (0.2% wide)
         self.grow_band, self.grow_most = 0, 1  # C grown by the prefix on direct steps (grow_past)
         try:
@@ -456,7 +463,7 @@ class PQDecodeGroup:
             # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
             return pq_coarse_topc(self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
                                   codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                                  max_len=longest, linear_config=self.linear_config)
+                                  max_len=longest, linear_config=self.linear_config, stage2=self.stage2)
         rows1, counts1, coarse = self._coarse_reference(q_code, w, longest)
         cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
         return cand_scores, cand, counts1
@@ -515,7 +522,7 @@ class PQDecodeGroup:
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
                 centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config,
-                grow=(band, most))
+                grow=(band, most), stage2=self.stage2)
             exact, positions, counts = fp8_host_select(
                 self.host.fp8, self.host.scales, self.page_table, rows1, bins, counts1, sel, self.bin_scratch,
                 self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, width)
@@ -546,7 +553,8 @@ class PQDecodeGroup:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
-                centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config, grow=grow)
+                centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config, grow=grow,
+                stage2=self.stage2)
             cand = keep_binned(rows1, bins, counts1, sel, self.bin_scratch, width)
         else:
             rows1, counts1, coarse = self._coarse_reference(q_code, w, longest, grow)

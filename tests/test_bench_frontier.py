@@ -243,6 +243,7 @@ def test_bad_input_is_refused_with_the_fix_before_any_work(routing_store, bundle
         (("-s", str(routing_store), "-a", str(bundles[0]), "--no-timing", "--plot", str(tmp_path / "p.png")),
          "--plot draws speedup against recall"),
         (("-s", str(routing_store)), "No bundle to measure."),
+        (("-s", str(routing_store), "-a", str(bundles[0]), "--stage2", "fp8"), "--stage2 'fp8' is not a stage-2 kernel"),
     ]
     for args, problem in cases:
         proc = run_cli(*base, *args)

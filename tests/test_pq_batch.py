@@ -446,3 +446,30 @@ def test_opq_codec_keeps_the_recall_with_few_candidates_and_paths_agree():
     unrotated, _ = opq_group(lengths, topk=16, candidates=128, use_triton=False, codec=codec)
     unrotated.rotation = None  # codes stay those of rotated keys
     assert overlap(unrotated.select(q, w)[0], exact_topk(keys, q, w, 16)) < 0.8
+
+
+@pytest.mark.usefixtures("torch_encoding")
+def test_the_group_takes_a_stage2_kernel_by_name_and_hands_it_to_stage2():
+    """``stage2``: a name of :data:`~dsaindex.kernels.pq_stage2_cuda.STAGE2S`, refused otherwise with the names;
+    the group's coarse stages ask for that kernel (an explicit CUDA kernel that cannot score these 8-head queries
+    says why, where ``auto`` takes Triton)."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    with pytest.raises(DsaIndexError, match=r"stage2 'fp8' is not a stage-2 kernel.*auto, triton, cuda, int8"):
+        PQDecodeGroup(layer(), HostKeyStore(8, D), 1, 256, 16, candidates=32, prefilter=2, cache_capacity=64,
+                      device=DEV, stage2="fp8")
+    keys = histories([300], seed=2)
+    q, w = queries(1, seed=3)
+    picked = {}
+    for kernel in ("auto", "int8"):
+        group = PQDecodeGroup(layer(), HostKeyStore(8, D), 1, 512, 16, candidates=32, prefilter=2, cache_capacity=64,
+                              device=DEV, stage2=kernel)
+        group.admit(0)
+        group.append(0, keys[0])
+        if kernel == "int8":
+            with pytest.raises(ValueError, match="the CUDA stage 2 scores 64 heads of 128 dims .* got 8 heads"):
+                group.select(q, w)
+        else:
+            picked[kernel] = group.select(q, w)[0]
+    assert picked["auto"].shape == (1, 16)

@@ -2,10 +2,13 @@
 # The decode step's GPU measurements in one run (a CUDA machine with dsaindex installed with its deepgemm extra,
 # CUDA_HOME and DG_JIT_CACHE_DIR set): the GPU tests, tensor-core rates, stage 2's variants, the plugins' step at a
 # fixed and a grown C with each stage 2 side by side, the exact-path rule's grid, and a profile of the grown step at
-# 32 x 1M. Every JSON and a log go to OUT. Usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART]
+# 32 x 1M; with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
+# Every JSON and a log go to OUT. Usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 set -uo pipefail
-OUT=${1:?usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART]}
+OUT=${1:?usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
 LIMIT=${2:-240}
+STORE=${3:-}
+BUNDLE=${4:-}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 D="python3 -m dsaindex"
@@ -32,6 +35,13 @@ timeout "$LIMIT" $D bench paged --batches 32,64 --keys 262144 $common --grow-ban
 part "profile, grown C at 32 x 1M"
 timeout "$LIMIT" $D bench paged --batches 32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile \
     --stage2 auto,int8 --out "$OUT/profile_grown_32x1m.json"
+if [ -n "$STORE" ] && [ -n "$BUNDLE" ]; then
+    for kernel in auto int8; do
+        part "served recall, grown C, stage 2 $kernel"
+        timeout "$LIMIT" $D bench frontier --store "$STORE" --artifacts "$BUNDLE" --candidates 4096 --prefilter 4 \
+            --no-timing --grow-band 131072 --stage2 "$kernel" --no-progress --out "$OUT/recall_grown_$kernel.json"
+    done
+fi
 part "GPU tests"
 timeout "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider
 timeout "$LIMIT" python3 -m pytest -q tests/test_kernel_select.py -k "stage2 or cuda" -p no:cacheprovider

@@ -151,7 +151,8 @@ def check_points(bundles: list[Bundle], candidates: list[int], prefilters: list[
 # ---- recall --------------------------------------------------------------------------------------------
 def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int, candidates: list[int],
                    prefilters: list[int], steps: list[str], filter_width: float, min_prefix: int, max_queries: int,
-                   device: str, use_triton: bool | None, progress=None, grow_band: int = 0) -> tuple[dict, int]:
+                   device: str, use_triton: bool | None, progress=None, grow_band: int = 0,
+                   stage2: str = "auto") -> tuple[dict, int]:
     """Per (bundle index, C, P, step) the held-out queries' results: a list of (layer, prefix keys, share of
     the exact top-k selected, share of the candidates read from host). Returns it and the query count per
     layer measured (the same queries for every point). ``grow_band``: C grows with each query's prefix past
@@ -202,7 +203,8 @@ def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int
                         for step in steps:
                             picked, stats = served_step(b.codecs[layer], prefixes, q, w, topk, c, p, cache_for(c),
                                                         step, device, use_triton, encoded=encoded, host=host,
-                                                        filter_width=filter_width, grow_band=grow_band)
+                                                        filter_width=filter_width, grow_band=grow_band,
+                                                        stage2=stage2)
                             fetched = (stats.fetched.float() / stats.candidates.clamp_min(1).float()).tolist()
                             results.setdefault((bi, c, p, step), []).extend(
                                 (layer, n, share, f)
@@ -252,7 +254,7 @@ def recorded_recall(manifest, layers: list[int], topk: int, prefilter: int, cand
 # ---- timing --------------------------------------------------------------------------------------------
 def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: list[int], prefilters: list[int],
                heads: int, topk: int, direct_upto: int, filter_width: float, graphs: bool, device: str,
-               progress=None, grow_band: int = 0) -> dict[str, dict]:
+               progress=None, grow_band: int = 0, stage2: str = "auto") -> dict[str, dict]:
     """Per B x N (:func:`case_key`): {"baseline": the exact step's timing, "steps": {(bundle index, C, P):
     (median ms, timing mode)}}, every step over the same synthetic keys and queries as its baseline.
     ``grow_band``: C grown past it as the server grows it (a step past it rescores every candidate)."""
@@ -285,7 +287,8 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
                         progress(done, total, f"B={batch} N={keys:,}: {b.label} C={c} P={p}")
                     group = pq_group_over(fp8, scales, codes, codec.codebooks, topk, c, p, cache_for(c), codec=codec,
                                           device=device, host=host, direct_upto=direct_upto,
-                                          filter_width=filter_width, use_triton=use_triton, grow_band=grow_band)
+                                          filter_width=filter_width, use_triton=use_triton, grow_band=grow_band,
+                                          stage2=stage2)
                     ms, _, mode = pq_step_ms(group, q, w, graphs, device)
                     steps[(bi, c, p)] = (ms, mode)
                     group.free_all()
@@ -555,6 +558,8 @@ def bench_frontier(
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs (as servers "
                                                                "run decode)."),
     device: str = typer.Option("auto", help="Where recall is measured and steps are timed: cpu, cuda or auto."),
+    stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel on a GPU: auto (the default), cuda, int8 "
+                                                       "(8-bit operands) or triton; the CPU runs the torch reference."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the tables as markdown to this file."),
     plot: Path = typer.Option(None, help="Also draw speedup against recall (one panel per B x N, the Pareto front "
@@ -588,6 +593,10 @@ def bench_frontier(
         width = check_filter_width(filter_width)
     except ValueError as err:
         raise DsaIndexError(f"--filter-width {filter_width}: {err}.", "pass a width of at least 0.") from None
+    from dsaindex.kernels.pq_stage2_cuda import STAGE2S
+
+    if stage2 not in STAGE2S:
+        raise DsaIndexError(f"--stage2 {stage2!r} is not a stage-2 kernel.", f"pass one of {', '.join(STAGE2S)}.")
     device = resolve_device(device)
     cuda = device.startswith("cuda")
     timed_run = cuda if timing is None else timing
@@ -622,7 +631,7 @@ def bench_frontier(
     use_triton = None if cuda else False  # on the CPU the kernels' torch references (a CPU server runs them)
     with progress_bar("served recall", enabled=show_progress, unit="layers") as update:
         results, counts = measure_recall(cstore, bundles, sequences, k, cs, ps, steps, width, min_prefix, queries,
-                                         device, use_triton, update, grow_band)
+                                         device, use_triton, update, grow_band, stage2)
     if not any(counts.values()):
         raise DsaIndexError(f"No held-out query of {display(store_ref)} (sequences {sequences}) has {min_prefix} keys "
                             "or more before it.",
@@ -633,7 +642,7 @@ def bench_frontier(
     if timed_run:
         with progress_bar("decode steps", enabled=show_progress, unit="steps") as update:
             timings = time_cases(cases, bundles, cs, ps, geometry.n_heads, k, direct_upto, width, graphs, device,
-                                 update, grow_band)
+                                 update, grow_band, stage2)
     rows = []
     for bi, b in enumerate(bundles):
         for c in cs:
@@ -656,7 +665,7 @@ def bench_frontier(
         "queries_per_layer": queries, "queries": sum(counts.values()),
         "queries_by_layer": {str(layer): n for layer, n in counts.items()},
         "recall_target": target, "filter_width": width, "direct_upto": direct_upto, "steps": steps,
-        "grow_band": grow_band,
+        "grow_band": grow_band, "stage2": stage2,
         "selection": "the runtime's Triton kernels" if cuda else "the kernels' torch references (CPU)",
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "timing": {"skipped": None if timed_run else ("--no-timing" if timing is False else "no CUDA device"),
