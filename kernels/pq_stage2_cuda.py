@@ -526,6 +526,27 @@ def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     return q8, (w * tau).contiguous(), book8, bounds
 
 
+def int8_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                          codebook: torch.Tensor) -> torch.Tensor:
+    """Stage 2's scores [B, R] float32 as the int8 kernel computes them (-inf where ``rows`` is -1): the operands
+    of :func:`int8_operands`, ``sum_h w8_h relu(q8_h . k8)`` with the integer products exact. ``codes`` [B, N, 32]
+    uint8, ``rows`` [B, R] int; the rest as :func:`int8_operands`. Torch ops on any device: the int8 kernel's
+    spec, and what a CPU run of ``stage2="int8"`` scores with."""
+    import torch
+
+    if tuple(codebook.shape) != (SUBSPACES, CENTROIDS, DIM // SUBSPACES) or queries.shape[-1] != DIM:
+        raise ValueError(f"the int8 stage 2 scores {DIM}-dim queries against product codes of {SUBSPACES} x "
+                         f"{CENTROIDS} centroids: got {queries.shape[-1]} dims and a codebook of shape "
+                         f"{tuple(codebook.shape)}")
+    q8, w8, book8, _ = int8_operands(queries, head_weights, codebook, 1.0)
+    b, r = rows.shape
+    picked = codes.gather(1, rows.clamp_min(0).long()[:, :, None].expand(b, r, codes.shape[2])).long()  # [B, R, M]
+    keys = book8.long()[torch.arange(SUBSPACES, device=codes.device)[None, None, :], picked]  # [B, R, M, DIM / M]
+    dots = torch.einsum("brd,bhd->brh", keys.reshape(b, r, DIM), q8.long()).double()
+    out = (dots.clamp_min(0) * w8.double()[:, None, :]).sum(-1).float()
+    return torch.where(rows >= 0, out, torch.full_like(out, float("-inf")))
+
+
 def pq_stage2(codes: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor,
               head_weights: torch.Tensor, codebook: torch.Tensor, scores: torch.Tensor | None = None,
               bins: torch.Tensor | None = None, scratch: torch.Tensor | None = None,

@@ -81,7 +81,7 @@ from dsaindex.kernels.pq_select import (
     score_bound,
     step_growth,
 )
-from dsaindex.kernels.pq_stage2_cuda import STAGE2S
+from dsaindex.kernels.pq_stage2_cuda import STAGE2S, int8_scores_reference
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode, rotate
 from dsaindex.quant import fp8_quantize
@@ -133,7 +133,9 @@ class PQDecodeGroup:
     linear_config : launch shape of the stage-1 kernel (``block_n``, ``iters``, ``num_warps`` of
         :func:`pq_linear_topc`; default :func:`~dsaindex.kernels.pq_select.stage1_launch`, by the step's size)
     stage2 : stage 2's kernel on a GPU (:func:`~dsaindex.kernels.pq_select.pq_candidate_scores`): ``"auto"``
-        (the default), ``"cuda"``, ``"int8"`` (8-bit operands, opt-in) or ``"triton"``
+        (the default), ``"cuda"``, ``"int8"`` (8-bit operands, opt-in) or ``"triton"``; without the kernels
+        (``use_triton`` off) ``"int8"`` scores with its arithmetic
+        (:func:`~dsaindex.kernels.pq_stage2_cuda.int8_scores_reference`), the others with the bf16 reference
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
@@ -478,6 +480,8 @@ class PQDecodeGroup:
         _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
         counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
+        if self.stage2 == "int8":  # the int8 kernel's own arithmetic, so a CPU run measures what it selects
+            return rows1, counts1, int8_scores_reference(codes, rows1, q_code, w, self.codebooks_bf16)
         return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
 
     def grow_past(self, band: int, most: int | None = None) -> tuple[int, int]:

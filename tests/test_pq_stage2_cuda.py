@@ -167,8 +167,8 @@ def test_a_block_scores_about_half_of_its_share_of_the_stage1_slots():
 
 def _int8_reference(codes: torch.Tensor, rows: torch.Tensor, q8: torch.Tensor, w8: torch.Tensor,
                     book8: torch.Tensor) -> torch.Tensor:
-    """``sum_h w8_h relu(q8_h . k8)`` of each candidate (-inf where none): the int8 kernel's arithmetic, the
-    products exact in int64."""
+    """``sum_h w8_h relu(q8_h . k8)`` of each candidate (-inf where none), from the operands, written apart from
+    the module's :func:`int8_scores_reference` (which makes its operands itself): the products exact in int64."""
     b, r = rows.shape
     keys = torch.stack([book8[s][codes[:, :, s].long()] for s in range(M)], dim=2).reshape(b, -1, D).long()
     picked = keys.gather(1, rows.clamp_min(0).long()[:, :, None].expand(b, r, D))  # [B, R, D]
@@ -224,6 +224,9 @@ def test_the_int8_operands_keep_the_bf16_scores_and_their_top_candidates():
     q8, w8, book8, _ = int8_operands(queries, weights, codebook, 1.0)
     exact = pq_candidate_scores_reference(codes, rows, queries, weights, codebook)
     rounded = _int8_reference(codes, rows, q8, w8, book8)
+    from dsaindex.kernels.pq_stage2_cuda import int8_scores_reference
+
+    torch.testing.assert_close(int8_scores_reference(codes, rows, queries, weights, codebook), rounded)
     moved = (rounded - exact).abs() / (exact.amax(1) - exact.amin(1))[:, None]  # here 0.2% mean, 1.1% at most
     assert moved.mean() < 0.003 and moved.max() < 0.02
     for c in (r // 4, r // 16):  # random scores crowd at any boundary: 99.2-99.6% kept here
@@ -231,3 +234,39 @@ def test_the_int8_operands_keep_the_bf16_scores_and_their_top_candidates():
             top_exact = set(exact[i].topk(c).indices.tolist())
             top_rounded = set(rounded[i].topk(c).indices.tolist())
             assert len(top_exact & top_rounded) / c > 0.98
+
+
+def test_a_cpu_group_asked_for_int8_scores_with_its_arithmetic():
+    """Without the kernels (``use_triton`` off), ``stage2="int8"`` scores stage 2 with the int8 kernel's own
+    arithmetic (what a CPU run of ``bench frontier --stage2 int8`` measures), the others with the bf16 reference:
+    the two groups' coarse scores differ by the 8-bit rounding only, and the int8 ones are the reference's
+    exactly. A code the int8 form cannot take is refused."""
+    from dsaindex.kernels.pq_stage2_cuda import int8_scores_reference
+    from dsaindex.pq import PQCodec
+    from dsaindex.runtime.host_store import HostKeyStore
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    g = torch.Generator().manual_seed(3)
+    codec = PQCodec(torch.randn(M, K, D // M, generator=g) * 0.3)
+    keys = torch.randn(700, D, generator=g)
+    q, w = torch.randn(1, H, D, generator=g), torch.rand(1, H, generator=g) * 0.1
+    coarse = {}
+    for kernel in ("auto", "int8"):
+        group = PQDecodeGroup(codec, HostKeyStore(16, D, pin=False), 1, 1024, 64, candidates=128, prefilter=2,
+                              cache_capacity=256, device="cpu", use_triton=False, stage2=kernel)
+        group.admit(0)
+        group.append(0, keys)
+        longest = group.encoded_host[0]
+        rows1, _, coarse[kernel] = group._coarse_reference(q.to(torch.bfloat16), w, longest)
+        codes = group.codes[:, :longest]
+    live = rows1 >= 0
+    assert torch.equal(coarse["int8"], int8_scores_reference(codes, rows1, q.to(torch.bfloat16), w,
+                                                             group.codebooks_bf16))
+    moved = (coarse["int8"] - coarse["auto"])[live].abs() / (coarse["auto"][live].max() - coarse["auto"][live].min())
+    assert 0 < float(moved.max()) < 0.02
+    pq16 = PQDecodeGroup(PQCodec(torch.randn(16, K, D // 16)), HostKeyStore(16, D, pin=False), 1, 1024, 64,
+                         candidates=128, prefilter=2, cache_capacity=256, device="cpu", use_triton=False, stage2="int8")
+    pq16.admit(0)
+    pq16.append(0, keys)
+    with pytest.raises(ValueError, match="product codes of 32 x 256 centroids"):
+        pq16.select(q, w)
