@@ -182,7 +182,7 @@ class PQDecodeGroup:
             raise DsaIndexError(f"stage2 {stage2!r} is not a stage-2 kernel.", f"pass one of {', '.join(STAGE2S)}.")
         self.stage2 = stage2  # stage 2's kernel on the GPU (pq_candidate_scores); the torch reference elsewhere
         self.direct_slack = 256  # a direct step's candidate slots past C: the boundary bin's ties (0.2% wide)
-        self.grow_band, self.grow_most = 0, 1  # C grown by the prefix on direct steps (grow_past)
+        self.grow_band, self.grow_most = 0, 1  # C grown by the prefix (grow_past)
         try:
             self.filter_width = check_filter_width(filter_width)
         except ValueError as err:
