@@ -358,6 +358,18 @@ def test_eval_warm_replays_decode_windows_through_the_runtime_cache(trained, mon
     assert narrow["warm_recall_filter"] == small["warm_recall_filter"]
     assert wide["warm_recall_filter"] == small["warm_recall_rerank"] and wide["warm_filter_loss"] == 0
     assert wide["warm_fetch_share"] > narrow["warm_fetch_share"]
+    # C grown past a band below every window's prefix: each step keeps its grown C and rescores every candidate
+    # (its filter run selects as its no-filter run), more recall than the fixed C, the cache sized for the growth
+    # still holding most of a step's candidates the next step
+    proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--candidates", "64",
+                   "--warm", "--warm-candidates", "64", "--cache", "128", "--prefilter", "2", "--device", "cpu",
+                   "--grow-band", "128", "--json")
+    assert proc.returncode == 0, proc.stderr
+    grown = json.loads(proc.stdout)["warm"]
+    assert grown["grow_band"] == 128 and grown["mean"]["mean_prefix"] > 256
+    assert grown["mean"]["warm_recall_filter"] == grown["mean"]["warm_recall_rerank"] > small["warm_recall_rerank"]
+    assert grown["mean"]["warm_filter_loss"] == 0
+    assert grown["mean"]["warm_fetch_share"] < 0.5 * grown["mean"]["cold_fetch_share"]
     proc = run_cli("eval", "pq", str(bundle), "--store", str(store), "--eval-queries", "4", "--warm",
                    "--device", "cpu", "--filter-width", "1,-2")
     assert proc.returncode != 0 and "--filter-width" in proc.stderr and "Traceback" not in proc.stderr

@@ -648,12 +648,14 @@ def _evaluate_layer_task(layer: int, device: str, location: str, eval_seq: list[
 
 def evaluate_bundle_warm(bundle: str | Path, store_path: str | Path, candidates: int = 2048, prefilter: int = PREFILTER,
                          cache: int = 4096, min_prefix: int = 0, device: str = "cpu",
-                         progress: Progress | None = None, filter_widths: tuple[float, ...] | None = None) -> dict:
+                         progress: Progress | None = None, filter_widths: tuple[float, ...] | None = None,
+                         grow_band: int = 0) -> dict:
     """Steady-state decode recall of a PQ bundle on a store's held-out decode windows, replayed through
     the runtime's group and cache (:func:`dsaindex.train.warm_cache.warm_window_recall`), once per miss
-    filter width."""
+    filter width; ``grow_band``: C grown past it."""
     from dsaindex.train.warm_cache import warm_window_recall
 
     manifest, codecs, store, eval_seq = _bundle_on_store(bundle, store_path)
     return warm_window_recall(store, codecs, eval_seq, manifest.model.geometry.topk, candidates, prefilter, cache,
-                              min_prefix, device=device, progress=progress, filter_widths=filter_widths)
+                              min_prefix, device=device, progress=progress, filter_widths=filter_widths,
+                              grow_band=grow_band)

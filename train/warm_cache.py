@@ -52,10 +52,10 @@ def decode_windows(store: CaptureStore, sequences: list[int]) -> list[tuple[int,
 
 def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: torch.Tensor, weights: torch.Tensor,
             topk: int, candidates: int, prefilter: int, cache: int, filter_width: float | None, device: str,
-            use_triton: bool | None) -> list[dict[str, float]]:
+            use_triton: bool | None, grow_band: int = 0) -> list[dict[str, float]]:
     """One window's steps through a fresh one-request group: per step the selection's recall of the exact
     top-k, and the shares of the candidates fetched from host and held by the cache. ``filter_width``
-    None: no miss filter."""
+    None: no miss filter. ``grow_band``: C grown past it (:meth:`PQDecodeGroup.grow_past`)."""
     from dsaindex.kernels.fp8_score import fp8_topk_reference
     from dsaindex.quant import fp8_quantize
     from dsaindex.runtime.host_store import HostKeyStore
@@ -66,6 +66,8 @@ def _replay(codec: PQCodec, keys: torch.Tensor, visible: list[int], queries: tor
                           prefilter=prefilter, cache_capacity=cache, miss_filter=filter_width is not None,
                           filter_width=FILTER_WIDTH if filter_width is None else filter_width, device=device,
                           use_triton=use_triton)
+    if grow_band:
+        group.grow_past(grow_band)
     group.admit(0)
     fp8, scales = fp8_quantize(keys[:n].to(device).float())
     fp8 = fp8.view(torch.uint8)[None]
@@ -90,7 +92,7 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
                        candidates: int = 2048, prefilter: int = PREFILTER, cache: int = 4096, min_prefix: int = 0,
                        max_windows: int | None = None, device: str = "cpu", use_triton: bool | None = None,
                        progress: Callable[[int, int, str], None] | None = None,
-                       filter_widths: tuple[float, ...] | None = None) -> dict:
+                       filter_widths: tuple[float, ...] | None = None, grow_band: int = 0) -> dict:
     """Replay the decode windows of held-out ``sequences`` through each layer's runtime group (module
     docstring). Windows whose first step sees fewer than ``min_prefix`` keys are skipped.
 
@@ -100,7 +102,9 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
     and ``warm_hit_share`` (shares of the candidates per step), ``cold_recall_filter`` and
     ``cold_fetch_share`` (the first steps), ``fetch_share_by_step`` (mean per step index), all for the
     first of ``filter_widths`` (default: :data:`dsaindex.coarse.FILTER_WIDTH` alone); ``by_width``
-    {width: the filter's metrics} for each of them."""
+    {width: the filter's metrics} for each of them. ``grow_band``: C grows with each doubling of the prefix past
+    it, as servers grow it (a grown step keeps every candidate: its filter and no-filter runs select alike), the
+    device cache sized for the growth."""
     widths = tuple(float(w) for w in filter_widths) if filter_widths else (FILTER_WIDTH,)
     key_format = store.manifest.model.geometry.key_format
     position = store.array("query_position").astype(np.int64)
@@ -123,7 +127,7 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
             weights = torch.from_numpy(store.head_weights(layer)[rows])
             for width in runs:
                 runs[width].append(_replay(codec, keys, visible, queries, weights, topk, candidates, prefilter,
-                                           cache, width, device, use_triton))
+                                           cache, width, device, use_triton, grow_band))
             done += 1
             if progress:
                 progress(done, total, f"layer {layer}")
@@ -139,7 +143,7 @@ def warm_window_recall(store: CaptureStore, codecs: dict[int, PQCodec], sequence
     return {"per_layer": per_layer, "mean": mean, "windows": len(windows),
             "steps_per_window": len(windows[0][2]) if windows else 0,
             "topk": topk, "candidates": candidates, "prefilter": prefilter, "cache": cache,
-            "filter_width": widths[0]}
+            "filter_width": widths[0], "grow_band": grow_band}
 
 
 _WIDTH_KEYS = ("warm_recall_filter", "warm_filter_loss", "warm_fetch_share", "warm_hit_share", "cold_recall_filter",

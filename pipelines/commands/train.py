@@ -194,6 +194,10 @@ def eval_pq_cmd(
                                                                "multiple of 4, at least C)."),
     min_prefix: int = typer.Option(0, callback=at_least(0), help="--warm: skip windows starting before this many "
                                                                  "keys."),
+    grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
+                                  help="--warm: C grows with each doubling of the prefix past this many keys, as "
+                                       "servers grow it (every candidate rescored, the device cache sized for the "
+                                       "growth): the steady state's host fetches of that step. 0: C fixed."),
     device: str = typer.Option("auto", help="Where the held-out keys are coded and scored, and --warm replays: "
                                             "cpu, cuda or auto."),
     filter_width: str = typer.Option(f"{DECODE.filter_width:g}", help="--warm: the miss filter's margin below the k-th coarse score, "
@@ -227,7 +231,8 @@ def eval_pq_cmd(
     if warm:
         with progress_bar("decode windows", enabled=not as_json, unit="windows") as update:
             steady = evaluate_bundle_warm(bundle, store, warm_candidates, prefilter, cache, min_prefix,
-                                          resolve_device(device), progress=update, filter_widths=widths)
+                                          resolve_device(device), progress=update, filter_widths=widths,
+                                          grow_band=grow_band)
     if as_json:
         print_json({"per_layer": {str(k): v for k, v in result["per_layer"].items()}, "mean": result["mean"]}
                    | ({"warm": steady | {"per_layer": {str(k): v for k, v in steady["per_layer"].items()}}}
