@@ -493,3 +493,32 @@ def test_tracking_server_silent_mid_registration(tmp_path):
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_an_alias_write_that_loses_a_race_on_its_row_is_written_again():
+    """Two writers of one alias on a tracking server can insert its row at once: the loser's write fails whole
+    with a unique-constraint violation (PostgreSQL's words here), and is written again; any other error, or a
+    race lost every time, is raised."""
+    from dsaindex.artifacts.registry.tracking import _set_alias
+
+    class Client:
+        def __init__(self, failures, text):
+            self.failures, self.text, self.written = failures, text, []
+
+        def set_registered_model_alias(self, name, alias, version):
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError(self.text)
+            self.written.append((name, alias, version))
+
+    race = ('BAD_REQUEST: (psycopg2.errors.UniqueViolation) duplicate key value violates unique constraint '
+            '"registered_model_alias_pk"')
+    client = Client(2, race)
+    _set_alias(client, "m", "candidate", 3)
+    assert client.written == [("m", "candidate", 3)] and client.failures == 0
+    with pytest.raises(RuntimeError, match="RESOURCE_DOES_NOT_EXIST"):
+        _set_alias(Client(1, "RESOURCE_DOES_NOT_EXIST: no model m"), "m", "candidate", 3)
+    lost = Client(10, race)
+    with pytest.raises(RuntimeError, match="UniqueViolation"):
+        _set_alias(lost, "m", "candidate", 3, attempts=3)
+    assert lost.failures == 7 and not lost.written

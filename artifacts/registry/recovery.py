@@ -34,6 +34,7 @@ from dsaindex.artifacts.registry.tracking import (
     TAG,
     _call,
     _error_code,
+    _set_alias,
 )
 
 # the run tag naming the registering process ({"pid", "host"}): its run is undone once that process is gone
@@ -269,5 +270,5 @@ def _point_candidate(client, name: str, floor: str | None = None, rounds: int = 
         target = str(newest)
         if _alias_version(client, name, CANDIDATE) == target:
             return target
-        _call(client.set_registered_model_alias, name, CANDIDATE, target)
+        _set_alias(client, name, CANDIDATE, target)
     return target

@@ -199,6 +199,26 @@ def _error_code(err: Exception) -> str:
     return str(getattr(err, "error_code", ""))
 
 
+# what a tracking server's database says when two writers insert the same alias row at once (PostgreSQL, MySQL,
+# sqlite): the loser's write failed whole, and writing the alias again is the same write
+_ALIAS_RACE = ("duplicate key value violates unique constraint", "UniqueViolation", "Duplicate entry",
+               "UNIQUE constraint failed")
+
+
+def _set_alias(client: Any, name: str, alias: str, version: str | int, attempts: int = 6) -> None:
+    """``client.set_registered_model_alias`` (through :func:`_call`), written again when another writer's
+    write of the same alias won a race on its row (the server reports a unique-constraint violation: a server
+    writes an alias as delete-then-insert, and two inserts can meet)."""
+    for attempt in range(attempts):
+        try:
+            _call(client.set_registered_model_alias, name, alias, version)
+            return
+        except Exception as err:  # noqa: BLE001 - MlflowException / RestException wrap the database's error
+            if not any(text in str(err) for text in _ALIAS_RACE) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
+
+
 _CREDENTIALS_FIX = ("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (the server's basic auth) or "
                     "MLFLOW_TRACKING_TOKEN (a bearer token) to credentials the server accepts, then retry.")
 

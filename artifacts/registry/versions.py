@@ -9,7 +9,7 @@ from typing import Any
 from dsaindex.artifacts.registry.names import _check_name
 from dsaindex.artifacts.registry.recovery import _alias_version, _effective_aliases, _registering, _unfinished
 from dsaindex.artifacts.registry.session import _session
-from dsaindex.artifacts.registry.tracking import _LIST_FIX, PRODUCTION, _call, _error_code
+from dsaindex.artifacts.registry.tracking import _LIST_FIX, PRODUCTION, _call, _error_code, _set_alias
 from dsaindex.errors import DsaIndexError
 
 
@@ -77,7 +77,7 @@ def promote(name: str, version: str | int, alias: str = PRODUCTION, tracking_uri
     with _session(tracking_uri) as client:
         number = _resolve(client, name, str(version))
         previous = _alias_version(client, name, alias)
-        _call(client.set_registered_model_alias, name, alias, number)
+        _set_alias(client, name, alias, number)
     return {"name": name, "version": int(number), "alias": alias,
             "previous": int(previous) if previous is not None else None}
 
