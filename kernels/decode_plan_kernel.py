@@ -8,6 +8,41 @@ from dsaindex.kernels.topk_kernel import key_value, kth_key, order_keys
 
 
 @triton.jit
+def set_lookup(cache_pos_ptr, cand, valid, SETS: tl.constexpr, WAYS: tl.constexpr):
+    """A candidate's cache lookup: a position lives only in set (position % SETS), in any of its WAYS rows.
+    ``cache_pos_ptr``: the request's row of cache positions. Returns (home set, its rows' positions [C, WAYS],
+    hit, hit row)."""
+    home = tl.where(valid, cand.to(tl.int32) % SETS, 0)
+    ways = tl.arange(0, WAYS)
+    held = tl.load(cache_pos_ptr + home[:, None] * WAYS + ways[None, :], mask=valid[:, None], other=-2)
+    match = held.to(tl.int32) == cand.to(tl.int32)[:, None]
+    hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
+    hit_row = home * WAYS + tl.sum(tl.where(match, ways[None, :], 0), axis=1)
+    return home, held, hit, hit_row
+
+
+@triton.jit
+def miss_rows(cache_stamp_ptr, set_count_ptr, home, held, fetch, step32, WAYS: tl.constexpr):
+    """Each miss's turn in its set (an atomic counter, ``set_count_ptr`` the request's) and the row that turn
+    takes: empty rows first, then least recently used, never a row hit this step (stamped ``step32``).
+    Returns (owner: a row was free for it, that row)."""
+    ways = tl.arange(0, WAYS)
+    empty_way = held < 0
+    stamp = tl.load(cache_stamp_ptr + home[:, None] * WAYS + ways[None, :], mask=fetch[:, None], other=0).to(tl.int32)
+    free = stamp != step32
+    prio = tl.where(free, tl.where(empty_way, -1, stamp), 2147483647)
+    order = tl.zeros(prio.shape, dtype=tl.int32)
+    for i in tl.static_range(WAYS):
+        prio_i = tl.sum(tl.where(ways[None, :] == i, prio, 0), axis=1)[:, None]
+        order += ((prio_i < prio) | ((prio_i == prio) & (i < ways[None, :]))).to(tl.int32)
+    n_free = tl.sum(free.to(tl.int32), axis=1)
+    turn = tl.atomic_add(set_count_ptr + home, 1, mask=fetch)
+    owner = fetch & (turn < n_free)
+    way_row = home * WAYS + tl.sum(tl.where(order == turn[:, None], ways[None, :], 0), axis=1)
+    return owner, way_row
+
+
+@triton.jit
 def decode_plan_kernel(
     cand_ptr,  # [B, C] int64 candidate positions, any order (-1 = none)
     score_ptr,  # [B, C] float32 their coarse scores (-inf for none)
@@ -41,18 +76,10 @@ def decode_plan_kernel(
     cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
     score = tl.load(score_ptr + b * c + offs, mask=inside, other=float("-inf"))
     valid = cand >= 0
-    pos32 = cand.to(tl.int32)
     step = tl.load(step_ptr + b) + 1
     tl.store(step_ptr + b, step)
     step32 = step.to(tl.int32)
-    # lookup: a position lives only in set (position % SETS), in any of its WAYS rows
-    home = tl.where(valid, pos32 % SETS, 0)
-    ways = tl.arange(0, WAYS)
-    held = tl.load(cache_pos_ptr + b * CAP + home[:, None] * WAYS + ways[None, :], mask=valid[:, None], other=-2)
-    match = held.to(tl.int32) == pos32[:, None]
-    hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
-    hit_row = home * WAYS + tl.sum(tl.where(match, ways[None, :], 0), axis=1)
-    empty_way = held < 0
+    home, held, hit, hit_row = set_lookup(cache_pos_ptr + b * CAP, cand, valid, SETS, WAYS)
     keep = hit | valid
     if MISS_FILTER:  # LeanSparse: drop misses below (k-th best coarse score - filter_width std of the scores)
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
@@ -69,18 +96,7 @@ def decode_plan_kernel(
     tl.debug_barrier()
     # phase 2: each kept miss takes a row of its set: empty rows first, then least recently used, never
     # a row hit this step; the misses of one set are numbered by an atomic counter
-    stamp = tl.load(cache_stamp_ptr + b * CAP + home[:, None] * WAYS + ways[None, :], mask=fetch[:, None],
-                    other=0).to(tl.int32)
-    free = stamp != step32
-    prio = tl.where(free, tl.where(empty_way, -1, stamp), 2147483647)
-    order = tl.zeros([BLOCK_C, WAYS], dtype=tl.int32)
-    for i in tl.static_range(WAYS):
-        prio_i = tl.sum(tl.where(ways[None, :] == i, prio, 0), axis=1)[:, None]
-        order += ((prio_i < prio) | ((prio_i == prio) & (i < ways[None, :]))).to(tl.int32)
-    n_free = tl.sum(free.to(tl.int32), axis=1)
-    turn = tl.atomic_add(set_count_ptr + b * SETS + home, 1, mask=fetch)
-    owner = fetch & (turn < n_free)
-    way_row = home * WAYS + tl.sum(tl.where(order == turn[:, None], ways[None, :], 0), axis=1)
+    owner, way_row = miss_rows(cache_stamp_ptr + b * CAP, set_count_ptr + b * SETS, home, held, fetch, step32, WAYS)
     tl.debug_barrier()
     # phase 3: reset the counters, claim the rows; a miss whose set is full goes to a spill row (past the
     # SPILL rows, it is dropped)
@@ -130,7 +146,6 @@ def decode_plan_chunked_kernel(
     step = tl.load(step_ptr + b) + 1
     tl.store(step_ptr + b, step)
     step32 = step.to(tl.int32)
-    ways = tl.arange(0, WAYS)
     width = c + PAGE
     n_valid = tl.zeros([], dtype=tl.int32)
     n_hit = tl.zeros([], dtype=tl.int32)
@@ -140,11 +155,7 @@ def decode_plan_chunked_kernel(
         inside = offs < c
         cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
         valid = cand >= 0
-        home = tl.where(valid, cand.to(tl.int32) % SETS, 0)
-        held = tl.load(cache_pos_ptr + b * CAP + home[:, None] * WAYS + ways[None, :], mask=valid[:, None], other=-2)
-        match = held.to(tl.int32) == cand.to(tl.int32)[:, None]
-        hit = valid & (tl.sum(match.to(tl.int32), axis=1) > 0)
-        hit_row = home * WAYS + tl.sum(tl.where(match, ways[None, :], 0), axis=1)
+        _, _, hit, hit_row = set_lookup(cache_pos_ptr + b * CAP, cand, valid, SETS, WAYS)
         tl.store(cache_stamp_ptr + b * CAP + hit_row, step, mask=hit)
         tl.store(rows_ptr + b * width + offs, tl.where(hit, hit_row, -1).to(tl.int32), mask=inside)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
@@ -158,20 +169,9 @@ def decode_plan_chunked_kernel(
         cand = tl.load(cand_ptr + b * c + offs, mask=inside, other=-1)
         hit = tl.load(rows_ptr + b * width + offs, mask=inside, other=-1) >= 0
         fetch = (cand >= 0) & (hit == 0)
-        home = tl.where(fetch, cand.to(tl.int32) % SETS, 0)
-        at = b * CAP + home[:, None] * WAYS + ways[None, :]
-        empty_way = tl.load(cache_pos_ptr + at, mask=fetch[:, None], other=-2) < 0
-        stamp = tl.load(cache_stamp_ptr + at, mask=fetch[:, None], other=0).to(tl.int32)
-        free = stamp != step32
-        prio = tl.where(free, tl.where(empty_way, -1, stamp), 2147483647)
-        order = tl.zeros([CHUNK, WAYS], dtype=tl.int32)
-        for i in tl.static_range(WAYS):
-            prio_i = tl.sum(tl.where(ways[None, :] == i, prio, 0), axis=1)[:, None]
-            order += ((prio_i < prio) | ((prio_i == prio) & (i < ways[None, :]))).to(tl.int32)
-        n_free = tl.sum(free.to(tl.int32), axis=1)
-        turn = tl.atomic_add(set_count_ptr + b * SETS + home, 1, mask=fetch)
-        owner = fetch & (turn < n_free)
-        way_row = home * WAYS + tl.sum(tl.where(order == turn[:, None], ways[None, :], 0), axis=1)
+        home, held, _, _ = set_lookup(cache_pos_ptr + b * CAP, cand, fetch, SETS, WAYS)
+        owner, way_row = miss_rows(cache_stamp_ptr + b * CAP, set_count_ptr + b * SETS, home, held, fetch, step32,
+                                   WAYS)
         tl.store(dst_ptr + b * c + offs, tl.where(owner, way_row, tl.where(fetch, -1, CAP)).to(tl.int64), mask=inside)
     tl.debug_barrier()
     # phase 3: the counters reset, the rows claimed; a miss whose set is full takes a spill row (past the SPILL

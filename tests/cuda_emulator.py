@@ -103,12 +103,16 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 static unsigned emu_frag_a[64][32][4], emu_frag_b[64][32][2];
 static const void* emu_rows[64][32];
 inline float emu_bf16(unsigned word, int high) { return __uint_as_float(high ? word & 0xffff0000u : word << 16); }
-inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+inline void emu_deposit(const unsigned* a, unsigned b0, unsigned b1) {  // a lane's fragments, then the warp meets
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     for (int i = 0; i < 4; ++i) emu_frag_a[w][l][i] = a[i];
     emu_frag_b[w][l][0] = b0;
     emu_frag_b[w][l][1] = b1;
     emu_warps[w]->arrive_and_wait();
+}
+inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+    emu_deposit(a, b0, b1);
     for (int i = 0; i < 4; ++i) {  // c[i]: row g + 8 (i / 2), column 2t + i % 2
         const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
         float sum = 0.0f;
@@ -126,10 +130,7 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 inline int emu_s8(unsigned word, int byte) { return (int)(signed char)((word >> (8 * byte)) & 0xffu); }
 inline void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
-    for (int i = 0; i < 4; ++i) emu_frag_a[w][l][i] = a[i];
-    emu_frag_b[w][l][0] = b0;
-    emu_frag_b[w][l][1] = b1;
-    emu_warps[w]->arrive_and_wait();
+    emu_deposit(a, b0, b1);
     for (int i = 0; i < 4; ++i) {  // c[i]: row g + 8 (i / 2), column 2t + i % 2
         const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
         int sum = 0;
