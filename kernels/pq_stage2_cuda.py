@@ -516,14 +516,15 @@ def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     ``bounds``: the bins' scale, ``sum_h |w_h| |q_h| key_bound`` of the bf16 queries, as the other kernels'."""
     import torch
 
-    from dsaindex.kernels.pq_select import score_bound  # (pq_select imports this module)
-
     book8, scale = int8_codebook(codebook)
-    folded = queries.to(torch.bfloat16).float() * scale.repeat_interleave(DIM // SUBSPACES)[None, None, :]
+    q = queries.to(torch.bfloat16).float()
+    folded = q * scale.repeat_interleave(DIM // SUBSPACES)[None, None, :]
     tau = folded.abs().amax(dim=2).clamp_min(1e-30) / 127.0
     q8 = torch.round(folded / tau[..., None]).clamp(-127, 127).to(torch.int8).contiguous()
-    bounds = score_bound(queries, head_weights, key_bound).contiguous()
-    return q8, (head_weights.float() * tau).contiguous(), book8, bounds
+    w = head_weights.float()
+    # pq_select.score_bound's formula: that module imports this one, so it is not imported back
+    bounds = ((w.abs() * q.norm(dim=2)).sum(1) * key_bound).clamp_min(1e-30).contiguous()
+    return q8, (w * tau).contiguous(), book8, bounds
 
 
 def int8_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
