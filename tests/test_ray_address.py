@@ -73,3 +73,20 @@ def test_a_process_without_the_token_is_refused_with_the_fix(head, routing_store
     assert f"The Ray cluster at {address} answers but did not accept this process" in proc.stderr
     assert "RAY_AUTH_MODE=token" in proc.stderr
     assert not out.exists()
+
+
+def test_ray_auto_starts_its_own_cluster_beside_a_running_one(head, routing_store, tmp_path):
+    # RAY_ADDRESS names the running head and `ray start` left its address in Ray's temp folder: Ray alone would
+    # join that cluster (which refuses this tokenless HOME, and takes no CPU count from a driver); --ray auto
+    # starts a cluster of its own and trains every layer there
+    address, _, env = head
+    stranger = tmp_path / "home"
+    stranger.mkdir()
+    out = tmp_path / "bundle"
+    proc = run_cli("train", "pq", str(routing_store), "--out", str(out), *TRAIN, "--ray", "auto",
+                   env=env | {"HOME": str(stranger), "RAY_ADDRESS": address}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dsaindex.artifacts.bundle import read_bundle
+
+    manifest, _ = read_bundle(out)
+    assert manifest.layer_ids == [0, 1, 2, 3]

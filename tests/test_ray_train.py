@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
 
         pq_job.train_layer = dying
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": kill_armed_layers})
     yield arm
     ray.shutdown()

@@ -79,7 +79,7 @@ def ray_cluster(s3_endpoint):
     commands run in this process keep this connection (``--ray auto`` with Ray already started)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray>=2.60')")
     assert not ray.is_initialized(), "a Ray connection was left open by an earlier module"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -42,7 +42,7 @@ class RaySettings:
     """Where and how the layers run.
 
     ``address``: :data:`LOCAL` (``"auto"``) starts a local cluster of ``local_cpus`` CPUs (None: every
-    core); anything else is the address of a running cluster (``host:port`` of its head, or
+    core), its own even where ``RAY_ADDRESS`` names another or a ``ray start`` cluster runs here; anything else is the address of a running cluster (``host:port`` of its head, or
     ``ray://host:10001``), probed within ``connect_timeout_s`` first. A process already connected to Ray
     (``ray.init`` called) keeps its connection. ``threads``: torch / faiss threads of each layer task,
     and the CPUs it asks Ray for. ``workers``: layer tasks in flight at most (None: as many as the
@@ -182,7 +182,9 @@ def connect(settings: RaySettings) -> Iterator[ClusterInfo]:
     if not ray.is_initialized():
         quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
         if settings.address == LOCAL:
-            ray.init(num_cpus=settings.local_cpus, **quiet)
+            # "local": a cluster of its own even where RAY_ADDRESS is set or an earlier `ray start` left its
+            # address in Ray's temp folder (Ray would join that one, and refuse num_cpus for it)
+            ray.init(address="local", num_cpus=settings.local_cpus, **quiet)
         else:
             token = _use_cluster_token()
             try:
