@@ -100,14 +100,18 @@ def test_a_scores_only_launch_writes_no_bins():
     assert (bins == -1).all() and not scratch.any()
 
 
-def test_auto_takes_the_cuda_stage2_for_large_launches_of_the_serving_geometry_only(monkeypatch):
-    """``stage2="auto"``: the CUDA kernel from CUDA_FROM_SLOTS candidate slots where it compiles and takes the
-    codes, Triton below (a block's setup outweighs its scoring there) and elsewhere; an explicit ``"cuda"`` that
-    cannot run is refused with the reason."""
+def test_auto_takes_the_int8_cuda_stage2_for_large_launches_of_the_serving_geometry_only(monkeypatch):
+    """``stage2="auto"``: the CUDA kernel on 8-bit operands from CUDA_FROM_SLOTS candidate slots where it compiles
+    and takes the codes (its bf16 form where only that compiles), Triton below (a block's setup outweighs its
+    scoring there) and elsewhere; an explicit ``"cuda"`` that cannot run is refused with the reason."""
     from dsaindex.kernels import pq_stage2_cuda as s2
 
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(s2, "compiles", lambda device: True)
+    monkeypatch.setattr(s2, "compiles", lambda device, int8=False: True)
+    assert s2.resolve_stage2("auto", 64, 128, 32, 256, False, gpu, s2.CUDA_FROM_SLOTS) == "int8"
+    assert s2.resolve_stage2("auto", 64, 128, 32, 256, False, gpu) == "int8"
+    assert s2.resolve_stage2("auto", 64, 128, 32, 256, True, gpu, 1 << 30) == "triton"  # residual codes
+    monkeypatch.setattr(s2, "compiles", lambda device, int8=False: not int8)  # the int8 build failed here
     assert s2.resolve_stage2("auto", 64, 128, 32, 256, False, gpu, s2.CUDA_FROM_SLOTS) == "cuda"
     assert s2.resolve_stage2("auto", 64, 128, 32, 256, False, gpu, s2.CUDA_FROM_SLOTS - 1) == "triton"
     assert s2.resolve_stage2("auto", 32, 128, 32, 256, False, gpu, 1 << 30) == "triton"
@@ -116,9 +120,9 @@ def test_auto_takes_the_cuda_stage2_for_large_launches_of_the_serving_geometry_o
         s2.resolve_stage2("fast", 64, 128, 32, 256, False, gpu)
     with pytest.raises(ValueError, match="got 64 heads, 128 dims, 16 x 256"):
         s2.resolve_stage2("cuda", 64, 128, 16, 256, False, gpu)
-    monkeypatch.setattr(s2, "compiles", lambda device: False)
+    monkeypatch.setattr(s2, "compiles", lambda device, int8=False: False)
     assert s2.resolve_stage2("auto", 64, 128, 32, 256, False, gpu, 1 << 30) == "triton"
-    # the int8 form only by name, at any size; "auto" never takes it (not yet timed against the bf16 one)
+    # by name, at any size
     monkeypatch.setattr(s2, "available", lambda: True)
     assert s2.resolve_stage2("int8", 64, 128, 32, 256, False, gpu, 1) == "int8"
     with pytest.raises(ValueError, match="residual"):
@@ -135,11 +139,11 @@ def test_the_selector_keeps_candidates_by_bins_where_the_cuda_stage2_scores(monk
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.paged_select import PagedCacheSelector, bins_batch_limit
 
-    monkeypatch.setattr(s2, "compiles", lambda device: True)
+    monkeypatch.setattr(s2, "compiles", lambda device, int8=False: True)
     codec = PQCodec(torch.randn(32, 256, 4))
     sel = PagedCacheSelector(codec, 64, topk=2048, candidates=4096, prefilter=4, device="cpu")
     over = max(bins_batch_limit(4 * 4096) + 1, s2.CUDA_FROM_SLOTS // (2 * 4 * 4096))  # and slots enough
-    assert sel.stage2_kernel(over, 16384, 64) == "cuda" and sel.auto_top_c(over, 16384, 64) == "bins"
+    assert sel.stage2_kernel(over, 16384, 64) == "int8" and sel.auto_top_c(over, 16384, 64) == "bins"
     assert sel.auto_top_c(over, 16384, 32) == "topk"  # 32 heads: Triton scores, the top-C kernel keeps
     triton = PagedCacheSelector(codec, 64, topk=2048, candidates=4096, prefilter=4, device="cpu", stage2="triton")
     assert triton.auto_top_c(over, 16384, 64) == "topk"
