@@ -177,7 +177,7 @@ def bench_paged(
     scan: str = typer.Option("auto", "--scan", help="Stage 1's selecting kernel: auto (the default: cuda where it "
                              "runs), cuda (tables in shared memory) or triton; a comma list times the others too "
                              "(plugin_device_scan_<s>, on the codes' path)."),
-    stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel: auto (the default: cuda where it runs), "
+    stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel: auto (the default: int8 where it runs), "
                                "cuda (codebooks and score bins in shared memory), int8 (the same on 8-bit operands) or "
                                "triton; a comma list times the "
                                "others too (plugin_device_stage2_<s>, on the codes' path)."),
