@@ -23,9 +23,9 @@ timeout "$LIMIT" python3 tools/stage2_parts.py base,int8,int8+mb3,int8+unroll_mt
     "$OUT/stage2_parts.json"
 part "grown C, each stage 2"
 timeout "$LIMIT" $D bench paged --batches 1,2,4,8,16,32,64 --keys 1048576 $common --grow-band 131072 \
-    --stage2 auto,int8,triton --out "$OUT/paged_grown.json"
+    --stage2 auto,cuda,triton --out "$OUT/paged_grown.json"
 part "fixed C, each stage 2"
-timeout "$LIMIT" $D bench paged --batches 1,2,8,32,64 --keys 1048576 $common --grow-band 0 --stage2 auto,int8,triton \
+timeout "$LIMIT" $D bench paged --batches 1,2,8,32,64 --keys 1048576 $common --grow-band 0 --stage2 auto,cuda,triton \
     --out "$OUT/paged_fixed.json"
 part "the exact-path rule: both paths at each step"
 timeout "$LIMIT" $D bench paged --batches 2,4,8,16 --keys 524288,1048576 $common --grow-band 131072 \
@@ -34,9 +34,9 @@ timeout "$LIMIT" $D bench paged --batches 32,64 --keys 262144 $common --grow-ban
     --out "$OUT/rule_grown_256k.json"
 part "profile, grown C at 32 x 1M"
 timeout "$LIMIT" $D bench paged --batches 32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile \
-    --stage2 auto,int8 --out "$OUT/profile_grown_32x1m.json"
+    --stage2 auto,cuda --out "$OUT/profile_grown_32x1m.json"
 if [ -n "$STORE" ] && [ -n "$BUNDLE" ]; then
-    for kernel in auto int8; do
+    for kernel in cuda int8; do
         part "served recall, grown C, stage 2 $kernel"
         timeout "$LIMIT" $D bench frontier --store "$STORE" --artifacts "$BUNDLE" --candidates 4096 --prefilter 4 \
             --no-timing --grow-band 131072 --stage2 "$kernel" --no-progress --out "$OUT/recall_grown_$kernel.json"
