@@ -670,6 +670,24 @@ def test_the_stage1_kernel_is_chosen_and_said():
         PagedCacheSelector(pq, 8, topk=16, candidates=64, prefilter=4, head_dim=D, device=DEV, scan="fast")
 
 
+def test_the_startup_text_names_stage_2s_operands_where_the_cuda_kernels_run(monkeypatch):
+    """Where the CUDA scan runs on PQ32 codes the startup text says stage 2 runs the CUDA kernel, and on which
+    operands: 8-bit where that form compiles (``stage2="auto"`` takes it), bf16 where only the bf16 form does."""
+    import dsaindex.runtime.paged_select as ps
+    from dsaindex.pq import PQCodec
+
+    pq32 = PQCodec(torch.randn(32, 256, 4))
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(ps, "resolve_scan", lambda *a: "cuda")
+    monkeypatch.setattr(ps, "stage2_compiles", lambda device, int8=False: True)
+    said = ps.stage1_scan([pq32], gpu)
+    assert said.startswith("stage 1 looks codes up in shared memory") and "(the CUDA kernel, 8-bit operands)" in said
+    monkeypatch.setattr(ps, "stage2_compiles", lambda device, int8=False: not int8)
+    assert "(the CUDA kernel, bf16 operands)" in ps.stage1_scan([pq32], gpu)
+    monkeypatch.setattr(ps, "stage2_compiles", lambda device, int8=False: False)
+    assert "stage 2" not in ps.stage1_scan([pq32], gpu)
+
+
 def test_the_exact_path_leaves_stale_pages_encoded_for_the_pq_steps_after_it():
     """The catch-up runs on both paths: a captured step that scores exactly still encodes the pages that
     complete, so the request's first PQ step (its batch grown past the bound) finds no stale code."""
