@@ -406,8 +406,9 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
     raises ``ValueError`` otherwise. ``page_table`` [B, W] int32: codes kept per physical page
     [P, 64, M], as in :func:`pq_linear_topc`. ``stream``: codes read past L1, codebooks kept there (Triton).
     ``stage2``: ``"triton"``, ``"cuda"`` (:mod:`dsaindex.kernels.pq_stage2_cuda`: codebooks in shared memory;
-    ``counts`` needed), ``"int8"`` (the same on 8-bit operands) or ``"auto"`` (the default: the int8 CUDA kernel where it runs, for launches of at least
-    :data:`~dsaindex.kernels.pq_stage2_cuda.CUDA_FROM_SLOTS` slots B x R, :func:`resolve_stage2`)."""
+    ``counts`` needed), ``"int8"`` (the same on 8-bit operands) or ``"auto"`` (the default: the int8 CUDA kernel
+    where it runs, for launches of at least :data:`~dsaindex.kernels.pq_stage2_cuda.CUDA_FROM_SLOTS` slots B x R,
+    :func:`resolve_stage2`)."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import pq_candidate_kernel

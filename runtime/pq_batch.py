@@ -133,8 +133,8 @@ class PQDecodeGroup:
     linear_config : launch shape of the stage-1 kernel (``block_n``, ``iters``, ``num_warps`` of
         :func:`pq_linear_topc`; default :func:`~dsaindex.kernels.pq_select.stage1_launch`, by the step's size)
     stage2 : stage 2's kernel on a GPU (:func:`~dsaindex.kernels.pq_select.pq_candidate_scores`): ``"auto"``
-        (the default), ``"cuda"``, ``"int8"`` (8-bit operands; what ``"auto"`` runs for large steps where it compiles) or ``"triton"``; without the kernels
-        (``use_triton`` off) ``"int8"`` scores with its arithmetic
+        (the default), ``"cuda"``, ``"int8"`` (8-bit operands; what ``"auto"`` runs for large steps where it
+        compiles) or ``"triton"``; without the kernels (``use_triton`` off) ``"int8"`` scores with its arithmetic
         (:func:`~dsaindex.kernels.pq_stage2_cuda.int8_scores_reference`), the others with the bf16 reference
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
