@@ -46,7 +46,8 @@ class RaySettings:
     else is the address of a running cluster (``host:port`` of its head, or ``ray://host:10001``), probed
     within ``connect_timeout_s`` first. A process already connected to Ray (``ray.init`` called) keeps its
     connection. ``threads``: torch / faiss threads of each layer task, and the CPUs it asks Ray for.
-    ``workers``: layer tasks in flight at most (None: as many as the cluster schedules). ``retries``: times a layer whose worker died is run again."""
+    ``workers``: layer tasks in flight at most (None: as many as the cluster schedules). ``retries``:
+    times a layer whose worker died is run again."""
 
     address: str = LOCAL
     threads: int = 1
