@@ -15,6 +15,10 @@ D="python3 -m dsaindex"
 t0=$(date +%s)
 part() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 common="--candidates 4096 --prefilter 4 --keys-on device"
+# every part needs these: stop at once, not after minutes of parts that fail one by one (a zarr without its
+# msgspec, a DeepGEMM without CUDA_HOME)
+python3 -c "import dsaindex.artifacts.capture_store, deep_gemm, pytest, torch; assert torch.cuda.is_available()" \
+    || { echo "decode_suite: the environment is not ready (above); nothing was run" >&2; exit 2; }
 {
 part "device"; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 part "tensor-core rates"; timeout "$LIMIT" python3 tools/mma_rate.py "$OUT/mma_rate.json"
