@@ -37,7 +37,7 @@ import torch
 
 from dsaindex.kernels import checks, select
 from dsaindex.kernels.pq_scan_cuda import pq_scan_select, resolve_scan
-from dsaindex.kernels.pq_stage2_cuda import resolve_stage2
+from dsaindex.kernels.pq_stage2_cuda import int8_scores_reference, resolve_stage2
 from dsaindex.pq import (
     PQSpec,
     encode,
@@ -221,10 +221,14 @@ def pq_linear_scores_reference(codes: torch.Tensor, queries: torch.Tensor, head_
 
 
 def pq_candidate_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor,
-                                  head_weights: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+                                  head_weights: torch.Tensor, codebooks: torch.Tensor,
+                                  stage2: str = "triton") -> torch.Tensor:
     """Stage-2 scores [B, R] float32 of candidate ``rows`` [B, R] (-1 = none: -inf); keys decoded in
     bf16 as the kernel does (a residual code's codewords summed in float32, then rounded to bf16),
-    products in float32."""
+    products in float32. ``stage2="int8"``: as the int8 kernel scores them instead
+    (:func:`~dsaindex.kernels.pq_stage2_cuda.int8_scores_reference`, from the bf16 codebook it is given)."""
+    if stage2 == "int8":
+        return int8_scores_reference(codes, rows, queries, head_weights, codebooks.to(torch.bfloat16))
     m, k, d = codebooks.shape
     b, r = rows.shape
     safe = rows.clamp_min(0).long()

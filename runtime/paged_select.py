@@ -111,7 +111,7 @@ from dsaindex.kernels.pq_select import (
     step_growth,
 )
 from dsaindex.kernels.pq_stage2_cuda import CUDA_FROM_SLOTS as STAGE2_CUDA_FROM_SLOTS
-from dsaindex.kernels.pq_stage2_cuda import STAGE2S, int8_scores_reference, resolve_stage2
+from dsaindex.kernels.pq_stage2_cuda import STAGE2S, resolve_stage2
 from dsaindex.kernels.pq_stage2_cuda import compiles as stage2_compiles
 from dsaindex.kernels.topk import (
     SMALL_TOPK_MAX,
@@ -661,10 +661,7 @@ class PagedCacheSelector:
         c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
         _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
-        if self.stage2 == "int8":  # the int8 kernel's own arithmetic
-            coarse = int8_scores_reference(codes, rows1, q, w, self.codebooks_bf16)
-        else:
-            coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks)
+        coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks_bf16, self.stage2)  # int8: its own
         counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)
         if top_c == "topk":
             return small_topk_reference(coarse, self.candidates, rows1)[1], counts1

@@ -81,7 +81,7 @@ from dsaindex.kernels.pq_select import (
     score_bound,
     step_growth,
 )
-from dsaindex.kernels.pq_stage2_cuda import STAGE2S, int8_scores_reference
+from dsaindex.kernels.pq_stage2_cuda import STAGE2S
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
 from dsaindex.pq import PQCodec, encode, rotate
 from dsaindex.quant import fp8_quantize
@@ -480,9 +480,8 @@ class PQDecodeGroup:
         _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
         counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
-        if self.stage2 == "int8":  # the int8 kernel's own arithmetic, so a CPU run measures what it selects
-            return rows1, counts1, int8_scores_reference(codes, rows1, q_code, w, self.codebooks_bf16)
-        return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks)
+        # "int8": the int8 kernel's own arithmetic, so a CPU run measures what it selects
+        return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks_bf16, self.stage2)
 
     def grow_past(self, band: int, most: int | None = None) -> tuple[int, int]:
         """Let C grow with each request's prefix past ``band`` keys (0: fixed), doubling with each doubling of
