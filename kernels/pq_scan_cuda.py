@@ -44,7 +44,8 @@ SCANS = ("auto", "triton", "cuda")  # "auto": the CUDA scan where it runs (see :
 KERNEL = "pq_scan_select"
 SUBSPACES = 32  # code bytes a key the kernel reads
 THREADS = 512
-MAX_ROWS = 8192  # rows a block scans at most: it stages as many kept rows
+MAX_ROWS = 8192  # kept rows a block stages before it appends them: a block of up to as many rows flushes once
+MAX_SPAN = 65536  # rows a block scans at most (its kept rows' offsets are 16 bits)
 SHARED = 256 * 64 * 4 + MAX_ROWS * 4  # its dynamic shared memory: the int32 tables, the staged rows
 
 _SOURCE = r"""
@@ -56,6 +57,21 @@ _SOURCE = r"""
 #define PREFETCH_ROWS 2
 #endif
 #define MAX_ROWS 8192
+#define MAX_SPAN 65536
+#define CHECK_ROWS 2048
+#ifndef LOAD
+#define LOAD __ldcg
+#endif
+
+// a staged row (its sum << 16 | its offset in the block) stored at ``slot`` of its request's buffer; past the
+// buffer it is counted, not stored (the caller sees the overflow)
+__device__ __forceinline__ void append(unsigned e, int slot, long long first, long long out, int capacity,
+                                       float* __restrict__ out_score, int* __restrict__ out_pos) {
+    if (slot < capacity) {
+        out_score[out + slot] = (float)((int)e >> 16);
+        out_pos[out + slot] = (int)(first + (e & 0xffffu));
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     const unsigned char* __restrict__ codes,  // [B, n_rows, 32] or [P, 64, 32] (paged) uint8
@@ -71,13 +87,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     // lut_s[c * 64 + col] = table (col mod 32) at code c, as int32: columns 32..63 repeat 0..31, so a lane
     // whose bytes are rotated by its lane index finds code position p's table at column p + lane, and the
     // 32 lanes of a warp read 32 different banks at every lookup whatever their codes
-    // the block's kept rows are staged in shared memory (room for every row it scans) and appended to the
-    // request's buffer with one atomic at its end: an atomic per warp, to one counter per request, waited on
-    // by the whole warp, made the scan wait on L2 more than on its codes
+    // the block's kept rows are staged in shared memory and appended to the request's buffer with one atomic
+    // a flush: an atomic per warp, to one counter per request, waited on by the whole warp, made the scan wait
+    // on L2 more than on its codes. A block of up to MAX_ROWS rows flushes once, at its end; a longer one (up to
+    // MAX_SPAN rows, its tables built once) checks every CHECK_ROWS rows and flushes where the next rows could
+    // overflow the staging
     SHARED_DYNAMIC;
     int* lut_s = smem;
     unsigned* staged = reinterpret_cast<unsigned*>(smem + 256 * 64);  // a kept row: its sum << 16 | its offset
-    __shared__ int pages_s[MAX_ROWS / 64];
+    __shared__ int pages_s[MAX_SPAN / 64];
     __shared__ int st_n, st_base;
     const int b = blockIdx.y;
     const long long length = lengths[b];
@@ -86,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     if (threadIdx.x == 0) st_n = 0;  // before the barrier below
     const long long stop = min(length, first + rows_per_block);
     if (paged) {  // the block's slice of the page table, read once
-        for (int i = threadIdx.x; i < MAX_ROWS / 64 && first + 64LL * i < stop; i += blockDim.x)
+        for (int i = threadIdx.x; i < MAX_SPAN / 64 && first + 64LL * i < stop; i += blockDim.x)
             pages_s[i] = table[(long long)b * table_width + (first >> 6) + i];
     }
     // the codes of this thread's next PREFETCH_ROWS rows are in flight while it scores the current one; the
@@ -102,14 +120,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
 #define PAGE_S(rr) (paged ? pages_s[((rr) - first) >> 6] : 0)
     if (r < stop) {
         const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(r, PAGE_G(r)) * 32);
-        v0 = __ldcg(row);
-        v1 = __ldcg(row + 1);
+        v0 = LOAD(row);
+        v1 = LOAD(row + 1);
     }
 #if PREFETCH_ROWS == 2
     if (r + blockDim.x < stop) {
         const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(r + blockDim.x, PAGE_G(r + blockDim.x)) * 32);
-        n0 = __ldcg(row);
-        n1 = __ldcg(row + 1);
+        n0 = LOAD(row);
+        n1 = LOAD(row + 1);
     }
 #endif
     const unsigned* src = reinterpret_cast<const unsigned*>(lut + (long long)b * 32 * 256);
@@ -129,8 +147,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     const unsigned ws = (unsigned)lane >> 2, bs = ((unsigned)lane & 3u) * 8u;
     const unsigned base = (unsigned)lane * 4u;  // byte offset of the lane's first column in a code's row
     const char* lut_bytes = reinterpret_cast<const char*>(lut_s);
+    const long long out = (long long)b * capacity;
+    const bool checks = stop - first > MAX_ROWS;  // the same for every thread of the block
     // every thread of the block loops as often (stop is the block's), so each ballot sees whole warps
     for (long long row0 = first; row0 < stop; row0 += blockDim.x, r += blockDim.x) {
+        // every CHECK_ROWS rows of a long block: flush where the staging might not hold the next CHECK_ROWS. The
+        // count thread 0 reads at the barrier may miss the rows the other warps staged since the last check (at
+        // most CHECK_ROWS), so the staging holds 2 CHECK_ROWS more than the count it flushes past
+        if (checks && row0 > first && (row0 - first) % CHECK_ROWS == 0 &&
+            __syncthreads_or(threadIdx.x == 0 && *(volatile int*)&st_n > MAX_ROWS - 2 * CHECK_ROWS)) {
+            if (threadIdx.x == 0) st_base = atomicAdd(count + b, st_n);
+            __syncthreads();
+            const int n_st = st_n, base = st_base;
+            for (int i = threadIdx.x; i < n_st; i += blockDim.x) append(staged[i], base + i, first, out, capacity,
+                                                                        out_score, out_pos);
+            __syncthreads();  // every staged row read before the staging restarts
+            if (threadIdx.x == 0) st_n = 0;
+            __syncthreads();
+        }
         const bool valid = r < stop;
         unsigned w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
 #if PREFETCH_ROWS == 2
@@ -139,15 +173,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
         const long long next = r + 2LL * blockDim.x;
         if (next < stop) {
             const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(next, PAGE_S(next)) * 32);
-            n0 = __ldcg(row);
-            n1 = __ldcg(row + 1);
+            n0 = LOAD(row);
+            n1 = LOAD(row + 1);
         }
 #else
         const long long next = r + blockDim.x;
         if (next < stop) {
             const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(next, PAGE_S(next)) * 32);
-            v0 = __ldcg(row);
-            v1 = __ldcg(row + 1);
+            v0 = LOAD(row);
+            v1 = LOAD(row + 1);
         }
 #endif
         int score = 0;
@@ -180,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
             int slot0 = 0;
             if (lane == leader) slot0 = atomicAdd(&st_n, __popc(mask));  // shared memory: no wait on L2
             slot0 = __shfl_sync(0xffffffffu, slot0, leader);
-            if (keep) {  // |sum| <= 32 x 127 fits 16 bits, the row's offset in the block too
+            if (keep) {  // |sum| <= 32 x 127 fits 16 bits, the row's offset in the block (< MAX_SPAN) too
                 const int slot = slot0 + __popc(mask & ((1u << lane) - 1u));
                 staged[slot] = ((unsigned)score << 16) | (unsigned)(r - first);
             }
@@ -189,15 +223,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     __syncthreads();
     if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
     __syncthreads();
-    const long long out = (long long)b * capacity;
-    for (int i = threadIdx.x; i < st_n; i += blockDim.x) {
-        const int slot = st_base + i;
-        if (slot < capacity) {  // past it: counted, not stored (the caller sees the overflow)
-            const unsigned e = staged[i];
-            out_score[out + slot] = (float)((int)e >> 16);
-            out_pos[out + slot] = (int)(first + (e & 0xffffu));
-        }
-    }
+    for (int i = threadIdx.x; i < st_n; i += blockDim.x)
+        append(staged[i], st_base + i, first, out, capacity, out_score, out_pos);
 }
 """
 
@@ -242,15 +269,32 @@ def resolve_scan(scan: str, subspaces: int, centroids: int, int_tables: bool, de
 _NAMES = ("the CUDA scan", "scan='triton'")  # what a build failure says, and the way around it
 
 
+MIN_ROWS = 8192  # rows a block takes at least (below, its 64 KB of tables cost more than its rows' reads)
+LAUNCH_ROWS = MAX_ROWS  # rows a block takes at most by default (a block of more is not yet timed faster)
+WAVES = 4  # blocks a launch keeps at least, in waves of two a multiprocessor, where its blocks can grow
+
+
+def launch_rows(batch: int, n: int, sms: int, most: int | None = None) -> int:
+    """Rows a block of the scan takes for ``batch`` requests of ``n`` rows on ``sms`` multiprocessors: the most,
+    a power of two from :data:`MIN_ROWS` to ``most`` (default :data:`LAUNCH_ROWS`, at most :data:`MAX_SPAN`),
+    that still leaves :data:`WAVES` waves of blocks (two a multiprocessor), so a block builds its tables once
+    for as many rows as the launch can spare while the hardware still balances its blocks (shapes only: a CUDA
+    graph captures one launch)."""
+    rows = LAUNCH_ROWS if most is None else most
+    while rows > MIN_ROWS and batch * -(-n // rows) < WAVES * 2 * sms:
+        rows //= 2
+    return rows
+
+
 def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor, thr: torch.Tensor,
                    buf_scores: torch.Tensor, buf_pos: torch.Tensor, counts: torch.Tensor,
-                   page_table: torch.Tensor | None, n: int, block_rows: int = MAX_ROWS) -> None:
+                   page_table: torch.Tensor | None, n: int, block_rows: int | None = None) -> None:
     """Append every one of the first ``n`` rows of each request whose integer score reaches ``thr`` to its
     buffer, as the Triton selecting pass does. ``codes`` [B, N, 32] or [P, 64, 32] uint8 (``page_table`` [B, W]
     int32); ``lengths`` [B] int32; ``lut`` [B, 32, 256] int8; ``thr`` [B] float32; ``buf_scores`` [B, cap]
     float32, ``buf_pos`` [B, cap] int32, ``counts`` [B] int32 (zeroed by the sampling pass before it), all
-    contiguous on one CUDA device; ``block_rows`` a multiple of 64 up to :data:`MAX_ROWS`. Raises
-    ``ValueError`` otherwise."""
+    contiguous on one CUDA device; ``block_rows`` a multiple of 64 up to :data:`MAX_SPAN` (None:
+    :func:`launch_rows`). Raises ``ValueError`` otherwise."""
     import torch
 
     b, m = lut.shape[0], codes.shape[-1]
@@ -271,8 +315,10 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
         raise ValueError(f"lut: got shape {tuple(lut.shape)} for {m} code bytes, want [B, {SUBSPACES}, 256]")
     if codes.data_ptr() % 16:
         raise ValueError("codes must start on a 16-byte boundary (the kernel reads 16 bytes at a time)")
-    if block_rows % 64 or not 0 < block_rows <= MAX_ROWS:
-        raise ValueError(f"block_rows: got {block_rows}, want a multiple of 64 up to {MAX_ROWS} (whole pages a block)")
+    if block_rows is None:
+        block_rows = launch_rows(b, n, nvrtc.multiprocessors(nvrtc.device_index(codes.device)))
+    if block_rows % 64 or not 0 < block_rows <= MAX_SPAN:
+        raise ValueError(f"block_rows: got {block_rows}, want a multiple of 64 up to {MAX_SPAN} (whole pages a block)")
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
     kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)

@@ -56,6 +56,15 @@ static std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 static long long emu_lanes[64][32];
 
 inline void __syncthreads() { emu_block->arrive_and_wait(); }
+static int emu_votes[1024];
+inline int __syncthreads_or(int p) {  // every thread's vote, read once all have voted, kept until all have read
+    emu_votes[threadIdx.x] = p != 0;
+    emu_block->arrive_and_wait();
+    int any = 0;
+    for (unsigned i = 0; i < blockDim.x; ++i) any |= emu_votes[i];
+    emu_block->arrive_and_wait();
+    return any;
+}
 inline long long emu_exchange(long long mine, int from, bool vote) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     emu_lanes[w][l] = mine;

@@ -894,7 +894,8 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
     """NVRTC compiles the scan for sm_90 (where NVRTC is installed: CUDA builds of torch ship it): one
     shared-memory load per code byte, at the column offsets 0, 4, .., 124 of the lane's rotated row; each
     row's codes in two 16-byte loads (three places in the source: the first two rows, then each next one
-    before the current is scored); one global atomic a block (the kept rows staged in shared memory)."""
+    before the current is scored); two global atomics (the kept rows staged in shared memory, appended at a
+    flush within a long block and at the block's end)."""
     import re
 
     from dsaindex.kernels.pq_scan_cuda import source
@@ -903,16 +904,18 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
     text = _hopper_ptx(source())
     offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%rd?\d+(?:\+(\d+))?\];", text)]
     assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)]
-    assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1
+    assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only():
+@pytest.mark.parametrize("span", ["staged", "long"])
+def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only(span):
     """The compiled kernel with a threshold that passes far more rows than the buffer holds (the sampling pass
     never aims that low, so it is called directly): the count is every passing row, each stored row passes
-    and appears once, with its integer sum; a request of 97 rows at -inf takes them all."""
-    from dsaindex.kernels.pq_scan_cuda import pq_scan_select
+    and appears once, with its integer sum; a request of 97 rows at -inf takes them all. ``long``: blocks of
+    MAX_SPAN rows, each flushing its staging several times (half its rows pass)."""
+    from dsaindex.kernels.pq_scan_cuda import MAX_ROWS, MAX_SPAN, pq_scan_select
 
     b, n, m, capacity = 3, 70_000, 32, 512
     g = torch.Generator().manual_seed(3)
@@ -924,7 +927,8 @@ def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only(
     scores = torch.full((b, capacity), float("nan"), device=DEV)
     rows = torch.full((b, capacity), -1, dtype=torch.int32, device=DEV)
     counts = torch.zeros(b, dtype=torch.int32, device=DEV)
-    pq_scan_select(codes, lengths, lut, thr, scores, rows, counts, None, n)
+    pq_scan_select(codes, lengths, lut, thr, scores, rows, counts, None, n,
+                   block_rows=MAX_SPAN if span == "long" else MAX_ROWS)
     for i in range(b):
         passing = sums[i, : int(lengths[i])] >= thr[i]
         assert int(counts[i]) == int(passing.sum())

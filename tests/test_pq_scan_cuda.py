@@ -88,3 +88,44 @@ def test_the_scan_stages_a_whole_block_of_kept_rows():
                                     rows_per_block=MAX_ROWS)
     assert counts[0] == n and np.array_equal(np.sort(rows[0]), np.arange(n))
     assert np.array_equal(scores[0], sums[0, rows[0]].astype(np.float32))
+
+
+@pytest.mark.parametrize("share", [None, 0.3])
+def test_a_long_block_flushes_its_staging_before_it_overflows(share):
+    """A block of more rows than its staging holds (tables built once for up to MAX_SPAN rows) flushes the kept
+    rows as it goes: at -inf (``share`` None) every row is kept, so it must flush several times; each kept row
+    lands once with its sum and its own position, and the count covers them all."""
+    from dsaindex.kernels.pq_scan_cuda import MAX_ROWS, MAX_SPAN
+
+    b, n, m = 2, 3 * MAX_ROWS + 700, 32
+    codes, lut = _inputs(b, n, m, seed=11)
+    sums = _sums(codes, lut)
+    lengths = np.asarray([n, n - 5000], dtype=np.int32)
+    if share is None:
+        thr = np.full(b, -np.inf, dtype=np.float32)
+    else:
+        thr = np.asarray([np.quantile(sums[i, :k], 1 - share) for i, k in enumerate(lengths)], dtype=np.float32)
+    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=n, n=n, rows_per_block=MAX_SPAN)
+    for i in range(b):
+        want = np.nonzero(sums[i, : lengths[i]] >= thr[i])[0]
+        got = rows[i, : counts[i]]
+        assert counts[i] == len(want) and np.array_equal(np.sort(got), want), i
+        assert np.array_equal(scores[i, : counts[i]], sums[i, got].astype(np.float32)), i
+
+
+def test_a_block_takes_the_most_rows_that_leave_the_launch_its_waves():
+    """The scan's rows a block by the step's shape: a power of two between MIN_ROWS and MAX_SPAN, the largest
+    that keeps WAVES waves of blocks (two a multiprocessor); never fewer rows for a larger step."""
+    from dsaindex.kernels.pq_scan_cuda import LAUNCH_ROWS, MAX_SPAN, MIN_ROWS, WAVES, launch_rows
+
+    sms = 132
+    last = 0
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+        rows = launch_rows(batch, 1 << 20, sms, MAX_SPAN)
+        assert MIN_ROWS <= rows <= MAX_SPAN and rows & (rows - 1) == 0 and rows >= last
+        blocks = batch * -(-(1 << 20) // rows)
+        assert rows == MIN_ROWS or blocks >= WAVES * 2 * sms
+        assert rows == MAX_SPAN or batch * -(-(1 << 20) // (2 * rows)) < WAVES * 2 * sms  # twice as many: too few
+        last = rows
+    assert launch_rows(1, 1000, sms, MAX_SPAN) == MIN_ROWS and launch_rows(4096, 1 << 20, sms, MAX_SPAN) == MAX_SPAN
+    assert launch_rows(4096, 1 << 20, sms) == LAUNCH_ROWS  # the default's cap

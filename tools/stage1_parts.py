@@ -1,0 +1,126 @@
+"""Stage 1's CUDA scan taken apart: its selecting pass as shipped and with its loads, prefetch depth, lookups or
+appends changed by editing its source, each at several rows a block (a block builds its tables once for all its
+rows), at B x 1M paged keys behind a shuffled page table, each request keeping about 6.25% of its rows (a grown
+C's stage 1 at 1M keys). CUDA-graph medians per launch in us, beside a plain read of the same code bytes (the
+floor), and whether each variant kept the same rows as the shipped kernel (a GPU; not part of the package).
+``python3 tools/stage1_parts.py [VARIANTS] [OUT.json]``: VARIANTS a comma list of ``base`` and ``+``-joined
+changes (default: every single change)."""
+
+import json
+import sys
+
+import torch
+
+from dsaindex.kernels import pq_scan_cuda as scan
+from dsaindex.pipelines.bench.timing import graph_median_ms
+
+N, SHARE = 1 << 20, 0.0625
+BATCHES = (1, 8, 32, 64)
+SPANS = (2048, 4096, 8192, 16384, 32768, 65536)  # rows a block: the shipped kernel at each
+SPANS_CHANGED = (8192, 32768)  # a changed kernel at these only
+LOOKUP = "score += *reinterpret_cast<const int*>(lut_bytes + at + 4 * (4 * k + j));"
+LD_HINT = r"""
+__device__ __forceinline__ uint4 ld_hint(const uint4* p) {
+    uint4 v;
+    asm("ld.global.cg.L2::HINT.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+#define LOAD ld_hint
+"""
+# each change: (#defines and helpers put before the source, (text replaced, its replacement) or None)
+CHANGES = {
+    "ldca": ("#define LOAD __ldca\n", None),  # through L1: a row's second 16 bytes hit the first's line
+    "ldcs": ("#define LOAD __ldcs\n", None),
+    "ldg": ("#define LOAD __ldg\n", None),
+    "l2_256": (LD_HINT.replace("HINT", "256B"), None),
+    "l2_128": (LD_HINT.replace("HINT", "128B"), None),
+    "pf1": ("#define PREFETCH_ROWS 1\n", None),
+    "no_lookup": ("", (LOOKUP, "score += (int)(at & 7u);")),  # the same reads and permutes, no shared loads
+}
+
+
+def variant_source(name: str) -> str:
+    """The scan's source with the changes ``name`` joins by ``+`` (``base``: as shipped)."""
+    src, prefix = scan.source(), ""
+    for part in name.split("+"):
+        if part == "base":
+            continue
+        if part not in CHANGES:
+            raise SystemExit(f"{part}: unknown; want base or one of {', '.join(CHANGES)}")
+        defines, edit = CHANGES[part]
+        if edit is not None:
+            if edit[0] not in src:
+                raise SystemExit(f"{part}: the scan's source no longer holds {edit[0]!r}; update tools/stage1_parts.py")
+            src = src.replace(*edit)
+        prefix += defines
+    return prefix + src
+
+
+def sweep(b: int, kernels: dict) -> list[dict]:
+    """The shipped kernel at every span of :data:`SPANS`, the changed ones at :data:`SPANS_CHANGED`, over ``b``
+    requests of :data:`N` keys."""
+    g = torch.Generator(device="cuda").manual_seed(b)
+    pages = b * N // 64
+    table = torch.randperm(pages, device="cuda", generator=g).view(b, -1).int()
+    codes = torch.randint(0, 256, (pages, 64, 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    lut = torch.randint(-127, 128, (b, 32, 256), device="cuda", generator=g, dtype=torch.int32).to(torch.int8)
+    lengths = torch.full((b,), N, dtype=torch.int32, device="cuda")
+    # each request's threshold: the (1 - SHARE) quantile of 65,536 sampled rows' integer sums
+    sample = torch.randint(0, N, (b, 65536), device="cuda", generator=g)
+    at = table.long()[torch.arange(b, device="cuda")[:, None], sample // 64] * 64 + sample % 64
+    sums = lut.int().gather(2, codes.view(-1, 32)[at].permute(0, 2, 1).long()).sum(1).float()
+    thr = torch.quantile(sums, 1 - SHARE, dim=1).contiguous()
+    none = torch.full_like(thr, float("inf"))
+    cap = int(3 * SHARE * N)
+    buf_p = torch.empty(b, cap, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(b, dtype=torch.int32, device="cuda")
+    args = [codes, lengths, lut, thr, torch.empty(b, cap, dtype=torch.float32, device="cuda"), buf_p, counts, table,
+            table.shape[1], N, cap, 0, 1]
+    flat = codes.view(-1, 4).view(torch.int32)
+    floor = graph_median_ms(lambda: flat.max()) * 1000
+    res = [dict(batch=b, keys=N, variant="read (torch max over the codes)", us=round(floor, 1))]
+    print(res[-1], flush=True)
+    kept = None
+    for name, k in kernels.items():
+        for span in SPANS if name == "base" else SPANS_CHANGED:
+            for t, what in ((thr, ""), (none, ", no row kept")):
+                if (what and name not in ("base", "no_lookup")) or (not what and name == "no_lookup"):
+                    continue  # with no row kept: the shipped kernel and the one without lookups only
+                launch = args[:3] + [t] + args[4:11] + [span, 1]
+
+                def call(k=k, span=span, launch=launch):
+                    counts.zero_()
+                    k(grid=(-(-N // span), b, 1), block=(scan.THREADS, 1, 1), shared_mem=scan.SHARED, args=launch)
+                call()
+                torch.cuda.synchronize()
+                same = None
+                if not what:
+                    mine = [torch.sort(buf_p[i, : int(counts[i])]).values for i in range(b)]
+                    same = kept is None or all(torch.equal(x, y) for x, y in zip(kept, mine, strict=True))
+                    kept = kept or mine
+                us = graph_median_ms(call) * 1000
+                res.append(dict(batch=b, keys=N, variant=name + what, rows_a_block=span, us=round(us, 1),
+                                vs_read=round(us / floor, 3), same_rows=same,
+                                kept=int(counts.sum()) if not what else 0))
+                print(res[-1], flush=True)
+    return res
+
+
+def main() -> None:
+    names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "base," + ",".join(CHANGES)).split(",")
+    kernels = {}
+    for name in names:
+        k = torch.cuda._compile_kernel(variant_source(name), scan.KERNEL)
+        k.set_shared_memory_config(scan.SHARED)
+        kernels[name] = k
+    res = []
+    for b in BATCHES:
+        res += sweep(b, kernels)
+        torch.cuda.empty_cache()
+        if len(sys.argv) > 2:  # after each batch: a part that runs out of time still leaves its rows
+            with open(sys.argv[2], "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
