@@ -38,6 +38,7 @@ import torch
 from dsaindex.kernels import checks, select
 from dsaindex.kernels.pq_scan_cuda import pq_scan_select, resolve_scan
 from dsaindex.kernels.pq_stage2_cuda import int8_scores_reference, resolve_stage2
+from dsaindex.kernels.pq_stage2_cuda import score_bound as score_bound  # the bins' scale, beside score_bins
 from dsaindex.pq import (
     PQSpec,
     encode,
@@ -460,13 +461,6 @@ def pq_candidate_scores(codes: torch.Tensor, rows: torch.Tensor, queries: torch.
 
 BIN_COUNT = 8192  # score bins of the direct step's candidate selection (0.2% wide, each sign)
 BIN_OCTAVES, BIN_TOP = 12.0, 1.0  # the bins span 12 octaves, ending one octave above the score bound
-
-
-def score_bound(queries: torch.Tensor, head_weights: torch.Tensor, key_bound: float) -> torch.Tensor:
-    """[B] float32: ``sum_h |w_h| |q_h| * key_bound``, a bound of every stage-2 score of a request whose
-    decoded keys have norms at most ``key_bound`` (the scale of :func:`score_bins`)."""
-    norms = queries.to(torch.bfloat16).float().norm(dim=2)
-    return ((head_weights.float().abs() * norms).sum(1) * key_bound).clamp_min(1e-30)
 
 
 def score_bins(scores: torch.Tensor, bound: torch.Tensor, n_bins: int = BIN_COUNT) -> torch.Tensor:

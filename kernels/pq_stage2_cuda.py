@@ -508,6 +508,16 @@ def int8_codebook(codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _BOOKS8: dict = {}
 
 
+def score_bound(queries: torch.Tensor, head_weights: torch.Tensor, key_bound: float) -> torch.Tensor:
+    """[B] float32: ``sum_h |w_h| |q_h| * key_bound``, a bound of every stage-2 score of a request whose
+    decoded keys have norms at most ``key_bound`` (the scale of :func:`~dsaindex.kernels.pq_select.score_bins`;
+    every stage 2 bins by it)."""
+    import torch
+
+    norms = queries.to(torch.bfloat16).float().norm(dim=2)
+    return ((head_weights.float().abs() * norms).sum(1) * key_bound).clamp_min(1e-30)
+
+
 def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor,
                   key_bound: float) -> tuple[torch.Tensor, ...]:
     """The int8 kernel's operands for ``queries`` [B, 64, 128] and ``head_weights`` [B, 64] against ``codebook``
@@ -524,9 +534,7 @@ def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     tau = folded.abs().amax(dim=2).clamp_min(1e-30) / 127.0
     q8 = torch.round(folded / tau[..., None]).clamp(-127, 127).to(torch.int8).contiguous()
     w = head_weights.float()
-    # pq_select.score_bound's formula: that module imports this one, so it is not imported back
-    bounds = ((w.abs() * q.norm(dim=2)).sum(1) * key_bound).clamp_min(1e-30).contiguous()
-    return q8, (w * tau).contiguous(), book8, bounds
+    return q8, (w * tau).contiguous(), book8, score_bound(queries, w, key_bound).contiguous()
 
 
 def int8_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
