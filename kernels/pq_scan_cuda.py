@@ -17,6 +17,14 @@ The Triton scan (:func:`dsaindex.kernels.pq_select.pq_linear_topc`, ``scan="trit
   waited on L2 more than on its codes.
 - **Loads.** Each thread has its next two rows' codes in flight while it scores the current one; the
   block's slice of the page table is read once.
+- **Blocks.** A block builds its tables once for all its rows: up to :data:`MAX_SPAN` (64K), flushing its
+  staged rows whenever the staging might not hold the next 2,048 (:func:`launch_rows` picks the rows a block
+  by the step's shape; the default caps them at 8,192, the launch timed so far).
+- **A variant, not yet timed** (``#define COALESCED``): a thread's two 16-byte loads of its own row each read half
+  of 32 sectors, so every sector crosses from L2 twice past L1 (2 GB for the 1 GB of codes at 32 x 1M, which
+  may bound the read on the H200 before its HBM does). Under ``COALESCED`` a warp reads its 32 rows as two
+  512-byte loads, lane ``l`` taking bytes ``16 l``, and neighbouring lanes swap halves with four shuffles, so
+  each lane holds a whole row (the even lane row ``l / 2``, the odd one row ``16 + l / 2``).
 
 Selection is the Triton scan's exactly: integer sums, kept where the sum reaches the threshold. Only the order
 of the appended keys differs, which the next stage does not read.
@@ -111,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     // first ones are asked for before the tables are built (their pages read from global memory: the slice
     // above is visible after the barrier only)
     long long r = first + threadIdx.x;
+    const int lane = threadIdx.x & 31;
     uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
 #if PREFETCH_ROWS == 2
     uint4 n0 = v0, n1 = v0;
@@ -118,17 +127,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
 #define ROW_OF(rr, page) (paged ? (long long)(page) * 64 + ((rr) & 63) : (long long)b * n_rows + (rr))
 #define PAGE_G(rr) (paged ? table[(long long)b * table_width + ((rr) >> 6)] : 0)
 #define PAGE_S(rr) (paged ? pages_s[((rr) - first) >> 6] : 0)
-    if (r < stop) {
-        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(r, PAGE_G(r)) * 32);
-        v0 = LOAD(row);
-        v1 = LOAD(row + 1);
+#ifdef COALESCED
+    // a warp's 32 rows (1 KB, within one page) in two 512-byte loads, lane l taking bytes 16 l of each, so
+    // every sector a load touches is read whole (a row a lane reads half of each sector twice, past L1); lane
+    // l then holds half l % 2 of rows l / 2 and 16 + l / 2, and one exchange with its neighbour (below) gives
+    // each lane a whole row: the even lane row l / 2, the odd one row 16 + l / 2
+#define FETCH(rr, PAGE, a, c) { \
+        const long long g0 = (rr) - lane; \
+        if (g0 < stop) { \
+            const uint4* grp = reinterpret_cast<const uint4*>(codes + ROW_OF(g0, PAGE(g0)) * 32); \
+            if (g0 + (lane >> 1) < stop) a = LOAD(grp + lane); \
+            if (g0 + 16 + (lane >> 1) < stop) c = LOAD(grp + 32 + lane); \
+        } }
+#else
+#define FETCH(rr, PAGE, a, c) \
+    if ((rr) < stop) { \
+        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(rr, PAGE(rr)) * 32); \
+        a = LOAD(row); \
+        c = LOAD(row + 1); \
     }
+#endif
+    FETCH(r, PAGE_G, v0, v1)
 #if PREFETCH_ROWS == 2
-    if (r + blockDim.x < stop) {
-        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(r + blockDim.x, PAGE_G(r + blockDim.x)) * 32);
-        n0 = LOAD(row);
-        n1 = LOAD(row + 1);
-    }
+    FETCH(r + blockDim.x, PAGE_G, n0, n1)
 #endif
     const unsigned* src = reinterpret_cast<const unsigned*>(lut + (long long)b * 32 * 256);
     for (int i = threadIdx.x; i < 32 * 64; i += blockDim.x) {  // word i: subspace i % 32, codes 4 (i / 32) + 0..3
@@ -143,7 +164,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     }
     __syncthreads();
     const float t = thr[b];
-    const int lane = threadIdx.x & 31;
     const unsigned ws = (unsigned)lane >> 2, bs = ((unsigned)lane & 3u) * 8u;
     const unsigned base = (unsigned)lane * 4u;  // byte offset of the lane's first column in a code's row
     const char* lut_bytes = reinterpret_cast<const char*>(lut_s);
@@ -165,24 +185,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
             if (threadIdx.x == 0) st_n = 0;
             __syncthreads();
         }
-        const bool valid = r < stop;
+#ifdef COALESCED
+        const bool odd = lane & 1;
+        const long long rs = r - lane + (odd ? 16 : 0) + (lane >> 1);  // the row this lane scores
+        const uint4 give = odd ? v0 : v1;  // the half its neighbour's row needs
+        uint4 got;
+        got.x = __shfl_xor_sync(0xffffffffu, give.x, 1);
+        got.y = __shfl_xor_sync(0xffffffffu, give.y, 1);
+        got.z = __shfl_xor_sync(0xffffffffu, give.z, 1);
+        got.w = __shfl_xor_sync(0xffffffffu, give.w, 1);
+        const uint4 lo = odd ? got : v0, hi = odd ? v1 : got;
+        unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#else
+        const long long rs = r;
         unsigned w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#endif
+        const bool valid = rs < stop;
 #if PREFETCH_ROWS == 2
         v0 = n0;
         v1 = n1;
-        const long long next = r + 2LL * blockDim.x;
-        if (next < stop) {
-            const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(next, PAGE_S(next)) * 32);
-            n0 = LOAD(row);
-            n1 = LOAD(row + 1);
-        }
+        FETCH(r + 2LL * blockDim.x, PAGE_S, n0, n1)
 #else
-        const long long next = r + blockDim.x;
-        if (next < stop) {
-            const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(next, PAGE_S(next)) * 32);
-            v0 = LOAD(row);
-            v1 = LOAD(row + 1);
-        }
+        FETCH(r + blockDim.x, PAGE_S, v0, v1)
 #endif
         int score = 0;
         if (valid) {
@@ -216,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
             slot0 = __shfl_sync(0xffffffffu, slot0, leader);
             if (keep) {  // |sum| <= 32 x 127 fits 16 bits, the row's offset in the block (< MAX_SPAN) too
                 const int slot = slot0 + __popc(mask & ((1u << lane) - 1u));
-                staged[slot] = ((unsigned)score << 16) | (unsigned)(r - first);
+                staged[slot] = ((unsigned)score << 16) | (unsigned)(rs - first);
             }
         }
     }

@@ -230,11 +230,11 @@ def _build(source: str, kernel: str, params: str, shared_words: int):
 
 
 @functools.cache
-def emulated_scan():
-    """Stage 1's scan compiled for the CPU (:func:`_build`)."""
+def emulated_scan(defines: str = ""):
+    """Stage 1's scan compiled for the CPU (:func:`_build`), ``defines`` (#define lines) put before its source."""
     from dsaindex.kernels.pq_scan_cuda import source
 
-    return _build(source(), "pq_scan_select", _SCAN_PARAMS, 256 * 64 + 8192)
+    return _build(defines + source(), "pq_scan_select", _SCAN_PARAMS, 256 * 64 + 8192)
 
 
 @functools.cache
@@ -259,9 +259,10 @@ def _pages(page_table: np.ndarray | None, stand_in: np.ndarray, codes: np.ndarra
 
 
 def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.ndarray, capacity: int, n: int,
-             page_table: np.ndarray | None = None, rows_per_block: int = 512):
+             page_table: np.ndarray | None = None, rows_per_block: int = 512, defines: str = ""):
     """The kernel's launch as :func:`dsaindex.kernels.pq_scan_cuda.pq_scan_select` makes it, on the CPU:
-    (scores [B, capacity] float32, rows [B, capacity] int32, counts [B] int32), unset slots NaN / -1."""
+    (scores [B, capacity] float32, rows [B, capacity] int32, counts [B] int32), unset slots NaN / -1.
+    ``defines``: #define lines put before the source (a variant of the kernel)."""
     from dsaindex.kernels.pq_scan_cuda import THREADS
 
     b = lut.shape[0]
@@ -273,7 +274,7 @@ def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.nd
     rows = np.full((b, capacity), -1, dtype=np.int32)
     counts = np.zeros(b, dtype=np.int32)
     table, width, n_rows = _pages(page_table, lengths, codes)
-    emulated_scan()(max(1, -(-n // rows_per_block)), b, THREADS, _ptr(codes), _ptr(lengths), _ptr(lut), _ptr(thr),
+    emulated_scan(defines)(max(1, -(-n // rows_per_block)), b, THREADS, _ptr(codes), _ptr(lengths), _ptr(lut), _ptr(thr),
                      _ptr(scores), _ptr(rows), _ptr(counts), _ptr(table), width, n_rows, capacity, rows_per_block,
                      int(page_table is not None))
     return scores, rows, counts

@@ -32,9 +32,12 @@ def _thresholds(sums, lengths, share):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_the_scan_appends_every_row_at_or_above_the_threshold_once(paged):
+@pytest.mark.parametrize("variant", ["", "#define COALESCED 1\n", "#define COALESCED 1\n#define PREFETCH_ROWS 1\n"])
+def test_the_scan_appends_every_row_at_or_above_the_threshold_once(paged, variant):
     """The int32 tables are read at a column rotated by the lane, each lane's code bytes rotated to match:
-    every lookup must land on the subspace its byte came from."""
+    every lookup must land on the subspace its byte came from. ``COALESCED``: a warp's rows read in two
+    512-byte loads and exchanged between neighbouring lanes, each lane scoring another row than the one it
+    would read alone (the lengths end inside a warp's rows and inside a page)."""
     m = 32
     b, n = 3, 1300
     codes, lut = _inputs(b, n, m, seed=m + paged)
@@ -50,7 +53,7 @@ def test_the_scan_appends_every_row_at_or_above_the_threshold_once(paged):
         store = np.empty((b * pages, 64, m), dtype=np.uint8)
         store[perm] = padded.reshape(b * pages, 64, m)
         codes, table = store, perm.reshape(b, pages).astype(np.int32)
-    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=n, n=n, page_table=table)
+    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=n, n=n, page_table=table, defines=variant)
     for i in range(b):
         want = np.nonzero(sums[i, : lengths[i]] >= thr[i])[0]
         got = rows[i, : counts[i]]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The decode step's GPU measurements in one run (a CUDA machine with dsaindex installed with its deepgemm extra,
 # CUDA_HOME and DG_JIT_CACHE_DIR set): the GPU tests, tensor-core rates, stage 2's variants, the plugins' step at a
-# fixed and a grown C with each stage 2 side by side, the exact-path rule's grid, and a profile of the grown step at
-# 32 x 1M; with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
+# fixed and a grown C with each stage 2 side by side, stage 1's scan taken apart and at longer blocks, the exact
+# rescoring's and the final top-k's launches, the exact-path rule's grid, and a profile of the grown step at 32 x 1M;
+# with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
 # Every JSON and a log go to OUT. Usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 set -uo pipefail
 OUT=${1:?usage: bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
@@ -25,6 +26,15 @@ part "tensor-core rates"; timeout "$LIMIT" python3 tools/mma_rate.py "$OUT/mma_r
 part "stage 2 variants"
 timeout "$LIMIT" python3 tools/stage2_parts.py base,int8,int8+mb3,int8+unroll_mt2,unroll_mt2,t512,no_book+no_mma+no_ldsm \
     "$OUT/stage2_parts.json"
+part "stage 1's scan taken apart: loads, coalesced reads, rows a block"
+timeout "$LIMIT" python3 tools/stage1_parts.py "" "$OUT/stage1_parts.json"
+part "the exact rescoring and the final top-k by launch"
+timeout "$LIMIT" python3 tools/gather_sweep.py "$OUT/gather_sweep.json"
+part "grown C, the scan's blocks at up to 64K rows against 8,192"
+# the default caps a block at pq_scan_cuda.LAUNCH_ROWS rows; this run lifts the cap to MAX_SPAN, beside the default
+timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_scan_cuda as s; s.LAUNCH_ROWS = s.MAX_SPAN; \
+sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,8,32,64 --keys 1048576 \
+    $common --grow-band 131072 --out "$OUT/paged_grown_span_max.json"
 part "grown C, each stage 2"
 timeout "$LIMIT" $D bench paged --batches 1,2,4,8,16,32,64 --keys 1048576 $common --grow-band 131072 \
     --stage2 auto,cuda,triton --out "$OUT/paged_grown.json"

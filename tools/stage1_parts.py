@@ -3,8 +3,8 @@ appends changed by editing its source, each at several rows a block (a block bui
 rows), at B x 1M paged keys behind a shuffled page table, each request keeping about 6.25% of its rows (a grown
 C's stage 1 at 1M keys). CUDA-graph medians per launch in us, beside a plain read of the same code bytes (the
 floor), and whether each variant kept the same rows as the shipped kernel (a GPU; not part of the package).
-``python3 tools/stage1_parts.py [VARIANTS] [OUT.json]``: VARIANTS a comma list of ``base`` and ``+``-joined
-changes (default: every single change)."""
+``python3 tools/stage1_parts.py [VARIANTS] [OUT.json] [BATCHES]``: VARIANTS a comma list of ``base`` and
+``+``-joined changes (default: every single change); BATCHES a comma list (default 1,8,32,64)."""
 
 import json
 import sys
@@ -35,6 +35,7 @@ CHANGES = {
     "l2_256": (LD_HINT.replace("HINT", "256B"), None),
     "l2_128": (LD_HINT.replace("HINT", "128B"), None),
     "pf1": ("#define PREFETCH_ROWS 1\n", None),
+    "coalesced": ("#define COALESCED 1\n", None),  # a warp's rows in two 512-byte loads, halves swapped by shuffles
     "no_lookup": ("", (LOOKUP, "score += (int)(at & 7u);")),  # the same reads and permutes, no shared loads
 }
 
@@ -84,7 +85,8 @@ def sweep(b: int, kernels: dict) -> list[dict]:
     for name, k in kernels.items():
         for span in SPANS if name == "base" else SPANS_CHANGED:
             for t, what in ((thr, ""), (none, ", no row kept")):
-                if (what and name not in ("base", "no_lookup")) or (not what and name == "no_lookup"):
+                lookups = "no_lookup" not in name.split("+")
+                if (what and name not in ("base", "no_lookup", "coalesced+no_lookup")) or (not what and not lookups):
                     continue  # with no row kept: the shipped kernel and the one without lookups only
                 launch = args[:3] + [t] + args[4:11] + [span, 1]
 
@@ -107,14 +109,15 @@ def sweep(b: int, kernels: dict) -> list[dict]:
 
 
 def main() -> None:
-    names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "base," + ",".join(CHANGES)).split(",")
+    default = "base," + ",".join(CHANGES) + ",coalesced+no_lookup,coalesced+pf1,coalesced+ldca"
+    names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else default).split(",")
     kernels = {}
     for name in names:
         k = torch.cuda._compile_kernel(variant_source(name), scan.KERNEL)
         k.set_shared_memory_config(scan.SHARED)
         kernels[name] = k
     res = []
-    for b in BATCHES:
+    for b in [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else BATCHES:
         res += sweep(b, kernels)
         torch.cuda.empty_cache()
         if len(sys.argv) > 2:  # after each batch: a part that runs out of time still leaves its rows
