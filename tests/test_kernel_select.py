@@ -909,6 +909,40 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("defines", ["#define COALESCED 1\n", "#define COALESCED 1\n#define PREFETCH_ROWS 1\n"])
+def test_the_coalesced_cuda_scan_keeps_the_rows_the_shipped_one_keeps(defines):
+    """The scan's COALESCED variant compiled by NVRTC (a warp's rows in two 512-byte loads, halves swapped
+    between lanes), paged behind a shuffled table with lengths ending inside a warp's rows: every passing row
+    once, with its integer sum, the count exact."""
+    from dsaindex.kernels import pq_scan_cuda as scan
+
+    b, n, m = 3, 20_000, 32
+    g = torch.Generator().manual_seed(4)
+    pages = n // 64 + 1
+    codes = torch.randint(0, 256, (b * pages, 64, m), generator=g, dtype=torch.int32).to(torch.uint8).to(DEV)
+    table = torch.randperm(b * pages, generator=g).view(b, pages).to(torch.int32).to(DEV)
+    lut = torch.randint(-127, 128, (b, m, 256), generator=g, dtype=torch.int32).to(torch.int8).to(DEV)
+    lengths = torch.tensor([n, n - 1013, 45], dtype=torch.int32, device=DEV)
+    rows_of = (table.long()[:, :, None] * 64 + torch.arange(64, device=DEV)).view(b, -1)[:, :n]
+    sums = lut.long()[torch.arange(b, device=DEV)[:, None, None], torch.arange(m, device=DEV),
+                      codes.view(-1, m)[rows_of].long()].sum(-1)
+    thr = torch.tensor([300.0, 0.0, float("-inf")], device=DEV)
+    kernel = torch.cuda._compile_kernel(defines + scan.source(), scan.KERNEL)
+    kernel.set_shared_memory_config(scan.SHARED)
+    scores = torch.full((b, n), float("nan"), device=DEV)
+    rows = torch.full((b, n), -1, dtype=torch.int32, device=DEV)
+    counts = torch.zeros(b, dtype=torch.int32, device=DEV)
+    kernel(grid=(-(-n // scan.MAX_ROWS), b, 1), block=(scan.THREADS, 1, 1), shared_mem=scan.SHARED,
+           args=[codes, lengths, lut, thr, scores, rows, counts, table, pages, pages * 64, n, scan.MAX_ROWS, 1])
+    for i in range(b):
+        want = torch.nonzero(sums[i, : int(lengths[i])] >= thr[i]).flatten()
+        got = rows[i, : int(counts[i])].long()
+        assert int(counts[i]) == len(want) and torch.equal(got.sort().values, want)
+        assert torch.equal(scores[i, : len(got)], sums[i, got].float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("span", ["staged", "long"])
 def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only(span):
     """The compiled kernel with a threshold that passes far more rows than the buffer holds (the sampling pass

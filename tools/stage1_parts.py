@@ -1,5 +1,5 @@
-"""Stage 1's CUDA scan taken apart: its selecting pass as shipped and with its loads, prefetch depth, lookups or
-appends changed by editing its source, each at several rows a block (a block builds its tables once for all its
+"""Stage 1's CUDA scan taken apart: its selecting pass as shipped and with its loads (L1 or not, an L2 prefetch
+hint, a warp's rows in two coalesced loads), prefetch depth, lookups or appends changed by editing its source, each at several rows a block (a block builds its tables once for all its
 rows), at B x 1M paged keys behind a shuffled page table, each request keeping about 6.25% of its rows (a grown
 C's stage 1 at 1M keys). CUDA-graph medians per launch in us, beside a plain read of the same code bytes (the
 floor), and whether each variant kept the same rows as the shipped kernel (a GPU; not part of the package).
