@@ -17,9 +17,10 @@ The Triton scan (:func:`dsaindex.kernels.pq_select.pq_linear_topc`, ``scan="trit
   waited on L2 more than on its codes.
 - **Loads.** Each thread has its next two rows' codes in flight while it scores the current one; the
   block's slice of the page table is read once.
-- **Blocks.** A block builds its tables once for all its rows: up to :data:`MAX_SPAN` (64K), flushing its
-  staged rows whenever the staging might not hold the next 2,048 (:func:`launch_rows` picks the rows a block
-  by the step's shape; the default caps them at 8,192, the launch timed so far).
+- **Blocks.** A block builds its tables once for all its rows. Blocks of more than 8,192 rows (up to
+  :data:`MAX_SPAN`, 64K) run a form compiled apart (``source(long_blocks=True)``) that flushes its staged rows
+  whenever the staging might not hold the next 2,048. :func:`launch_rows` picks the rows a block by the step's
+  shape; the default caps them at 8,192, the launch timed so far, so the default kernel is unchanged.
 - **A variant, not yet timed** (``#define COALESCED``): a thread's two 16-byte loads of its own row each read half
   of 32 sectors, so every sector crosses from L2 twice past L1 (2 GB for the 1 GB of codes at 32 x 1M, which
   may bound the read on the H200 before its HBM does). Under ``COALESCED`` a warp reads its 32 rows as two
@@ -65,8 +66,12 @@ _SOURCE = r"""
 #define PREFETCH_ROWS 2
 #endif
 #define MAX_ROWS 8192
-#define MAX_SPAN 65536
 #define CHECK_ROWS 2048
+#ifdef LONG_BLOCKS
+#define MAX_SPAN 65536
+#else
+#define MAX_SPAN MAX_ROWS
+#endif
 #ifndef LOAD
 #define LOAD __ldcg
 #endif
@@ -98,8 +103,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     // the block's kept rows are staged in shared memory and appended to the request's buffer with one atomic
     // a flush: an atomic per warp, to one counter per request, waited on by the whole warp, made the scan wait
     // on L2 more than on its codes. A block of up to MAX_ROWS rows flushes once, at its end; a longer one (up to
-    // MAX_SPAN rows, its tables built once) checks every CHECK_ROWS rows and flushes where the next rows could
-    // overflow the staging
+    // 64K rows under LONG_BLOCKS, its tables built once) checks every CHECK_ROWS rows and flushes where the
+    // next rows could overflow the staging
     SHARED_DYNAMIC;
     int* lut_s = smem;
     unsigned* staged = reinterpret_cast<unsigned*>(smem + 256 * 64);  // a kept row: its sum << 16 | its offset
@@ -168,23 +173,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     const unsigned base = (unsigned)lane * 4u;  // byte offset of the lane's first column in a code's row
     const char* lut_bytes = reinterpret_cast<const char*>(lut_s);
     const long long out = (long long)b * capacity;
+#ifdef LONG_BLOCKS
     const bool checks = stop - first > MAX_ROWS;  // the same for every thread of the block
+#endif
     // every thread of the block loops as often (stop is the block's), so each ballot sees whole warps
     for (long long row0 = first; row0 < stop; row0 += blockDim.x, r += blockDim.x) {
         // every CHECK_ROWS rows of a long block: flush where the staging might not hold the next CHECK_ROWS. The
         // count thread 0 reads at the barrier may miss the rows the other warps staged since the last check (at
         // most CHECK_ROWS), so the staging holds 2 CHECK_ROWS more than the count it flushes past
+#ifdef LONG_BLOCKS
         if (checks && row0 > first && (row0 - first) % CHECK_ROWS == 0 &&
             __syncthreads_or(threadIdx.x == 0 && *(volatile int*)&st_n > MAX_ROWS - 2 * CHECK_ROWS)) {
             if (threadIdx.x == 0) st_base = atomicAdd(count + b, st_n);
             __syncthreads();
-            const int n_st = st_n, base = st_base;
-            for (int i = threadIdx.x; i < n_st; i += blockDim.x) append(staged[i], base + i, first, out, capacity,
-                                                                        out_score, out_pos);
+            const int n_st = st_n, at0 = st_base;
+            for (int i = threadIdx.x; i < n_st; i += blockDim.x)
+                append(staged[i], at0 + i, first, out, capacity, out_score, out_pos);
             __syncthreads();  // every staged row read before the staging restarts
             if (threadIdx.x == 0) st_n = 0;
             __syncthreads();
         }
+#endif
 #ifdef COALESCED
         const bool odd = lane & 1;
         const long long rs = r - lane + (odd ? 16 : 0) + (lane >> 1);  // the row this lane scores
@@ -253,9 +262,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
 """
 
 
-def source() -> str:
-    """The kernel's CUDA source."""
-    return _SOURCE
+def source(long_blocks: bool = False) -> str:
+    """The kernel's CUDA source; ``long_blocks``: its form for blocks of more than :data:`MAX_ROWS` rows (up to
+    :data:`MAX_SPAN`, flushing their staging as they go), compiled apart so the default's code is unchanged."""
+    return ("#define LONG_BLOCKS 1\n" if long_blocks else "") + _SOURCE
 
 
 def check_scan(scan: str) -> None:
@@ -345,7 +355,8 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
         raise ValueError(f"block_rows: got {block_rows}, want a multiple of 64 up to {MAX_SPAN} (whole pages a block)")
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
-    kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)
+    index = nvrtc.device_index(codes.device)
+    kernel = nvrtc.compiled(source(block_rows > MAX_ROWS), KERNEL, SHARED, index, *_NAMES)
     table = page_table if paged else lengths
     kernel(grid=(max(1, -(-n // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=SHARED,
            args=[codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, int(table.shape[-1]) if paged else 0,

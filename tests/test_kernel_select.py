@@ -894,8 +894,8 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
     """NVRTC compiles the scan for sm_90 (where NVRTC is installed: CUDA builds of torch ship it): one
     shared-memory load per code byte, at the column offsets 0, 4, .., 124 of the lane's rotated row; each
     row's codes in two 16-byte loads (three places in the source: the first two rows, then each next one
-    before the current is scored); two global atomics (the kept rows staged in shared memory, appended at a
-    flush within a long block and at the block's end)."""
+    before the current is scored); one global atomic a block (the kept rows staged in shared memory), and
+    in the form for long blocks one more, at a flush within the block."""
     import re
 
     from dsaindex.kernels.pq_scan_cuda import source
@@ -904,7 +904,8 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
     text = _hopper_ptx(source())
     offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%rd?\d+(?:\+(\d+))?\];", text)]
     assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)]
-    assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 2
+    assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1
+    assert _hopper_ptx(source(long_blocks=True)).count("atom.global.add") == 2
 
 
 @pytest.mark.gpu

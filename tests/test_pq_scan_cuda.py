@@ -95,8 +95,8 @@ def test_the_scan_stages_a_whole_block_of_kept_rows():
 
 @pytest.mark.parametrize("share", [None, 0.3])
 def test_a_long_block_flushes_its_staging_before_it_overflows(share):
-    """A block of more rows than its staging holds (tables built once for up to MAX_SPAN rows) flushes the kept
-    rows as it goes: at -inf (``share`` None) every row is kept, so it must flush several times; each kept row
+    """A block of more rows than its staging holds (the LONG_BLOCKS form: tables built once for up to MAX_SPAN
+    rows) flushes the kept rows as it goes: at -inf (``share`` None) every row is kept, so it must flush several times; each kept row
     lands once with its sum and its own position, and the count covers them all."""
     from dsaindex.kernels.pq_scan_cuda import MAX_ROWS, MAX_SPAN
 
@@ -108,7 +108,8 @@ def test_a_long_block_flushes_its_staging_before_it_overflows(share):
         thr = np.full(b, -np.inf, dtype=np.float32)
     else:
         thr = np.asarray([np.quantile(sums[i, :k], 1 - share) for i, k in enumerate(lengths)], dtype=np.float32)
-    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=n, n=n, rows_per_block=MAX_SPAN)
+    scores, rows, counts = run_scan(codes, lengths, lut, thr, capacity=n, n=n, rows_per_block=MAX_SPAN,
+                                    defines="#define LONG_BLOCKS 1\n")
     for i in range(b):
         want = np.nonzero(sums[i, : lengths[i]] >= thr[i])[0]
         got = rows[i, : counts[i]]

@@ -40,9 +40,10 @@ CHANGES = {
 }
 
 
-def variant_source(name: str) -> str:
-    """The scan's source with the changes ``name`` joins by ``+`` (``base``: as shipped)."""
-    src, prefix = scan.source(), ""
+def variant_source(name: str, long_blocks: bool = False) -> str:
+    """The scan's source with the changes ``name`` joins by ``+`` (``base``: as shipped), in its form for blocks of
+    more than 8,192 rows where ``long_blocks``."""
+    src, prefix = scan.source(long_blocks), ""
     for part in name.split("+"):
         if part == "base":
             continue
@@ -82,8 +83,9 @@ def sweep(b: int, kernels: dict) -> list[dict]:
     res = [dict(batch=b, keys=N, variant="read (torch max over the codes)", us=round(floor, 1))]
     print(res[-1], flush=True)
     kept = None
-    for name, k in kernels.items():
+    for name, forms in kernels.items():
         for span in SPANS if name == "base" else SPANS_CHANGED:
+            k = forms[span > scan.MAX_ROWS]
             for t, what in ((thr, ""), (none, ", no row kept")):
                 lookups = "no_lookup" not in name.split("+")
                 if (what and name not in ("base", "no_lookup", "coalesced+no_lookup")) or (not what and not lookups):
@@ -111,11 +113,13 @@ def sweep(b: int, kernels: dict) -> list[dict]:
 def main() -> None:
     default = "base," + ",".join(CHANGES) + ",coalesced+no_lookup,coalesced+pf1,coalesced+ldca"
     names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else default).split(",")
-    kernels = {}
+    kernels = {}  # name -> (the kernel for blocks of up to 8,192 rows, the one for longer blocks)
     for name in names:
-        k = torch.cuda._compile_kernel(variant_source(name), scan.KERNEL)
-        k.set_shared_memory_config(scan.SHARED)
-        kernels[name] = k
+        kernels[name] = []
+        for long_blocks in (False, True):
+            k = torch.cuda._compile_kernel(variant_source(name, long_blocks), scan.KERNEL)
+            k.set_shared_memory_config(scan.SHARED)
+            kernels[name].append(k)
     res = []
     for b in [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else BATCHES:
         res += sweep(b, kernels)
