@@ -172,7 +172,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     const unsigned ws = (unsigned)lane >> 2, bs = ((unsigned)lane & 3u) * 8u;
     const unsigned base = (unsigned)lane * 4u;  // byte offset of the lane's first column in a code's row
     const char* lut_bytes = reinterpret_cast<const char*>(lut_s);
-    const long long out = (long long)b * capacity;
 #ifdef LONG_BLOCKS
     const bool checks = stop - first > MAX_ROWS;  // the same for every thread of the block
 #endif
@@ -188,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
             __syncthreads();
             const int n_st = st_n, at0 = st_base;
             for (int i = threadIdx.x; i < n_st; i += blockDim.x)
-                append(staged[i], at0 + i, first, out, capacity, out_score, out_pos);
+                append(staged[i], at0 + i, first, (long long)b * capacity, capacity, out_score, out_pos);
             __syncthreads();  // every staged row read before the staging restarts
             if (threadIdx.x == 0) st_n = 0;
             __syncthreads();
@@ -256,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     __syncthreads();
     if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
     __syncthreads();
+    const long long out = (long long)b * capacity;
     for (int i = threadIdx.x; i < st_n; i += blockDim.x)
         append(staged[i], st_base + i, first, out, capacity, out_score, out_pos);
 }

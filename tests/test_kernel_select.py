@@ -911,7 +911,7 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("defines", ["#define COALESCED 1\n", "#define COALESCED 1\n#define PREFETCH_ROWS 1\n"])
-def test_the_coalesced_cuda_scan_keeps_the_rows_the_shipped_one_keeps(defines):
+def test_the_coalesced_cuda_scan_appends_every_passing_row_once(defines):
     """The scan's COALESCED variant compiled by NVRTC (a warp's rows in two 512-byte loads, halves swapped
     between lanes), paged behind a shuffled table with lengths ending inside a warp's rows: every passing row
     once, with its integer sum, the count exact."""

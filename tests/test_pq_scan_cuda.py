@@ -96,8 +96,8 @@ def test_the_scan_stages_a_whole_block_of_kept_rows():
 @pytest.mark.parametrize("share", [None, 0.3])
 def test_a_long_block_flushes_its_staging_before_it_overflows(share):
     """A block of more rows than its staging holds (the LONG_BLOCKS form: tables built once for up to MAX_SPAN
-    rows) flushes the kept rows as it goes: at -inf (``share`` None) every row is kept, so it must flush several times; each kept row
-    lands once with its sum and its own position, and the count covers them all."""
+    rows) flushes the kept rows as it goes: at -inf (``share`` None) every row is kept, so it must flush
+    several times; each kept row lands once with its sum and its own position, and the count covers them all."""
     from dsaindex.kernels.pq_scan_cuda import MAX_ROWS, MAX_SPAN
 
     b, n, m = 2, 3 * MAX_ROWS + 700, 32
