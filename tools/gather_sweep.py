@@ -22,7 +22,7 @@ def sweep(b: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(b)
     pages = b * N // 64
     cache = torch.randint(0, 120, (pages, 64 * (D + 4)), device="cuda", generator=g, dtype=torch.uint8)
-    cache.view(pages, 64 * (D + 4))[:, 64 * D:].view(torch.float32).fill_(1.0)  # unit scales
+    cache[:, 64 * D:].view(torch.float32).fill_(1.0)  # unit scales
     table = torch.randperm(pages, device="cuda", generator=g).view(b, -1).int()
     pos = torch.randint(0, N, (b, R), device="cuda", generator=g, dtype=torch.int32)
     q = torch.randn(b, H, D, device="cuda", generator=g).bfloat16()
