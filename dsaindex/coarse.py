@@ -60,8 +60,13 @@ PAGED_EXACT_OFFSET = 14
 # against 0.159). -2 sends up to 4 x 1M to the exact path and the codes from 5: on the H200, where DeepGEMM is
 # faster against the codes' step (a fixed C gave 2.10x there against 2.70x on the H100 at 32 x 1M), 4 x 1M may
 # be a tie, 6 x 1M and up keep a margin. Every step at 512K (g = 4) and 256K (g = 2) stays exact, as before,
-# though the H100 gives the codes 1.04x-1.30x at 8-16 x 512K and 32-64 x 256K: not timed on an H200
-PAGED_GROWN_EXTRA = -2
+# though the H100 gives the codes 1.04x-1.30x at 8-16 x 512K and 32-64 x 256K: not timed on an H200.
+# With the int8 stage 2's operands in one launch (18 kernels a step, not 36) the codes' step lost ~30 us at every
+# B: both paths timed again on the H100 at B in 1-64 x N in 64K-1M (docs/results/paged_rule_fused_operands_h100.json),
+# the codes win from 2 x 1M (0.147 ms against 0.158 exact) and 8 x 512K (1.15x), lose at 1 x 1M and 4 x 512K
+# (0.94x), and win from 8 x 256K (1.04x-1.45x), which one extra for every g cannot also send to them without
+# 2-4 x 512K (0.80x-0.94x): -12 takes 2 x 1M and up and 6 x 512K and up, and keeps every step at 256K exact
+PAGED_GROWN_EXTRA = -12
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95

@@ -518,14 +518,15 @@ def score_bound(queries: torch.Tensor, head_weights: torch.Tensor, key_bound: fl
     return ((head_weights.float().abs() * norms).sum(1) * key_bound).clamp_min(1e-30)
 
 
-def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor,
-                  key_bound: float) -> tuple[torch.Tensor, ...]:
+def int8_operands_reference(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor,
+                            key_bound: float) -> tuple[torch.Tensor, ...]:
     """The int8 kernel's operands for ``queries`` [B, 64, 128] and ``head_weights`` [B, 64] against ``codebook``
     [32, 256, 4]: (queries [B, 64, 128] int8, weights [B, 64] float32, codewords [32, 256, 4] int8, bounds [B]
     float32). The codebook's per-subspace scales multiply the queries' dimensions (so one integer dot product
     covers every subspace), each head is then scaled to 127 and its scale moves into its weight (a ReLU commutes
     with a positive scale): ``sum_h w_h relu(q_h . k)`` is ``sum_h w8_h relu(q8_h . k8)`` up to the rounding.
-    ``bounds``: the bins' scale, ``sum_h |w_h| |q_h| key_bound`` of the bf16 queries, as the other kernels'."""
+    ``bounds``: the bins' scale, ``sum_h |w_h| |q_h| key_bound`` of the bf16 queries, as the other kernels'.
+    Torch ops on any device: the spec of :func:`int8_operands`."""
     import torch
 
     book8, scale = int8_codebook(codebook)
@@ -535,6 +536,37 @@ def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     q8 = torch.round(folded / tau[..., None]).clamp(-127, 127).to(torch.int8).contiguous()
     w = head_weights.float()
     return q8, (w * tau).contiguous(), book8, score_bound(queries, w, key_bound).contiguous()
+
+
+def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor, key_bound: float,
+                  fused: bool | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`int8_operands_reference` of a decode step: on a CUDA device (``fused`` None) or where ``fused``, in
+    one Triton launch (:func:`~dsaindex.kernels.pq_stage2_kernel.int8_operands_kernel`) instead of about twenty
+    torch ones; the codebook's int8 form is cached as there. The same operands, up to the last bit of a float32
+    quotient (torch may divide by multiplying by the reciprocal): an int8 query within 1 of the reference's,
+    weights and bounds within an ulp."""
+    import torch
+
+    if fused is None:
+        fused = queries.is_cuda
+    if not fused:
+        return int8_operands_reference(queries, head_weights, codebook, key_bound)
+    from dsaindex.kernels.pq_stage2_kernel import int8_operands_kernel
+
+    b, h, d = queries.shape
+    if (h, d) != (HEADS, DIM) or tuple(head_weights.shape) != (b, h):
+        raise ValueError(f"int8 operands: want queries [B, {HEADS}, {DIM}] and head_weights [B, {HEADS}], got "
+                         f"{tuple(queries.shape)} and {tuple(head_weights.shape)}")
+    book8, scale = int8_codebook(codebook)
+    q = queries.to(torch.bfloat16).contiguous()
+    w = head_weights.float().contiguous()
+    q8 = torch.empty(b, h, d, dtype=torch.int8, device=q.device)
+    w8 = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    bounds = torch.empty(b, dtype=torch.float32, device=q.device)
+    if b:
+        int8_operands_kernel[(b,)](q, w, scale.to(q.device), q8, w8, bounds, float(key_bound), H=h, D=d,
+                                   DSUB=DIM // SUBSPACES, num_warps=4)
+    return q8, w8, book8, bounds
 
 
 def int8_scores_reference(codes: torch.Tensor, rows: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,

@@ -128,8 +128,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
         return out_val, out_pay
     block = max(16, triton.next_power_of_2(n))
     # 8 warps at 8,192 slots: the paged step's final top-2,048 of 4,416 took 17.4-19.8 us on the H200 against
-    # 17.9-20.5 at 16 warps and 21.9-24.2 at 4 (B = 1-32, CUDA graphs)
-    warps = num_warps or (32 if block >= 32768 else 16 if block >= 16384 else 8 if block >= 2048 else 4)
+    # 17.9-20.5 at 16 warps and 21.9-24.2 at 4 (B = 1-32, CUDA graphs); 16 at 32,768: a grown C's top-2,048 of
+    # 16,448 took 43.8-47.6 us on the H100 against 47.3-51.6 at 8 warps and 47.7-48.9 at 32 (B = 8-64)
+    warps = num_warps or (16 if block >= 16384 else 8 if block >= 2048 else 4)
     row_topk_kernel[(b,)](
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
         counts if counts is not None else out_val, n, k,

@@ -1090,3 +1090,30 @@ def test_the_int8_stage2_keeps_the_triton_ones_scores_and_top_candidates():
         assert len(top_t & top_8) / 4096 > 0.98
     assert (sel_8[:2, 0] - sel_t[:2, 0]).abs().max() <= 8
     assert torch.equal(sel_8[2:, 2], sel_t[2:, 2])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fused_int8_operands_are_the_torch_ones(seed):
+    """The int8 stage 2's operands in one Triton launch (what a CUDA step runs) against the torch spec: the int8
+    queries equal (a float32 quotient may differ in its last bit, which moves an entry only off an exact tie:
+    none here in 16,384 a request), the scaled weights and the bins' bounds to float rounding, the codewords the
+    cached ones; heads of both signs and one head all zero (its scale clamped, not divided by)."""
+    from dsaindex.kernels.pq_stage2_cuda import int8_operands, int8_operands_reference
+
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(0, 1.5, 32)[torch.randperm(32, generator=g)]  # subspaces 30x apart in scale
+    codebook = (torch.randn(32, 256, 4, generator=g) * 0.05 * spread[:, None, None]).to(torch.bfloat16).to(DEV)
+    queries = (torch.randn(3, 64, 128, generator=g) * torch.rand(3, 64, 1, generator=g) * 4).to(torch.bfloat16)
+    queries[1, 5] = 0
+    weights = torch.randn(3, 64, generator=g) * 0.1
+    queries, weights = queries.to(DEV), weights.to(DEV)
+    want = int8_operands_reference(queries, weights, codebook, 2.5)
+    got = int8_operands(queries, weights, codebook, 2.5, fused=True)
+    assert got[0].dtype == torch.int8 and got[0].shape == (3, 64, 128)
+    assert (got[0].int() - want[0].int()).abs().max() <= 1
+    assert (got[0] == want[0]).float().mean() > 0.9999
+    assert (got[0].abs() == 127).any(dim=2)[[0, 2]].all()  # every non-zero head reaches 127
+    assert (got[0][1, 5] == 0).all() and got[1][1, 5].abs() < 1e-30  # its weight times the clamped scale
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
+    assert got[2] is want[2]  # the codebook's int8 form, made once

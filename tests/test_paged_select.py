@@ -572,14 +572,15 @@ def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(us
     prod = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV,
                               grow_band=1 << 17)
     fixed = PagedCacheSelector(codec(), 8, topk=16, candidates=4096, prefilter=4, head_dim=D, device=DEV)
-    # 4 x C at 1M keys: each request's share is (14 x 4 - 2 x 3) x 16K keys. With the CUDA stage 2 the H100 put the
-    # codes ahead from 3 x 1M (1.26x the exact path at 4, 1.52x at 8) and behind at 2: up to 4 such requests are
-    # scored exactly
-    assert prod.takes_exact(2, 1 << 20) and prod.takes_exact(4, 1 << 20) and not prod.takes_exact(5, 1 << 20)
-    assert not any(prod.takes_exact(b, 1 << 20) for b in (8, 16, 32, 64))
+    # 4 x C at 1M keys: each request's share is (14 x 4 - 12 x 3) x 16K keys. With the int8 stage 2's operands
+    # fused the H100 put the codes ahead from 2 x 1M (1.08x DeepGEMM against 0.98x exact) and behind at 1 x 1M,
+    # ahead from 8 x 512K and behind at 4 x 512K (0.94x): one request at 1M and up to 5 at 512K are scored exactly
+    assert prod.takes_exact(1, 1 << 20) and not prod.takes_exact(2, 1 << 20)
+    assert not any(prod.takes_exact(b, 1 << 20) for b in (2, 4, 8, 16, 32, 64))
+    assert prod.takes_exact(4, 1 << 19) and prod.takes_exact(5, 1 << 19) and not prod.takes_exact(6, 1 << 19)
     assert not fixed.takes_exact(8, 1 << 20) and not fixed.takes_exact(16, 1 << 20)
-    assert prod.takes_exact(64, 1 << 18) and not fixed.takes_exact(64, 1 << 18)  # 2 x C at 256K
-    assert prod.takes_exact(16, 1 << 19) and not fixed.takes_exact(16, 1 << 19)  # 4 x C at 512K: 0.64x
+    assert prod.takes_exact(64, 1 << 18) and not fixed.takes_exact(64, 1 << 18)  # 2 x C at 256K: every B exact
+    assert not prod.takes_exact(16, 1 << 19) and not fixed.takes_exact(16, 1 << 19)  # 4 x C at 512K: 1.29x
     assert prod.takes_exact(8, 1 << 17) == fixed.takes_exact(8, 1 << 17)  # within the band: the same rule
     # a small selector: band 128 keys, growth to 4 x, offset 50, extra 10; a request of 323 keys grows 4 x
     # (share 50 x 4 + 10 x 3 = 230)

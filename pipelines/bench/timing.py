@@ -121,7 +121,7 @@ def event_median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1, idle_s
     return statistics.median(times) if times else float("nan")
 
 
-def kernel_profile(fn: Callable[[], Any], steps: int = 5, top: int = 12) -> dict:
+def kernel_profile(fn: Callable[[], Any], steps: int = 5, top: int = 30) -> dict:
     """Where one step's GPU time goes: ``fn`` run ``steps`` times eagerly under ``torch.profiler``, each
     kernel's device time per step (microseconds), its launches per step, and the totals. The sum of kernel
     times is the step's busy time; what a CUDA-graph replay adds beyond it is launch gaps."""
