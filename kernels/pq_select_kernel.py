@@ -351,14 +351,18 @@ def keep_binned_kernel(
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kept = tl.load(sel_ptr + b * 4 + 2)
+    filled = tl.minimum(tl.load(count_ptr + b), n_in)
     if pid < tl.num_programs(0) - 1:
-        idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = idx < tl.minimum(tl.load(count_ptr + b), n_in)
-        pos = tl.load(rows_ptr + b * n_in + idx, mask=live, other=-1)
-        live = live & (pos >= 0)  # stage 2 wrote no bin for an empty slot
-        bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
-        slot, keep = binned_slots(live, bins, sel_ptr + b * 4, ctr_ptr + b * ctr_stride)
-        tl.store(out_ptr + b * CAPC + slot, pos.to(tl.int64), mask=keep)
+        # a program past the request's filled slots (a grown C's buffer is sized for the widest request, and
+        # stage 1 fills about 3/4 of it) returns before its loads and its two atomics
+        if pid * BLOCK_N < filled:
+            idx = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = idx < filled
+            pos = tl.load(rows_ptr + b * n_in + idx, mask=live, other=-1)
+            live = live & (pos >= 0)  # stage 2 wrote no bin for an empty slot
+            bins = tl.load(bins_ptr + b * n_in + idx, mask=live, other=-1)
+            slot, keep = binned_slots(live, bins, sel_ptr + b * 4, ctr_ptr + b * ctr_stride)
+            tl.store(out_ptr + b * CAPC + slot, pos.to(tl.int64), mask=keep)
     else:  # in pieces of at most 4,096 slots: a grown C's buffer is wider than a program holds at once
         PIECE: tl.constexpr = 4096 if CAPC_PAD > 4096 else CAPC_PAD
         for start in range(0, CAPC, PIECE):

@@ -38,7 +38,8 @@ def test_rows_topk_gives_int32_columns_equal_to_its_int64_ones():
     lengths = torch.tensor([3000, 40], dtype=torch.int32, device=DEV)
     _, wide = rows_topk(logits, lengths, 64, block_n=256, iters=2)
     values, narrow = rows_topk(logits, lengths, 64, block_n=256, iters=2, index_dtype=torch.int32)
-    assert narrow.dtype == torch.int32 and torch.equal(narrow.long(), wide)
+    # the same set (on a GPU the appending pass's atomics order the buffer, so two calls may order it apart)
+    assert narrow.dtype == torch.int32 and torch.equal(narrow.long().sort(1).values, wide.sort(1).values)
     assert (narrow[1, 40:] == -1).all() and (values[1, 40:] == float("-inf")).all()
     with pytest.raises(ValueError, match="index_dtype"):
         rows_topk(logits, lengths, 64, index_dtype=torch.float32)

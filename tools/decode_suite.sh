@@ -30,6 +30,8 @@ part "stage 1's scan taken apart: loads, coalesced reads, rows a block"
 timeout "$LIMIT" python3 tools/stage1_parts.py "" "$OUT/stage1_parts.json"
 part "the exact rescoring and the final top-k by launch"
 timeout "$LIMIT" python3 tools/gather_sweep.py "$OUT/gather_sweep.json"
+part "the final top-k taken apart: its k-th search, its load, a 16K-slot row"
+(cd tools && timeout "$LIMIT" python3 topk_parts.py "$OUT/topk_parts.json")
 part "grown C, the scan's blocks at up to 64K rows against 8,192"
 # the default caps a block at pq_scan_cuda.LAUNCH_ROWS rows; this run lifts the cap to MAX_SPAN, beside the default
 timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_scan_cuda as s; s.LAUNCH_ROWS = s.MAX_SPAN; \
