@@ -60,6 +60,10 @@ if [ -n "$STORE" ] && [ -n "$BUNDLE" ]; then
 fi
 part "GPU tests"
 timeout "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider
-timeout "$LIMIT" python3 -m pytest -q tests/test_kernel_select.py -k "stage2 or cuda" -p no:cacheprovider
+# the kernels' files whole, CPU tests included: on a GPU they meet its atomics' orders and parallel programs, which the
+# interpreter never shows (test_decode_plan_matches_reference[1000-512-False-1.0-128] failed on the H100 only, cause
+# not yet found)
+timeout "$LIMIT" python3 -m pytest -q -rf -p no:cacheprovider tests/test_kernel_select.py tests/test_kernel_topk.py \
+    tests/test_paged_select.py
 part "done"
 } 2>&1 | tee "$OUT/log.txt"
