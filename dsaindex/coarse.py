@@ -65,7 +65,8 @@ PAGED_EXACT_OFFSET = 14
 # B: both paths timed again on the H100 at B in 1-64 x N in 64K-1M (docs/results/paged_rule_fused_operands_h100.json),
 # the codes win from 2 x 1M (0.147 ms against 0.158 exact) and 8 x 512K (1.15x), lose at 1 x 1M and 4 x 512K
 # (0.94x), and win from 8 x 256K (1.04x-1.45x), which one extra for every g cannot also send to them without
-# 2-4 x 512K (0.80x-0.94x): -12 takes 2 x 1M and up and 6 x 512K and up, and keeps every step at 256K exact
+# 2-4 x 512K (0.80x-0.94x): -12 takes 2 x 1M and up and 6 x 512K and up, and keeps every step at 256K exact. Not
+# timed on an H200, where DeepGEMM gains on the codes' step: 2 x 1M (1.08x here) may tie there
 PAGED_GROWN_EXTRA = -12
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
