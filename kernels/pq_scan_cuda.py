@@ -20,9 +20,10 @@ The Triton scan (:func:`dsaindex.kernels.pq_select.pq_linear_topc`, ``scan="trit
 - **Blocks.** A block builds its tables once for all its rows. Blocks of more than 8,192 rows (up to
   :data:`MAX_SPAN`, 64K) run a form compiled apart (``source(long_blocks=True)``) that flushes its staged rows
   whenever the staging might not hold the next 2,048. :func:`launch_rows` picks the rows a block by the step's
-  shape; the default caps them at 8,192, the launch timed so far, so the default kernel is unchanged.
-- **A variant, not yet timed** (``#define COALESCED``): a thread's two 16-byte loads of its own row each read half
-  of 32 sectors, so every sector crosses from L2 twice past L1 (2 GB for the 1 GB of codes at 32 x 1M, which
+  shape; the default caps them at 8,192: on the H100 blocks of 16K-64K rows were slower (453-473 us against 408
+  at 32 x 1M, docs/results.md), so the longer form is kept for a card where that may differ, not used.
+- **A variant, slower on the H100** (``#define COALESCED``, off; 428 us against 408 at 32 x 1M): a thread's two
+  16-byte loads of its own row each read half of 32 sectors, so every sector crosses from L2 twice past L1 (2 GB for the 1 GB of codes at 32 x 1M, which
   may bound the read on the H200 before its HBM does). Under ``COALESCED`` a warp reads its 32 rows as two
   512-byte loads, lane ``l`` taking bytes ``16 l``, and neighbouring lanes swap halves with four shuffles, so
   each lane holds a whole row (the even lane row ``l / 2``, the odd one row ``16 + l / 2``).
@@ -304,7 +305,7 @@ _NAMES = ("the CUDA scan", "scan='triton'")  # what a build failure says, and th
 
 
 MIN_ROWS = 8192  # rows a block takes at least (below, its 64 KB of tables cost more than its rows' reads)
-LAUNCH_ROWS = MAX_ROWS  # rows a block takes at most by default (a block of more is not yet timed faster)
+LAUNCH_ROWS = MAX_ROWS  # rows a block takes at most by default (longer blocks: slower on the H100)
 WAVES = 4  # blocks a launch keeps at least, in waves of two a multiprocessor, where its blocks can grow
 
 

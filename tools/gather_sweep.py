@@ -8,7 +8,7 @@ import json
 import sys
 
 import torch
-from topk_warps import median_us
+from topk_warps import by_warps, median_us
 
 from dsaindex.kernels.fp8_score import fp8_gather_scores_paged
 from dsaindex.kernels.topk import small_topk
@@ -35,13 +35,7 @@ def sweep(b: int) -> list[dict]:
         res.append(dict(batch=b, part="gather", block_n=block_n, num_warps=warps, same=same,
                         us=round(median_us(gather), 1)))
         print(res[-1], flush=True)
-    top = set(small_topk(want, K, pos)[1][0].tolist())
-    for warps in (8, 16, 32):
-        def topk(warps=warps):
-            return small_topk(want, K, pos, num_warps=warps, index_dtype=torch.int32)
-        same = set(topk()[1][0].tolist()) == top
-        res.append(dict(batch=b, part="top-k", num_warps=warps, same=same, us=round(median_us(topk), 1)))
-        print(res[-1], flush=True)
+    res += by_warps(want, K, pos, set(small_topk(want, K, pos)[1][0].tolist()), batch=b, part="top-k")
     return res
 
 

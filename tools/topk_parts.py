@@ -9,9 +9,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from topk_warps import median_us
+from topk_warps import by_warps, median_us
 
-from dsaindex.kernels.topk import small_topk
 from dsaindex.kernels.topk_kernel import kth_key, order_keys
 
 N, K = 16704, 2048
@@ -36,12 +35,8 @@ def sweep(b: int) -> list[dict]:
     pay = torch.randint(0, 1 << 20, (b, N), device="cuda", dtype=torch.int32)
     out = torch.empty(b, dtype=torch.int32, device="cuda")
     want = set(pay[0][x[0].topk(K).indices].tolist())
+    res += by_warps(x, K, pay, want, batch=b, part="small_topk")
     for warps in (8, 16, 32):
-        def full(warps=warps):
-            return small_topk(x, K, pay, num_warps=warps, index_dtype=torch.int32)
-        same = set(full()[1][0].tolist()) == want
-        res.append(dict(batch=b, part="small_topk", num_warps=warps, same=same, us=round(median_us(full), 1)))
-        print(res[-1], flush=True)
         for block, search, n in ((32768, True, N), (32768, False, N), (16384, True, 16384)):
             def part(warps=warps, block=block, search=search, n=n):
                 kth_only_kernel[(b,)](x, out, n, K, BLOCK=block, WIDTH=128, SEARCH=search, num_warps=warps)

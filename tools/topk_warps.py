@@ -27,19 +27,25 @@ def median_us(step, calls: int = 20, repeats: int = 15) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def by_warps(values, k: int, payload, want: set, warps=(8, 16, 32), **row) -> list[dict]:
+    """``small_topk`` of ``values`` at each of ``warps``: a row per launch (``row`` merged in) with its median us and
+    whether row 0's payload is ``want``, printed as it comes."""
+    res = []
+    for w in warps:
+        def step(w=w):
+            return small_topk(values, k, payload, num_warps=w, index_dtype=torch.int32)
+        same = set(step()[1][0].tolist()) == want
+        res.append(dict(row, num_warps=w, same=same, us=round(median_us(step), 1)))
+        print(res[-1], flush=True)
+    return res
+
+
 def main() -> None:
-    results = {}
+    results = []
     for batch in (1, 8, 32):
         x = torch.randn(batch, 4416, device="cuda")
-        payload = torch.arange(4416, device="cuda").expand(batch, -1).contiguous()
-        want = set(x[0].topk(2048).indices.tolist())
-        for warps in (4, 8, 16, 32):
-            def step(x=x, payload=payload, warps=warps):
-                return small_topk(x, 2048, payload, num_warps=warps)
-
-            exact = set(step()[1][0].tolist()) == want
-            results[f"B{batch}_w{warps}"] = {"us": round(median_us(step), 2), "exact": exact}
-            print(batch, warps, results[f"B{batch}_w{warps}"], flush=True)
+        payload = torch.arange(4416, device="cuda", dtype=torch.int32).expand(batch, -1).contiguous()
+        results += by_warps(x, 2048, payload, set(x[0].topk(2048).indices.tolist()), (4, 8, 16, 32), batch=batch)
     print(json.dumps(results))
 
 
