@@ -602,6 +602,18 @@ def test_decode_plan_matches_reference(c, cap, miss_filter, width, chunk):
     """Same hits, drops, fetches and rescoring list as the reference; rows assigned inside the right set
     (in the kernel, the misses of one set may take its rows in another order), spills past the tail. The
     chunked kernel (``chunk``) as the one-tile one."""
+    check_plan_against_reference(c, cap, miss_filter, width, chunk)
+
+
+@pytest.mark.parametrize("c,cap,chunk", [(1000, 512, 128), (300, 128, 32), (300, 2048, 64)])
+def test_decode_plan_checks_hold_in_any_atomic_order(c, cap, chunk):
+    """The misses of a set take their turns in the order of an atomic counter: on a GPU not the candidates'
+    order, which the interpreter follows. The kernel fed the candidates reversed (its turns in the opposite
+    order to the reference's, sets overflowing into and past the spill rows) passes the same checks."""
+    check_plan_against_reference(c, cap, False, 1.0, chunk, reverse=True)
+
+
+def check_plan_against_reference(c, cap, miss_filter, width, chunk, reverse=False):
     from dsaindex.kernels.decode_plan import decode_plan, decode_plan_reference
 
     page = 64
@@ -611,9 +623,14 @@ def test_decode_plan_matches_reference(c, cap, miss_filter, width, chunk):
                                  miss_filter=miss_filter, spill=32, filter_width=width)
     got_state = [inputs[2].to(DEV).clone(), inputs[3].to(DEV).clone(), inputs[4].to(DEV).clone()]
     args = [t.to(DEV) for t in inputs]
-    got = decode_plan(args[0], args[1], *got_state, *args[5:], topk=16, page=page, miss_filter=miss_filter, spill=32,
-                      filter_width=width, chunk=chunk)
+    order = torch.arange(c - 1, -1, -1) if reverse else torch.arange(c)
+    got = decode_plan(args[0][:, order.to(DEV)], args[1][:, order.to(DEV)], *got_state, *args[5:], topk=16, page=page,
+                      miss_filter=miss_filter, spill=32, filter_width=width, chunk=chunk)
+    back = order.argsort()  # outputs in the candidates' own order again
     src, dst, rows, positions, stats = (t.cpu() for t in got)
+    src, dst = src[:, back], dst[:, back]
+    rows = torch.cat([rows[:, :c][:, back], rows[:, c:]], dim=1)
+    positions = torch.cat([positions[:, :c][:, back], positions[:, c:]], dim=1)
     assert torch.equal(stats, want[4])
     assert (got_state[2].cpu() == 7).all() and (want_state[2] == 7).all()  # each request's step advanced
     if cap >= 256 and c <= cap // 2:  # no set overflows its spill rows: the same keys are fetched and rescored
@@ -623,7 +640,9 @@ def test_decode_plan_matches_reference(c, cap, miss_filter, width, chunk):
     assert torch.equal(rows[:, c:], want[2][:, c:])  # the tail
     fetched = src >= 0
     cached = fetched & (dst < cap)
-    assert torch.equal(cached.sum(1), (fetched & (want[1] < cap)).sum(1))  # as many misses enter the cache
+    # as many misses enter the cache (each side's own fetches: with overflowing sets, which misses are lost
+    # past the spill rows follows the atomic order, so the kernel's fetches need not be the reference's)
+    assert torch.equal(cached.sum(1), ((want[0] >= 0) & (want[1] < cap)).sum(1))
     sets = cap // 4
     assert (dst[cached] // 4 == src[cached] % sets).all()  # a row of the key's own set
     assert ((dst[fetched & ~cached] >= cap + 1 + page) & (dst[fetched & ~cached] < cap + 1 + page + 32)).all()
