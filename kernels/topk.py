@@ -73,6 +73,27 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
 
 
 SMALL_TOPK_MAX = 32768  # entries a row of :func:`small_topk` may have: one program holds it in registers
+# a row at most this share past a power of two may hold its k-th search as that power plus a short tail
+# (``split_tail``); off by default until it is timed against the whole block on a GPU (tools/topk_parts.py)
+SPLIT_TAIL_SHARE = 1 / 16
+SPLIT_TAIL = False
+
+
+def split_tail_block(n: int) -> tuple[int, int]:
+    """(main block, tail) of a row of ``n`` entries held as a power of two and a short tail: the largest power
+    of two below ``n`` and the power of two that holds the rest (at least 16); (next power of two, 0) where
+    the rest is more than :data:`SPLIT_TAIL_SHARE` of the main block."""
+    block = 16
+    while block < n:
+        block *= 2
+    half = block // 2
+    rest = n - half
+    if half < 2048 or rest <= 0 or rest > half * SPLIT_TAIL_SHARE:
+        return block, 0
+    tail = 16
+    while tail < rest:
+        tail *= 2
+    return half, tail
 
 
 def small_topk_reference(values: torch.Tensor, k: int,
@@ -92,7 +113,8 @@ def small_topk_reference(values: torch.Tensor, k: int,
 
 def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None,
                num_warps: int | None = None, counts: torch.Tensor | None = None,
-               index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+               index_dtype: torch.dtype = torch.int64,
+               split_tail: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk_reference` in one Triton launch, one program per row holding the row in registers
     (rows of at most :data:`SMALL_TOPK_MAX` entries): the k-th largest by bisection on the float bits, then
     one compaction (4,096 entries at a time, prefix sums along 128-entry rows); no sort, so a single row
@@ -102,6 +124,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     ``index_dtype``: the payload's output dtype (int64, or int32: no cast kernel after it).
+    ``split_tail`` (default :data:`SPLIT_TAIL`): a row just past a power of two (a grown C's 16,704 slots)
+    holds its k-th search as that power and a short tail (:func:`split_tail_block`), not as the next power:
+    the same result, half the registers per pass.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton
 
@@ -126,7 +151,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     out_pay = torch.empty(b, k, dtype=index_dtype, device=values.device)
     if b == 0:
         return out_val, out_pay
-    block = max(16, triton.next_power_of_2(n))
+    block, tail = split_tail_block(n) if (SPLIT_TAIL if split_tail is None else split_tail) else (0, 0)
+    if not tail:
+        block = max(16, triton.next_power_of_2(n))
     # 8 warps at 8,192 slots: the paged step's final top-2,048 of 4,416 took 17.4-19.8 us on the H200 against
     # 17.9-20.5 at 16 warps and 21.9-24.2 at 4 (B = 1-32, CUDA graphs); 16 at 32,768: a grown C's top-2,048 of
     # 16,448 took 43.8-47.6 us on the H100 against 47.3-51.6 at 8 warps and 47.7-48.9 at 32 (B = 8-64)
@@ -135,5 +162,5 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
         counts if counts is not None else out_val, n, k,
         BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)), HAS_PAYLOAD=payload is not None,
-        HAS_COUNTS=counts is not None, WIDTH=min(block, 128), CHUNK=min(block, 4096), num_warps=warps)
+        HAS_COUNTS=counts is not None, WIDTH=min(block, 128), CHUNK=min(block, 4096), TAIL=tail, num_warps=warps)
     return out_val, out_pay

@@ -72,6 +72,29 @@ def kth_key(key, live, rank):
 
 
 @triton.jit
+def kth_key_pair(key, live, key2, live2, rank):
+    """:func:`kth_key` over the entries of two tensors taken together (``key2`` a small second block: a row
+    just past a power of two held as that power and a short tail, not as twice the registers). Each pass
+    counts both and adds the counts."""
+    found = (tl.sum(live.to(tl.int32)) + tl.sum(live2.to(tl.int32))) >= rank
+    lo = tl.minimum(tl.min(tl.where(live, key, 2147483647)), tl.min(tl.where(live2, key2, 2147483647))).to(tl.int64)
+    key = tl.where(live, key, -2147483648)
+    key2 = tl.where(live2, key2, -2147483648)
+    hi = tl.maximum(tl.max(key), tl.max(key2)).to(tl.int64)
+    lo = tl.minimum(lo, hi)
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        pivot = mid.to(tl.int32)
+        count = tl.sum((key >= pivot).to(tl.int32)) + tl.sum((key2 >= pivot).to(tl.int32))
+        enough = count >= rank
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(count == rank, mid, tl.where(enough, hi, mid - 1))
+    at = lo.to(tl.int32)
+    smallest = tl.minimum(tl.min(tl.where(key >= at, key, 2147483647)), tl.min(tl.where(key2 >= at, key2, 2147483647)))
+    return tl.where(found, smallest, -2147483648)
+
+
+@triton.jit
 def row_major_prefix(m):
     """Inclusive prefix sums of an [R, W] int32 tile in row-major order. A row of a tile loaded along its
     last axis sits in one warp, so the scan along it needs no block-wide step; only the R row totals are
@@ -95,6 +118,7 @@ def row_topk_kernel(
     HAS_COUNTS: tl.constexpr = False,
     WIDTH: tl.constexpr = 128,
     CHUNK: tl.constexpr = 4096,
+    TAIL: tl.constexpr = 0,
 ):
     # the row's keys stay in registers for the k-th search only; the compaction then reads the row again
     # CHUNK entries at a time (from cache), as [CHUNK / WIDTH, WIDTH] tiles whose prefix sums run along
@@ -106,9 +130,19 @@ def row_topk_kernel(
         filled = tl.minimum(tl.load(count_ptr + b), n)
     offs = tl.arange(0, BLOCK // WIDTH)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     key = order_keys(tl.load(val_ptr + b * n + offs, mask=offs < filled, other=float("-inf")))
-    threshold = kth_key(key, offs < filled, k)
-    room = k - tl.sum(((offs < filled) & (key > threshold)).to(tl.int32))
-    crowded = tl.sum(((offs < filled) & (key == threshold)).to(tl.int32)) > room  # not every tie fits
+    if TAIL > 0:  # a row past BLOCK: its last entries as a short second block (kth_key_pair)
+        offs2 = BLOCK + tl.arange(0, TAIL)
+        key2 = order_keys(tl.load(val_ptr + b * n + offs2, mask=offs2 < filled, other=float("-inf")))
+        threshold = kth_key_pair(key, offs < filled, key2, offs2 < filled, k)
+        room = k - tl.sum(((offs < filled) & (key > threshold)).to(tl.int32)) - tl.sum(
+            ((offs2 < filled) & (key2 > threshold)).to(tl.int32))
+        ties = tl.sum(((offs < filled) & (key == threshold)).to(tl.int32)) + tl.sum(
+            ((offs2 < filled) & (key2 == threshold)).to(tl.int32))
+    else:
+        threshold = kth_key(key, offs < filled, k)
+        room = k - tl.sum(((offs < filled) & (key > threshold)).to(tl.int32))
+        ties = tl.sum(((offs < filled) & (key == threshold)).to(tl.int32))
+    crowded = ties > room  # not every tie fits
     tile = tl.arange(0, CHUNK // WIDTH)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     taken = tl.zeros([], dtype=tl.int32)
     tied_before = tl.zeros([], dtype=tl.int32)

@@ -110,6 +110,42 @@ def test_small_topk_takes_ties_in_column_order_across_a_long_row():
         assert torch.equal(got_v[row].cpu(), live[want - 5])
 
 
+def test_split_tail_block_holds_a_row_just_past_a_power_of_two():
+    from dsaindex.kernels.topk import split_tail_block
+
+    assert split_tail_block(16704) == (16384, 512)  # a grown C's final row: 16,384 candidates, ties, the page
+    assert split_tail_block(16384) == (16384, 0) and split_tail_block(16385) == (16384, 16)
+    assert split_tail_block(16384 + 1024) == (16384, 1024) and split_tail_block(16384 + 1025) == (32768, 0)
+    assert split_tail_block(2100) == (2048, 64) and split_tail_block(1100) == (2048, 0)  # small rows: whole
+
+
+@pytest.mark.parametrize("counts", [None, [16704, 16000, 16385, 900]])
+def test_small_topk_split_tail_equals_the_whole_block(counts):
+    """A row of 16,704 slots searched as 16,384 + a 512-slot tail: the same entries as the whole 32,768-slot
+    block and the reference, with the k-th value in the tail, tied across the boundary, a short row, and
+    filled counts that end before, at and past the main block."""
+    from dsaindex.kernels.topk import small_topk, small_topk_reference
+
+    n, k = 16704, 2048
+    g = torch.Generator().manual_seed(11)
+    values = torch.randn(4, n, generator=g)
+    values[1, 16384:] += 3.0  # the tail holds most of the top: the k-th value's rank crosses the boundary
+    values[2] = torch.randint(0, 40, (n,), generator=g).float()  # ties everywhere, the k-th one among them
+    values[3, : n - 300] = float("-inf")  # a short row: fewer live entries than k, all in the tail
+    payload = torch.randint(0, 1 << 30, (4, n), generator=g, dtype=torch.int32)
+    cnt = None if counts is None else torch.tensor(counts, dtype=torch.int32)
+    ref_values = values if cnt is None else values.masked_fill(torch.arange(n)[None, :] >= cnt[:, None],
+                                                               float("-inf"))
+    want_v, want_p = small_topk_reference(ref_values, k, payload)
+    dev_cnt = None if cnt is None else cnt.to(DEV)
+    split_v, split_p = small_topk(values.to(DEV), k, payload.to(DEV), counts=dev_cnt, split_tail=True)
+    whole_v, whole_p = small_topk(values.to(DEV), k, payload.to(DEV), counts=dev_cnt, split_tail=False)
+    assert torch.equal(split_p, whole_p) and torch.equal(split_v, whole_v)  # slot for slot, ties too
+    for row in (0, 1, 3):  # distinct values (row 3's -inf aside): the reference's set
+        assert set(split_p[row].tolist()) == set(want_p[row].tolist()), row
+    assert torch.equal(split_v[2].sort().values.cpu(), want_v[2].sort().values)  # ties: the same values
+
+
 def test_sample_thresholds_kernel_equals_the_torch_rule():
     from dsaindex.kernels.select import sample_thresholds, thresholds_from_samples
 

@@ -1,6 +1,7 @@
 """The decode step's final top-k (``small_topk``, k = 2,048 of a grown C's 16,704 slots) taken apart: the whole
-kernel, its k-th search alone (the row loaded into registers, ``kth_key``, the threshold stored), the load alone,
-and the k-th search over a 16,384-slot block (what a row that fit it would cost), at B = 1, 2, 8, 32 and 8-32 warps.
+kernel, held as one 32,768-slot block and as 16,384 slots + a 512-slot tail (``split_tail``), its k-th search alone
+(the row loaded into registers, ``kth_key``, the threshold stored), the load alone, and the k-th search over a
+16,384-slot block (what a row that fit it would cost), at B = 1, 2, 8, 32 and 8-32 warps.
 CUDA-graph medians per call in us (a GPU; not part of the package). ``python3 tools/topk_parts.py [OUT.json]``."""
 
 import json
@@ -35,7 +36,8 @@ def sweep(b: int) -> list[dict]:
     pay = torch.randint(0, 1 << 20, (b, N), device="cuda", dtype=torch.int32)
     out = torch.empty(b, dtype=torch.int32, device="cuda")
     want = set(pay[0][x[0].topk(K).indices].tolist())
-    res += by_warps(x, K, pay, want, batch=b, part="small_topk")
+    res += by_warps(x, K, pay, want, batch=b, part="small_topk", split_tail=False)
+    res += by_warps(x, K, pay, want, (8, 16), batch=b, part="small_topk, 16,384 + a 512-slot tail", split_tail=True)
     for warps in (8, 16, 32):
         for block, search, n in ((32768, True, N), (32768, False, N), (16384, True, 16384)):
             def part(warps=warps, block=block, search=search, n=n):

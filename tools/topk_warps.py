@@ -27,13 +27,14 @@ def median_us(step, calls: int = 20, repeats: int = 15) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def by_warps(values, k: int, payload, want: set, warps=(8, 16, 32), **row) -> list[dict]:
+def by_warps(values, k: int, payload, want: set, warps=(8, 16, 32), split_tail: bool | None = None,
+             **row) -> list[dict]:
     """``small_topk`` of ``values`` at each of ``warps``: a row per launch (``row`` merged in) with its median us and
-    whether row 0's payload is ``want``, printed as it comes."""
+    whether row 0's payload is ``want``, printed as it comes. ``split_tail`` as small_topk's."""
     res = []
     for w in warps:
         def step(w=w):
-            return small_topk(values, k, payload, num_warps=w, index_dtype=torch.int32)
+            return small_topk(values, k, payload, num_warps=w, index_dtype=torch.int32, split_tail=split_tail)
         same = set(step()[1][0].tolist()) == want
         res.append(dict(row, num_warps=w, same=same, us=round(median_us(step), 1)))
         print(res[-1], flush=True)
