@@ -75,7 +75,7 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
 SMALL_TOPK_MAX = 32768  # entries a row of :func:`small_topk` may have: one program holds it in registers
 # a row at most this share past a power of two may hold its k-th search as that power plus a short tail
 # (``split_tail``); off by default until it is timed against the whole block on a GPU (tools/topk_parts.py)
-SPLIT_TAIL_SHARE = 1 / 16
+SPLIT_TAIL_SHARE = 1 / 8
 SPLIT_TAIL = False
 
 
@@ -124,8 +124,8 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     ``index_dtype``: the payload's output dtype (int64, or int32: no cast kernel after it).
-    ``split_tail`` (default :data:`SPLIT_TAIL`): a row just past a power of two (a grown C's 16,704 slots)
-    holds its k-th search as that power and a short tail (:func:`split_tail_block`), not as the next power:
+    ``split_tail`` (default :data:`SPLIT_TAIL`): a row just past a power of two (the paged step's final row:
+    a fixed C's 4,416 slots, a grown C's 16,704) holds its k-th search as that power and a short tail (:func:`split_tail_block`), not as the next power:
     the same result, half the registers per pass.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton

@@ -115,21 +115,24 @@ def test_split_tail_block_holds_a_row_just_past_a_power_of_two():
 
     assert split_tail_block(16704) == (16384, 512)  # a grown C's final row: 16,384 candidates, ties, the page
     assert split_tail_block(16384) == (16384, 0) and split_tail_block(16385) == (16384, 16)
-    assert split_tail_block(16384 + 1024) == (16384, 1024) and split_tail_block(16384 + 1025) == (32768, 0)
+    assert split_tail_block(4416) == (4096, 512)  # a fixed C's: 4,096 candidates, 256 tie slots, the open page
+    assert split_tail_block(16384 + 2048) == (16384, 2048) and split_tail_block(16384 + 2049) == (32768, 0)
     assert split_tail_block(2100) == (2048, 64) and split_tail_block(1100) == (2048, 0)  # small rows: whole
 
 
-@pytest.mark.parametrize("counts", [None, [16704, 16000, 16385, 900]])
-def test_small_topk_split_tail_equals_the_whole_block(counts):
-    """A row of 16,704 slots searched as 16,384 + a 512-slot tail: the same entries as the whole 32,768-slot
-    block and the reference, with the k-th value in the tail, tied across the boundary, a short row, and
-    filled counts that end before, at and past the main block."""
-    from dsaindex.kernels.topk import small_topk, small_topk_reference
+@pytest.mark.parametrize("n,counts", [(16704, None), (16704, [16704, 16000, 16385, 900]), (4416, [4416, 4000, 4100, 300])])
+def test_small_topk_split_tail_equals_the_whole_block(n, counts):
+    """A row of 16,704 slots searched as 16,384 + a 512-slot tail (4,416 as 4,096 + 512): the same entries as the
+    whole next-power block and the reference, with the k-th value in the tail, tied across the boundary, a short
+    row, and filled counts that end before, at and past the main block."""
+    from dsaindex.kernels.topk import small_topk, small_topk_reference, split_tail_block
 
-    n, k = 16704, 2048
+    k = 2048
+    main, tail = split_tail_block(n)
+    assert tail == 512
     g = torch.Generator().manual_seed(11)
     values = torch.randn(4, n, generator=g)
-    values[1, 16384:] += 3.0  # the tail holds most of the top: the k-th value's rank crosses the boundary
+    values[1, main:] += 3.0  # the tail holds the top of the row: the k-th value's rank crosses the boundary
     values[2] = torch.randint(0, 40, (n,), generator=g).float()  # ties everywhere, the k-th one among them
     values[3, : n - 300] = float("-inf")  # a short row: fewer live entries than k, all in the tail
     payload = torch.randint(0, 1 << 30, (4, n), generator=g, dtype=torch.int32)

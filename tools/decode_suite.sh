@@ -43,6 +43,12 @@ sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --b
     $common --grow-band 131072 --exact-below 0 --out "$OUT/paged_grown_split_tail.json"
 timeout "$LIMIT" $D bench paged --batches 1,2,8,32,64 --keys 1048576 $common --grow-band 131072 --exact-below 0 \
     --out "$OUT/paged_grown_whole_block.json"
+part "fixed C, the final top-k's 4,416 slots as 4,096 + a tail, beside the default"
+timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.topk as t; t.SPLIT_TAIL = True; \
+sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,2,8,32 --keys 262144,1048576 \
+    $common --grow-band 0 --exact-below 0 --out "$OUT/paged_fixed_split_tail.json"
+timeout "$LIMIT" $D bench paged --batches 1,2,8,32 --keys 262144,1048576 $common --grow-band 0 --exact-below 0 \
+    --out "$OUT/paged_fixed_whole_block.json"
 part "grown C, each stage 2"
 timeout "$LIMIT" $D bench paged --batches 1,2,4,8,16,32,64 --keys 1048576 $common --grow-band 131072 \
     --stage2 auto,cuda,triton --out "$OUT/paged_grown.json"

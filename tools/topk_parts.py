@@ -38,6 +38,11 @@ def sweep(b: int) -> list[dict]:
     want = set(pay[0][x[0].topk(K).indices].tolist())
     res += by_warps(x, K, pay, want, batch=b, part="small_topk", split_tail=False)
     res += by_warps(x, K, pay, want, (8, 16), batch=b, part="small_topk, 16,384 + a 512-slot tail", split_tail=True)
+    # a fixed C's row: 4,096 candidates, 256 tie slots and the open page, as 8,192 slots or 4,096 + a 512-slot tail
+    x4, pay4 = x[:, :4416].contiguous(), pay[:, :4416].contiguous()
+    want4 = set(pay4[0][x4[0].topk(K).indices].tolist())
+    res += by_warps(x4, K, pay4, want4, (4, 8, 16), batch=b, part="small_topk of 4,416", split_tail=False)
+    res += by_warps(x4, K, pay4, want4, (4, 8), batch=b, part="small_topk of 4,416 as 4,096 + 512", split_tail=True)
     for warps in (8, 16, 32):
         for block, search, n in ((32768, True, N), (32768, False, N), (16384, True, 16384)):
             def part(warps=warps, block=block, search=search, n=n):
