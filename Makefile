@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 INSTALL = if [ -x $(VENV)/bin/uv ]; then $(PY) tools/with_pip_config.py $(VENV)/bin/uv pip install -q \
 	--python $(PY) $(1); else PYTHONWARNINGS=ignore $(PIP) install $(1); fi
 
-.PHONY: install install-dev demo test test-slow test-engines wheel-check lint clean
+.PHONY: install install-dev demo test test-grid-order test-slow test-engines wheel-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ demo: install
 
 test: install-dev
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
+
+# the kernels' tests again with the interpreter's programs in a shuffled order, as a GPU may run them (tests/conftest.py)
+KERNEL_TESTS := tests/test_kernel_select.py tests/test_kernel_topk.py tests/test_kernel_ivf_select.py \
+	tests/test_paged_select.py tests/test_pq_batch.py tests/test_pq_decode.py tests/test_causal_ivf.py \
+	tests/test_ivf_prefill.py tests/test_streaming.py tests/test_rq_serving.py
+test-grid-order: install-dev
+	DSAINDEX_GRID_ORDER=shuffle TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
 
 # the end-to-end runs of real subprocesses (kills, Ctrl-C, the HTTP server), apart from the main suite
 test-slow: install-dev

@@ -8,6 +8,44 @@ from helpers import PRESETS
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def _interpret_programs_out_of_order(order: str) -> None:
+    """Run the Triton interpreter's programs in another order than 0, 1, 2, ... (``DSAINDEX_GRID_ORDER=reverse``, or
+    ``shuffle`` for a fixed random one): a GPU runs a launch's programs in any order, and a kernel or test that
+    assumed the interpreter's (atomics appending in program order, a program reading what an earlier one wrote)
+    passes on the CPU and fails on a GPU. Each program still sees its own ids; only when it runs changes."""
+    import random
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    perms: list[list[int]] = [[0], [0], [0]]
+
+    def order_of(n: int) -> list[int]:
+        ids = list(range(n))
+        if order == "reverse":
+            return ids[::-1]
+        random.Random(n).shuffle(ids)
+        return ids
+
+    def grid_dim(nx, ny, nz):
+        perms[:] = [order_of(nx), order_of(ny), order_of(nz)]
+        return set_dim(nx, ny, nz)
+
+    def grid_idx(x, y, z):
+        return set_idx(perms[0][x], perms[1][y], perms[2][z])
+
+    builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_idx
+
+
+_GRID_ORDER = os.environ.get("DSAINDEX_GRID_ORDER", "")
+if _GRID_ORDER:
+    if _GRID_ORDER not in ("reverse", "shuffle") or os.environ.get("TRITON_INTERPRET") != "1":
+        raise pytest.UsageError(f"DSAINDEX_GRID_ORDER={_GRID_ORDER!r}: want 'reverse' or 'shuffle', with "
+                                f"TRITON_INTERPRET=1 (the interpreter's program order is what it changes)")
+    _interpret_programs_out_of_order(_GRID_ORDER)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
