@@ -12,9 +12,12 @@ def _interpret_programs_out_of_order(order: str) -> None:
     """Run the Triton interpreter's programs in another order than 0, 1, 2, ... (``DSAINDEX_GRID_ORDER=reverse``, or
     ``shuffle`` for a fixed random one): a GPU runs a launch's programs in any order, and a kernel or test that
     assumed the interpreter's (atomics appending in program order, a program reading what an earlier one wrote)
-    passes on the CPU and fails on a GPU. Each program still sees its own ids; only when it runs changes."""
+    passes on the CPU and fails on a GPU. Each program still sees its own ids; only when it runs changes. The lanes of
+    an atomic read-modify-write take their turns in the same kind of order, not in lane order: a GPU's atomics on
+    one address from one launch may come in any order."""
     import random
 
+    import numpy as np
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
@@ -36,6 +39,21 @@ def _interpret_programs_out_of_order(order: str) -> None:
         return set_idx(perms[0][x], perms[1][y], perms[2][z])
 
     builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_idx
+    atomic_rmw = builder.create_atomic_rmw
+
+    def lanes_out_of_order(op, ptr, val, mask, sem, scope):
+        shape = ptr.data.shape
+        perm = np.asarray(order_of(ptr.data.size), dtype=np.int64)
+
+        def permuted(h):
+            return interpreter.TensorHandle(np.ascontiguousarray(h.data.reshape(-1)[perm]).reshape(shape), h.dtype)
+
+        old = atomic_rmw(op, permuted(ptr), permuted(val), permuted(mask), sem, scope)
+        back = np.empty_like(old.data.reshape(-1))
+        back[perm] = old.data.reshape(-1)
+        return interpreter.TensorHandle(back.reshape(shape), old.dtype)
+
+    builder.create_atomic_rmw = lanes_out_of_order
 
 
 _GRID_ORDER = os.environ.get("DSAINDEX_GRID_ORDER", "")

@@ -206,3 +206,26 @@ def test_small_topk_reads_only_the_filled_slots():
         assert sorted(got_p[row].tolist()) == sorted(want_p[row].tolist())
         assert sorted(got_v[row].tolist()) == sorted(want_v[row].tolist())
     assert (got_p[2] == -1).sum() == 64 - 20
+
+
+@pytest.mark.skipif(CUDA or not os.environ.get("DSAINDEX_GRID_ORDER"), reason="DSAINDEX_GRID_ORDER is not set")
+def test_the_out_of_order_mode_reorders_programs_and_atomic_lanes():
+    """Under DSAINDEX_GRID_ORDER (tests/conftest.py) the interpreter neither runs programs 0, 1, 2, ... in turn nor
+    gives an atomic's lanes their turns in lane order, and each program still sees its own id: the appended ids
+    are all there, in another order (a Triton whose interpreter changed would leave the mode doing nothing)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def append_ids(out_ptr, counter_ptr):
+        lane = tl.arange(0, 8)
+        slot = tl.atomic_add(counter_ptr + lane * 0, 1)
+        tl.store(out_ptr + slot, tl.program_id(0) * 8 + lane)
+
+    out = torch.full((32,), -1, dtype=torch.int32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    append_ids[(4,)](out, counter)
+    assert sorted(out.tolist()) == list(range(32)) and int(counter) == 32
+    assert out[:8].tolist() != list(range(8))  # neither program 0 first nor its lanes in order
+    assert [v // 8 for v in out.tolist()] != sorted(v // 8 for v in out.tolist())  # programs not in turn
+
