@@ -209,3 +209,117 @@ def sample_threshold_kernel(
         tl.store(count_ptr + b, 0)
     thr = key_value(kth_key(order_keys(x), inside, sample_rank(length, stride, target, oversample)))
     tl.store(thr_ptr + b, tl.where(length <= capacity, float("-inf"), thr))
+
+
+@triton.jit
+def radix_keys(val_ptr, count_ptr, b, n, BLOCK: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """A program's slice of row ``b`` for :func:`radix_digit_kernel` / :func:`radix_take_kernel`: (its offsets, which
+    are filled, the values, their keys as int64 in [0, 2**32) whose order is the values', the row's filled count)."""
+    filled = n
+    if HAS_COUNTS:
+        filled = tl.minimum(tl.load(count_ptr + b), n)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < filled
+    x = tl.load(val_ptr + b * n + offs, mask=inside, other=float("-inf"))
+    return offs, inside, x, order_keys(x).to(tl.int64) + 2147483648, filled
+
+
+@triton.jit
+def radix_digit_kernel(
+    val_ptr,  # [B, n] float32
+    count_ptr,  # [B] int32 filled entries of each row (HAS_COUNTS)
+    scratch_ptr,  # [B, SCRATCH] int64, zero on entry: three 2,048-bin histograms, then the row's state
+    n,
+    k,
+    PASS: tl.constexpr,  # 0, 1, 2: the key's bits 31-21, 20-10, 9-0
+    BLOCK: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    SCRATCH: tl.constexpr,
+):
+    # one digit of a radix select of the k-th largest, a row spread over programs (axis 1): each program adds its
+    # entries' digits (those whose higher digits are the ones chosen so far) to the pass's histogram; the last
+    # program to finish picks the digit the k-th largest has and what rank is left inside it
+    SHIFT: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
+    BITS: tl.constexpr = 10 if PASS == 2 else 11
+    b = tl.program_id(0).to(tl.int64)
+    row = scratch_ptr + b * SCRATCH
+    state = row + 3 * 2048  # prefix (the digits chosen), rank left, entries at the prefix, then each pass's counter
+    _, inside, _, u, _ = radix_keys(val_ptr, count_ptr, b, n, BLOCK, HAS_COUNTS)
+    if PASS == 0:
+        prefix = tl.zeros([], dtype=tl.int64)
+        match = inside
+    else:
+        prefix = tl.load(state, volatile=True)
+        match = inside & ((u >> (SHIFT + BITS)) == prefix)
+    bins = tl.arange(0, 1 << BITS)
+    digit = tl.where(match, (u >> SHIFT) & ((1 << BITS) - 1), 0).to(tl.int32)
+    h = tl.histogram(digit, 1 << BITS).to(tl.int64)
+    h -= tl.where(bins == 0, tl.sum((match == 0).to(tl.int64)), 0)  # the entries that do not match went to bin 0
+    hist = row + PASS * 2048
+    tl.atomic_add(hist + bins, h, mask=h > 0, sem="relaxed")
+    tl.debug_barrier()  # every thread's histogram atomics are issued before the counter's release
+    done = tl.atomic_add(state + 3 + PASS, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        counts = tl.load(hist + bins, volatile=True)  # read through to L2: the other programs' adds
+        if PASS == 0:
+            rank = tl.zeros([], dtype=tl.int64) + k
+        else:
+            rank = tl.load(state + 1, volatile=True)
+        at_or_above = tl.sum(counts) - tl.cumsum(counts) + counts
+        # the largest digit with at least `rank` entries at or above it (0 where the row has fewer than k)
+        chosen = tl.max(tl.where(at_or_above >= rank, bins, 0)).to(tl.int64)
+        above = tl.sum(tl.where(bins > chosen, counts, 0))
+        tl.store(state, (prefix << BITS) | chosen)
+        tl.store(state + 1, rank - above)
+        tl.store(state + 2, tl.sum(tl.where(bins == chosen, counts, 0)))
+
+
+@triton.jit
+def radix_take_kernel(
+    val_ptr, count_ptr, scratch_ptr,  # as radix_digit_kernel's, after its three passes
+    pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column)
+    out_val_ptr,  # [B, k] float32 out: the k largest finite entries (any order), then -inf
+    out_pay_ptr,  # [B, k] int64 / int32 out: their payload, then -1
+    n,
+    k,
+    BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    HAS_PAYLOAD: tl.constexpr,
+    SCRATCH: tl.constexpr,
+):
+    # each program appends its entries above the k-th largest key and the ties it may take (the first ones by
+    # column, as small_topk takes them); the last program to finish fills the slots past the row's count
+    b = tl.program_id(0).to(tl.int64)
+    state = scratch_ptr + b * SCRATCH + 3 * 2048
+    offs, inside, x, u, filled = radix_keys(val_ptr, count_ptr, b, n, BLOCK, HAS_COUNTS)
+    kth = tl.load(state, volatile=True)
+    room = tl.load(state + 1, volatile=True)
+    ties = tl.load(state + 2, volatile=True)
+    short = (offs * 0 + filled) <= k  # every entry is taken (a tensor: the interpreter mistypes a scalar's mask)
+    strict = inside & ((u > kth) | short)
+    tied = inside & (u == kth) & (short == 0)
+    if ties > room:  # not every tie fits: the ties in the slices before this one, counted from the row
+        before = tl.zeros([], dtype=tl.int64)
+        for start in range(0, tl.program_id(1) * BLOCK, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            y = tl.load(val_ptr + b * n + at, mask=at < filled, other=float("-inf"))
+            before += tl.sum(((at < filled) & (order_keys(y).to(tl.int64) + 2147483648 == kth)).to(tl.int64))
+        tied = tied & (before + tl.cumsum(tied.to(tl.int64), axis=0) <= room)
+    take = (strict | tied) & (x > float("-inf"))  # -inf is nothing there: the fill writes it
+    n_take = tl.sum(take.to(tl.int64))
+    slot = tl.atomic_add(state + 6, n_take) + tl.cumsum(take.to(tl.int64), axis=0) - 1
+    if HAS_PAYLOAD:
+        pay = tl.load(pay_ptr + b * n + offs, mask=take, other=-1).to(tl.int64)
+    else:
+        pay = offs.to(tl.int64)
+    tl.store(out_val_ptr + b * k + slot, x, mask=take)
+    tl.store(out_pay_ptr + b * k + slot, pay, mask=take)
+    tl.debug_barrier()
+    done = tl.atomic_add(state + 7, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        taken = tl.load(state + 6, volatile=True)
+        rest = tl.arange(0, K_BLOCK)
+        empty = (rest >= taken) & (rest < k)
+        tl.store(out_val_ptr + b * k + rest, float("-inf"), mask=empty)
+        tl.store(out_pay_ptr + b * k + rest, -1, mask=empty)

@@ -26,7 +26,7 @@ in its decode CUDA graph:
    :func:`~dsaindex.kernels.topk.small_topk` (``top_c``);
 4. the C candidates, the incomplete last page and the model's forced init/local tokens rescored exactly
    from the engine's FP8 pages (:func:`~dsaindex.kernels.fp8_score.fp8_gather_scores_paged`, FP8 queries
-   as the engines' logits); top-k.
+   as the engines' logits); top-k (:func:`~dsaindex.kernels.topk.final_topk`).
 
 A small step is scored exactly instead (the *exact path*): when B times (the longest request's keys less
 ``exact_offset``, by default :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width) is at most
@@ -115,9 +115,9 @@ from dsaindex.kernels.pq_stage2_cuda import STAGE2S, resolve_stage2
 from dsaindex.kernels.pq_stage2_cuda import compiles as stage2_compiles
 from dsaindex.kernels.topk import (
     SMALL_TOPK_MAX,
+    final_topk,
     rows_topk,
     rows_topk_reference,
-    small_topk,
     small_topk_reference,
 )
 from dsaindex.pq import PQCodec, rotate
@@ -632,7 +632,7 @@ class PagedCacheSelector:
         # decode backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds
         # all its keys there, its newest ones (the tail, after the candidate block) included
         if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX:
-            return small_topk(exact, k, positions, index_dtype=torch.int32)[1], stage1
+            return final_topk(exact, k, positions, index_dtype=torch.int32)[1], stage1
         return small_topk_reference(exact, k, positions)[1].to(torch.int32), stage1
 
     def _coarse(self, table: torch.Tensor, n_coded: torch.Tensor, q: torch.Tensor,

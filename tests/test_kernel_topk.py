@@ -208,6 +208,48 @@ def test_small_topk_reads_only_the_filled_slots():
     assert (got_p[2] == -1).sum() == 64 - 20
 
 
+@pytest.mark.parametrize("n,k,block,counts", [(16704, 2048, 1024, None), (4416, 2048, 1024, [4416, 3000, 2048, 100]),
+                                               (5000, 512, 256, [5000, 4999, 513, 512]), (700, 64, 1024, None),
+                                               (40, 64, 16, None)])
+def test_radix_topk_takes_small_topks_entries(n, k, block, counts):
+    """The radix select spread over programs keeps the entries small_topk keeps, ties included (the first ones by
+    column): distinct values, a row whose top sits in its last program, ties everywhere, fewer finite entries than
+    k; rows longer than and shorter than a program, counts at and below k; real entries first, then -inf / -1."""
+    from dsaindex.kernels.topk import radix_topk, small_topk
+
+    g = torch.Generator().manual_seed(n + k)
+    values = torch.randn(4, n, generator=g)
+    values[1, -min(n, 300):] += 4.0  # the top of the row in its last program(s)
+    values[2] = torch.randint(0, 9, (n,), generator=g).float()  # ties: the k-th value is shared by many
+    values[3, : max(0, n - k // 3)] = float("-inf")  # fewer finite entries than k
+    payload = torch.randint(0, 1 << 40, (4, n), generator=g)
+    cnt = None if counts is None else torch.tensor(counts, dtype=torch.int32).to(DEV)
+    x, pay = values.to(DEV), payload.to(DEV)
+    want_v, want_p = small_topk(x, k, pay, counts=cnt)
+    got_v, got_p = radix_topk(x, k, pay, counts=cnt, block=block)
+    for row in range(4):
+        assert sorted(got_p[row].tolist()) == sorted(want_p[row].tolist()), row
+        assert sorted(got_v[row].tolist()) == sorted(want_v[row].tolist()), row
+        live = got_p[row] >= 0
+        n_live = int(live.sum())
+        assert live[:n_live].all() and (got_v[row, n_live:] == float("-inf")).all(), row  # real entries lead
+    cols_v, cols = radix_topk(x, k, counts=cnt, block=block, index_dtype=torch.int32)  # no payload: the columns
+    assert cols.dtype == torch.int32
+    live = cols >= 0
+    assert torch.equal(x.gather(1, cols.long().clamp_min(0))[live], cols_v[live])
+
+
+def test_radix_topk_checks_its_inputs():
+    from dsaindex.kernels.topk import radix_topk
+
+    with pytest.raises(ValueError, match="values"):
+        radix_topk(torch.zeros(2, 10, dtype=torch.float64, device=DEV), 4)
+    with pytest.raises(ValueError, match="block"):
+        radix_topk(torch.zeros(2, 10, device=DEV), 4, block=100)
+    with pytest.raises(ValueError, match="counts"):
+        radix_topk(torch.zeros(2, 10, device=DEV), 4, counts=torch.zeros(3, dtype=torch.int32, device=DEV))
+
+
 @pytest.mark.skipif(CUDA or not os.environ.get("DSAINDEX_GRID_ORDER"), reason="DSAINDEX_GRID_ORDER is not set")
 def test_the_out_of_order_mode_reorders_programs_and_atomic_lanes():
     """Under DSAINDEX_GRID_ORDER (tests/conftest.py) the interpreter neither runs programs 0, 1, 2, ... in turn nor

@@ -302,6 +302,29 @@ def test_a_request_shorter_than_topk_has_every_key_first_and_padding_after(use_t
         assert (row[n:] == -1).all(), (n, row[n:][row[n:] >= 0])
 
 
+def test_the_final_top_k_spread_over_programs_selects_what_one_program_a_row_selects(monkeypatch):
+    """kernels.topk.RADIX_UP_TO_ROWS sends a step's final top-k to radix_topk: the codes step then selects the same
+    keys, with every key of a request shorter than top-k first and -1 after."""
+    import dsaindex.kernels.topk as topk
+
+    lengths = [2000, 1500, 40]
+    cache, table, _ = engine_cache(lengths, 70)
+    q, w = queries(3)
+    lens = torch.tensor(lengths, device=DEV)
+    calls = []
+    radix = topk.radix_topk
+    monkeypatch.setattr(topk, "radix_topk", lambda *a, **kw: calls.append(a[0].shape) or radix(*a, **kw))
+    picks = []
+    for rows in (0, 8):
+        monkeypatch.setattr(topk, "RADIX_UP_TO_ROWS", rows)
+        sel = PagedCacheSelector(codec(), 70, topk=64, candidates=128, prefilter=2, head_dim=D, device=DEV,
+                                 exact_below=0, use_triton=True)
+        picks.append(sel.select(cache, table, lens, q, w))
+        assert len(calls) == (1 if rows else 0)  # the final top-k, once a step
+    assert as_sets(picks[0]) == as_sets(picks[1])
+    assert sorted(picks[1][2, :40].tolist()) == list(range(40)) and (picks[1][2, 40:] == -1).all()
+
+
 def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
     lengths = [2000, 1500]
     cache, table, _ = engine_cache(lengths, 60)

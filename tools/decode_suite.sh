@@ -6,7 +6,7 @@
 # with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
 # Every JSON and a log go to OUT. Usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 # PARTS picks parts by name (default: all; the whole suite runs far past ten minutes): rates stage2 stage1 gather
-# topk span split split-fixed grown fixed rule profile recall tests
+# topk span split split-fixed radix grown fixed rule profile recall tests
 set -uo pipefail
 OUT=${1:?usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
 LIMIT=${2:-240}
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 D="python3 -m dsaindex"
 t0=$(date +%s)
 PARTS=${PARTS:-all}
-ALL="rates stage2 stage1 gather topk span split split-fixed grown fixed rule profile recall tests"
+ALL="rates stage2 stage1 gather topk span split split-fixed radix grown fixed rule profile recall tests"
 for p in ${PARTS//,/ }; do
     [ "$p" = all ] || [[ " $ALL " == *" $p "* ]] || { echo "decode_suite: no part '$p'; the parts: $ALL" >&2; exit 2; }
 done
@@ -72,6 +72,14 @@ sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --b
     $common --grow-band 0 --exact-below 0 --out "$OUT/paged_fixed_split_tail.json"
 timeout "$LIMIT" $D bench paged --batches 1,2,8,32 --keys 262144,1048576 $common --grow-band 0 --exact-below 0 \
     --out "$OUT/paged_fixed_whole_block.json"
+fi
+if want radix; then
+part "the final top-k spread over programs for up to 8 requests (kernels.topk.RADIX_UP_TO_ROWS), beside the default"
+timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.topk as t; t.RADIX_UP_TO_ROWS = 8; \
+sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,2,4,8 --keys 262144,1048576 \
+    $common --grow-band 131072 --exact-below 0 --out "$OUT/paged_grown_radix_topk.json"
+timeout "$LIMIT" $D bench paged --batches 1,2,4,8 --keys 262144,1048576 $common --grow-band 131072 --exact-below 0 \
+    --out "$OUT/paged_grown_one_program_topk.json"
 fi
 if want grown; then
 part "grown C, each stage 2"

@@ -1,5 +1,6 @@
 """The decode step's final top-k (``small_topk``, k = 2,048 of a grown C's 16,704 slots) taken apart: the whole
-kernel, held as one 32,768-slot block and as 16,384 slots + a 512-slot tail (``split_tail``), its k-th search alone
+kernel, held as one 32,768-slot block and as 16,384 slots + a 512-slot tail (``split_tail``), each row spread over
+programs (``radix_topk``, 512-2,048 entries a program), its k-th search alone
 (the row loaded into registers, ``kth_key``, the threshold stored), the load alone, and the k-th search over a
 16,384-slot block (what a row that fit it would cost), at B = 1, 2, 8, 32 and 8-32 warps.
 CUDA-graph medians per call in us (a GPU; not part of the package). ``python3 tools/topk_parts.py [OUT.json]``."""
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 from topk_warps import by_warps, median_us
 
+from dsaindex.kernels.topk import radix_topk
 from dsaindex.kernels.topk_kernel import kth_key, order_keys
 
 N, K = 16704, 2048
@@ -43,6 +45,16 @@ def sweep(b: int) -> list[dict]:
     want4 = set(pay4[0][x4[0].topk(K).indices].tolist())
     res += by_warps(x4, K, pay4, want4, (4, 8, 16), batch=b, part="small_topk of 4,416", split_tail=False)
     res += by_warps(x4, K, pay4, want4, (4, 8), batch=b, part="small_topk of 4,416 as 4,096 + 512", split_tail=True)
+    # each row spread over programs: a radix select in four launches (kernels.topk.radix_topk)
+    for rows, p, w_set, name in ((x, pay, want, "radix_topk"), (x4, pay4, want4, "radix_topk of 4,416")):
+        for block in (512, 1024, 2048):
+            for warps in (4, 8):
+                def step(rows=rows, p=p, block=block, warps=warps):
+                    return radix_topk(rows, K, p, index_dtype=torch.int32, block=block, num_warps=warps)
+                same = set(step()[1][0].tolist()) == w_set
+                res.append(dict(batch=b, part=name, block=block, num_warps=warps, same=same,
+                                us=round(median_us(step), 1)))
+                print(res[-1], flush=True)
     for warps in (8, 16, 32):
         for block, search, n in ((32768, True, N), (32768, False, N), (16384, True, 16384)):
             def part(warps=warps, block=block, search=search, n=n):
