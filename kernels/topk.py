@@ -167,23 +167,23 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
 
 
 RADIX_BLOCK = 1024  # entries a program of :func:`radix_topk` takes
-RADIX_SCRATCH = 3 * 2048 + 8  # int64 words of a row's scratch: three histograms, the select's state and counters
+RADIX_SCRATCH = 4 * 2048 + 16  # int64 words of a row's scratch: the histograms, the select's state and counters
 # rows a launch up to which :func:`final_topk` spreads each row over programs (:func:`radix_topk`): 0, never, until
 # it is timed against small_topk on a GPU (tools/topk_parts.py; the paged step at 1-8 requests)
 RADIX_UP_TO_ROWS = 0
 
 
 def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-               index_dtype: torch.dtype = torch.int64, block: int = RADIX_BLOCK,
-               num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+               index_dtype: torch.dtype = torch.int64, block: int = RADIX_BLOCK, num_warps: int = 4,
+               digit_bits: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk`'s selection with each row spread over ``ceil(n / block)`` programs: a radix select of the
-    k-th largest (three passes of 11, 11 and 10 bits of the float's order key, each program adding its entries'
-    digits to a histogram and the last one to finish choosing the digit), then one pass appending what is above it
-    and the ties it may take. Four launches and a zeroed scratch, where small_topk is one program a row: for a few
+    k-th largest (a pass a digit of the float's order key, each program adding its entries' digits to a histogram
+    and the last one to finish choosing the digit), then one pass appending what is above it and the ties it may
+    take. Four or five launches and a zeroed scratch, where small_topk is one program a row: for a few
     rows, most of a GPU works on them. The same entries as small_topk (ties at the k-th value: the first ones by
     column), in no particular order: a row's real entries first, then -inf / -1. Rows of any length.
-    ``counts``, ``payload``, ``index_dtype`` as small_topk's. Raises ``ValueError`` on an input of the wrong dtype,
-    shape or size."""
+    ``counts``, ``payload``, ``index_dtype`` as small_topk's; ``digit_bits``: 11 (three passes of 2,048-bin
+    histograms) or 8 (four of 256 bins). Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton
 
     from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel
@@ -193,6 +193,8 @@ def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     b, n = values.shape
     checks.at_least("k", k, 1)
     checks.power_of_two("block", block)
+    if digit_bits not in (8, 11):
+        raise ValueError(f"digit_bits: got {digit_bits}, want 11 (three passes) or 8 (four passes)")
     if payload is not None:
         checks.shape("payload", payload, (b, n), "B, n")
         checks.dtype("payload", payload, torch.int32, torch.int64)
@@ -211,9 +213,9 @@ def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     scratch = torch.zeros(b, RADIX_SCRATCH, dtype=torch.int64, device=values.device)
     grid = (b, max(1, triton.cdiv(n, block)))
     cnt = counts if counts is not None else scratch
-    for p in range(3):
-        radix_digit_kernel[grid](values, cnt, scratch, n, k, PASS=p, BLOCK=block, HAS_COUNTS=counts is not None,
-                                 SCRATCH=RADIX_SCRATCH, num_warps=num_warps)
+    for p in range(3 if digit_bits == 11 else 4):
+        radix_digit_kernel[grid](values, cnt, scratch, n, k, PASS=p, WIDE=digit_bits == 11, BLOCK=block,
+                                 HAS_COUNTS=counts is not None, SCRATCH=RADIX_SCRATCH, num_warps=num_warps)
     radix_take_kernel[grid](values, cnt, scratch, payload.contiguous() if payload is not None else values, out_val,
                             out_pay, n, k, BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)),
                             HAS_COUNTS=counts is not None, HAS_PAYLOAD=payload is not None, SCRATCH=RADIX_SCRATCH,

@@ -228,10 +228,11 @@ def radix_keys(val_ptr, count_ptr, b, n, BLOCK: tl.constexpr, HAS_COUNTS: tl.con
 def radix_digit_kernel(
     val_ptr,  # [B, n] float32
     count_ptr,  # [B] int32 filled entries of each row (HAS_COUNTS)
-    scratch_ptr,  # [B, SCRATCH] int64, zero on entry: three 2,048-bin histograms, then the row's state
+    scratch_ptr,  # [B, SCRATCH] int64, zero on entry: four 2,048-bin histograms, then the row's state
     n,
     k,
-    PASS: tl.constexpr,  # 0, 1, 2: the key's bits 31-21, 20-10, 9-0
+    PASS: tl.constexpr,  # the digit: 0 the highest
+    WIDE: tl.constexpr,  # three digits of the key's bits 31-21, 20-10, 9-0; else four of 8 bits
     BLOCK: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
     SCRATCH: tl.constexpr,
@@ -239,11 +240,15 @@ def radix_digit_kernel(
     # one digit of a radix select of the k-th largest, a row spread over programs (axis 1): each program adds its
     # entries' digits (those whose higher digits are the ones chosen so far) to the pass's histogram; the last
     # program to finish picks the digit the k-th largest has and what rank is left inside it
-    SHIFT: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
-    BITS: tl.constexpr = 10 if PASS == 2 else 11
+    if WIDE:
+        SHIFT: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
+        BITS: tl.constexpr = 10 if PASS == 2 else 11
+    else:
+        SHIFT: tl.constexpr = 24 - 8 * PASS
+        BITS: tl.constexpr = 8
     b = tl.program_id(0).to(tl.int64)
     row = scratch_ptr + b * SCRATCH
-    state = row + 3 * 2048  # prefix (the digits chosen), rank left, entries at the prefix, then each pass's counter
+    state = row + 4 * 2048  # prefix (the digits chosen), rank left, entries at the prefix, each pass's counter
     _, inside, _, u, _ = radix_keys(val_ptr, count_ptr, b, n, BLOCK, HAS_COUNTS)
     if PASS == 0:
         prefix = tl.zeros([], dtype=tl.int64)
@@ -276,7 +281,7 @@ def radix_digit_kernel(
 
 @triton.jit
 def radix_take_kernel(
-    val_ptr, count_ptr, scratch_ptr,  # as radix_digit_kernel's, after its three passes
+    val_ptr, count_ptr, scratch_ptr,  # as radix_digit_kernel's, after its passes
     pay_ptr,  # [B, n] int32 / int64 payload (HAS_PAYLOAD; else the column)
     out_val_ptr,  # [B, k] float32 out: the k largest finite entries (any order), then -inf
     out_pay_ptr,  # [B, k] int64 / int32 out: their payload, then -1
@@ -291,7 +296,7 @@ def radix_take_kernel(
     # each program appends its entries above the k-th largest key and the ties it may take (the first ones by
     # column, as small_topk takes them); the last program to finish fills the slots past the row's count
     b = tl.program_id(0).to(tl.int64)
-    state = scratch_ptr + b * SCRATCH + 3 * 2048
+    state = scratch_ptr + b * SCRATCH + 4 * 2048
     offs, inside, x, u, filled = radix_keys(val_ptr, count_ptr, b, n, BLOCK, HAS_COUNTS)
     kth = tl.load(state, volatile=True)
     room = tl.load(state + 1, volatile=True)
@@ -308,7 +313,7 @@ def radix_take_kernel(
         tied = tied & (before + tl.cumsum(tied.to(tl.int64), axis=0) <= room)
     take = (strict | tied) & (x > float("-inf"))  # -inf is nothing there: the fill writes it
     n_take = tl.sum(take.to(tl.int64))
-    slot = tl.atomic_add(state + 6, n_take) + tl.cumsum(take.to(tl.int64), axis=0) - 1
+    slot = tl.atomic_add(state + 7, n_take) + tl.cumsum(take.to(tl.int64), axis=0) - 1
     if HAS_PAYLOAD:
         pay = tl.load(pay_ptr + b * n + offs, mask=take, other=-1).to(tl.int64)
     else:
@@ -316,9 +321,9 @@ def radix_take_kernel(
     tl.store(out_val_ptr + b * k + slot, x, mask=take)
     tl.store(out_pay_ptr + b * k + slot, pay, mask=take)
     tl.debug_barrier()
-    done = tl.atomic_add(state + 7, 1, sem="acq_rel")
+    done = tl.atomic_add(state + 8, 1, sem="acq_rel")
     if done == tl.num_programs(1) - 1:
-        taken = tl.load(state + 6, volatile=True)
+        taken = tl.load(state + 7, volatile=True)
         rest = tl.arange(0, K_BLOCK)
         empty = (rest >= taken) & (rest < k)
         tl.store(out_val_ptr + b * k + rest, float("-inf"), mask=empty)

@@ -208,10 +208,12 @@ def test_small_topk_reads_only_the_filled_slots():
     assert (got_p[2] == -1).sum() == 64 - 20
 
 
-@pytest.mark.parametrize("n,k,block,counts", [(16704, 2048, 1024, None), (4416, 2048, 1024, [4416, 3000, 2048, 100]),
-                                               (5000, 512, 256, [5000, 4999, 513, 512]), (700, 64, 1024, None),
-                                               (40, 64, 16, None)])
-def test_radix_topk_takes_small_topks_entries(n, k, block, counts):
+@pytest.mark.parametrize("n,k,block,counts,bits", [(16704, 2048, 1024, None, 11), (16704, 2048, 2048, None, 8),
+                                                    (4416, 2048, 1024, [4416, 3000, 2048, 100], 11),
+                                                    (5000, 512, 256, [5000, 4999, 513, 512], 8),
+                                                    (5000, 512, 256, [5000, 4999, 513, 512], 11),
+                                                    (700, 64, 1024, None, 11), (40, 64, 16, None, 8)])
+def test_radix_topk_takes_small_topks_entries(n, k, block, counts, bits):
     """The radix select spread over programs keeps the entries small_topk keeps, ties included (the first ones by
     column): distinct values, a row whose top sits in its last program, ties everywhere, fewer finite entries than
     k; rows longer than and shorter than a program, counts at and below k; real entries first, then -inf / -1."""
@@ -226,14 +228,14 @@ def test_radix_topk_takes_small_topks_entries(n, k, block, counts):
     cnt = None if counts is None else torch.tensor(counts, dtype=torch.int32).to(DEV)
     x, pay = values.to(DEV), payload.to(DEV)
     want_v, want_p = small_topk(x, k, pay, counts=cnt)
-    got_v, got_p = radix_topk(x, k, pay, counts=cnt, block=block)
+    got_v, got_p = radix_topk(x, k, pay, counts=cnt, block=block, digit_bits=bits)
     for row in range(4):
         assert sorted(got_p[row].tolist()) == sorted(want_p[row].tolist()), row
         assert sorted(got_v[row].tolist()) == sorted(want_v[row].tolist()), row
         live = got_p[row] >= 0
         n_live = int(live.sum())
         assert live[:n_live].all() and (got_v[row, n_live:] == float("-inf")).all(), row  # real entries lead
-    cols_v, cols = radix_topk(x, k, counts=cnt, block=block, index_dtype=torch.int32)  # no payload: the columns
+    cols_v, cols = radix_topk(x, k, counts=cnt, block=block, index_dtype=torch.int32, digit_bits=bits)  # columns
     assert cols.dtype == torch.int32
     live = cols >= 0
     assert torch.equal(x.gather(1, cols.long().clamp_min(0))[live], cols_v[live])
@@ -246,6 +248,8 @@ def test_radix_topk_checks_its_inputs():
         radix_topk(torch.zeros(2, 10, dtype=torch.float64, device=DEV), 4)
     with pytest.raises(ValueError, match="block"):
         radix_topk(torch.zeros(2, 10, device=DEV), 4, block=100)
+    with pytest.raises(ValueError, match="digit_bits"):
+        radix_topk(torch.zeros(2, 10, device=DEV), 4, digit_bits=4)
     with pytest.raises(ValueError, match="counts"):
         radix_topk(torch.zeros(2, 10, device=DEV), 4, counts=torch.zeros(3, dtype=torch.int32, device=DEV))
 

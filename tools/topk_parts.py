@@ -47,14 +47,16 @@ def sweep(b: int) -> list[dict]:
     res += by_warps(x4, K, pay4, want4, (4, 8), batch=b, part="small_topk of 4,416 as 4,096 + 512", split_tail=True)
     # each row spread over programs: a radix select in four launches (kernels.topk.radix_topk)
     for rows, p, w_set, name in ((x, pay, want, "radix_topk"), (x4, pay4, want4, "radix_topk of 4,416")):
-        for block in (512, 1024, 2048):
-            for warps in (4, 8):
-                def step(rows=rows, p=p, block=block, warps=warps):
-                    return radix_topk(rows, K, p, index_dtype=torch.int32, block=block, num_warps=warps)
-                same = set(step()[1][0].tolist()) == w_set
-                res.append(dict(batch=b, part=name, block=block, num_warps=warps, same=same,
-                                us=round(median_us(step), 1)))
-                print(res[-1], flush=True)
+        for bits in (11, 8):
+            for block in (512, 1024, 2048):
+                for warps in (4, 8):
+                    def step(rows=rows, p=p, block=block, warps=warps, bits=bits):
+                        return radix_topk(rows, K, p, index_dtype=torch.int32, block=block, num_warps=warps,
+                                          digit_bits=bits)
+                    same = set(step()[1][0].tolist()) == w_set
+                    res.append(dict(batch=b, part=name, digit_bits=bits, block=block, num_warps=warps, same=same,
+                                    us=round(median_us(step), 1)))
+                    print(res[-1], flush=True)
     for warps in (8, 16, 32):
         for block, search, n in ((32768, True, N), (32768, False, N), (16384, True, 16384)):
             def part(warps=warps, block=block, search=search, n=n):
