@@ -265,7 +265,7 @@ def radix_digit_kernel(
     tl.debug_barrier()  # every thread's histogram atomics are issued before the counter's release
     done = tl.atomic_add(state + 3 + PASS, 1, sem="acq_rel")
     if done == tl.num_programs(1) - 1:
-        counts = tl.load(hist + bins, volatile=True)  # read through to L2: the other programs' adds
+        counts = tl.load(hist + bins, volatile=True).to(tl.int32)  # read through to L2: the other programs' adds
         if PASS == 0:
             rank = tl.zeros([], dtype=tl.int64) + k
         else:
@@ -275,8 +275,8 @@ def radix_digit_kernel(
         chosen = tl.max(tl.where(at_or_above >= rank, bins, 0)).to(tl.int64)
         above = tl.sum(tl.where(bins > chosen, counts, 0))
         tl.store(state, (prefix << BITS) | chosen)
-        tl.store(state + 1, rank - above)
-        tl.store(state + 2, tl.sum(tl.where(bins == chosen, counts, 0)))
+        tl.store(state + 1, rank - above.to(tl.int64))
+        tl.store(state + 2, tl.sum(tl.where(bins == chosen, counts, 0)).to(tl.int64))
 
 
 @triton.jit
@@ -310,10 +310,10 @@ def radix_take_kernel(
             at = start + tl.arange(0, BLOCK)
             y = tl.load(val_ptr + b * n + at, mask=at < filled, other=float("-inf"))
             before += tl.sum(((at < filled) & (order_keys(y).to(tl.int64) + 2147483648 == kth)).to(tl.int64))
-        tied = tied & (before + tl.cumsum(tied.to(tl.int64), axis=0) <= room)
+        tied = tied & (before + tl.cumsum(tied.to(tl.int32), axis=0).to(tl.int64) <= room)
     take = (strict | tied) & (x > float("-inf"))  # -inf is nothing there: the fill writes it
-    n_take = tl.sum(take.to(tl.int64))
-    slot = tl.atomic_add(state + 7, n_take) + tl.cumsum(take.to(tl.int64), axis=0) - 1
+    n_take = tl.sum(take.to(tl.int32)).to(tl.int64)
+    slot = tl.atomic_add(state + 7, n_take) + tl.cumsum(take.to(tl.int32), axis=0).to(tl.int64) - 1
     if HAS_PAYLOAD:
         pay = tl.load(pay_ptr + b * n + offs, mask=take, other=-1).to(tl.int64)
     else:
