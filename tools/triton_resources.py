@@ -1,0 +1,93 @@
+"""The registers, stack (spills) and shared memory of Triton kernels compiled for a CUDA GPU, on a machine without
+one: Triton's own ptxas compiles for the target and its cuobjdump reads the cubin. What a kernel change does to
+register pressure is known before any device time is spent. ``python3 tools/triton_resources.py [OUT.json]``
+prints the decode step's top-k kernels at their launch shapes for sm_90 (the numbers are this Triton's; a GPU
+running another Triton may differ)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+
+
+def tool(name: str) -> str | None:
+    """Path of a binary Triton ships for its CUDA backend (ptxas, cuobjdump), or None where it has none."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
+    """Compile the ``@triton.jit`` function ``fn`` for sm_``arch`` (``signature``: argument -> Triton type such as
+    ``*fp32`` / ``i32``; ``constexprs``: their values) and return its registers, stack bytes, static and dynamic
+    shared memory. Raises ``RuntimeError`` where this Triton has no cuobjdump."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = tool("cuobjdump")
+    if cuobjdump is None:
+        raise RuntimeError("this Triton ships no cuobjdump (its CUDA backend's binaries): nothing can read a cubin")
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
+            "static_shared": int(fields["SHARED"]), "dynamic_shared": int(kernel.metadata.shared),
+            "num_warps": num_warps}
+
+
+TOPK_ROW = {"val_ptr": "*fp32", "pay_ptr": "*i32", "out_val_ptr": "*fp32", "out_pay_ptr": "*i32", "count_ptr": "*i32",
+            "n": "i32", "k": "i32"}
+RADIX_DIGIT = {"val_ptr": "*fp32", "count_ptr": "*i32", "scratch_ptr": "*i64", "n": "i32", "k": "i32"}
+RADIX_TAKE = {"val_ptr": "*fp32", "count_ptr": "*i32", "scratch_ptr": "*i64", "pay_ptr": "*i32", "out_val_ptr": "*fp32",
+              "out_pay_ptr": "*i32", "n": "i32", "k": "i32"}
+
+
+def topk_kernels(k: int = 2048) -> list[tuple[str, object, dict, dict, int]]:
+    """(name, kernel, signature, constexprs, warps) of the step's final top-k as small_topk and radix_topk launch
+    it for a grown C's 16,704-slot row and a fixed C's 4,416-slot one."""
+    from dsaindex.kernels.topk import RADIX_SCRATCH, split_tail_block
+    from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel, row_topk_kernel
+
+    out = []
+    for n, warps in ((16704, 16), (4416, 8)):
+        for split in (False, True):
+            block, tail = split_tail_block(n) if split else (1 << (n - 1).bit_length(), 0)
+            c = dict(BLOCK=block, K_BLOCK=k, HAS_PAYLOAD=True, HAS_COUNTS=False, WIDTH=128, CHUNK=4096, TAIL=tail)
+            out.append((f"small_topk {n} as {block}" + (f" + {tail}" if tail else ""), row_topk_kernel, TOPK_ROW, c,
+                        warps))
+    for bits, passes in ((11, 3), (8, 4)):
+        for p in range(passes):
+            c = dict(PASS=p, WIDE=bits == 11, BLOCK=1024, HAS_COUNTS=False, SCRATCH=RADIX_SCRATCH)
+            out.append((f"radix_topk digit {p} of {bits} bits", radix_digit_kernel, RADIX_DIGIT, c, 4))
+    c = dict(BLOCK=1024, K_BLOCK=k, HAS_COUNTS=False, HAS_PAYLOAD=True, SCRATCH=RADIX_SCRATCH)
+    out.append(("radix_topk take", radix_take_kernel, RADIX_TAKE, c, 4))
+    return out
+
+
+def main() -> None:
+    rows = []
+    for name, fn, sig, consts, warps in topk_kernels():
+        rows.append(dict(kernel=name, **resources(fn, sig, consts, warps)))
+        print(rows[-1], flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
