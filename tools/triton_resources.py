@@ -2,7 +2,8 @@
 one: Triton's own ptxas compiles for the target and its cuobjdump reads the cubin. What a kernel change does to
 register pressure is known before any device time is spent. ``python3 tools/triton_resources.py [OUT.json]``
 prints the decode step's top-k kernels at their launch shapes for sm_90 (the numbers are this Triton's; a GPU
-running another Triton may differ)."""
+running another Triton differs: put that Triton first on the path, ``pip install --target DIR --no-deps
+triton==X`` and ``PYTHONPATH=DIR``)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, arch: int =
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
             "static_shared": int(fields["SHARED"]), "dynamic_shared": int(kernel.metadata.shared),
-            "num_warps": num_warps}
+            "num_warps": num_warps, "triton": triton.__version__, "arch": f"sm_{arch}"}
 
 
 TOPK_ROW = {"val_ptr": "*fp32", "pay_ptr": "*i32", "out_val_ptr": "*fp32", "out_pay_ptr": "*i32", "count_ptr": "*i32",
