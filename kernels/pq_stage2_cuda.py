@@ -52,6 +52,10 @@ SHARED_BINS = SHARED_SCORES + NBINS * 4  # and the histogram
 SHARED_SCORES8 = SUBSPACES * CENTROIDS * 4 + HEADS * DIM  # the int8 kernel's: codewords of one word, int8 queries
 SHARED_BINS8 = SHARED_SCORES8 + NBINS * 4
 PER_BLOCK = None  # candidates a block scores: None sizes it to the launch (:func:`block_size`)
+# warps of int8_operands' program (a request's 64 x 128 queries). At 4 the GPU's Triton 3.6 compiles it to 255
+# registers and 8 bytes of stack (spilled), at 16 to 128 and none (tools/triton_resources.py); the step's profile
+# took 5.8-6.1 us for it at every B on the H100 at 4. 16 is not yet timed (tools/decode_suite.sh, part "operands")
+OPERANDS_WARPS = 4
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
@@ -565,7 +569,7 @@ def int8_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     bounds = torch.empty(b, dtype=torch.float32, device=q.device)
     if b:
         int8_operands_kernel[(b,)](q, w, scale.to(q.device), q8, w8, bounds, float(key_bound), H=h, D=d,
-                                   DSUB=DIM // SUBSPACES, num_warps=4)
+                                   DSUB=DIM // SUBSPACES, num_warps=OPERANDS_WARPS)
     return q8, w8, book8, bounds
 
 

@@ -1111,13 +1111,17 @@ def test_the_int8_stage2_keeps_the_triton_ones_scores_and_top_candidates():
     assert torch.equal(sel_8[2:, 2], sel_t[2:, 2])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_fused_int8_operands_are_the_torch_ones(seed):
+@pytest.mark.parametrize("seed,warps", [(0, 4), (1, 4), (0, 16)])
+def test_the_fused_int8_operands_are_the_torch_ones(seed, warps, monkeypatch):
     """The int8 stage 2's operands in one Triton launch (what a CUDA step runs) against the torch spec: the int8
     queries equal (a float32 quotient may differ in its last bit, which moves an entry only off an exact tie:
     none here in 16,384 a request), the scaled weights and the bins' bounds to float rounding, the codewords the
-    cached ones; heads of both signs and one head all zero (its scale clamped, not divided by)."""
+    cached ones; heads of both signs and one head all zero (its scale clamped, not divided by). At 4 warps a
+    program (the default) and 16 (a launch without spills, to be timed)."""
+    import dsaindex.kernels.pq_stage2_cuda as stage2
     from dsaindex.kernels.pq_stage2_cuda import int8_operands, int8_operands_reference
+
+    monkeypatch.setattr(stage2, "OPERANDS_WARPS", warps)
 
     g = torch.Generator().manual_seed(seed)
     spread = torch.logspace(0, 1.5, 32)[torch.randperm(32, generator=g)]  # subspaces 30x apart in scale

@@ -255,8 +255,9 @@ def test_radix_topk_checks_its_inputs():
 
 
 def test_the_final_top_k_kernels_compile_for_sm90_and_the_new_forms_keep_off_the_stack():
-    """Triton's own ptxas compiles the step's final top-k for sm_90 on any machine: every launch form compiles, and
-    the split row (16,384 + 512 slots at 16 warps) and the radix kernels use no stack (no spilled registers)."""
+    """Triton's own ptxas compiles the step's final top-k and stage 2's operands for sm_90 on any machine: every launch
+    form compiles, and the split row (16,384 + 512 slots at 16 warps), the radix kernels and the operands at 16 warps
+    use no stack (no spilled registers)."""
     import json
     import subprocess
     import sys
@@ -275,11 +276,12 @@ def test_the_final_top_k_kernels_compile_for_sm90_and_the_new_forms_keep_off_the
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = {r["kernel"]: r for r in json.loads(out.read_text())}
     out.unlink()
-    assert len(seen) == 12
+    assert len(seen) == 14
     for name, r in seen.items():
         assert 0 < r["registers"] <= 65536 // (32 * r["num_warps"]), name
     assert seen["small_topk 16704 as 16384 + 512"]["stack_bytes"] == 0
     assert all(r["stack_bytes"] == 0 for name, r in seen.items() if name.startswith("radix_topk")), seen
+    assert seen["int8_operands at 16 warps"]["stack_bytes"] == 0
 
 
 @pytest.mark.skipif(CUDA or not os.environ.get("DSAINDEX_GRID_ORDER"), reason="DSAINDEX_GRID_ORDER is not set")

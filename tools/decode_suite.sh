@@ -6,7 +6,7 @@
 # with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
 # Every JSON and a log go to OUT. Usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 # PARTS picks parts by name (default: all; the whole suite runs far past ten minutes): rates stage2 stage1 gather
-# topk span split split-fixed radix grown fixed rule profile recall tests
+# topk span split split-fixed radix operands grown fixed rule profile recall tests
 set -uo pipefail
 OUT=${1:?usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
 LIMIT=${2:-240}
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 D="python3 -m dsaindex"
 t0=$(date +%s)
 PARTS=${PARTS:-all}
-ALL="rates stage2 stage1 gather topk span split split-fixed radix grown fixed rule profile recall tests"
+ALL="rates stage2 stage1 gather topk span split split-fixed radix operands grown fixed rule profile recall tests"
 for p in ${PARTS//,/ }; do
     [ "$p" = all ] || [[ " $ALL " == *" $p "* ]] || { echo "decode_suite: no part '$p'; the parts: $ALL" >&2; exit 2; }
 done
@@ -80,6 +80,14 @@ sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --b
     $common --grow-band 131072 --exact-below 0 --out "$OUT/paged_grown_radix_topk.json"
 timeout "$LIMIT" $D bench paged --batches 1,2,4,8 --keys 262144,1048576 $common --grow-band 131072 --exact-below 0 \
     --out "$OUT/paged_grown_one_program_topk.json"
+fi
+if want operands; then
+part "stage 2's operands at 16 warps (kernels.pq_stage2_cuda.OPERANDS_WARPS), beside the default 4: profiles"
+timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_stage2_cuda as s; s.OPERANDS_WARPS = 16; \
+sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 2,32 --keys 1048576 \
+    $common --grow-band 131072 --exact-below 0 --profile --out "$OUT/profile_operands_16_warps.json"
+timeout "$LIMIT" $D bench paged --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile \
+    --out "$OUT/profile_operands_4_warps.json"
 fi
 if want grown; then
 part "grown C, each stage 2"

@@ -1,7 +1,7 @@
 """The registers, stack (spills) and shared memory of Triton kernels compiled for a CUDA GPU, on a machine without
 one: Triton's own ptxas compiles for the target and its cuobjdump reads the cubin. What a kernel change does to
 register pressure is known before any device time is spent. ``python3 tools/triton_resources.py [OUT.json]``
-prints the decode step's top-k kernels at their launch shapes for sm_90 (the numbers are this Triton's; a GPU
+prints the decode step's final top-k and stage 2's operands at their launch shapes for sm_90 (the numbers are this Triton's; a GPU
 running another Triton differs: put that Triton first on the path, ``pip install --target DIR --no-deps
 triton==X`` and ``PYTHONPATH=DIR``)."""
 
@@ -58,13 +58,20 @@ RADIX_TAKE = {"val_ptr": "*fp32", "count_ptr": "*i32", "scratch_ptr": "*i64", "p
               "out_pay_ptr": "*i32", "n": "i32", "k": "i32"}
 
 
+OPERANDS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "scale_ptr": "*fp32", "q8_ptr": "*i8", "w8_ptr": "*fp32",
+            "bound_ptr": "*fp32", "key_bound": "fp32"}
+
+
 def topk_kernels(k: int = 2048) -> list[tuple[str, object, dict, dict, int]]:
     """(name, kernel, signature, constexprs, warps) of the step's final top-k as small_topk and radix_topk launch
-    it for a grown C's 16,704-slot row and a fixed C's 4,416-slot one."""
+    it for a grown C's 16,704-slot row and a fixed C's 4,416-slot one, and of stage 2's int8 operands (a request's
+    64 x 128 queries) at 4 and 16 warps."""
+    from dsaindex.kernels.pq_stage2_kernel import int8_operands_kernel
     from dsaindex.kernels.topk import RADIX_SCRATCH, split_tail_block
     from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel, row_topk_kernel
 
-    out = []
+    out = [(f"int8_operands at {w} warps", int8_operands_kernel, OPERANDS, dict(H=64, D=128, DSUB=4), w)
+           for w in (4, 16)]
     for n, warps in ((16704, 16), (4416, 8)):
         for split in (False, True):
             block, tail = split_tail_block(n) if split else (1 << (n - 1).bit_length(), 0)
