@@ -284,6 +284,36 @@ def test_the_final_top_k_kernels_compile_for_sm90_and_the_new_forms_keep_off_the
     assert seen["int8_operands at 16 warps"]["stack_bytes"] == 0
 
 
+@pytest.mark.skipif(CUDA, reason="records the interpreter's launches")
+def test_the_launch_recorder_keeps_each_distinct_launch_with_its_types_and_constexprs():
+    """tools/triton_resources.Launches: a launch's argument types and constexprs as a compile needs them, the same
+    launch twice kept once, another shape kept apart, and the interpreter as it was afterwards."""
+    import sys
+    from pathlib import Path
+
+    from triton.runtime import interpreter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from triton_resources import Launches
+
+    from dsaindex.kernels.topk import small_topk
+
+    before = interpreter.GridExecutor.__call__
+    x = torch.randn(2, 300)
+    with Launches() as seen:
+        small_topk(x, 16, torch.arange(600, dtype=torch.int32).view(2, 300), index_dtype=torch.int32)
+        small_topk(x, 16, torch.arange(600, dtype=torch.int32).view(2, 300), index_dtype=torch.int32)
+        small_topk(torch.randn(2, 5000), 16)
+    assert interpreter.GridExecutor.__call__ is before
+    assert [r["kernel"] for r in seen.rows] == ["row_topk_kernel", "row_topk_kernel"]
+    first = seen.rows[0]
+    assert first["module"] == "dsaindex.kernels.topk_kernel" and first["num_warps"] == 4
+    assert first["signature"]["val_ptr"] == "*fp32" and first["signature"]["pay_ptr"] == "*i32"
+    assert first["signature"]["out_pay_ptr"] == "*i32" and first["signature"]["n"] == "i32"
+    assert first["constexprs"]["BLOCK"] == 512 and first["constexprs"]["HAS_PAYLOAD"] is True
+    assert seen.rows[1]["constexprs"]["BLOCK"] == 8192 and seen.rows[1]["signature"]["out_pay_ptr"] == "*i64"
+
+
 @pytest.mark.skipif(CUDA or not os.environ.get("DSAINDEX_GRID_ORDER"), reason="DSAINDEX_GRID_ORDER is not set")
 def test_the_out_of_order_mode_reorders_programs_and_atomic_lanes():
     """Under DSAINDEX_GRID_ORDER (tests/conftest.py) the interpreter neither runs programs 0, 1, 2, ... in turn nor

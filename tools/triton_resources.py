@@ -3,7 +3,8 @@ one: Triton's own ptxas compiles for the target and its cuobjdump reads the cubi
 register pressure is known before any device time is spent. ``python3 tools/triton_resources.py [OUT.json]``
 prints the decode step's final top-k and stage 2's operands at their launch shapes for sm_90 (the numbers are this Triton's; a GPU
 running another Triton differs: put that Triton first on the path, ``pip install --target DIR --no-deps
-triton==X`` and ``PYTHONPATH=DIR``)."""
+triton==X`` and ``PYTHONPATH=DIR``). ``python3 tools/triton_resources.py --compile LAUNCHES.json OUT.json`` compiles
+the launches a run recorded in the interpreter (:class:`Launches`) at their own signatures and constexprs."""
 
 from __future__ import annotations
 
@@ -87,13 +88,98 @@ def topk_kernels(k: int = 2048) -> list[tuple[str, object, dict, dict, int]]:
     return out
 
 
+TORCH_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int8": "i8",
+               "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
+               "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+
+
+def triton_type(value) -> str:
+    """The Triton signature type of a launch argument: a tensor's pointer type, an int's width, a float."""
+    if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
+        return "*" + TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a launch argument of {type(value).__name__}")
+
+
+class Launches:
+    """Every kernel launch made under ``with Launches() as seen:`` in the Triton interpreter (TRITON_INTERPRET=1),
+    once per distinct (kernel, signature, constexprs, warps): ``seen.rows``, JSON-ready for :func:`compile_rows`."""
+
+    def __enter__(self):
+        import inspect
+
+        from triton.runtime import interpreter
+
+        self.rows, self._keys = [], set()
+        self._executor = interpreter.GridExecutor
+        original = self._original = interpreter.GridExecutor.__call__
+        rows, keys = self.rows, self._keys
+
+        def call(executor, *args, **kwargs):
+            params = inspect.signature(executor.fn).parameters
+            bound = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+            bound.update(zip(params, args, strict=False))  # the rest by keyword or default
+            bound.update((k, v) for k, v in kwargs.items() if k in params)
+            sig, consts = {}, {}
+            for name in params:
+                value = bound.get(name)
+                if name in executor.constexprs or value is None:
+                    consts[name] = value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
+                else:
+                    sig[name] = triton_type(value)
+            row = dict(module=executor.fn.__module__, kernel=executor.fn.__name__, signature=sig, constexprs=consts,
+                       num_warps=int(kwargs.get("num_warps", 4)))
+            key = json.dumps(row, sort_keys=True)
+            if key not in keys:
+                keys.add(key)
+                rows.append(row)
+            return original(executor, *args, **kwargs)
+
+        interpreter.GridExecutor.__call__ = call
+        return self
+
+    def __exit__(self, *exc):
+        self._executor.__call__ = self._original
+        return False
+
+
+def compile_rows(rows: list[dict], arch: int = 90) -> list[dict]:
+    """:func:`resources` of each recorded launch (:class:`Launches`), compiled, not interpreted: run it in a process
+    without TRITON_INTERPRET. A launch that does not compile gets its error instead."""
+    import importlib
+
+    out = []
+    for row in rows:
+        fn = getattr(importlib.import_module(row["module"]), row["kernel"])
+        try:
+            res = resources(fn, row["signature"], row["constexprs"], row["num_warps"], arch)
+        except Exception as e:  # noqa: BLE001 - reported per launch, the others still compile
+            res = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        out.append(dict(kernel=row["kernel"], module=row["module"], signature=row["signature"],
+                        constexprs=row["constexprs"], **res))
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["--compile"]:  # LAUNCHES.json (rows of Launches) OUT.json
+        with open(args[1]) as f:
+            rows = compile_rows(json.load(f))
+        with open(args[2], "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     rows = []
     for name, fn, sig, consts, warps in topk_kernels():
         rows.append(dict(kernel=name, **resources(fn, sig, consts, warps)))
         print(rows[-1], flush=True)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    if args:
+        with open(args[0], "w") as f:
             json.dump(rows, f, indent=1)
 
 
