@@ -108,7 +108,9 @@ def triton_type(value) -> str:
 
 class Launches:
     """Every kernel launch made under ``with Launches() as seen:`` in the Triton interpreter (TRITON_INTERPRET=1),
-    once per distinct (kernel, signature, constexprs, warps): ``seen.rows``, JSON-ready for :func:`compile_rows`."""
+    once per distinct (kernel, signature, constexprs, warps): ``seen.rows``, JSON-ready for :func:`compile_rows`.
+    A constexpr ``F32`` is recorded as a GPU launch sets it (False: the kernels' float32 dots are the
+    interpreter's)."""
 
     def __enter__(self):
         import inspect
@@ -128,6 +130,8 @@ class Launches:
             sig, consts = {}, {}
             for name in params:
                 value = bound.get(name)
+                if name == "F32" and value is True:  # float32 dots: what the kernels take only when interpreted
+                    value = False
                 if name in executor.constexprs or value is None:
                     consts[name] = value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
                 else:
