@@ -125,8 +125,8 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     ``index_dtype``: the payload's output dtype (int64, or int32: no cast kernel after it).
     ``split_tail`` (default :data:`SPLIT_TAIL`): a row just past a power of two (the paged step's final row:
-    a fixed C's 4,416 slots, a grown C's 16,704) holds its k-th search as that power and a short tail (:func:`split_tail_block`), not as the next power:
-    the same result, half the registers per pass.
+    a fixed C's 4,416 slots, a grown C's 16,704) holds its k-th search as that power and a short tail
+    (:func:`split_tail_block`), not as the next power: the same result, half the registers per pass.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton
 

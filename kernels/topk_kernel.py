@@ -77,7 +77,8 @@ def kth_key_pair(key, live, key2, live2, rank):
     just past a power of two held as that power and a short tail, not as twice the registers). Each pass
     counts both and adds the counts."""
     found = (tl.sum(live.to(tl.int32)) + tl.sum(live2.to(tl.int32))) >= rank
-    lo = tl.minimum(tl.min(tl.where(live, key, 2147483647)), tl.min(tl.where(live2, key2, 2147483647))).to(tl.int64)
+    lo = tl.minimum(tl.min(tl.where(live, key, 2147483647)),
+                    tl.min(tl.where(live2, key2, 2147483647))).to(tl.int64)
     key = tl.where(live, key, -2147483648)
     key2 = tl.where(live2, key2, -2147483648)
     hi = tl.maximum(tl.max(key), tl.max(key2)).to(tl.int64)
@@ -90,7 +91,8 @@ def kth_key_pair(key, live, key2, live2, rank):
         lo = tl.where(enough, mid, lo)
         hi = tl.where(count == rank, mid, tl.where(enough, hi, mid - 1))
     at = lo.to(tl.int32)
-    smallest = tl.minimum(tl.min(tl.where(key >= at, key, 2147483647)), tl.min(tl.where(key2 >= at, key2, 2147483647)))
+    smallest = tl.minimum(tl.min(tl.where(key >= at, key, 2147483647)),
+                          tl.min(tl.where(key2 >= at, key2, 2147483647)))
     return tl.where(found, smallest, -2147483648)
 
 

@@ -120,7 +120,8 @@ def test_split_tail_block_holds_a_row_just_past_a_power_of_two():
     assert split_tail_block(2100) == (2048, 64) and split_tail_block(1100) == (2048, 0)  # small rows: whole
 
 
-@pytest.mark.parametrize("n,counts", [(16704, None), (16704, [16704, 16000, 16385, 900]), (4416, [4416, 4000, 4100, 300])])
+@pytest.mark.parametrize("n,counts", [(16704, None), (16704, [16704, 16000, 16385, 900]),
+                                      (4416, [4416, 4000, 4100, 300])])
 def test_small_topk_split_tail_equals_the_whole_block(n, counts):
     """A row of 16,704 slots searched as 16,384 + a 512-slot tail (4,416 as 4,096 + 512): the same entries as the
     whole next-power block and the reference, with the k-th value in the tail, tied across the boundary, a short

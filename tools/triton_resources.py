@@ -1,10 +1,12 @@
 """The registers, stack (spills) and shared memory of Triton kernels compiled for a CUDA GPU, on a machine without
 one: Triton's own ptxas compiles for the target and its cuobjdump reads the cubin. What a kernel change does to
-register pressure is known before any device time is spent. ``python3 tools/triton_resources.py [OUT.json]``
-prints the decode step's final top-k and stage 2's operands at their launch shapes for sm_90 (the numbers are this Triton's; a GPU
-running another Triton differs: put that Triton first on the path, ``pip install --target DIR --no-deps
-triton==X`` and ``PYTHONPATH=DIR``). ``python3 tools/triton_resources.py --compile LAUNCHES.json OUT.json`` compiles
-the launches a run recorded in the interpreter (:class:`Launches`) at their own signatures and constexprs."""
+register pressure is known before any device time is spent.
+
+``python3 tools/triton_resources.py [OUT.json]`` prints the decode step's final top-k and stage 2's operands at
+their launch shapes for sm_90. The numbers are this Triton's; a GPU running another Triton differs: put that
+Triton first on the path (``pip install --target DIR --no-deps triton==X`` and ``PYTHONPATH=DIR``).
+``python3 tools/triton_resources.py --compile LAUNCHES.json OUT.json`` compiles the launches a run recorded in the
+interpreter (:class:`Launches`) at their own signatures and constexprs."""
 
 from __future__ import annotations
 
