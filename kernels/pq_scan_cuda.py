@@ -23,8 +23,8 @@ The Triton scan (:func:`dsaindex.kernels.pq_select.pq_linear_topc`, ``scan="trit
   shape; the default caps them at 8,192: on the H100 blocks of 16K-64K rows were slower (453-473 us against 408
   at 32 x 1M, docs/results.md), so the longer form is kept for a card where that may differ, not used.
 - **A variant, slower on the H100** (``#define COALESCED``, off; 428 us against 408 at 32 x 1M): a thread's two
-  16-byte loads of its own row each read half of 32 sectors, so every sector crosses from L2 twice past L1 (2 GB for the 1 GB of codes at 32 x 1M, which
-  may bound the read on the H200 before its HBM does). Under ``COALESCED`` a warp reads its 32 rows as two
+  16-byte loads of its own row each read half of 32 sectors, so every sector crosses from L2 twice past L1 (2 GB
+  for the 1 GB of codes at 32 x 1M, which may bound the read on the H200 before its HBM does). Under ``COALESCED`` a warp reads its 32 rows as two
   512-byte loads, lane ``l`` taking bytes ``16 l``, and neighbouring lanes swap halves with four shuffles, so
   each lane holds a whole row (the even lane row ``l / 2``, the odd one row ``16 + l / 2``).
 

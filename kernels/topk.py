@@ -111,6 +111,28 @@ def small_topk_reference(values: torch.Tensor, k: int,
     return vals, pay
 
 
+def _topk_outputs(values: torch.Tensor, k: int, payload: torch.Tensor | None, counts: torch.Tensor | None,
+                  index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks :func:`small_topk` and :func:`radix_topk` share (``ValueError`` naming the argument), then their
+    outputs, uninitialised: values [B, k] float32, payload [B, k] ``index_dtype``."""
+    checks.rank("values", values, 2, "B, n")
+    checks.dtype("values", values, torch.float32)
+    b, n = values.shape
+    checks.at_least("k", k, 1)
+    if payload is not None:
+        checks.shape("payload", payload, (b, n), "B, n")
+        checks.dtype("payload", payload, torch.int32, torch.int64)
+        checks.same_device(values=values, payload=payload)
+    if counts is not None:
+        checks.shape("counts", counts, (b,), "B")
+        checks.dtype("counts", counts, torch.int32)
+        checks.same_device(values=values, counts=counts)
+    if index_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+    return (torch.empty(b, k, dtype=torch.float32, device=values.device),
+            torch.empty(b, k, dtype=index_dtype, device=values.device))
+
+
 def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None,
                num_warps: int | None = None, counts: torch.Tensor | None = None,
                index_dtype: torch.dtype = torch.int64,
@@ -132,23 +154,9 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
 
     from dsaindex.kernels.topk_kernel import row_topk_kernel
 
-    checks.rank("values", values, 2, "B, n")
-    checks.dtype("values", values, torch.float32)
+    out_val, out_pay = _topk_outputs(values, k, payload, counts, index_dtype)
     b, n = values.shape
     checks.at_most("values.shape[1] (row length)", n, SMALL_TOPK_MAX, "one program holds a row")
-    checks.at_least("k", k, 1)
-    if payload is not None:
-        checks.shape("payload", payload, (b, n), "B, n")
-        checks.dtype("payload", payload, torch.int32, torch.int64)
-        checks.same_device(values=values, payload=payload)
-    if counts is not None:
-        checks.shape("counts", counts, (b,), "B")
-        checks.dtype("counts", counts, torch.int32)
-        checks.same_device(values=values, counts=counts)
-    out_val = torch.empty(b, k, dtype=torch.float32, device=values.device)
-    if index_dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
-    out_pay = torch.empty(b, k, dtype=index_dtype, device=values.device)
     if b == 0:
         return out_val, out_pay
     block, tail = split_tail_block(n) if (SPLIT_TAIL if split_tail is None else split_tail) else (0, 0)
@@ -188,25 +196,11 @@ def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
 
     from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel
 
-    checks.rank("values", values, 2, "B, n")
-    checks.dtype("values", values, torch.float32)
+    out_val, out_pay = _topk_outputs(values, k, payload, counts, index_dtype)
     b, n = values.shape
-    checks.at_least("k", k, 1)
     checks.power_of_two("block", block)
     if digit_bits not in (8, 11):
         raise ValueError(f"digit_bits: got {digit_bits}, want 11 (three passes) or 8 (four passes)")
-    if payload is not None:
-        checks.shape("payload", payload, (b, n), "B, n")
-        checks.dtype("payload", payload, torch.int32, torch.int64)
-        checks.same_device(values=values, payload=payload)
-    if counts is not None:
-        checks.shape("counts", counts, (b,), "B")
-        checks.dtype("counts", counts, torch.int32)
-        checks.same_device(values=values, counts=counts)
-    if index_dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
-    out_val = torch.empty(b, k, dtype=torch.float32, device=values.device)
-    out_pay = torch.empty(b, k, dtype=index_dtype, device=values.device)
     if b == 0:
         return out_val, out_pay
     values = values.contiguous()

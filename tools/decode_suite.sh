@@ -23,6 +23,15 @@ for p in ${PARTS//,/ }; do
 done
 want() { [ "$PARTS" = all ] || [[ ",$PARTS," == *",$1,"* ]]; }
 part() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
+# beside SETUP NAME ARGS...: `bench paged ARGS` with SETUP (Python statements changing a module setting) run first, to
+# OUT/NAME.json, then as shipped, to OUT/NAME_default.json
+beside() {
+    local setup=$1 name=$2
+    shift 2
+    timeout "$LIMIT" python3 -c "import sys; $setup; sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" \
+        bench paged "$@" --out "$OUT/$name.json"
+    timeout "$LIMIT" $D bench paged "$@" --out "$OUT/${name}_default.json"
+}
 common="--candidates 4096 --prefilter 4 --keys-on device"
 # every part needs these: stop at once, not after minutes of parts that fail one by one (a zarr without its
 # msgspec, a DeepGEMM without CUDA_HOME)
@@ -59,35 +68,23 @@ sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --b
 fi
 if want split; then
 part "grown C, the final top-k's k-th search as 16,384 slots + a tail (kernels.topk.SPLIT_TAIL), beside the default"
-timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.topk as t; t.SPLIT_TAIL = True; \
-sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,2,8,32,64 --keys 1048576 \
-    $common --grow-band 131072 --exact-below 0 --out "$OUT/paged_grown_split_tail.json"
-timeout "$LIMIT" $D bench paged --batches 1,2,8,32,64 --keys 1048576 $common --grow-band 131072 --exact-below 0 \
-    --out "$OUT/paged_grown_whole_block.json"
+beside "import dsaindex.kernels.topk as t; t.SPLIT_TAIL = True" paged_grown_split_tail --batches 1,2,8,32,64 \
+    --keys 1048576 $common --grow-band 131072 --exact-below 0
 fi
 if want split-fixed; then
 part "fixed C, the final top-k's 4,416 slots as 4,096 + a tail, beside the default"
-timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.topk as t; t.SPLIT_TAIL = True; \
-sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,2,8,32 --keys 262144,1048576 \
-    $common --grow-band 0 --exact-below 0 --out "$OUT/paged_fixed_split_tail.json"
-timeout "$LIMIT" $D bench paged --batches 1,2,8,32 --keys 262144,1048576 $common --grow-band 0 --exact-below 0 \
-    --out "$OUT/paged_fixed_whole_block.json"
+beside "import dsaindex.kernels.topk as t; t.SPLIT_TAIL = True" paged_fixed_split_tail --batches 1,2,8,32 \
+    --keys 262144,1048576 $common --grow-band 0 --exact-below 0
 fi
 if want radix; then
 part "the final top-k spread over programs for up to 8 requests (kernels.topk.RADIX_UP_TO_ROWS), beside the default"
-timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.topk as t; t.RADIX_UP_TO_ROWS = 8; \
-sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,2,4,8 --keys 262144,1048576 \
-    $common --grow-band 131072 --exact-below 0 --out "$OUT/paged_grown_radix_topk.json"
-timeout "$LIMIT" $D bench paged --batches 1,2,4,8 --keys 262144,1048576 $common --grow-band 131072 --exact-below 0 \
-    --out "$OUT/paged_grown_one_program_topk.json"
+beside "import dsaindex.kernels.topk as t; t.RADIX_UP_TO_ROWS = 8" paged_grown_radix_topk --batches 1,2,4,8 \
+    --keys 262144,1048576 $common --grow-band 131072 --exact-below 0
 fi
 if want operands; then
 part "stage 2's operands at 16 warps (kernels.pq_stage2_cuda.OPERANDS_WARPS), beside the default 4: profiles"
-timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_stage2_cuda as s; s.OPERANDS_WARPS = 16; \
-sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 2,32 --keys 1048576 \
-    $common --grow-band 131072 --exact-below 0 --profile --out "$OUT/profile_operands_16_warps.json"
-timeout "$LIMIT" $D bench paged --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile \
-    --out "$OUT/profile_operands_4_warps.json"
+beside "import dsaindex.kernels.pq_stage2_cuda as s; s.OPERANDS_WARPS = 16" profile_operands_16_warps \
+    --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
 fi
 if want grown; then
 part "grown C, each stage 2"
