@@ -51,23 +51,22 @@ PAGED_EXACT_BELOW = 17 << 16
 PAGED_EXACT_OFFSET = 14
 # where C grows by length (``DSAINDEX_LONG_PREFIX=grow``) a request's share of the codes' step grows with its
 # growth g: stage 2 scores g x the stage-1 width by score bins at any batch, while stage 1 still scans every key
-# once. The offset of a grown step is (PAGED_EXACT_OFFSET x g + PAGED_GROWN_EXTRA x (g - 1)) stage-1 widths.
-# With the Triton stage 2 it was +1.5 (fitted on the H200: the codes took 16 x 1M at 4 x C at 0.94x DeepGEMM with
-# the fixed share alone). The CUDA stage 2 (kernels/pq_stage2_cuda.py) cut the grown step by a third (H100,
-# 32 x 1M: 1.27 -> 0.90 ms), so the share now grows slower than g: both paths timed on the H100 at C = 4,096,
-# 4 x C, band 128K (docs/results/paged_grown_rule_cuda_stage2_h100.json), the codes win from 3 x 1M (4 x 1M:
-# 0.218 ms against 0.274, 8 x 1M 0.316 against 0.480, 16 x 1M 0.523 against 0.905) and lose at 2 x 1M (0.166
-# against 0.159). -2 sends up to 4 x 1M to the exact path and the codes from 5: on the H200, where DeepGEMM is
-# faster against the codes' step (a fixed C gave 2.10x there against 2.70x on the H100 at 32 x 1M), 4 x 1M may
-# be a tie, 6 x 1M and up keep a margin. Every step at 512K (g = 4) and 256K (g = 2) stays exact, as before,
-# though the H100 gives the codes 1.04x-1.30x at 8-16 x 512K and 32-64 x 256K: not timed on an H200.
-# With the int8 stage 2's operands in one launch (18 kernels a step, not 36) the codes' step lost ~30 us at every
-# B: both paths timed again on the H100 at B in 1-64 x N in 64K-1M (docs/results/paged_rule_fused_operands_h100.json),
-# the codes win from 2 x 1M (0.147 ms against 0.158 exact) and 8 x 512K (1.15x), lose at 1 x 1M and 4 x 512K
-# (0.94x), and win from 8 x 256K (1.04x-1.45x), which one extra for every g cannot also send to them without
-# 2-4 x 512K (0.80x-0.94x): -12 takes 2 x 1M and up and 6 x 512K and up, and keeps every step at 256K exact. Not
-# timed on an H200, where DeepGEMM gains on the codes' step: 2 x 1M (1.08x here) may tie there
-PAGED_GROWN_EXTRA = -12
+# once. The offset of a grown step is (PAGED_GROWN_OFFSET x g + PAGED_GROWN_EXTRA x (g - 1)) stage-1 widths.
+# History: +1.5 with the Triton stage 2 (H200); -2 once the CUDA stage 2 cut the grown step by a third (H100);
+# -12 (on an offset of 14) once stage 2's operands took one launch (H100,
+# docs/results/paged_rule_fused_operands_h100.json). With the final top-k spread over programs for up to 32
+# requests (kernels.topk.RADIX_UP_TO_ROWS) the codes' step lost another 17-29 us a step, and both paths were timed
+# on the H200, where DeepGEMM gains most on the codes' step (bench paged --exact-below 1T, C = 4,096, 4 x C,
+# band 128K; docs/results/paged_rule_radix_topk_h200.json): the codes win at 2 x 1M (1.07x), 8 x 512K (1.06x) and
+# 32 x 256K (1.04x), lose at 1 x 1M (0.84x-0.86x) and 4 x 512K (0.95x). One offset for every g cannot hold both
+# 4 x 512K exact and 32 x 256K by the codes (14 g + x (g - 1) needs x >= -13.7 for the first, x < -14.1 for the
+# second), so a grown step has an offset of its own: 9 g - 4.5 (g - 1) is 13.5 widths at 256K (codes from 28
+# requests) and 22.5 at 512K and 1M (exact up to 7 x 512K and 1 x 1M). On the H100 the codes win further down
+# (1.04x-1.26x at 16-28 x 256K and 5-7 x 512K, docs/results/paged_rule_radix_topk_h100.json): the rule keeps
+# the H200's sides, where the exact path is the harder one to beat. Within the band (g = 1) the grown offset
+# of 9 widths, like 14, leaves every step exact at a 128K band.
+PAGED_GROWN_OFFSET = 9
+PAGED_GROWN_EXTRA = -4.5
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95
@@ -111,4 +110,4 @@ def miss_filter_keep(cand_scores: torch.Tensor, valid: torch.Tensor, k: int, wid
 def grown_offset_words() -> str:
     """The grown step's exact-path offset in stage-1 widths, as the startup text and settings table say it."""
     sign = "+" if PAGED_GROWN_EXTRA >= 0 else "-"
-    return f"({PAGED_EXACT_OFFSET} g {sign} {abs(PAGED_GROWN_EXTRA):g} (g - 1))"
+    return f"({PAGED_GROWN_OFFSET} g {sign} {abs(PAGED_GROWN_EXTRA):g} (g - 1))"

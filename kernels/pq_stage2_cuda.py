@@ -54,8 +54,9 @@ SHARED_BINS8 = SHARED_SCORES8 + NBINS * 4
 PER_BLOCK = None  # candidates a block scores: None sizes it to the launch (:func:`block_size`)
 # warps of int8_operands' program (a request's 64 x 128 queries). At 4 the GPU's Triton 3.6 compiles it to 255
 # registers and 8 bytes of stack (spilled), at 16 to 128 and none (tools/triton_resources.py); the step's profile
-# took 5.8-6.1 us for it at every B on the H100 at 4. 16 is not yet timed (tools/decode_suite.sh, part "operands")
-OPERANDS_WARPS = 4
+# took 5.8-6.2 us for it on the H100 at 4 and 3.5-3.8 at 16 (2 and 32 x 1M, the grown step's profiles side by side:
+# tools/decode_suite.sh, part "operands"; docs/results/profile_operands_warps_h100.json)
+OPERANDS_WARPS = 16
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC

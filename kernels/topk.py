@@ -74,9 +74,12 @@ def rows_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, target: int |
 
 SMALL_TOPK_MAX = 32768  # entries a row of :func:`small_topk` may have: one program holds it in registers
 # a row at most this share past a power of two may hold its k-th search as that power plus a short tail
-# (``split_tail``); off by default until it is timed against the whole block on a GPU (tools/topk_parts.py)
+# (``split_tail``)
 SPLIT_TAIL_SHARE = 1 / 8
-SPLIT_TAIL = False
+# the smallest main block :func:`small_topk` splits at by default (0: never). A grown C's top-2,048 of 16,704 as
+# 16,384 + 512 took 30.7-34.3 us on the H100 against 35.6-41.8 as 32,768 (B = 1-32, CUDA graphs); a fixed C's
+# 4,416 as 4,096 + 512 took 16.1-18.4 against 15.5-17.6 as 8,192, so rows below 16,384 stay whole
+SPLIT_TAIL_FROM = 16384
 
 
 def split_tail_block(n: int) -> tuple[int, int]:
@@ -146,9 +149,10 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     ``counts`` [B] int32 (optional): only a row's first ``counts[b]`` entries are filled (a candidate
     buffer as an appending pass left it); the rest is never read, so the buffer needs no fill.
     ``index_dtype``: the payload's output dtype (int64, or int32: no cast kernel after it).
-    ``split_tail`` (default :data:`SPLIT_TAIL`): a row just past a power of two (the paged step's final row:
-    a fixed C's 4,416 slots, a grown C's 16,704) holds its k-th search as that power and a short tail
-    (:func:`split_tail_block`), not as the next power: the same result, half the registers per pass.
+    ``split_tail``: a row just past a power of two (the paged step's final row: a fixed C's 4,416 slots, a grown
+    C's 16,704) holds its k-th search as that power and a short tail (:func:`split_tail_block`), not as the next
+    power: the same result, half the registers per pass. By default (None) a row whose main block would be at
+    least :data:`SPLIT_TAIL_FROM` slots is split.
     Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
     import triton
 
@@ -159,13 +163,16 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     checks.at_most("values.shape[1] (row length)", n, SMALL_TOPK_MAX, "one program holds a row")
     if b == 0:
         return out_val, out_pay
-    block, tail = split_tail_block(n) if (SPLIT_TAIL if split_tail is None else split_tail) else (0, 0)
+    block, tail = split_tail_block(n) if split_tail is not False else (0, 0)
+    if split_tail is None and (not SPLIT_TAIL_FROM or block < SPLIT_TAIL_FROM):
+        tail = 0
     if not tail:
         block = max(16, triton.next_power_of_2(n))
     # 8 warps at 8,192 slots: the paged step's final top-2,048 of 4,416 took 17.4-19.8 us on the H200 against
     # 17.9-20.5 at 16 warps and 21.9-24.2 at 4 (B = 1-32, CUDA graphs); 16 at 32,768: a grown C's top-2,048 of
-    # 16,448 took 43.8-47.6 us on the H100 against 47.3-51.6 at 8 warps and 47.7-48.9 at 32 (B = 8-64)
-    warps = num_warps or (16 if block >= 16384 else 8 if block >= 2048 else 4)
+    # 16,448 took 43.8-47.6 us on the H100 against 47.3-51.6 at 8 warps and 47.7-48.9 at 32 (B = 8-64); 8 with a
+    # tail: 16,384 + 512 took 30.7-34.3 us on the H100 against 30.7-35.0 at 16
+    warps = num_warps or (16 if block >= 16384 and not tail else 8 if block >= 2048 else 4)
     row_topk_kernel[(b,)](
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
         counts if counts is not None else out_val, n, k,
@@ -174,16 +181,23 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     return out_val, out_pay
 
 
-RADIX_BLOCK = 1024  # entries a program of :func:`radix_topk` takes
+# entries a program of :func:`radix_topk` takes, and the bits of a digit: a grown C's top-2,048 of 16,704 took
+# 18.8-30.8 us on the H100 at 512 entries and 8 bits (B = 1-32, 4 warps, CUDA graphs), 19.9-31.3 at 1,024,
+# 23.1-35.4 at 2,048, and 29.8-119.7 with 11-bit digits (fewer passes, but a histogram 8 times wider)
+RADIX_BLOCK = 512
+RADIX_DIGIT_BITS = 8
 RADIX_SCRATCH = 4 * 2048 + 16  # int64 words of a row's scratch: the histograms, the select's state and counters
-# rows a launch up to which :func:`final_topk` spreads each row over programs (:func:`radix_topk`): 0, never, until
-# it is timed against small_topk on a GPU (tools/topk_parts.py; the paged step at 1-8 requests)
-RADIX_UP_TO_ROWS = 0
+# :func:`final_topk` spreads each row over programs (:func:`radix_topk`) for up to this many rows of at least
+# RADIX_FROM_SLOTS entries. A grown C's top-2,048 of 16,704 took 18.8 / 19.2 / 21.4 / 30.8 us at B = 1 / 2 / 8 / 32
+# on the H100 against 30.7 / 32.2 / 32.8 / 34.3 in one program a row (split); a fixed C's 4,416 took 17.5-22.6
+# against 15.5-17.6, so short rows keep one program
+RADIX_UP_TO_ROWS = 32
+RADIX_FROM_SLOTS = 8192
 
 
 def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None, counts: torch.Tensor | None = None,
                index_dtype: torch.dtype = torch.int64, block: int = RADIX_BLOCK, num_warps: int = 4,
-               digit_bits: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+               digit_bits: int = RADIX_DIGIT_BITS) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk`'s selection with each row spread over ``ceil(n / block)`` programs: a radix select of the
     k-th largest (a pass a digit of the float's order key, each program adding its entries' digits to a histogram
     and the last one to finish choosing the digit), then one pass appending what is above it and the ties it may
@@ -220,9 +234,9 @@ def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
 def final_topk(values: torch.Tensor, k: int, payload: torch.Tensor,
                index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's final top-k of its rescored candidates: :func:`radix_topk` for up to
-    :data:`RADIX_UP_TO_ROWS` rows (each row over many programs), else :func:`small_topk` (one program a row). The
-    same entries either way; in column order only from small_topk."""
-    if values.shape[0] <= RADIX_UP_TO_ROWS:
+    :data:`RADIX_UP_TO_ROWS` rows of at least :data:`RADIX_FROM_SLOTS` entries (each row over many programs), else
+    :func:`small_topk` (one program a row). The same entries either way; in column order only from small_topk."""
+    if values.shape[0] <= RADIX_UP_TO_ROWS and values.shape[1] >= RADIX_FROM_SLOTS:
         return radix_topk(values, k, payload, index_dtype=index_dtype)
     return small_topk(values, k, payload, index_dtype=index_dtype)
 

@@ -67,6 +67,7 @@ from dsaindex.coarse import (
     PAGED_EXACT_BELOW,
     PAGED_EXACT_OFFSET,
     PAGED_GROWN_EXTRA,
+    PAGED_GROWN_OFFSET,
     PREFILTER,
     grown_offset_words,
 )
@@ -210,7 +211,8 @@ class PagedCacheSelector:
         this, is scored exactly, as the engine scores it without the plugin (the exact path; 0: never).
         Ignored with ``keys_on_host`` (exact scoring would read every key over the host link).
     exact_offset : keys a request's fixed share of the codes' step is worth (default
-        :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C); where C grows g x,
+        :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C; where C grows by
+        length, :data:`dsaindex.coarse.PAGED_GROWN_OFFSET` x that width); where C grows g x,
         ``exact_offset`` x g + ``grown_extra`` x (g - 1)
     grown_extra : keys a grown request's share gains for each C's worth of growth past its first (default
         :data:`dsaindex.coarse.PAGED_GROWN_EXTRA` x the stage-1 width)
@@ -284,7 +286,7 @@ class PagedCacheSelector:
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
-        offset, extra = exact_shares(self.c1)
+        offset, extra = exact_shares(self.c1, grows=self.grow_band > 0)
         self.exact_offset = offset if exact_offset is None else max(0, int(exact_offset))
         self.grown_extra = extra if grown_extra is None else max(0, int(grown_extra))
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
@@ -774,11 +776,11 @@ def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ..
     return f"{exact}; {scan + '; ' if scan else ''}{kept}"
 
 
-def exact_shares(stage1: int) -> tuple[int, int]:
+def exact_shares(stage1: int, grows: bool = False) -> tuple[int, int]:
     """The exact-path rule's default (``exact_offset``, ``grown_extra``) of a selector whose stage 1 keeps
-    ``stage1`` keys (P x C): :data:`~dsaindex.coarse.PAGED_EXACT_OFFSET` and
-    :data:`~dsaindex.coarse.PAGED_GROWN_EXTRA` stage-1 widths."""
-    return PAGED_EXACT_OFFSET * stage1, int(PAGED_GROWN_EXTRA * stage1)
+    ``stage1`` keys (P x C): :data:`~dsaindex.coarse.PAGED_EXACT_OFFSET` stage-1 widths, or where C grows by length
+    (``grows``) :data:`~dsaindex.coarse.PAGED_GROWN_OFFSET`; and :data:`~dsaindex.coarse.PAGED_GROWN_EXTRA`."""
+    return (PAGED_GROWN_OFFSET if grows else PAGED_EXACT_OFFSET) * stage1, int(PAGED_GROWN_EXTRA * stage1)
 
 
 def takes_exact_path(batch: int, longest: int, exact_below: int, exact_offset: int,

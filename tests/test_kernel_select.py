@@ -1116,8 +1116,8 @@ def test_the_fused_int8_operands_are_the_torch_ones(seed, warps, monkeypatch):
     """The int8 stage 2's operands in one Triton launch (what a CUDA step runs) against the torch spec: the int8
     queries equal (a float32 quotient may differ in its last bit, which moves an entry only off an exact tie:
     none here in 16,384 a request), the scaled weights and the bins' bounds to float rounding, the codewords the
-    cached ones; heads of both signs and one head all zero (its scale clamped, not divided by). At 4 warps a
-    program (the default) and 16 (a launch without spills, to be timed)."""
+    cached ones; heads of both signs and one head all zero (its scale clamped, not divided by). At 16 warps a
+    program (the default: no spills) and 4."""
     import dsaindex.kernels.pq_stage2_cuda as stage2
     from dsaindex.kernels.pq_stage2_cuda import int8_operands, int8_operands_reference
 

@@ -150,6 +150,39 @@ def test_small_topk_split_tail_equals_the_whole_block(n, counts):
     assert torch.equal(split_v[2].sort().values.cpu(), want_v[2].sort().values)  # ties: the same values
 
 
+def test_the_final_top_k_picks_its_form_by_rows_and_row_length(monkeypatch):
+    """final_topk's defaults: up to RADIX_UP_TO_ROWS rows of at least RADIX_FROM_SLOTS entries are spread over
+    programs (radix_topk); more rows of a grown C's 16,704 slots take one program a row with a 512-slot tail; a
+    fixed C's 4,416 stay one whole 8,192-slot block. Each form selects the reference's entries."""
+    import dsaindex.kernels.topk as topk
+    import dsaindex.kernels.topk_kernel as topk_kernel
+
+    launched = []
+    row_kernel, radix = topk_kernel.row_topk_kernel, topk.radix_topk
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(("row", kw["BLOCK"], kw["TAIL"]))
+                return row_kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(topk_kernel, "row_topk_kernel", Recorded())
+    monkeypatch.setattr(topk, "radix_topk", lambda *a, **kw: launched.append(("radix",)) or radix(*a, **kw))
+    monkeypatch.setattr(topk, "RADIX_UP_TO_ROWS", 2)  # 2 rows, not 32: the interpreter is slow
+    g = torch.Generator().manual_seed(5)
+    for rows, n, want in ((2, 16704, ("radix",)), (3, 16704, ("row", 16384, 512)), (2, 4416, ("row", 8192, 0))):
+        values = torch.randn(rows, n, generator=g)
+        payload = torch.randint(0, 1 << 30, (rows, n), generator=g, dtype=torch.int32)
+        launched.clear()
+        got_v, got_p = topk.final_topk(values.to(DEV), 2048, payload.to(DEV), index_dtype=torch.int32)
+        assert launched == [want], (rows, n, launched)
+        want_v, want_p = topk.small_topk_reference(values, 2048, payload)
+        for row in range(rows):
+            assert set(got_p[row].tolist()) == set(want_p[row].tolist()), (rows, n, row)
+        assert torch.equal(got_v.sort(1).values.cpu(), want_v.sort(1).values)
+
+
 def test_sample_thresholds_kernel_equals_the_torch_rule():
     from dsaindex.kernels.select import sample_thresholds, thresholds_from_samples
 

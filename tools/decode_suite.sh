@@ -6,7 +6,7 @@
 # with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
 # Every JSON and a log go to OUT. Usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 # PARTS picks parts by name (default: all; the whole suite runs far past ten minutes): rates stage2 stage1 gather
-# topk span split split-fixed radix operands grown fixed rule profile recall tests
+# topk span final radix operands grown fixed rule profile recall tests
 set -uo pipefail
 OUT=${1:?usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
 LIMIT=${2:-240}
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 D="python3 -m dsaindex"
 t0=$(date +%s)
 PARTS=${PARTS:-all}
-ALL="rates stage2 stage1 gather topk span split split-fixed radix operands grown fixed rule profile recall tests"
+ALL="rates stage2 stage1 gather topk span final radix operands grown fixed rule profile recall tests"
 for p in ${PARTS//,/ }; do
     [ "$p" = all ] || [[ " $ALL " == *" $p "* ]] || { echo "decode_suite: no part '$p'; the parts: $ALL" >&2; exit 2; }
 done
@@ -66,24 +66,20 @@ timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_scan_cuda as s; s.L
 sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,8,32,64 --keys 1048576 \
     $common --grow-band 131072 --out "$OUT/paged_grown_span_max.json"
 fi
-if want split; then
-part "grown C, the final top-k's k-th search as 16,384 slots + a tail (kernels.topk.SPLIT_TAIL), beside the default"
-beside "import dsaindex.kernels.topk as t; t.SPLIT_TAIL = True" paged_grown_split_tail --batches 1,2,8,32,64 \
-    --keys 1048576 $common --grow-band 131072 --exact-below 0
-fi
-if want split-fixed; then
-part "fixed C, the final top-k's 4,416 slots as 4,096 + a tail, beside the default"
-beside "import dsaindex.kernels.topk as t; t.SPLIT_TAIL = True" paged_fixed_split_tail --batches 1,2,8,32 \
-    --keys 262144,1048576 $common --grow-band 0 --exact-below 0
+if want final; then
+part "grown C, the final top-k in one program a row without a tail (as before), beside the default (radix_topk up to \
+kernels.topk.RADIX_UP_TO_ROWS requests, then 16,384 slots + a tail)"
+beside "import dsaindex.kernels.topk as t; t.RADIX_UP_TO_ROWS = 0; t.SPLIT_TAIL_FROM = 0" paged_grown_one_program \
+    --batches 1,2,8,32,64 --keys 1048576 $common --grow-band 131072
 fi
 if want radix; then
-part "the final top-k spread over programs for up to 8 requests (kernels.topk.RADIX_UP_TO_ROWS), beside the default"
-beside "import dsaindex.kernels.topk as t; t.RADIX_UP_TO_ROWS = 8" paged_grown_radix_topk --batches 1,2,4,8 \
-    --keys 262144,1048576 $common --grow-band 131072 --exact-below 0
+part "grown C, the final top-k spread over programs up to 64 requests, beside the default"
+beside "import dsaindex.kernels.topk as t; t.RADIX_UP_TO_ROWS = 64" paged_grown_radix_64 --batches 32,64 \
+    --keys 1048576 $common --grow-band 131072 --exact-below 0
 fi
 if want operands; then
-part "stage 2's operands at 16 warps (kernels.pq_stage2_cuda.OPERANDS_WARPS), beside the default 4: profiles"
-beside "import dsaindex.kernels.pq_stage2_cuda as s; s.OPERANDS_WARPS = 16" profile_operands_16_warps \
+part "stage 2's operands at 4 warps (kernels.pq_stage2_cuda.OPERANDS_WARPS), beside the default 16: profiles"
+beside "import dsaindex.kernels.pq_stage2_cuda as s; s.OPERANDS_WARPS = 4" profile_operands_4_warps \
     --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
 fi
 if want grown; then
@@ -98,7 +94,7 @@ timeout "$LIMIT" $D bench paged --batches 1,2,8,32,64 --keys 1048576 $common --g
 fi
 if want rule; then
 part "the exact-path rule: both paths at each step"
-timeout "$LIMIT" $D bench paged --batches 2,4,8,16 --keys 524288,1048576 $common --grow-band 131072 \
+timeout "$LIMIT" $D bench paged --batches 1,2,4,8,16 --keys 524288,1048576 $common --grow-band 131072 \
     --exact-below 1099511627776 --out "$OUT/rule_grown_1m_512k.json"
 timeout "$LIMIT" $D bench paged --batches 32,64 --keys 262144 $common --grow-band 131072 --exact-below 1099511627776 \
     --out "$OUT/rule_grown_256k.json"

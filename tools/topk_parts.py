@@ -71,9 +71,10 @@ def main() -> None:
     res = []
     for b in (1, 2, 8, 32):
         res += sweep(b)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(res, f, indent=1)
+        # written after each batch size: a run stopped at its time limit keeps what it measured
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(logits(), lengths, topk))
     codec = PQCodec(codebooks.float().cpu())
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
-    offset, extra = exact_shares(prefilter * candidates)  # the selectors' default
+    offset, extra = exact_shares(prefilter * candidates, grows=grow_band > 0)  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
     path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow, extra) else "pq"
     runs = [(p, p, exact_below, top_cs[0], scans[0], stage2s[0]) for p in places]
