@@ -99,6 +99,15 @@ def split_tail_block(n: int) -> tuple[int, int]:
     return half, tail
 
 
+def row_warps(block: int, tail: int = 0) -> int:
+    """Warps of :func:`small_topk`'s program for a row held as ``block`` slots (+ ``tail``). 8 at 8,192 slots: the
+    paged step's final top-2,048 of 4,416 took 17.4-19.8 us on the H200 against 17.9-20.5 at 16 warps and 21.9-24.2
+    at 4 (B = 1-32, CUDA graphs); 16 at 32,768: a grown C's top-2,048 of 16,448 took 43.8-47.6 us on the H100
+    against 47.3-51.6 at 8 warps and 47.7-48.9 at 32 (B = 8-64); 8 with a tail: 16,384 + 512 took 30.7-34.3 us on
+    the H100 against 30.7-35.0 at 16."""
+    return 16 if block >= 16384 and not tail else 8 if block >= 2048 else 4
+
+
 def small_topk_reference(values: torch.Tensor, k: int,
                          payload: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of each row of ``values`` [B, n] float32: (values [B, k], payload [B, k] int64),
@@ -168,11 +177,7 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
         tail = 0
     if not tail:
         block = max(16, triton.next_power_of_2(n))
-    # 8 warps at 8,192 slots: the paged step's final top-2,048 of 4,416 took 17.4-19.8 us on the H200 against
-    # 17.9-20.5 at 16 warps and 21.9-24.2 at 4 (B = 1-32, CUDA graphs); 16 at 32,768: a grown C's top-2,048 of
-    # 16,448 took 43.8-47.6 us on the H100 against 47.3-51.6 at 8 warps and 47.7-48.9 at 32 (B = 8-64); 8 with a
-    # tail: 16,384 + 512 took 30.7-34.3 us on the H100 against 30.7-35.0 at 16
-    warps = num_warps or (16 if block >= 16384 and not tail else 8 if block >= 2048 else 4)
+    warps = num_warps or row_warps(block, tail)
     row_topk_kernel[(b,)](
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
         counts if counts is not None else out_val, n, k,

@@ -70,17 +70,17 @@ def topk_kernels(k: int = 2048) -> list[tuple[str, object, dict, dict, int]]:
     it for a grown C's 16,704-slot row and a fixed C's 4,416-slot one, and of stage 2's int8 operands (a request's
     64 x 128 queries) at 4 and 16 warps."""
     from dsaindex.kernels.pq_stage2_kernel import int8_operands_kernel
-    from dsaindex.kernels.topk import RADIX_BLOCK, RADIX_SCRATCH, split_tail_block
+    from dsaindex.kernels.topk import RADIX_BLOCK, RADIX_SCRATCH, row_warps, split_tail_block
     from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel, row_topk_kernel
 
     out = [(f"int8_operands at {w} warps", int8_operands_kernel, OPERANDS, dict(H=64, D=128, DSUB=4), w)
            for w in (4, 16)]
-    for n, warps in ((16704, 16), (4416, 8)):
+    for n in (16704, 4416):
         for split in (False, True):
             block, tail = split_tail_block(n) if split else (1 << (n - 1).bit_length(), 0)
             c = dict(BLOCK=block, K_BLOCK=k, HAS_PAYLOAD=True, HAS_COUNTS=False, WIDTH=128, CHUNK=4096, TAIL=tail)
             out.append((f"small_topk {n} as {block}" + (f" + {tail}" if tail else ""), row_topk_kernel, TOPK_ROW, c,
-                        warps))
+                        row_warps(block, tail)))
     for bits, passes in ((11, 3), (8, 4)):
         for p in range(passes):
             c = dict(PASS=p, WIDE=bits == 11, BLOCK=RADIX_BLOCK, HAS_COUNTS=False, SCRATCH=RADIX_SCRATCH)
