@@ -25,6 +25,10 @@ from dsaindex.pq import PQSpec, whitening
 
 PAGE = 64
 SIGNATURE_WORDS = 4
+# warps of encode_pages' program (a page's 64 keys in one subspace). At 4 the GPU's Triton 3.6 compiles the
+# serving form (D = 128, PQ32, signatures written) to 255 registers and 40 bytes of stack, at 8 to none
+# (tools/step_launches.py); 8 is not yet timed (tools/decode_suite.sh, part "encode")
+ENCODE_WARPS = 4
 
 
 def signature_words(head_dim: int) -> list[int]:
@@ -196,7 +200,7 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
                                 signature if write_sig else codes, valid if write_sig else codes,
                                 *signature_words(head_dim),
                                 D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=transform is not None and not rotate,
-                                ROTATE=rotate, WRITE_SIG=write_sig)
+                                ROTATE=rotate, WRITE_SIG=write_sig, num_warps=ENCODE_WARPS)
 
 
 def with_tail_reference(cand: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -219,9 +219,13 @@ def test_stale_page_listing_matches_its_reference(strided):
     assert [{p for p in row if p != 16} for row in got[0].tolist()] == swept
 
 
-@pytest.mark.parametrize("with_metric", [False, True])
-def test_page_encoding_in_place_matches_the_codec(with_metric):
+@pytest.mark.parametrize("with_metric,warps", [(False, 4), (True, 4), (False, 8)])
+def test_page_encoding_in_place_matches_the_codec(with_metric, warps, monkeypatch):
+    """At 4 warps a program (the default) and 8 (no spills under the GPU's Triton; to be timed)."""
+    import dsaindex.kernels.paged_codes as paged_codes
     from dsaindex.kernels.paged_codes import encode_pages, encode_pages_reference, whitened_codebooks
+
+    monkeypatch.setattr(paged_codes, "ENCODE_WARPS", warps)
 
     cache, table, _ = engine_cache([64 * 5], 8, strided=True)
     cb = codec().codebooks.to(DEV)

@@ -6,7 +6,7 @@
 # with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
 # Every JSON and a log go to OUT. Usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 # PARTS picks parts by name (default: all; the whole suite runs far past ten minutes): rates stage2 stage1 gather
-# topk span final radix operands grown fixed rule profile recall tests
+# topk span final radix operands encode stage2-small grown fixed rule profile recall tests
 set -uo pipefail
 OUT=${1:?usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
 LIMIT=${2:-240}
@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 D="python3 -m dsaindex"
 t0=$(date +%s)
 PARTS=${PARTS:-all}
-ALL="rates stage2 stage1 gather topk span final radix operands grown fixed rule profile recall tests"
+ALL="rates stage2 stage1 gather topk span final radix operands encode stage2-small grown fixed rule profile recall
+tests"
 for p in ${PARTS//,/ }; do
     [ "$p" = all ] || [[ " $ALL " == *" $p "* ]] || { echo "decode_suite: no part '$p'; the parts: $ALL" >&2; exit 2; }
 done
@@ -81,6 +82,16 @@ if want operands; then
 part "stage 2's operands at 4 warps (kernels.pq_stage2_cuda.OPERANDS_WARPS), beside the default 16: profiles"
 beside "import dsaindex.kernels.pq_stage2_cuda as s; s.OPERANDS_WARPS = 4" profile_operands_4_warps \
     --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
+fi
+if want encode; then
+part "the catch-up's encode at 8 warps (kernels.paged_codes.ENCODE_WARPS), beside the default 4: profiles"
+beside "import dsaindex.kernels.paged_codes as c; c.ENCODE_WARPS = 8" profile_encode_8_warps \
+    --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
+fi
+if want stage2-small; then
+part "one request's stage 2 on the CUDA kernel (kernels.pq_stage2_cuda.CUDA_FROM_SLOTS lowered), beside the default"
+beside "import dsaindex.kernels.pq_stage2_cuda as s; s.CUDA_FROM_SLOTS = 1 << 16" paged_stage2_small_cuda \
+    --batches 1 --keys 524288,1048576 $common --grow-band 131072 --exact-below 0 --profile
 fi
 if want grown; then
 part "grown C, each stage 2"
