@@ -172,11 +172,10 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     checks.at_most("values.shape[1] (row length)", n, SMALL_TOPK_MAX, "one program holds a row")
     if b == 0:
         return out_val, out_pay
-    block, tail = split_tail_block(n) if split_tail is not False else (0, 0)
-    if split_tail is None and (not SPLIT_TAIL_FROM or block < SPLIT_TAIL_FROM):
-        tail = 0
-    if not tail:
-        block = max(16, triton.next_power_of_2(n))
+    block, tail = split_tail_block(n)
+    split = split_tail if split_tail is not None else 0 < SPLIT_TAIL_FROM <= block
+    if tail and not split:  # the whole row as the next power of two
+        block, tail = 2 * block, 0
     warps = num_warps or row_warps(block, tail)
     row_topk_kernel[(b,)](
         values.contiguous(), payload.contiguous() if payload is not None else values, out_val, out_pay,
