@@ -154,14 +154,17 @@ def encode_pages_reference(rows: torch.Tensor, pages: torch.Tensor, codebooks: t
 
 def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor, transform: torch.Tensor | None,
                  codes: torch.Tensor, head_dim: int, signature: torch.Tensor | None = None,
-                 valid: torch.Tensor | None = None) -> None:
+                 valid: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                 phase: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`encode_pages_reference` in one Triton launch, one program per (page, subspace), reading the
     keys in place; ``whitened`` / ``transform`` from :func:`whitened_codebooks`. A transform of
     shape [M, d, D] (a rotation, the whitening folded in) projects each whole FP8 key (D a power of two)
     into the subspace's coordinates in the kernel; without one the kernel reads only the subspace's own
     d bytes of each key, as before. With ``signature`` [P + 1, 4] int64 and ``valid`` [P + 1] uint8, each
     encoded page's signature words (:func:`signature_words`) and valid flag are written in the same launch.
-    Raises ``ValueError`` on bad input."""
+    A decode step's bookkeeping rides along, saving its launches: with ``lengths`` [B] int32 (at most as many
+    requests as pages), returns the keys of each request's completed pages (``lengths // 64 * 64``, [B] int32; None
+    without), and a ``phase`` [1] int32 counter is advanced by one. Raises ``ValueError`` on bad input."""
     from dsaindex.kernels.paged_codes_kernel import encode_pages_kernel
 
     checks.rank("whitened codebooks", whitened, 3, "M, K, D/M")
@@ -185,8 +188,22 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
     if rows.stride(1) != 1 or rows.stride(0) % 4:
         raise ValueError(f"index-K pages with strides {tuple(rows.stride())}: pages must be contiguous rows.")
     n = pages.numel()
-    if n == 0 or rows.shape[0] == 0:
-        return
+    coded = None
+    if lengths is not None:
+        checks.rank("lengths", lengths, 1, "B")
+        checks.dtype("lengths", lengths, torch.int32)
+        checks.at_most("lengths.shape[0] (requests)", lengths.shape[0], max(n, 1), "one program a page writes them")
+        checks.same_device(rows=rows, lengths=lengths)
+        coded = torch.empty_like(lengths)
+    if phase is not None:
+        checks.shape("phase", phase, (1,), "1")
+        checks.dtype("phase", phase, torch.int32)
+    if n == 0 or rows.shape[0] == 0:  # no launch to ride along: the bookkeeping's own kernels
+        if coded is not None:
+            torch.bitwise_and(lengths, -PAGE, out=coded)
+        if phase is not None:
+            phase.add_(1)
+        return coded
     write_sig = signature is not None
     if write_sig:
         checks.shape("signature", signature, (rows.shape[0] + 1, SIGNATURE_WORDS), "P + 1, 4")
@@ -200,7 +217,13 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
                                 signature if write_sig else codes, valid if write_sig else codes,
                                 *signature_words(head_dim),
                                 D=head_dim, M=m, K=k, DSUB=d, HAS_METRIC=transform is not None and not rotate,
-                                ROTATE=rotate, WRITE_SIG=write_sig, num_warps=ENCODE_WARPS)
+                                ROTATE=rotate, WRITE_SIG=write_sig, num_warps=ENCODE_WARPS,
+                                lengths_ptr=lengths if coded is not None else pages,
+                                coded_ptr=coded if coded is not None else pages,
+                                phase_ptr=phase if phase is not None else pages,
+                                n_requests=0 if coded is None else lengths.shape[0],
+                                STEP=coded is not None or phase is not None, SWEEP=phase is not None)
+    return coded
 
 
 def with_tail_reference(cand: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

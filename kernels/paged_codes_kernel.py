@@ -86,9 +86,21 @@ def encode_pages_kernel(
     HAS_METRIC: tl.constexpr,
     ROTATE: tl.constexpr = False,
     WRITE_SIG: tl.constexpr = False,
+    lengths_ptr=None,  # [B] int32 keys of each request (STEP)
+    coded_ptr=None,  # [B] int32 out (STEP): the keys of each request's completed pages, lengths rounded down to 64
+    phase_ptr=None,  # [1] int32 (STEP and SWEEP): the catch-up's step counter, advanced once
+    n_requests=0,
+    STEP: tl.constexpr = False,  # a decode step's bookkeeping done here (programs i < n_requests), no kernels of its own
+    SWEEP: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     m = tl.program_id(1)
+    if STEP:
+        if (m == 0) & (i < n_requests):
+            tl.store(coded_ptr + i, tl.load(lengths_ptr + i) // 64 * 64)
+        if SWEEP:
+            if (m == 0) & (i == 0):  # stale_pages read the phase in the launch before this one
+                tl.store(phase_ptr, tl.load(phase_ptr) + 1)
     page = tl.load(pages_ptr + i)
     if WRITE_SIG and m == 0 and page != scratch:  # one program per page records what its codes are made from
         words = keys_ptr.to(tl.pointer_type(tl.int64)) + page * (page_stride // 8)

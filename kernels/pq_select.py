@@ -181,11 +181,11 @@ def step_growth(keys: int, band: int, most: int) -> tuple[int, int]:
 
 
 def grown_exact_rule(lengths: torch.Tensor, per_request: int, offset: int, band: int, most: int,
-                     use_triton: bool = True, extra: int = 0) -> torch.Tensor:
+                     use_triton: bool = True, extra: int = 0, both: bool = False) -> torch.Tensor:
     """The paged step's exact-path predicate where C grows by length, as a 0-d bool tensor on the lengths'
     device (no sync): the longest request's N takes the exact path when N <= ``per_request`` + ``offset`` x g
     + ``extra`` x (g - 1), g = :func:`growth_of` N (one launch: ``grown_exact_rule_kernel``; torch ops with
-    ``use_triton`` off)."""
+    ``use_triton`` off). ``both``: [2] bool, the predicate and its negation (from the same launch)."""
     import triton
 
     from dsaindex.kernels.pq_select_kernel import grown_exact_rule_kernel
@@ -195,10 +195,12 @@ def grown_exact_rule(lengths: torch.Tensor, per_request: int, offset: int, band:
     lengths = lengths.reshape(-1)
     if not use_triton:
         longest = lengths.long().amax()
-        return longest <= per_request + offset * grown_counts(1, longest, band, most)[0]
-    out = torch.empty((), dtype=torch.bool, device=lengths.device)
+        exact = longest <= per_request + offset * grown_counts(1, longest, band, most)[0]
+        return torch.stack([exact, exact.logical_not()]) if both else exact
+    out = torch.empty((2,) if both else (), dtype=torch.bool, device=lengths.device)
     grown_exact_rule_kernel[(1,)](lengths.to(torch.int32).contiguous(), lengths.numel(), out, int(per_request),
-                                  int(offset), int(band), int(most), BLOCK=max(16, triton.next_power_of_2(lengths.numel())))
+                                  int(offset), int(band), int(most), BLOCK=max(16, triton.next_power_of_2(lengths.numel())),
+                                  BOTH=both)
     return out
 
 

@@ -141,14 +141,19 @@ def grown(count, length, band, most):
 
 
 @triton.jit
-def grown_exact_rule_kernel(lengths_ptr, n, out_ptr, per_request, offset, band, most, BLOCK: tl.constexpr):
+def grown_exact_rule_kernel(lengths_ptr, n, out_ptr, per_request, offset, band, most, BLOCK: tl.constexpr,
+                            BOTH: tl.constexpr = False):
     """The paged step's exact-path predicate where C grows by length, in one program: the longest of the
     ``n`` requests' lengths N takes the exact path when N <= ``per_request`` + ``offset`` x N's growth
-    (:func:`grown`; each request's share of the codes' step grows with its stage-1 width)."""
+    (:func:`grown`; each request's share of the codes' step grows with its stage-1 width). ``BOTH``: its negation
+    too, after it (the codes' conditional node's predicate, no kernel of its own)."""
     at = tl.arange(0, BLOCK)
     longest = tl.max(tl.load(lengths_ptr + at, mask=at < n, other=0), axis=0)
     share = grown(offset, longest, band, most).to(tl.int64)
-    tl.store(out_ptr, longest.to(tl.int64) <= per_request + share)
+    exact = longest.to(tl.int64) <= per_request + share
+    tl.store(out_ptr, exact)
+    if BOTH:
+        tl.store(out_ptr + 1, exact == 0)
 
 
 @triton.jit

@@ -190,7 +190,6 @@ def small_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
 # 23.1-35.4 at 2,048, and 29.8-119.7 with 11-bit digits (fewer passes, but a histogram 8 times wider)
 RADIX_BLOCK = 512
 RADIX_DIGIT_BITS = 8
-RADIX_SCRATCH = 4 * 2048 + 16  # int64 words of a row's scratch: the histograms, the select's state and counters
 # :func:`final_topk` spreads each row over programs (:func:`radix_topk`) for up to this many rows of at least
 # RADIX_FROM_SLOTS entries. A grown C's top-2,048 of 16,704 took 18.8 / 19.2 / 21.4 / 30.8 us at B = 1 / 2 / 8 / 32
 # on the H100 against 30.7 / 32.2 / 32.8 / 34.3 in one program a row (split); a fixed C's 4,416 took 17.5-22.6
@@ -199,9 +198,21 @@ RADIX_UP_TO_ROWS = 32
 RADIX_FROM_SLOTS = 8192
 
 
+def radix_scratch_words(digit_bits: int = RADIX_DIGIT_BITS) -> int:
+    """int64 words of a row's :func:`radix_topk` scratch: a histogram a pass (three of 2,048 bins for 11-bit
+    digits, four of 256 for 8-bit), then 16 words of the select's state and counters."""
+    return (3 * 2048 if digit_bits == 11 else 4 * 256) + 16
+
+
+def radix_scratch(rows: int, device: torch.device | str, digit_bits: int = RADIX_DIGIT_BITS) -> torch.Tensor:
+    """A zeroed scratch for :func:`radix_topk` over ``rows`` rows, which every call leaves zeroed: a caller that
+    keeps one (per batch size) saves the fill kernel each step."""
+    return torch.zeros(rows, radix_scratch_words(digit_bits), dtype=torch.int64, device=device)
+
+
 def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None, counts: torch.Tensor | None = None,
                index_dtype: torch.dtype = torch.int64, block: int = RADIX_BLOCK, num_warps: int = 4,
-               digit_bits: int = RADIX_DIGIT_BITS) -> tuple[torch.Tensor, torch.Tensor]:
+               digit_bits: int = RADIX_DIGIT_BITS, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`small_topk`'s selection with each row spread over ``ceil(n / block)`` programs: a radix select of the
     k-th largest (a pass a digit of the float's order key, each program adding its entries' digits to a histogram
     and the last one to finish choosing the digit), then one pass appending what is above it and the ties it may
@@ -209,7 +220,9 @@ def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     rows, most of a GPU works on them. The same entries as small_topk (ties at the k-th value: the first ones by
     column), in no particular order: a row's real entries first, then -inf / -1. Rows of any length.
     ``counts``, ``payload``, ``index_dtype`` as small_topk's; ``digit_bits``: 11 (three passes of 2,048-bin
-    histograms) or 8 (four of 256 bins). Raises ``ValueError`` on an input of the wrong dtype, shape or size."""
+    histograms) or 8 (four of 256 bins); ``scratch``: :func:`radix_scratch` of these rows and digits, zeroed, which
+    the call leaves zeroed (None: one is made, a fill kernel). Raises ``ValueError`` on an input of the wrong dtype,
+    shape or size."""
     import triton
 
     from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel
@@ -219,28 +232,40 @@ def radix_topk(values: torch.Tensor, k: int, payload: torch.Tensor | None = None
     checks.power_of_two("block", block)
     if digit_bits not in (8, 11):
         raise ValueError(f"digit_bits: got {digit_bits}, want 11 (three passes) or 8 (four passes)")
+    words = radix_scratch_words(digit_bits)
+    if scratch is None:
+        scratch = radix_scratch(b, values.device, digit_bits)
+    checks.shape("scratch", scratch, (b, words), f"B, {words} (radix_scratch of these rows and digits)")
+    checks.dtype("scratch", scratch, torch.int64)
+    checks.same_device(values=values, scratch=scratch)
     if b == 0:
         return out_val, out_pay
     values = values.contiguous()
-    scratch = torch.zeros(b, RADIX_SCRATCH, dtype=torch.int64, device=values.device)
     grid = (b, max(1, triton.cdiv(n, block)))
     cnt = counts if counts is not None else scratch
-    for p in range(3 if digit_bits == 11 else 4):
-        radix_digit_kernel[grid](values, cnt, scratch, n, k, PASS=p, WIDE=digit_bits == 11, BLOCK=block,
-                                 HAS_COUNTS=counts is not None, SCRATCH=RADIX_SCRATCH, num_warps=num_warps)
+    wide = digit_bits == 11
+    for p in range(3 if wide else 4):
+        radix_digit_kernel[grid](values, cnt, scratch, n, k, PASS=p, WIDE=wide, BLOCK=block,
+                                 HAS_COUNTS=counts is not None, SCRATCH=words, num_warps=num_warps)
     radix_take_kernel[grid](values, cnt, scratch, payload.contiguous() if payload is not None else values, out_val,
                             out_pay, n, k, BLOCK=block, K_BLOCK=max(16, triton.next_power_of_2(k)),
-                            HAS_COUNTS=counts is not None, HAS_PAYLOAD=payload is not None, SCRATCH=RADIX_SCRATCH,
-                            num_warps=num_warps)
+                            HAS_COUNTS=counts is not None, HAS_PAYLOAD=payload is not None, SCRATCH=words, WIDE=wide,
+                            SCRATCH_PAD=min(1024, triton.next_power_of_2(words)), num_warps=num_warps)
     return out_val, out_pay
 
 
-def final_topk(values: torch.Tensor, k: int, payload: torch.Tensor,
-               index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+def final_takes_radix(rows: int, slots: int) -> bool:
+    """Whether :func:`final_topk` spreads ``rows`` rows of ``slots`` entries over programs (:func:`radix_topk`)."""
+    return rows <= RADIX_UP_TO_ROWS and slots >= RADIX_FROM_SLOTS
+
+
+def final_topk(values: torch.Tensor, k: int, payload: torch.Tensor, index_dtype: torch.dtype = torch.int64,
+               scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's final top-k of its rescored candidates: :func:`radix_topk` for up to
-    :data:`RADIX_UP_TO_ROWS` rows of at least :data:`RADIX_FROM_SLOTS` entries (each row over many programs), else
-    :func:`small_topk` (one program a row). The same entries either way; in column order only from small_topk."""
-    if values.shape[0] <= RADIX_UP_TO_ROWS and values.shape[1] >= RADIX_FROM_SLOTS:
-        return radix_topk(values, k, payload, index_dtype=index_dtype)
+    :data:`RADIX_UP_TO_ROWS` rows of at least :data:`RADIX_FROM_SLOTS` entries (each row over many programs;
+    ``scratch``: its zeroed :func:`radix_scratch`, left zeroed, None: made here), else :func:`small_topk` (one
+    program a row). The same entries either way; in column order only from small_topk."""
+    if final_takes_radix(*values.shape):
+        return radix_topk(values, k, payload, index_dtype=index_dtype, scratch=scratch)
     return small_topk(values, k, payload, index_dtype=index_dtype)
 

@@ -227,10 +227,17 @@ def radix_keys(val_ptr, count_ptr, b, n, BLOCK: tl.constexpr, HAS_COUNTS: tl.con
 
 
 @triton.jit
+def radix_state_at(WIDE: tl.constexpr):
+    """Where a row's state starts in :func:`radix_digit_kernel`'s scratch: after three 2,048-bin histograms (11-bit
+    digits) or four of 256 bins (8-bit); :func:`dsaindex.kernels.topk.radix_scratch_words` sizes a row alike."""
+    return 3 * 2048 if WIDE else 4 * 256
+
+
+@triton.jit
 def radix_digit_kernel(
     val_ptr,  # [B, n] float32
     count_ptr,  # [B] int32 filled entries of each row (HAS_COUNTS)
-    scratch_ptr,  # [B, SCRATCH] int64, zero on entry: four 2,048-bin histograms, then the row's state
+    scratch_ptr,  # [B, SCRATCH] int64, zero on entry: a histogram a pass (radix_scratch_words), then the row's state
     n,
     k,
     PASS: tl.constexpr,  # the digit: 0 the highest
@@ -250,7 +257,8 @@ def radix_digit_kernel(
         BITS: tl.constexpr = 8
     b = tl.program_id(0).to(tl.int64)
     row = scratch_ptr + b * SCRATCH
-    state = row + 4 * 2048  # prefix (the digits chosen), rank left, entries at the prefix, each pass's counter
+    # prefix (the digits chosen), rank left, entries at the prefix, each pass's counter; then the take's two
+    state = row + radix_state_at(WIDE)
     _, inside, _, u, _ = radix_keys(val_ptr, count_ptr, b, n, BLOCK, HAS_COUNTS)
     if PASS == 0:
         prefix = tl.zeros([], dtype=tl.int64)
@@ -262,7 +270,7 @@ def radix_digit_kernel(
     digit = tl.where(match, (u >> SHIFT) & ((1 << BITS) - 1), 0).to(tl.int32)
     h = tl.histogram(digit, 1 << BITS).to(tl.int64)
     h -= tl.where(bins == 0, tl.sum((match == 0).to(tl.int64)), 0)  # the entries that do not match went to bin 0
-    hist = row + PASS * 2048
+    hist = row + PASS * (2048 if WIDE else 256)
     tl.atomic_add(hist + bins, h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's histogram atomics are issued before the counter's release
     done = tl.atomic_add(state + 3 + PASS, 1, sem="acq_rel")
@@ -294,11 +302,14 @@ def radix_take_kernel(
     HAS_COUNTS: tl.constexpr,
     HAS_PAYLOAD: tl.constexpr,
     SCRATCH: tl.constexpr,
+    WIDE: tl.constexpr = False,  # the digits radix_digit_kernel took (where the state sits)
+    SCRATCH_PAD: tl.constexpr = 1024,  # a power of two: the last program zeroes the row's SCRATCH words in these
 ):
     # each program appends its entries above the k-th largest key and the ties it may take (the first ones by
-    # column, as small_topk takes them); the last program to finish fills the slots past the row's count
+    # column, as small_topk takes them); the last program to finish fills the slots past the row's count and
+    # zeroes the row's scratch, so the next select can use it without a fill
     b = tl.program_id(0).to(tl.int64)
-    state = scratch_ptr + b * SCRATCH + 4 * 2048
+    state = scratch_ptr + b * SCRATCH + radix_state_at(WIDE)
     offs, inside, x, u, filled = radix_keys(val_ptr, count_ptr, b, n, BLOCK, HAS_COUNTS)
     kth = tl.load(state, volatile=True)
     room = tl.load(state + 1, volatile=True)
@@ -330,3 +341,6 @@ def radix_take_kernel(
         empty = (rest >= taken) & (rest < k)
         tl.store(out_val_ptr + b * k + rest, float("-inf"), mask=empty)
         tl.store(out_pay_ptr + b * k + rest, -1, mask=empty)
+        for start in range(0, SCRATCH, SCRATCH_PAD):  # every program has read the state: zero it all
+            at = start + tl.arange(0, SCRATCH_PAD)
+            tl.store(scratch_ptr + b * SCRATCH + at, tl.zeros([SCRATCH_PAD], dtype=tl.int64), mask=at < SCRATCH)

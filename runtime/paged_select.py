@@ -116,7 +116,9 @@ from dsaindex.kernels.pq_stage2_cuda import STAGE2S, resolve_stage2
 from dsaindex.kernels.pq_stage2_cuda import compiles as stage2_compiles
 from dsaindex.kernels.topk import (
     SMALL_TOPK_MAX,
+    final_takes_radix,
     final_topk,
+    radix_scratch,
     rows_topk,
     rows_topk_reference,
     small_topk_reference,
@@ -215,7 +217,8 @@ class PagedCacheSelector:
         length, :data:`dsaindex.coarse.PAGED_GROWN_OFFSET` x that width); where C grows g x,
         ``exact_offset`` x g + ``grown_extra`` x (g - 1)
     grown_extra : keys a grown request's share gains for each C's worth of growth past its first (default
-        :data:`dsaindex.coarse.PAGED_GROWN_EXTRA` x the stage-1 width)
+        :data:`dsaindex.coarse.PAGED_GROWN_EXTRA` x the stage-1 width; negative, it grows slower than g, down to
+        ``-exact_offset``)
     top_c : how stage 2's candidates become the C rescored: ``"auto"`` (default) is ``"bins"`` for a step
         whose stage 1 keeps at most :data:`BINS_UP_TO_KEYS` keys in all (B x ``prefilter`` x C) and ``"topk"``
         above, the faster of the two on the H200 at 1M keys (stage 1 at 4 x 4,096: bins 1.34x / 1.55x of
@@ -288,7 +291,12 @@ class PagedCacheSelector:
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
         offset, extra = exact_shares(self.c1, grows=self.grow_band > 0)
         self.exact_offset = offset if exact_offset is None else max(0, int(exact_offset))
-        self.grown_extra = extra if grown_extra is None else max(0, int(grown_extra))
+        self.grown_extra = extra if grown_extra is None else int(grown_extra)  # negative: shares grow slower than g
+        if self.exact_offset + self.grown_extra < 0:  # offset g + extra (g - 1) would fall below 0 as C grows
+            raise DsaIndexError(f"grown_extra {self.grown_extra} with exact_offset {self.exact_offset}: a grown "
+                                "request's share would turn negative as its C grows.",
+                                "give grown_extra of at least -exact_offset (the default is "
+                                f"{extra} for this stage 1).")
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
         # which completed pages a step checks: the last catch_up of each request (those decode completes), and
         # on the device one column in `sweep` of the older ones, turning each step (every page within sweep
@@ -308,6 +316,7 @@ class PagedCacheSelector:
         # one zeroed scratch per batch size, never freed: an engine captures a graph per batch size, and each
         # graph keeps the scratch it was captured with
         self._bin_scratch: dict[int, torch.Tensor] = {}
+        self._radix_scratch: dict[int, torch.Tensor] = {}  # the final top-k's, per batch size (left zeroed)
         self.metric = None if codec.metric is None else codec.metric.to(dev)
         self.rotation = None if codec.rotation is None else codec.rotation.to(dev, torch.float32).contiguous()
         self.rotation_bf16 = None if self.rotation is None else self.rotation.to(torch.bfloat16)
@@ -344,17 +353,21 @@ class PagedCacheSelector:
         return stale_pages_reference(rows, table, lengths, self.signature, self.valid, e, self.head_dim, window,
                                      sweep, self._phase)
 
-    def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
+    def _encode_pages(self, rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor | None = None,
+                      advance: bool = False) -> torch.Tensor | None:
         """Encode physical ``pages`` [n] int64 (``num_pages``, the scratch page, is skipped) and record the
-        bytes their codes were made from."""
+        bytes their codes were made from. A step's bookkeeping in the same launch: with ``lengths`` [B] int32,
+        returns the keys of each request's completed pages [B] int32; ``advance`` moves the sweep's phase on."""
         if self.use_triton:  # the signatures and flags written by the same launch
-            encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim, self.signature,
-                         self.valid)
-            return
+            return encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim, self.signature,
+                                self.valid, lengths=lengths, phase=self._phase if advance else None)
         encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim, self.rotation)
         src = pages.clamp_max(max(0, self.num_pages - 1))
         self.signature[pages] = page_words(rows)[src.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)  # a fill kernel: no host-to-device copy inside a graph
+        if advance:
+            self._phase.add_(1)
+        return None if lengths is None else torch.bitwise_and(lengths, -PAGE)
 
     def prepare(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor,
                 batch_pages: int = 4096) -> int:
@@ -391,14 +404,15 @@ class PagedCacheSelector:
         self.signature[pages] = page_words(rows)[pages.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)
 
-    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync.
-        Returns the stale pages found [B] int32 (:class:`PagedStats`)."""
+    def _catch_up(self, rows: torch.Tensor, table: torch.Tensor,
+                  lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the first ``catch_up`` stale completed pages of each request; fixed shapes, no sync. The
+        encoding launch also advances the sweep's phase (the next step checks the next column of each sweep)
+        and gives the keys of the completed pages, which the codes' path reads. Returns (the stale pages found
+        [B] int32 (:class:`PagedStats`), the keys of each request's completed pages [B] int32)."""
         pick, count = self._stale(rows, table, lengths, self.catch_up, self.check_window)
-        self._encode_pages(rows, pick.reshape(-1))
-        if self.sweep:
-            self._phase.add_(1)  # the next step checks the next column of each sweep
-        return count
+        coded = self._encode_pages(rows, pick.reshape(-1), lengths, advance=bool(self.sweep))
+        return count, coded
 
     def _exact_beside_catch_up(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                                run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -408,13 +422,13 @@ class PagedCacheSelector:
         before them, the catch-up's small kernels delayed the logits by their whole chain (8.5 us of an
         88.7 us step at 1 x 1M keys on the H200). Returns (``run()``'s two tensors, stale pages [B])."""
         if self._side is None:
-            found = self._catch_up(rows, table, lengths)
+            found, _ = self._catch_up(rows, table, lengths)
             return (*run(), found)
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)  # the fork: the side stream starts where the step starts
         out = run()
         with torch.cuda.stream(self._side):
-            found = self._catch_up(rows, table, lengths)
+            found, _ = self._catch_up(rows, table, lengths)
         main.wait_stream(self._side)
         return (*out, found)
 
@@ -458,43 +472,44 @@ class PagedCacheSelector:
             out, stage1, found = self._exact_beside_catch_up(rows, table, lengths,
                                                              lambda: self._run("exact", *args, exact_width))
         elif not exact_width:  # the shapes alone decide: the codes, made current first
-            found = self._catch_up(rows, table, lengths)
-            out, stage1 = self._run("pq", *args, exact_width)
+            found, coded = self._catch_up(rows, table, lengths)
+            out, stage1 = self._run("pq", *args, exact_width, coded)
         else:
             # the catch-up on the step's stream: a conditional body cannot wait on another stream, and
             # forked, its join cost more than it hid (3.4-13 us of gaps at 1 x 1M keys on the H200)
-            found = self._catch_up(rows, table, lengths)  # on the device: no sync inside a graph
+            found, coded = self._catch_up(rows, table, lengths)  # on the device: no sync inside a graph
             graph = _capturing_graph(dev)
             capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
             band, most = self.growth(w)
             if capturing and graph is None:
-                exact = None
-            elif band:  # the offset grows with the longest request's stage-1 width: one kernel
-                exact = grown_exact_rule(lengths, self.exact_below // b, self.exact_offset, band, most,
-                                         self.use_triton, self.grown_extra)
+                exact = codes_pred = None
+            elif band:  # the offset grows with the longest request's stage-1 width: one kernel for both predicates
+                exact, codes_pred = grown_exact_rule(lengths, self.exact_below // b, self.exact_offset, band, most,
+                                                     self.use_triton, self.grown_extra, both=True)
             else:  # B x (N - offset) <= bound, as N <= bound // B + offset: two kernels, and none where unused
                 exact = lengths.amax() <= min(self.exact_below // b + self.exact_offset, 2**31 - 1)
+                codes_pred = exact.logical_not() if graph is not None else None
             if graph is not None:  # one conditional node per path: a replay runs the one its step needs
                 # outlive the nodes; exactly one of them writes every entry, so no fill
                 out = torch.empty((b, self.topk), dtype=torch.int32, device=dev)
                 stage1 = torch.empty(b, dtype=torch.int32, device=dev)
-                for path, pred in (("exact", exact), ("pq", exact.logical_not())):
+                for path, pred in (("exact", exact), ("pq", codes_pred)):
                     graph.begin_capture_to_if_node(pred)
                     try:
-                        picked, counts1 = self._run(path, *args, exact_width)
+                        picked, counts1 = self._run(path, *args, exact_width, coded)
                         out.copy_(picked)
                         stage1.copy_(counts1)
                     finally:
                         graph.end_capture_to_conditional_node()
             elif capturing:  # no conditional nodes: codes
-                out, stage1 = self._run("pq", *args, exact_width)
+                out, stage1 = self._run("pq", *args, exact_width, coded)
             else:  # eagerly: the host reads the choice; the first call runs both paths (compiled before a capture)
                 chosen = "exact" if bool(exact) else "pq"
                 if "exact" not in self._warm and chosen == "pq":  # compiled on lengths it can hold, result dropped
                     self._run("exact", *_exact_warm_up(args, exact_width))
                 if "pq" not in self._warm and chosen == "exact":
-                    self._run("pq", *args, exact_width)
-                out, stage1 = self._run(chosen, *args, exact_width)
+                    self._run("pq", *args, exact_width, coded)
+                out, stage1 = self._run(chosen, *args, exact_width, coded)
         self.stats = PagedStats(found, self.catch_up, stage1)
         return out
 
@@ -555,8 +570,9 @@ class PagedCacheSelector:
 
     def _run(self, path: str, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
              head_weights: torch.Tensor, init_tokens: int, local_tokens: int, schedule: torch.Tensor | None,
-             exact_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One path of a step: (positions [B, topk] int32, valid first then -1; stage-1 counts [B] int32)."""
+             exact_width: int, coded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One path of a step: (positions [B, topk] int32, valid first then -1; stage-1 counts [B] int32).
+        ``coded``: the keys of each request's completed pages [B] int32, as the catch-up gave them (None: here)."""
         self._warm.add(path)
         b = table.shape[0]
         wt = head_weights.reshape(b, -1).to(rows.device, torch.float32).contiguous()
@@ -567,7 +583,7 @@ class PagedCacheSelector:
             if counts1 is None:  # made once (no fill kernel a step); never written
                 counts1 = self._no_stage1[b] = torch.zeros(b, dtype=torch.int32, device=rows.device)
         else:
-            picked, counts1 = self._select_pq(rows, table, lengths, queries, wt, init_tokens, local_tokens)
+            picked, counts1 = self._select_pq(rows, table, lengths, queries, wt, init_tokens, local_tokens, coded)
         if picked.shape[1] < self.topk:  # fewer keys in the table than top-k
             picked = torch.cat([picked, picked.new_full((b, self.topk - picked.shape[1]), -1)], dim=1)
         return picked, counts1
@@ -599,12 +615,14 @@ class PagedCacheSelector:
         return rows_topk_reference(logits, lengths, k)[1].to(torch.int32)
 
     def _select_pq(self, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
-                   wt: torch.Tensor, init_tokens: int, local_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stages 2-4 of a step: (positions [B, k] int32, valid first; stage-1 counts [B] int32)."""
+                   wt: torch.Tensor, init_tokens: int, local_tokens: int,
+                   coded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stages 2-4 of a step: (positions [B, k] int32, valid first; stage-1 counts [B] int32). ``coded``: the
+        keys of each request's completed pages (None: computed here, a kernel)."""
         dev = rows.device
         b, w = table.shape
         q = queries.to(dev, torch.bfloat16).contiguous()  # FP8 e4m3 values are bf16 values: one cast, exact
-        n_coded = torch.bitwise_and(lengths, -PAGE)  # keys of completed pages
+        n_coded = torch.bitwise_and(lengths, -PAGE) if coded is None else coded  # keys of completed pages
         groups = []
         stage1 = self._no_stage1.get(b) if not w else None
         if stage1 is None and not w:
@@ -634,7 +652,12 @@ class PagedCacheSelector:
         # decode backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds
         # all its keys there, its newest ones (the tail, after the candidate block) included
         if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX:
-            return final_topk(exact, k, positions, index_dtype=torch.int32)[1], stage1
+            scratch = None
+            if final_takes_radix(b, positions.shape[1]):  # kept a batch size: no fill kernel a step
+                scratch = self._radix_scratch.get(b)
+                if scratch is None:
+                    scratch = self._radix_scratch[b] = radix_scratch(b, dev)
+            return final_topk(exact, k, positions, index_dtype=torch.int32, scratch=scratch)[1], stage1
         return small_topk_reference(exact, k, positions)[1].to(torch.int32), stage1
 
     def _coarse(self, table: torch.Tensor, n_coded: torch.Tensor, q: torch.Tensor,

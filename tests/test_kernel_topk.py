@@ -275,6 +275,29 @@ def test_radix_topk_takes_small_topks_entries(n, k, block, counts, bits):
     assert torch.equal(x.gather(1, cols.long().clamp_min(0))[live], cols_v[live])
 
 
+@pytest.mark.parametrize("bits", [8, 11])
+def test_radix_topk_leaves_a_kept_scratch_zeroed_for_the_next_select(bits):
+    """A caller's scratch (the paged step keeps one a batch size, with no fill kernel a step) comes back zeroed
+    after a select, so a second select of other rows through it picks what a fresh scratch picks; a scratch of the
+    wrong width is refused by name."""
+    from dsaindex.kernels.topk import radix_scratch, radix_scratch_words, radix_topk
+
+    g = torch.Generator().manual_seed(bits)
+    first, second = torch.randn(3, 5000, generator=g).to(DEV), torch.randn(3, 5000, generator=g).to(DEV)
+    second[1] = torch.randint(0, 5, (5000,), generator=g).float().to(DEV)  # ties at the k-th value
+    scratch = radix_scratch(3, DEV, bits)
+    assert scratch.shape == (3, radix_scratch_words(bits))
+    radix_topk(first, 700, block=256, digit_bits=bits, scratch=scratch)
+    assert not scratch.any()
+    got_v, got_p = radix_topk(second, 700, block=256, digit_bits=bits, scratch=scratch)
+    want_v, want_p = radix_topk(second, 700, block=256, digit_bits=bits)
+    assert torch.equal(got_p.sort(1).values, want_p.sort(1).values)
+    assert torch.equal(got_v.sort(1).values, want_v.sort(1).values)
+    assert not scratch.any()
+    with pytest.raises(ValueError, match="scratch"):
+        radix_topk(second, 700, digit_bits=bits, scratch=radix_scratch(3, DEV, 19 - bits))
+
+
 def test_radix_topk_checks_its_inputs():
     from dsaindex.kernels.topk import radix_topk
 

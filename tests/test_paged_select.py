@@ -242,6 +242,16 @@ def test_page_encoding_in_place_matches_the_codec(with_metric, warps, monkeypatc
     listed = table[0, [3, 0, 2]].long()
     assert (got[listed] == want[listed]).float().mean() > 0.99  # float ties aside
     assert (got[8] == 77).all() and (got[table[0, 1].long()] == 77).all()  # scratch and unlisted: untouched
+    # a decode step's bookkeeping in the same launch: completed pages' keys, the sweep's phase advanced once
+    lengths = torch.tensor([0, 63, 64, 1000, 4097], dtype=torch.int32, device=DEV)
+    phase = torch.tensor([6], dtype=torch.int32, device=DEV)
+    again = got.clone()
+    coded = encode_pages(cache, pages, whitened, lt, again, D, lengths=lengths, phase=phase)
+    assert coded.tolist() == [0, 0, 64, 960, 4096] and phase.tolist() == [7] and torch.equal(again, got)
+    none = encode_pages(cache, pages[:0], whitened, lt, again, D, lengths=lengths[:0], phase=phase)  # no launch
+    assert none.numel() == 0 and phase.tolist() == [8]
+    with pytest.raises(ValueError, match="requests"):  # one program a page writes a request's entry
+        encode_pages(cache, pages[:2], whitened, lt, again, D, lengths=lengths)
 
 
 def test_rescoring_list_appends_each_requests_open_page_as_its_reference():
@@ -308,26 +318,32 @@ def test_a_request_shorter_than_topk_has_every_key_first_and_padding_after(use_t
 
 def test_the_final_top_k_spread_over_programs_selects_what_one_program_a_row_selects(monkeypatch):
     """kernels.topk.RADIX_UP_TO_ROWS sends a step's final top-k to radix_topk: the codes step then selects the same
-    keys, with every key of a request shorter than top-k first and -1 after."""
+    keys, with every key of a request shorter than top-k first and -1 after. The selector keeps the radix scratch of
+    a batch size across steps (no fill kernel a step): a second step with other queries still selects as one
+    program a row does, and leaves the scratch zeroed."""
     import dsaindex.kernels.topk as topk
 
     lengths = [2000, 1500, 40]
     cache, table, _ = engine_cache(lengths, 70)
     q, w = queries(3)
+    q2, w2 = queries(3, seed=11)
     lens = torch.tensor(lengths, device=DEV)
     calls = []
     radix = topk.radix_topk
-    monkeypatch.setattr(topk, "radix_topk", lambda *a, **kw: calls.append(a[0].shape) or radix(*a, **kw))
+    monkeypatch.setattr(topk, "radix_topk", lambda *a, **kw: calls.append(kw["scratch"]) or radix(*a, **kw))
     picks = []
     monkeypatch.setattr(topk, "RADIX_FROM_SLOTS", 0)  # these rows are short: spread them anyway
     for rows in (0, 8):
         monkeypatch.setattr(topk, "RADIX_UP_TO_ROWS", rows)
         sel = PagedCacheSelector(codec(), 70, topk=64, candidates=128, prefilter=2, head_dim=D, device=DEV,
                                  exact_below=0, use_triton=True)
-        picks.append(sel.select(cache, table, lens, q, w))
-        assert len(calls) == (1 if rows else 0)  # the final top-k, once a step
-    assert as_sets(picks[0]) == as_sets(picks[1])
-    assert sorted(picks[1][2, :40].tolist()) == list(range(40)) and (picks[1][2, 40:] == -1).all()
+        picks.append((sel.select(cache, table, lens, q, w), sel.select(cache, table, lens, q2, w2)))
+        assert len(calls) == (2 if rows else 0)  # the final top-k, once a step
+    assert calls[0] is calls[1] and not calls[1].any()  # one scratch for both steps, zeroed after each
+    for step in (0, 1):
+        assert as_sets(picks[0][step]) == as_sets(picks[1][step]), step
+    assert as_sets(picks[1][0])[0] != as_sets(picks[1][1])[0]  # the second step's queries pick other keys
+    assert sorted(picks[1][0][2, :40].tolist()) == list(range(40)) and (picks[1][0][2, 40:] == -1).all()
 
 
 def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
@@ -463,6 +479,7 @@ def test_a_page_changed_without_prepare_is_found_within_check_every_steps(use_tr
         sel.select(cache, table, seq, q, w, eager_refresh=False)
         found.append(int(sel.stats.encoded[0]))
     assert sorted(found) == [0, 0, 0, 1]  # once, in the step whose phase reached column 5
+    assert sel._phase.tolist() == [4]  # advanced once a step (by the encoding launch on the kernels' path)
     fresh = PagedCacheSelector(codec(), 24, topk=16, candidates=64, head_dim=D, device=DEV, use_triton=use_triton)
     fresh.prepare(cache, table, seq)
     assert torch.equal(sel.codes[page], fresh.codes[page])
@@ -626,12 +643,24 @@ def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(us
         assert step.exact_pages(1, table.shape[1]) == -(-(lengths[0] - over) // 64)
         step.select(cache, table, lens, q, w)
         assert (int(step.stats.stage1.sum()) == 0) == (over == 0) == step.takes_exact(1, lengths[0])
+    from dsaindex.errors import DsaIndexError
+
+    # a negative extra given by hand is kept (shares growing slower than g, as the default's), down to -offset
+    slow = PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV, exact_below=10,
+                              exact_offset=50, grow_band=128, grow_most=4, use_triton=use_triton, grown_extra=-20)
+    assert slow._levels(table.shape[1]) == [(1, 128, 50), (129, 256, 80), (257, 384, 140)]
+    with pytest.raises(DsaIndexError, match="grown_extra"):
+        PagedCacheSelector(codec(), 8, topk=16, candidates=64, prefilter=1, head_dim=D, device=DEV, exact_below=10,
+                           exact_offset=50, grow_band=128, grow_most=4, use_triton=use_triton, grown_extra=-51)
     for n in (100, 128, 129, 200, 250, 256, 257, 300, 384):  # the device's predicate is the host's
         for bound in (1, 60, 130, 170):
             for extra in (0, 10, -10):  # a share growing slower than g too
                 got = grown_exact_rule(torch.tensor([3, n, 17], device=DEV), bound, 50, 128, 4, use_triton=use_triton,
                                        extra=extra)
                 assert bool(got) == takes_exact_path(1, n, bound, 50, (128, 4), extra), (n, bound, extra)
+                pair = grown_exact_rule(torch.tensor([3, n, 17], device=DEV), bound, 50, 128, 4, use_triton=use_triton,
+                                        extra=extra, both=True)  # the codes' conditional node reads the second
+                assert pair.tolist() == [bool(got), not bool(got)], (n, bound, extra)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -86,12 +86,13 @@ fi
 if want encode; then
 part "the catch-up's encode at 8 warps (kernels.paged_codes.ENCODE_WARPS), beside the default 4: profiles"
 beside "import dsaindex.kernels.paged_codes as c; c.ENCODE_WARPS = 8" profile_encode_8_warps \
-    --batches 2,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
+    --batches 2,8,32 --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
 fi
 if want stage2-small; then
-part "one request's stage 2 on the CUDA kernel (kernels.pq_stage2_cuda.CUDA_FROM_SLOTS lowered), beside the default"
+part "one or two requests' stage 2 on the CUDA kernel (kernels.pq_stage2_cuda.CUDA_FROM_SLOTS lowered), beside the \
+default"
 beside "import dsaindex.kernels.pq_stage2_cuda as s; s.CUDA_FROM_SLOTS = 1 << 16" paged_stage2_small_cuda \
-    --batches 1 --keys 524288,1048576 $common --grow-band 131072 --exact-below 0 --profile
+    --batches 1,2 --keys 524288,1048576 $common --grow-band 131072 --exact-below 0 --profile
 fi
 if want grown; then
 part "grown C, each stage 2"

@@ -70,7 +70,7 @@ def topk_kernels(k: int = 2048) -> list[tuple[str, object, dict, dict, int]]:
     it for a grown C's 16,704-slot row and a fixed C's 4,416-slot one, and of stage 2's int8 operands (a request's
     64 x 128 queries) at 4 and 16 warps."""
     from dsaindex.kernels.pq_stage2_kernel import int8_operands_kernel
-    from dsaindex.kernels.topk import RADIX_BLOCK, RADIX_SCRATCH, row_warps, split_tail_block
+    from dsaindex.kernels.topk import RADIX_BLOCK, radix_scratch_words, row_warps, split_tail_block
     from dsaindex.kernels.topk_kernel import radix_digit_kernel, radix_take_kernel, row_topk_kernel
 
     out = [(f"int8_operands at {w} warps", int8_operands_kernel, OPERANDS, dict(H=64, D=128, DSUB=4), w)
@@ -83,9 +83,10 @@ def topk_kernels(k: int = 2048) -> list[tuple[str, object, dict, dict, int]]:
                         row_warps(block, tail)))
     for bits, passes in ((11, 3), (8, 4)):
         for p in range(passes):
-            c = dict(PASS=p, WIDE=bits == 11, BLOCK=RADIX_BLOCK, HAS_COUNTS=False, SCRATCH=RADIX_SCRATCH)
+            c = dict(PASS=p, WIDE=bits == 11, BLOCK=RADIX_BLOCK, HAS_COUNTS=False, SCRATCH=radix_scratch_words(bits))
             out.append((f"radix_topk digit {p} of {bits} bits", radix_digit_kernel, RADIX_DIGIT, c, 4))
-    c = dict(BLOCK=RADIX_BLOCK, K_BLOCK=k, HAS_COUNTS=False, HAS_PAYLOAD=True, SCRATCH=RADIX_SCRATCH)
+    c = dict(BLOCK=RADIX_BLOCK, K_BLOCK=k, HAS_COUNTS=False, HAS_PAYLOAD=True, SCRATCH=radix_scratch_words(8),
+             WIDE=False, SCRATCH_PAD=1024)
     out.append(("radix_topk take", radix_take_kernel, RADIX_TAKE, c, 4))
     return out
 
