@@ -291,12 +291,12 @@ class PagedCacheSelector:
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
         offset, extra = exact_shares(self.c1, grows=self.grow_band > 0)
         self.exact_offset = offset if exact_offset is None else max(0, int(exact_offset))
-        self.grown_extra = extra if grown_extra is None else int(grown_extra)  # negative: shares grow slower than g
+        # negative: shares grow slower than g; the default no lower than an offset given by hand allows
+        self.grown_extra = max(extra, -self.exact_offset) if grown_extra is None else int(grown_extra)
         if self.exact_offset + self.grown_extra < 0:  # offset g + extra (g - 1) would fall below 0 as C grows
             raise DsaIndexError(f"grown_extra {self.grown_extra} with exact_offset {self.exact_offset}: a grown "
                                 "request's share would turn negative as its C grows.",
-                                "give grown_extra of at least -exact_offset (the default is "
-                                f"{extra} for this stage 1).")
+                                f"give grown_extra of at least {-self.exact_offset} (-exact_offset).")
         self._warm: set[str] = set()  # the paths run eagerly at least once (compiled before any capture)
         # which completed pages a step checks: the last catch_up of each request (those decode completes), and
         # on the device one column in `sweep` of the older ones, turning each step (every page within sweep
