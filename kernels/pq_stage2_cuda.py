@@ -457,10 +457,12 @@ def compiles(device: torch.device, int8: bool = False) -> bool:
 
 
 # "auto" takes the CUDA stage 2 for a launch over at least this many candidate slots (B x R, shapes only, so a
-# CUDA graph captures one kernel); below it, unmeasured, a block's setup (64 KB of codebook staged, the histogram
-# zeroed and added back) may outweigh its faster scoring. H100, the plugins' step at a fixed C against Triton's
-# stage 2: 8 x 1M (8 x 32K slots) 0.215 against 0.222 ms, 16 x 1M 0.354 against 0.365, 32 x 1M 0.596 against 0.646
-CUDA_FROM_SLOTS = 1 << 18
+# CUDA graph captures one kernel): one request of a grown C (R = 64K slots at 256K keys, 128K at 1M) and up. H100,
+# the plugins' grown step at one request, the int8 kernel against Triton's stage 2 in one run: 1 x 1M 101.1 against
+# 110.9 us (stage 2 alone 15.1 against 28.8), 1 x 512K 94.5 against 104.7; a fixed C at 8 x 1M (8 x 32K slots)
+# 0.215 against 0.222 ms, 32 x 1M 0.596 against 0.646. Below it (a fixed C's 32K slots of one request, 32 blocks
+# of 1,024) Triton's smaller programs fill more of the GPU (not measured)
+CUDA_FROM_SLOTS = 1 << 16
 
 
 def resolve_stage2(stage2: str, heads: int, dim: int, subspaces: int, centroids: int, residual: bool,

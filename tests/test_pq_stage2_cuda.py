@@ -145,6 +145,11 @@ def test_the_selector_keeps_candidates_by_bins_where_the_cuda_stage2_scores(monk
     over = max(bins_batch_limit(4 * 4096) + 1, s2.CUDA_FROM_SLOTS // (2 * 4 * 4096))  # and slots enough
     assert sel.stage2_kernel(over, 16384, 64) == "int8" and sel.auto_top_c(over, 16384, 64) == "bins"
     assert sel.auto_top_c(over, 16384, 32) == "topk"  # 32 heads: Triton scores, the top-C kernel keeps
+    grown = PagedCacheSelector(codec, 1 << 14, topk=2048, candidates=4096, prefilter=4, device="cpu",
+                               grow_band=131072)
+    assert grown.stage2_kernel(1, 1 << 14, 64) == "int8"  # one request of 1M keys, C grown: 128K slots
+    assert grown.stage2_kernel(1, 1 << 12, 64) == "int8"  # 256K keys: C grown 2 x, 64K slots
+    assert grown.stage2_kernel(1, 1 << 11, 64) == "triton"  # 128K keys: C fixed, 32K slots
     triton = PagedCacheSelector(codec, 64, topk=2048, candidates=4096, prefilter=4, device="cpu", stage2="triton")
     assert triton.auto_top_c(over, 16384, 64) == "topk"
     import dsaindex.runtime.paged_select as ps

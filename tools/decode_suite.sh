@@ -6,7 +6,7 @@
 # with a held-out STORE and an OPQ32/PQ32 BUNDLE, the served recall of the grown C with each CUDA stage 2.
 # Every JSON and a log go to OUT. Usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]
 # PARTS picks parts by name (default: all; the whole suite runs far past ten minutes): rates stage2 stage1 gather
-# topk span final radix operands encode stage2-small grown fixed rule profile recall tests
+# topk span final radix operands encode stage2-small scan-small grown fixed rule profile recall tests
 set -uo pipefail
 OUT=${1:?usage: [PARTS=a,b,...] bash tools/decode_suite.sh OUT [SECONDS_A_PART [STORE BUNDLE]]}
 LIMIT=${2:-240}
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 D="python3 -m dsaindex"
 t0=$(date +%s)
 PARTS=${PARTS:-all}
-ALL="rates stage2 stage1 gather topk span final radix operands encode stage2-small grown fixed rule profile"
+ALL="rates stage2 stage1 gather topk span final radix operands encode stage2-small scan-small grown fixed rule profile"
 ALL="$ALL recall tests"
 for p in ${PARTS//,/ }; do
     [ "$p" = all ] || [[ " $ALL " == *" $p "* ]] || { echo "decode_suite: no part '$p'; the parts: $ALL" >&2; exit 2; }
@@ -93,6 +93,19 @@ part "one or two requests' stage 2 on the CUDA kernel (kernels.pq_stage2_cuda.CU
 default"
 beside "import dsaindex.kernels.pq_stage2_cuda as s; s.CUDA_FROM_SLOTS = 1 << 16" paged_stage2_small_cuda \
     --batches 1,2 --keys 524288,1048576 $common --grow-band 131072 --exact-below 0 --profile
+fi
+if want scan-small; then
+part "stage 1's scan in shorter blocks where few requests leave the GPU short of waves (kernels.pq_scan_cuda.MIN_ROWS \
+4,096 and 2,048), and one request's stage 2 in blocks of 512 candidates (kernels.pq_stage2_cuda.block_size), beside the \
+default"
+beside "import dsaindex.kernels.pq_scan_cuda as s; s.MIN_ROWS = 4096" paged_scan_min_4096 --batches 1,2,8 \
+    --keys 1048576 $common --grow-band 131072 --exact-below 0 --profile
+timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_scan_cuda as s; s.MIN_ROWS = 2048; \
+sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1,2,8 --keys 1048576 $common \
+    --grow-band 131072 --exact-below 0 --profile --out "$OUT/paged_scan_min_2048.json"
+timeout "$LIMIT" python3 -c "import sys, dsaindex.kernels.pq_stage2_cuda as s; s.block_size = lambda *a: 512; \
+sys.argv[0] = 'dsaindex'; from dsaindex.cli import main; main()" bench paged --batches 1 --keys 1048576 $common \
+    --grow-band 131072 --exact-below 0 --profile --out "$OUT/paged_stage2_block_512.json"
 fi
 if want grown; then
 part "grown C, each stage 2"
