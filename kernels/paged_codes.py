@@ -27,7 +27,9 @@ PAGE = 64
 SIGNATURE_WORDS = 4
 # warps of encode_pages' program (a page's 64 keys in one subspace). At 4 the GPU's Triton 3.6 compiles the
 # serving form (D = 128, PQ32, signatures written) to 255 registers and 40 bytes of stack, at 8 to none
-# (tools/step_launches.py); 8 is not yet timed (tools/decode_suite.sh, part "encode")
+# (tools/step_launches.py); yet 8 is slower: at 8 / 32 x 1M the launch takes 1.93 / 3.98 us at 4 warps and
+# 2.65 / 6.98 at 8 (H100, the plugins' grown step, tools/decode_suite.sh part "encode",
+# docs/results/profile_encode_*_warps_h100.json)
 ENCODE_WARPS = 4
 
 
