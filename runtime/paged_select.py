@@ -764,7 +764,7 @@ def stage1_scan(codecs, device: torch.device | None = None) -> str:
         if all(m == 32 and k == 256 for m, k in chosen) and stage2_compiles(device):
             form = "8-bit" if stage2_compiles(device, int8=True) else "bf16"
             said += (f"; stage 2 scores 64-head steps of at least {STAGE2_CUDA_FROM_SLOTS:,} candidate slots (B x 2 "
-                     f"x P x C) with codebooks in shared memory (the CUDA kernel, {form} operands) and keeps their "
+                     f"x P x C, C as grown) with codebooks in shared memory (the CUDA kernel, {form} operands) and keeps their "
                      "candidates by bins")
         return said
     no_gpu = device.type != "cuda" or not available()
