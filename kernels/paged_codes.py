@@ -194,7 +194,6 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
     if lengths is not None:
         checks.rank("lengths", lengths, 1, "B")
         checks.dtype("lengths", lengths, torch.int32)
-        checks.at_most("lengths.shape[0] (requests)", lengths.shape[0], max(n, 1), "one program a page writes them")
         checks.same_device(rows=rows, lengths=lengths)
         coded = torch.empty_like(lengths)
     if phase is not None:
@@ -206,6 +205,8 @@ def encode_pages(rows: torch.Tensor, pages: torch.Tensor, whitened: torch.Tensor
         if phase is not None:
             phase.add_(1)
         return coded
+    if coded is not None:  # the launch's programs (one a page and subspace) write them
+        checks.at_most("lengths.shape[0] (requests)", lengths.shape[0], n, "one program a page writes them")
     write_sig = signature is not None
     if write_sig:
         checks.shape("signature", signature, (rows.shape[0] + 1, SIGNATURE_WORDS), "P + 1, 4")

@@ -118,7 +118,7 @@ from dsaindex.kernels.topk import (
     SMALL_TOPK_MAX,
     final_takes_radix,
     final_topk,
-    radix_scratch,
+    radix_scratch_words,
     rows_topk,
     rows_topk_reference,
     small_topk_reference,
@@ -568,6 +568,16 @@ class PagedCacheSelector:
                     if first <= self.exact_below // max(1, batch) + off), default=0)
         return min(width, -(-most // PAGE))
 
+    def _kept_zeros(self, kept: dict[int, torch.Tensor], b: int, width: int | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """``kept``'s zeroed tensor for a batch of ``b`` ([b] or [b, width]), made at its first step and never
+        freed: an engine captures a graph per batch size, and each graph keeps what it was captured with. The
+        kernels that use one leave it zeroed, so a step runs no fill kernel."""
+        t = kept.get(b)
+        if t is None:
+            t = kept[b] = torch.zeros((b,) if width is None else (b, width), dtype=dtype, device=self.device)
+        return t
+
     def _run(self, path: str, rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
              head_weights: torch.Tensor, init_tokens: int, local_tokens: int, schedule: torch.Tensor | None,
              exact_width: int, coded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -579,9 +589,7 @@ class PagedCacheSelector:
         if path == "exact":
             picked = self._select_exact(rows, table, lengths, queries, wt, exact_width, init_tokens, local_tokens,
                                         schedule)
-            counts1 = self._no_stage1.get(b)
-            if counts1 is None:  # made once (no fill kernel a step); never written
-                counts1 = self._no_stage1[b] = torch.zeros(b, dtype=torch.int32, device=rows.device)
+            counts1 = self._kept_zeros(self._no_stage1, b, None, torch.int32)  # never written
         else:
             picked, counts1 = self._select_pq(rows, table, lengths, queries, wt, init_tokens, local_tokens, coded)
         if picked.shape[1] < self.topk:  # fewer keys in the table than top-k
@@ -624,9 +632,7 @@ class PagedCacheSelector:
         q = queries.to(dev, torch.bfloat16).contiguous()  # FP8 e4m3 values are bf16 values: one cast, exact
         n_coded = torch.bitwise_and(lengths, -PAGE) if coded is None else coded  # keys of completed pages
         groups = []
-        stage1 = self._no_stage1.get(b) if not w else None
-        if stage1 is None and not w:
-            stage1 = self._no_stage1[b] = torch.zeros(b, dtype=torch.int32, device=dev)
+        stage1 = None if w else self._kept_zeros(self._no_stage1, b, None, torch.int32)
         if w:  # the coarse stages score codes in the codebooks' space: OPQ queries rotated once
             q_code = q if self.rotation is None else rotate(q, self.rotation_bf16, torch.bfloat16)
             cand, stage1 = self._coarse(table, n_coded, q_code, wt)
@@ -652,11 +658,9 @@ class PagedCacheSelector:
         # decode backends read the first min(n, topk) entries as KV slots, so a request shorter than top-k finds
         # all its keys there, its newest ones (the tail, after the candidate block) included
         if self.use_triton and positions.shape[1] <= SMALL_TOPK_MAX:
-            scratch = None
-            if final_takes_radix(b, positions.shape[1]):  # kept a batch size: no fill kernel a step
-                scratch = self._radix_scratch.get(b)
-                if scratch is None:
-                    scratch = self._radix_scratch[b] = radix_scratch(b, dev)
+            scratch = None  # radix_topk leaves it zeroed: no fill kernel a step
+            if final_takes_radix(b, positions.shape[1]):
+                scratch = self._kept_zeros(self._radix_scratch, b, radix_scratch_words(), torch.int64)
             return final_topk(exact, k, positions, index_dtype=torch.int32, scratch=scratch)[1], stage1
         return small_topk_reference(exact, k, positions)[1].to(torch.int32), stage1
 
@@ -674,9 +678,8 @@ class PagedCacheSelector:
             return cand, counts1
         if self.use_triton:
             b = table.shape[0]
-            scratch = self._bin_scratch.get(b)
-            if scratch is None:  # zeros; stage 2 leaves them zeroed (keep_binned's counters, stage 2 of the next)
-                scratch = self._bin_scratch[b] = torch.zeros(b, BIN_COUNT + 4, dtype=torch.int32, device=self.device)
+            # stage 2 leaves it zeroed (keep_binned's counters, stage 2 of the next step)
+            scratch = self._kept_zeros(self._bin_scratch, b, BIN_COUNT + 4, torch.int32)
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
