@@ -167,14 +167,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             book_s[(c + 3) * 32 + s] = four[k].w;
         }
     }
-    // queries in their natural order (a 32-dimension step's fragment positions 4t .. 4t + 3 and 16 + 4t .. are the
-    // codewords of subspaces 8 step + t and 8 step + 4 + t), 16-byte chunk c of head h at c ^ (h & 7) (ldmatrix)
+    // queries in the order the lanes' code bytes come in: lane t of a quad loads bytes 8t .. 8t + 7 of its
+    // candidate's code row (subspaces 8t .. 8t + 7), and a 32-dimension step s takes two of them, subspace 8t + 2s at
+    // the fragment positions 4t .. 4t + 3 and 8t + 2s + 1 at 16 + 4t .. 16 + 4t + 3. So the step's 16-byte chunk c
+    // (2s, 2s + 1) holds in its word t the 4 dims of subspace 8t + c, and no lane trades code bytes with another;
+    // chunk c of head h at c ^ (h & 7) (ldmatrix)
     const unsigned* qb = queries + (long long)b * HEADS * 32;
 #pragma unroll
     for (int k = 0; k < HEADS * 32 / THREADS; ++k) {
         const int i = threadIdx.x + k * THREADS;
-        const int h = i >> 5, word = i & 31;
-        q_s[h * 32 + (((word >> 2) ^ (h & 7)) << 2) + (word & 3)] = qb[i];
+        const int h = i >> 5, sub = i & 31;
+        q_s[h * 32 + (((sub & 7) ^ (h & 7)) << 2) + (sub >> 3)] = qb[i];
     }
 #else
     {  // the codebook turned code-major: a thread reads 16-byte pairs of codewords (s, c), (s, c + 1), lanes
@@ -238,7 +241,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
     const int* rows_b = rows + row0;
     const int* table_b = table + (long long)b * table_width;
     const unsigned char* codes_b = (paged ? codes : codes + (long long)b * n_rows * 32) + 8 * t;
+#ifdef INT8
+    const int first_sub = 8 * t;  // the lane's subspaces: 8t + (i + g) % 8 at lookup i
+#else
     const int first_sub = 4 * g + t;  // the subspace of the lane's first lookup (then + 4 each, mod 32)
+#endif
     const int stride = 32 * WARPS;
     // a pipeline over the warp's steps: the candidates' positions read two steps ahead, their code rows one
     // step ahead (each lane of a quad reads 8 of the 32 code bytes of the quad's candidate: 2 registers a
@@ -266,12 +273,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             r_nxt[nt] = pos < 0 ? -1 : (paged ? table_b[pos >> 6] * 64 + (pos & 63) : pos);
         }
 #ifdef INT8
-        unsigned kf[4][8];  // n-tile nt's codeword of subspace 4 j + t: the B fragment of step s is j = 2 s, 2 s + 1
+        unsigned kf[4][8];  // n-tile nt's codeword of subspace 8 t + j: the B fragment of step s is j = 2 s, 2 s + 1
 #else
         unsigned kf[4][8][2];
 #endif
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
+#ifdef INT8
+            // byte k of (hi:lo): the code of subspace 8t + k, the lane's own load
+            unsigned lo = cur[nt].x, hi = cur[nt].y;
+#else
             // byte k of (hi:lo): the code of subspace 4k + t, this lane's column of every step, gathered from
             // the quad: lane tt holds words 2 tt, 2 tt + 1 of the row (steps 2 tt, 2 tt + 1)
             unsigned lo = 0u, hi = 0u;
@@ -283,9 +294,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
                 if (tt < 2u) lo |= got << (16u * (tt & 1u));
                 else hi |= got << (16u * (tt & 1u));
             }
-            // rotated by g steps, so that lookup i reads subspace 4 ((i + g) % 8) + t: the 32 lanes of a warp
-            // read 32 different subspaces, and a code's 32 codewords sit side by side (a row of 256 bytes), so
-            // every lookup's bank is its subspace's whatever the codes
+#endif
+            // rotated by g steps, so that lookup i reads subspace 4 ((i + g) % 8) + t (int8: 8t + (i + g) % 8): the
+            // 32 lanes of a warp read 32 different subspaces, and a code's 32 codewords sit side by side (a row of
+            // 128 or 256 bytes), so every lookup's bank is its subspace's whatever the codes
             if (g & 4) {
                 const unsigned x = lo;
                 lo = hi;
@@ -294,13 +306,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             const unsigned shift = 8u * (unsigned)(g & 3);
             const unsigned rlo = __funnelshift_r(lo, hi, shift), rhi = __funnelshift_r(hi, lo, shift);
 #ifdef INT8
-            unsigned u[8];  // one word a codeword: lookup i reads subspace 4 ((i + g) % 8) + t
+            unsigned u[8];  // one word a codeword: lookup i reads subspace 8t + (i + g) % 8
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
-                u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];
+                u[i] = book_s[code * 32 + first_sub + ((i + g) & 7)];
             }
-            unsigned v[8], x[8];  // into subspace order j = 0 .. 7 (subspace 4 j + t)
+            unsigned v[8], x[8];  // into subspace order j = 0 .. 7 (subspace 8t + j)
 #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
 #pragma unroll

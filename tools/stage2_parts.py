@@ -1,12 +1,17 @@
 """Stage 2's CUDA kernel taken apart: the kernel as shipped, and with parts of its work removed by editing its
-source (the codebook lookups, the ``mma``, the queries' ``ldmatrix``, the code loads), launch tunings (loops unrolled,
-threads and blocks a multiprocessor), and its int8 form (``int8``, alone or with tunings), at a grown C's shape: 32
-requests x 1M keys, 96K candidates each (random positions). CUDA-graph medians per launch, in us (a GPU; not part
-of the package). ``python3 tools/stage2_parts.py [VARIANTS] [OUT.json]``: VARIANTS a comma list of ``base`` and
-``+``-joined removals and tunings (default: ``base,int8,no_book+no_mma+no_ldsm``). The table in docs/results.md
-("Stage 2 as a CUDA kernel") came from it."""
+source (the codebook lookups, the ``mma``, the queries' ``ldmatrix``, the code loads, the int8 form's conversions),
+launch tunings (loops unrolled, threads and blocks a multiprocessor, the int8 form's epilogue), and its int8 form
+(``int8``, alone or with the others), at a grown C's shape: 32 requests x 1M keys, 96K candidates each (random
+positions). CUDA-graph medians per launch, in us (a GPU; not part of the package).
+
+``python3 tools/stage2_parts.py [VARIANTS] [OUT.json]``: VARIANTS a comma list of ``base`` or ``int8`` and
+``+``-joined removals and tunings (default: ``base,int8,no_book+no_mma+no_ldsm``); ``@PATH`` in place of ``base``
+or ``int8`` takes the kernel's source from a file (an earlier form, timed beside this one). With ``STAGE2_PARTS_ONCE=1`` each
+launch runs once, untimed, for a profiler: a variant's launches are 4,096 a block, 8,192, then 4,096 with the bins.
+The table in docs/results.md ("Stage 2 as a CUDA kernel") came from it."""
 
 import json
+import os
 import sys
 
 import torch
@@ -15,19 +20,36 @@ from dsaindex.kernels import pq_stage2_cuda as s2
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 B, N, KEPT, SLOTS = 32, 1 << 20, 98304, 131072
-# each removal: (text of the shipped source, what replaces it), keeping the data dependencies alive
+# each removal: (text of the shipped source, what replaces it) pairs, one a form of the kernel (bf16, int8: both
+# are in the one source, under #ifdef), keeping the data dependencies alive
 REMOVALS = {
-    "no_mma": ("for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[nt], a, kf[nt][step][0], kf[nt][step][1]);",
-               "for (int nt = 0; nt < 4; ++nt) { acc[nt][0] += __uint_as_float((kf[nt][step][0] ^ a[0]) & 0x3f800000u); "
-               "acc[nt][1] += __uint_as_float((kf[nt][step][1] ^ a[1]) & 0x3f800000u); }"),
-    "no_book": ("u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];", "u[i] = make_uint2(code, code + i);"),
-    "no_codes": ("if (r_nxt[nt] >= 0) cur[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + (size_t)r_nxt[nt] * 32));",
-                 "cur[nt] = make_uint2(r_nxt[nt], r_nxt[nt] * 3);"),
-    "no_ldsm": ("ldsm_x4(a, q_s + h * 64 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
-                "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;"),
+    "no_mma": [("for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[nt], a, kf[nt][step][0], kf[nt][step][1]);",
+                "for (int nt = 0; nt < 4; ++nt) { acc[nt][0] += __uint_as_float((kf[nt][step][0] ^ a[0]) & 0x3f800000u); "
+                "acc[nt][1] += __uint_as_float((kf[nt][step][1] ^ a[1]) & 0x3f800000u); }"),
+               ("for (int nt = 0; nt < 4; ++nt) mma_s8(iacc[nt], a, kf[nt][2 * step], kf[nt][2 * step + 1]);",
+                "for (int nt = 0; nt < 4; ++nt) { iacc[nt][0] += kf[nt][2 * step] ^ a[0]; "
+                "iacc[nt][1] += kf[nt][2 * step + 1] ^ a[1]; }")],
+    "no_book": [("u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];\n            }\n            unsigned v[8]",
+                 "u[i] = code * 0x01010101u + i;\n            }\n            unsigned v[8]"),
+                ("u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];\n            }\n            // u[i] is",
+                 "u[i] = make_uint2(code, code + i);\n            }\n            // u[i] is")],
+    "no_codes": [("if (r_nxt[nt] >= 0) cur[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + (size_t)r_nxt[nt] * 32));",
+                  "cur[nt] = make_uint2(r_nxt[nt], r_nxt[nt] * 3);")],
+    "no_ldsm": [("ldsm_x4(a, q_s + h * 64 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
+                 "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;"),
+                ("ldsm_x4(a, q_s + h * 32 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
+                 "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;")],
+    # the int8 form's accumulators taken as floats bit for bit: what converting them costs
+    "no_cvt": [("acc[nt][e] = (float)iacc[nt][e];", "acc[nt][e] = __int_as_float(iacc[nt][e]);")],
 }
-
-
+# the int8 form's ReLU on the integers and the conversion by the exponent trick (|x| < 2^22: 127 x 127 x 128 is
+# under it): two full-rate integer operations and a float add in place of the quarter-rate I2F and the float ReLU
+EPILOGUE = "part[nt][0] += wa * fmaxf(acc[nt][0], 0.0f) + wb * fmaxf(acc[nt][2], 0.0f);\n" \
+    "                part[nt][1] += wa * fmaxf(acc[nt][1], 0.0f) + wb * fmaxf(acc[nt][3], 0.0f);"
+MAGIC = [("acc[nt][e] = (float)iacc[nt][e];",
+          "acc[nt][e] = __int_as_float(max(iacc[nt][e], 0) + 0x4B400000) - 12582912.0f;"),
+         (EPILOGUE, "part[nt][0] += wa * acc[nt][0] + wb * acc[nt][2];\n"
+                    "                part[nt][1] += wa * acc[nt][1] + wb * acc[nt][3];")]
 MT_LOOP = "#pragma unroll 1\n        for (int mt = 0; mt < 4; ++mt) {"
 # launch variants, not removals: (text replaced, its replacement) pairs, #defines put before the source, threads
 TUNINGS = {
@@ -36,6 +58,7 @@ TUNINGS = {
     "t512": ([], "#define THREADS 512\n#define MIN_BLOCKS 1\n", 512),
     "mb1": ([], "#define MIN_BLOCKS 1\n", None),
     "mb3": ([], "#define MIN_BLOCKS 3\n", None),  # the int8 form's 72 KB of shared memory fits 3 blocks
+    "magic": (MAGIC, "", None),  # int8 only
 }
 
 
@@ -43,15 +66,26 @@ def variant_source(name: str) -> tuple[str, int]:
     """The kernel's source with the removals and tunings ``name`` joins by ``+`` (``base``: as shipped; ``int8``:
     its form on 8-bit operands), and its threads a block."""
     parts = name.split("+")
-    src, prefix, threads = s2.source("int8" in parts), "", s2.THREADS
+    if parts[0].startswith("@"):  # a kernel source kept in a file (an earlier form, side by side)
+        with open(parts[0][1:]) as f:
+            src = f.read()
+    else:
+        src = s2.source("int8" in parts)
+    prefix, threads = "", s2.THREADS
     for part in parts:
-        if part in ("base", "int8"):
+        if part in ("base", "int8") or part.startswith("@"):
             continue
-        edits, defines, t = TUNINGS.get(part, ([REMOVALS.get(part, (None, None))], "", None))
+        if part in TUNINGS:
+            edits, defines, t = TUNINGS[part]
+        elif part in REMOVALS:
+            edits, defines, t = [e for e in REMOVALS[part] if e[0] in src], "", None
+            if not edits:
+                raise SystemExit(f"{part}: the kernel's source holds none of its texts; update tools/stage2_parts.py")
+        else:
+            raise SystemExit(f"{part}: unknown; the removals: {', '.join(REMOVALS)}; the tunings: {', '.join(TUNINGS)}")
         for old, new in edits:
-            if old is None or old not in src:
-                raise SystemExit(f"{part}: unknown, or the kernel's source no longer holds {old!r}; update "
-                                 "tools/stage2_parts.py")
+            if old not in src:
+                raise SystemExit(f"{part}: the kernel's source no longer holds {old!r}; update tools/stage2_parts.py")
             src = src.replace(old, new)
         prefix += defines
         threads = t or threads
@@ -69,6 +103,7 @@ def registers(kernel) -> int:
 
 def main() -> None:
     names = (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else "base,int8,no_book+no_mma+no_ldsm").split(",")
+    once = os.environ.get("STAGE2_PARTS_ONCE") == "1"
     g = torch.Generator(device="cuda").manual_seed(0)
     codes = torch.randint(0, 256, (B, N, 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
     rows = torch.randint(0, N, (B, SLOTS), device="cuda", generator=g, dtype=torch.int32)
@@ -83,7 +118,7 @@ def main() -> None:
     res = {}
     for name in names:
         source, threads = variant_source(name)
-        int8 = "int8" in name.split("+")
+        int8 = "#define INT8" in source
         operands = (cb8, q8, w8) if int8 else (cb, q, w)
         kernel = torch.cuda._compile_kernel(source, s2.KERNEL)
         kernel.set_shared_memory_config(s2.SHARED_BINS)
@@ -99,6 +134,8 @@ def main() -> None:
                         bounds])
             call()
             scratch.zero_()
+            if once:  # a profiler's run: each launch once, untimed
+                continue
             tag = f"{name}_{per_block}{'_bins' if with_bins else ''}"
             res[tag] = round(graph_median_ms(call) * 1000, 1)
             print(tag, res[tag], "us", flush=True)
