@@ -305,6 +305,11 @@ _NAMES = ("the CUDA scan", "scan='triton'")  # what a build failure says, and th
 
 
 MIN_ROWS = 8192  # rows a block takes at least (below, its 64 KB of tables cost more than its rows' reads)
+# ... unless the launch would have fewer blocks than multiprocessors: then down to this many. H100, the plugins'
+# grown step at 1 x 1M on the codes (128 blocks of 8,192 rows on 132 multiprocessors): 97.5 us at 4,096 rows a
+# block against 100.0 at 8,192 and 100.4 at 2,048; at 2 x 1M (256 blocks) 4,096 lost, 122.9 against 119.8 us
+# (tools/decode_suite.sh, part "scan-small"; docs/results/paged_scan_min_*_h100.json)
+FEW_ROWS = 4096
 LAUNCH_ROWS = MAX_ROWS  # rows a block takes at most by default (longer blocks: slower on the H100)
 WAVES = 4  # blocks a launch keeps at least, in waves of two a multiprocessor, where its blocks can grow
 
@@ -313,10 +318,13 @@ def launch_rows(batch: int, n: int, sms: int, most: int | None = None) -> int:
     """Rows a block of the scan takes for ``batch`` requests of ``n`` rows on ``sms`` multiprocessors: the most,
     a power of two from :data:`MIN_ROWS` to ``most`` (default :data:`LAUNCH_ROWS`, at most :data:`MAX_SPAN`),
     that still leaves :data:`WAVES` waves of blocks (two a multiprocessor), so a block builds its tables once
-    for as many rows as the launch can spare while the hardware still balances its blocks (shapes only: a CUDA
-    graph captures one launch)."""
+    for as many rows as the launch can spare while the hardware still balances its blocks; below
+    :data:`MIN_ROWS`, down to :data:`FEW_ROWS`, while the launch has fewer blocks than multiprocessors (one
+    request of 1M keys). Shapes only: a CUDA graph captures one launch."""
     rows = LAUNCH_ROWS if most is None else most
     while rows > MIN_ROWS and batch * -(-n // rows) < WAVES * 2 * sms:
+        rows //= 2
+    while rows > FEW_ROWS and batch * -(-n // rows) < sms:
         rows //= 2
     return rows
 

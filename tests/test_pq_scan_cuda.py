@@ -119,17 +119,23 @@ def test_a_long_block_flushes_its_staging_before_it_overflows(share):
 
 def test_a_block_takes_the_most_rows_that_leave_the_launch_its_waves():
     """The scan's rows a block by the step's shape: a power of two between MIN_ROWS and MAX_SPAN, the largest
-    that keeps WAVES waves of blocks (two a multiprocessor); never fewer rows for a larger step."""
-    from dsaindex.kernels.pq_scan_cuda import LAUNCH_ROWS, MAX_SPAN, MIN_ROWS, WAVES, launch_rows
+    that keeps WAVES waves of blocks (two a multiprocessor); never fewer rows for a larger step. Below MIN_ROWS,
+    down to FEW_ROWS, only where the launch would otherwise leave multiprocessors without a block."""
+    from dsaindex.kernels.pq_scan_cuda import FEW_ROWS, LAUNCH_ROWS, MAX_SPAN, MIN_ROWS, WAVES, launch_rows
 
     sms = 132
     last = 0
     for batch in (1, 2, 4, 8, 16, 32, 64, 128):
         rows = launch_rows(batch, 1 << 20, sms, MAX_SPAN)
-        assert MIN_ROWS <= rows <= MAX_SPAN and rows & (rows - 1) == 0 and rows >= last
+        assert FEW_ROWS <= rows <= MAX_SPAN and rows & (rows - 1) == 0 and rows >= last
         blocks = batch * -(-(1 << 20) // rows)
-        assert rows == MIN_ROWS or blocks >= WAVES * 2 * sms
+        assert rows >= MIN_ROWS or blocks <= 2 * sms  # shorter blocks only to give every multiprocessor one
+        assert rows <= MIN_ROWS or blocks >= WAVES * 2 * sms
         assert rows == MAX_SPAN or batch * -(-(1 << 20) // (2 * rows)) < WAVES * 2 * sms  # twice as many: too few
         last = rows
-    assert launch_rows(1, 1000, sms, MAX_SPAN) == MIN_ROWS and launch_rows(4096, 1 << 20, sms, MAX_SPAN) == MAX_SPAN
+    # one request of 1M keys: 128 blocks of 8,192 rows leave 4 of 132 multiprocessors idle, 256 of 4,096 none;
+    # two requests keep 8,192 (256 blocks)
+    assert launch_rows(1, 1 << 20, sms) == 4096 and launch_rows(2, 1 << 20, sms) == MIN_ROWS
+    assert launch_rows(1, 1 << 20, 100) == MIN_ROWS  # 128 blocks already cover 100 multiprocessors
+    assert launch_rows(1, 1000, sms, MAX_SPAN) == FEW_ROWS and launch_rows(4096, 1 << 20, sms, MAX_SPAN) == MAX_SPAN
     assert launch_rows(4096, 1 << 20, sms) == LAUNCH_ROWS  # the default's cap
