@@ -308,7 +308,7 @@ MIN_ROWS = 8192  # rows a block takes at least (below, its 64 KB of tables cost 
 # ... unless the launch would have fewer blocks than multiprocessors: then down to this many. H100, the plugins'
 # grown step at 1 x 1M on the codes (128 blocks of 8,192 rows on 132 multiprocessors): 97.5 us at 4,096 rows a
 # block against 100.0 at 8,192 and 100.4 at 2,048; at 2 x 1M (256 blocks) 4,096 lost, 122.9 against 119.8 us
-# (tools/decode_suite.sh, part "scan-small"; docs/results/paged_scan_min_*_h100.json)
+# (tools/decode_suite.sh, part "scan-small"; docs/results/paged_scan_min_{4096,2048,default}_h100.json)
 FEW_ROWS = 4096
 LAUNCH_ROWS = MAX_ROWS  # rows a block takes at most by default (longer blocks: slower on the H100)
 WAVES = 4  # blocks a launch keeps at least, in waves of two a multiprocessor, where its blocks can grow
