@@ -46,6 +46,30 @@ REMOVALS = {
 # under it): two full-rate integer operations and a float add in place of the quarter-rate I2F and the float ReLU
 EPILOGUE = "part[nt][0] += wa * fmaxf(acc[nt][0], 0.0f) + wb * fmaxf(acc[nt][2], 0.0f);\n" \
     "                part[nt][1] += wa * fmaxf(acc[nt][1], 0.0f) + wb * fmaxf(acc[nt][3], 0.0f);"
+# the int8 form's lookups as shipped: rotated by g, then the rotation undone by three rounds of selects
+OLD_LOOKUPS = """            unsigned u[8];  // one word a codeword: lookup i reads subspace 8t + (i + g) % 8
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
+                u[i] = book_s[code * 32 + first_sub + ((i + g) & 7)];
+            }
+            unsigned v[8], x[8];  // into subspace order j = 0 .. 7 (subspace 8t + j)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) x[k] = (g & 2) ? v[(k + 6) & 7] : v[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) kf[nt][k] = (g & 4) ? x[(k + 4) & 7] : x[k];"""
+NEW_LOOKUPS = """#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned code = ((i < 4 ? cur[nt].x : cur[nt].y) >> (8 * (i & 3))) & 255u;
+                kf[nt][i] = book_s[code * 32 + first_sub + (i ^ (code & 7u))];
+            }"""
+# the int8 form's lookups in subspace order, unrotated, the codebook's rows swizzled by the code (codeword (s, c) at
+# c * 32 + (s ^ (c & 7))): no rotation network, but lanes that share t meet in a bank as often as their codes' low
+# bits do (about 2.5-way at random codes against none)
+SWIZZLE = [(f"book_s[{c} * 32 + s] = four[k].{w};", f"book_s[{c} * 32 + (s ^ ({c} & 7))] = four[k].{w};")
+           for c, w in (("c", "x"), ("(c + 1)", "y"), ("(c + 2)", "z"), ("(c + 3)", "w"))] + [(OLD_LOOKUPS, NEW_LOOKUPS)]
 MAGIC = [("acc[nt][e] = (float)iacc[nt][e];",
           "acc[nt][e] = __int_as_float(max(iacc[nt][e], 0) + 0x4B400000) - 12582912.0f;"),
          (EPILOGUE, "part[nt][0] += wa * acc[nt][0] + wb * acc[nt][2];\n"
@@ -59,6 +83,7 @@ TUNINGS = {
     "mb1": ([], "#define MIN_BLOCKS 1\n", None),
     "mb3": ([], "#define MIN_BLOCKS 3\n", None),  # the int8 form's 72 KB of shared memory fits 3 blocks
     "magic": (MAGIC, "", None),  # int8 only
+    "swizzle": (SWIZZLE, "", None),  # int8 only
 }
 
 
