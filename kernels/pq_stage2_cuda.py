@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
     // INT8: codewords of 4 int8 (one word), code-major; queries 64 heads x 128 int8, head h 8 chunks of 16 bytes
     // at chunk c ^ (h & 7); the codebook's per-subspace scales are folded into the queries, each head's scale into
     // its weight, so a score is sum_h w_h relu(q8_h . k8) with integer products
-    unsigned* book_s = reinterpret_cast<unsigned*>(smem);  // codeword (s, c) at c * 32 + s
+    unsigned* book_s = reinterpret_cast<unsigned*>(smem);  // codeword (s, c) at c * 32 + (s ^ (c & 7))
     unsigned* q_s = book_s + 32 * 256;
     int* hist_s = reinterpret_cast<int*>(q_s + HEADS * 32);
 #else
@@ -148,8 +148,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
     }
     if (first >= end) return;  // the whole block: nothing filled in its range
 #ifdef INT8
-    {  // the codebook turned code-major: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3), lanes taking
-       // consecutive subspaces so that their shared stores land in consecutive banks; its loads before its stores
+    {  // the codebook turned code-major, each code's row of 32 words swizzled by the code's low bits (codeword (s, c)
+       // at c * 32 + (s ^ (c & 7))): a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3), lanes taking
+       // consecutive subspaces so that their shared stores land in different banks; its loads before its stores
         const uint4* src = reinterpret_cast<const uint4*>(codebook);
         constexpr int PER_THREAD = 32 * 64 / THREADS;
         uint4 four[PER_THREAD];
@@ -161,10 +162,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
 #pragma unroll
         for (int k = 0; k < PER_THREAD; ++k) {
             const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5);
-            book_s[c * 32 + s] = four[k].x;
-            book_s[(c + 1) * 32 + s] = four[k].y;
-            book_s[(c + 2) * 32 + s] = four[k].z;
-            book_s[(c + 3) * 32 + s] = four[k].w;
+            book_s[c * 32 + (s ^ (c & 7))] = four[k].x;
+            book_s[(c + 1) * 32 + (s ^ ((c + 1) & 7))] = four[k].y;
+            book_s[(c + 2) * 32 + (s ^ ((c + 2) & 7))] = four[k].z;
+            book_s[(c + 3) * 32 + (s ^ ((c + 3) & 7))] = four[k].w;
         }
     }
     // queries in the order the lanes' code bytes come in: lane t of a quad loads bytes 8t .. 8t + 7 of its
@@ -242,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
     const int* table_b = table + (long long)b * table_width;
     const unsigned char* codes_b = (paged ? codes : codes + (long long)b * n_rows * 32) + 8 * t;
 #ifdef INT8
-    const int first_sub = 8 * t;  // the lane's subspaces: 8t + (i + g) % 8 at lookup i
+    const int first_sub = 8 * t;  // the lane's subspaces: 8t + i at lookup i
 #else
     const int first_sub = 4 * g + t;  // the subspace of the lane's first lookup (then + 4 each, mod 32)
 #endif
@@ -280,8 +281,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #ifdef INT8
-            // byte k of (hi:lo): the code of subspace 8t + k, the lane's own load
-            unsigned lo = cur[nt].x, hi = cur[nt].y;
+            // byte i of the lane's own load: the code of subspace 8t + i, looked up in subspace order straight into
+            // the fragments. The 8 lanes that share t read the same subspace at once, in the banks their codes'
+            // low bits choose (the codebook's swizzle): about 2.5-way on random codes, less where they share codes
+            // (one address is read once). No rotation to undo: a warp step at 32 x 1M took 151.8 us against 154.6
+            // with the lookups rotated by g, 32 banks a lookup, and three rounds of selects (H100,
+            // docs/results/stage2_parts_swizzle_h100.json)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned code = ((i < 4 ? cur[nt].x : cur[nt].y) >> (8 * (i & 3))) & 255u;
+                kf[nt][i] = book_s[code * 32 + first_sub + (i ^ (code & 7u))];
+            }
 #else
             // byte k of (hi:lo): the code of subspace 4k + t, this lane's column of every step, gathered from
             // the quad: lane tt holds words 2 tt, 2 tt + 1 of the row (steps 2 tt, 2 tt + 1)
@@ -294,10 +304,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
                 if (tt < 2u) lo |= got << (16u * (tt & 1u));
                 else hi |= got << (16u * (tt & 1u));
             }
-#endif
-            // rotated by g steps, so that lookup i reads subspace 4 ((i + g) % 8) + t (int8: 8t + (i + g) % 8): the
-            // 32 lanes of a warp read 32 different subspaces, and a code's 32 codewords sit side by side (a row of
-            // 128 or 256 bytes), so every lookup's bank is its subspace's whatever the codes
+            // rotated by g steps, so that lookup i reads subspace 4 ((i + g) % 8) + t: the 32 lanes of a warp read
+            // 32 different subspaces, and a code's 32 codewords sit side by side (a row of 256 bytes), so every
+            // lookup's bank is its subspace's whatever the codes
             if (g & 4) {
                 const unsigned x = lo;
                 lo = hi;
@@ -305,21 +314,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             }
             const unsigned shift = 8u * (unsigned)(g & 3);
             const unsigned rlo = __funnelshift_r(lo, hi, shift), rhi = __funnelshift_r(hi, lo, shift);
-#ifdef INT8
-            unsigned u[8];  // one word a codeword: lookup i reads subspace 8t + (i + g) % 8
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
-                u[i] = book_s[code * 32 + first_sub + ((i + g) & 7)];
-            }
-            unsigned v[8], x[8];  // into subspace order j = 0 .. 7 (subspace 8t + j)
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) x[k] = (g & 2) ? v[(k + 6) & 7] : v[k];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) kf[nt][k] = (g & 4) ? x[(k + 4) & 7] : x[k];
-#else
             uint2 u[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {

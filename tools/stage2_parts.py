@@ -20,56 +20,31 @@ from dsaindex.kernels import pq_stage2_cuda as s2
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 B, N, KEPT, SLOTS = 32, 1 << 20, 98304, 131072
-# each removal: (text of the shipped source, what replaces it) pairs, one a form of the kernel (bf16, int8: both
-# are in the one source, under #ifdef), keeping the data dependencies alive
+# each removal: for each form of the kernel (bf16, int8: both are in the one source, under #ifdef), the text of
+# its live branch and what replaces it, keeping the data dependencies alive; None where the form has no such part
 REMOVALS = {
-    "no_mma": [("for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[nt], a, kf[nt][step][0], kf[nt][step][1]);",
-                "for (int nt = 0; nt < 4; ++nt) { acc[nt][0] += __uint_as_float((kf[nt][step][0] ^ a[0]) & 0x3f800000u); "
-                "acc[nt][1] += __uint_as_float((kf[nt][step][1] ^ a[1]) & 0x3f800000u); }"),
-               ("for (int nt = 0; nt < 4; ++nt) mma_s8(iacc[nt], a, kf[nt][2 * step], kf[nt][2 * step + 1]);",
-                "for (int nt = 0; nt < 4; ++nt) { iacc[nt][0] += kf[nt][2 * step] ^ a[0]; "
-                "iacc[nt][1] += kf[nt][2 * step + 1] ^ a[1]; }")],
-    "no_book": [("u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];\n            }\n            unsigned v[8]",
-                 "u[i] = code * 0x01010101u + i;\n            }\n            unsigned v[8]"),
-                ("u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];\n            }\n            // u[i] is",
-                 "u[i] = make_uint2(code, code + i);\n            }\n            // u[i] is")],
-    "no_codes": [("if (r_nxt[nt] >= 0) cur[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + (size_t)r_nxt[nt] * 32));",
-                  "cur[nt] = make_uint2(r_nxt[nt], r_nxt[nt] * 3);")],
-    "no_ldsm": [("ldsm_x4(a, q_s + h * 64 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
-                 "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;"),
-                ("ldsm_x4(a, q_s + h * 32 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
-                 "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;")],
+    "no_mma": {"bf16": ("for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[nt], a, kf[nt][step][0], kf[nt][step][1]);",
+                        "for (int nt = 0; nt < 4; ++nt) { acc[nt][0] += __uint_as_float((kf[nt][step][0] ^ a[0]) & "
+                        "0x3f800000u); acc[nt][1] += __uint_as_float((kf[nt][step][1] ^ a[1]) & 0x3f800000u); }"),
+               "int8": ("for (int nt = 0; nt < 4; ++nt) mma_s8(iacc[nt], a, kf[nt][2 * step], kf[nt][2 * step + 1]);",
+                        "for (int nt = 0; nt < 4; ++nt) { iacc[nt][0] += kf[nt][2 * step] ^ a[0]; "
+                        "iacc[nt][1] += kf[nt][2 * step + 1] ^ a[1]; }")},
+    "no_book": {"bf16": ("u[i] = book_s[code * 32 + ((first_sub + 4 * i) & 31)];", "u[i] = make_uint2(code, code + i);"),
+                "int8": ("kf[nt][i] = book_s[code * 32 + first_sub + (i ^ (code & 7u))];",
+                         "kf[nt][i] = code * 0x01010101u + i;")},
+    "no_codes": {form: ("if (r_nxt[nt] >= 0) cur[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + (size_t)r_nxt[nt] "
+                        "* 32));", "cur[nt] = make_uint2(r_nxt[nt], r_nxt[nt] * 3);") for form in ("bf16", "int8")},
+    "no_ldsm": {"bf16": ("ldsm_x4(a, q_s + h * 64 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
+                         "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;"),
+                "int8": ("ldsm_x4(a, q_s + h * 32 + (((2 * step + (j >> 1)) ^ (h & 7)) << 2));",
+                         "a[0] = step * 0x10001u + h; a[1] = a[0] + 1; a[2] = a[0] + 2; a[3] = a[0] + 3;")},
     # the int8 form's accumulators taken as floats bit for bit: what converting them costs
-    "no_cvt": [("acc[nt][e] = (float)iacc[nt][e];", "acc[nt][e] = __int_as_float(iacc[nt][e]);")],
+    "no_cvt": {"bf16": None, "int8": ("acc[nt][e] = (float)iacc[nt][e];", "acc[nt][e] = __int_as_float(iacc[nt][e]);")},
 }
 # the int8 form's ReLU on the integers and the conversion by the exponent trick (|x| < 2^22: 127 x 127 x 128 is
 # under it): two full-rate integer operations and a float add in place of the quarter-rate I2F and the float ReLU
 EPILOGUE = "part[nt][0] += wa * fmaxf(acc[nt][0], 0.0f) + wb * fmaxf(acc[nt][2], 0.0f);\n" \
     "                part[nt][1] += wa * fmaxf(acc[nt][1], 0.0f) + wb * fmaxf(acc[nt][3], 0.0f);"
-# the int8 form's lookups as shipped: rotated by g, then the rotation undone by three rounds of selects
-OLD_LOOKUPS = """            unsigned u[8];  // one word a codeword: lookup i reads subspace 8t + (i + g) % 8
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
-                u[i] = book_s[code * 32 + first_sub + ((i + g) & 7)];
-            }
-            unsigned v[8], x[8];  // into subspace order j = 0 .. 7 (subspace 8t + j)
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) x[k] = (g & 2) ? v[(k + 6) & 7] : v[k];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) kf[nt][k] = (g & 4) ? x[(k + 4) & 7] : x[k];"""
-NEW_LOOKUPS = """#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const unsigned code = ((i < 4 ? cur[nt].x : cur[nt].y) >> (8 * (i & 3))) & 255u;
-                kf[nt][i] = book_s[code * 32 + first_sub + (i ^ (code & 7u))];
-            }"""
-# the int8 form's lookups in subspace order, unrotated, the codebook's rows swizzled by the code (codeword (s, c) at
-# c * 32 + (s ^ (c & 7))): no rotation network, but lanes that share t meet in a bank as often as their codes' low
-# bits do (about 2.5-way at random codes against none)
-SWIZZLE = [(f"book_s[{c} * 32 + s] = four[k].{w};", f"book_s[{c} * 32 + (s ^ ({c} & 7))] = four[k].{w};")
-           for c, w in (("c", "x"), ("(c + 1)", "y"), ("(c + 2)", "z"), ("(c + 3)", "w"))] + [(OLD_LOOKUPS, NEW_LOOKUPS)]
 MAGIC = [("acc[nt][e] = (float)iacc[nt][e];",
           "acc[nt][e] = __int_as_float(max(iacc[nt][e], 0) + 0x4B400000) - 12582912.0f;"),
          (EPILOGUE, "part[nt][0] += wa * acc[nt][0] + wb * acc[nt][2];\n"
@@ -83,7 +58,6 @@ TUNINGS = {
     "mb1": ([], "#define MIN_BLOCKS 1\n", None),
     "mb3": ([], "#define MIN_BLOCKS 3\n", None),  # the int8 form's 72 KB of shared memory fits 3 blocks
     "magic": (MAGIC, "", None),  # int8 only
-    "swizzle": (SWIZZLE, "", None),  # int8 only
 }
 
 
@@ -103,9 +77,10 @@ def variant_source(name: str) -> tuple[str, int]:
         if part in TUNINGS:
             edits, defines, t = TUNINGS[part]
         elif part in REMOVALS:
-            edits, defines, t = [e for e in REMOVALS[part] if e[0] in src], "", None
-            if not edits:
-                raise SystemExit(f"{part}: the kernel's source holds none of its texts; update tools/stage2_parts.py")
+            edit = REMOVALS[part]["int8" if "#define INT8" in src else "bf16"]
+            if edit is None:
+                raise SystemExit(f"{part}: not a part of this form of the kernel")
+            edits, defines, t = [edit], "", None
         else:
             raise SystemExit(f"{part}: unknown; the removals: {', '.join(REMOVALS)}; the tunings: {', '.join(TUNINGS)}")
         for old, new in edits:
