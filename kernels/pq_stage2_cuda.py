@@ -284,8 +284,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
             // byte i of the lane's own load: the code of subspace 8t + i, looked up in subspace order straight into
             // the fragments. The 8 lanes that share t read the same subspace at once, in the banks their codes'
             // low bits choose (the codebook's swizzle): about 2.5-way on random codes, less where they share codes
-            // (one address is read once). No rotation to undo: a warp step at 32 x 1M took 151.8 us against 154.6
-            // with the lookups rotated by g, 32 banks a lookup, and three rounds of selects (H100,
+            // (one address is read once). No rotation to undo: stage 2 alone at 32 x 1M took 151.8 us against 154.6
+            // with the lookups rotated by g (32 banks a lookup) and put back by three rounds of selects (H100,
             // docs/results/stage2_parts_swizzle_h100.json)
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
