@@ -6,8 +6,9 @@ positions). CUDA-graph medians per launch, in us (a GPU; not part of the package
 
 ``python3 tools/stage2_parts.py [VARIANTS] [OUT.json]``: VARIANTS a comma list of ``base`` or ``int8`` and
 ``+``-joined removals and tunings (default: ``base,int8,no_book+no_mma+no_ldsm``); ``@PATH`` in place of ``base``
-or ``int8`` takes the kernel's source from a file (an earlier form, timed beside this one). With ``STAGE2_PARTS_ONCE=1`` each
-launch runs once, untimed, for a profiler: a variant's launches are 4,096 a block, 8,192, then 4,096 with the bins.
+or ``int8`` takes the kernel's source from a file (an earlier form, timed beside this one). With
+``STAGE2_PARTS_ONCE=1`` each launch runs once, untimed, for a profiler: a variant's launches are 4,096 a block,
+8,192, then 4,096 with the bins.
 The table in docs/results.md ("Stage 2 as a CUDA kernel") came from it."""
 
 import json
@@ -57,8 +58,14 @@ TUNINGS = {
     "t512": ([], "#define THREADS 512\n#define MIN_BLOCKS 1\n", 512),
     "mb1": ([], "#define MIN_BLOCKS 1\n", None),
     "mb3": ([], "#define MIN_BLOCKS 3\n", None),  # the int8 form's 72 KB of shared memory fits 3 blocks
-    "magic": (MAGIC, "", None),  # int8 only
+    "magic": (MAGIC, "", None),
 }
+INT8_ONLY = {"magic"}  # tunings whose texts sit in the int8 branch or would change the bf16 form's epilogue
+
+
+def is_int8(src: str) -> bool:
+    """Whether a kernel source is the int8 form (:func:`pq_stage2_cuda.source` with ``int8``)."""
+    return "#define INT8" in src
 
 
 def variant_source(name: str) -> tuple[str, int]:
@@ -75,9 +82,11 @@ def variant_source(name: str) -> tuple[str, int]:
         if part in ("base", "int8") or part.startswith("@"):
             continue
         if part in TUNINGS:
+            if part in INT8_ONLY and not is_int8(src):
+                raise SystemExit(f"{part}: a tuning of the int8 form only")
             edits, defines, t = TUNINGS[part]
         elif part in REMOVALS:
-            edit = REMOVALS[part]["int8" if "#define INT8" in src else "bf16"]
+            edit = REMOVALS[part]["int8" if is_int8(src) else "bf16"]
             if edit is None:
                 raise SystemExit(f"{part}: not a part of this form of the kernel")
             edits, defines, t = [edit], "", None
@@ -118,7 +127,7 @@ def main() -> None:
     res = {}
     for name in names:
         source, threads = variant_source(name)
-        int8 = "#define INT8" in source
+        int8 = is_int8(source)
         operands = (cb8, q8, w8) if int8 else (cb, q, w)
         kernel = torch.cuda._compile_kernel(source, s2.KERNEL)
         kernel.set_shared_memory_config(s2.SHARED_BINS)
