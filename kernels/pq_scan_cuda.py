@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 SCANS = ("auto", "triton", "cuda")  # "auto": the CUDA scan where it runs (see :func:`resolve_scan`), else Triton
 KERNEL = "pq_scan_select"
-SUBSPACES = 32  # code bytes a key the kernel reads
+SUBSPACES = 32  # code bytes a key the kernel reads by default
+CODE_BYTES = (16, 32)  # the forms compiled: 16 or 32 one-byte codes a key
 THREADS = 512
 MAX_ROWS = 8192  # kept rows a block stages before it appends them: a block of up to as many rows flushes once
 MAX_SPAN = 65536  # rows a block scans at most (its kept rows' offsets are 16 bits)
@@ -76,6 +77,16 @@ _SOURCE = r"""
 #ifndef LOAD
 #define LOAD __ldcg
 #endif
+#ifndef CODE_BYTES
+#define CODE_BYTES 32
+#endif
+#define WORDS (CODE_BYTES / 4)
+#if CODE_BYTES != 32 && CODE_BYTES != 16
+#error "CODE_BYTES: 16 or 32 code bytes a row"
+#endif
+#if CODE_BYTES == 16 && defined(COALESCED)
+#error "COALESCED reads rows of 32 code bytes"
+#endif
 
 // a staged row (its sum << 16 | its offset in the block) stored at ``slot`` of its request's buffer; past the
 // buffer it is counted, not stored (the caller sees the overflow)
@@ -88,9 +99,9 @@ __device__ __forceinline__ void append(unsigned e, int slot, long long first, lo
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
-    const unsigned char* __restrict__ codes,  // [B, n_rows, 32] or [P, 64, 32] (paged) uint8
+    const unsigned char* __restrict__ codes,  // [B, n_rows, CODE_BYTES] or [P, 64, CODE_BYTES] (paged) uint8
     const int* __restrict__ lengths,          // [B] valid rows per request
-    const signed char* __restrict__ lut,      // [B, 32, 256] int8 tables
+    const signed char* __restrict__ lut,      // [B, CODE_BYTES, 256] int8 tables
     const float* __restrict__ thr,            // [B] thresholds of the sampling pass
     float* __restrict__ out_score,            // [B, capacity]
     int* __restrict__ out_pos,                // [B, capacity]
@@ -98,9 +109,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
     const int* __restrict__ table,            // [B, table_width] physical page of each 64-row page (paged)
     int table_width, int n_rows, int capacity, int rows_per_block, int paged)
 {
-    // lut_s[c * 64 + col] = table (col mod 32) at code c, as int32: columns 32..63 repeat 0..31, so a lane
-    // whose bytes are rotated by its lane index finds code position p's table at column p + lane, and the
-    // 32 lanes of a warp read 32 different banks at every lookup whatever their codes
+    // lut_s[c * 64 + col] = table (col mod CODE_BYTES) at code c, as int32: the columns repeat the tables, so a
+    // lane whose bytes are rotated by its lane index (mod CODE_BYTES) finds code position p's table at column
+    // p + lane, and the 32 lanes of a warp read 32 different banks at every lookup whatever their codes
     // the block's kept rows are staged in shared memory and appended to the request's buffer with one atomic
     // a flush: an atomic per warp, to one counter per request, waited on by the whole warp, made the scan wait
     // on L2 more than on its codes. A block of up to MAX_ROWS rows flushes once, at its end; a longer one (up to
@@ -148,29 +159,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
 #else
 #define FETCH(rr, PAGE, a, c) \
     if ((rr) < stop) { \
-        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(rr, PAGE(rr)) * 32); \
+        const uint4* row = reinterpret_cast<const uint4*>(codes + ROW_OF(rr, PAGE(rr)) * CODE_BYTES); \
         a = LOAD(row); \
-        c = LOAD(row + 1); \
+        if (CODE_BYTES == 32) c = LOAD(row + 1); \
     }
 #endif
     FETCH(r, PAGE_G, v0, v1)
 #if PREFETCH_ROWS == 2
     FETCH(r + blockDim.x, PAGE_G, n0, n1)
 #endif
-    const unsigned* src = reinterpret_cast<const unsigned*>(lut + (long long)b * 32 * 256);
-    for (int i = threadIdx.x; i < 32 * 64; i += blockDim.x) {  // word i: subspace i % 32, codes 4 (i / 32) + 0..3
-        const int s = i & 31, c4 = (i >> 5) * 4;
-        const unsigned w = src[s * 64 + (i >> 5)];
+    const unsigned* src = reinterpret_cast<const unsigned*>(lut + (long long)b * CODE_BYTES * 256);
+    // word i: subspace i % CODE_BYTES, codes 4 (i / CODE_BYTES) + 0..3
+    for (int i = threadIdx.x; i < CODE_BYTES * 64; i += blockDim.x) {
+        const int s = i % CODE_BYTES, c4 = (i / CODE_BYTES) * 4;
+        const unsigned w = src[s * 64 + i / CODE_BYTES];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int v = (int)(signed char)((w >> (8 * j)) & 0xffu);
-            lut_s[(c4 + j) * 64 + s] = v;
-            lut_s[(c4 + j) * 64 + s + 32] = v;
+#pragma unroll
+            for (int col = s; col < 64; col += CODE_BYTES) lut_s[(c4 + j) * 64 + col] = v;
         }
     }
     __syncthreads();
     const float t = thr[b];
-    const unsigned ws = (unsigned)lane >> 2, bs = ((unsigned)lane & 3u) * 8u;
+    // the lane's rotation: lane mod CODE_BYTES bytes, as whole words then bits
+    const unsigned ws = ((unsigned)lane % CODE_BYTES) >> 2, bs = ((unsigned)lane & 3u) * 8u;
     const unsigned base = (unsigned)lane * 4u;  // byte offset of the lane's first column in a code's row
     const char* lut_bytes = reinterpret_cast<const char*>(lut_s);
 #ifdef LONG_BLOCKS
@@ -207,7 +220,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
         unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #else
         const long long rs = r;
+#if CODE_BYTES == 32
         unsigned w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#else
+        unsigned w[4] = {v0.x, v0.y, v0.z, v0.w};
+#endif
 #endif
         const bool valid = rs < stop;
 #if PREFETCH_ROWS == 2
@@ -219,19 +236,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
 #endif
         int score = 0;
         if (valid) {
-            unsigned u[8];  // rotate the words left by ws (three selects a word), then the bytes by bs bits
+            unsigned u[WORDS];  // rotate the words left by ws (a select a word a round), then the bytes by bs bits
 #pragma unroll
-            for (int k = 0; k < 8; ++k) u[k] = (ws & 1u) ? w[(k + 1) & 7] : w[k];
+            for (int k = 0; k < WORDS; ++k) u[k] = (ws & 1u) ? w[(k + 1) % WORDS] : w[k];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) w[k] = (ws & 2u) ? u[(k + 2) & 7] : u[k];
+            for (int k = 0; k < WORDS; ++k) w[k] = (ws & 2u) ? u[(k + 2) % WORDS] : u[k];
+#if WORDS == 8
 #pragma unroll
-            for (int k = 0; k < 8; ++k) u[k] = (ws & 4u) ? w[(k + 4) & 7] : w[k];
+            for (int k = 0; k < WORDS; ++k) u[k] = (ws & 4u) ? w[(k + 4) % WORDS] : w[k];
+#else
 #pragma unroll
-            for (int k = 0; k < 8; ++k) w[k] = __funnelshift_r(u[k], u[(k + 1) & 7], bs);
-            // now byte p of w holds subspace (p + lane) % 32's code; one byte-permute makes its row's
+            for (int k = 0; k < WORDS; ++k) u[k] = w[k];
+#endif
+#pragma unroll
+            for (int k = 0; k < WORDS; ++k) w[k] = __funnelshift_r(u[k], u[(k + 1) % WORDS], bs);
+            // now byte p of w holds subspace (p + lane) % CODE_BYTES's code; one byte-permute makes its row's
             // byte address plus the lane's column offset: {base, code, 0, 0}
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
+            for (int k = 0; k < WORDS; ++k) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const unsigned at = __byte_perm(w[k], base, 0x5504u + 16u * j);
@@ -247,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
             int slot0 = 0;
             if (lane == leader) slot0 = atomicAdd(&st_n, __popc(mask));  // shared memory: no wait on L2
             slot0 = __shfl_sync(0xffffffffu, slot0, leader);
-            if (keep) {  // |sum| <= 32 x 127 fits 16 bits, the row's offset in the block (< MAX_SPAN) too
+            if (keep) {  // |sum| <= CODE_BYTES x 127 fits 16 bits, the row's offset in the block (< MAX_SPAN) too
                 const int slot = slot0 + __popc(mask & ((1u << lane) - 1u));
                 staged[slot] = ((unsigned)score << 16) | (unsigned)(rs - first);
             }
@@ -263,10 +285,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) pq_scan_select(
 """
 
 
-def source(long_blocks: bool = False) -> str:
+def source(long_blocks: bool = False, code_bytes: int = SUBSPACES) -> str:
     """The kernel's CUDA source; ``long_blocks``: its form for blocks of more than :data:`MAX_ROWS` rows (up to
-    :data:`MAX_SPAN`, flushing their staging as they go), compiled apart so the default's code is unchanged."""
-    return ("#define LONG_BLOCKS 1\n" if long_blocks else "") + _SOURCE
+    :data:`MAX_SPAN`, flushing their staging as they go), compiled apart so the default's code is unchanged;
+    ``code_bytes``: its form for keys of 16 codes (a lane's bytes rotated by its lane mod 16) or 32."""
+    if code_bytes not in CODE_BYTES:
+        raise ValueError(f"code_bytes: got {code_bytes}, want one of {CODE_BYTES}")
+    return (("#define LONG_BLOCKS 1\n" if long_blocks else "")
+            + (f"#define CODE_BYTES {code_bytes}\n" if code_bytes != SUBSPACES else "") + _SOURCE)
 
 
 def check_scan(scan: str) -> None:
@@ -280,9 +306,9 @@ def available() -> bool:
 
 
 def takes(subspaces: int, centroids: int, int_tables: bool) -> str | None:
-    """Why the CUDA scan cannot read these codes (None: it can): 32 one-byte codes a key, int8 tables."""
-    if subspaces != SUBSPACES or centroids != 256 or not int_tables:
-        return (f"the CUDA scan looks up int8 tables of 256 centroids, {SUBSPACES} subspaces: got {subspaces} "
+    """Why the CUDA scan cannot read these codes (None: it can): 16 or 32 one-byte codes a key, int8 tables."""
+    if subspaces not in CODE_BYTES or centroids != 256 or not int_tables:
+        return (f"the CUDA scan looks up int8 tables of 256 centroids, 16 or 32 subspaces: got {subspaces} "
                 f"subspaces, {centroids} centroids, {'int8' if int_tables else 'float'} tables")
     return None
 
@@ -333,8 +359,8 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
                    buf_scores: torch.Tensor, buf_pos: torch.Tensor, counts: torch.Tensor,
                    page_table: torch.Tensor | None, n: int, block_rows: int | None = None) -> None:
     """Append every one of the first ``n`` rows of each request whose integer score reaches ``thr`` to its
-    buffer, as the Triton selecting pass does. ``codes`` [B, N, 32] or [P, 64, 32] uint8 (``page_table`` [B, W]
-    int32); ``lengths`` [B] int32; ``lut`` [B, 32, 256] int8; ``thr`` [B] float32; ``buf_scores`` [B, cap]
+    buffer, as the Triton selecting pass does. ``codes`` [B, N, M] or [P, 64, M] uint8, M 16 or 32 (``page_table``
+    [B, W] int32); ``lengths`` [B] int32; ``lut`` [B, M, 256] int8; ``thr`` [B] float32; ``buf_scores`` [B, cap]
     float32, ``buf_pos`` [B, cap] int32, ``counts`` [B] int32 (zeroed by the sampling pass before it), all
     contiguous on one CUDA device; ``block_rows`` a multiple of 64 up to :data:`MAX_SPAN` (None:
     :func:`launch_rows`). Raises ``ValueError`` otherwise."""
@@ -354,8 +380,9 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
         if t.dtype != want[name] or t.device != codes.device or not t.is_contiguous():
             raise ValueError(f"{name}: got {t.dtype} on {t.device} (contiguous: {t.is_contiguous()}), want "
                              f"{want[name]} contiguous on {codes.device}")
-    if m != SUBSPACES or lut.shape[1:] != (m, 256):
-        raise ValueError(f"lut: got shape {tuple(lut.shape)} for {m} code bytes, want [B, {SUBSPACES}, 256]")
+    if m not in CODE_BYTES or lut.shape[1:] != (m, 256):
+        raise ValueError(f"lut: got shape {tuple(lut.shape)} for {m} code bytes, want 16 or 32 code bytes and "
+                         f"[B, {m}, 256] tables")
     if codes.data_ptr() % 16:
         raise ValueError("codes must start on a 16-byte boundary (the kernel reads 16 bytes at a time)")
     if block_rows is None:
@@ -365,7 +392,7 @@ def pq_scan_select(codes: torch.Tensor, lengths: torch.Tensor, lut: torch.Tensor
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
     index = nvrtc.device_index(codes.device)
-    kernel = nvrtc.compiled(source(block_rows > MAX_ROWS), KERNEL, SHARED, index, *_NAMES)
+    kernel = nvrtc.compiled(source(block_rows > MAX_ROWS, m), KERNEL, SHARED, index, *_NAMES)
     table = page_table if paged else lengths
     kernel(grid=(max(1, -(-n // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=SHARED,
            args=[codes, lengths, lut, thr, buf_scores, buf_pos, counts, table, int(table.shape[-1]) if paged else 0,

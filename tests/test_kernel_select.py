@@ -127,14 +127,15 @@ def test_pq_linear_topc_matches_reference(b, n, m, c, table):
         assert set(best) - {-1} <= set(kept[:n_kept]), "keep_all lost one of the top c"
 
 
-@pytest.mark.parametrize("table", [torch.float32, torch.int8])
-def test_pq_linear_topc_load_variants_select_the_same_keys(table):
+@pytest.mark.parametrize("table,m", [(torch.float32, 32), (torch.int8, 32), (torch.int8, 16)])
+def test_pq_linear_topc_load_variants_select_the_same_keys(table, m):
     """Where the stage-1 kernel reads its codes from (past L1, evicted first or cached) and its launch
     shape change its speed only: every variant
-    keeps the same keys with the same scores, paged or not."""
+    keeps the same keys with the same scores, paged or not (keys of 32 codes, and of 16: the CUDA scan's
+    form for 16 code bytes)."""
     from dsaindex.kernels.pq_select import paged_codes_reference, pq_linear_topc, stage1_launch
 
-    b, n, m, c = 2, 1280, 32, 48
+    b, n, c = 2, 1280, 48
     # a decode step's launch by its size: wide tiles where few keys leave the default's programs short of a wave
     assert stage1_launch(b, n) == dict(block_n=512, iters=1, num_warps=8) == stage1_launch(8, 1 << 20)
     assert stage1_launch(16, 1 << 20) == {} == stage1_launch(9, 1 << 20)
@@ -856,16 +857,17 @@ def test_the_cuda_scan_states_what_it_takes():
     lengths = torch.tensor([256], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="scan: got 'fast'"):
         pq_linear_topc(codes, lengths, q, w, cb, 16, scan="fast")
-    with pytest.raises(ValueError, match="int8 tables of 256 centroids, 32 subspaces: got 32 subspaces, 256 "
-                                         "centroids, float tables"):
+    with pytest.raises(ValueError, match="int8 tables of 256 centroids, 16 or 32 subspaces: got 32 subspaces, "
+                                         "256 centroids, float tables"):
         pq_linear_topc(codes, lengths, q, w, cb, 16, scan="cuda", table_dtype=torch.float16)
     if not available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             pq_linear_topc(codes, lengths, q, w, cb, 16, scan="cuda", table_dtype=torch.int8, keep_all=True)
     cuda = torch.device("cuda", 0)
-    with pytest.raises(ValueError, match="got 16 subspaces"):
-        resolve_scan("cuda", 16, 256, True, cuda)
-    assert resolve_scan("auto", 16, 256, True, cuda) == "triton" == resolve_scan("auto", 32, 256, False, cuda)
+    with pytest.raises(ValueError, match="got 8 subspaces"):
+        resolve_scan("cuda", 8, 256, True, cuda)
+    assert resolve_scan("auto", 8, 256, True, cuda) == "triton" == resolve_scan("auto", 32, 256, False, cuda)
+    assert resolve_scan("auto", 16, 256, True, cuda) == ("cuda" if available() else "triton")
     assert resolve_scan("auto", 32, 256, True, torch.device("cpu")) == "triton"
     assert resolve_scan("auto", 32, 256, True, cuda) == ("cuda" if available() else "triton")
 
@@ -919,11 +921,11 @@ def test_the_cuda_scan_compiles_for_hopper_with_one_shared_lookup_a_code():
 
     from dsaindex.kernels.pq_scan_cuda import source
 
-    m = 32
-    text = _hopper_ptx(source())
-    offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%rd?\d+(?:\+(\d+))?\];", text)]
-    assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)]
-    assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1
+    for m in (32, 16):  # the default form, and the one for keys of 16 codes (one 16-byte load a row)
+        text = _hopper_ptx(source(code_bytes=m))
+        offsets = [int(x or 0) for x in re.findall(r"ld\.shared\.u32\s+%r\d+, \[%rd?\d+(?:\+(\d+))?\];", text)]
+        assert sorted(x for x in offsets if x < 4 * m) == [4 * p for p in range(m)], m
+        assert text.count("ld.global.cg") == 3 * m // 16 and text.count("atom.global.add") == 1, m
     assert _hopper_ptx(source(long_blocks=True)).count("atom.global.add") == 2
 
 
@@ -963,15 +965,15 @@ def test_the_coalesced_cuda_scan_appends_every_passing_row_once(defines):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("span", ["staged", "long"])
-def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only(span):
+@pytest.mark.parametrize("span,m", [("staged", 32), ("long", 32), ("staged", 16)])
+def test_the_cuda_scan_counts_rows_past_its_buffer_and_stores_passing_rows_only(span, m):
     """The compiled kernel with a threshold that passes far more rows than the buffer holds (the sampling pass
     never aims that low, so it is called directly): the count is every passing row, each stored row passes
     and appears once, with its integer sum; a request of 97 rows at -inf takes them all. ``long``: blocks of
     MAX_SPAN rows, each flushing its staging several times (half its rows pass)."""
     from dsaindex.kernels.pq_scan_cuda import MAX_ROWS, MAX_SPAN, pq_scan_select
 
-    b, n, m, capacity = 3, 70_000, 32, 512
+    b, n, capacity = 3, 70_000, 512
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 256, (b, n, m), generator=g, dtype=torch.int32).to(torch.uint8).to(DEV)
     lut = torch.randint(-127, 128, (b, m, 256), generator=g, dtype=torch.int32).to(torch.int8).to(DEV)

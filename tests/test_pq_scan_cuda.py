@@ -32,13 +32,16 @@ def _thresholds(sums, lengths, share):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("variant", ["", "#define COALESCED 1\n", "#define COALESCED 1\n#define PREFETCH_ROWS 1\n"])
+@pytest.mark.parametrize("variant", ["", "#define COALESCED 1\n", "#define COALESCED 1\n#define PREFETCH_ROWS 1\n",
+                                     "#define CODE_BYTES 16\n"])
 def test_the_scan_appends_every_row_at_or_above_the_threshold_once(paged, variant):
     """The int32 tables are read at a column rotated by the lane, each lane's code bytes rotated to match:
     every lookup must land on the subspace its byte came from. ``COALESCED``: a warp's rows read in two
     512-byte loads and exchanged between neighbouring lanes, each lane scoring another row than the one it
-    would read alone (the lengths end inside a warp's rows and inside a page)."""
-    m = 32
+    would read alone (the lengths end inside a warp's rows and inside a page). ``CODE_BYTES 16``: keys of 16
+    codes, each lane's bytes rotated by its lane mod 16, lanes l and l + 16 reading the same table at
+    columns 16 apart."""
+    m = 16 if "CODE_BYTES 16" in variant else 32
     b, n = 3, 1300
     codes, lut = _inputs(b, n, m, seed=m + paged)
     lengths = np.asarray([n, n - 333, 41], dtype=np.int32)

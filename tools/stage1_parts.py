@@ -1,5 +1,5 @@
 """Stage 1's CUDA scan taken apart: its selecting pass as shipped and with its loads (L1 or not, an L2 prefetch
-hint, a warp's rows in two coalesced loads), prefetch depth, lookups or appends changed by editing its source, each at several rows a block (a block builds its tables once for all its
+hint, a warp's rows in two coalesced loads), prefetch depth, lookups or appends changed by editing its source, keys of 16 codes (``half``), each at several rows a block (a block builds its tables once for all its
 rows), at B x 1M paged keys behind a shuffled page table, each request keeping about 6.25% of its rows (a grown
 C's stage 1 at 1M keys). CUDA-graph medians per launch in us, beside a plain read of the same code bytes (the
 floor), and whether each variant kept the same rows as the shipped kernel (a GPU; not part of the package).
@@ -37,7 +37,13 @@ CHANGES = {
     "pf1": ("#define PREFETCH_ROWS 1\n", None),
     "coalesced": ("#define COALESCED 1\n", None),  # a warp's rows in two 512-byte loads, halves swapped by shuffles
     "no_lookup": ("", (LOOKUP, "score += (int)(at & 7u);")),  # the same reads and permutes, no shared loads
+    "half": ("#define CODE_BYTES 16\n", None),  # keys of 16 codes (16 bytes a row, 16 lookups), its own codes
 }
+
+
+def code_bytes(name: str) -> int:
+    """Code bytes a key the variant ``name`` reads."""
+    return 16 if "half" in name.split("+") else 32
 
 
 def variant_source(name: str, long_blocks: bool = False) -> str:
@@ -60,17 +66,25 @@ def variant_source(name: str, long_blocks: bool = False) -> str:
 
 def sweep(b: int, kernels: dict) -> list[dict]:
     """The shipped kernel at every span of :data:`SPANS`, the changed ones at :data:`SPANS_CHANGED`, over ``b``
-    requests of :data:`N` keys."""
+    requests of :data:`N` keys (of 32 codes; a variant of 16 codes reads its own, beside their plain read)."""
+    res = []
+    for m in sorted({code_bytes(name) for name in kernels}, reverse=True):
+        res += sweep_codes(b, m, {name: forms for name, forms in kernels.items() if code_bytes(name) == m})
+    return res
+
+
+def sweep_codes(b: int, m: int, kernels: dict) -> list[dict]:
+    """:func:`sweep` over keys of ``m`` codes."""
     g = torch.Generator(device="cuda").manual_seed(b)
     pages = b * N // 64
     table = torch.randperm(pages, device="cuda", generator=g).view(b, -1).int()
-    codes = torch.randint(0, 256, (pages, 64, 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-    lut = torch.randint(-127, 128, (b, 32, 256), device="cuda", generator=g, dtype=torch.int32).to(torch.int8)
+    codes = torch.randint(0, 256, (pages, 64, m), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    lut = torch.randint(-127, 128, (b, m, 256), device="cuda", generator=g, dtype=torch.int32).to(torch.int8)
     lengths = torch.full((b,), N, dtype=torch.int32, device="cuda")
     # each request's threshold: the (1 - SHARE) quantile of 65,536 sampled rows' integer sums
     sample = torch.randint(0, N, (b, 65536), device="cuda", generator=g)
     at = table.long()[torch.arange(b, device="cuda")[:, None], sample // 64] * 64 + sample % 64
-    sums = lut.int().gather(2, codes.view(-1, 32)[at].permute(0, 2, 1).long()).sum(1).float()
+    sums = lut.int().gather(2, codes.view(-1, m)[at].permute(0, 2, 1).long()).sum(1).float()
     thr = torch.quantile(sums, 1 - SHARE, dim=1).contiguous()
     none = torch.full_like(thr, float("inf"))
     cap = int(3 * SHARE * N)
@@ -80,15 +94,15 @@ def sweep(b: int, kernels: dict) -> list[dict]:
             table.shape[1], N, cap, 0, 1]
     flat = codes.view(-1, 4).view(torch.int32)
     floor = graph_median_ms(lambda: flat.max()) * 1000
-    res = [dict(batch=b, keys=N, variant="read (torch max over the codes)", us=round(floor, 1))]
+    res = [dict(batch=b, keys=N, variant=f"read (torch max over the codes, {m} bytes a key)", us=round(floor, 1))]
     print(res[-1], flush=True)
     kept = None
     for name, forms in kernels.items():
-        for span in SPANS if name == "base" else SPANS_CHANGED:
+        for span in SPANS if name in ("base", "half") else SPANS_CHANGED:
             k = forms[span > scan.MAX_ROWS]
             for t, what in ((thr, ""), (none, ", no row kept")):
                 lookups = "no_lookup" not in name.split("+")
-                if (what and name not in ("base", "no_lookup", "coalesced+no_lookup")) or (not what and not lookups):
+                if (what and name not in ("base", "half", "no_lookup", "coalesced+no_lookup")) or (not what and not lookups):
                     continue  # with no row kept: the shipped kernel and the one without lookups only
                 launch = args[:3] + [t] + args[4:11] + [span, 1]
 
