@@ -186,6 +186,84 @@ def relative_mse(keys: torch.Tensor, codebooks: torch.Tensor, rotation: torch.Te
                                                                        math.ulp(1.0))
 
 
+GROUPS = 16  # groups a subspace's centroids fall in for a 16-byte stage 1: a code's group fills a nibble
+
+
+def balanced_assign(cost: torch.Tensor) -> torch.Tensor:
+    """cost [M, K, G] (item k of problem m placed in group g) -> group of each item [M, K] int64, every group
+    taking exactly K / G items. Rounds of proposals: each unplaced item asks for its cheapest group with room,
+    and each group keeps the cheapest of those asking, as many as it has room for (at least one item is
+    placed a round, so it ends)."""
+    m, k, g = cost.shape
+    if k % g:
+        raise ValueError(f"{k} items do not split into {g} equal groups")
+    dev = cost.device
+    assign = torch.full((m, k), -1, dtype=torch.long, device=dev)
+    room = torch.full((m, g), k // g, dtype=torch.long, device=dev)
+    rows = torch.arange(m, device=dev)[:, None]
+    span = torch.arange(k, device=dev)[None, :]
+    while bool((assign < 0).any()):
+        free = assign < 0
+        c = cost.masked_fill((room <= 0)[:, None, :], float("inf"))
+        pick = torch.where(free, c.argmin(2), g)  # placed items ask for group g: past every real one
+        asked = torch.where(free, c.gather(2, c.argmin(2, keepdim=True)).squeeze(2), float("inf"))
+        by_cost = asked.argsort(dim=1, stable=True)
+        order = by_cost.gather(1, pick.gather(1, by_cost).argsort(dim=1, stable=True))  # by group, then by cost
+        grp = pick.gather(1, order)
+        counts = torch.zeros(m, g + 1, dtype=torch.long, device=dev).scatter_add_(1, grp, torch.ones_like(grp))
+        start = counts.cumsum(1) - counts
+        rank = span - start.gather(1, grp)
+        take = (grp < g) & (rank < room.gather(1, grp.clamp_max(g - 1)))
+        assign[rows.expand(m, k)[take], order[take]] = grp[take]
+        room -= torch.zeros(m, g + 1, dtype=torch.long, device=dev).scatter_add_(1, grp, take.long())[:, :g]
+    return assign
+
+
+def group_centroids(codebooks: torch.Tensor, weights: torch.Tensor | None = None, groups: int = GROUPS,
+                    iters: int = 25, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each subspace's K centroids in ``groups`` groups of K / groups, by k-means on the centroids with equal
+    groups (:func:`balanced_assign`), weighted by ``weights`` [M, K] (how often each code is used; default
+    equal). Returns (group of each centroid [M, K] int64, each group's weighted mean [M, groups, d] float32).
+    Deterministic for a given ``seed``."""
+    m, k, d = codebooks.shape
+    cb = codebooks.float()
+    w = torch.ones(m, k, device=cb.device) if weights is None else weights.to(cb.device, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.stack([torch.randperm(k, generator=gen)[:groups] for _ in range(m)]).to(cb.device)
+    means = cb.gather(1, first[:, :, None].expand(m, groups, d)).clone()
+    assign = None
+    for _ in range(iters):
+        new = balanced_assign(torch.cdist(cb, means) ** 2)
+        mass = torch.zeros(m, groups, device=cb.device).scatter_add_(1, new, w)
+        sums = torch.zeros(m, groups, d, device=cb.device).scatter_add_(1, new[:, :, None].expand(m, k, d),
+                                                                       cb * w[:, :, None])
+        means = sums / mass.clamp_min(1e-12)[:, :, None]
+        if assign is not None and torch.equal(new, assign):
+            break
+        assign = new
+    return new, means
+
+
+def pair_codebooks(means: torch.Tensor) -> torch.Tensor:
+    """Group means [M, G, d] (G = 16) -> the codebooks of the group codes, [M / 2, G * G, 2 d]: codeword ``b``
+    of pair ``p`` is group ``b >> 4`` of subspace ``2 p`` beside group ``b & 15`` of subspace ``2 p + 1``
+    (:func:`group_codes`), so a group code is a product code of M / 2 subspaces and 256 centroids."""
+    m, g, d = means.shape
+    if m % 2 or g != GROUPS:
+        raise ValueError(f"group means {list(means.shape)}: want an even M and {GROUPS} groups")
+    hi = means[0::2, :, None, :].expand(m // 2, g, g, d)
+    lo = means[1::2, None, :, :].expand(m // 2, g, g, d)
+    return torch.cat([hi, lo], dim=3).reshape(m // 2, g * g, 2 * d).contiguous()
+
+
+def group_codes(codes: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
+    """codes [..., M] uint8 -> group codes [..., M / 2] uint8: byte ``p`` holds subspace ``2 p``'s group in its
+    high nibble and subspace ``2 p + 1``'s in its low one (``assign`` [M, K]: :func:`group_centroids`)."""
+    m = codes.shape[-1]
+    g = assign[torch.arange(m, device=codes.device), codes.long()]  # [..., M]
+    return ((g[..., 0::2] << 4) | g[..., 1::2]).to(torch.uint8)
+
+
 def beam_search(x: torch.Tensor, codebooks: torch.Tensor, beam: int,
                 state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual coding of ``x`` [n, D] by the whole-key codebooks [M, K, D] not yet used in ``state``, keeping

@@ -655,14 +655,18 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks_bf16: torch.Tensor | None = None, centroid_norms: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None,
                    page_table: torch.Tensor | None = None, scan: str = "auto", grow: tuple[int, int] = (0, 1),
-                   stage2: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   stage2: str = "auto",
+                   stage1: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The coarse stages of a direct decode step: stage 1 as in :func:`pq_coarse_topc`, then
     :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page; ``scan``: stage
     1's selecting kernel (:func:`pq_linear_topc`); ``grow`` (band, most): c1, c and the capacity's C grown by
     each request's length (:func:`grown_counts`; ``capacity`` less ``c`` is the slack kept); ``stage2``: stage 2's
-    kernel (:func:`pq_candidate_bins`). Returns (rows
-    [B, 2 c1] int32 key positions, bins [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
-    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
+    kernel (:func:`pq_candidate_bins`); ``stage1`` (codes, codebooks, centroid norms): stage 1 scores these
+    codes instead (the keys' group codes, :func:`~dsaindex.pq.group_codes`, kept per physical page as
+    ``codes`` are), stage 2 ``codes``. Returns (rows [B, 2 c1] int32 key positions, bins [B, 2 c1] int32,
+    stage-1 counts [B] int32, sel [B, 4] int32)."""
+    codes1, books1, norms1 = (codes, codebooks, centroid_norms) if stage1 is None else stage1
+    rows1, counts1 = _stage1(codes1, lengths, queries, head_weights, books1, c1, norms1, page_table,
                              max_len, linear_config, scan, grow)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
@@ -675,7 +679,8 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    codebooks: torch.Tensor, c1: int, c: int, codebooks_bf16: torch.Tensor | None = None,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                    max_len: int | None = None, linear_config: dict | None = None, one_program_max: int | None = None,
-                   scan: str = "auto", stage2: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scan: str = "auto", stage2: str = "auto",
+                   stage1: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode step's two coarse stages and its top C, on Triton: stage 1 keeps every key above a
     sampled threshold aiming at ``c1`` (int8 tables, :func:`pq_linear_topc` with ``keep_all``), stage 2
     scores those with every head (:func:`pq_candidate_scores`), and the best ``c`` are kept
@@ -683,11 +688,12 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     buffers wider than ``one_program_max``, default :data:`~dsaindex.kernels.topk.SMALL_TOPK_MAX`, by the
     threshold top-k :func:`~dsaindex.kernels.topk.rows_topk`, which also reads only the filled slots).
     Inputs as :func:`pq_linear_topc` (``page_table``: codes kept per physical page; ``scan``: stage 1's
-    selecting kernel; ``stage2``: stage 2's, :func:`pq_candidate_scores`). Returns (scores [B, c]
-    float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
+    selecting kernel; ``stage2``: stage 2's, :func:`pq_candidate_scores`; ``stage1``: as :func:`pq_coarse_bins`).
+    Returns (scores [B, c] float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk
 
-    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
+    codes1, books1, norms1 = (codes, codebooks, centroid_norms) if stage1 is None else stage1
+    rows1, counts1 = _stage1(codes1, lengths, queries, head_weights, books1, c1, norms1, page_table,
                              max_len, linear_config, scan)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,

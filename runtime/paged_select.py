@@ -123,7 +123,7 @@ from dsaindex.kernels.topk import (
     rows_topk_reference,
     small_topk_reference,
 )
-from dsaindex.pq import PQCodec, rotate
+from dsaindex.pq import GROUPS, PQCodec, group_centroids, group_codes, pair_codebooks, rotate
 
 PAGE = 64
 CHECK_EVERY = 16  # a step checks one in this many of each request's older pages (PagedCacheSelector)
@@ -250,6 +250,10 @@ class PagedCacheSelector:
     grow_most : the most C grows by (a power of two; default and at most: the largest whose candidates, bin
         slack and open page fit the final top-k's one program, :data:`~dsaindex.kernels.topk.SMALL_TOPK_MAX`
         entries: 4 at C = 4,096, 8 at 2,048)
+    stage1 : what stage 1 scores: ``"codes"`` (default: the keys' codes) or ``"groups"`` (each subspace's 256
+        centroids put in 16 groups of 16, :func:`~dsaindex.pq.group_centroids`, and stage 1 scoring the keys'
+        group codes, two groups a byte: 16 bytes a PQ32 key, half the bytes stage 1 reads, kept beside the
+        codes, so the selector holds 48 bytes a key; stage 2 scores the codes as before)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
@@ -258,7 +262,7 @@ class PagedCacheSelector:
                  check_every: int = CHECK_EVERY, codes: torch.Tensor | None = None, exact_offset: int | None = None,
                  grown_extra: int | None = None,
                  top_c: str = "auto", scan: str = "auto", grow_band: int = 0, grow_most: int | None = None,
-                 stage2: str = "auto"):
+                 stage2: str = "auto", stage1: str = "codes"):
         candidates = 2 * topk if candidates is None else candidates
         if top_c not in TOP_C:
             raise DsaIndexError(f"top_c {top_c!r} is not a way to keep stage 2's candidates.",
@@ -276,8 +280,14 @@ class PagedCacheSelector:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
+        if stage1 not in STAGE1S:
+            raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
+        if stage1 == "groups" and (m % 2 or codec.codebooks.shape[1] != GROUPS * GROUPS):
+            raise DsaIndexError(f"stage1='groups' pairs the subspaces' 16 groups of 256 centroids; the codec has "
+                                f"{m} subspaces of {codec.codebooks.shape[1]}.", "pass stage1='codes'.")
+        self.stage1 = stage1
         try:
-            self.scan = resolve_scan(scan, m, codec.codebooks.shape[1], True, dev)
+            self.scan = resolve_scan(scan, m if stage1 == "codes" else m // 2, 256, True, dev)
         except ValueError as err:
             raise DsaIndexError(f"scan {scan!r}: {err}.", "pass scan='auto' (the CUDA scan where it runs) or "
                                 "'triton'.") from err
@@ -332,6 +342,15 @@ class PagedCacheSelector:
                                 "size the engine's region for the layer with the codes' bytes per key (M), "
                                 "one page per cache page, or let the selector allocate its codes.")
         self.codes = codes
+        # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
+        # pair codebooks; stage 1 scores those, stage 2 the codes
+        self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if stage1 == "groups":
+            assign, means = group_centroids(self.codebooks)
+            books = pair_codebooks(means).to(dev)
+            self.group_of = assign.to(dev)
+            self.groups = (torch.zeros(num_pages + 1, PAGE, m // 2, dtype=torch.uint8, device=dev), books,
+                           books.norm(dim=2).amax(dim=1))
         self.signature = torch.zeros(num_pages + 1, len(signature_words(head_dim)), dtype=torch.int64, device=dev)
         self.valid = torch.zeros(num_pages + 1, dtype=torch.uint8, device=dev)  # 1: the page holds codes
         self._sig_words = torch.tensor(signature_words(head_dim), device=dev)
@@ -359,15 +378,25 @@ class PagedCacheSelector:
         bytes their codes were made from. A step's bookkeeping in the same launch: with ``lengths`` [B] int32,
         returns the keys of each request's completed pages [B] int32; ``advance`` moves the sweep's phase on."""
         if self.use_triton:  # the signatures and flags written by the same launch
-            return encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim, self.signature,
-                                self.valid, lengths=lengths, phase=self._phase if advance else None)
+            coded = encode_pages(rows, pages, self.whitened, self.transform, self.codes, self.head_dim, self.signature,
+                                 self.valid, lengths=lengths, phase=self._phase if advance else None)
+            self._group_pages(pages)
+            return coded
         encode_pages_reference(rows, pages, self.codebooks, self.metric, self.codes, self.head_dim, self.rotation)
+        self._group_pages(pages)
         src = pages.clamp_max(max(0, self.num_pages - 1))
         self.signature[pages] = page_words(rows)[src.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)  # a fill kernel: no host-to-device copy inside a graph
         if advance:
             self._phase.add_(1)
         return None if lengths is None else torch.bitwise_and(lengths, -PAGE)
+
+    def _group_pages(self, pages: torch.Tensor) -> None:
+        """stage1="groups": the group codes of ``pages`` from their codes (the scratch page, where the engine's
+        region has none, read as the last page: its own group codes again)."""
+        if self.groups is not None:
+            src = pages.clamp_max(self.codes.shape[0] - 1)
+            self.groups[0][src] = group_codes(self.codes[src], self.group_of)
 
     def prepare(self, cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor,
                 batch_pages: int = 4096) -> int:
@@ -401,6 +430,7 @@ class PagedCacheSelector:
                                 f"expected [{pages.shape[0]}, {PAGE}, {self.codes.shape[2]}] uint8.",
                                 "pass one page of PQ codes per page.")
         self.codes[pages] = codes.to(self.device)
+        self._group_pages(pages)
         self.signature[pages] = page_words(rows)[pages.unsqueeze(-1), self._sig_words]
         self.valid.index_fill_(0, pages, 1)
 
@@ -674,7 +704,8 @@ class PagedCacheSelector:
         if self.use_triton and top_c == "topk":
             _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
                                               codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                                              page_table=table, scan=self.scan, stage2=self.stage2)
+                                              page_table=table, scan=self.scan, stage2=self.stage2,
+                                              stage1=self.groups)
             return cand, counts1
         if self.use_triton:
             b = table.shape[0]
@@ -683,11 +714,13 @@ class PagedCacheSelector:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2)
+                page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2, stage1=self.groups)
             return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
         c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
-        _, rows1 = pq_linear_topc_reference(codes, n_coded, q, w, self.codebooks, self.c1 * most)
+        codes1, books1 = (codes, self.codebooks) if self.groups is None else (
+            paged_codes_reference(self.groups[0], table), self.groups[1])
+        _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
         coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks_bf16, self.stage2)  # int8: its own
         counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)
@@ -700,8 +733,12 @@ class PagedCacheSelector:
         return keep_binned_reference(rows1.to(torch.int32), bins, counts1, sel, capacity), counts1
 
     def gpu_bytes(self) -> int:
-        """Device bytes the selector holds beside the engine's cache (codes, signatures, flags)."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.signature, self.valid))
+        """Device bytes the selector holds beside the engine's cache (codes, group codes, signatures, flags)."""
+        held = (self.codes, self.signature, self.valid) + (() if self.groups is None else (self.groups[0],))
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+STAGE1S = ("codes", "groups")  # what stage 1 scores: the keys' codes, or their group codes (half the bytes)
 
 
 def _exact_warm_up(args: tuple, width: int) -> tuple:

@@ -362,6 +362,37 @@ def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
     assert recall(picks[0], picks[1]) >= 0.95
 
 
+def test_stage_one_on_group_codes_keeps_most_of_the_exact_topk_on_both_paths():
+    """stage1="groups": the selector keeps each page's group codes beside its codes (made from them at the catch-up
+    and at adopt), stage 1 scores those against the pair codebooks, stage 2 the codes; both paths keep most of
+    the exact top-k and agree; the group codes count in the selector's bytes; a codec whose centroids do not
+    split in 16 groups of 16 is refused by name."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pq import group_codes
+
+    lengths = [2000, 1500]
+    cache, table, _ = engine_cache(lengths, 60)
+    q, w = queries(2)
+    want = exact(cache, table, lengths, q, w, 32)
+    picks = []
+    for use_triton in (True, False):
+        sel = PagedCacheSelector(codec(), 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV,
+                                 exact_below=0, use_triton=use_triton, stage1="groups")
+        picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
+        assert recall(picks[-1], want) >= 0.85, use_triton
+        coded = torch.nonzero(sel.valid[:60]).flatten()  # the completed pages, encoded by the step
+        assert len(coded) >= sum(n // 64 for n in lengths)
+        assert torch.equal(sel.groups[0][coded], group_codes(sel.codes[coded], sel.group_of))
+        assert sel.gpu_bytes() == PagedCacheSelector(codec(), 60, topk=32, candidates=128, head_dim=D, device=DEV,
+                                                     exact_below=0, use_triton=use_triton).gpu_bytes() + 61 * 64 * 4
+    assert recall(picks[0], picks[1]) >= 0.95
+    small = PQCodec(codebooks=torch.randn(8, 64, 4))
+    with pytest.raises(DsaIndexError, match="16 groups of 256 centroids"):
+        PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="groups")
+    with pytest.raises(DsaIndexError, match="not a stage-1 code"):
+        PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="nibbles")
+
+
 @pytest.mark.parametrize("use_triton", [True, False])
 def test_binned_top_c_keeps_at_least_what_the_top_c_kernel_keeps(use_triton):
     """``top_c="bins"`` (``"auto"``'s choice for small steps) keeps every stage-2 candidate above the C-th's score bin, and ties in it

@@ -245,3 +245,45 @@ def test_torch_residual_quantizer_codes_sums_of_codewords_and_beats_greedy_codin
         mse.append(float(((q.decode(q.encode(held)) - held) ** 2).mean()))
         assert q.encode(held).shape == (500, m) and q.encode(held).dtype == torch.uint8
     assert mse[1] < mse[0]
+
+
+def test_balanced_assignment_fills_every_group_exactly_and_keeps_the_cheapest_choices():
+    """Each problem's items land in equal groups; where every item's cheapest group has room it gets it; a
+    K not divisible by G is refused."""
+    from dsaindex.pq import balanced_assign
+
+    g = torch.Generator().manual_seed(3)
+    cost = torch.rand(3, 64, 8, generator=g)
+    assign = balanced_assign(cost)
+    assert all(torch.equal(torch.bincount(a, minlength=8), torch.full((8,), 8)) for a in assign)
+    free = torch.rand(2, 16, 4, generator=g)
+    free[:, torch.arange(16), torch.arange(16) % 4] -= 2  # item i's cheapest: group i % 4, four each
+    assert torch.equal(balanced_assign(free), (torch.arange(16) % 4).expand(2, 16))
+    with pytest.raises(ValueError, match="equal groups"):
+        balanced_assign(torch.rand(1, 10, 4))
+
+
+def test_group_codes_decode_to_the_group_means_through_the_pair_codebooks():
+    """Centroids in 16 groups of 16 per subspace (closer to their group mean than to the subspace's mean on
+    clustered centroids); a key's group codes, looked up in the pair codebooks, give each subspace's group
+    mean: stage 1 on group codes scores the folded query against those means."""
+    from dsaindex.pq import GROUPS, group_centroids, group_codes, pair_codebooks
+
+    g = torch.Generator().manual_seed(1)
+    centers = torch.randn(4, GROUPS, 4, generator=g) * 3
+    cb = centers.repeat_interleave(16, dim=1) + 0.1 * torch.randn(4, 256, 4, generator=g)
+    assign, means = group_centroids(cb)
+    assert all(torch.equal(torch.bincount(a, minlength=GROUPS), torch.full((GROUPS,), 16)) for a in assign)
+    spread = ((cb - means.gather(1, assign[:, :, None].expand(4, 256, 4))) ** 2).sum()
+    assert spread < 0.05 * ((cb - cb.mean(1, keepdim=True)) ** 2).sum()  # the planted groups found
+    assert torch.equal(assign, group_centroids(cb)[0])  # deterministic
+    codes = torch.randint(0, 256, (5, 7, 4), generator=g, dtype=torch.int32).to(torch.uint8)
+    gc = group_codes(codes, assign)
+    assert gc.shape == (5, 7, 2) and gc.dtype == torch.uint8
+    books = pair_codebooks(means)
+    assert books.shape == (2, 256, 8)
+    decoded = books[torch.arange(2), gc.long()].reshape(5, 7, 16)
+    want = means[torch.arange(4), assign[torch.arange(4), codes.long()]].reshape(5, 7, 16)
+    assert torch.equal(decoded, want)
+    with pytest.raises(ValueError, match="even M"):
+        pair_codebooks(means[:3])

@@ -46,7 +46,7 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
                     exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
                     scans: tuple[str, ...] = ("triton",), grow_band: int = 0,
-                    stage2s: tuple[str, ...] = ("auto",)) -> dict:
+                    stage2s: tuple[str, ...] = ("auto",), stage1s: tuple[str, ...] = ("codes",)) -> dict:
     import torch
 
     from dsaindex.kernels import deepgemm
@@ -91,23 +91,25 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     offset, extra = exact_shares(prefilter * candidates, grows=grow_band > 0)  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
     path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow, extra) else "pq"
-    runs = [(p, p, exact_below, top_cs[0], scans[0], stage2s[0]) for p in places]
+    first = (top_cs[0], scans[0], stage2s[0], stage1s[0])
+    runs = [(p, p, exact_below, *first) for p in places]
     if path == "exact" and "device" in places:
-        runs.append(("device_pq", "device", 0, top_cs[0], scans[0], stage2s[0]))
+        runs.append(("device_pq", "device", 0, *first))
     if "device" in places:  # the other ways to keep stage 2's candidates, or to run stage 1 or 2, on the codes' path
         codes_bound = exact_below if path == "pq" else 0
-        runs += [(f"device_{mode}", "device", codes_bound, mode, scans[0], stage2s[0]) for mode in top_cs[1:]]
-        runs += [(f"device_scan_{scan}", "device", codes_bound, top_cs[0], scan, stage2s[0]) for scan in scans[1:]]
-        runs += [(f"device_stage2_{kernel}", "device", codes_bound, top_cs[0], scans[0], kernel)
+        runs += [(f"device_{mode}", "device", codes_bound, mode, *first[1:]) for mode in top_cs[1:]]
+        runs += [(f"device_scan_{scan}", "device", codes_bound, first[0], scan, *first[2:]) for scan in scans[1:]]
+        runs += [(f"device_stage2_{kernel}", "device", codes_bound, *first[:2], kernel, first[3])
                  for kernel in stage2s[1:]]
-    for name, place, bound, top_c, scan, stage2 in runs:
+        runs += [(f"device_stage1_{code}", "device", codes_bound, *first[:3], code) for code in stage1s[1:]]
+    for name, place, bound, top_c, scan, stage2, stage1 in runs:
         rows = cache
         if place == "host":
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
         selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
                                       device="cuda", keys_on_host=place == "host", exact_below=bound,
-                                      top_c=top_c, scan=scan, grow_band=grow_band, stage2=stage2)
+                                      top_c=top_c, scan=scan, grow_band=grow_band, stage2=stage2, stage1=stage1)
         selector.adopt(rows, table.reshape(-1), flat_codes)
         # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
         step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
@@ -181,6 +183,9 @@ def bench_paged(
                                "cuda (codebooks and score bins in shared memory), int8 (the same on 8-bit operands) or "
                                "triton; a comma list times the "
                                "others too (plugin_device_stage2_<s>, on the codes' path)."),
+    stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default: the keys' codes) "
+                               "or groups (their group codes, 16 bytes a PQ32 key, kept beside the codes); a comma "
+                               "list times the others too (plugin_device_stage1_<s>, on the codes' path)."),
     grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
                                   help="C grows with each doubling of a request's keys past this many (what the "
                                        "plugins do past the end of the prefix band a bundle measured its recall in, "
@@ -206,12 +211,13 @@ def bench_paged(
     batch_sizes = parse_ints(batches, "--batches", minimum=1)
     from dsaindex.kernels.pq_scan_cuda import SCANS
     from dsaindex.kernels.pq_stage2_cuda import STAGE2S
-    from dsaindex.runtime.paged_select import TOP_C
+    from dsaindex.runtime.paged_select import STAGE1S, TOP_C
 
     chosen = _options(places, "--keys-on", "place", ("device", "host"))
     top_cs = _options(top_c, "--top-c", "way", TOP_C)
     scans = _options(scan, "--scan", "stage-1 kernel", SCANS)
     stage2s = _options(stage2, "--stage2", "stage-2 kernel", STAGE2S)
+    stage1s = _options(stage1, "--stage1", "stage-1 code", STAGE1S)
     if any(n % 64 for n in key_counts):
         raise DsaIndexError("--keys must be multiples of the 64-key page.", "pass e.g. 65536,262144,1048576.")
     if candidates < topk:
@@ -228,13 +234,14 @@ def bench_paged(
     for n in key_counts:
         for b in batch_sizes:
             row = time_paged_case(b, n, heads, topk, candidates, prefilter, subspaces, chosen, graphs, profile,
-                                  exact_below, top_cs, scans, grow_band, stage2s)
+                                  exact_below, top_cs, scans, grow_band, stage2s, stage1s)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "path", "median_ms", "speedup_vs_deepgemm")}),
                        err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "heads": heads, "topk": topk, "candidates": candidates,
               "prefilter": prefilter, "subspaces": subspaces, "exact_below": exact_below, "places": list(chosen),
-              "top_c": list(top_cs), "scan": list(scans), "stage2": list(stage2s), "grow_band": grow_band,
+              "top_c": list(top_cs), "scan": list(scans), "stage2": list(stage2s), "stage1": list(stage1s),
+              "grow_band": grow_band,
               "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))
