@@ -256,6 +256,27 @@ def pair_codebooks(means: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, lo], dim=3).reshape(m // 2, g * g, 2 * d).contiguous()
 
 
+def check_groups(subspaces: int, centroids: int, residual: bool = False) -> None:
+    """Raise :class:`DsaIndexError` naming the fix unless a code of ``subspaces`` x ``centroids`` (a residual
+    code when ``residual``) can be served with stage 1 on group codes: a product code, even M, 256 centroids."""
+    if residual:
+        raise DsaIndexError("stage1='groups' groups a product code's centroids; the layer holds residual codes (RQ).",
+                            "pass stage1='codes'.")
+    if subspaces % 2 or centroids != GROUPS * GROUPS:
+        raise DsaIndexError(f"stage1='groups' pairs the subspaces' 16 groups of 256 centroids; the codec has "
+                            f"{subspaces} subspaces of {centroids}.", "pass stage1='codes'.")
+
+
+def stage1_groups(codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a stage 1 on group codes needs of product ``codebooks`` [M, K, d] (even M, K = 256, else
+    :class:`DsaIndexError` naming the fix): (the group of each centroid [M, K] int64, the pair codebooks
+    [M / 2, 256, 2 d] float32, their largest codeword norm per pair [M / 2], the int8 tables' bound)."""
+    check_groups(codebooks.shape[0], codebooks.shape[1])
+    assign, means = group_centroids(codebooks)
+    books = pair_codebooks(means)
+    return assign, books, books.norm(dim=2).amax(dim=1)
+
+
 def group_codes(codes: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
     """codes [..., M] uint8 -> group codes [..., M / 2] uint8: byte ``p`` holds subspace ``2 p``'s group in its
     high nibble and subspace ``2 p + 1``'s in its low one (``assign`` [M, K]: :func:`group_centroids`)."""

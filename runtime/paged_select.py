@@ -123,7 +123,7 @@ from dsaindex.kernels.topk import (
     rows_topk_reference,
     small_topk_reference,
 )
-from dsaindex.pq import GROUPS, PQCodec, group_centroids, group_codes, pair_codebooks, rotate
+from dsaindex.pq import PQCodec, group_codes, rotate, stage1_groups
 
 PAGE = 64
 CHECK_EVERY = 16  # a step checks one in this many of each request's older pages (PagedCacheSelector)
@@ -282,10 +282,15 @@ class PagedCacheSelector:
         self.use_triton = (dev.type == "cuda" or select_kernels.interpreted()) if use_triton is None else use_triton
         if stage1 not in STAGE1S:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
-        if stage1 == "groups" and (m % 2 or codec.codebooks.shape[1] != GROUPS * GROUPS):
-            raise DsaIndexError(f"stage1='groups' pairs the subspaces' 16 groups of 256 centroids; the codec has "
-                                f"{m} subspaces of {codec.codebooks.shape[1]}.", "pass stage1='codes'.")
         self.stage1 = stage1
+        # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
+        # pair codebooks; stage 1 scores those, stage 2 the codes
+        self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if stage1 == "groups":
+            assign, books, norms = stage1_groups(codec.codebooks.float())
+            self.group_of = assign.to(dev)
+            self.groups = (torch.zeros(num_pages + 1, PAGE, m // 2, dtype=torch.uint8, device=dev), books.to(dev),
+                           norms.to(dev))
         try:
             self.scan = resolve_scan(scan, m if stage1 == "codes" else m // 2, 256, True, dev)
         except ValueError as err:
@@ -342,15 +347,6 @@ class PagedCacheSelector:
                                 "size the engine's region for the layer with the codes' bytes per key (M), "
                                 "one page per cache page, or let the selector allocate its codes.")
         self.codes = codes
-        # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
-        # pair codebooks; stage 1 scores those, stage 2 the codes
-        self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if stage1 == "groups":
-            assign, means = group_centroids(self.codebooks)
-            books = pair_codebooks(means).to(dev)
-            self.group_of = assign.to(dev)
-            self.groups = (torch.zeros(num_pages + 1, PAGE, m // 2, dtype=torch.uint8, device=dev), books,
-                           books.norm(dim=2).amax(dim=1))
         self.signature = torch.zeros(num_pages + 1, len(signature_words(head_dim)), dtype=torch.int64, device=dev)
         self.valid = torch.zeros(num_pages + 1, dtype=torch.uint8, device=dev)  # 1: the page holds codes
         self._sig_words = torch.tensor(signature_words(head_dim), device=dev)

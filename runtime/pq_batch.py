@@ -83,10 +83,10 @@ from dsaindex.kernels.pq_select import (
 )
 from dsaindex.kernels.pq_stage2_cuda import STAGE2S
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
-from dsaindex.pq import PQCodec, encode, rotate
+from dsaindex.pq import PQCodec, check_groups, encode, group_codes, rotate, stage1_groups
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.paged_select import growth_setting
+from dsaindex.runtime.paged_select import STAGE1S, growth_setting
 
 
 @dataclass
@@ -136,6 +136,8 @@ class PQDecodeGroup:
         (the default), ``"cuda"``, ``"int8"`` (8-bit operands; what ``"auto"`` runs for large steps where it
         compiles) or ``"triton"``; without the kernels (``use_triton`` off) ``"int8"`` scores with its arithmetic
         (:func:`~dsaindex.kernels.pq_stage2_cuda.int8_scores_reference`), the others with the bf16 reference
+    stage1 : what stage 1 scores: ``"codes"`` (default) or ``"groups"`` (the keys' group codes, half the bytes,
+        kept beside the codes: :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`'s option)
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
@@ -159,7 +161,7 @@ class PQDecodeGroup:
                  device: str | torch.device = "cuda", use_triton: bool | None = None,
                  linear_config: dict | None = None, exact_below: int = 0, exact_pages: int | None = None,
                  pq_from: dict[int, int] | None = None, filter_width: float = FILTER_WIDTH, direct_upto: int = 0,
-                 stage2: str = "auto"):
+                 stage2: str = "auto", stage1: str = "codes"):
         if candidates < topk:
             raise DsaIndexError(f"candidates ({candidates}) must be at least topk ({topk}): the exact rerank "
                                 "chooses the top-k among the candidates.", f"pass candidates >= {topk}.")
@@ -205,6 +207,16 @@ class PQDecodeGroup:
         self.slots, self.max_keys = slots, max_keys
         max_pages = -(-max_keys // self.page)
         self.codes = torch.zeros(slots, max_pages * self.page, m, dtype=torch.uint8, device=dev)
+        # stage1="groups": stage 1 scores each key's group codes, kept beside its codes (paged_select's option)
+        if stage1 not in STAGE1S:
+            raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
+        self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if stage1 == "groups":
+            check_groups(m, self.codebooks.shape[1], self.residual)
+            assign, books, norms = stage1_groups(self.codebooks)
+            self.group_of = assign
+            self.groups = (torch.zeros(slots, max_pages * self.page, m // 2, dtype=torch.uint8, device=dev), books,
+                           norms)
         self.base_cache = cache_capacity  # the cache of a fixed C; a grown C's scales with its growth (grow_past)
         self._allocate_cache(cache_capacity, max(64, candidates // 8))
         self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=dev)
@@ -404,6 +416,8 @@ class PQDecodeGroup:
         self.host.write_fp8_pages(new_pages, page_fp8, page_scales)
         start = self.encoded_host[slot]
         self.codes[slot, start : start + codes.shape[0]] = codes
+        if self.groups is not None:
+            self.groups[0][slot, start : start + codes.shape[0]] = group_codes(codes, self.group_of)
         first = start // self.page
         self.page_table[slot, first : first + len(new_pages)] = torch.tensor(new_pages, dtype=torch.int32)
         self._pages(slot).extend(new_pages)
@@ -429,7 +443,7 @@ class PQDecodeGroup:
     def gpu_bytes(self) -> dict[str, int]:
         """Device bytes per request: the index (codes of ``max_keys``) and the fixed cache + tail state."""
         per_slot = lambda t: t.numel() * t.element_size() // self.slots  # noqa: E731
-        return {"index": per_slot(self.codes),
+        return {"index": per_slot(self.codes) + (0 if self.groups is None else per_slot(self.groups[0])),
                 "cache": per_slot(self.pool_fp8) + per_slot(self.pool_scales) + per_slot(self.cache_pos)
                 + per_slot(self.cache_stamp) + per_slot(self.set_count) + per_slot(self.page_table),
                 "exact_pool": self.exact_pool.numel() // max(1, self.slots)}
@@ -465,7 +479,8 @@ class PQDecodeGroup:
             # stage 1 keeps every key above its threshold (about 1.5 x C1): no sort before stage 2
             return pq_coarse_topc(self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
                                   codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                                  max_len=longest, linear_config=self.linear_config, stage2=self.stage2)
+                                  max_len=longest, linear_config=self.linear_config, stage2=self.stage2,
+                                  stage1=self.groups)
         rows1, counts1, coarse = self._coarse_reference(q_code, w, longest)
         cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
         return cand_scores, cand, counts1
@@ -477,7 +492,9 @@ class PQDecodeGroup:
         codes = self.codes[:, :longest]
         band, most = grow
         c1 = grown_counts(self.c1, self.n_encoded, band, most)
-        _, rows1 = pq_linear_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1 * most)
+        codes1, books1 = (codes, self.codebooks) if self.groups is None else (self.groups[0][:, :longest],
+                                                                               self.groups[1])
+        _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
         counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
         # "int8": the int8 kernel's own arithmetic, so a CPU run measures what it selects
@@ -525,7 +542,7 @@ class PQDecodeGroup:
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
                 centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config,
-                grow=(band, most), stage2=self.stage2)
+                grow=(band, most), stage2=self.stage2, stage1=self.groups)
             exact, positions, counts = fp8_host_select(
                 self.host.fp8, self.host.scales, self.page_table, rows1, bins, counts1, sel, self.bin_scratch,
                 self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, width)
@@ -557,7 +574,7 @@ class PQDecodeGroup:
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
                 centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config, grow=grow,
-                stage2=self.stage2)
+                stage2=self.stage2, stage1=self.groups)
             cand = keep_binned(rows1, bins, counts1, sel, self.bin_scratch, width)
         else:
             rows1, counts1, coarse = self._coarse_reference(q_code, w, longest, grow)

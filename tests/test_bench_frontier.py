@@ -244,6 +244,8 @@ def test_bad_input_is_refused_with_the_fix_before_any_work(routing_store, bundle
          "--plot draws speedup against recall"),
         (("-s", str(routing_store)), "No bundle to measure."),
         (("-s", str(routing_store), "-a", str(bundles[0]), "--stage2", "fp8"), "--stage2 'fp8' is not a stage-2 kernel"),
+        (("-s", str(routing_store), "-a", str(bundles[0]), "--stage1", "half"), "--stage1 'half' is not a stage-1 code"),
+        (("-s", str(routing_store), "-a", str(bundles[1]), "--stage1", "groups"), "the layer holds residual codes"),
     ]
     for args, problem in cases:
         proc = run_cli(*base, *args)

@@ -473,3 +473,38 @@ def test_the_group_takes_a_stage2_kernel_by_name_and_hands_it_to_stage2():
         else:
             picked[kernel] = group.select(q, w)[0]
     assert picked["auto"].shape == (1, 16)
+
+
+@pytest.mark.usefixtures("torch_encoding")
+def test_a_group_on_group_codes_keeps_them_beside_its_codes_and_selects_alike_on_both_paths():
+    """stage1="groups": each committed page's group codes are written beside its codes, the index's bytes count
+    them, and the kernels' step keeps what the torch step keeps and most of the exact top-k; an RQ layer is
+    refused by name."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.pq import group_codes
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    lengths = [1500, 900]
+    keys = histories(lengths, seed=5)
+    q, w = queries(2, 7)
+    picks = []
+    for use_triton in (True, False):
+        group = PQDecodeGroup(layer(), HostKeyStore(64, D), 2, 1600, 16, candidates=128, prefilter=2,
+                              cache_capacity=128, device=DEV, use_triton=use_triton, stage1="groups")
+        for slot, x in enumerate(keys):
+            group.admit(slot)
+            group.append(slot, x)
+        for slot, n in enumerate(lengths):
+            done = n // 64 * 64
+            assert torch.equal(group.groups[0][slot, :done], group_codes(group.codes[slot, :done], group.group_of))
+        assert group.gpu_bytes()["index"] == group.codes[0].numel() * 3 // 2
+        picks.append(group.select(q, w)[0])
+        assert overlap(picks[-1].cpu(), exact_topk(keys, q, w, 16)) >= 0.85, use_triton
+    assert overlap(picks[0].cpu(), picks[1].cpu()) >= 15 / 16
+    rq = PQCodec(codebooks=torch.randn(4, 256, D), residual=True)
+    with pytest.raises(DsaIndexError, match="residual codes"):
+        PQDecodeGroup(rq, HostKeyStore(8, D), 1, 256, 16, candidates=128, cache_capacity=128, device=DEV,
+                      stage1="groups")
+    with pytest.raises(DsaIndexError, match="not a stage-1 code"):
+        PQDecodeGroup(layer(), HostKeyStore(8, D), 1, 256, 16, candidates=128, cache_capacity=128, device=DEV,
+                      stage1="half")

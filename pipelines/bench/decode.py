@@ -410,7 +410,7 @@ STEP_MODES = ("filter", "rerank", "direct")  # the cold steps :func:`served_step
 
 def served_step(codec, prefixes: list, queries, head_weights, topk: int, candidates: int, prefilter: int, cache: int,
                 mode: str, device: str, use_triton: bool | None = None, encoded: list | None = None, host=None,
-                filter_width: float = FILTER_WIDTH, grow_band: int = 0, stage2: str = "auto"):
+                filter_width: float = FILTER_WIDTH, grow_band: int = 0, stage2: str = "auto", stage1: str = "codes"):
     """One cold decode step of the runtime's :class:`~dsaindex.runtime.pq_batch.PQDecodeGroup` for a batch of
     requests, each holding its causal prefix (``prefixes``: one [n_b, D] engine-key tensor a request) and
     asking with one query (``queries`` [B, H, D], ``head_weights`` [B, H]).
@@ -423,7 +423,8 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
     by the group. ``host``: a host key store with room for the prefixes' pages (default: a new one); the
     pages are given back to it after the step. ``grow_band``: C grows with each request's prefix past this
     many keys (:meth:`~dsaindex.runtime.pq_batch.PQDecodeGroup.grow_past`; a step past it rescores every
-    candidate, as the server runs it, whatever ``mode``); ``stage2``: stage 2's kernel on a GPU. Returns
+    candidate, as the server runs it, whatever ``mode``); ``stage2``: stage 2's kernel on a GPU; ``stage1``: what
+    stage 1 scores (codes or group codes). Returns
     (positions [B, topk] int64, the step's stats)."""
     from dsaindex.runtime.host_store import HostKeyStore
     from dsaindex.runtime.pq_batch import PQDecodeGroup
@@ -435,7 +436,7 @@ def served_step(codec, prefixes: list, queries, head_weights, topk: int, candida
     group = PQDecodeGroup(codec, host, len(lengths), max(lengths), topk, candidates=candidates,
                           prefilter=prefilter, cache_capacity=cache, miss_filter=mode == "filter",
                           device=device, use_triton=use_triton, filter_width=filter_width,
-                          direct_upto=len(lengths) if mode == "direct" else 0, stage2=stage2)
+                          direct_upto=len(lengths) if mode == "direct" else 0, stage2=stage2, stage1=stage1)
     if grow_band:
         group.grow_past(grow_band)
     for slot, keys in enumerate(prefixes):

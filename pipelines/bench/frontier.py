@@ -152,7 +152,7 @@ def check_points(bundles: list[Bundle], candidates: list[int], prefilters: list[
 def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int, candidates: list[int],
                    prefilters: list[int], steps: list[str], filter_width: float, min_prefix: int, max_queries: int,
                    device: str, use_triton: bool | None, progress=None, grow_band: int = 0,
-                   stage2: str = "auto") -> tuple[dict, int]:
+                   stage2: str = "auto", stage1: str = "codes") -> tuple[dict, int]:
     """Per (bundle index, C, P, step) the held-out queries' results: a list of (layer, prefix keys, share of
     the exact top-k selected, share of the candidates read from host). Returns it and the query count per
     layer measured (the same queries for every point). ``grow_band``: C grows with each query's prefix past
@@ -204,7 +204,7 @@ def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int
                             picked, stats = served_step(b.codecs[layer], prefixes, q, w, topk, c, p, cache_for(c),
                                                         step, device, use_triton, encoded=encoded, host=host,
                                                         filter_width=filter_width, grow_band=grow_band,
-                                                        stage2=stage2)
+                                                        stage2=stage2, stage1=stage1)
                             fetched = (stats.fetched.float() / stats.candidates.clamp_min(1).float()).tolist()
                             results.setdefault((bi, c, p, step), []).extend(
                                 (layer, n, share, f)
@@ -254,7 +254,7 @@ def recorded_recall(manifest, layers: list[int], topk: int, prefilter: int, cand
 # ---- timing --------------------------------------------------------------------------------------------
 def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: list[int], prefilters: list[int],
                heads: int, topk: int, direct_upto: int, filter_width: float, graphs: bool, device: str,
-               progress=None, grow_band: int = 0, stage2: str = "auto") -> dict[str, dict]:
+               progress=None, grow_band: int = 0, stage2: str = "auto", stage1: str = "codes") -> dict[str, dict]:
     """Per B x N (:func:`case_key`): {"baseline": the exact step's timing, "steps": {(bundle index, C, P):
     (median ms, timing mode)}}, every step over the same synthetic keys and queries as its baseline.
     ``grow_band``: C grown past it as the server grows it (a step past it rescores every candidate)."""
@@ -288,7 +288,7 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
                     group = pq_group_over(fp8, scales, codes, codec.codebooks, topk, c, p, cache_for(c), codec=codec,
                                           device=device, host=host, direct_upto=direct_upto,
                                           filter_width=filter_width, use_triton=use_triton, grow_band=grow_band,
-                                          stage2=stage2)
+                                          stage2=stage2, stage1=stage1)
                     ms, _, mode = pq_step_ms(group, q, w, graphs, device)
                     steps[(bi, c, p)] = (ms, mode)
                     group.free_all()
@@ -560,6 +560,8 @@ def bench_frontier(
     device: str = typer.Option("auto", help="Where recall is measured and steps are timed: cpu, cuda or auto."),
     stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel on a GPU: auto (the default), cuda, int8 "
                                                        "(8-bit operands) or triton; the CPU runs the torch reference."),
+    stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default) or groups (the "
+                                                         "keys' group codes, half the bytes, kept beside the codes)."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the tables as markdown to this file."),
     plot: Path = typer.Option(None, help="Also draw speedup against recall (one panel per B x N, the Pareto front "
@@ -597,6 +599,10 @@ def bench_frontier(
 
     if stage2 not in STAGE2S:
         raise DsaIndexError(f"--stage2 {stage2!r} is not a stage-2 kernel.", f"pass one of {', '.join(STAGE2S)}.")
+    from dsaindex.runtime.paged_select import STAGE1S
+
+    if stage1 not in STAGE1S:
+        raise DsaIndexError(f"--stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
     device = resolve_device(device)
     cuda = device.startswith("cuda")
     timed_run = cuda if timing is None else timing
@@ -609,6 +615,12 @@ def bench_frontier(
     geometry = cstore.manifest.model.geometry
     k = parse_topk(topk, geometry.topk)
     bundles = load_bundles(refs, cstore, display(store_ref), layer_ids, device)
+    if stage1 == "groups":
+        from dsaindex.pq import check_groups
+
+        for b in bundles:
+            for codec in b.codecs.values():
+                check_groups(codec.subspaces, codec.codebooks.shape[1], codec.residual)
     check_points(bundles, cs, ps, k, key_counts if timed_run else None, device)
     if min_prefix is None:
         min_prefix = max(4 * k, max(cs) + 1)
@@ -631,7 +643,7 @@ def bench_frontier(
     use_triton = None if cuda else False  # on the CPU the kernels' torch references (a CPU server runs them)
     with progress_bar("served recall", enabled=show_progress, unit="layers") as update:
         results, counts = measure_recall(cstore, bundles, sequences, k, cs, ps, steps, width, min_prefix, queries,
-                                         device, use_triton, update, grow_band, stage2)
+                                         device, use_triton, update, grow_band, stage2, stage1)
     if not any(counts.values()):
         raise DsaIndexError(f"No held-out query of {display(store_ref)} (sequences {sequences}) has {min_prefix} keys "
                             "or more before it.",
@@ -642,7 +654,7 @@ def bench_frontier(
     if timed_run:
         with progress_bar("decode steps", enabled=show_progress, unit="steps") as update:
             timings = time_cases(cases, bundles, cs, ps, geometry.n_heads, k, direct_upto, width, graphs, device,
-                                 update, grow_band, stage2)
+                                 update, grow_band, stage2, stage1)
     rows = []
     for bi, b in enumerate(bundles):
         for c in cs:
@@ -665,7 +677,7 @@ def bench_frontier(
         "queries_per_layer": queries, "queries": sum(counts.values()),
         "queries_by_layer": {str(layer): n for layer, n in counts.items()},
         "recall_target": target, "filter_width": width, "direct_upto": direct_upto, "steps": steps,
-        "grow_band": grow_band, "stage2": stage2,
+        "grow_band": grow_band, "stage2": stage2, "stage1": stage1,
         "selection": "the runtime's Triton kernels" if cuda else "the kernels' torch references (CPU)",
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "timing": {"skipped": None if timed_run else ("--no-timing" if timing is False else "no CUDA device"),
