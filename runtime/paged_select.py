@@ -292,7 +292,7 @@ class PagedCacheSelector:
             self.groups = (torch.zeros(num_pages + 1, PAGE, m // 2, dtype=torch.uint8, device=dev), books.to(dev),
                            norms.to(dev))
         try:
-            self.scan = resolve_scan(scan, m if stage1 == "codes" else m // 2, 256, True, dev)
+            self.scan = resolve_scan(scan, m if stage1 == "codes" else m // 2, codec.codebooks.shape[1], True, dev)
         except ValueError as err:
             raise DsaIndexError(f"scan {scan!r}: {err}.", "pass scan='auto' (the CUDA scan where it runs) or "
                                 "'triton'.") from err
