@@ -267,11 +267,12 @@ def check_groups(subspaces: int, centroids: int, residual: bool = False) -> None
                             f"{subspaces} subspaces of {centroids}.", "pass stage1='codes'.")
 
 
-def stage1_groups(codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a stage 1 on group codes needs of product ``codebooks`` [M, K, d] (even M, K = 256, else
-    :class:`DsaIndexError` naming the fix): (the group of each centroid [M, K] int64, the pair codebooks
-    [M / 2, 256, 2 d] float32, their largest codeword norm per pair [M / 2], the int8 tables' bound)."""
-    check_groups(codebooks.shape[0], codebooks.shape[1])
+def stage1_groups(codebooks: torch.Tensor, residual: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a stage 1 on group codes needs of product ``codebooks`` [M, K, d] (even M, K = 256, not a residual
+    code, else :class:`DsaIndexError` naming the fix, :func:`check_groups`): (the group of each centroid [M, K]
+    int64, the pair codebooks [M / 2, 256, 2 d] float32, their largest codeword norm per pair [M / 2], the int8
+    tables' bound)."""
+    check_groups(codebooks.shape[0], codebooks.shape[1], residual)
     assign, means = group_centroids(codebooks)
     books = pair_codebooks(means)
     return assign, books, books.norm(dim=2).amax(dim=1)

@@ -83,7 +83,7 @@ from dsaindex.kernels.pq_select import (
 )
 from dsaindex.kernels.pq_stage2_cuda import STAGE2S
 from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_topk_reference
-from dsaindex.pq import PQCodec, check_groups, encode, group_codes, rotate, stage1_groups
+from dsaindex.pq import PQCodec, encode, group_codes, rotate, stage1_groups
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
 from dsaindex.runtime.paged_select import STAGE1S, growth_setting
@@ -212,8 +212,7 @@ class PQDecodeGroup:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if stage1 == "groups":
-            check_groups(m, self.codebooks.shape[1], self.residual)
-            assign, books, norms = stage1_groups(self.codebooks)
+            assign, books, norms = stage1_groups(self.codebooks, self.residual)
             self.group_of = assign
             self.groups = (torch.zeros(slots, max_pages * self.page, m // 2, dtype=torch.uint8, device=dev), books,
                            norms)

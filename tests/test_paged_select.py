@@ -346,19 +346,28 @@ def test_the_final_top_k_spread_over_programs_selects_what_one_program_a_row_sel
     assert sorted(picks[1][0][2, :40].tolist()) == list(range(40)) and (picks[1][0][2, 40:] == -1).all()
 
 
-def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
+def _long_requests_on_both_paths(**options):
+    """Two long requests selected once by the Triton path and once by the torch path of selectors built with
+    ``options``: (picks, selectors, the exact top-32, lengths)."""
     lengths = [2000, 1500]
     cache, table, _ = engine_cache(lengths, 60)
     q, w = queries(2)
     want = exact(cache, table, lengths, q, w, 32)
-    picks = []
+    picks, selectors = [], []
     for use_triton in (True, False):
         sel = PagedCacheSelector(codec(), 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV, exact_below=0,
-                                 use_triton=use_triton)
+                                 use_triton=use_triton, **options)
         picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
-        kept = recall(picks[-1], want)
+        selectors.append(sel)
+    return picks, selectors, want, lengths
+
+
+def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
+    picks, _, want, lengths = _long_requests_on_both_paths()
+    for use_triton, picked in zip((True, False), picks, strict=True):
+        kept = recall(picked, want)
         assert kept >= 0.9, (use_triton, kept)
-        assert (picks[-1] < torch.tensor(lengths, device=DEV)[:, None]).all()
+        assert (picked < torch.tensor(lengths, device=DEV)[:, None]).all()
     assert recall(picks[0], picks[1]) >= 0.95
 
 
@@ -370,16 +379,9 @@ def test_stage_one_on_group_codes_keeps_most_of_the_exact_topk_on_both_paths():
     from dsaindex.errors import DsaIndexError
     from dsaindex.pq import group_codes
 
-    lengths = [2000, 1500]
-    cache, table, _ = engine_cache(lengths, 60)
-    q, w = queries(2)
-    want = exact(cache, table, lengths, q, w, 32)
-    picks = []
-    for use_triton in (True, False):
-        sel = PagedCacheSelector(codec(), 60, topk=32, candidates=128, prefilter=2, head_dim=D, device=DEV,
-                                 exact_below=0, use_triton=use_triton, stage1="groups")
-        picks.append(sel.select(cache, table, torch.tensor(lengths, device=DEV), q, w))
-        assert recall(picks[-1], want) >= 0.85, use_triton
+    picks, selectors, want, lengths = _long_requests_on_both_paths(stage1="groups")
+    for use_triton, picked, sel in zip((True, False), picks, selectors, strict=True):
+        assert recall(picked, want) >= 0.85, use_triton
         coded = torch.nonzero(sel.valid[:60]).flatten()  # the completed pages, encoded by the step
         assert len(coded) >= sum(n // 64 for n in lengths)
         assert torch.equal(sel.groups[0][coded], group_codes(sel.codes[coded], sel.group_of))
