@@ -214,6 +214,79 @@ def test_int8_stage1_threshold_is_the_sample_rank_of_integer_scores(b, n, m, c, 
     assert torch.equal(again, counts)  # the step's scratch (histogram, counters) starts from zero every time
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_refining_pass_keeps_the_first_passs_rows_at_or_above_the_codes_own_threshold(paged):
+    """``refine``: the selecting pass reads only a first stage 1's buffer (its first ``min(count, width)`` rows,
+    in any order) and keeps those whose own score reaches the threshold sampled from every key, the rule of
+    ``thresholds_from_samples``; a count past the buffer's width reads the width only; the scores it writes are
+    the rows' integer scores."""
+    from dsaindex.kernels.pq_select import lookup_tables, paged_codes_reference, pq_linear_topc
+    from dsaindex.kernels.select import sample_stride, thresholds_from_samples
+
+    b, n, m, c, width = 3, 1280, 32, 64, 400
+    codes, cb, q, w = pq_inputs(b, n, 8, m=m, d=4, seed=7)
+    lengths = torch.tensor([n, 1000, 900], dtype=torch.int32, device=DEV)
+    source, table = codes, None
+    if paged:
+        perm = torch.randperm(b * n // 64, generator=torch.Generator().manual_seed(2)).to(DEV)
+        source = torch.empty(b * n // 64, 64, m, dtype=torch.uint8, device=DEV)
+        source[perm] = codes.reshape(-1, 64, m)
+        table = perm.view(b, n // 64).to(torch.int32)
+        assert torch.equal(paged_codes_reference(source, table), codes)
+    g = torch.Generator().manual_seed(4)
+    first = torch.full((b, width), -1, dtype=torch.int32)
+    firsts = [torch.randperm(int(lengths[i]), generator=g)[:width].to(torch.int32) for i in range(b)]
+    for i, rows in enumerate(firsts):
+        first[i, : len(rows)] = rows
+    counts_in = torch.tensor([width, 250, width + 37], dtype=torch.int32)  # the last overflowed its buffer
+    first, counts_in = first.to(DEV), counts_in.to(DEV)
+    lut, _ = lookup_tables(q, w, cb, dtype=torch.int8)
+    exact = lut.long().unsqueeze(1).expand(b, n, m, lut.shape[2]).gather(3, codes.long().unsqueeze(-1)).sum((2, 3))
+    stride = sample_stride(n)
+    samples = exact[:, ::stride].float()
+    samples = samples.masked_fill(torch.arange(samples.shape[1], device=DEV)[None, :] * stride >= lengths[:, None],
+                                  float("-inf"))
+    thr = thresholds_from_samples(samples, lengths, stride, c, 2 * c)
+    assert torch.isfinite(thr).all()
+    scores, rows, counts = pq_linear_topc(source, lengths, q, w, cb, c, capacity=2 * c, keep_all=True,
+                                          return_counts=True, table_dtype=torch.int8, block_n=64, iters=2,
+                                          page_table=table, refine=(first, counts_in))
+    for i in range(b):
+        read = first[i, : min(int(counts_in[i]), width)].long()
+        want = set(read[exact[i, read] >= thr[i]].tolist())
+        assert 0 < len(want) < len(read) and int(counts[i]) == len(want), (i, int(counts[i]), len(want))
+        kept = rows[i, : min(int(counts[i]), 2 * c)].tolist()
+        assert set(kept) == want if len(want) <= 2 * c else set(kept) <= want
+        assert torch.equal(scores[i, : len(kept)], exact[i, kept].float())
+    with pytest.raises(ValueError, match="refine: a pass over a first stage 1's rows needs keep_all"):
+        pq_linear_topc(source, lengths, q, w, cb, c, page_table=table, refine=(first, counts_in))
+
+
+def test_the_cascades_reference_keeps_the_codes_top_of_the_first_codes_wider_top():
+    """``stage1_rows_reference`` with a cascade: each request keeps, of the top ``widen`` x its width by the first
+    code's score, the top width by the codes' own score (-1 after), whatever its length against the buffer's
+    width (a request shorter than the widened width, a prefix shorter than it); without one, the top width."""
+    from dsaindex.kernels.pq_select import stage1_rows_reference
+
+    codes, cb, q, w = pq_inputs(3, 300, 8, m=32, d=4, seed=9, device="cpu")
+    codes1, cb1, _, _ = pq_inputs(3, 300, 8, m=16, d=8, seed=10, device="cpu")
+    lengths = torch.tensor([300, 120, 60])
+    widths = torch.tensor([100, 50, 40])
+    full = pq_linear_scores_reference(codes, q, w, cb)
+    first = pq_linear_scores_reference(codes1, q, w, cb1)
+    for spec in (None, (codes1, cb1, None, 2)):
+        got = stage1_rows_reference(codes, lengths, q, w, cb, 200, widths, spec)
+        assert got.shape == (3, 200)
+        for i in range(3):
+            n, width = int(lengths[i]), int(widths[i])
+            pool = torch.arange(n) if spec is None else first[i, :n].argsort(descending=True)[: 2 * width]
+            want = pool[full[i, pool].argsort(descending=True)[:width]]
+            assert set(got[i, : len(want)].tolist()) == set(want.tolist()), (spec is None, i)
+            assert (got[i, len(want) :] == -1).all()
+    assert not torch.equal(stage1_rows_reference(codes, lengths, q, w, cb, 200, widths),
+                           stage1_rows_reference(codes, lengths, q, w, cb, 200, widths, (codes1, cb1, None, 2)))
+
+
 @pytest.mark.parametrize("m,heads", [(32, 64), (16, 5)])
 def test_scaled_lookup_tables_round_the_folded_tables(m, heads):
     """float16 / int8 tables times their scale are the float32 tables up to the type's rounding; an int8

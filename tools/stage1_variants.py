@@ -88,7 +88,9 @@ def cascade_topc(codes, lengths, queries, head_weights, codebooks, c):
     _, rows = select_kernels.topk_of_prefixes(scores(codes, queries, head_weights, codebooks, "groups"),
                                               lengths, int(WIDEN * c))
     full = shipped(codes, queries, head_weights, codebooks)
-    kept = torch.zeros_like(full, dtype=torch.bool).scatter_(1, rows.clamp_min(0), rows >= 0)
+    n = full.shape[1]  # the empty slots (-1) mark a column past the keys
+    kept = full.new_zeros(full.shape[0], n + 1, dtype=torch.bool).scatter_(1, torch.where(rows >= 0, rows, n),
+                                                                          True)[:, :n]
     return select_kernels.topk_of_prefixes(full.masked_fill(~kept, float("-inf")), lengths, c)
 
 
