@@ -290,7 +290,6 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
                    keep_all: bool = False, table_dtype: torch.dtype = torch.float32,
                    centroid_norms: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                    chunk: int | None = None, stream: int = 1, scan: str = "auto", grow: tuple[int, int] = (0, 1),
-                   refine: tuple[torch.Tensor, torch.Tensor] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: top ``c`` rows per request by the folded score, selection fused into the scan.
 
@@ -328,11 +327,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     apply to the sampling pass only): the same keys and scores, appended in another order; ``"auto"`` (the
     default) takes it where it runs, else ``"triton"``. ``grow`` (band, most), with ``keep_all`` and int8
     tables: each request aims at :func:`grown_counts` of ``c`` by its length instead of ``c`` (its C by its
-    prefix length), and its capacity grows alike inside a buffer ``most`` times as wide. ``refine`` (rows [B, W]
-    int32, counts [B] int32: the buffer and counts of a first stage 1, as ``keep_all`` returns them), with
-    ``keep_all`` and int8 tables: the selecting pass reads only those rows (the first ``min(count, W)`` of each
-    request) and keeps those above the threshold sampled from all of them, in a Triton launch over W slots (a
-    cascade: a cheaper code keeps a wider stage 1, these codes keep the width among it).
+    prefix length), and its capacity grows alike inside a buffer ``most`` times as wide.
     Raises ``ValueError`` on an input of the wrong dtype, shape or device.
     """
     import triton
@@ -352,13 +347,6 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     check_growth(band, most)
     if band and not (keep_all and table_dtype == torch.int8):
         raise ValueError("grow: a C grown by length needs keep_all and int8 tables (the decode step's stage 1)")
-    if refine is not None:
-        if not (keep_all and table_dtype == torch.int8):
-            raise ValueError("refine: a pass over a first stage 1's rows needs keep_all and int8 tables")
-        checks.shape("refine rows", refine[0], (b, None), "B, W")
-        checks.dtype("refine rows", refine[0], torch.int32)
-        checks.shape("refine counts", refine[1], (b,), "B")
-        checks.dtype("refine counts", refine[1], torch.int32)
     width = capacity * (most if band else 1)  # buffer slots per request
     codes = codes.contiguous()
     lengths = lengths.to(device=codes.device, dtype=torch.int32)
@@ -395,13 +383,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         HIST=int_table, NBINS=n_bins, band=band, most=most, **paged)
     if not int_table:
         thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
-    if refine is not None:
-        rows_in, counts_in = (t.contiguous() for t in refine)
-        pq_linear_kernel[(max(1, triton.cdiv(rows_in.shape[1], block_n * iters)), b)](
-            codes, counts_in, lut, thr, buf_scores, buf_pos, counts, table, table.shape[-1], n_rows,
-            rows_in.shape[1], 1, M=m, K=k, BLOCK_N=block_n, ITERS=iters, CAPACITY=width, SAMPLE=False,
-            INT_TABLE=True, num_warps=num_warps, in_rows_ptr=rows_in, REFINE=True, **paged)
-    elif scan == "cuda":
+    if scan == "cuda":
         pq_scan_select(codes, lengths, lut, thr, buf_scores, buf_pos, counts,
                        None if page_table is None else table, n)
     else:
@@ -652,55 +634,20 @@ def stage1_launch(batch: int, slots: int) -> dict:
 
 
 def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,
-            linear_config, scan: str = "auto", grow: tuple[int, int] = (0, 1),
-            stage1: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            linear_config, scan: str = "auto", grow: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 of both coarse forms: every key above a sampled threshold aiming at ``c1`` (int8 tables,
     up to 2 c1 kept; ``grow``: c1 grown by each request's length, :func:`pq_linear_topc`). ``linear_config``
-    None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel (:func:`pq_linear_topc`). ``stage1``
-    (codes, codebooks, centroid norms, widen): stage 1 scores those codes instead (:func:`pq_coarse_bins`); with
-    ``widen`` > 0 they keep ``widen`` x c1 and a second pass keeps c1 of those by ``codes``' own score
-    (``pq_linear_topc(refine=...)``). Returns (rows [B, 2 c1 (x most)] int32, counts [B] int32)."""
+    None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel (:func:`pq_linear_topc`). Returns
+    (rows [B, 2 c1 (x most)] int32, counts [B] int32)."""
     if linear_config is None:
         slots = codes.shape[1] if page_table is None else page_table.shape[1] * 64
         linear_config = stage1_launch(queries.shape[0], slots if max_len is None else min(max_len, slots))
-    linear_config = {"scan": scan, **linear_config}  # the refining pass is a Triton launch whatever the scan
-    codes1, books1, norms1, widen = (codes, codebooks, centroid_norms, 0) if stage1 is None else stage1
-    c_first = c1 * widen if widen else c1
-    _, rows1, counts1 = pq_linear_topc(codes1, lengths, queries, head_weights, books1, c_first,
-                                       capacity=2 * c_first, max_len=max_len, return_counts=True, keep_all=True,
-                                       table_dtype=torch.int8, centroid_norms=norms1, page_table=page_table,
-                                       grow=grow, **linear_config)
-    if widen:
-        _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
-                                           max_len=max_len, return_counts=True, keep_all=True,
-                                           table_dtype=torch.int8, centroid_norms=centroid_norms,
-                                           page_table=page_table, grow=grow, refine=(rows1, counts1),
-                                           **linear_config)
+    linear_config = {"scan": scan, **linear_config}
+    _, rows1, counts1 = pq_linear_topc(codes, lengths, queries, head_weights, codebooks, c1, capacity=2 * c1,
+                                       max_len=max_len, return_counts=True, keep_all=True, table_dtype=torch.int8,
+                                       centroid_norms=centroid_norms, page_table=page_table, grow=grow,
+                                       **linear_config)
     return rows1, counts1
-
-
-def stage1_rows_reference(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
-                          head_weights: torch.Tensor, codebooks: torch.Tensor, c1: int, widths: torch.Tensor,
-                          stage1: tuple | None = None) -> torch.Tensor:
-    """The torch spec of a decode step's stage 1: the top ``c1`` rows per request [B, c1] int64 by the stage-1
-    score, -1 past each request's own width ``widths`` [B] (its grown C1) or its length. ``stage1`` (codes,
-    codebooks, -, widen): as :func:`_stage1`, the first two in ``codes``' layout ([B, N, M1]); with ``widen``
-    those keep the top ``widen`` x width and ``codes``' own score the top width of them."""
-    def within(rows: torch.Tensor, width: torch.Tensor) -> torch.Tensor:  # -1 past each request's width
-        return torch.where(torch.arange(rows.shape[1], device=rows.device)[None, :] < width[:, None], rows, -1)
-
-    if stage1 is None or not stage1[3]:
-        codes1, books1 = (codes, codebooks) if stage1 is None else stage1[:2]
-        return within(pq_linear_topc_reference(codes1, lengths, queries, head_weights, books1, c1)[1], widths)
-    codes1, books1, _, widen = stage1
-    wide = within(pq_linear_topc_reference(codes1, lengths, queries, head_weights, books1, widen * c1)[1],
-                  widen * widths)
-    full = pq_linear_scores_reference(codes, queries, head_weights, codebooks)
-    n = full.shape[1]  # the empty slots (-1) mark a column past the keys
-    kept = full.new_zeros(full.shape[0], n + 1, dtype=torch.bool).scatter_(1, torch.where(wide >= 0, wide, n),
-                                                                          True)[:, :n]
-    scores, rows = select.topk_of_prefixes(full.masked_fill(~kept, float("-inf")), lengths, c1)
-    return within(torch.where(scores > float("-inf"), rows, -1), widths)
 
 
 def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
@@ -714,13 +661,13 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     :func:`pq_candidate_bins` (no top-C kernel). ``page_table``: codes kept per physical page; ``scan``: stage
     1's selecting kernel (:func:`pq_linear_topc`); ``grow`` (band, most): c1, c and the capacity's C grown by
     each request's length (:func:`grown_counts`; ``capacity`` less ``c`` is the slack kept); ``stage2``: stage 2's
-    kernel (:func:`pq_candidate_bins`); ``stage1`` (codes, codebooks, centroid norms, widen): stage 1 scores
-    these codes instead (the keys' group codes, :func:`~dsaindex.pq.group_codes`, kept per physical page as
-    ``codes`` are), stage 2 ``codes``; ``widen`` > 0: a cascade, those keep ``widen`` x c1 and ``codes`` c1 of
-    them (:func:`_stage1`). Returns (rows [B, 2 c1] int32 key positions, bins [B, 2 c1] int32,
+    kernel (:func:`pq_candidate_bins`); ``stage1`` (codes, codebooks, centroid norms): stage 1 scores these
+    codes instead (the keys' group codes, :func:`~dsaindex.pq.group_codes`, kept per physical page as
+    ``codes`` are), stage 2 ``codes``. Returns (rows [B, 2 c1] int32 key positions, bins [B, 2 c1] int32,
     stage-1 counts [B] int32, sel [B, 4] int32)."""
-    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
-                             max_len, linear_config, scan, grow, stage1)
+    codes1, books1, norms1 = (codes, codebooks, centroid_norms) if stage1 is None else stage1
+    rows1, counts1 = _stage1(codes1, lengths, queries, head_weights, books1, c1, norms1, page_table,
+                             max_len, linear_config, scan, grow)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
                                      scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow,
@@ -745,8 +692,9 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     Returns (scores [B, c] float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk
 
-    rows1, counts1 = _stage1(codes, lengths, queries, head_weights, codebooks, c1, centroid_norms, page_table,
-                             max_len, linear_config, scan, stage1=stage1)
+    codes1, books1, norms1 = (codes, codebooks, centroid_norms) if stage1 is None else stage1
+    rows1, counts1 = _stage1(codes1, lengths, queries, head_weights, books1, c1, norms1, page_table,
+                             max_len, linear_config, scan)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
                                  page_table=page_table, stage2=stage2)

@@ -85,8 +85,6 @@ def pq_linear_kernel(
     STREAM: tl.constexpr = 0,  # codes read past L1 or evicted first (see _load_codes), tables kept in L1
     band=0,  # (HIST) > 0: target and capacity grow with the request's length (grown); 0: as given
     most=1,  # (HIST) the most they grow by
-    in_rows_ptr=None,  # [B, n_out] int32 (REFINE): the rows a first pass kept; lengths_ptr then holds their counts
-    REFINE: tl.constexpr = False,  # select mode over those rows instead of every row
 ):
     # a lane reads CH code bytes of one row at once (one 16-byte load for CH = 16), so a warp's lookups at a
     # time all read one subspace's table, two cache lines (a lane per code byte, the old layout, spread a
@@ -97,8 +95,6 @@ def pq_linear_kernel(
     CH: tl.constexpr = M if CHUNK == 0 else CHUNK
     if SAMPLE and pid == 0:
         tl.store(count_ptr + b, 0)  # the selecting pass that follows appends from zero
-    if REFINE:  # a count past the buffer's width is an overflow: its first n_out rows were stored
-        length = tl.minimum(length, n_out)
     thr = 0.0
     if not SAMPLE:
         thr = tl.load(thr_ptr + b)
@@ -111,11 +107,7 @@ def pq_linear_kernel(
     if first < length:
         for it in range(ITERS):
             idx = (pid * ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
-            if REFINE:
-                valid = idx < length
-                rows = tl.load(in_rows_ptr + b * n_out + idx, mask=valid, other=0)
-            else:
-                rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
+            rows, valid = scan_rows(idx, stride, n_out, length, SAMPLE)
             flat = _code_row(b, rows, valid, n_rows, table_ptr, table_width, HAS_TABLE)
             exact = _chunk_sum(codes_ptr, lut_ptr + b * M * K, flat, valid, 0, M, K, CH, INT_TABLE, STREAM)
             for h in tl.static_range(1, M // CH):

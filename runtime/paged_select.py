@@ -106,9 +106,9 @@ from dsaindex.kernels.pq_select import (
     pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
+    pq_linear_topc_reference,
     score_bins,
     score_bound,
-    stage1_rows_reference,
     step_growth,
 )
 from dsaindex.kernels.pq_stage2_cuda import CUDA_FROM_SLOTS as STAGE2_CUDA_FROM_SLOTS
@@ -253,10 +253,7 @@ class PagedCacheSelector:
     stage1 : what stage 1 scores: ``"codes"`` (default: the keys' codes) or ``"groups"`` (each subspace's 256
         centroids put in 16 groups of 16, :func:`~dsaindex.pq.group_centroids`, and stage 1 scoring the keys'
         group codes, two groups a byte: 16 bytes a PQ32 key, half the bytes stage 1 reads, kept beside the
-        codes, so the selector holds 48 bytes a key; stage 2 scores the codes as before) or ``"cascade"`` (the
-        same group codes keep :data:`CASCADE_WIDEN` x the stage-1 width, a second pass scores those rows' codes
-        and keeps the width: the codes' stage 1 within a small loss of recall, at the bytes of the groups' scan
-        and a pass over the kept rows)
+        codes, so the selector holds 48 bytes a key; stage 2 scores the codes as before)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,
@@ -288,12 +285,12 @@ class PagedCacheSelector:
         self.stage1 = stage1
         # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
         # pair codebooks; stage 1 scores those, stage 2 the codes
-        self.groups: tuple | None = None
-        if stage1 != "codes":
+        self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if stage1 == "groups":
             assign, books, norms = stage1_groups(codec.codebooks.float())
             self.group_of = assign.to(dev)
-            self.groups = stage1_spec(stage1, torch.zeros(num_pages + 1, PAGE, m // 2, dtype=torch.uint8, device=dev),
-                                      books.to(dev), norms.to(dev))
+            self.groups = (torch.zeros(num_pages + 1, PAGE, m // 2, dtype=torch.uint8, device=dev), books.to(dev),
+                           norms.to(dev))
         try:
             self.scan = resolve_scan(scan, m if stage1 == "codes" else m // 2, codec.codebooks.shape[1], True, dev)
         except ValueError as err:
@@ -717,8 +714,10 @@ class PagedCacheSelector:
             return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
         c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
-        spec = None if self.groups is None else (paged_codes_reference(self.groups[0], table), *self.groups[1:])
-        rows1 = stage1_rows_reference(codes, n_coded, q, w, self.codebooks, self.c1 * most, c1, spec)
+        codes1, books1 = (codes, self.codebooks) if self.groups is None else (
+            paged_codes_reference(self.groups[0], table), self.groups[1])
+        _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, self.c1 * most)
+        rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
         coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks_bf16, self.stage2)  # int8: its own
         counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)
         if top_c == "topk":
@@ -735,16 +734,7 @@ class PagedCacheSelector:
         return sum(t.numel() * t.element_size() for t in held)
 
 
-STAGE1S = ("codes", "groups", "cascade")  # what stage 1 scores: the keys' codes, their group codes (half the
-# bytes), or a cascade of both (the group codes keep CASCADE_WIDEN x the width, the codes the width of those)
-CASCADE_WIDEN = 2  # within 0.1 point of the codes' recall at the 99.5% level (docs/results.md, 16-byte stage 1)
-
-
-def stage1_spec(stage1: str, codes1: torch.Tensor, books1: torch.Tensor, norms1: torch.Tensor) -> tuple:
-    """What the coarse kernels' ``stage1`` argument takes for a selector's ``stage1`` option (``"groups"`` or
-    ``"cascade"``) and its group codes, pair codebooks and their norms: those and the cascade's widening (0:
-    none)."""
-    return (codes1, books1, norms1, CASCADE_WIDEN if stage1 == "cascade" else 0)
+STAGE1S = ("codes", "groups")  # what stage 1 scores: the keys' codes, or their group codes (half the bytes)
 
 
 def _exact_warm_up(args: tuple, width: int) -> tuple:

@@ -74,11 +74,11 @@ from dsaindex.kernels.pq_select import (
     pq_coarse_bins,
     pq_coarse_topc,
     pq_encode,
+    pq_linear_topc_reference,
     rq_encode,
     rq_whitened,
     score_bins,
     score_bound,
-    stage1_rows_reference,
     step_growth,
 )
 from dsaindex.kernels.pq_stage2_cuda import STAGE2S
@@ -86,7 +86,7 @@ from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_t
 from dsaindex.pq import PQCodec, encode, group_codes, rotate, stage1_groups
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.paged_select import STAGE1S, growth_setting, stage1_spec
+from dsaindex.runtime.paged_select import STAGE1S, growth_setting
 
 
 @dataclass
@@ -136,9 +136,8 @@ class PQDecodeGroup:
         (the default), ``"cuda"``, ``"int8"`` (8-bit operands; what ``"auto"`` runs for large steps where it
         compiles) or ``"triton"``; without the kernels (``use_triton`` off) ``"int8"`` scores with its arithmetic
         (:func:`~dsaindex.kernels.pq_stage2_cuda.int8_scores_reference`), the others with the bf16 reference
-    stage1 : what stage 1 scores: ``"codes"`` (default), ``"groups"`` (the keys' group codes, half the bytes,
-        kept beside the codes) or ``"cascade"`` (the group codes keep a wider stage 1, the codes its width of
-        those): :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`'s option
+    stage1 : what stage 1 scores: ``"codes"`` (default) or ``"groups"`` (the keys' group codes, half the bytes,
+        kept beside the codes: :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`'s option)
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
@@ -211,12 +210,12 @@ class PQDecodeGroup:
         # stage1="groups": stage 1 scores each key's group codes, kept beside its codes (paged_select's option)
         if stage1 not in STAGE1S:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
-        self.groups: tuple | None = None
-        if stage1 != "codes":
+        self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if stage1 == "groups":
             assign, books, norms = stage1_groups(self.codebooks, self.residual)
             self.group_of = assign
-            self.groups = stage1_spec(stage1, torch.zeros(slots, max_pages * self.page, m // 2, dtype=torch.uint8,
-                                                          device=dev), books, norms)
+            self.groups = (torch.zeros(slots, max_pages * self.page, m // 2, dtype=torch.uint8, device=dev), books,
+                           norms)
         self.base_cache = cache_capacity  # the cache of a fixed C; a grown C's scales with its growth (grow_past)
         self._allocate_cache(cache_capacity, max(64, candidates // 8))
         self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=dev)
@@ -492,8 +491,10 @@ class PQDecodeGroup:
         codes = self.codes[:, :longest]
         band, most = grow
         c1 = grown_counts(self.c1, self.n_encoded, band, most)
-        spec = None if self.groups is None else (self.groups[0][:, :longest], *self.groups[1:])
-        rows1 = stage1_rows_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.c1 * most, c1, spec)
+        codes1, books1 = (codes, self.codebooks) if self.groups is None else (self.groups[0][:, :longest],
+                                                                               self.groups[1])
+        _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, self.c1 * most)
+        rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
         counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
         # "int8": the int8 kernel's own arithmetic, so a CPU run measures what it selects
         return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks_bf16, self.stage2)

@@ -371,17 +371,15 @@ def test_long_requests_keep_most_of_the_exact_topk_and_both_paths_agree():
     assert recall(picks[0], picks[1]) >= 0.95
 
 
-@pytest.mark.parametrize("stage1", ["groups", "cascade"])
-def test_stage_one_on_group_codes_keeps_most_of_the_exact_topk_on_both_paths(stage1):
+def test_stage_one_on_group_codes_keeps_most_of_the_exact_topk_on_both_paths():
     """stage1="groups": the selector keeps each page's group codes beside its codes (made from them at the catch-up
-    and at adopt), stage 1 scores those against the pair codebooks, stage 2 the codes; "cascade": the group codes
-    keep a wider stage 1 and the codes its width of those; both paths keep most of the exact top-k and agree; the
-    group codes count in the selector's bytes; a codec whose centroids do not split in 16 groups of 16 is refused
-    by name."""
+    and at adopt), stage 1 scores those against the pair codebooks, stage 2 the codes; both paths keep most of
+    the exact top-k and agree; the group codes count in the selector's bytes; a codec whose centroids do not
+    split in 16 groups of 16 is refused by name."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.pq import group_codes
 
-    picks, selectors, want, lengths = _long_requests_on_both_paths(stage1=stage1)
+    picks, selectors, want, lengths = _long_requests_on_both_paths(stage1="groups")
     for use_triton, picked, sel in zip((True, False), picks, selectors, strict=True):
         assert recall(picked, want) >= 0.85, use_triton
         coded = torch.nonzero(sel.valid[:60]).flatten()  # the completed pages, encoded by the step
@@ -392,7 +390,7 @@ def test_stage_one_on_group_codes_keeps_most_of_the_exact_topk_on_both_paths(sta
     assert recall(picks[0], picks[1]) >= 0.95
     small = PQCodec(codebooks=torch.randn(8, 64, 4))
     with pytest.raises(DsaIndexError, match="16 groups of 256 centroids"):
-        PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1=stage1)
+        PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="groups")
     with pytest.raises(DsaIndexError, match="not a stage-1 code"):
         PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="nibbles")
 

@@ -476,11 +476,10 @@ def test_the_group_takes_a_stage2_kernel_by_name_and_hands_it_to_stage2():
 
 
 @pytest.mark.usefixtures("torch_encoding")
-@pytest.mark.parametrize("stage1", ["groups", "cascade"])
-def test_a_group_on_group_codes_keeps_them_beside_its_codes_and_selects_alike_on_both_paths(stage1):
-    """stage1="groups" (and "cascade", the group codes keeping a wider stage 1 the codes narrow): each committed
-    page's group codes are written beside its codes, the index's bytes count them, and the kernels' step keeps
-    what the torch step keeps and most of the exact top-k; an RQ layer is refused by name."""
+def test_a_group_on_group_codes_keeps_them_beside_its_codes_and_selects_alike_on_both_paths():
+    """stage1="groups": each committed page's group codes are written beside its codes, the index's bytes count
+    them, and the kernels' step keeps what the torch step keeps and most of the exact top-k; an RQ layer is
+    refused by name."""
     from dsaindex.errors import DsaIndexError
     from dsaindex.pq import group_codes
     from dsaindex.runtime.pq_batch import PQDecodeGroup
@@ -491,7 +490,7 @@ def test_a_group_on_group_codes_keeps_them_beside_its_codes_and_selects_alike_on
     picks = []
     for use_triton in (True, False):
         group = PQDecodeGroup(layer(), HostKeyStore(64, D), 2, 1600, 16, candidates=128, prefilter=2,
-                              cache_capacity=128, device=DEV, use_triton=use_triton, stage1=stage1)
+                              cache_capacity=128, device=DEV, use_triton=use_triton, stage1="groups")
         for slot, x in enumerate(keys):
             group.admit(slot)
             group.append(slot, x)
@@ -505,7 +504,7 @@ def test_a_group_on_group_codes_keeps_them_beside_its_codes_and_selects_alike_on
     rq = PQCodec(codebooks=torch.randn(4, 256, D), residual=True)
     with pytest.raises(DsaIndexError, match="residual codes"):
         PQDecodeGroup(rq, HostKeyStore(8, D), 1, 256, 16, candidates=128, cache_capacity=128, device=DEV,
-                      stage1=stage1)
+                      stage1="groups")
     with pytest.raises(DsaIndexError, match="not a stage-1 code"):
         PQDecodeGroup(layer(), HostKeyStore(8, D), 1, 256, 16, candidates=128, cache_capacity=128, device=DEV,
                       stage1="half")

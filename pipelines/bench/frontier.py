@@ -560,10 +560,8 @@ def bench_frontier(
     device: str = typer.Option("auto", help="Where recall is measured and steps are timed: cpu, cuda or auto."),
     stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel on a GPU: auto (the default), cuda, int8 "
                                                        "(8-bit operands) or triton; the CPU runs the torch reference."),
-    stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default), groups (the "
-                                                         "keys' group codes, half the bytes, kept beside the codes) or "
-                                                         "cascade (the group codes keep a wider stage 1, the codes its "
-                                                         "width of those)."),
+    stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default) or groups (the "
+                                                         "keys' group codes, half the bytes, kept beside the codes)."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the tables as markdown to this file."),
     plot: Path = typer.Option(None, help="Also draw speedup against recall (one panel per B x N, the Pareto front "
@@ -617,7 +615,7 @@ def bench_frontier(
     geometry = cstore.manifest.model.geometry
     k = parse_topk(topk, geometry.topk)
     bundles = load_bundles(refs, cstore, display(store_ref), layer_ids, device)
-    if stage1 != "codes":
+    if stage1 == "groups":
         from dsaindex.pq import check_groups
 
         for b in bundles:
