@@ -14,7 +14,7 @@ reference path (stage 2, its bins and the exact rescoring as served; not part of
 - ``cascade``: group codes keep ``WIDEN`` (default 2) x the stage-1 width, the codes' score keeps the width
   among those (a three-stage step);
 - ``folds``: the codes, scored by ``FOLDS`` (default 2) folded queries instead of one, each the weighted sum of a
-  group of heads (grouped per query by k-means on the heads' query directions; ``GROUPING=signed``: the
+  group of heads (grouped per query by ``ROUNDS`` (default 10) rounds of k-means on the heads' query directions; ``GROUPING=signed``: the
   positive-weight heads in half the groups, the negative in the other half, by k-means within each sign, or
   ``signed-contiguous`` in the heads' order; or ``GROUPING=contiguous``), a
   ReLU on each: ``sum_g W_g relu(s_g / W_g) + LEAK sum_g s_g`` (``W_g`` the group's summed weight) (``LEAK`` default 0.05 orders the keys every fold scores
@@ -37,6 +37,7 @@ WIDEN = float(os.environ.get("WIDEN", "2"))
 FOLDS = int(os.environ.get("FOLDS", "2"))
 GROUPING = os.environ.get("GROUPING", "kmeans")
 LEAK = float(os.environ.get("LEAK", "0.05"))
+ROUNDS = int(os.environ.get("ROUNDS", "10"))
 shipped = pq_select.pq_linear_scores_reference
 _made: dict = {}
 
@@ -72,7 +73,7 @@ def head_groups(queries: torch.Tensor, g: int) -> torch.Tensor:
         return (torch.arange(h, device=queries.device) * g // h)[None, :].expand(b, h)
     x = torch.nn.functional.normalize(queries.float(), dim=2)
     c = x[:, torch.linspace(0, h - 1, g).long()]  # spread starting heads
-    for _ in range(10):
+    for _ in range(ROUNDS):
         a = torch.einsum("bhd,bgd->bhg", x, c).argmax(2)
         sums = torch.zeros_like(c).scatter_add_(1, a[:, :, None].expand_as(x), x)
         c = torch.where(sums.norm(dim=2, keepdim=True) > 0, torch.nn.functional.normalize(sums, dim=2), c)
@@ -98,7 +99,7 @@ def signed_groups(queries: torch.Tensor, g: int, contiguous: bool = False) -> to
                 continue
             x = torch.nn.functional.normalize(queries[i, heads].float(), dim=1)
             c = x[torch.linspace(0, len(heads) - 1, min(half, len(heads))).long()]
-            for _ in range(10):
+            for _ in range(ROUNDS):
                 a = (x @ c.T).argmax(1)
                 sums = torch.zeros_like(c).index_add_(0, a, x)
                 c = torch.where(sums.norm(dim=1, keepdim=True) > 0, torch.nn.functional.normalize(sums, dim=1), c)
