@@ -69,7 +69,10 @@ _SOURCE = r"""
 #define MIN_BLOCKS 2
 #endif
 #define WARPS (THREADS / 32)
-#define HEADS 64
+#ifndef MTILES
+#define MTILES 4
+#endif
+#define HEADS (16 * MTILES)
 #define NBINS 8192
 #define HALF_BINS 4096
 #define BIN_OCTAVES 12.0f
@@ -347,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) part[nt][0] = part[nt][1] = 0.0f;
 #pragma unroll 1
-        for (int mt = 0; mt < 4; ++mt) {  // 16 heads at a time
+        for (int mt = 0; mt < MTILES; ++mt) {  // 16 heads at a time (MTILES: a tool's narrower form)
             const int h = mt * 16 + jr + 8 * (j & 1);
 #ifdef INT8
             int iacc[4][4];

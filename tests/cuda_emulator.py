@@ -238,11 +238,12 @@ def emulated_scan(defines: str = ""):
 
 
 @functools.cache
-def emulated_stage2(int8: bool = False):
-    """Stage 2 compiled for the CPU (:func:`_build`); ``int8``: its form on 8-bit operands."""
+def emulated_stage2(int8: bool = False, defines: str = ""):
+    """Stage 2 compiled for the CPU (:func:`_build`); ``int8``: its form on 8-bit operands; ``defines``: #define
+    lines put before the source (a variant of the kernel)."""
     from dsaindex.kernels.pq_stage2_cuda import SHARED_BINS, source
 
-    return _build(source(int8), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
+    return _build(defines + source(int8), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
 
 
 def _ptr(a: np.ndarray):
@@ -283,10 +284,11 @@ def run_scan(codes: np.ndarray, lengths: np.ndarray, lut: np.ndarray, thr: np.nd
 def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries: np.ndarray, weights: np.ndarray,
                codebook: np.ndarray, key_bound: float, page_table: np.ndarray | None = None, per_block: int = 256,
                scratch: np.ndarray | None = None, want_scores: bool = True, want_bins: bool = True,
-               bounds: np.ndarray | None = None):
+               bounds: np.ndarray | None = None, defines: str = ""):
     """The launch :func:`dsaindex.kernels.pq_stage2_cuda.pq_stage2` makes, on the CPU. ``queries`` [B, 64, 128] and
     ``codebook`` [32, 256, 4] as bf16 bit patterns (uint16), or with ``bounds`` [B] float32 (the int8 kernel, the
-    operands of :func:`~dsaindex.kernels.pq_stage2_cuda.int8_operands`) as int8. Returns (scores [B, R] float32,
+    operands of :func:`~dsaindex.kernels.pq_stage2_cuda.int8_operands`) as int8; ``defines``: as
+    :func:`emulated_stage2` (``#define MTILES 1``: 16 heads, ``queries`` [B, 16, 128]). Returns (scores [B, R] float32,
     bins [B, R] int32, scratch [B, NBINS + 4] int32); unset slots NaN / -1, ``scratch`` zeros unless given."""
     from dsaindex.kernels.pq_stage2_cuda import NBINS, THREADS
 
@@ -303,7 +305,7 @@ def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries:
     bins = np.full((b, r), -1, dtype=np.int32)
     scratch = np.zeros((b, NBINS + 4), dtype=np.int32) if scratch is None else np.ascontiguousarray(scratch, np.int32)
     table, width, n_rows = _pages(page_table, counts, codes)
-    emulated_stage2(int8)(-(-r // per_block), b, THREADS, _ptr(codes), _ptr(rows), _ptr(counts), _ptr(codebook),
+    emulated_stage2(int8, defines)(-(-r // per_block), b, THREADS, _ptr(codes), _ptr(rows), _ptr(counts), _ptr(codebook),
                           _ptr(queries), _ptr(weights), _ptr(scores), _ptr(bins), _ptr(scratch), _ptr(table), width,
                           n_rows, r, per_block, int(page_table is not None), int(want_scores), int(want_bins),
                           float(key_bound), _ptr(bounds))

@@ -216,6 +216,32 @@ def test_the_int8_form_scores_its_integer_operands_exactly(paged):
         assert np.array_equal(scratch[i, :NBINS] - before[i, :NBINS], counted), i
 
 
+def test_the_16_head_form_scores_all_rows_of_a_request_exactly():
+    """``#define MTILES 1`` (16 heads: ``tools/fold_scan_parts.py``'s stage 1 of 16 folded queries, weights +-1):
+    the same kernel over every row of each request, in order, scores its integer operands exactly."""
+    from dsaindex.kernels.pq_stage2_cuda import int8_operands_reference
+
+    stored, table, codes, _, _, _, _, codebook = _inputs(31, True)
+    view = paged_codes_reference(stored, table)
+    n = view.shape[1]
+    g = torch.Generator().manual_seed(5)
+    queries = torch.randn(B, 16, D, generator=g).to(torch.bfloat16)
+    signs = torch.where(torch.rand(B, 16, generator=g) < 0.5, -1.0, 1.0)
+    kb = decoded_key_bound(codebook)
+    q8, w8, book8, bounds = int8_operands_reference(queries, signs, codebook, kb)
+    counts = torch.tensor([n - 64 * i for i in range(B)], dtype=torch.int32)
+    rows = torch.arange(n, dtype=torch.int32).repeat(B, 1).contiguous()
+    scores, _, _ = run_stage2(stored.numpy(), rows.numpy(), counts.numpy(), q8.numpy(), w8.numpy(), book8.numpy(),
+                              kb, page_table=table.numpy(), want_bins=False, bounds=bounds.numpy(),
+                              defines="#define MTILES 1\n")
+    want = _int8_reference(view, rows, q8, w8, book8)
+    live = torch.arange(n)[None, :] < counts[:, None]
+    got = torch.from_numpy(scores)
+    torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-6 * float(want[live].abs().max()))
+    assert torch.isneginf(got[~live]).all()
+    assert (want[live] < 0).any() and (want[live] > 0).any()  # both signs' groups decide somewhere
+
+
 def test_the_int8_operands_keep_the_bf16_scores_and_their_top_candidates():
     """The 8-bit operands move a score by a small share of the request's score range, and the top quarter of
     the candidates by score is nearly the bf16 one's, also where the codebook's subspaces differ 30x in scale
