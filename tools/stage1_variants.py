@@ -13,12 +13,11 @@ reference path (stage 2, its bins and the exact rescoring as served; not part of
   the first request's decoded keys), the bytes a group code has;
 - ``cascade``: group codes keep ``WIDEN`` (default 2) x the stage-1 width, the codes' score keeps the width
   among those (a three-stage step);
-- ``folds``: the codes, scored by ``FOLDS`` (default 2) folded queries instead of one, each the weighted sum of a
-  group of heads (grouped per query by ``ROUNDS`` (default 10) rounds of k-means on the heads' query directions; ``GROUPING=signed``: the
-  positive-weight heads in half the groups, the negative in the other half, by k-means within each sign, or
-  ``signed-contiguous`` in the heads' order; or ``GROUPING=contiguous``), a
-  ReLU on each: ``sum_g W_g relu(s_g / W_g) + LEAK sum_g s_g`` (``W_g`` the group's summed weight) (``LEAK`` default 0.05 orders the keys every fold scores
-  below zero). ``FOLDS=64`` is the full ReLU score of the decoded keys, the bound of any fold.
+- ``folds``: the codes, scored by ``FOLDS`` (default 2) folded queries instead of one, each the weighted sum of
+  a group of heads (:func:`head_groups` by ``GROUPING``, k-means in ``ROUNDS`` rounds, default 10), a ReLU on
+  each: ``sum_g W_g relu(s_g / W_g) + LEAK sum_g s_g``, ``W_g`` the group's summed weight (``LEAK``, default
+  0.05, orders the keys every fold scores below zero). ``FOLDS=64`` is the full ReLU score of the decoded keys,
+  the bound of any fold.
 
 The numbers in docs/results.md ("Stage 1 on 16 bytes a key") came from it."""
 
@@ -64,62 +63,53 @@ def _groups(codes: torch.Tensor, codebooks: torch.Tensor, weighted: bool) -> tup
     return _made[key]
 
 
-def head_groups(queries: torch.Tensor, g: int) -> torch.Tensor:
-    """[B, H] group of each head of each request: ``GROUPING`` contiguous, or k-means (cosine) on the directions."""
-    b, h, _ = queries.shape
-    if GROUPING.startswith("signed") and g < h:  # positive-weight heads in the first g / 2 groups, negative in the rest
-        return signed_groups(queries, g, GROUPING == "signed-contiguous")
-    if GROUPING == "contiguous" or g >= h:
-        return (torch.arange(h, device=queries.device) * g // h)[None, :].expand(b, h)
-    x = torch.nn.functional.normalize(queries.float(), dim=2)
-    c = x[:, torch.linspace(0, h - 1, g).long()]  # spread starting heads
+def cosine_kmeans(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Cluster of each of the rows ``x`` [n, d] among ``k`` by ``ROUNDS`` rounds of k-means on their directions,
+    started from rows spread over ``x``: [n] int64."""
+    x = torch.nn.functional.normalize(x.float(), dim=1)
+    c = x[torch.linspace(0, len(x) - 1, min(k, len(x))).long()]
     for _ in range(ROUNDS):
-        a = torch.einsum("bhd,bgd->bhg", x, c).argmax(2)
-        sums = torch.zeros_like(c).scatter_add_(1, a[:, :, None].expand_as(x), x)
-        c = torch.where(sums.norm(dim=2, keepdim=True) > 0, torch.nn.functional.normalize(sums, dim=2), c)
+        a = (x @ c.T).argmax(1)
+        sums = torch.zeros_like(c).index_add_(0, a, x)
+        c = torch.where(sums.norm(dim=1, keepdim=True) > 0, torch.nn.functional.normalize(sums, dim=1), c)
     return a
 
 
-_weights: list = []
-
-
-def signed_groups(queries: torch.Tensor, g: int, contiguous: bool = False) -> torch.Tensor:
-    """Heads split by the sign of their weight (``_weights[0]``, set by :func:`folded_scores`), each sign's heads in
-    g / 2 groups by k-means on their directions (``contiguous``: in the heads' order, no clustering)."""
-    w = _weights[0]
-    half = max(1, g // 2)
-    out = torch.empty(w.shape, dtype=torch.long, device=w.device)
-    for i in range(w.shape[0]):
-        for sign, base in ((w[i] > 0, 0), (w[i] <= 0, half)):
-            heads = sign.nonzero().flatten()
+def head_groups(queries: torch.Tensor, head_weights: torch.Tensor, g: int) -> torch.Tensor:
+    """[B, H] group of each head of each request, as ``GROUPING`` says: ``signed`` (the positive-weight heads in the
+    first g / 2 groups and the others in the rest, each side by :func:`cosine_kmeans`), ``signed-contiguous`` (each
+    side in the heads' order), ``contiguous`` (the heads' order), else :func:`cosine_kmeans` of all heads."""
+    b, h, _ = queries.shape
+    if g >= h or GROUPING == "contiguous":
+        return (torch.arange(h, device=queries.device) * g // h)[None, :].expand(b, h)
+    out = torch.empty(b, h, dtype=torch.long, device=queries.device)
+    signed = GROUPING.startswith("signed")
+    half = max(1, g // 2) if signed else g
+    for i in range(b):
+        every = torch.ones(h, dtype=torch.bool, device=out.device)
+        sides = ((head_weights[i] > 0, 0), (head_weights[i] <= 0, half)) if signed else ((every, 0),)
+        for side, base in sides:
+            heads = side.nonzero().flatten()
             if len(heads) == 0:
                 continue
-            if contiguous:
-                out[i, heads] = base + torch.arange(len(heads), device=w.device) * half // len(heads)
-                continue
-            x = torch.nn.functional.normalize(queries[i, heads].float(), dim=1)
-            c = x[torch.linspace(0, len(heads) - 1, min(half, len(heads))).long()]
-            for _ in range(ROUNDS):
-                a = (x @ c.T).argmax(1)
-                sums = torch.zeros_like(c).index_add_(0, a, x)
-                c = torch.where(sums.norm(dim=1, keepdim=True) > 0, torch.nn.functional.normalize(sums, dim=1), c)
-            out[i, heads] = base + a
+            if GROUPING == "signed-contiguous":
+                out[i, heads] = base + torch.arange(len(heads), device=out.device) * half // len(heads)
+            else:
+                out[i, heads] = base + cosine_kmeans(queries[i, heads], half)
     return out
 
 
 def folded_scores(codes, queries, head_weights, codebooks, g: int) -> torch.Tensor:
-    """``sum_g relu(s_g) + LEAK sum_g s_g`` of the codes, s_g the group's folded query against the decoded key."""
+    """``sum_g W_g relu(s_g / W_g) + LEAK sum_g s_g`` of the codes: s_g the group's folded query against the decoded
+    key, W_g the group's summed weight (so ``relu(s_g)`` where W_g > 0, ``min(s_g, 0)`` where not)."""
     b, n, m = codes.shape
-    _weights[:] = [head_weights.float()]
-    group = head_groups(queries, g)  # [B, H]
+    group = head_groups(queries, head_weights, g)  # [B, H]
     one_hot = torch.nn.functional.one_hot(group, g).float()  # [B, H, G]
     out = torch.zeros(b, n, device=codes.device)
     for i in range(g):
         w = head_weights.float() * one_hot[:, :, i]
         part = shipped(codes, queries, w, codebooks)
-        # the group as one head of weight W = sum w_h and query s_g / W: W relu(s_g / W), which is min(s_g, 0)
-        # where W < 0 (a head's weight may be negative)
-        positive = (w.sum(1) > 0)[:, None]
+        positive = (w.sum(1) > 0)[:, None]  # a head's weight may be negative
         out += torch.where(positive, part.clamp_min(0), part.clamp_max(0)) + LEAK * part
     return out
 
