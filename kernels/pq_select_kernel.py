@@ -18,6 +18,7 @@ import triton.language as tl
 from dsaindex.kernels.select_kernel import (
     append_above,
     binned_slots,
+    grown,
     load_queries,
     scan_rows,
     weighted_relu_heads,
@@ -125,19 +126,6 @@ def pq_linear_kernel(
         _threshold_of_histogram(hist_ptr + b * (NBINS + M), thr_ptr + b, length, stride,
                                 grown(target, length, band, most), grown(capacity, length, band, most),
                                 oversample, NBINS)
-
-
-@triton.jit
-def grown(count, length, band, most):
-    """``count`` times the power of two that covers ``length`` in units of ``band`` keys (1 up to ``band``,
-    2 up to twice it, 4 up to four times), at most ``most`` (a power of two); ``count`` as it is where
-    ``band`` is 0. A request's C by its prefix length; the torch twin is
-    :func:`dsaindex.kernels.pq_select.grown_counts`."""
-    need = tl.maximum((length + band - 1) // tl.maximum(band, 1), 1)
-    mult = length * 0 + 1
-    for _ in tl.static_range(16):
-        mult = tl.where((mult < need) & (mult < most), mult * 2, mult)
-    return tl.where(band > 0, count * mult, count)
 
 
 @triton.jit

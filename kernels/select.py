@@ -57,13 +57,15 @@ def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, 
 
 
 def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
-                      capacity: int, oversample: float = 1.5, counts: torch.Tensor | None = None) -> torch.Tensor:
+                      capacity: int, oversample: float = 1.5, counts: torch.Tensor | None = None,
+                      grow: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """:func:`thresholds_from_samples` in one Triton launch (one program per request, the samples in
     registers, the rank-th largest by bisection): a decode step's threshold without a sort.
     ``sample_scores`` [B, S] float32 with S at most 16384, any strides (a view ``scores[:, ::stride]`` of
     whole score rows is read in place; samples past a request's length are ignored, whatever they hold);
     ``lengths`` [B] int32 on its device. ``counts`` [B] int32, if given, is zeroed in the same launch (the
-    appending pass that follows counts from zero)."""
+    appending pass that follows counts from zero). ``grow`` (band, most): ``target`` and ``capacity`` grown by each
+    request's length (:func:`~dsaindex.kernels.pq_select.grown_counts`)."""
     import triton
 
     from dsaindex.kernels.topk_kernel import sample_threshold_kernel
@@ -83,7 +85,7 @@ def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride
         sample_threshold_kernel[(b,)](sample_scores, lengths.to(torch.int32).contiguous(), thr,
                                       counts if counts is not None else thr, s, sample_scores.stride(0),
                                       sample_scores.stride(1), stride, target, capacity, float(oversample),
-                                      BLOCK=block, ZERO_COUNTS=counts is not None,
+                                      BLOCK=block, ZERO_COUNTS=counts is not None, band=int(grow[0]), most=int(grow[1]),
                                       num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return thr
 

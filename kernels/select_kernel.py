@@ -111,3 +111,16 @@ def gather_host_rows_kernel(
     raw = tl.load(host_fp8_ptr + src[:, None] * D + dims[None, :], mask=live[:, None], other=0)
     tl.store(pool_fp8_ptr + dst[:, None] * D + dims[None, :], raw, mask=live[:, None])
     tl.store(pool_scale_ptr + dst, tl.load(host_scale_ptr + src, mask=live, other=0.0), mask=live)
+
+
+@triton.jit
+def grown(count, length, band, most):
+    """``count`` times the power of two that covers ``length`` in units of ``band`` keys (1 up to ``band``,
+    2 up to twice it, 4 up to four times), at most ``most`` (a power of two); ``count`` as it is where
+    ``band`` is 0. A request's C by its prefix length; the torch twin is
+    :func:`dsaindex.kernels.pq_select.grown_counts`."""
+    need = tl.maximum((length + band - 1) // tl.maximum(band, 1), 1)
+    mult = length * 0 + 1
+    for _ in tl.static_range(16):
+        mult = tl.where((mult < need) & (mult < most), mult * 2, mult)
+    return tl.where(band > 0, count * mult, count)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from dsaindex.kernels.select_kernel import append_above
+from dsaindex.kernels.select_kernel import append_above, grown
 
 
 @triton.jit
@@ -201,6 +201,8 @@ def sample_threshold_kernel(
     oversample,
     BLOCK: tl.constexpr,
     ZERO_COUNTS: tl.constexpr = False,
+    band=0,  # target and capacity grown by each request's length (``grown``; 0: as given)
+    most=1,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -209,8 +211,9 @@ def sample_threshold_kernel(
     x = tl.load(sample_ptr + b * row_stride + offs.to(tl.int64) * col_stride, mask=inside, other=float("-inf"))
     if ZERO_COUNTS:
         tl.store(count_ptr + b, 0)
-    thr = key_value(kth_key(order_keys(x), inside, sample_rank(length, stride, target, oversample)))
-    tl.store(thr_ptr + b, tl.where(length <= capacity, float("-inf"), thr))
+    want = grown(target, length, band, most)
+    thr = key_value(kth_key(order_keys(x), inside, sample_rank(length, stride, want, oversample)))
+    tl.store(thr_ptr + b, tl.where(length <= grown(capacity, length, band, most), float("-inf"), thr))
 
 
 @triton.jit

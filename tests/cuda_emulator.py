@@ -195,6 +195,10 @@ _STAGE2_PARAMS = ("const unsigned char* codes, const int* rows, const int* count
                   "const unsigned* queries, const float* weights, float* out_score, int* out_bins, int* scratch, "
                   "const int* table, int table_width, int n_rows, int n_out, int per_block, int paged, "
                   "int want_scores, int want_bins, double key_bound, const float* bounds")
+_FOLD_PARAMS = ("const unsigned char* codes, const int* lengths, const unsigned* codebook, const unsigned* queries, "
+                "const float* slopes, const float* thr, int* out_pos, int* count, float* samples, const int* table, "
+                "int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, "
+                "int n_samples")
 
 
 def compiler() -> str | None:
@@ -244,6 +248,14 @@ def emulated_stage2(int8: bool = False, defines: str = ""):
     from dsaindex.kernels.pq_stage2_cuda import SHARED_BINS, source
 
     return _build(defines + source(int8), "pq_stage2", _STAGE2_PARAMS, SHARED_BINS // 4)
+
+
+@functools.cache
+def emulated_fold(defines: str = ""):
+    """The fold scan compiled for the CPU (:func:`_build`); ``defines`` as :func:`emulated_stage2`."""
+    from dsaindex.kernels.pq_fold_cuda import SHARED, source
+
+    return _build(defines + source(), "pq_fold_scan", _FOLD_PARAMS, SHARED // 4)
 
 
 def _ptr(a: np.ndarray):
@@ -310,3 +322,29 @@ def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries:
                           n_rows, r, per_block, int(page_table is not None), int(want_scores), int(want_bins),
                           float(key_bound), _ptr(bounds))
     return scores, bins, scratch
+
+
+def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.ndarray, book8: np.ndarray,
+             page_table: np.ndarray | None = None, thr: np.ndarray | None = None, capacity: int = 0, n: int = 0,
+             stride: int = 0, n_samples: int = 0, rows_per_block: int = 512, defines: str = ""):
+    """The launches of :mod:`dsaindex.kernels.pq_fold_cuda` on the CPU: with ``stride`` > 0 its sampling
+    (returns samples [B, n_samples] float32, unset NaN), else its scan of the first ``n`` rows against ``thr``
+    (returns (rows [B, capacity] int32, counts [B] int32), unset -1)."""
+    from dsaindex.kernels.pq_fold_cuda import THREADS
+
+    b = q8.shape[0]
+    codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+    q8 = np.ascontiguousarray(q8, dtype=np.int8)
+    slopes = np.ascontiguousarray(slopes, dtype=np.float32)
+    book8 = np.ascontiguousarray(book8, dtype=np.int8)
+    thr = np.ascontiguousarray(np.zeros(b) if thr is None else thr, dtype=np.float32)
+    samples = np.full((b, max(1, n_samples)), np.nan, dtype=np.float32)
+    rows = np.full((b, max(1, capacity)), -1, dtype=np.int32)
+    counts = np.zeros(b, dtype=np.int32)
+    table, width, n_rows = _pages(page_table, lengths, codes)
+    indices = n_samples if stride > 0 else n
+    emulated_fold(defines)(max(1, -(-indices // rows_per_block)), b, THREADS, _ptr(codes), _ptr(lengths), _ptr(book8),
+                           _ptr(q8), _ptr(slopes), _ptr(thr), _ptr(rows), _ptr(counts), _ptr(samples), _ptr(table),
+                           width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples)
+    return samples if stride > 0 else (rows, counts)

@@ -1,0 +1,468 @@
+"""Stage 1 on folded queries: a CUDA scan that scores every key with 16 folded queries on the tensor cores.
+
+Stage 1 as shipped scores a key by one folded query, ``sum_h w_h q_h . k``: a linear score, blind to the
+ReLU of stage 2's ``sum_h w_h relu(q_h . k)``. Folds keep some of it (docs/results.md, "A stage 1 that sees
+the ReLU: signed grouped folds"): the request's heads split by the sign of their weight, each side in 8
+groups by the direction of their queries (:func:`fold_operands`), group ``g`` folded into one query
+``Q_g = sum_{h in g} w_h q_h``, and a key scored
+
+    ``sum_g f_g(Q_g . k)``, ``f_g(x) = (1 + leak) x`` where the sign of x is the group's, else ``leak x``,
+
+(the ReLU of a positive group, the other side's minimum for a negative one, plus a small leak that orders the
+keys every fold scores below zero). 128K held-out captures (H100, top-512, reference path): 99.39 / 99.19%
+(mean / 64K-128K) at a quarter of the shipped stage 1's width, 99.77 / 99.69% at half, against 99.24 / 98.98%
+for the shipped step at its full width.
+
+The kernel (one launch for a step's stage 1, a second for its sampling pass):
+
+- **Codebook and queries.** Each block copies the int8 codebook (32 x 256 codewords of 4 int8, 32 KB,
+  swizzled as stage 2's int8 form keeps it) and its request's 16 int8 folded queries into shared memory.
+- **Keys straight into fragments.** A warp scores 32 consecutive rows a step, as stage 2's int8 kernel
+  scores 32 candidates: lane ``(g, t)`` loads bytes ``8t .. 8t + 7`` of row ``8 nt + g`` of the step (four
+  256-byte loads a warp, whole sectors), looks each code up straight into the B fragment of ``mma.m16n8k32``
+  (s8 in, s32 out), the 16 folded queries the A side (one m-tile). No row list is read and no score written.
+- **Epilogue.** The two slopes of each group on its accumulators, the groups summed over the quad's lanes by
+  shuffles (a reduce-scatter: each lane then owns one row's score), the row kept where its score reaches the
+  request's threshold, staged in shared memory and appended with one global atomic a block (the shipped
+  scan's way, :mod:`~dsaindex.kernels.pq_scan_cuda`).
+- **Sampling** (``sample_stride`` > 0): the same scores of rows ``0, stride, 2 stride, ...`` written out, from
+  which :func:`~dsaindex.kernels.select.sample_thresholds` reads the threshold. The threshold and the kept rows
+  come from one arithmetic.
+
+Compiled at first use by NVRTC through torch, launched on the current stream (a CUDA graph captures it).
+``tests/test_pq_fold_cuda.py`` runs this source on the CPU (tests/cuda_emulator.py) against
+:func:`fold_scores_reference`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dsaindex.kernels import nvrtc
+
+if TYPE_CHECKING:
+    import torch
+
+KERNEL = "pq_fold_scan"
+THREADS = 256
+FOLDS = 16  # folded queries: one m-tile of the tensor cores; the first half the positive heads' groups
+ROUNDS = 3  # rounds of the groups' k-means (3 served as 10 did: docs/results.md)
+LEAK = 0.05
+SUBSPACES, CENTROIDS, DIM = 32, 256, 128
+MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
+SHARED = SUBSPACES * CENTROIDS * 4 + FOLDS * DIM + MAX_ROWS * 4  # codebook, queries, staged rows
+
+_SOURCE = r"""
+#ifndef SHARED_DYNAMIC
+#define SHARED_DYNAMIC extern __shared__ __align__(16) int smem[]
+#endif
+#define THREADS 256
+#define WARPS (THREADS / 32)
+#define FOLDS 16
+#define MAX_ROWS 8192
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 3
+#endif
+#ifndef PREFETCH
+#define PREFETCH 2
+#endif
+#define FULL 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+#ifndef EMULATED
+// c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
+__device__ __forceinline__ void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4(unsigned* a, const void* row) {
+    const unsigned at = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(at));
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
+    const unsigned char* __restrict__ codes,  // [B, n_rows, 32] or [P, 64, 32] (paged) uint8
+    const int* __restrict__ lengths,          // [B] valid rows per request
+    const unsigned* __restrict__ codebook,    // [32, 256] int8 codewords of 4 (subspace-major), one word each
+    const unsigned* __restrict__ queries,     // [B, 16, 32] the int8 folded queries, 4 dims a word
+    const float* __restrict__ slopes,         // [B, 16, 2] each fold's slope above zero, below zero
+    const float* __restrict__ thr,            // [B] thresholds (the scan)
+    int* __restrict__ out_pos,                // [B, capacity] kept rows (the scan)
+    int* __restrict__ count,                  // [B] appended counts, zeroed before (the scan)
+    float* __restrict__ samples,              // [B, n_samples] sampled rows' scores, -inf past a length (sampling)
+    const int* __restrict__ table,            // [B, table_width] physical page of each 64-row page (paged)
+    int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, int n_samples)
+{
+    SHARED_DYNAMIC;
+    // codeword (s, c) at c * 32 + (s ^ (c & 7)); fold f's 32 words in 8 chunks of 16 bytes, chunk c at c ^ (f & 7)
+    unsigned* book_s = reinterpret_cast<unsigned*>(smem);
+    unsigned* q_s = book_s + 32 * 256;
+    int* staged = reinterpret_cast<int*>(q_s + FOLDS * 32);  // kept rows' offsets in the block
+    __shared__ float up_s[FOLDS], down_s[FOLDS];
+    __shared__ int st_n, st_base;
+    const int b = blockIdx.y;
+    const bool sampling = sample_stride > 0;
+    const long long length = lengths[b];
+    const long long stride = sampling ? sample_stride : 1;  // row of the i-th index
+    const long long limit = sampling ? (long long)n_samples : length;  // indices the launch covers
+    const long long first = (long long)blockIdx.x * rows_per_block;
+    if (first >= limit) return;
+    const long long stop = min(limit, first + rows_per_block);
+    if (threadIdx.x == 0) st_n = 0;
+    {   // the codebook turned code-major and swizzled: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3)
+        const uint4* src = reinterpret_cast<const uint4*>(codebook);
+        constexpr int PER_THREAD = 32 * 64 / THREADS;
+        uint4 four[PER_THREAD];
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * THREADS;
+            four[k] = src[(i & 31) * 64 + (i >> 5)];
+        }
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5);
+            book_s[c * 32 + (s ^ (c & 7))] = four[k].x;
+            book_s[(c + 1) * 32 + (s ^ ((c + 1) & 7))] = four[k].y;
+            book_s[(c + 2) * 32 + (s ^ ((c + 2) & 7))] = four[k].z;
+            book_s[(c + 3) * 32 + (s ^ ((c + 3) & 7))] = four[k].w;
+        }
+    }
+    // queries in the order the lanes' code bytes come in (stage 2's int8 order): the 32-dimension step s takes
+    // subspaces 8t + 2s, 8t + 2s + 1 of lane t, so chunk c of a fold holds in its word t the 4 dims of subspace 8t + c
+    const unsigned* qb = queries + (long long)b * FOLDS * 32;
+#pragma unroll
+    for (int k = 0; k < FOLDS * 32 / THREADS; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        const int f = i >> 5, sub = i & 31;
+        q_s[f * 32 + (((sub & 7) ^ (f & 7)) << 2) + (sub >> 3)] = qb[i];
+    }
+    if (threadIdx.x < FOLDS) {
+        up_s[threadIdx.x] = slopes[((long long)b * FOLDS + threadIdx.x) * 2];
+        down_s[threadIdx.x] = slopes[((long long)b * FOLDS + threadIdx.x) * 2 + 1];
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int j = lane >> 3, jr = lane & 7;  // ldmatrix: lane 8 j + jr gives row jr of matrix j
+    const int fold = jr + 8 * (j & 1);  // the A row (fold) this lane's ldmatrix address gives
+    const int own = (g & 3) * 8 + 2 * t + (g >> 2);  // the row of the step whose score this lane ends with
+    const int* table_b = table + (long long)b * table_width;
+    const unsigned char* codes_b = (paged ? codes : codes + (long long)b * n_rows * 32) + 8 * t;
+    const float t_b = sampling ? 0.0f : thr[b];
+    const int step_rows = 32 * WARPS;
+    // lane (g, t) loads bytes 8t .. 8t + 7 of the step's rows 8 nt + g: a warp's load of an n-tile reads 256
+    // consecutive bytes of a page (a step's 32 rows sit in one page: steps start at multiples of 32)
+#define FETCH(into, at) { \
+        const long long idx = (at) + 8 * nt + g; \
+        into[nt] = make_uint2(0u, 0u); \
+        if (idx < stop) { \
+            const long long rr = idx * stride; \
+            if (rr < length) { \
+                const long long phys = paged ? (long long)__ldg(table_b + (rr >> 6)) * 64 + (rr & 63) : rr; \
+                into[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + phys * 32)); \
+            } \
+        } }
+    long long base = first + 32 * warp;
+    uint2 cur[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) FETCH(cur, base)
+#if PREFETCH == 2
+    uint2 nxt[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) FETCH(nxt, base + step_rows)
+#endif
+    __syncthreads();
+    const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
+    // every warp loops as often (stop is the block's), so each ballot sees whole warps
+    for (long long step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
+        int acc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            unsigned a[4];
+            ldsm_x4(a, q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
+                const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
+                const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
+                const unsigned b0 = book_s[c0 * 32 + 8 * t + ((2 * s) ^ (c0 & 7u))];
+                const unsigned b1 = book_s[c1 * 32 + 8 * t + ((2 * s + 1) ^ (c1 & 7u))];
+                mma_s8(acc[nt], a, b0, b1);
+            }
+        }
+        // the next steps' codes in flight while this one's scores are reduced
+#if PREFETCH == 2
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) cur[nt] = nxt[nt];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) FETCH(nxt, base + 2 * step_rows)
+#else
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) FETCH(cur, base + step_rows)
+#endif
+        // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
+        float part[4][2];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float x = (float)acc[nt][c], y = (float)acc[nt][2 + c];
+                part[nt][c] = (x > 0.0f ? ua : da) * x + (y > 0.0f ? ub : db) * y;
+            }
+        }
+        // a reduce-scatter over the 8 lanes of a quad column (stage 2's): lane g ends with the sum of n-tile
+        // g & 3, column 2t + (g >> 2)
+        float r1[4], r2[2];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
+            r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
+            r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
+        }
+        const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+        const long long mine = base + own;
+        const bool valid = mine < stop && mine * stride < length;
+        if (sampling) {
+            if (mine < stop) samples[(long long)b * n_samples + mine] = valid ? score : NEG_INF;
+            continue;
+        }
+        const bool keep = valid && score >= t_b;
+        const unsigned mask = __ballot_sync(FULL, keep);
+        if (mask) {
+            const int leader = __ffs(mask) - 1;
+            int slot0 = 0;
+            if (lane == leader) slot0 = atomicAdd(&st_n, __popc(mask));  // shared memory: no wait on L2
+            slot0 = __shfl_sync(FULL, slot0, leader);
+            if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
+        }
+    }
+    if (sampling) return;
+    __syncthreads();
+    if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
+    __syncthreads();
+    const long long out = (long long)b * capacity;
+    for (int i = threadIdx.x; i < st_n; i += THREADS) {
+        const int slot = st_base + i;
+        if (slot < capacity) out_pos[out + slot] = (int)(first + staged[i]);
+    }
+}
+"""
+
+
+def source() -> str:
+    """The kernel's CUDA source."""
+    return _SOURCE
+
+
+def available() -> bool:
+    """Whether the fold scan can run here: a CUDA device and a torch that compiles kernels with NVRTC."""
+    return nvrtc.available()
+
+
+def takes(heads: int, dim: int, subspaces: int, centroids: int, residual: bool) -> str | None:
+    """Why folds cannot score these codes (None: they can): queries of 128 dims against product codes of 32 x 256
+    centroids (4 dims a subspace), at least 2 heads."""
+    if (dim, subspaces, centroids) != (DIM, SUBSPACES, CENTROIDS) or residual or heads < 2:
+        return (f"folds score {DIM}-dim queries of 2 heads or more against product codes of {SUBSPACES} x "
+                f"{CENTROIDS} centroids: got {heads} heads of {dim} dims, {subspaces} x {centroids}"
+                f"{', residual' if residual else ''}")
+    return None
+
+
+def compiles(device: torch.device) -> bool:
+    """Whether the kernel builds on ``device`` (once a process; False off CUDA or where NVRTC cannot)."""
+    return nvrtc.compiles(source(), KERNEL, SHARED, device, *_NAMES)
+
+
+_NAMES = ("the fold scan", "stage1='codes'")  # what a build failure says, and the way around it
+
+
+def head_groups(queries: torch.Tensor, head_weights: torch.Tensor, folds: int = FOLDS,
+                rounds: int = ROUNDS) -> torch.Tensor:
+    """[B, H] int64: the fold of each head of each request. The heads of positive weight go to folds ``0 ..
+    folds / 2 - 1``, the others to the rest; each side is clustered by k-means on the directions of its heads'
+    queries (cosine), ``rounds`` rounds, started from heads spread evenly over the side's heads in their order
+    (a side of fewer heads than folds starts some folds twice; those stay empty). Batched torch ops of fixed
+    shapes: no host sync, so a CUDA graph captures it."""
+    import torch
+
+    b, h, _ = queries.shape
+    half = folds // 2
+    x = torch.nn.functional.normalize(queries.float(), dim=2)
+    positive = head_weights.float() > 0  # [B, H]
+    side_of_fold = torch.arange(folds, device=x.device) < half  # [G]: True for the positive side's folds
+    allowed = positive[:, :, None] == side_of_fold[None, None, :]  # [B, H, G]
+    # the starting heads: on each side, the heads whose rank among the side's is floor(i (n - 1) / (half - 1))
+    start = torch.zeros(b, folds, h, device=x.device)
+    for side, offset in ((positive, 0), (~positive, half)):
+        rank = side.long().cumsum(1) - 1  # [B, H]
+        n = side.long().sum(1, keepdim=True)  # [B, 1]
+        want = (torch.arange(half, device=x.device)[None, :] * (n - 1).clamp_min(0)) // max(1, half - 1)  # [B, half]
+        start[:, offset:offset + half] = ((rank[:, None, :] == want[:, :, None]) & side[:, None, :]).float()
+    centers = torch.einsum("bgh,bhd->bgd", start, x)
+    assign = torch.zeros(b, h, dtype=torch.long, device=x.device)
+    for _ in range(rounds):
+        sim = torch.einsum("bhd,bgd->bhg", x, centers).masked_fill(~allowed, float("-inf"))
+        assign = sim.argmax(2)
+        sums = torch.einsum("bhg,bhd->bgd", torch.nn.functional.one_hot(assign, folds).float(), x)
+        norm = sums.norm(dim=2, keepdim=True)
+        centers = torch.where(norm > 0, sums / norm.clamp_min(1e-30), centers)
+    return assign
+
+
+def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor, folds: int = FOLDS,
+                  rounds: int = ROUNDS, leak: float = LEAK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fold scan's operands for ``queries`` [B, H, 128] and ``head_weights`` [B, H] against ``codebook``
+    [32, 256, 4]: (folded queries [B, folds, 128] int8, slopes [B, folds, 2] float32, codewords [32, 256, 4] int8).
+    Fold ``g`` is ``sum_{h in g} w_h q_h`` over the heads :func:`head_groups` gives it, times the codebook's
+    per-subspace scales (so one integer dot product covers every subspace), scaled to 127; its scale moves into
+    its slopes: ``(1 + leak, leak)`` above and below zero for the positive side's folds, ``(leak, 1 + leak)`` for
+    the others'. Torch ops on any device (no sync)."""
+    import torch
+
+    from dsaindex.kernels.pq_stage2_cuda import int8_codebook
+
+    book8, scale = int8_codebook(codebook)
+    group = head_groups(queries, head_weights, folds, rounds)
+    member = torch.nn.functional.one_hot(group, folds).float()  # [B, H, G]
+    weighted = queries.to(torch.bfloat16).float() * head_weights.float()[:, :, None]
+    folded = torch.einsum("bhg,bhd->bgd", member, weighted) * scale.to(weighted.device).repeat_interleave(
+        DIM // SUBSPACES)[None, None, :]
+    tau = folded.abs().amax(dim=2).clamp_min(1e-30) / 127.0  # [B, G]
+    q8 = torch.round(folded / tau[..., None]).clamp(-127, 127).to(torch.int8).contiguous()
+    positive = (torch.arange(folds, device=tau.device) < folds // 2)[None, :]
+    up = torch.where(positive, 1.0 + leak, leak) * tau
+    down = torch.where(positive, leak, 1.0 + leak) * tau
+    return q8, torch.stack([up, down], dim=2).float().contiguous(), book8
+
+
+def fold_scores_reference(codes: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,
+                          book8: torch.Tensor) -> torch.Tensor:
+    """[B, N] float32: each key's fold score, ``sum_g slope_g(x_g) x_g`` with ``x_g`` the integer dot product of
+    fold ``g`` with the key's int8 codewords (the kernel's arithmetic, summed in float64). ``codes`` [B, N, 32]."""
+    import torch
+
+    b, n, m = codes.shape
+    keys = book8.long()[torch.arange(m, device=codes.device)[None, None, :], codes.long()].reshape(b, n, -1)
+    dots = torch.einsum("bnd,bgd->bng", keys.double(), q8.double())  # exact: |dots| < 2**53
+    s = slopes.double()
+    return torch.where(dots > 0, dots * s[:, None, :, 0], dots * s[:, None, :, 1]).sum(-1).float()
+
+
+def _check(codes, lengths, q8, slopes, book8, page_table) -> None:
+    import torch
+
+    b = q8.shape[0]
+    want = {"codes": (torch.uint8, None), "lengths": (torch.int32, (b,)), "q8": (torch.int8, (b, FOLDS, DIM)),
+            "slopes": (torch.float32, (b, FOLDS, 2)), "book8": (torch.int8, (SUBSPACES, CENTROIDS, DIM // SUBSPACES)),
+            "page_table": (torch.int32, None)}
+    given = {"codes": codes, "lengths": lengths, "q8": q8, "slopes": slopes, "book8": book8, "page_table": page_table}
+    for name, t in given.items():
+        if t is None:
+            continue
+        dtype, shape = want[name]
+        if t.dtype != dtype or t.device != codes.device or not t.is_contiguous() or (
+                shape is not None and tuple(t.shape) != shape):
+            raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}), "
+                             f"want {dtype} {shape or ''} contiguous on {codes.device}")
+    if codes.shape[-1] != SUBSPACES or codes.data_ptr() % 8:
+        raise ValueError(f"codes: want {SUBSPACES} bytes a key, starting on an 8-byte boundary")
+    if not available() or codes.device.type != "cuda":
+        raise ValueError("the fold scan needs a CUDA device and a CUDA build of torch with NVRTC "
+                         "(torch.cuda._compile_kernel); use stage1='codes' elsewhere")
+
+
+def launch_rows(batch: int, n: int, sms: int) -> int:
+    """Rows a block of the scan takes: :data:`MAX_ROWS`, halved (down to 1,024) while the launch has fewer than
+    three blocks a multiprocessor (shapes only: a CUDA graph captures one launch)."""
+    rows = MAX_ROWS
+    while rows > 1024 and batch * -(-n // rows) < 3 * sms:
+        rows //= 2
+    return rows
+
+
+def _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, samples, page_table, capacity: int,
+            indices: int, block_rows: int, stride: int, n_samples: int) -> None:
+    b = q8.shape[0]
+    paged = page_table is not None
+    n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
+    if block_rows % 256 or not 0 < block_rows <= MAX_ROWS:
+        raise ValueError(f"block_rows: got {block_rows}, want a multiple of 256 up to {MAX_ROWS}")
+    kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)
+    table = page_table if paged else lengths
+    kernel(grid=(max(1, -(-indices // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=SHARED,
+           args=[codes, lengths, book8, q8, slopes, thr, out_pos, counts, samples, table,
+                 int(table.shape[-1]) if paged else 0, int(n_rows), int(capacity), int(block_rows), int(paged),
+                 int(stride), int(n_samples)])
+
+
+def pq_fold_samples(codes: torch.Tensor, lengths: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,
+                    book8: torch.Tensor, stride: int, n_samples: int, page_table: torch.Tensor | None = None,
+                    block_rows: int = 1024) -> torch.Tensor:
+    """[B, n_samples] float32: the fold scores of rows ``0, stride, 2 stride, ...`` of each request (-inf past its
+    length), as the scan scores them. Operands as :func:`fold_operands`; ``codes`` [B, N, 32] or [P, 64, 32] uint8
+    (``page_table`` [B, W] int32), ``lengths`` [B] int32, all contiguous on one CUDA device."""
+    import torch
+
+    _check(codes, lengths, q8, slopes, book8, page_table)
+    if stride < 1 or n_samples < 1:
+        raise ValueError(f"stride {stride} and n_samples {n_samples}: want both at least 1")
+    samples = torch.empty(q8.shape[0], n_samples, dtype=torch.float32, device=codes.device)
+    if q8.shape[0]:
+        _launch(codes, lengths, q8, slopes, book8, samples, lengths, lengths, samples, page_table, 0, n_samples,
+                block_rows, stride, n_samples)
+    return samples
+
+
+def pq_fold_scan(codes: torch.Tensor, lengths: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,
+                 book8: torch.Tensor, thr: torch.Tensor, out_pos: torch.Tensor, counts: torch.Tensor, n: int,
+                 page_table: torch.Tensor | None = None, block_rows: int | None = None) -> None:
+    """Append every one of the first ``n`` rows of each request whose fold score reaches ``thr`` [B] float32 to
+    ``out_pos`` [B, capacity] int32, counting them in ``counts`` [B] int32 (zeroed before: past the capacity they
+    are counted, not stored). ``block_rows``: rows a block (a multiple of 256 up to :data:`MAX_ROWS`; None:
+    :func:`launch_rows`). Inputs as :func:`pq_fold_samples`."""
+    _check(codes, lengths, q8, slopes, book8, page_table)
+    b = q8.shape[0]
+    if block_rows is None:
+        block_rows = launch_rows(b, n, nvrtc.multiprocessors(nvrtc.device_index(codes.device)))
+    if b and n > 0:
+        _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, thr, page_table, out_pos.shape[1], n,
+                block_rows, 0, 0)
+
+
+def pq_fold_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
+                 codebook: torch.Tensor, c: int, capacity: int, page_table: torch.Tensor | None = None,
+                 max_len: int | None = None, grow: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 on folds: every key whose fold score reaches a sampled threshold aiming at ``c`` (``grow`` (band,
+    most): ``c`` and ``capacity`` grown by each request's length, as the codes' stage 1 grows them), in a buffer
+    of ``capacity`` (x most) slots. ``codes`` [B, N, 32] or [P, 64, 32] uint8 (``page_table`` [B, W] int32),
+    ``queries`` [B, H, 128], ``head_weights`` [B, H], ``codebook`` [32, 256, 4] (its int8 form cached), on one
+    CUDA device. Returns (rows [B, capacity x most] int32, counts [B] int32): slots past a count are unset. One
+    graph-capturable sequence: the operands (torch), the sampling launch, the threshold (one Triton launch,
+    which also zeroes the counts), the scan."""
+    import torch
+
+    from dsaindex.kernels import select
+
+    lengths = lengths.to(device=codes.device, dtype=torch.int32).contiguous()
+    n_rows = codes.shape[1] if page_table is None else page_table.shape[1] * 64
+    n = n_rows if max_len is None else min(max_len, n_rows)
+    band, most = grow
+    q8, slopes, book8 = fold_operands(queries, head_weights, codebook)
+    stride = select.sample_stride(n)
+    n_samples = -(-n // stride)
+    table = None if page_table is None else page_table.contiguous()
+    samples = pq_fold_samples(codes, lengths, q8, slopes, book8, stride, n_samples, table)
+    b = q8.shape[0]
+    rows = torch.empty(b, capacity * (most if band else 1), dtype=torch.int32, device=codes.device)
+    counts = torch.empty(b, dtype=torch.int32, device=codes.device)
+    thr = select.sample_thresholds(samples, lengths, stride, c, capacity, counts=counts, grow=grow)
+    pq_fold_scan(codes, lengths, q8, slopes, book8, thr, rows, counts, n, table)
+    return rows, counts

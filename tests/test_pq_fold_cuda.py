@@ -1,0 +1,165 @@
+"""Stage 1 on folds (:mod:`dsaindex.kernels.pq_fold_cuda`): its CUDA source run on the CPU by the warp-synchronous
+emulator (``tests/cuda_emulator.py``) against :func:`fold_scores_reference`, and its operands (the heads'
+grouping, the folded int8 queries and slopes) against their definitions. The GPU test in
+``test_kernel_select.py`` runs the compiled kernel."""
+
+import numpy as np
+import pytest
+import torch
+from cuda_emulator import compiler, run_fold
+
+from dsaindex.kernels.pq_fold_cuda import (
+    FOLDS,
+    LEAK,
+    fold_operands,
+    fold_scores_reference,
+    head_groups,
+    launch_rows,
+    takes,
+)
+from dsaindex.kernels.pq_select import pq_linear_scores_reference
+
+emulated = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to run the emulated kernel")
+
+B, N, M, K, H, D = 3, 700, 32, 256, 64, 128
+
+
+def _inputs(seed: int, paged: bool):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, K, (B, N, M), generator=g, dtype=torch.int32).to(torch.uint8)
+    codebook = (torch.randn(M, K, D // M, generator=g) * 0.4).to(torch.bfloat16)
+    queries = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
+    weights = torch.randn(B, H, generator=g) * 0.1
+    lengths = torch.tensor([N, 333, 0], dtype=torch.int32)  # whole, a partial warp step, nothing
+    stored, table = codes, None
+    if paged:  # the codes kept per physical 64-row page, behind a shuffled page table
+        pages = -(-N // 64)
+        padded = torch.zeros(B, pages * 64, M, dtype=torch.uint8)
+        padded[:, :N] = codes
+        perm = torch.randperm(B * pages, generator=g)
+        stored = torch.empty(B * pages, 64, M, dtype=torch.uint8)
+        stored[perm] = padded.reshape(B * pages, 64, M)
+        table = perm.reshape(B, pages).to(torch.int32)
+    q8, slopes, book8 = fold_operands(queries, weights, codebook)
+    return stored, table, codes, lengths, q8, slopes, book8, queries, weights, codebook
+
+
+def _np(table):
+    return None if table is None else table.numpy()
+
+
+@emulated
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_sampling_launch_scores_every_row_as_the_reference(paged):
+    stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
+    got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
+                   stride=1, n_samples=N, rows_per_block=256)
+    want = fold_scores_reference(codes, q8, slopes, book8).numpy()
+    for b, n in enumerate(lengths.tolist()):
+        np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * np.abs(want).max())
+        assert np.all(np.isneginf(got[b, n:]))  # past the length: -inf, never a score
+    assert (want[0] > 0).any() and (want[0] < 0).any()  # both slopes of both sides at work
+
+
+@emulated
+def test_strided_samples_are_the_rows_at_the_stride():
+    stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(1, True)
+    stride, n_samples = 9, -(-N // 9)
+    got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), table.numpy(),
+                   stride=stride, n_samples=n_samples, rows_per_block=256)
+    want = fold_scores_reference(codes, q8, slopes, book8).numpy()
+    for b, n in enumerate(lengths.tolist()):
+        inside = np.arange(n_samples) * stride < n
+        np.testing.assert_allclose(got[b, inside], want[b, ::stride][inside], rtol=1e-5,
+                                   atol=1e-6 * np.abs(want).max())
+        assert np.all(np.isneginf(got[b, ~inside]))
+
+
+@emulated
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged):
+    stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
+    args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
+    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=256)  # the kernel's own scores
+    thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
+    capacity = 400
+    rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512)
+    for b, n in enumerate(lengths.tolist()):
+        want = set(np.flatnonzero(scores[b, :n] >= thr[b]).tolist())
+        assert counts[b] == len(want)
+        kept = rows[b, : counts[b]]
+        assert len(set(kept.tolist())) == counts[b] and set(kept.tolist()) == want
+    assert counts[0] > 100 and counts[2] == 0
+
+    # past the capacity the rows are counted, not stored
+    low = np.full(B, -np.inf, dtype=np.float32)
+    rows, counts = run_fold(*args, thr=low, capacity=capacity, n=N, rows_per_block=512)
+    assert counts.tolist() == [N, 333, 0]
+    assert set(rows[0].tolist()) <= set(range(N)) and len(set(rows[0].tolist())) == capacity
+
+
+def _groups_one_by_one(queries, weights, folds, rounds):
+    """The grouping's definition, one request and one side at a time (the study's loop)."""
+    out = torch.empty(weights.shape, dtype=torch.long)
+    half = folds // 2
+    for i in range(weights.shape[0]):
+        for side, base in ((weights[i] > 0, 0), (weights[i] <= 0, half)):
+            heads = side.nonzero().flatten()
+            if len(heads) == 0:
+                continue
+            x = torch.nn.functional.normalize(queries[i, heads].float(), dim=1)
+            c = x[torch.tensor([j * (len(heads) - 1) // max(1, half - 1) for j in range(half)])]
+            for _ in range(rounds):
+                a = (x @ c.T).argmax(1)
+                sums = torch.zeros_like(c).index_add_(0, a, x)
+                c = torch.where(sums.norm(dim=1, keepdim=True) > 0, torch.nn.functional.normalize(sums, dim=1), c)
+            out[i, heads] = base + a
+    return out
+
+
+def test_heads_fold_by_sign_and_direction_as_one_request_at_a_time():
+    g = torch.Generator().manual_seed(3)
+    queries = torch.randn(4, H, D, generator=g)
+    weights = torch.randn(4, H, generator=g)
+    weights[2] = weights[2].abs()  # a request with no negative head
+    weights[3, 5:] = weights[3, 5:].abs()  # one with 5 negative heads: fewer than a side's folds
+    weights[3, :5] = -weights[3, :5].abs()
+    got = head_groups(queries, weights, FOLDS, 3)
+    assert torch.equal(got, _groups_one_by_one(queries, weights, FOLDS, 3))
+    assert bool(((got < FOLDS // 2) == (weights > 0)).all())  # the sides never mix
+    assert len(set(got[0].tolist())) == FOLDS  # 16 non-empty folds of a random request
+    assert len(set(got[3, :5].tolist())) == 5  # each of the 5 negative heads alone
+
+
+def test_folds_score_as_the_float_folds_and_keep_their_top_keys():
+    """The int8 operands against the fold score in float (``sum_g f_g(Q_g . k)`` of the decoded keys, ``f_g`` the
+    ReLU of its side plus the leak): the same order up to the operands' rounding."""
+    g = torch.Generator().manual_seed(4)
+    n = 4000
+    codes = torch.randint(0, K, (2, n, M), generator=g, dtype=torch.int32).to(torch.uint8)
+    codebook = torch.randn(M, K, D // M, generator=g) * 0.4
+    queries = torch.randn(2, H, D, generator=g)
+    weights = torch.randn(2, H, generator=g)
+    q8, slopes, book8 = fold_operands(queries, weights, codebook.to(torch.bfloat16))
+    got = fold_scores_reference(codes, q8, slopes, book8)
+    group = head_groups(queries, weights)
+    want = torch.zeros(2, n)
+    for f in range(FOLDS):
+        w = weights * (group == f)
+        part = pq_linear_scores_reference(codes, queries.to(torch.bfloat16).float(), w,
+                                          codebook.to(torch.bfloat16).float())
+        want += (part.clamp_min(0) if f < FOLDS // 2 else part.clamp_max(0)) + LEAK * part
+    ratio = (got / want).median(dim=1, keepdim=True).values  # the operands' one scale a request
+    assert torch.allclose(got, want * ratio, rtol=0.05, atol=0.02 * float((want * ratio).abs().max()))
+    top = 200
+    for b in range(2):
+        kept = set(got[b].topk(top).indices.tolist()) & set(want[b].topk(top).indices.tolist())
+        assert len(kept) >= 0.9 * top
+
+
+def test_it_takes_product_codes_of_the_serving_geometry_only():
+    assert takes(64, 128, 32, 256, False) is None
+    assert "residual" in takes(64, 128, 32, 256, True)
+    assert "16 x" in takes(64, 128, 16, 256, False)
+    assert launch_rows(32, 1 << 20, 132) == 8192 and launch_rows(1, 1 << 20, 132) == 2048
+
