@@ -50,7 +50,13 @@ ROUNDS = 3  # rounds of the groups' k-means (3 served as 10 did: docs/results.md
 LEAK = 0.05
 SUBSPACES, CENTROIDS, DIM = 32, 256, 128
 MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
-SHARED = SUBSPACES * CENTROIDS * 4 + FOLDS * DIM + MAX_ROWS * 4  # codebook, queries, staged rows
+BASE_SHARED = SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's codebook and queries
+SHARED = BASE_SHARED + MAX_ROWS * 4  # and its staged rows, 4 bytes a row it scans at most
+
+
+def shared_bytes(block_rows: int) -> int:
+    """Dynamic shared memory of a launch of ``block_rows`` rows a block (its staging holds every one of them)."""
+    return BASE_SHARED + 4 * block_rows
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
@@ -397,7 +403,7 @@ def _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, samples, pa
         raise ValueError(f"block_rows: got {block_rows}, want a multiple of 256 up to {MAX_ROWS}")
     kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)
     table = page_table if paged else lengths
-    kernel(grid=(max(1, -(-indices // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=SHARED,
+    kernel(grid=(max(1, -(-indices // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(block_rows),
            args=[codes, lengths, book8, q8, slopes, thr, out_pos, counts, samples, table,
                  int(table.shape[-1]) if paged else 0, int(n_rows), int(capacity), int(block_rows), int(paged),
                  int(stride), int(n_samples)])
@@ -459,6 +465,8 @@ def pq_fold_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tens
     stride = select.sample_stride(n)
     n_samples = -(-n // stride)
     table = None if page_table is None else page_table.contiguous()
+    if codes.device.type != "cuda":  # no kernel here (a CPU run of the Triton path): its arithmetic in torch
+        return _fold_topc_torch(codes, lengths, q8, slopes, book8, c, capacity, table, n, stride, grow)
     samples = pq_fold_samples(codes, lengths, q8, slopes, book8, stride, n_samples, table)
     b = q8.shape[0]
     rows = torch.empty(b, capacity * (most if band else 1), dtype=torch.int32, device=codes.device)
@@ -466,3 +474,42 @@ def pq_fold_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tens
     thr = select.sample_thresholds(samples, lengths, stride, c, capacity, counts=counts, grow=grow)
     pq_fold_scan(codes, lengths, q8, slopes, book8, thr, rows, counts, n, table)
     return rows, counts
+
+
+def _fold_topc_torch(codes, lengths, q8, slopes, book8, c, capacity, table, n, stride, grow):
+    """:func:`pq_fold_topc` in torch ops: the same threshold rule over the same scores, rows kept in order."""
+    import torch
+
+    from dsaindex.kernels.select import grown_counts
+
+    if table is not None:  # the requests' rows through their page tables
+        codes = codes[table.long()].reshape(table.shape[0], table.shape[1] * 64, codes.shape[-1])
+    view = codes[:, :n]
+    scores = fold_scores_reference(view, q8, slopes, book8)
+    at = torch.arange(n, device=view.device)[None, :]
+    lengths = lengths.long()
+    band, most = grow
+    target, cap = grown_counts(c, lengths, band, most), grown_counts(capacity, lengths, band, most)
+    samples = scores[:, ::stride].masked_fill(at[:, ::stride] >= lengths[:, None], float("-inf"))
+    n_sampled = ((lengths + stride - 1) // stride).clamp_min(1)
+    rank = torch.ceil(1.5 * target.double() * n_sampled.double() / lengths.clamp_min(1).double()).long()
+    rank = torch.minimum(rank.clamp_min(1), n_sampled).clamp_max(samples.shape[1])
+    thr = samples.sort(dim=1, descending=True).values.gather(1, rank[:, None] - 1)[:, 0]
+    thr = torch.where(lengths <= cap, torch.full_like(thr, float("-inf")), thr)
+    keep = (at < lengths[:, None]) & (scores >= thr[:, None])
+    width = capacity * (most if band else 1)
+    order = torch.where(keep, at, n).sort(dim=1).values[:, :width]
+    rows = torch.where(order < n, order, -1).to(torch.int32)
+    if rows.shape[1] < width:
+        rows = torch.cat([rows, rows.new_full((rows.shape[0], width - rows.shape[1]), -1)], dim=1)
+    return rows.contiguous(), keep.sum(1).to(torch.int32)
+
+
+def fold_topc_reference(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                        head_weights: torch.Tensor, codebook: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``c`` rows per request by the fold score (the runtimes' torch path): (scores [B, c] float32, rows [B, c]
+    int64; -inf / -1 past a short request's end). ``codes`` [B, N, 32]; the rest as :func:`pq_fold_topc`."""
+    from dsaindex.kernels import select
+
+    q8, slopes, book8 = fold_operands(queries, head_weights, codebook)
+    return select.topk_of_prefixes(fold_scores_reference(codes, q8, slopes, book8), lengths, c)

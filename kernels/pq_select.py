@@ -36,9 +36,11 @@ from __future__ import annotations
 import torch
 
 from dsaindex.kernels import checks, select
+from dsaindex.kernels.pq_fold_cuda import pq_fold_topc
 from dsaindex.kernels.pq_scan_cuda import pq_scan_select, resolve_scan
 from dsaindex.kernels.pq_stage2_cuda import int8_scores_reference, resolve_stage2
 from dsaindex.kernels.pq_stage2_cuda import score_bound as score_bound  # the bins' scale, beside score_bins
+from dsaindex.kernels.select import grown_counts
 from dsaindex.pq import (
     PQSpec,
     encode,
@@ -147,20 +149,6 @@ def pq_linear_topc_reference(codes: torch.Tensor, lengths: torch.Tensor, queries
     """Top ``c`` rows per request by the stage-1 score: (scores [B, c] float32, rows [B, c] int64; -inf / -1
     past a short request's end). The spec of :func:`pq_linear_topc`."""
     return select.topk_of_prefixes(pq_linear_scores_reference(codes, queries, head_weights, codebooks), lengths, c)
-
-
-def grown_counts(count: int, lengths: torch.Tensor, band: int, most: int) -> torch.Tensor:
-    """[B] int64: ``count`` times the power of two covering each request's ``lengths`` in units of ``band``
-    keys (1 up to ``band``, 2 up to twice it, ...), at most ``most``; ``count`` where ``band`` is 0. A
-    request's C by its prefix length, the spec of the kernels' ``grown``."""
-    lengths = lengths.reshape(-1).long()
-    if band <= 0:
-        return torch.full_like(lengths, count)
-    need = ((lengths + band - 1) // band).clamp_min(1)
-    mult = torch.ones_like(lengths)
-    for _ in range(16):
-        mult = torch.where((mult < need) & (mult < most), mult * 2, mult)
-    return count * mult
 
 
 def growth_of(keys: int, band: int, most: int) -> int:
@@ -634,11 +622,15 @@ def stage1_launch(batch: int, slots: int) -> dict:
 
 
 def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_norms, page_table, max_len,
-            linear_config, scan: str = "auto", grow: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+            linear_config, scan: str = "auto", grow: tuple[int, int] = (0, 1),
+            folds: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 of both coarse forms: every key above a sampled threshold aiming at ``c1`` (int8 tables,
     up to 2 c1 kept; ``grow``: c1 grown by each request's length, :func:`pq_linear_topc`). ``linear_config``
     None: :func:`stage1_launch`; ``scan``: the selecting pass's kernel (:func:`pq_linear_topc`). Returns
-    (rows [B, 2 c1 (x most)] int32, counts [B] int32)."""
+    (rows [B, 2 c1 (x most)] int32, counts [B] int32). ``folds``: the keys scored by 16 folded queries instead
+    (:func:`~dsaindex.kernels.pq_fold_cuda.pq_fold_topc`, ``codebooks`` its bf16 codebook)."""
+    if folds:
+        return pq_fold_topc(codes, lengths, queries, head_weights, codebooks, c1, 2 * c1, page_table, max_len, grow)
     if linear_config is None:
         slots = codes.shape[1] if page_table is None else page_table.shape[1] * 64
         linear_config = stage1_launch(queries.shape[0], slots if max_len is None else min(max_len, slots))
@@ -648,6 +640,18 @@ def _stage1(codes, lengths, queries, head_weights, codebooks, c1: int, centroid_
                                        centroid_norms=centroid_norms, page_table=page_table, grow=grow,
                                        **linear_config)
     return rows1, counts1
+
+
+def _stage1_input(stage1, codes, codebooks, codebooks_bf16, centroid_norms) -> tuple:
+    """(codes, codebooks, centroid norms, folds) stage 1 reads for a coarse step's ``stage1`` (None: the codes;
+    a tuple: the group codes'; ``"folds"``: the codes, by folded queries through the bf16 codebook)."""
+    if stage1 is None:
+        return codes, codebooks, centroid_norms, False
+    if isinstance(stage1, str):
+        if stage1 != "folds":
+            raise ValueError(f"stage1: got {stage1!r}, want None, a (codes, codebooks, norms) tuple or 'folds'")
+        return codes, codebooks.to(torch.bfloat16) if codebooks_bf16 is None else codebooks_bf16, None, True
+    return (*stage1, False)
 
 
 def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, head_weights: torch.Tensor,
@@ -663,11 +667,12 @@ def pq_coarse_bins(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     each request's length (:func:`grown_counts`; ``capacity`` less ``c`` is the slack kept); ``stage2``: stage 2's
     kernel (:func:`pq_candidate_bins`); ``stage1`` (codes, codebooks, centroid norms): stage 1 scores these
     codes instead (the keys' group codes, :func:`~dsaindex.pq.group_codes`, kept per physical page as
-    ``codes`` are), stage 2 ``codes``. Returns (rows [B, 2 c1] int32 key positions, bins [B, 2 c1] int32,
-    stage-1 counts [B] int32, sel [B, 4] int32)."""
-    codes1, books1, norms1 = (codes, codebooks, centroid_norms) if stage1 is None else stage1
+    ``codes`` are), stage 2 ``codes``; ``"folds"``: stage 1 scores the codes by 16 folded queries
+    (:func:`~dsaindex.kernels.pq_fold_cuda.pq_fold_topc`). Returns (rows [B, 2 c1] int32 key positions, bins
+    [B, 2 c1] int32, stage-1 counts [B] int32, sel [B, 4] int32)."""
+    codes1, books1, norms1, folds = _stage1_input(stage1, codes, codebooks, codebooks_bf16, centroid_norms)
     rows1, counts1 = _stage1(codes1, lengths, queries, head_weights, books1, c1, norms1, page_table,
-                             max_len, linear_config, scan, grow)
+                             max_len, linear_config, scan, grow, folds)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     _, bins, sel = pq_candidate_bins(codes, rows1, counts1, queries, head_weights, table, key_bound, c, capacity,
                                      scratch, page_table=page_table, lengths=lengths.to(torch.int32), grow=grow,
@@ -692,9 +697,9 @@ def pq_coarse_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
     Returns (scores [B, c] float32, rows [B, c] int64, -inf / -1 where fewer; stage-1 counts [B] int32)."""
     from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk
 
-    codes1, books1, norms1 = (codes, codebooks, centroid_norms) if stage1 is None else stage1
+    codes1, books1, norms1, folds = _stage1_input(stage1, codes, codebooks, codebooks_bf16, centroid_norms)
     rows1, counts1 = _stage1(codes1, lengths, queries, head_weights, books1, c1, norms1, page_table,
-                             max_len, linear_config, scan)
+                             max_len, linear_config, scan, folds=folds)
     table = codebooks if codebooks_bf16 is None else codebooks_bf16
     coarse = pq_candidate_scores(codes, rows1, queries, head_weights, table, counts=counts1, block_n=128,
                                  page_table=page_table, stage2=stage2)

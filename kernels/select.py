@@ -201,3 +201,17 @@ def gather_host_rows_reference(host_fp8: torch.Tensor, host_scales: torch.Tensor
     b_dev, dst = b_idx.to(dev), dst_slot[b_idx.to(dst_slot.device), i_idx.to(dst_slot.device)].to(dev)
     pool_fp8[b_dev, dst] = rows.to(dev, non_blocking=True)
     pool_scales[b_dev, dst] = scales.to(dev, non_blocking=True)
+
+
+def grown_counts(count: int, lengths: torch.Tensor, band: int, most: int) -> torch.Tensor:
+    """[B] int64: ``count`` times the power of two covering each request's ``lengths`` in units of ``band``
+    keys (1 up to ``band``, 2 up to twice it, ...), at most ``most``; ``count`` where ``band`` is 0. A
+    request's C by its prefix length, the spec of the kernels' ``grown``."""
+    lengths = lengths.reshape(-1).long()
+    if band <= 0:
+        return torch.full_like(lengths, count)
+    need = ((lengths + band - 1) // band).clamp_min(1)
+    mult = torch.ones_like(lengths)
+    for _ in range(16):
+        mult = torch.where((mult < need) & (mult < most), mult * 2, mult)
+    return count * mult

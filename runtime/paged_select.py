@@ -92,6 +92,8 @@ from dsaindex.kernels.paged_codes import (
     with_tail,
     with_tail_reference,
 )
+from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
+from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
 from dsaindex.kernels.pq_scan_cuda import available, resolve_scan
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
@@ -283,6 +285,10 @@ class PagedCacheSelector:
         if stage1 not in STAGE1S:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
         self.stage1 = stage1
+        if stage1 == "folds":
+            why = fold_takes(2, head_dim, m, codec.codebooks.shape[1], codec.residual)
+            if why is not None:
+                raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
         # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
         # pair codebooks; stage 1 scores those, stage 2 the codes
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -701,7 +707,7 @@ class PagedCacheSelector:
             _, cand, counts1 = pq_coarse_topc(self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates,
                                               codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
                                               page_table=table, scan=self.scan, stage2=self.stage2,
-                                              stage1=self.groups)
+                                              stage1=self.stage1_input)
             return cand, counts1
         if self.use_triton:
             b = table.shape[0]
@@ -710,13 +716,16 @@ class PagedCacheSelector:
             rows1, bins, counts1, sel = pq_coarse_bins(
                 self.codes, n_coded, q, w, self.codebooks, self.c1, self.candidates, self.kept_capacity,
                 self.key_bound, scratch, codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
-                page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2, stage1=self.groups)
+                page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2, stage1=self.stage1_input)
             return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
         c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
-        codes1, books1 = (codes, self.codebooks) if self.groups is None else (
-            paged_codes_reference(self.groups[0], table), self.groups[1])
-        _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, self.c1 * most)
+        if self.stage1 == "folds":
+            _, rows1 = fold_topc_reference(codes, n_coded, q, w, self.codebooks_bf16, self.c1 * most)
+        else:
+            codes1, books1 = (codes, self.codebooks) if self.groups is None else (
+                paged_codes_reference(self.groups[0], table), self.groups[1])
+            _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
         coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks_bf16, self.stage2)  # int8: its own
         counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)
@@ -728,13 +737,20 @@ class PagedCacheSelector:
         sel = boundary_of_bins(bins, live, c, c + self.kept_capacity - self.candidates)
         return keep_binned_reference(rows1.to(torch.int32), bins, counts1, sel, capacity), counts1
 
+    @property
+    def stage1_input(self):
+        """What the coarse kernels' ``stage1`` argument takes for this selector: None (the codes), the group codes'
+        (codes, codebooks, norms), or ``"folds"``."""
+        return "folds" if self.stage1 == "folds" else self.groups
+
     def gpu_bytes(self) -> int:
         """Device bytes the selector holds beside the engine's cache (codes, group codes, signatures, flags)."""
         held = (self.codes, self.signature, self.valid) + (() if self.groups is None else (self.groups[0],))
         return sum(t.numel() * t.element_size() for t in held)
 
 
-STAGE1S = ("codes", "groups")  # what stage 1 scores: the keys' codes, or their group codes (half the bytes)
+# what stage 1 scores: the keys' codes, their group codes (half the bytes), or the codes by 16 folded queries
+STAGE1S = ("codes", "groups", "folds")
 
 
 def _exact_warm_up(args: tuple, width: int) -> tuple:

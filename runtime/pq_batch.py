@@ -62,6 +62,8 @@ from dsaindex.kernels.fp8_score import (
     fp8_topk_reference,
     paged_keys_reference,
 )
+from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
+from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
@@ -210,6 +212,11 @@ class PQDecodeGroup:
         # stage1="groups": stage 1 scores each key's group codes, kept beside its codes (paged_select's option)
         if stage1 not in STAGE1S:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
+        self.stage1 = stage1
+        if stage1 == "folds":
+            why = fold_takes(2, self.dim, m, self.codebooks.shape[1], self.residual)
+            if why is not None:
+                raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if stage1 == "groups":
             assign, books, norms = stage1_groups(self.codebooks, self.residual)
@@ -439,6 +446,12 @@ class PQDecodeGroup:
         they are."""
         return q if self.rotation is None else rotate(q, self.rotation_bf16, torch.bfloat16)
 
+    @property
+    def stage1_input(self):
+        """What the coarse kernels' ``stage1`` argument takes for this group: None (the codes), the group codes'
+        (codes, codebooks, norms), or ``"folds"``."""
+        return "folds" if self.stage1 == "folds" else self.groups
+
     def gpu_bytes(self) -> dict[str, int]:
         """Device bytes per request: the index (codes of ``max_keys``) and the fixed cache + tail state."""
         per_slot = lambda t: t.numel() * t.element_size() // self.slots  # noqa: E731
@@ -479,7 +492,7 @@ class PQDecodeGroup:
             return pq_coarse_topc(self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates,
                                   codebooks_bf16=self.codebooks_bf16, centroid_norms=self.centroid_norms,
                                   max_len=longest, linear_config=self.linear_config, stage2=self.stage2,
-                                  stage1=self.groups)
+                                  stage1=self.stage1_input)
         rows1, counts1, coarse = self._coarse_reference(q_code, w, longest)
         cand_scores, cand = small_topk_reference(coarse, min(self.candidates, coarse.shape[1]), rows1)
         return cand_scores, cand, counts1
@@ -491,9 +504,12 @@ class PQDecodeGroup:
         codes = self.codes[:, :longest]
         band, most = grow
         c1 = grown_counts(self.c1, self.n_encoded, band, most)
-        codes1, books1 = (codes, self.codebooks) if self.groups is None else (self.groups[0][:, :longest],
-                                                                               self.groups[1])
-        _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, self.c1 * most)
+        if self.stage1 == "folds":
+            _, rows1 = fold_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks_bf16, self.c1 * most)
+        else:
+            codes1, books1 = (codes, self.codebooks) if self.groups is None else (self.groups[0][:, :longest],
+                                                                                   self.groups[1])
+            _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
         counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
         # "int8": the int8 kernel's own arithmetic, so a CPU run measures what it selects
@@ -541,7 +557,7 @@ class PQDecodeGroup:
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
                 centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config,
-                grow=(band, most), stage2=self.stage2, stage1=self.groups)
+                grow=(band, most), stage2=self.stage2, stage1=self.stage1_input)
             exact, positions, counts = fp8_host_select(
                 self.host.fp8, self.host.scales, self.page_table, rows1, bins, counts1, sel, self.bin_scratch,
                 self.pool_fp8, self.pool_scales, self.tail_len, self.n_encoded, self.cache_capacity + 1, q, w, width)
@@ -573,7 +589,7 @@ class PQDecodeGroup:
                 self.codes, self.n_encoded, q_code, w, self.codebooks, self.c1, self.candidates, capacity,
                 self.key_bound, self.bin_scratch, codebooks_bf16=self.codebooks_bf16,
                 centroid_norms=self.centroid_norms, max_len=longest, linear_config=self.linear_config, grow=grow,
-                stage2=self.stage2, stage1=self.groups)
+                stage2=self.stage2, stage1=self.stage1_input)
             cand = keep_binned(rows1, bins, counts1, sel, self.bin_scratch, width)
         else:
             rows1, counts1, coarse = self._coarse_reference(q_code, w, longest, grow)

@@ -1009,6 +1009,21 @@ def test_the_cuda_stage2_compiles_for_hopper_on_tensor_cores_without_spills():
     assert ".local" not in text
 
 
+def test_the_fold_scan_compiles_for_hopper_on_the_s8_tensor_cores():
+    """The fold scan (``stage1="folds"``) for sm_90: one m-tile of 16 folds a step, ``mma.m16n8k32`` on s8 over 4
+    steps x 4 n-tiles, one ``ldmatrix`` a step, 4 n-tiles' 8-byte code loads a step (and the two steps in flight
+    before the loop), one global atomic a block (its flush) and one shared atomic a warp's kept rows; no local
+    memory."""
+    from dsaindex.kernels.pq_fold_cuda import source
+
+    text = _hopper_ptx(source())
+    assert text.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == 4 * 4
+    assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4
+    assert text.count("ld.global.nc.v2.u32") == 3 * 4
+    assert text.count("atom.global.add") == 1 and text.count("atom.shared.add") == 1
+    assert ".local" not in text
+
+
 def test_the_int8_stage2_compiles_for_hopper_on_the_s8_tensor_cores():
     """The int8 form (``stage2="int8"``) for sm_90: ``mma.m16n8k32`` on s8 (a native IMMA on Hopper, where the e4m3
     form is lowered to f16), half the bf16 form's: 4 steps of 32 dimensions x 4 n-tiles a head tile; half its

@@ -508,3 +508,31 @@ def test_a_group_on_group_codes_keeps_them_beside_its_codes_and_selects_alike_on
     with pytest.raises(DsaIndexError, match="not a stage-1 code"):
         PQDecodeGroup(layer(), HostKeyStore(8, D), 1, 256, 16, candidates=128, cache_capacity=128, device=DEV,
                       stage1="half")
+
+
+@pytest.mark.usefixtures("torch_encoding")
+def test_a_group_on_folds_keeps_most_of_the_exact_topk_on_both_paths():
+    """stage1="folds": stage 1 scores the codes by 16 folded queries (the heads grouped by sign and direction),
+    through the kernels' path (threshold and append) and the torch path (top C1); both keep most of the exact
+    top-k and agree, the index holds the codes alone, and a geometry the folds cannot score is refused by name."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.pq_batch import PQDecodeGroup
+
+    lengths = [1500, 900]
+    keys = histories(lengths, seed=6)
+    q, w = queries(2, 8)
+    picks = []
+    for use_triton in (True, False):
+        group = PQDecodeGroup(layer(), HostKeyStore(64, D), 2, 1600, 16, candidates=128, prefilter=2,
+                              cache_capacity=128, device=DEV, use_triton=use_triton, stage1="folds")
+        for slot, x in enumerate(keys):
+            group.admit(slot)
+            group.append(slot, x)
+        assert group.gpu_bytes()["index"] == group.codes[0].numel()
+        picks.append(group.select(q, w)[0])
+        assert overlap(picks[-1].cpu(), exact_topk(keys, q, w, 16)) >= 0.85, use_triton
+    assert overlap(picks[0].cpu(), picks[1].cpu()) >= 15 / 16
+    small = PQCodec(codebooks=torch.randn(16, 256, 8))
+    with pytest.raises(DsaIndexError, match="folds score 128-dim queries"):
+        PQDecodeGroup(small, HostKeyStore(8, D), 1, 256, 16, candidates=128, cache_capacity=128, device=DEV,
+                      stage1="folds")

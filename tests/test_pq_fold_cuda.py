@@ -163,3 +163,63 @@ def test_it_takes_product_codes_of_the_serving_geometry_only():
     assert "16 x" in takes(64, 128, 16, 256, False)
     assert launch_rows(32, 1 << 20, 132) == 8192 and launch_rows(1, 1 << 20, 132) == 2048
 
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_compiled_scan_scores_and_keeps_as_the_reference():
+    """NVRTC's build on the GPU, paged behind a shuffled table, lengths ending inside a warp's rows: the sampling
+    launch's scores are the reference's, the scan keeps exactly the rows at or above the threshold (each once),
+    and past its buffer it counts them."""
+    from dsaindex.kernels.pq_fold_cuda import pq_fold_samples, pq_fold_scan
+
+    stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(6, True)
+    dev = "cuda"
+    stored, table, q8, slopes, book8 = (x.to(dev) for x in (stored, table, q8, slopes, book8))
+    lengths = torch.tensor([N, N - 101, 45], dtype=torch.int32, device=dev)
+    got = pq_fold_samples(stored, lengths, q8, slopes, book8, 1, N, table)
+    want = fold_scores_reference(codes.to(dev), q8, slopes, book8)
+    for b, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        assert bool(torch.isneginf(got[b, n:]).all())
+    thr = torch.stack([got[0, :N].quantile(0.7), got[1, :N - 101].quantile(0.2), torch.tensor(0.0, device=dev)])
+    for capacity in (N, 64):
+        rows = torch.full((3, capacity), -1, dtype=torch.int32, device=dev)
+        counts = torch.zeros(3, dtype=torch.int32, device=dev)
+        pq_fold_scan(stored, lengths, q8, slopes, book8, thr, rows, counts, N, table, block_rows=256)
+        for b, n in enumerate(lengths.tolist()):
+            passing = got[b, :n] >= thr[b]
+            assert int(counts[b]) == int(passing.sum())
+            kept = rows[b, : min(int(counts[b]), capacity)].long()
+            assert len(set(kept.tolist())) == len(kept) and bool(passing[kept].all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fold_stage1_keeps_about_its_grown_target_on_the_gpu_as_in_torch():
+    """:func:`pq_fold_topc` on the GPU (operands, sampling launch, threshold, scan) against its torch form on the
+    CPU: the same threshold rule over the same scores keeps the same rows, about 1.5 x the target grown by each
+    request's length."""
+    from dsaindex.kernels.pq_fold_cuda import pq_fold_topc
+
+    g = torch.Generator().manual_seed(7)
+    b, n, pages = 2, 40_000, 40_000 // 64 + 1
+    stored = torch.randint(0, K, (b * pages, 64, M), generator=g, dtype=torch.int32).to(torch.uint8)
+    table = torch.randperm(b * pages, generator=g).view(b, pages).to(torch.int32)
+    lengths = torch.tensor([n, 9_000], dtype=torch.int32)
+    codebook = (torch.randn(M, K, D // M, generator=g) * 0.4).to(torch.bfloat16)
+    queries = torch.randn(b, H, D, generator=g).to(torch.bfloat16)
+    weights = torch.randn(b, H, generator=g)
+    args = (lengths, queries, weights, codebook, 1000, 2000)
+    rows, counts = pq_fold_topc(stored.cuda(), *(x.cuda() if torch.is_tensor(x) else x for x in args),
+                                table.cuda(), None, (10_000, 4))
+    rows_t, counts_t = pq_fold_topc(stored, *args, table, None, (10_000, 4))
+    targets = [4000, 1000]  # 1,000 grown 4x at 40,000 keys (band 10,000), 1x at 9,000
+    for i in range(b):
+        assert 1.0 * targets[i] <= int(counts[i]) <= 2.0 * targets[i], (i, int(counts[i]))
+        got = set(rows[i, : int(counts[i])].tolist())
+        want = set(rows_t[i, : int(counts_t[i])].tolist())
+        assert len(got ^ want) <= 0.01 * len(want)  # float sums in another order may cross the threshold

@@ -560,8 +560,9 @@ def bench_frontier(
     device: str = typer.Option("auto", help="Where recall is measured and steps are timed: cpu, cuda or auto."),
     stage2: str = typer.Option("auto", "--stage2", help="Stage 2's kernel on a GPU: auto (the default), cuda, int8 "
                                                        "(8-bit operands) or triton; the CPU runs the torch reference."),
-    stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default) or groups (the "
-                                                         "keys' group codes, half the bytes, kept beside the codes)."),
+    stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default), groups (the "
+                                                         "keys' group codes, half the bytes, kept beside the codes) "
+                                                         "or folds (the codes by 16 folded queries)."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the tables as markdown to this file."),
     plot: Path = typer.Option(None, help="Also draw speedup against recall (one panel per B x N, the Pareto front "
@@ -621,6 +622,14 @@ def bench_frontier(
         for b in bundles:
             for codec in b.codecs.values():
                 check_groups(codec.subspaces, codec.codebooks.shape[1], codec.residual)
+    if stage1 == "folds":
+        from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
+
+        for b in bundles:
+            for codec in b.codecs.values():
+                why = fold_takes(2, codec.dim, codec.subspaces, codec.codebooks.shape[1], codec.residual)
+                if why is not None:
+                    raise DsaIndexError(f"--stage1 folds: {why}.", "pass --stage1 codes.")
     check_points(bundles, cs, ps, k, key_counts if timed_run else None, device)
     if min_prefix is None:
         min_prefix = max(4 * k, max(cs) + 1)

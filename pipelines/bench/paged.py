@@ -184,7 +184,8 @@ def bench_paged(
                                "triton; a comma list times the "
                                "others too (plugin_device_stage2_<s>, on the codes' path)."),
     stage1: str = typer.Option("codes", "--stage1", help="What stage 1 scores: codes (the default: the keys' codes) "
-                               "or groups (their group codes, 16 bytes a PQ32 key, kept beside the codes); a comma "
+                               "or groups (their group codes, 16 bytes a PQ32 key, kept beside the codes) or folds "
+                               "(the codes by 16 folded queries, the heads grouped by sign and direction); a comma "
                                "list times the others too (plugin_device_stage1_<s>, on the codes' path)."),
     grow_band: int = typer.Option(0, "--grow-band", callback=at_least(0),
                                   help="C grows with each doubling of a request's keys past this many (what the "

@@ -1,0 +1,119 @@
+"""The fold scan (:mod:`dsaindex.kernels.pq_fold_cuda`) on the GPU: its scores and kept rows against the torch
+reference, then its time beside the shipped stage 1 over the same B x 1M paged keys (a shuffled page table).
+
+Per batch size: a plain read of the code bytes (the floor); the shipped stage 1 (``_stage1``: sampling pass and
+CUDA scan, int8 tables) at P = 4 of a C grown to 32,768 at 1M (band 131,072: the served point); the fold stage 1
+(:func:`pq_fold_topc`: operands, sampling launch, threshold, scan) at P = 1 and 2 of the same C; its parts; and
+the scan's compile-time variants (blocks a multiprocessor, codes in flight, rows a block). CUDA-graph medians in
+us (a GPU; not part of the package).
+
+``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32)."""
+
+import json
+import sys
+
+import torch
+
+from dsaindex.kernels import pq_fold_cuda as fold
+from dsaindex.kernels import select
+from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
+from dsaindex.pipelines.bench.timing import graph_median_ms
+
+N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
+VARIANTS = {"min_blocks 3, prefetch 2 (default)": "", "min_blocks 2": "#define MIN_BLOCKS 2\n",
+            "min_blocks 4": "#define MIN_BLOCKS 4\n", "prefetch 1": "#define PREFETCH 1\n"}
+
+
+def check(b: int, codes, table, lengths, q8, slopes, book8) -> dict:
+    """The compiled kernel against the reference on each request's first 8,192 rows: scores, kept set."""
+    rows = 8192
+    view = paged_codes_reference(codes, table[:, : rows // 64])
+    want = fold.fold_scores_reference(view, q8, slopes, book8)
+    got = fold.pq_fold_samples(codes, lengths, q8, slopes, book8, 1, rows, table)
+    close = bool(torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6 * float(want.abs().max())))
+    thr = got.quantile(0.9, dim=1).contiguous()
+    short = torch.full_like(lengths, rows)
+    out = torch.full((b, rows), -1, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(b, dtype=torch.int32, device="cuda")
+    fold.pq_fold_scan(codes, short, q8, slopes, book8, thr, out, counts, rows, table)
+    same = all(set(out[i, : counts[i]].tolist()) == set(torch.nonzero(got[i] >= thr[i]).flatten().tolist())
+               for i in range(b))
+    return dict(batch=b, check="compiled kernel vs reference, first 8,192 rows", scores_close=close, kept_same=same)
+
+
+def timed(b: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(b)
+    pages = b * N // 64
+    table = torch.randperm(pages, device="cuda", generator=g).view(b, -1).int().contiguous()
+    codes = torch.randint(0, 256, (pages, 64, 32), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    lengths = torch.full((b,), N, dtype=torch.int32, device="cuda")
+    book = (torch.randn(32, 256, 4, device="cuda", generator=g) * 0.4)
+    queries = torch.randn(b, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    weights = torch.randn(b, 64, device="cuda", generator=g) * 0.1
+    q8, slopes, book8 = fold.fold_operands(queries, weights, book.to(torch.bfloat16))
+    res = [check(b, codes, table, lengths, q8, slopes, book8)]
+    print(res[-1], flush=True)
+    flat = codes.view(-1, 4).view(torch.int32)
+    floor = graph_median_ms(lambda: flat.max()) * 1000
+    res.append(dict(batch=b, keys=N, variant="read (torch max over the codes, 32 bytes a key)", us=round(floor, 1)))
+    print(res[-1], flush=True)
+
+    def add(name, fn, **extra):
+        us = graph_median_ms(fn) * 1000
+        res.append(dict(batch=b, keys=N, variant=name, us=round(us, 1), vs_read=round(us / floor, 3), **extra))
+        print(res[-1], flush=True)
+
+    grow = (BAND, MOST)
+    for p in (4, 2):
+        def shipped(p=p):
+            return _stage1(codes, lengths, queries, weights, book, p * C, None, table, None, None, "auto", grow)
+        rows, counts = shipped()
+        add(f"shipped stage 1 (codes), P = {p}", shipped, kept=int(counts.float().mean()))
+    for p in (2, 1):
+        cap = 2 * p * C
+
+        def folds(p=p, cap=cap):
+            return fold.pq_fold_topc(codes, lengths, queries, weights, book.to(torch.bfloat16), p * C, cap, table,
+                                     None, grow)
+        rows, counts = folds()
+        add(f"fold stage 1, P = {p}", folds, kept=int(counts.float().mean()), target=int(1.5 * p * C * MOST))
+
+    # the parts at P = 2
+    bf = book.to(torch.bfloat16)
+    add("fold operands (grouping, folds, int8)", lambda: fold.fold_operands(queries, weights, bf))
+    stride = select.sample_stride(N)
+    n_samples = -(-N // stride)
+    add("fold sampling launch", lambda: fold.pq_fold_samples(codes, lengths, q8, slopes, book8, stride, n_samples, table))
+    samples = fold.pq_fold_samples(codes, lengths, q8, slopes, book8, stride, n_samples, table)
+    cap = 4 * C
+    counts = torch.zeros(b, dtype=torch.int32, device="cuda")
+    add("threshold (sample_thresholds, grown)",
+        lambda: select.sample_thresholds(samples, lengths, stride, 2 * C, cap, counts=counts, grow=grow))
+    thr = select.sample_thresholds(samples, lengths, stride, 2 * C, cap, counts=counts, grow=grow)
+    out = torch.empty(b, cap * MOST, dtype=torch.int32, device="cuda")
+    for name, defines in VARIANTS.items():
+        kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
+        kernel.set_shared_memory_config(fold.SHARED)
+        for rows_a_block in (2048, 4096, 8192):
+            def scan(kernel=kernel, rows_a_block=rows_a_block):
+                counts.zero_()
+                kernel(grid=(N // rows_a_block, b, 1), block=(fold.THREADS, 1, 1),
+                       shared_mem=fold.shared_bytes(rows_a_block),
+                       args=[codes, lengths, book8, q8, slopes, thr, out, counts, thr, table, table.shape[1], N,
+                             out.shape[1], rows_a_block, 1, 0, 0])
+            add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, kept=int(counts.float().mean()))
+    return res
+
+
+def main() -> None:
+    res = []
+    for b in [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else (8, 32):
+        res += timed(b)
+        torch.cuda.empty_cache()
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
