@@ -324,18 +324,28 @@ def head_groups(queries: torch.Tensor, head_weights: torch.Tensor, folds: int = 
 
 
 def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: torch.Tensor, folds: int = FOLDS,
-                  rounds: int = ROUNDS, leak: float = LEAK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rounds: int = ROUNDS, leak: float = LEAK,
+                  fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fold scan's operands for ``queries`` [B, H, 128] and ``head_weights`` [B, H] against ``codebook``
     [32, 256, 4]: (folded queries [B, folds, 128] int8, slopes [B, folds, 2] float32, codewords [32, 256, 4] int8).
     Fold ``g`` is ``sum_{h in g} w_h q_h`` over the heads :func:`head_groups` gives it, times the codebook's
     per-subspace scales (so one integer dot product covers every subspace), scaled to 127; its scale moves into
     its slopes: ``(1 + leak, leak)`` above and below zero for the positive side's folds, ``(leak, 1 + leak)`` for
-    the others'. Torch ops on any device (no sync)."""
+    the others'. Torch ops on any device (no sync); on a CUDA device (``fused`` None) or where ``fused``, one
+    Triton launch (:func:`~dsaindex.kernels.pq_fold_kernel.fold_operands_kernel`, a program a request) computes
+    the same up to float32 summation order (an int8 query within 1, a head's fold the same but at a near tie).
+    Raises ``ValueError`` unless ``queries`` are [B, H, 128] and ``head_weights`` [B, H]."""
     import torch
 
     from dsaindex.kernels.pq_stage2_cuda import int8_codebook
 
+    b, h, d = queries.shape
+    if d != DIM or tuple(head_weights.shape) != (b, h) or folds % 2 or folds < 2:
+        raise ValueError(f"fold operands: want queries [B, H, {DIM}], head_weights [B, H] and an even number of "
+                         f"folds, got {tuple(queries.shape)}, {tuple(head_weights.shape)} and {folds}")
     book8, scale = int8_codebook(codebook)
+    if queries.is_cuda if fused is None else fused:
+        return (*_fold_operands_fused(queries, head_weights, scale.to(queries.device), folds, rounds, leak)[:2], book8)
     group = head_groups(queries, head_weights, folds, rounds)
     member = torch.nn.functional.one_hot(group, folds).float()  # [B, H, G]
     weighted = queries.to(torch.bfloat16).float() * head_weights.float()[:, :, None]
@@ -347,6 +357,26 @@ def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     up = torch.where(positive, 1.0 + leak, leak) * tau
     down = torch.where(positive, leak, 1.0 + leak) * tau
     return q8, torch.stack([up, down], dim=2).float().contiguous(), book8
+
+
+def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak):
+    """(q8, slopes, groups [B, H] int32) in one Triton launch (:func:`fold_operands`)."""
+    import torch
+    import triton
+
+    from dsaindex.kernels.pq_fold_kernel import fold_operands_kernel
+
+    b, h, d = queries.shape
+    q = queries.to(torch.bfloat16).contiguous()
+    w = head_weights.float().contiguous()
+    q8 = torch.empty(b, folds, d, dtype=torch.int8, device=q.device)
+    slopes = torch.empty(b, folds, 2, dtype=torch.float32, device=q.device)
+    groups = torch.empty(b, h, dtype=torch.int32, device=q.device)
+    if b:
+        fold_operands_kernel[(b,)](q, w, scale.float().contiguous(), q8, slopes, groups, h, float(leak),
+                                   HP=max(16, triton.next_power_of_2(h)), D=d, DSUB=d // SUBSPACES, G=folds,
+                                   ROUNDS=rounds, num_warps=4)
+    return q8, slopes, groups
 
 
 def fold_scores_reference(codes: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,

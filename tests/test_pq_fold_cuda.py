@@ -223,3 +223,25 @@ def test_fold_stage1_keeps_about_its_grown_target_on_the_gpu_as_in_torch():
         got = set(rows[i, : int(counts[i])].tolist())
         want = set(rows_t[i, : int(counts_t[i])].tolist())
         assert len(got ^ want) <= 0.01 * len(want)  # float sums in another order may cross the threshold
+
+
+@pytest.mark.skipif(not CUDA and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("heads", [64, 8])
+def test_the_fused_operands_are_the_torch_operands(heads):
+    """One Triton launch (a program a request) against the torch ops: the same folds for every head, int8 queries
+    within 1, slopes within float32 rounding; 8 heads (a tensor-core side padded to 16) too."""
+    from dsaindex.kernels.pq_fold_cuda import _fold_operands_fused
+    from dsaindex.kernels.pq_stage2_cuda import int8_codebook
+
+    g = torch.Generator().manual_seed(8)
+    dev = "cuda" if CUDA else "cpu"
+    queries = torch.randn(4, heads, D, generator=g).to(torch.bfloat16).to(dev)
+    weights = torch.randn(4, heads, generator=g).to(dev)
+    weights[1] = weights[1].abs()  # no negative head
+    codebook = (torch.randn(M, K, D // M, generator=g) * 0.4).to(torch.bfloat16).to(dev)
+    q8, slopes, book8 = fold_operands(queries, weights, codebook, fused=False)
+    fq8, fslopes, groups = _fold_operands_fused(queries, weights, int8_codebook(codebook)[1], FOLDS, 3, LEAK)
+    assert torch.equal(groups.long(), head_groups(queries, weights))
+    assert int((fq8.int() - q8.int()).abs().max()) <= 1 and float((fq8 != q8).float().mean()) < 0.01
+    torch.testing.assert_close(fslopes, slopes, rtol=1e-6, atol=0)
