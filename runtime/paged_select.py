@@ -255,7 +255,10 @@ class PagedCacheSelector:
     stage1 : what stage 1 scores: ``"codes"`` (default: the keys' codes) or ``"groups"`` (each subspace's 256
         centroids put in 16 groups of 16, :func:`~dsaindex.pq.group_centroids`, and stage 1 scoring the keys'
         group codes, two groups a byte: 16 bytes a PQ32 key, half the bytes stage 1 reads, kept beside the
-        codes, so the selector holds 48 bytes a key; stage 2 scores the codes as before)
+        codes, so the selector holds 48 bytes a key; stage 2 scores the codes as before) or ``"folds"`` (the codes
+        scored by 16 folded queries, the request's heads grouped by the sign of their weight and the direction
+        of their queries, each fold's ReLU kept: :mod:`~dsaindex.kernels.pq_fold_cuda`; PQ32 of 128 dims; no
+        bytes beside the codes)
     """
 
     def __init__(self, codec: PQCodec, num_pages: int, topk: int, candidates: int | None = None,

@@ -138,8 +138,9 @@ class PQDecodeGroup:
         (the default), ``"cuda"``, ``"int8"`` (8-bit operands; what ``"auto"`` runs for large steps where it
         compiles) or ``"triton"``; without the kernels (``use_triton`` off) ``"int8"`` scores with its arithmetic
         (:func:`~dsaindex.kernels.pq_stage2_cuda.int8_scores_reference`), the others with the bf16 reference
-    stage1 : what stage 1 scores: ``"codes"`` (default) or ``"groups"`` (the keys' group codes, half the bytes,
-        kept beside the codes: :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`'s option)
+    stage1 : what stage 1 scores: ``"codes"`` (default), ``"groups"`` (the keys' group codes, half the bytes,
+        kept beside the codes) or ``"folds"`` (the codes by 16 folded queries):
+        :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`'s option
     use_triton : run the Triton kernels (default: on CUDA, or under ``TRITON_INTERPRET=1``); otherwise
         their torch references run the same algorithm (CPU serving of small models, tests)
     exact_below : the length policy. A request of at most this many keys also keeps its exact FP8 keys
