@@ -158,25 +158,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     const float t_b = sampling ? 0.0f : thr[b];
     const int step_rows = 32 * WARPS;
     // lane (g, t) loads bytes 8t .. 8t + 7 of the step's rows 8 nt + g: a warp's load of an n-tile reads 256
-    // consecutive bytes of a page (a step's 32 rows sit in one page: steps start at multiples of 32)
+    // consecutive bytes. A scan's step (32 rows from a multiple of 32) sits in one page: one page-table read a
+    // step, the four n-tiles 256 bytes apart; a sampling step's rows are apart, each read through the table
 #define FETCH(into, at) { \
-        const long long idx = (at) + 8 * nt + g; \
-        into[nt] = make_uint2(0u, 0u); \
-        if (idx < stop) { \
-            const long long rr = idx * stride; \
-            if (rr < length) { \
-                const long long phys = paged ? (long long)__ldg(table_b + (rr >> 6)) * 64 + (rr & 63) : rr; \
-                into[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + phys * 32)); \
+        const long long s0 = (at); \
+        if (!sampling) { \
+            const long long p0 = paged && s0 < stop ? (long long)__ldg(table_b + (s0 >> 6)) * 64 + (s0 & 63) : s0; \
+            const uint2* src = reinterpret_cast<const uint2*>(codes_b + (p0 + g) * 32); \
+            _Pragma("unroll") \
+            for (int nt = 0; nt < 4; ++nt) \
+                into[nt] = s0 + 8 * nt + g < stop ? __ldg(src + 32 * nt) : make_uint2(0u, 0u); \
+        } else { \
+            _Pragma("unroll") \
+            for (int nt = 0; nt < 4; ++nt) { \
+                const long long idx = s0 + 8 * nt + g, rr = idx * stride; \
+                into[nt] = make_uint2(0u, 0u); \
+                if (idx < stop && rr < length) { \
+                    const long long phys = paged ? (long long)__ldg(table_b + (rr >> 6)) * 64 + (rr & 63) : rr; \
+                    into[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + phys * 32)); \
+                } \
             } \
         } }
     long long base = first + 32 * warp;
     uint2 cur[4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) FETCH(cur, base)
+    FETCH(cur, base)
 #if PREFETCH == 2
     uint2 nxt[4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) FETCH(nxt, base + step_rows)
+    FETCH(nxt, base + step_rows)
 #endif
     __syncthreads();
     const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
@@ -203,11 +211,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #if PREFETCH == 2
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) cur[nt] = nxt[nt];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) FETCH(nxt, base + 2 * step_rows)
+        FETCH(nxt, base + 2 * step_rows)
 #else
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) FETCH(cur, base + step_rows)
+        FETCH(cur, base + step_rows)
 #endif
         // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
         float part[4][2];
