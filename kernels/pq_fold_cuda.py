@@ -74,6 +74,14 @@ _SOURCE = r"""
 #endif
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
+// where codeword (s, c) sits in shared memory: its code's row of 32 words, swizzled by the code's low bits so that
+// the 8 lanes reading one subspace spread over banks; under ROTATE (a variant) unswizzled: each lane then reads
+// the subspaces in its own rotated order, so a lookup's 32 lanes read 32 banks whatever their codes
+#ifdef ROTATE
+#define BOOK_AT(s, c) ((c) * 32 + (s))
+#else
+#define BOOK_AT(s, c) ((c) * 32 + ((s) ^ ((c) & 7)))
+#endif
 
 #ifndef EMULATED
 // c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
@@ -130,10 +138,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #pragma unroll
         for (int k = 0; k < PER_THREAD; ++k) {
             const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5);
-            book_s[c * 32 + (s ^ (c & 7))] = four[k].x;
-            book_s[(c + 1) * 32 + (s ^ ((c + 1) & 7))] = four[k].y;
-            book_s[(c + 2) * 32 + (s ^ ((c + 2) & 7))] = four[k].z;
-            book_s[(c + 3) * 32 + (s ^ ((c + 3) & 7))] = four[k].w;
+            book_s[BOOK_AT(s, c)] = four[k].x;
+            book_s[BOOK_AT(s, c + 1)] = four[k].y;
+            book_s[BOOK_AT(s, c + 2)] = four[k].z;
+            book_s[BOOK_AT(s, c + 3)] = four[k].w;
         }
     }
     // queries in the order the lanes' code bytes come in (stage 2's int8 order): the 32-dimension step s takes
@@ -193,6 +201,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
         int acc[4][4];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+#ifdef ROTATE
+        // lookup i of the lane reads subspace 8t + (i + g) % 8 (its bytes rotated by g), put back in subspace
+        // order by three rounds of selects
+        unsigned kf[4][8];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const unsigned lo = (g & 4) ? cur[nt].y : cur[nt].x, hi = (g & 4) ? cur[nt].x : cur[nt].y;
+            const unsigned sh = 8u * (unsigned)(g & 3);
+            const unsigned rlo = __funnelshift_r(lo, hi, sh), rhi = __funnelshift_r(hi, lo, sh);
+            unsigned u[8], v[8], x[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
+                u[i] = book_s[BOOK_AT(8 * t + ((i + g) & 7), code)];
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) x[k] = (g & 2) ? v[(k + 6) & 7] : v[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) kf[nt][k] = (g & 4) ? x[(k + 4) & 7] : x[k];
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            unsigned a[4];
+            ldsm_x4(a, q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) mma_s8(acc[nt], a, kf[nt][2 * s], kf[nt][2 * s + 1]);
+        }
+#else
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             unsigned a[4];
@@ -202,11 +240,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
                 const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
                 const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
-                const unsigned b0 = book_s[c0 * 32 + 8 * t + ((2 * s) ^ (c0 & 7u))];
-                const unsigned b1 = book_s[c1 * 32 + 8 * t + ((2 * s + 1) ^ (c1 & 7u))];
-                mma_s8(acc[nt], a, b0, b1);
+                mma_s8(acc[nt], a, book_s[BOOK_AT(8 * t + 2 * s, c0)], book_s[BOOK_AT(8 * t + 2 * s + 1, c1)]);
             }
         }
+#endif
         // the next steps' codes in flight while this one's scores are reduced
 #if PREFETCH == 2
 #pragma unroll

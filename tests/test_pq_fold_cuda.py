@@ -49,11 +49,12 @@ def _np(table):
 
 
 @emulated
-@pytest.mark.parametrize("paged", [False, True])
-def test_the_sampling_launch_scores_every_row_as_the_reference(paged):
+@pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define ROTATE 1\n")])
+def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines):
+    """``ROTATE``: the variant whose lanes read the subspaces in rotated orders (an unswizzled codebook)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
-                   stride=1, n_samples=N, rows_per_block=256)
+                   stride=1, n_samples=N, rows_per_block=256, defines=defines)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
     for b, n in enumerate(lengths.tolist()):
         np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * np.abs(want).max())

@@ -21,7 +21,8 @@ from dsaindex.pipelines.bench.timing import graph_median_ms
 
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
 VARIANTS = {"min_blocks 3, prefetch 2 (default)": "", "min_blocks 2": "#define MIN_BLOCKS 2\n",
-            "min_blocks 4": "#define MIN_BLOCKS 4\n", "prefetch 1": "#define PREFETCH 1\n"}
+            "min_blocks 4": "#define MIN_BLOCKS 4\n", "prefetch 1": "#define PREFETCH 1\n",
+            "rotated lookups": "#define ROTATE 1\n"}
 
 
 def check(b: int, codes, table, lengths, q8, slopes, book8) -> dict:
@@ -94,7 +95,8 @@ def timed(b: int) -> list[dict]:
     for name, defines in VARIANTS.items():
         kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
         kernel.set_shared_memory_config(fold.SHARED)
-        for rows_a_block in (2048, 4096, 8192):
+        spans = (2048, 4096, 8192) if not defines else (4096,) if "MIN_BLOCKS 4" in defines else (8192,)
+        for rows_a_block in spans:
             def scan(kernel=kernel, rows_a_block=rows_a_block):
                 counts.zero_()
                 kernel(grid=(N // rows_a_block, b, 1), block=(fold.THREADS, 1, 1),
