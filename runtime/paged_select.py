@@ -92,6 +92,7 @@ from dsaindex.kernels.paged_codes import (
     with_tail,
     with_tail_reference,
 )
+from dsaindex.kernels.pq_fold_cuda import compiles as fold_compiles
 from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
 from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
 from dsaindex.kernels.pq_scan_cuda import available, resolve_scan
@@ -292,6 +293,10 @@ class PagedCacheSelector:
             why = fold_takes(2, head_dim, m, codec.codebooks.shape[1], codec.residual)
             if why is not None:
                 raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
+            if dev.type == "cuda" and self.use_triton and not fold_compiles(dev):
+                raise DsaIndexError("stage1 'folds': the fold scan did not compile on this GPU (NVRTC through "
+                                    "torch.cuda._compile_kernel).", "set CUDA_HOME to the CUDA toolkit, or pass "
+                                    "stage1='codes'.")
         # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
         # pair codebooks; stage 1 scores those, stage 2 the codes
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

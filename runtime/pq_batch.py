@@ -62,6 +62,7 @@ from dsaindex.kernels.fp8_score import (
     fp8_topk_reference,
     paged_keys_reference,
 )
+from dsaindex.kernels.pq_fold_cuda import compiles as fold_compiles
 from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
 from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
 from dsaindex.kernels.pq_select import (
@@ -218,6 +219,10 @@ class PQDecodeGroup:
             why = fold_takes(2, self.dim, m, self.codebooks.shape[1], self.residual)
             if why is not None:
                 raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
+            if dev.type == "cuda" and self.use_triton and not fold_compiles(dev):
+                raise DsaIndexError("stage1 'folds': the fold scan did not compile on this GPU (NVRTC through "
+                                    "torch.cuda._compile_kernel).", "set CUDA_HOME to the CUDA toolkit, or pass "
+                                    "stage1='codes'.")
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if stage1 == "groups":
             assign, books, norms = stage1_groups(self.codebooks, self.residual)
