@@ -320,8 +320,8 @@ def takes(heads: int, dim: int, subspaces: int, centroids: int, residual: bool) 
     centroids (4 dims a subspace), at least 2 heads."""
     if (dim, subspaces, centroids) != (DIM, SUBSPACES, CENTROIDS) or residual or heads < 2:
         return (f"folds score {DIM}-dim queries of 2 heads or more against product codes of {SUBSPACES} x "
-                f"{CENTROIDS} centroids: got {heads} heads of {dim} dims, {subspaces} x {centroids}"
-                f"{', residual' if residual else ''}")
+                f"{CENTROIDS} centroids: got {dim} dims, {subspaces} x {centroids}{', residual' if residual else ''}"
+                f"{f', {heads} heads' if heads < 2 else ''}")
     return None
 
 

@@ -393,6 +393,8 @@ def test_stage_one_on_group_codes_keeps_most_of_the_exact_topk_on_both_paths():
         PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="groups")
     with pytest.raises(DsaIndexError, match="not a stage-1 code"):
         PagedCacheSelector(small, 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="nibbles")
+    with pytest.raises(DsaIndexError, match="folds score 128-dim queries .* got 32 dims, 8 x 256"):
+        PagedCacheSelector(codec(), 60, topk=32, candidates=128, head_dim=D, device=DEV, stage1="folds")
 
 
 @pytest.mark.parametrize("use_triton", [True, False])
