@@ -206,6 +206,26 @@ def test_sample_thresholds_kernel_equals_the_torch_rule():
     assert torch.equal(sample_thresholds(view, n, 16, 2048, 16384), want)
 
 
+def test_sample_thresholds_grow_each_requests_target_by_its_length():
+    """``grow`` (band, most): each request's target and capacity as ``grown_counts`` makes them, so its threshold
+    is the torch rule's at its own grown target (a request within its grown capacity: -inf)."""
+    from dsaindex.kernels.select import grown_counts, sample_thresholds, thresholds_from_samples
+
+    g = torch.Generator().manual_seed(1)
+    samples = torch.randn(4, 8192, generator=g)
+    lengths = torch.tensor([1 << 20, 300_000, 100_000, 3_000], dtype=torch.int32)
+    stride, target, capacity, band, most = 128, 2048, 4096, 131072, 8
+    past = torch.arange(8192)[None, :] * stride >= lengths[:, None]
+    got = sample_thresholds(samples.to(DEV), lengths.to(DEV), stride, target, capacity, grow=(band, most)).cpu()
+    mults = (grown_counts(1, lengths, band, most)).tolist()
+    assert mults == [8, 4, 1, 1]
+    for i, m in enumerate(mults):
+        want = thresholds_from_samples(samples[i : i + 1].masked_fill(past[i : i + 1], float("-inf")),
+                                       lengths[i : i + 1], stride, target * m, capacity * m)
+        assert torch.equal(got[i : i + 1], want), i
+    assert torch.isneginf(got[3]) and not torch.isneginf(got[:3]).any()
+
+
 def test_small_topk_is_exact_on_structured_rows():
     """Rows whose every 8th entry is the lowest or the highest (what a sampled search would trip on) still
     get their exact top-k."""
