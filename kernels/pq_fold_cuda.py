@@ -240,7 +240,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
                 const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
                 const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
+#if defined(DIAG_NO_LOOKUP)  // the tools' attribution of the scan's time (tools/fold_scan.py): codes as operands
+                mma_s8(acc[nt], a, word, word ^ c1);
+#elif defined(DIAG_NO_MMA)  // the lookups without the tensor cores
+                acc[nt][s] += (int)(book_s[BOOK_AT(8 * t + 2 * s, c0)] ^ book_s[BOOK_AT(8 * t + 2 * s + 1, c1)]) + a[s];
+#else
                 mma_s8(acc[nt], a, book_s[BOOK_AT(8 * t + 2 * s, c0)], book_s[BOOK_AT(8 * t + 2 * s + 1, c1)]);
+#endif
             }
         }
 #endif
@@ -252,6 +258,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #else
         FETCH(cur, base + step_rows)
 #endif
+#ifdef DIAG_NO_EPILOGUE  // the tools' attribution: every accumulator summed, no slopes, no reduction
+        const float score = (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
+#else
         // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
         float part[4][2];
 #pragma unroll
@@ -276,6 +285,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
             r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
         }
         const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+#endif
         const long long mine = base + own;
         const bool valid = mine < stop && mine * stride < length;
         if (sampling) {
@@ -402,7 +412,7 @@ def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     return q8, torch.stack([up, down], dim=2).float().contiguous(), book8
 
 
-def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak):
+def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_warps: int = 4):
     """(q8, slopes, groups [B, H] int32) in one Triton launch (:func:`fold_operands`)."""
     import torch
     import triton
@@ -418,7 +428,7 @@ def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak):
     if b:
         fold_operands_kernel[(b,)](q, w, scale.float().contiguous(), q8, slopes, groups, h, float(leak),
                                    HP=max(16, triton.next_power_of_2(h)), D=d, DSUB=d // SUBSPACES, G=folds,
-                                   ROUNDS=rounds, num_warps=4)
+                                   ROUNDS=rounds, num_warps=num_warps)
     return q8, slopes, groups
 
 

@@ -243,6 +243,17 @@ def test_the_fused_operands_are_the_torch_operands(heads):
     codebook = (torch.randn(M, K, D // M, generator=g) * 0.4).to(torch.bfloat16).to(dev)
     q8, slopes, book8 = fold_operands(queries, weights, codebook, fused=False)
     fq8, fslopes, groups = _fold_operands_fused(queries, weights, int8_codebook(codebook)[1], FOLDS, 3, LEAK)
-    assert torch.equal(groups.long(), head_groups(queries, weights))
-    assert int((fq8.int() - q8.int()).abs().max()) <= 1 and float((fq8 != q8).float().mean()) < 0.01
-    torch.testing.assert_close(fslopes, slopes, rtol=1e-6, atol=0)
+    want = head_groups(queries, weights)
+
+    def parts(of):  # the heads' partition into folds (a fold's label is free among folds that start alike)
+        return sorted(tuple(torch.nonzero(of == f).flatten().tolist()) for f in range(FOLDS) if bool((of == f).any()))
+    for b in range(queries.shape[0]):
+        assert parts(groups[b].long()) == parts(want[b]), b
+    same = torch.equal(groups.long(), want)  # then the folds line up one for one
+    if same:
+        assert int((fq8.int() - q8.int()).abs().max()) <= 1 and float((fq8 != q8).float().mean()) < 0.01
+        torch.testing.assert_close(fslopes, slopes, rtol=1e-6, atol=0)
+    codes = torch.randint(0, K, (queries.shape[0], 500, M), generator=g, dtype=torch.int32).to(torch.uint8).to(dev)
+    got = fold_scores_reference(codes, fq8, fslopes, book8)
+    ref = fold_scores_reference(codes, q8, slopes, book8)
+    torch.testing.assert_close(got, ref, rtol=0.01, atol=0.01 * float(ref.abs().max()))

@@ -10,11 +10,13 @@ us (a GPU; not part of the package).
 ``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32)."""
 
 import json
+import os
 import sys
 
 import torch
 
 from dsaindex.kernels import pq_fold_cuda as fold
+from dsaindex.kernels import pq_stage2_cuda as s2
 from dsaindex.kernels import select
 from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
 from dsaindex.pipelines.bench.timing import graph_median_ms
@@ -22,7 +24,9 @@ from dsaindex.pipelines.bench.timing import graph_median_ms
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
 VARIANTS = {"min_blocks 3, prefetch 2 (default)": "", "min_blocks 2": "#define MIN_BLOCKS 2\n",
             "min_blocks 4": "#define MIN_BLOCKS 4\n", "prefetch 1": "#define PREFETCH 1\n",
-            "rotated lookups": "#define ROTATE 1\n"}
+            "rotated lookups": "#define ROTATE 1\n", "diag: no lookups": "#define DIAG_NO_LOOKUP 1\n",
+            "diag: no mma": "#define DIAG_NO_MMA 1\n", "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n"}
+DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 
 
 def check(b: int, codes, table, lengths, q8, slopes, book8) -> dict:
@@ -65,12 +69,18 @@ def timed(b: int) -> list[dict]:
         print(res[-1], flush=True)
 
     grow = (BAND, MOST)
-    for p in (4, 2):
+    bf = book.to(torch.bfloat16)
+    scale = s2.int8_codebook(bf)[1]
+    for warps in (4, 8, 16):
+        add(f"fold operands, one Triton launch, {warps} warps",
+            lambda warps=warps: fold._fold_operands_fused(queries, weights, scale, 16, 3, 0.05, warps))
+    add("fold operands, torch ops", lambda: fold.fold_operands(queries, weights, bf, fused=False))
+    for p in (() if DIAG else (4, 2)):
         def shipped(p=p):
             return _stage1(codes, lengths, queries, weights, book, p * C, None, table, None, None, "auto", grow)
         rows, counts = shipped()
         add(f"shipped stage 1 (codes), P = {p}", shipped, kept=int(counts.float().mean()))
-    for p in (2, 1):
+    for p in (() if DIAG else (2, 1)):
         cap = 2 * p * C
 
         def folds(p=p, cap=cap):
@@ -80,8 +90,6 @@ def timed(b: int) -> list[dict]:
         add(f"fold stage 1, P = {p}", folds, kept=int(counts.float().mean()), target=int(1.5 * p * C * MOST))
 
     # the parts at P = 2
-    bf = book.to(torch.bfloat16)
-    add("fold operands (grouping, folds, int8)", lambda: fold.fold_operands(queries, weights, bf))
     stride = select.sample_stride(N)
     n_samples = -(-N // stride)
     add("fold sampling launch", lambda: fold.pq_fold_samples(codes, lengths, q8, slopes, book8, stride, n_samples, table))
@@ -95,7 +103,10 @@ def timed(b: int) -> list[dict]:
     for name, defines in VARIANTS.items():
         kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
         kernel.set_shared_memory_config(fold.SHARED)
-        spans = (2048, 4096, 8192) if not defines else (4096,) if "MIN_BLOCKS 4" in defines else (8192,)
+        if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines):
+            continue
+        spans = ((2048, 4096, 8192) if not defines and not DIAG else (4096,) if "MIN_BLOCKS 4" in defines
+                 else (8192,))
         for rows_a_block in spans:
             def scan(kernel=kernel, rows_a_block=rows_a_block):
                 counts.zero_()
