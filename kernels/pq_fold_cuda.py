@@ -49,6 +49,10 @@ FOLDS = 16  # folded queries: one m-tile of the tensor cores; the first half the
 ROUNDS = 3  # rounds of the groups' k-means (3 served as 10 did: docs/results.md)
 LEAK = 0.05
 SUBSPACES, CENTROIDS, DIM = 32, 256, 128
+# warps of the operands' program (a request). Triton's ptxas for sm_90 (tools/triton_resources.py): 18,760 bytes of
+# stack a thread at 4 warps (it spills the 64 x 128 float32 queries it holds three times over), 2,544 at 8, 2,008
+# at 16; on the H100 the launch took 333.6 us at 4 warps for 32 requests (results/fold_scan_h100.json)
+OPERANDS_WARPS = 16
 MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
 BASE_SHARED = SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's codebook and queries
 SHARED = BASE_SHARED + MAX_ROWS * 4  # and its staged rows, 4 bytes a row it scans at most
@@ -412,7 +416,7 @@ def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     return q8, torch.stack([up, down], dim=2).float().contiguous(), book8
 
 
-def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_warps: int = 4):
+def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_warps: int = OPERANDS_WARPS):
     """(q8, slopes, groups [B, H] int32) in one Triton launch (:func:`fold_operands`)."""
     import torch
     import triton
