@@ -571,7 +571,7 @@ def _fold_topc_torch(codes, lengths, q8, slopes, book8, c, capacity, table, n, s
     """:func:`pq_fold_topc` in torch ops: the same threshold rule over the same scores, rows kept in order."""
     import torch
 
-    from dsaindex.kernels.select import grown_counts
+    from dsaindex.kernels.select import thresholds_from_samples
 
     if table is not None:  # the requests' rows through their page tables
         codes = codes[table.long()].reshape(table.shape[0], table.shape[1] * 64, codes.shape[-1])
@@ -580,13 +580,8 @@ def _fold_topc_torch(codes, lengths, q8, slopes, book8, c, capacity, table, n, s
     at = torch.arange(n, device=view.device)[None, :]
     lengths = lengths.long()
     band, most = grow
-    target, cap = grown_counts(c, lengths, band, most), grown_counts(capacity, lengths, band, most)
     samples = scores[:, ::stride].masked_fill(at[:, ::stride] >= lengths[:, None], float("-inf"))
-    n_sampled = ((lengths + stride - 1) // stride).clamp_min(1)
-    rank = torch.ceil(1.5 * target.double() * n_sampled.double() / lengths.clamp_min(1).double()).long()
-    rank = torch.minimum(rank.clamp_min(1), n_sampled).clamp_max(samples.shape[1])
-    thr = samples.sort(dim=1, descending=True).values.gather(1, rank[:, None] - 1)[:, 0]
-    thr = torch.where(lengths <= cap, torch.full_like(thr, float("-inf")), thr)
+    thr = thresholds_from_samples(samples, lengths, stride, c, capacity, grow=grow)
     keep = (at < lengths[:, None]) & (scores >= thr[:, None])
     width = capacity * (most if band else 1)
     order = torch.where(keep, at, n).sort(dim=1).values[:, :width]

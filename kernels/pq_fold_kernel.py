@@ -5,14 +5,7 @@ about thirty torch launches."""
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round_half_even(x):
-    # torch.round: x - floor(x) is exact below 2^23, and |x| <= 127 here
-    low = tl.floor(x)
-    frac = x - low
-    odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
-    return low + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+from dsaindex.kernels.pq_stage2_kernel import round_half_even
 
 
 @triton.jit
@@ -68,7 +61,7 @@ def fold_operands_kernel(
     weighted = q * w[:, None]
     folded = tl.dot(tl.trans(member), weighted, input_precision="ieee") * tl.load(scale_ptr + dims // DSUB)[None, :]
     tau = tl.math.div_rn(tl.maximum(tl.max(tl.abs(folded), axis=1), 1e-30), 127.0)  # [G]
-    r = _round_half_even(tl.math.div_rn(folded, tau[:, None]))
+    r = round_half_even(tl.math.div_rn(folded, tau[:, None]))
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     tl.store(q8_ptr + b * G * D + folds[:, None] * D + dims[None, :], r.to(tl.int8))
     up = tl.where(on_positive, 1.0 + leak, leak) * tau

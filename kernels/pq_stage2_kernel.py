@@ -5,6 +5,15 @@ import triton.language as tl
 
 
 @triton.jit
+def round_half_even(x):
+    # torch.round: x - floor(x) is exact below 2^23, and |x| <= 127 here
+    low = tl.floor(x)
+    frac = x - low
+    odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
+    return low + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
 def int8_operands_kernel(
     q_ptr,  # [B, H, D] bf16 queries
     w_ptr,  # [B, H] float32 head weights
@@ -26,12 +35,7 @@ def int8_operands_kernel(
     q = tl.load(q_ptr + at).to(tl.float32)
     folded = q * tl.load(scale_ptr + dims // DSUB)[None, :]
     tau = tl.math.div_rn(tl.maximum(tl.max(tl.abs(folded), axis=1), 1e-30), 127.0)  # [H]
-    x = tl.math.div_rn(folded, tau[:, None])
-    # round half to even (torch.round): x - floor(x) is exact below 2^23, and |x| <= 127 here
-    low = tl.floor(x)
-    frac = x - low
-    odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
-    r = low + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+    r = round_half_even(tl.math.div_rn(folded, tau[:, None]))
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     tl.store(q8_ptr + at, r.to(tl.int8))
     w = tl.load(w_ptr + b * H + heads)

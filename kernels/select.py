@@ -35,7 +35,7 @@ def sample_stride(max_len: int, samples: int = SAMPLES) -> int:
 
 
 def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
-                            capacity: int, oversample: float = 1.5) -> torch.Tensor:
+                            capacity: int, oversample: float = 1.5, grow: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Per-request score thresholds [B] float32.
 
     Parameters
@@ -43,17 +43,21 @@ def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, 
     sample_scores : [B, S] float32 scores of rows ``0, stride, 2 * stride, ...`` (-inf past a request's end)
     lengths : [B] int keys per request; target : keys wanted above the threshold;
     capacity : candidate buffer slots (a request of at most ``capacity`` keys takes all of them: -inf)
+    grow : (band, most): ``target`` and ``capacity`` grown by each request's length (:func:`grown_counts`)
     """
     checks.at_least("capacity", capacity, 2 * target, f"twice the target {target}")
+    band, most = grow
+    targets = grown_counts(target, lengths, band, most).to(lengths.device)
     n_sampled = torch.div(lengths + stride - 1, stride, rounding_mode="floor").clamp_min(1)
-    rank = torch.ceil(oversample * target * n_sampled.double() / lengths.clamp_min(1).double()).long()
+    rank = torch.ceil(oversample * targets.double() * n_sampled.double() / lengths.clamp_min(1).double()).long()
     rank = torch.minimum(rank.clamp_min(1), n_sampled)
     # bound known on the host (no synchronization; CUDA-graph safe): a request that uses its threshold
-    # has length > capacity >= 2 * target, so rank <= oversample * target / stride + 1
-    r_max = min(sample_scores.shape[1], math.ceil(oversample * target / stride) + 1)
+    # has length > capacity >= 2 * target (both grown alike), so rank <= oversample * target x most / stride + 1
+    r_max = min(sample_scores.shape[1], math.ceil(oversample * target * (most if band else 1) / stride) + 1)
     top = sample_scores.topk(r_max, dim=1).values
     thr = top.gather(1, (rank.clamp_max(r_max) - 1).unsqueeze(1)).squeeze(1)
-    return torch.where(lengths <= capacity, torch.full_like(thr, float("-inf")), thr)
+    capacities = grown_counts(capacity, lengths, band, most).to(lengths.device)
+    return torch.where(lengths <= capacities, torch.full_like(thr, float("-inf")), thr)
 
 
 def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
@@ -65,7 +69,7 @@ def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride
     whole score rows is read in place; samples past a request's length are ignored, whatever they hold);
     ``lengths`` [B] int32 on its device. ``counts`` [B] int32, if given, is zeroed in the same launch (the
     appending pass that follows counts from zero). ``grow`` (band, most): ``target`` and ``capacity`` grown by each
-    request's length (:func:`~dsaindex.kernels.pq_select.grown_counts`)."""
+    request's length (:func:`grown_counts`), as :func:`thresholds_from_samples` grows them."""
     import triton
 
     from dsaindex.kernels.topk_kernel import sample_threshold_kernel

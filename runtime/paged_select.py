@@ -290,13 +290,7 @@ class PagedCacheSelector:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
         self.stage1 = stage1
         if stage1 == "folds":
-            why = fold_takes(2, head_dim, m, codec.codebooks.shape[1], codec.residual)
-            if why is not None:
-                raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
-            if dev.type == "cuda" and self.use_triton and not fold_compiles(dev):
-                raise DsaIndexError("stage1 'folds': the fold scan did not compile on this GPU (NVRTC through "
-                                    "torch.cuda._compile_kernel).", "set CUDA_HOME to the CUDA toolkit, or pass "
-                                    "stage1='codes'.")
+            check_folds(head_dim, m, codec.codebooks.shape[1], codec.residual, dev, self.use_triton)
         # stage1="groups": each key's group codes (16 bytes for PQ32) beside its codes, a page each, and their
         # pair codebooks; stage 1 scores those, stage 2 the codes
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -759,6 +753,19 @@ class PagedCacheSelector:
 
 # what stage 1 scores: the keys' codes, their group codes (half the bytes), or the codes by 16 folded queries
 STAGE1S = ("codes", "groups", "folds")
+
+
+def check_folds(dim: int, subspaces: int, centroids: int, residual: bool, device: torch.device,
+                use_triton: bool) -> None:
+    """Refuse ``stage1="folds"`` at startup (:class:`DsaIndexError`, naming the way out) for codes the folds cannot
+    score, or on a GPU where the fold scan does not compile."""
+    why = fold_takes(2, dim, subspaces, centroids, residual)
+    if why is not None:
+        raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
+    if device.type == "cuda" and use_triton and not fold_compiles(device):
+        raise DsaIndexError("stage1 'folds': the fold scan did not compile on this GPU (NVRTC through "
+                            "torch.cuda._compile_kernel).", "set CUDA_HOME to the CUDA toolkit, or pass "
+                            "stage1='codes'.")
 
 
 def _exact_warm_up(args: tuple, width: int) -> tuple:

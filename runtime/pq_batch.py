@@ -62,9 +62,7 @@ from dsaindex.kernels.fp8_score import (
     fp8_topk_reference,
     paged_keys_reference,
 )
-from dsaindex.kernels.pq_fold_cuda import compiles as fold_compiles
 from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
-from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
@@ -89,7 +87,7 @@ from dsaindex.kernels.topk import SMALL_TOPK_MAX, rows_topk, small_topk, small_t
 from dsaindex.pq import PQCodec, encode, group_codes, rotate, stage1_groups
 from dsaindex.quant import fp8_quantize
 from dsaindex.runtime.host_store import HostKeyStore
-from dsaindex.runtime.paged_select import STAGE1S, growth_setting
+from dsaindex.runtime.paged_select import STAGE1S, check_folds, growth_setting
 
 
 @dataclass
@@ -216,13 +214,7 @@ class PQDecodeGroup:
             raise DsaIndexError(f"stage1 {stage1!r} is not a stage-1 code.", f"pass one of {', '.join(STAGE1S)}.")
         self.stage1 = stage1
         if stage1 == "folds":
-            why = fold_takes(2, self.dim, m, self.codebooks.shape[1], self.residual)
-            if why is not None:
-                raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
-            if dev.type == "cuda" and self.use_triton and not fold_compiles(dev):
-                raise DsaIndexError("stage1 'folds': the fold scan did not compile on this GPU (NVRTC through "
-                                    "torch.cuda._compile_kernel).", "set CUDA_HOME to the CUDA toolkit, or pass "
-                                    "stage1='codes'.")
+            check_folds(self.dim, m, self.codebooks.shape[1], self.residual, dev, self.use_triton)
         self.groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if stage1 == "groups":
             assign, books, norms = stage1_groups(self.codebooks, self.residual)
