@@ -48,17 +48,18 @@ if TYPE_CHECKING:
     import torch
 
 KERNEL = "pq_fold_scan"
-THREADS = 256
+THREADS = 512  # a block: one a multiprocessor (its four codebooks fill most of the shared memory)
 FOLDS = 16  # folded queries: one m-tile of the tensor cores; the first half the positive heads' groups
 ROUNDS = 3  # rounds of the groups' k-means (3 served as 10 did: docs/results.md)
 LEAK = 0.05
 SUBSPACES, CENTROIDS, DIM = 32, 256, 128
-# warps of the operands' program (a request). Triton's ptxas for sm_90 (tools/triton_resources.py): 18,760 bytes of
-# stack a thread at 4 warps (it spills the 64 x 128 float32 queries it holds three times over), 2,544 at 8, 2,008
-# at 16; on the H100 the launch took 333.6 us at 4 warps for 32 requests (results/fold_scan_h100.json)
-OPERANDS_WARPS = 16
+# warps of the operands' program (a request). On the H100 (results/fold_scan_h100.json, 32 requests): 327.5 us at 4
+# warps (Triton's ptxas spills 18,760 bytes of stack a thread: the 64 x 128 float32 queries, held three times over),
+# 49.8 us at 8, 122.9 us at 16; the torch ops take 250.0 us
+OPERANDS_WARPS = 8
 MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
-BASE_SHARED = SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's codebook and queries
+COPIES = 4  # of the codebook in a block's shared memory (the kernel's BOOK_AT_COPY)
+BASE_SHARED = COPIES * SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's codebooks and queries
 SHARED = BASE_SHARED + MAX_ROWS * 4  # and its staged rows, 4 bytes a row it scans at most
 
 
@@ -70,25 +71,38 @@ _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
 #define SHARED_DYNAMIC extern __shared__ __align__(16) int smem[]
 #endif
+#ifdef SWIZZLED
 #define THREADS 256
-#define WARPS (THREADS / 32)
-#define FOLDS 16
-#define MAX_ROWS 8192
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 3
 #endif
+#else
+#define THREADS 512
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+#endif
+#define WARPS (THREADS / 32)
+#define FOLDS 16
+#define MAX_ROWS 8192
 #ifndef PREFETCH
 #define PREFETCH 2
 #endif
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
-// where codeword (s, c) sits in shared memory: its code's row of 32 words, swizzled by the code's low bits so that
-// the 8 lanes reading one subspace spread over banks; under ROTATE (a variant) unswizzled: each lane then reads
-// the subspaces in its own rotated order, so a lookup's 32 lanes read 32 banks whatever their codes
-#ifdef ROTATE
-#define BOOK_AT(s, c) ((c) * 32 + (s))
-#else
+#ifdef SWIZZLED
+// (a variant: one codebook, 3 blocks of 256 threads a multiprocessor) codeword (s, c) in its code's row of 32 words,
+// swizzled by the code's low bits: the 8 lanes that read one subspace at once spread over its 8 banks at random
+#define BOOK_WORDS (32 * 256)
 #define BOOK_AT(s, c) ((c) * 32 + ((s) ^ ((c) & 7)))
+#else
+// four copies of the codebook, lane (g, t) reading copy g & 3; copy k holds codeword (s, c) at
+// k * 8192 + c * 32 + (s ^ 2k ^ bit 2 of c). The 8 lanes that read one subspace at once use 8 banks by (k, bit 2):
+// two lanes meet in a bank only where they read one copy (g and g + 4) and bit 2 of their codes agree, so a lookup
+// takes at most 2 wavefronts (the swizzled variant's random banks: about 3). A lookup's byte address is a
+// byte-permute, a logic op and a multiply-add from the code byte
+#define BOOK_WORDS (4 * 32 * 256)
+#define BOOK_AT_COPY(k, s, c) ((k) * 8192 + (c) * 32 + ((s) ^ (2 * (k)) ^ (((c) >> 2) & 1)))
 #endif
 
 #ifndef EMULATED
@@ -119,20 +133,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, int n_samples)
 {
     SHARED_DYNAMIC;
-    // codeword (s, c) at c * 32 + (s ^ (c & 7)); fold f's 32 words in 8 chunks of 16 bytes, chunk c at c ^ (f & 7)
+    // the codebook (BOOK_AT_COPY); fold f's 32 words in 8 chunks of 16 bytes, chunk c at c ^ (f & 7)
     unsigned* book_s = reinterpret_cast<unsigned*>(smem);
-    unsigned* q_s = book_s + 32 * 256;
+    unsigned* q_s = book_s + BOOK_WORDS;
     int* staged = reinterpret_cast<int*>(q_s + FOLDS * 32);  // kept rows' offsets in the block
     __shared__ float up_s[FOLDS], down_s[FOLDS];
     __shared__ int st_n, st_base;
     const int b = blockIdx.y;
     const bool sampling = sample_stride > 0;
-    const long long length = lengths[b];
-    const long long stride = sampling ? sample_stride : 1;  // row of the i-th index
-    const long long limit = sampling ? (long long)n_samples : length;  // indices the launch covers
-    const long long first = (long long)blockIdx.x * rows_per_block;
+    // rows and indices in 32 bits (a request's rows, and a pool's, number under 2^31), byte offsets in 64
+    const int length = lengths[b];
+    const int stride = sampling ? sample_stride : 1;  // row of the i-th index
+    const int limit = sampling ? n_samples : length;  // indices the launch covers
+    const int first = blockIdx.x * rows_per_block;
     if (first >= limit) return;
-    const long long stop = min(limit, first + rows_per_block);
+    const int stop = min(limit, first + rows_per_block);
     if (threadIdx.x == 0) st_n = 0;
     {   // the codebook turned code-major and swizzled: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3)
         const uint4* src = reinterpret_cast<const uint4*>(codebook);
@@ -146,10 +161,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #pragma unroll
         for (int k = 0; k < PER_THREAD; ++k) {
             const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5);
+#ifdef SWIZZLED
             book_s[BOOK_AT(s, c)] = four[k].x;
             book_s[BOOK_AT(s, c + 1)] = four[k].y;
             book_s[BOOK_AT(s, c + 2)] = four[k].z;
             book_s[BOOK_AT(s, c + 3)] = four[k].w;
+#else
+#pragma unroll
+            for (int copy = 0; copy < 4; ++copy) {
+                book_s[BOOK_AT_COPY(copy, s, c)] = four[k].x;
+                book_s[BOOK_AT_COPY(copy, s, c + 1)] = four[k].y;
+                book_s[BOOK_AT_COPY(copy, s, c + 2)] = four[k].z;
+                book_s[BOOK_AT_COPY(copy, s, c + 3)] = four[k].w;
+            }
+#endif
         }
     }
     // queries in the order the lanes' code bytes come in (stage 2's int8 order): the 32-dimension step s takes
@@ -177,17 +202,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     // consecutive bytes. A scan's step (32 rows from a multiple of 32) sits in one page: one page-table read a
     // step, the four n-tiles 256 bytes apart; a sampling step's rows are apart, each read through the table
 #define FETCH(into, at) { \
-        const long long s0 = (at); \
+        const int s0 = (at); \
         if (!sampling) { \
-            const long long p0 = paged && s0 < stop ? (long long)__ldg(table_b + (s0 >> 6)) * 64 + (s0 & 63) : s0; \
-            const uint2* src = reinterpret_cast<const uint2*>(codes_b + (p0 + g) * 32); \
+            const unsigned p0 = paged && s0 < stop ? (unsigned)__ldg(table_b + (s0 >> 6)) * 64u + (s0 & 63) : s0; \
+            const uint2* src = reinterpret_cast<const uint2*>(codes_b + (unsigned long long)(p0 + g) * 32u); \
             _Pragma("unroll") \
             for (int nt = 0; nt < 4; ++nt) \
                 into[nt] = s0 + 8 * nt + g < stop ? __ldg(src + 32 * nt) : make_uint2(0u, 0u); \
         } else { \
             _Pragma("unroll") \
             for (int nt = 0; nt < 4; ++nt) { \
-                const long long idx = s0 + 8 * nt + g, rr = idx * stride; \
+                const int idx = s0 + 8 * nt + g; \
+                const long long rr = (long long)idx * stride; \
                 into[nt] = make_uint2(0u, 0u); \
                 if (idx < stop && rr < length) { \
                     const long long phys = paged ? (long long)__ldg(table_b + (rr >> 6)) * 64 + (rr & 63) : rr; \
@@ -195,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 } \
             } \
         } }
-    long long base = first + 32 * warp;
+    int base = first + 32 * warp;
     uint2 cur[4];
     FETCH(cur, base)
 #if PREFETCH == 2
@@ -204,60 +230,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #endif
     __syncthreads();
     const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
+    // the folds' A fragments, the same every step
+    unsigned a_frag[4][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) ldsm_x4(a_frag[s], q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
+#ifndef SWIZZLED
+    // the byte offset of subspace 8t + i, code 0, in the lane's copy
+    const char* book_bytes = reinterpret_cast<const char*>(book_s);
+    unsigned col[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
+#endif
     // every warp loops as often (stop is the block's), so each ballot sees whole warps
-    for (long long step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
+    for (int step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
         int acc[4][4];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
-#ifdef ROTATE
-        // lookup i of the lane reads subspace 8t + (i + g) % 8 (its bytes rotated by g), put back in subspace
-        // order by three rounds of selects
-        unsigned kf[4][8];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const unsigned lo = (g & 4) ? cur[nt].y : cur[nt].x, hi = (g & 4) ? cur[nt].x : cur[nt].y;
-            const unsigned sh = 8u * (unsigned)(g & 3);
-            const unsigned rlo = __funnelshift_r(lo, hi, sh), rhi = __funnelshift_r(hi, lo, sh);
-            unsigned u[8], v[8], x[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const unsigned code = ((i < 4 ? rlo : rhi) >> (8 * (i & 3))) & 255u;
-                u[i] = book_s[BOOK_AT(8 * t + ((i + g) & 7), code)];
-            }
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = (g & 1) ? u[(k + 7) & 7] : u[k];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) x[k] = (g & 2) ? v[(k + 6) & 7] : v[k];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) kf[nt][k] = (g & 4) ? x[(k + 4) & 7] : x[k];
-        }
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-            unsigned a[4];
-            ldsm_x4(a, q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) mma_s8(acc[nt], a, kf[nt][2 * s], kf[nt][2 * s + 1]);
-        }
-#else
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            unsigned a[4];
-            ldsm_x4(a, q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
                 const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
-                const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
+                unsigned b0, b1;
 #if defined(DIAG_NO_LOOKUP)  // the tools' attribution of the scan's time (tools/fold_scan.py): codes as operands
-                mma_s8(acc[nt], a, word, word ^ c1);
-#elif defined(DIAG_NO_MMA)  // the lookups without the tensor cores
-                acc[nt][s] += (int)(book_s[BOOK_AT(8 * t + 2 * s, c0)] ^ book_s[BOOK_AT(8 * t + 2 * s + 1, c1)]) + a[s];
+                b0 = word;
+                b1 = word >> 8;
+#elif defined(SWIZZLED)
+                const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
+                b0 = book_s[BOOK_AT(8 * t + 2 * s, c0)];
+                b1 = book_s[BOOK_AT(8 * t + 2 * s + 1, c1)];
 #else
-                mma_s8(acc[nt], a, book_s[BOOK_AT(8 * t + 2 * s, c0)], book_s[BOOK_AT(8 * t + 2 * s + 1, c1)]);
+                const unsigned c0 = __byte_perm(word, 0u, 0x4440u + 2u * (s & 1));
+                const unsigned c1 = __byte_perm(word, 0u, 0x4441u + 2u * (s & 1));
+                b0 = *reinterpret_cast<const unsigned*>(book_bytes + (c0 * 128u + ((c0 & 4u) ^ col[2 * s])));
+                b1 = *reinterpret_cast<const unsigned*>(book_bytes + (c1 * 128u + ((c1 & 4u) ^ col[2 * s + 1])));
+#endif
+#ifdef DIAG_NO_MMA  // the lookups without the tensor cores
+                acc[nt][s] += (int)(b0 ^ b1) + (int)a_frag[s][nt];
+#else
+                mma_s8(acc[nt], a_frag[s], b0, b1);
 #endif
             }
         }
-#endif
         // the next steps' codes in flight while this one's scores are reduced
 #if PREFETCH == 2
 #pragma unroll
@@ -294,8 +309,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
         }
         const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
 #endif
-        const long long mine = base + own;
-        const bool valid = mine < stop && mine * stride < length;
+        const int mine = base + own;
+        const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);
         if (sampling) {
             if (mine < stop) samples[(long long)b * n_samples + mine] = valid ? score : NEG_INF;
             continue;
@@ -477,10 +492,11 @@ def _check(codes, lengths, q8, slopes, book8, page_table) -> None:
 
 
 def launch_rows(batch: int, n: int, sms: int) -> int:
-    """Rows a block of the scan takes: :data:`MAX_ROWS`, halved (down to 1,024) while the launch has fewer than
-    three blocks a multiprocessor (shapes only: a CUDA graph captures one launch)."""
+    """Rows a block of the scan takes: :data:`MAX_ROWS`, halved (down to 2,048: a block copies 128 KB of codebooks
+    before its rows) while the launch has fewer than three blocks a multiprocessor (shapes only: a CUDA graph
+    captures one launch)."""
     rows = MAX_ROWS
-    while rows > 1024 and batch * -(-n // rows) < 3 * sms:
+    while rows > 2048 and batch * -(-n // rows) < 3 * sms:
         rows //= 2
     return rows
 
@@ -490,8 +506,8 @@ def _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, samples, pa
     b = q8.shape[0]
     paged = page_table is not None
     n_rows = page_table.shape[1] * 64 if paged else codes.shape[1]
-    if block_rows % 256 or not 0 < block_rows <= MAX_ROWS:
-        raise ValueError(f"block_rows: got {block_rows}, want a multiple of 256 up to {MAX_ROWS}")
+    if block_rows % THREADS or not 0 < block_rows <= MAX_ROWS:
+        raise ValueError(f"block_rows: got {block_rows}, want a multiple of {THREADS} up to {MAX_ROWS}")
     kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)
     table = page_table if paged else lengths
     kernel(grid=(max(1, -(-indices // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(block_rows),
@@ -502,7 +518,7 @@ def _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, samples, pa
 
 def pq_fold_samples(codes: torch.Tensor, lengths: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,
                     book8: torch.Tensor, stride: int, n_samples: int, page_table: torch.Tensor | None = None,
-                    block_rows: int = 1024) -> torch.Tensor:
+                    block_rows: int = 2048) -> torch.Tensor:
     """[B, n_samples] float32: the fold scores of rows ``0, stride, 2 stride, ...`` of each request (-inf past its
     length), as the scan scores them. Operands as :func:`fold_operands`; ``codes`` [B, N, 32] or [P, 64, 32] uint8
     (``page_table`` [B, W] int32), ``lengths`` [B] int32, all contiguous on one CUDA device."""
@@ -523,7 +539,7 @@ def pq_fold_scan(codes: torch.Tensor, lengths: torch.Tensor, q8: torch.Tensor, s
                  page_table: torch.Tensor | None = None, block_rows: int | None = None) -> None:
     """Append every one of the first ``n`` rows of each request whose fold score reaches ``thr`` [B] float32 to
     ``out_pos`` [B, capacity] int32, counting them in ``counts`` [B] int32 (zeroed before: past the capacity they
-    are counted, not stored). ``block_rows``: rows a block (a multiple of 256 up to :data:`MAX_ROWS`; None:
+    are counted, not stored). ``block_rows``: rows a block (a multiple of :data:`THREADS` up to :data:`MAX_ROWS`; None:
     :func:`launch_rows`). Inputs as :func:`pq_fold_samples`."""
     _check(codes, lengths, q8, slopes, book8, page_table)
     b = q8.shape[0]

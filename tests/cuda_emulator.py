@@ -344,7 +344,8 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
     counts = np.zeros(b, dtype=np.int32)
     table, width, n_rows = _pages(page_table, lengths, codes)
     indices = n_samples if stride > 0 else n
-    emulated_fold(defines)(max(1, -(-indices // rows_per_block)), b, THREADS, _ptr(codes), _ptr(lengths), _ptr(book8),
+    threads = 256 if "SWIZZLED" in defines else THREADS  # the variant's blocks
+    emulated_fold(defines)(max(1, -(-indices // rows_per_block)), b, threads, _ptr(codes), _ptr(lengths), _ptr(book8),
                            _ptr(q8), _ptr(slopes), _ptr(thr), _ptr(rows), _ptr(counts), _ptr(samples), _ptr(table),
                            width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples)
     return samples if stride > 0 else (rows, counts)

@@ -49,12 +49,12 @@ def _np(table):
 
 
 @emulated
-@pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define ROTATE 1\n")])
+@pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define SWIZZLED 1\n")])
 def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines):
-    """``ROTATE``: the variant whose lanes read the subspaces in rotated orders (an unswizzled codebook)."""
+    """``SWIZZLED``: the variant of one codebook, swizzled, in blocks of 256 threads."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
-                   stride=1, n_samples=N, rows_per_block=256, defines=defines)
+                   stride=1, n_samples=N, rows_per_block=512, defines=defines)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
     for b, n in enumerate(lengths.tolist()):
         np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * np.abs(want).max())
@@ -67,7 +67,7 @@ def test_strided_samples_are_the_rows_at_the_stride():
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(1, True)
     stride, n_samples = 9, -(-N // 9)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), table.numpy(),
-                   stride=stride, n_samples=n_samples, rows_per_block=256)
+                   stride=stride, n_samples=n_samples, rows_per_block=512)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
     for b, n in enumerate(lengths.tolist()):
         inside = np.arange(n_samples) * stride < n
@@ -81,7 +81,7 @@ def test_strided_samples_are_the_rows_at_the_stride():
 def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged):
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
     args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
-    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=256)  # the kernel's own scores
+    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512)  # the kernel's own scores
     thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
     capacity = 400
     rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512)
@@ -190,7 +190,7 @@ def test_the_compiled_scan_scores_and_keeps_as_the_reference():
     for capacity in (N, 64):
         rows = torch.full((3, capacity), -1, dtype=torch.int32, device=dev)
         counts = torch.zeros(3, dtype=torch.int32, device=dev)
-        pq_fold_scan(stored, lengths, q8, slopes, book8, thr, rows, counts, N, table, block_rows=256)
+        pq_fold_scan(stored, lengths, q8, slopes, book8, thr, rows, counts, N, table, block_rows=512)
         for b, n in enumerate(lengths.tolist()):
             passing = got[b, :n] >= thr[b]
             assert int(counts[b]) == int(passing.sum())

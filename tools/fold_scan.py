@@ -4,7 +4,7 @@ reference, then its time beside the shipped stage 1 over the same B x 1M paged k
 Per batch size: a plain read of the code bytes (the floor); the shipped stage 1 (``_stage1``: sampling pass and
 CUDA scan, int8 tables) at P = 4 of a C grown to 32,768 at 1M (band 131,072: the served point); the fold stage 1
 (:func:`pq_fold_topc`: operands, sampling launch, threshold, scan) at P = 1 and 2 of the same C; its parts; and
-the scan's compile-time variants (blocks a multiprocessor, codes in flight, rows a block). CUDA-graph medians in
+the scan's compile-time variants (one swizzled codebook, codes in flight, rows a block, parts taken out). CUDA-graph medians in
 us (a GPU; not part of the package).
 
 ``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32)."""
@@ -22,10 +22,12 @@ from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
-VARIANTS = {"min_blocks 3, prefetch 2 (default)": "", "min_blocks 2": "#define MIN_BLOCKS 2\n",
-            "min_blocks 4": "#define MIN_BLOCKS 4\n", "prefetch 1": "#define PREFETCH 1\n",
-            "rotated lookups": "#define ROTATE 1\n", "diag: no lookups": "#define DIAG_NO_LOOKUP 1\n",
-            "diag: no mma": "#define DIAG_NO_MMA 1\n", "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n"}
+SW = "#define SWIZZLED 1\n"
+VARIANTS = {"four codebooks, 512 threads (default)": "", "prefetch 1": "#define PREFETCH 1\n",
+            "diag: no lookups": "#define DIAG_NO_LOOKUP 1\n", "diag: no mma": "#define DIAG_NO_MMA 1\n",
+            "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n",
+            "one swizzled codebook, 3 blocks of 256 threads": SW, "one swizzled codebook, prefetch 1": SW + "#define PREFETCH 1\n",
+            "one swizzled codebook, 2 blocks": SW + "#define MIN_BLOCKS 2\n"}
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 
 
@@ -102,16 +104,18 @@ def timed(b: int) -> list[dict]:
     out = torch.empty(b, cap * MOST, dtype=torch.int32, device="cuda")
     for name, defines in VARIANTS.items():
         kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
-        kernel.set_shared_memory_config(fold.SHARED)
-        if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines):
+        swizzled = "SWIZZLED" in defines
+        threads = 256 if swizzled else fold.THREADS
+        less = 3 * 32 * 1024 if swizzled else 0  # one codebook's shared memory, not four
+        kernel.set_shared_memory_config(fold.SHARED - less)
+        if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines or swizzled):
             continue
-        spans = ((2048, 4096, 8192) if not defines and not DIAG else (4096,) if "MIN_BLOCKS 4" in defines
-                 else (8192,))
+        spans = (2048, 4096, 8192) if not defines or defines == SW else (8192,)
         for rows_a_block in spans:
-            def scan(kernel=kernel, rows_a_block=rows_a_block):
+            def scan(kernel=kernel, rows_a_block=rows_a_block, less=less, threads=threads):
                 counts.zero_()
-                kernel(grid=(N // rows_a_block, b, 1), block=(fold.THREADS, 1, 1),
-                       shared_mem=fold.shared_bytes(rows_a_block),
+                kernel(grid=(N // rows_a_block, b, 1), block=(threads, 1, 1),
+                       shared_mem=fold.shared_bytes(rows_a_block) - less,
                        args=[codes, lengths, book8, q8, slopes, thr, out, counts, thr, table, table.shape[1], N,
                              out.shape[1], rows_a_block, 1, 0, 0])
             add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, kept=int(counts.float().mean()))
