@@ -130,7 +130,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     int* __restrict__ count,                  // [B] appended counts, zeroed before (the scan)
     float* __restrict__ samples,              // [B, n_samples] sampled rows' scores, -inf past a length (sampling)
     const int* __restrict__ table,            // [B, table_width] physical page of each 64-row page (paged)
-    int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, int n_samples)
+    int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, int n_samples,
+    int batch)                                // requests (PERSISTENT: the tiles are batch x the rows' tiles)
 {
     SHARED_DYNAMIC;
     // the codebook (BOOK_AT_COPY); fold f's 32 words in 8 chunks of 16 bytes, chunk c at c ^ (f & 7)
@@ -139,44 +140,52 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     int* staged = reinterpret_cast<int*>(q_s + FOLDS * 32);  // kept rows' offsets in the block
     __shared__ float up_s[FOLDS], down_s[FOLDS];
     __shared__ int st_n, st_base;
-    const int b = blockIdx.y;
     const bool sampling = sample_stride > 0;
+    const int stride = sampling ? sample_stride : 1;  // row of the i-th index
+    // the codebook turned code-major: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3)
+#define FILL_BOOK { \
+        const uint4* src = reinterpret_cast<const uint4*>(codebook); \
+        constexpr int PER_THREAD = 32 * 64 / THREADS; \
+        uint4 four[PER_THREAD]; \
+        _Pragma("unroll") \
+        for (int k = 0; k < PER_THREAD; ++k) { \
+            const int i = threadIdx.x + k * THREADS; \
+            four[k] = src[(i & 31) * 64 + (i >> 5)]; \
+        } \
+        _Pragma("unroll") \
+        for (int k = 0; k < PER_THREAD; ++k) { \
+            const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5); \
+            STORE_WORDS(s, c, four[k]) \
+        } }
+#ifdef SWIZZLED
+#define STORE_WORDS(s, c, v4) { book_s[BOOK_AT(s, c)] = v4.x; book_s[BOOK_AT(s, c + 1)] = v4.y; \
+        book_s[BOOK_AT(s, c + 2)] = v4.z; book_s[BOOK_AT(s, c + 3)] = v4.w; }
+#else
+#define STORE_WORDS(s, c, v4) { _Pragma("unroll") for (int copy = 0; copy < 4; ++copy) { \
+        book_s[BOOK_AT_COPY(copy, s, c)] = v4.x; book_s[BOOK_AT_COPY(copy, s, c + 1)] = v4.y; \
+        book_s[BOOK_AT_COPY(copy, s, c + 2)] = v4.z; book_s[BOOK_AT_COPY(copy, s, c + 3)] = v4.w; } }
+#endif
+#ifdef PERSISTENT
+    // (a variant) gridDim.x blocks fill the codebook once and take the launch's tiles of rows_per_block rows in turn
+    FILL_BOOK
+    const int tiles_x = ((sampling ? n_samples : n_rows) + rows_per_block - 1) / rows_per_block;
+    for (int tile = blockIdx.x; tile < batch * tiles_x; tile += gridDim.x) {
+    const int b = tile / tiles_x, x = tile - b * tiles_x;
+#else
+    for (int once = 0; once < 1; ++once) {  // a block a tile: (blockIdx.x, blockIdx.y)
+    const int b = blockIdx.y, x = blockIdx.x;
+#endif
     // rows and indices in 32 bits (a request's rows, and a pool's, number under 2^31), byte offsets in 64
     const int length = lengths[b];
-    const int stride = sampling ? sample_stride : 1;  // row of the i-th index
     const int limit = sampling ? n_samples : length;  // indices the launch covers
-    const int first = blockIdx.x * rows_per_block;
-    if (first >= limit) return;
+    const int first = x * rows_per_block;
+    if (first >= limit) continue;
     const int stop = min(limit, first + rows_per_block);
-    if (threadIdx.x == 0) st_n = 0;
-    {   // the codebook turned code-major and swizzled: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3)
-        const uint4* src = reinterpret_cast<const uint4*>(codebook);
-        constexpr int PER_THREAD = 32 * 64 / THREADS;
-        uint4 four[PER_THREAD];
-#pragma unroll
-        for (int k = 0; k < PER_THREAD; ++k) {
-            const int i = threadIdx.x + k * THREADS;
-            four[k] = src[(i & 31) * 64 + (i >> 5)];
-        }
-#pragma unroll
-        for (int k = 0; k < PER_THREAD; ++k) {
-            const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5);
-#ifdef SWIZZLED
-            book_s[BOOK_AT(s, c)] = four[k].x;
-            book_s[BOOK_AT(s, c + 1)] = four[k].y;
-            book_s[BOOK_AT(s, c + 2)] = four[k].z;
-            book_s[BOOK_AT(s, c + 3)] = four[k].w;
-#else
-#pragma unroll
-            for (int copy = 0; copy < 4; ++copy) {
-                book_s[BOOK_AT_COPY(copy, s, c)] = four[k].x;
-                book_s[BOOK_AT_COPY(copy, s, c + 1)] = four[k].y;
-                book_s[BOOK_AT_COPY(copy, s, c + 2)] = four[k].z;
-                book_s[BOOK_AT_COPY(copy, s, c + 3)] = four[k].w;
-            }
+#ifndef PERSISTENT
+    FILL_BOOK
 #endif
-        }
-    }
+    __syncthreads();  // (PERSISTENT) the block is done with the last tile's queries, slopes and staging
+    if (threadIdx.x == 0) st_n = 0;
     // queries in the order the lanes' code bytes come in (stage 2's int8 order): the 32-dimension step s takes
     // subspaces 8t + 2s, 8t + 2s + 1 of lane t, so chunk c of a fold holds in its word t the 4 dims of subspace 8t + c
     const unsigned* qb = queries + (long long)b * FOLDS * 32;
@@ -325,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
             if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
         }
     }
-    if (sampling) return;
+    if (sampling) continue;
     __syncthreads();
     if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
     __syncthreads();
@@ -334,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
         const int slot = st_base + i;
         if (slot < capacity) out_pos[out + slot] = (int)(first + staged[i]);
     }
+    }  // the tile
 }
 """
 
@@ -513,7 +523,7 @@ def _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, samples, pa
     kernel(grid=(max(1, -(-indices // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(block_rows),
            args=[codes, lengths, book8, q8, slopes, thr, out_pos, counts, samples, table,
                  int(table.shape[-1]) if paged else 0, int(n_rows), int(capacity), int(block_rows), int(paged),
-                 int(stride), int(n_samples)])
+                 int(stride), int(n_samples), int(b)])
 
 
 def pq_fold_samples(codes: torch.Tensor, lengths: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,

@@ -198,7 +198,7 @@ _STAGE2_PARAMS = ("const unsigned char* codes, const int* rows, const int* count
 _FOLD_PARAMS = ("const unsigned char* codes, const int* lengths, const unsigned* codebook, const unsigned* queries, "
                 "const float* slopes, const float* thr, int* out_pos, int* count, float* samples, const int* table, "
                 "int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, "
-                "int n_samples")
+                "int n_samples, int batch")
 
 
 def compiler() -> str | None:
@@ -326,10 +326,12 @@ def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries:
 
 def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.ndarray, book8: np.ndarray,
              page_table: np.ndarray | None = None, thr: np.ndarray | None = None, capacity: int = 0, n: int = 0,
-             stride: int = 0, n_samples: int = 0, rows_per_block: int = 512, defines: str = ""):
+             stride: int = 0, n_samples: int = 0, rows_per_block: int = 512, defines: str = "",
+             blocks: int | None = None):
     """The launches of :mod:`dsaindex.kernels.pq_fold_cuda` on the CPU: with ``stride`` > 0 its sampling
     (returns samples [B, n_samples] float32, unset NaN), else its scan of the first ``n`` rows against ``thr``
-    (returns (rows [B, capacity] int32, counts [B] int32), unset -1)."""
+    (returns (rows [B, capacity] int32, counts [B] int32), unset -1). ``blocks``: a grid of that many blocks
+    (``#define PERSISTENT``: each takes tiles in turn), else one a tile."""
     from dsaindex.kernels.pq_fold_cuda import THREADS
 
     b = q8.shape[0]
@@ -345,7 +347,8 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
     table, width, n_rows = _pages(page_table, lengths, codes)
     indices = n_samples if stride > 0 else n
     threads = 256 if "SWIZZLED" in defines else THREADS  # the variant's blocks
-    emulated_fold(defines)(max(1, -(-indices // rows_per_block)), b, threads, _ptr(codes), _ptr(lengths), _ptr(book8),
+    grid = (blocks, 1) if blocks else (max(1, -(-indices // rows_per_block)), b)
+    emulated_fold(defines)(*grid, threads, _ptr(codes), _ptr(lengths), _ptr(book8),
                            _ptr(q8), _ptr(slopes), _ptr(thr), _ptr(rows), _ptr(counts), _ptr(samples), _ptr(table),
-                           width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples)
+                           width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples, b)
     return samples if stride > 0 else (rows, counts)

@@ -49,12 +49,15 @@ def _np(table):
 
 
 @emulated
-@pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define SWIZZLED 1\n")])
+@pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define SWIZZLED 1\n"),
+                                           (True, "#define PERSISTENT 1\n")])
 def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines):
-    """``SWIZZLED``: the variant of one codebook, swizzled, in blocks of 256 threads."""
+    """``SWIZZLED``: the variant of one codebook, swizzled, in blocks of 256 threads; ``PERSISTENT``: two blocks
+    that take the launch's six tiles in turn."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
-                   stride=1, n_samples=N, rows_per_block=512, defines=defines)
+                   stride=1, n_samples=N, rows_per_block=512, defines=defines,
+                   blocks=2 if "PERSISTENT" in defines else None)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
     for b, n in enumerate(lengths.tolist()):
         np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * np.abs(want).max())
@@ -77,14 +80,16 @@ def test_strided_samples_are_the_rows_at_the_stride():
 
 
 @emulated
-@pytest.mark.parametrize("paged", [False, True])
-def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged):
+@pytest.mark.parametrize("paged,persistent", [(False, False), (True, False), (True, True)])
+def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, persistent):
+    """``persistent``: the PERSISTENT variant, two blocks taking the tiles in turn (staging reset between tiles)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
     args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
     scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512)  # the kernel's own scores
     thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
     capacity = 400
-    rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512)
+    variant = dict(defines="#define PERSISTENT 1\n", blocks=2) if persistent else {}
+    rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512, **variant)
     for b, n in enumerate(lengths.tolist()):
         want = set(np.flatnonzero(scores[b, :n] >= thr[b]).tolist())
         assert counts[b] == len(want)
@@ -94,7 +99,7 @@ def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged):
 
     # past the capacity the rows are counted, not stored
     low = np.full(B, -np.inf, dtype=np.float32)
-    rows, counts = run_fold(*args, thr=low, capacity=capacity, n=N, rows_per_block=512)
+    rows, counts = run_fold(*args, thr=low, capacity=capacity, n=N, rows_per_block=512, **variant)
     assert counts.tolist() == [N, 333, 0]
     assert set(rows[0].tolist()) <= set(range(N)) and len(set(rows[0].tolist())) == capacity
 

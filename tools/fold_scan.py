@@ -25,7 +25,8 @@ N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
 SW = "#define SWIZZLED 1\n"
 VARIANTS = {"four codebooks, 512 threads (default)": "", "prefetch 1": "#define PREFETCH 1\n",
             "diag: no lookups": "#define DIAG_NO_LOOKUP 1\n", "diag: no mma": "#define DIAG_NO_MMA 1\n",
-            "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n",
+            "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n", "persistent blocks (one a multiprocessor)":
+            "#define PERSISTENT 1\n", "persistent blocks, prefetch 1": "#define PERSISTENT 1\n#define PREFETCH 1\n",
             "one swizzled codebook, 3 blocks of 256 threads": SW, "one swizzled codebook, prefetch 1": SW + "#define PREFETCH 1\n",
             "one swizzled codebook, 2 blocks": SW + "#define MIN_BLOCKS 2\n"}
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
@@ -108,16 +109,20 @@ def timed(b: int) -> list[dict]:
         threads = 256 if swizzled else fold.THREADS
         less = 3 * 32 * 1024 if swizzled else 0  # one codebook's shared memory, not four
         kernel.set_shared_memory_config(fold.SHARED - less)
-        if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines or swizzled):
+        if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines or swizzled or "PERSISTENT" in defines):
             continue
-        spans = (2048, 4096, 8192) if not defines or defines == SW else (8192,)
+        spans = (2048, 4096, 8192) if not defines or defines == SW or defines.startswith("#define PERSISTENT") \
+            else (8192,)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
         for rows_a_block in spans:
-            def scan(kernel=kernel, rows_a_block=rows_a_block, less=less, threads=threads):
+            grid = (sms, 1, 1) if "PERSISTENT" in defines else (N // rows_a_block, b, 1)
+
+            def scan(kernel=kernel, rows_a_block=rows_a_block, less=less, threads=threads, grid=grid):
                 counts.zero_()
-                kernel(grid=(N // rows_a_block, b, 1), block=(threads, 1, 1),
+                kernel(grid=grid, block=(threads, 1, 1),
                        shared_mem=fold.shared_bytes(rows_a_block) - less,
                        args=[codes, lengths, book8, q8, slopes, thr, out, counts, thr, table, table.shape[1], N,
-                             out.shape[1], rows_a_block, 1, 0, 0])
+                             out.shape[1], rows_a_block, 1, 0, 0, b])
             add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, kept=int(counts.float().mean()))
     return res
 
