@@ -4,10 +4,11 @@ reference, then its time beside the shipped stage 1 over the same B x 1M paged k
 Per batch size: a plain read of the code bytes (the floor); the shipped stage 1 (``_stage1``: sampling pass and
 CUDA scan, int8 tables) at P = 4 of a C grown to 32,768 at 1M (band 131,072: the served point); the fold stage 1
 (:func:`pq_fold_topc`: operands, sampling launch, threshold, scan) at P = 1 and 2 of the same C; its parts; and
-the scan's compile-time variants (one swizzled codebook, codes in flight, rows a block, parts taken out). CUDA-graph medians in
-us (a GPU; not part of the package).
+the scan's compile-time variants (one swizzled codebook, persistent blocks, codes in flight, rows a block, parts
+taken out). CUDA-graph medians in us (a GPU; not part of the package).
 
-``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32)."""
+``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32). ``DIAG=1``: the scan's
+variants and the operands only; ``QUICK=1``: the stages at one P each and the three layouts at 8,192 rows a block."""
 
 import json
 import os
@@ -30,6 +31,7 @@ VARIANTS = {"four codebooks, 512 threads (default)": "", "prefetch 1": "#define 
             "one swizzled codebook, 3 blocks of 256 threads": SW, "one swizzled codebook, prefetch 1": SW + "#define PREFETCH 1\n",
             "one swizzled codebook, 2 blocks": SW + "#define MIN_BLOCKS 2\n"}
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
+QUICK = os.environ.get("QUICK") == "1"  # the fold stage at P = 2 and the three layouts at 8,192 rows a block only
 
 
 def check(b: int, codes, table, lengths, q8, slopes, book8) -> dict:
@@ -74,16 +76,17 @@ def timed(b: int) -> list[dict]:
     grow = (BAND, MOST)
     bf = book.to(torch.bfloat16)
     scale = s2.int8_codebook(bf)[1]
-    for warps in (4, 8, 16):
+    for warps in (8,) if QUICK else (4, 8, 16):
         add(f"fold operands, one Triton launch, {warps} warps",
             lambda warps=warps: fold._fold_operands_fused(queries, weights, scale, 16, 3, 0.05, warps))
-    add("fold operands, torch ops", lambda: fold.fold_operands(queries, weights, bf, fused=False))
-    for p in (() if DIAG else (4, 2)):
+    if not QUICK:
+        add("fold operands, torch ops", lambda: fold.fold_operands(queries, weights, bf, fused=False))
+    for p in (() if DIAG else (4,) if QUICK else (4, 2)):
         def shipped(p=p):
             return _stage1(codes, lengths, queries, weights, book, p * C, None, table, None, None, "auto", grow)
         rows, counts = shipped()
         add(f"shipped stage 1 (codes), P = {p}", shipped, kept=int(counts.float().mean()))
-    for p in (() if DIAG else (2, 1)):
+    for p in (() if DIAG else (2,) if QUICK else (2, 1)):
         cap = 2 * p * C
 
         def folds(p=p, cap=cap):
@@ -111,8 +114,10 @@ def timed(b: int) -> list[dict]:
         kernel.set_shared_memory_config(fold.SHARED - less)
         if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines or swizzled or "PERSISTENT" in defines):
             continue
-        spans = (2048, 4096, 8192) if not defines or defines == SW or defines.startswith("#define PERSISTENT") \
-            else (8192,)
+        if QUICK and defines not in ("", SW, "#define PERSISTENT 1\n"):
+            continue
+        spans = (2048, 4096, 8192) if (not defines or defines == SW or defines.startswith("#define PERSISTENT")) \
+            and not QUICK else (8192,)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for rows_a_block in spans:
             grid = (sms, 1, 1) if "PERSISTENT" in defines else (N // rows_a_block, b, 1)
