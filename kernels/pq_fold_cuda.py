@@ -53,9 +53,9 @@ FOLDS = 16  # folded queries: one m-tile of the tensor cores; the first half the
 ROUNDS = 3  # rounds of the groups' k-means (3 served as 10 did: docs/results.md)
 LEAK = 0.05
 SUBSPACES, CENTROIDS, DIM = 32, 256, 128
-# warps of the operands' program (a request). On the H100 (results/fold_scan_h100.json, 32 requests): 327.5 us at 4
-# warps (Triton's ptxas spills 18,760 bytes of stack a thread: the 64 x 128 float32 queries, held three times over),
-# 49.8 us at 8, 122.9 us at 16; the torch ops take 250.0 us
+# warps of the operands' program (a request). On the H100 (results/fold_scan_diag_h100.json, 32 requests):
+# 327.5 us at 4 warps (Triton's ptxas spills 18,760 bytes of stack a thread: the 64 x 128 float32 queries, held
+# three times over), 49.8 us at 8, 122.9 us at 16; the torch ops take 250.0 us
 OPERANDS_WARPS = 8
 MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
 COPIES = 4  # of the codebook in a block's shared memory (the kernel's BOOK_AT_COPY)
