@@ -13,14 +13,16 @@ keys every fold scores below zero). 128K held-out captures (H100, top-512, refer
 99.46 / 99.29% (mean / 64K-128K) at a quarter of the shipped stage 1's width, 99.79 / 99.72% at half, against
 99.24 / 98.98% for the shipped step at its full width.
 
-**Measured** (H100, docs/results.md "The step on folds"): the step at P = 2 is 1.24x DeepGEMM at 32 x 1M against
-the default's 2.27x. The scan runs at 2.2x a read of the codes (806 against 362 us) where the shipped scan runs at
-1.3x, so the folds do not pay yet; the codes stay the default.
+**Measured** (H100, docs/results.md "The step on folds"): with one swizzled codebook the step at P = 2 was 1.24x
+DeepGEMM at 32 x 1M against the default's 2.27x, its scan at 2.2x a read of the codes (806 against 362 us) where
+the shipped scan runs at 1.3x, bound by shared-memory bank conflicts and ALU work at once ("Where the fold scan's
+time goes"). The four codebooks answer both; the codes stay the default.
 
 The kernel (one launch for a step's stage 1, a second for its sampling pass):
 
-- **Codebook and queries.** Each block copies the int8 codebook (32 x 256 codewords of 4 int8, 32 KB,
-  swizzled as stage 2's int8 form keeps it) and its request's 16 int8 folded queries into shared memory.
+- **Codebook and queries.** Each block (512 threads, one a multiprocessor) copies the int8 codebook (32 x 256
+  codewords of 4 int8, 32 KB) four times into shared memory, each copy laid out for the lanes that read it
+  (``BOOK_AT_COPY``: a lookup's lanes share a bank two at most), and its request's 16 int8 folded queries.
 - **Keys straight into fragments.** A warp scores 32 consecutive rows a step, as stage 2's int8 kernel
   scores 32 candidates: lane ``(g, t)`` loads bytes ``8t .. 8t + 7`` of row ``8 nt + g`` of the step (four
   256-byte loads a warp, whole sectors), looks each code up straight into the B fragment of ``mma.m16n8k32``
