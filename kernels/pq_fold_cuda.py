@@ -65,9 +65,19 @@ BASE_SHARED = COPIES * SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's code
 SHARED = BASE_SHARED + MAX_ROWS * 4  # and its staged rows, 4 bytes a row it scans at most
 
 
-def shared_bytes(block_rows: int) -> int:
-    """Dynamic shared memory of a launch of ``block_rows`` rows a block (its staging holds every one of them)."""
-    return BASE_SHARED + 4 * block_rows
+def shared_bytes(block_rows: int, defines: str = "") -> int:
+    """Dynamic shared memory of a launch of ``block_rows`` rows a block (its staging holds every one of them), of
+    the kernel built with ``defines`` (:func:`launch_shape`)."""
+    return launch_shape(defines)[1] + 4 * block_rows
+
+
+def launch_shape(defines: str = "") -> tuple[int, int]:
+    """(threads a block, shared bytes before the staged rows) of the kernel built with ``defines`` prepended to
+    :func:`source`: the compile-time variants the tools time. ``SWIZZLED`` keeps one codebook in blocks of 256
+    threads; the others, four copies in blocks of :data:`THREADS`."""
+    if "#define SWIZZLED" in defines:
+        return 256, SUBSPACES * CENTROIDS * 4 + FOLDS * DIM
+    return THREADS, BASE_SHARED
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
@@ -104,7 +114,17 @@ _SOURCE = r"""
 // takes at most 2 wavefronts (the swizzled variant's random banks: about 3). A lookup's byte address is a
 // byte-permute, a logic op and a multiply-add from the code byte
 #define BOOK_WORDS (4 * 32 * 256)
+#if defined(SPLIT) || defined(PLAIN)
+// (variants) copies 2m and 2m + 1 share block m of 64 KB, a row of 64 words a code: copy k holds codeword (s, c)
+// at (k >> 1) * 16384 + c * 64 + (k & 1) * 32 + (s ^ 2k), so a subspace's 4 copies sit in 4 banks, and a lookup's
+// byte offset is one byte-permute: the code as byte 1, the lane's copy and subspace in bytes 0 and 2.
+// PLAIN: lanes g and g + 4 read one bank (2 wavefronts a lookup). SPLIT: in a step's first lookup lanes g >= 4
+// read the second subspace, and in its second the first, so the 32 lanes read 32 banks (one wavefront); a select
+// a lookup puts the words back in the MMA's order
+#define BOOK_AT_COPY(k, s, c) (((k) >> 1) * 16384 + (c) * 64 + ((k) & 1) * 32 + ((s) ^ (2 * (k))))
+#else
 #define BOOK_AT_COPY(k, s, c) ((k) * 8192 + (c) * 32 + ((s) ^ (2 * (k)) ^ (((c) >> 2) & 1)))
+#endif
 #endif
 
 #ifndef EMULATED
@@ -249,8 +269,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     // the byte offset of subspace 8t + i, code 0, in the lane's copy
     const char* book_bytes = reinterpret_cast<const char*>(book_s);
     unsigned col[8];
+#ifdef SPLIT
+    // col[2s]: the lane's first lookup of step s, subspace 8t + 2s + hi; col[2s + 1]: its second
+    const unsigned hi = (unsigned)(g >> 2), first_sel = 0x7604u + (hi << 4), second_sel = 0x7614u - (hi << 4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + (i & ~1) + ((i & 1) ^ (int)hi), 0);
+#else
 #pragma unroll
     for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
+#endif
 #endif
     // every warp loops as often (stop is the block's), so each ballot sees whole warps
     for (int step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
@@ -271,11 +298,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
                 b0 = book_s[BOOK_AT(8 * t + 2 * s, c0)];
                 b1 = book_s[BOOK_AT(8 * t + 2 * s + 1, c1)];
+#elif defined(SPLIT)
+                const unsigned x = *reinterpret_cast<const unsigned*>(
+                    book_bytes + __byte_perm(word, col[2 * s], first_sel + 32u * (s & 1)));
+                const unsigned y = *reinterpret_cast<const unsigned*>(
+                    book_bytes + __byte_perm(word, col[2 * s + 1], second_sel + 32u * (s & 1)));
+                b0 = hi ? y : x;
+                b1 = hi ? x : y;
+#else
+#ifdef PLAIN
+                b0 = *reinterpret_cast<const unsigned*>(book_bytes + __byte_perm(word, col[2 * s], 0x7604u + 32u * (s & 1)));
+                b1 = *reinterpret_cast<const unsigned*>(
+                    book_bytes + __byte_perm(word, col[2 * s + 1], 0x7614u + 32u * (s & 1)));
 #else
                 const unsigned c0 = __byte_perm(word, 0u, 0x4440u + 2u * (s & 1));
                 const unsigned c1 = __byte_perm(word, 0u, 0x4441u + 2u * (s & 1));
                 b0 = *reinterpret_cast<const unsigned*>(book_bytes + (c0 * 128u + ((c0 & 4u) ^ col[2 * s])));
                 b1 = *reinterpret_cast<const unsigned*>(book_bytes + (c1 * 128u + ((c1 & 4u) ^ col[2 * s + 1])));
+#endif
 #endif
 #ifdef DIAG_NO_MMA  // the lookups without the tensor cores
                 acc[nt][s] += (int)(b0 ^ b1) + (int)a_frag[s][nt];

@@ -50,10 +50,12 @@ def _np(table):
 
 @emulated
 @pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define SWIZZLED 1\n"),
-                                           (True, "#define PERSISTENT 1\n")])
+                                           (True, "#define PERSISTENT 1\n"), (True, "#define PLAIN 1\n"),
+                                           (False, "#define SPLIT 1\n")])
 def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines):
     """``SWIZZLED``: the variant of one codebook, swizzled, in blocks of 256 threads; ``PERSISTENT``: two blocks
-    that take the launch's six tiles in turn."""
+    that take the launch's six tiles in turn; ``PLAIN`` and ``SPLIT``: the codebooks addressed by a byte-permute
+    (``SPLIT``: lanes g >= 4 look up a step's subspaces in the other order)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
                    stride=1, n_samples=N, rows_per_block=512, defines=defines,
@@ -80,15 +82,17 @@ def test_strided_samples_are_the_rows_at_the_stride():
 
 
 @emulated
-@pytest.mark.parametrize("paged,persistent", [(False, False), (True, False), (True, True)])
-def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, persistent):
-    """``persistent``: the PERSISTENT variant, two blocks taking the tiles in turn (staging reset between tiles)."""
+@pytest.mark.parametrize("paged,persistent,layout", [(False, False, ""), (True, False, ""), (True, True, ""),
+                                                     (True, True, "#define SPLIT 1\n")])
+def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, persistent, layout):
+    """``persistent``: the PERSISTENT variant, two blocks taking the tiles in turn (staging reset between tiles);
+    ``layout``: a variant of the codebooks' layout."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
     args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
-    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512)  # the kernel's own scores
+    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512, defines=layout)  # the kernel's own scores
     thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
     capacity = 400
-    variant = dict(defines="#define PERSISTENT 1\n", blocks=2) if persistent else {}
+    variant = dict(defines=layout + "#define PERSISTENT 1\n", blocks=2) if persistent else dict(defines=layout)
     rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512, **variant)
     for b, n in enumerate(lengths.tolist()):
         want = set(np.flatnonzero(scores[b, :n] >= thr[b]).tolist())

@@ -5,10 +5,10 @@ Per batch size: a plain read of the code bytes (the floor); the shipped stage 1 
 CUDA scan, int8 tables) at P = 4 of a C grown to 32,768 at 1M (band 131,072: the served point); the fold stage 1
 (:func:`pq_fold_topc`: operands, sampling launch, threshold, scan) at P = 1 and 2 of the same C; its parts; and
 the scan's compile-time variants (one swizzled codebook, persistent blocks, codes in flight, rows a block, parts
-taken out). CUDA-graph medians in us (a GPU; not part of the package).
+taken out, the codebooks' layouts). CUDA-graph medians in us (a GPU; not part of the package).
 
 ``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32). ``DIAG=1``: the scan's
-variants and the operands only; ``QUICK=1``: the stages at one P each and the three layouts at 8,192 rows a block."""
+variants and the operands only; ``QUICK=1``: the stages at one P each and the layouts (:data:`LAYOUTS`) at 8,192 rows a block."""
 
 import json
 import os
@@ -23,13 +23,18 @@ from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
-SW = "#define SWIZZLED 1\n"
+SW, PE, PL, SP = "#define SWIZZLED 1\n", "#define PERSISTENT 1\n", "#define PLAIN 1\n", "#define SPLIT 1\n"
 VARIANTS = {"four codebooks, 512 threads (default)": "", "prefetch 1": "#define PREFETCH 1\n",
             "diag: no lookups": "#define DIAG_NO_LOOKUP 1\n", "diag: no mma": "#define DIAG_NO_MMA 1\n",
-            "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n", "persistent blocks (one a multiprocessor)":
-            "#define PERSISTENT 1\n", "persistent blocks, prefetch 1": "#define PERSISTENT 1\n#define PREFETCH 1\n",
+            "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n", "persistent blocks (one a multiprocessor)": PE,
+            "persistent blocks, prefetch 1": PE + "#define PREFETCH 1\n",
+            "byte-permute addresses (2 wavefronts a lookup)": PL,
+            "byte-permute addresses, split pairs (1 wavefront a lookup)": SP,
+            "byte-permute addresses, persistent": PL + PE, "split pairs, persistent": SP + PE,
+            "split pairs, diag: no epilogue": SP + "#define DIAG_NO_EPILOGUE 1\n",
             "one swizzled codebook, 3 blocks of 256 threads": SW, "one swizzled codebook, prefetch 1": SW + "#define PREFETCH 1\n",
             "one swizzled codebook, 2 blocks": SW + "#define MIN_BLOCKS 2\n"}
+LAYOUTS = ("", SW, PE, PL, SP, PL + PE, SP + PE)  # QUICK: these, and the stages
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 QUICK = os.environ.get("QUICK") == "1"  # the fold stage at P = 2 and the three layouts at 8,192 rows a block only
 
@@ -108,24 +113,19 @@ def timed(b: int) -> list[dict]:
     out = torch.empty(b, cap * MOST, dtype=torch.int32, device="cuda")
     for name, defines in VARIANTS.items():
         kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
-        swizzled = "SWIZZLED" in defines
-        threads = 256 if swizzled else fold.THREADS
-        less = 3 * 32 * 1024 if swizzled else 0  # one codebook's shared memory, not four
-        kernel.set_shared_memory_config(fold.SHARED - less)
-        if DIAG and not (not defines or "DIAG" in defines or "PREFETCH" in defines or swizzled or "PERSISTENT" in defines):
+        threads, _ = fold.launch_shape(defines)
+        kernel.set_shared_memory_config(fold.shared_bytes(fold.MAX_ROWS, defines))
+        if QUICK and defines not in LAYOUTS:
             continue
-        if QUICK and defines not in ("", SW, "#define PERSISTENT 1\n"):
-            continue
-        spans = (2048, 4096, 8192) if (not defines or defines == SW or defines.startswith("#define PERSISTENT")) \
-            and not QUICK else (8192,)
+        spans = (2048, 4096, 8192) if defines in LAYOUTS and not QUICK else (8192,)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for rows_a_block in spans:
             grid = (sms, 1, 1) if "PERSISTENT" in defines else (N // rows_a_block, b, 1)
 
-            def scan(kernel=kernel, rows_a_block=rows_a_block, less=less, threads=threads, grid=grid):
+            def scan(kernel=kernel, rows_a_block=rows_a_block, defines=defines, threads=threads, grid=grid):
                 counts.zero_()
                 kernel(grid=grid, block=(threads, 1, 1),
-                       shared_mem=fold.shared_bytes(rows_a_block) - less,
+                       shared_mem=fold.shared_bytes(rows_a_block, defines),
                        args=[codes, lengths, book8, q8, slopes, thr, out, counts, thr, table, table.shape[1], N,
                              out.shape[1], rows_a_block, 1, 0, 0, b])
             add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, kept=int(counts.float().mean()))
