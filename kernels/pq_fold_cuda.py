@@ -71,13 +71,19 @@ def shared_bytes(block_rows: int, defines: str = "") -> int:
     return launch_shape(defines)[1] + 4 * block_rows
 
 
-def launch_shape(defines: str = "") -> tuple[int, int]:
-    """(threads a block, shared bytes before the staged rows) of the kernel built with ``defines`` prepended to
-    :func:`source`: the compile-time variants the tools time. ``SWIZZLED`` keeps one codebook in blocks of 256
-    threads; the others, four copies in blocks of :data:`THREADS`."""
+def launch_shape(defines: str = "") -> tuple[int, int, int]:
+    """(threads a block, shared bytes before the staged rows, blocks a multiprocessor) of the kernel built with
+    ``defines`` prepended to :func:`source`: the compile-time variants the tools time. ``SWIZZLED`` keeps one
+    codebook in 3 blocks of 256 threads; the others, four copies in one block of :data:`THREADS`."""
     if "#define SWIZZLED" in defines:
-        return 256, SUBSPACES * CENTROIDS * 4 + FOLDS * DIM
-    return THREADS, BASE_SHARED
+        return 256, SUBSPACES * CENTROIDS * 4 + FOLDS * DIM, 3
+    return THREADS, BASE_SHARED, 1
+
+
+def launch_grid(tiles: int, sms: int, defines: str = "") -> int:
+    """Blocks of a launch of ``tiles`` tiles: as many as run at once (each fills its codebooks once and takes
+    tiles in turn), no more than the tiles."""
+    return max(1, min(tiles, sms * launch_shape(defines)[2]))
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
@@ -108,23 +114,15 @@ _SOURCE = r"""
 #define BOOK_WORDS (32 * 256)
 #define BOOK_AT(s, c) ((c) * 32 + ((s) ^ ((c) & 7)))
 #else
-// four copies of the codebook, lane (g, t) reading copy g & 3; copy k holds codeword (s, c) at
-// k * 8192 + c * 32 + (s ^ 2k ^ bit 2 of c). The 8 lanes that read one subspace at once use 8 banks by (k, bit 2):
-// two lanes meet in a bank only where they read one copy (g and g + 4) and bit 2 of their codes agree, so a lookup
-// takes at most 2 wavefronts (the swizzled variant's random banks: about 3). A lookup's byte address is a
-// byte-permute, a logic op and a multiply-add from the code byte
+// four copies of the codebook, lane (g, t) reading copy g & 3. Copies 2m and 2m + 1 share block m of 64 KB, a row
+// of 64 words a code: copy k holds codeword (s, c) at (k >> 1) * 16384 + c * 64 + (k & 1) * 32 + (s ^ 2k). A
+// subspace's 4 copies sit in 4 banks, so only lanes g and g + 4 meet in a bank (2 wavefronts a lookup, against
+// about 3 for the swizzled variant's random banks), and a lookup's byte offset is one byte-permute: the code as
+// byte 1, the lane's copy and subspace in bytes 0 and 2. (SPLIT, a variant: in a step's first lookup lanes g >= 4
+// read the second subspace, and in its second the first, so the 32 lanes read 32 banks, one wavefront; a select a
+// lookup puts the words back in the MMA's order)
 #define BOOK_WORDS (4 * 32 * 256)
-#if defined(SPLIT) || defined(PLAIN)
-// (variants) copies 2m and 2m + 1 share block m of 64 KB, a row of 64 words a code: copy k holds codeword (s, c)
-// at (k >> 1) * 16384 + c * 64 + (k & 1) * 32 + (s ^ 2k), so a subspace's 4 copies sit in 4 banks, and a lookup's
-// byte offset is one byte-permute: the code as byte 1, the lane's copy and subspace in bytes 0 and 2.
-// PLAIN: lanes g and g + 4 read one bank (2 wavefronts a lookup). SPLIT: in a step's first lookup lanes g >= 4
-// read the second subspace, and in its second the first, so the 32 lanes read 32 banks (one wavefront); a select
-// a lookup puts the words back in the MMA's order
 #define BOOK_AT_COPY(k, s, c) (((k) >> 1) * 16384 + (c) * 64 + ((k) & 1) * 32 + ((s) ^ (2 * (k))))
-#else
-#define BOOK_AT_COPY(k, s, c) ((k) * 8192 + (c) * 32 + ((s) ^ (2 * (k)) ^ (((c) >> 2) & 1)))
-#endif
 #endif
 
 #ifndef EMULATED
@@ -153,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     float* __restrict__ samples,              // [B, n_samples] sampled rows' scores, -inf past a length (sampling)
     const int* __restrict__ table,            // [B, table_width] physical page of each 64-row page (paged)
     int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, int n_samples,
-    int batch)                                // requests (PERSISTENT: the tiles are batch x the rows' tiles)
+    int batch, int tiles_x)                   // the launch's tiles: batch x tiles_x of rows_per_block indices
 {
     SHARED_DYNAMIC;
     // the codebook (BOOK_AT_COPY); fold f's 32 words in 8 chunks of 16 bytes, chunk c at c ^ (f & 7)
@@ -161,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
     unsigned* q_s = book_s + BOOK_WORDS;
     int* staged = reinterpret_cast<int*>(q_s + FOLDS * 32);  // kept rows' offsets in the block
     __shared__ float up_s[FOLDS], down_s[FOLDS];
+    __shared__ int pages_s[MAX_ROWS / 64];  // the tile's physical pages (a paged scan)
     __shared__ int st_n, st_base;
     const bool sampling = sample_stride > 0;
     const int stride = sampling ? sample_stride : 1;  // row of the i-th index
@@ -187,205 +186,205 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
         book_s[BOOK_AT_COPY(copy, s, c)] = v4.x; book_s[BOOK_AT_COPY(copy, s, c + 1)] = v4.y; \
         book_s[BOOK_AT_COPY(copy, s, c + 2)] = v4.z; book_s[BOOK_AT_COPY(copy, s, c + 3)] = v4.w; } }
 #endif
-#ifdef PERSISTENT
-    // (a variant) gridDim.x blocks fill the codebook once and take the launch's tiles of rows_per_block rows in turn
+    // a block fills its codebooks once and takes the launch's tiles of rows_per_block rows in turn: tile
+    // blockIdx.x, then blockIdx.x + gridDim.x, ... (a grid of one block a tile takes one each)
     FILL_BOOK
-    const int tiles_x = ((sampling ? n_samples : n_rows) + rows_per_block - 1) / rows_per_block;
     for (int tile = blockIdx.x; tile < batch * tiles_x; tile += gridDim.x) {
-    const int b = tile / tiles_x, x = tile - b * tiles_x;
-#else
-    for (int once = 0; once < 1; ++once) {  // a block a tile: (blockIdx.x, blockIdx.y)
-    const int b = blockIdx.y, x = blockIdx.x;
-#endif
-    // rows and indices in 32 bits (a request's rows, and a pool's, number under 2^31), byte offsets in 64
-    const int length = lengths[b];
-    const int limit = sampling ? n_samples : length;  // indices the launch covers
-    const int first = x * rows_per_block;
-    if (first >= limit) continue;
-    const int stop = min(limit, first + rows_per_block);
-#ifndef PERSISTENT
-    FILL_BOOK
-#endif
-    __syncthreads();  // (PERSISTENT) the block is done with the last tile's queries, slopes and staging
-    if (threadIdx.x == 0) st_n = 0;
-    // queries in the order the lanes' code bytes come in (stage 2's int8 order): the 32-dimension step s takes
-    // subspaces 8t + 2s, 8t + 2s + 1 of lane t, so chunk c of a fold holds in its word t the 4 dims of subspace 8t + c
-    const unsigned* qb = queries + (long long)b * FOLDS * 32;
+        const int b = tile / tiles_x, x = tile - b * tiles_x;
+        // rows and indices in 32 bits (a request's rows, and a pool's, number under 2^31), byte offsets in 64
+        const int length = lengths[b];
+        const int limit = sampling ? n_samples : length;  // indices the launch covers
+        const int first = x * rows_per_block;
+        if (first >= limit) continue;
+        const int stop = min(limit, first + rows_per_block);
+        const int* table_b = table + (long long)b * table_width;
+        __syncthreads();  // the codebooks filled; the block done with the last tile's queries, pages and staging
+        if (threadIdx.x == 0) st_n = 0;
+        // queries in the order the lanes' code bytes come in (stage 2's int8 order): the 32-dimension step s takes
+        // subspaces 8t + 2s, 8t + 2s + 1 of lane t, so chunk c of a fold holds in its word t the 4 dims of
+        // subspace 8t + c
+        const unsigned* qb = queries + (long long)b * FOLDS * 32;
 #pragma unroll
-    for (int k = 0; k < FOLDS * 32 / THREADS; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        const int f = i >> 5, sub = i & 31;
-        q_s[f * 32 + (((sub & 7) ^ (f & 7)) << 2) + (sub >> 3)] = qb[i];
-    }
-    if (threadIdx.x < FOLDS) {
-        up_s[threadIdx.x] = slopes[((long long)b * FOLDS + threadIdx.x) * 2];
-        down_s[threadIdx.x] = slopes[((long long)b * FOLDS + threadIdx.x) * 2 + 1];
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int j = lane >> 3, jr = lane & 7;  // ldmatrix: lane 8 j + jr gives row jr of matrix j
-    const int fold = jr + 8 * (j & 1);  // the A row (fold) this lane's ldmatrix address gives
-    const int own = (g & 3) * 8 + 2 * t + (g >> 2);  // the row of the step whose score this lane ends with
-    const int* table_b = table + (long long)b * table_width;
-    const unsigned char* codes_b = (paged ? codes : codes + (long long)b * n_rows * 32) + 8 * t;
-    const float t_b = sampling ? 0.0f : thr[b];
-    const int step_rows = 32 * WARPS;
-    // lane (g, t) loads bytes 8t .. 8t + 7 of the step's rows 8 nt + g: a warp's load of an n-tile reads 256
-    // consecutive bytes. A scan's step (32 rows from a multiple of 32) sits in one page: one page-table read a
-    // step, the four n-tiles 256 bytes apart; a sampling step's rows are apart, each read through the table
+        for (int k = 0; k < FOLDS * 32 / THREADS; ++k) {
+            const int i = threadIdx.x + k * THREADS;
+            const int f = i >> 5, sub = i & 31;
+            q_s[f * 32 + (((sub & 7) ^ (f & 7)) << 2) + (sub >> 3)] = qb[i];
+        }
+        if (threadIdx.x < FOLDS) {
+            up_s[threadIdx.x] = slopes[((long long)b * FOLDS + threadIdx.x) * 2];
+            down_s[threadIdx.x] = slopes[((long long)b * FOLDS + threadIdx.x) * 2 + 1];
+        }
+        if (paged && !sampling)  // the tile's slice of the page table, read once
+            for (int i = threadIdx.x; first + 64 * i < stop; i += THREADS) pages_s[i] = __ldg(table_b + (first >> 6) + i);
+        __syncthreads();
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int j = lane >> 3, jr = lane & 7;  // ldmatrix: lane 8 j + jr gives row jr of matrix j
+        const int fold = jr + 8 * (j & 1);  // the A row (fold) this lane's ldmatrix address gives
+        const int own = (g & 3) * 8 + 2 * t + (g >> 2);  // the row of the step whose score this lane ends with
+        const unsigned char* codes_b = (paged ? codes : codes + (long long)b * n_rows * 32) + 8 * t;
+        const float t_b = sampling ? 0.0f : thr[b];
+        const int step_rows = 32 * WARPS;
+        // lane (g, t) loads bytes 8t .. 8t + 7 of the step's rows 8 nt + g: a warp's load of an n-tile reads 256
+        // consecutive bytes. A scan's step (32 rows from a multiple of 32) sits in one page: its physical page
+        // from the tile's slice in shared memory, the four n-tiles 256 bytes apart; a sampling step's rows are
+        // apart, each read through the table
 #define FETCH(into, at) { \
-        const int s0 = (at); \
-        if (!sampling) { \
-            const unsigned p0 = paged && s0 < stop ? (unsigned)__ldg(table_b + (s0 >> 6)) * 64u + (s0 & 63) : s0; \
-            const uint2* src = reinterpret_cast<const uint2*>(codes_b + (unsigned long long)(p0 + g) * 32u); \
-            _Pragma("unroll") \
-            for (int nt = 0; nt < 4; ++nt) \
-                into[nt] = s0 + 8 * nt + g < stop ? __ldg(src + 32 * nt) : make_uint2(0u, 0u); \
-        } else { \
-            _Pragma("unroll") \
-            for (int nt = 0; nt < 4; ++nt) { \
-                const int idx = s0 + 8 * nt + g; \
-                const long long rr = (long long)idx * stride; \
-                into[nt] = make_uint2(0u, 0u); \
-                if (idx < stop && rr < length) { \
-                    const long long phys = paged ? (long long)__ldg(table_b + (rr >> 6)) * 64 + (rr & 63) : rr; \
-                    into[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + phys * 32)); \
+            const int s0 = (at); \
+            if (!sampling) { \
+                const unsigned p0 = paged && s0 < stop ? (unsigned)pages_s[(s0 - first) >> 6] * 64u + (s0 & 63) : s0; \
+                const uint2* src = reinterpret_cast<const uint2*>(codes_b + (unsigned long long)(p0 + g) * 32u); \
+                _Pragma("unroll") \
+                for (int nt = 0; nt < 4; ++nt) \
+                    into[nt] = s0 + 8 * nt + g < stop ? __ldg(src + 32 * nt) : make_uint2(0u, 0u); \
+            } else { \
+                _Pragma("unroll") \
+                for (int nt = 0; nt < 4; ++nt) { \
+                    const int idx = s0 + 8 * nt + g; \
+                    const long long rr = (long long)idx * stride; \
+                    into[nt] = make_uint2(0u, 0u); \
+                    if (idx < stop && rr < length) { \
+                        const long long phys = paged ? (long long)__ldg(table_b + (rr >> 6)) * 64 + (rr & 63) : rr; \
+                        into[nt] = __ldg(reinterpret_cast<const uint2*>(codes_b + phys * 32)); \
+                    } \
                 } \
-            } \
-        } }
-    int base = first + 32 * warp;
-    uint2 cur[4];
-    FETCH(cur, base)
-#if PREFETCH == 2
-    uint2 nxt[4];
-    FETCH(nxt, base + step_rows)
+            } }
+        int base = first + 32 * warp;
+        uint2 cur[4];
+        FETCH(cur, base)
+#if PREFETCH >= 2
+        uint2 nxt[4];
+        FETCH(nxt, base + step_rows)
 #endif
-    __syncthreads();
-    const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
-    // the folds' A fragments, the same every step
-    unsigned a_frag[4][4];
+#if PREFETCH >= 3
+        uint2 nxt2[4];
+        FETCH(nxt2, base + 2 * step_rows)
+#endif
+        const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
+        // the folds' A fragments, the same every step
+        unsigned a_frag[4][4];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) ldsm_x4(a_frag[s], q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
+        for (int s = 0; s < 4; ++s) ldsm_x4(a_frag[s], q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
 #ifndef SWIZZLED
-    // the byte offset of subspace 8t + i, code 0, in the lane's copy
-    const char* book_bytes = reinterpret_cast<const char*>(book_s);
-    unsigned col[8];
+        // the byte offset of subspace 8t + i, code 0, in the lane's copy
+        const char* book_bytes = reinterpret_cast<const char*>(book_s);
+        unsigned col[8];
 #ifdef SPLIT
-    // col[2s]: the lane's first lookup of step s, subspace 8t + 2s + hi; col[2s + 1]: its second
-    const unsigned hi = (unsigned)(g >> 2), first_sel = 0x7604u + (hi << 4), second_sel = 0x7614u - (hi << 4);
+        // col[2s]: the lane's first lookup of step s, subspace 8t + 2s + hi; col[2s + 1]: its second
+        const unsigned hi = (unsigned)(g >> 2), first_sel = 0x7604u + (hi << 4), second_sel = 0x7614u - (hi << 4);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + (i & ~1) + ((i & 1) ^ (int)hi), 0);
+        for (int i = 0; i < 8; ++i)
+            col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + (i & ~1) + ((i & 1) ^ (int)hi), 0);
 #else
 #pragma unroll
-    for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
+        for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
 #endif
 #endif
-    // every warp loops as often (stop is the block's), so each ballot sees whole warps
-    for (int step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
-        int acc[4][4];
+        // every warp loops as often (stop is the block's), so each ballot sees whole warps
+        for (int step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
+            int acc[4][4];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+            for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
+            for (int s = 0; s < 4; ++s) {
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
-                const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
-                unsigned b0, b1;
+                for (int nt = 0; nt < 4; ++nt) {
+                    // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
+                    const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
+                    unsigned b0, b1;
 #if defined(DIAG_NO_LOOKUP)  // the tools' attribution of the scan's time (tools/fold_scan.py): codes as operands
-                b0 = word;
-                b1 = word >> 8;
+                    b0 = word;
+                    b1 = word >> 8;
 #elif defined(SWIZZLED)
-                const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
-                b0 = book_s[BOOK_AT(8 * t + 2 * s, c0)];
-                b1 = book_s[BOOK_AT(8 * t + 2 * s + 1, c1)];
+                    const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
+                    b0 = book_s[BOOK_AT(8 * t + 2 * s, c0)];
+                    b1 = book_s[BOOK_AT(8 * t + 2 * s + 1, c1)];
 #elif defined(SPLIT)
-                const unsigned x = *reinterpret_cast<const unsigned*>(
-                    book_bytes + __byte_perm(word, col[2 * s], first_sel + 32u * (s & 1)));
-                const unsigned y = *reinterpret_cast<const unsigned*>(
-                    book_bytes + __byte_perm(word, col[2 * s + 1], second_sel + 32u * (s & 1)));
-                b0 = hi ? y : x;
-                b1 = hi ? x : y;
+                    const unsigned x = *reinterpret_cast<const unsigned*>(
+                        book_bytes + __byte_perm(word, col[2 * s], first_sel + 32u * (s & 1)));
+                    const unsigned y = *reinterpret_cast<const unsigned*>(
+                        book_bytes + __byte_perm(word, col[2 * s + 1], second_sel + 32u * (s & 1)));
+                    b0 = hi ? y : x;
+                    b1 = hi ? x : y;
 #else
-#ifdef PLAIN
-                b0 = *reinterpret_cast<const unsigned*>(book_bytes + __byte_perm(word, col[2 * s], 0x7604u + 32u * (s & 1)));
-                b1 = *reinterpret_cast<const unsigned*>(
-                    book_bytes + __byte_perm(word, col[2 * s + 1], 0x7614u + 32u * (s & 1)));
-#else
-                const unsigned c0 = __byte_perm(word, 0u, 0x4440u + 2u * (s & 1));
-                const unsigned c1 = __byte_perm(word, 0u, 0x4441u + 2u * (s & 1));
-                b0 = *reinterpret_cast<const unsigned*>(book_bytes + (c0 * 128u + ((c0 & 4u) ^ col[2 * s])));
-                b1 = *reinterpret_cast<const unsigned*>(book_bytes + (c1 * 128u + ((c1 & 4u) ^ col[2 * s + 1])));
-#endif
+                    // the code as byte 1 of the offset, the lane's copy and subspace in bytes 0 and 2
+                    b0 = *reinterpret_cast<const unsigned*>(
+                        book_bytes + __byte_perm(word, col[2 * s], 0x7604u + 32u * (s & 1)));
+                    b1 = *reinterpret_cast<const unsigned*>(
+                        book_bytes + __byte_perm(word, col[2 * s + 1], 0x7614u + 32u * (s & 1)));
 #endif
 #ifdef DIAG_NO_MMA  // the lookups without the tensor cores
-                acc[nt][s] += (int)(b0 ^ b1) + (int)a_frag[s][nt];
+                    acc[nt][s] += (int)(b0 ^ b1) + (int)a_frag[s][nt];
 #else
-                mma_s8(acc[nt], a_frag[s], b0, b1);
+                    mma_s8(acc[nt], a_frag[s], b0, b1);
 #endif
+                }
             }
-        }
-        // the next steps' codes in flight while this one's scores are reduced
-#if PREFETCH == 2
+            // the next steps' codes in flight while this one's scores are reduced
+#if PREFETCH >= 3
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) cur[nt] = nxt[nt];
-        FETCH(nxt, base + 2 * step_rows)
+            for (int nt = 0; nt < 4; ++nt) { cur[nt] = nxt[nt]; nxt[nt] = nxt2[nt]; }
+            FETCH(nxt2, base + 3 * step_rows)
+#elif PREFETCH == 2
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) cur[nt] = nxt[nt];
+            FETCH(nxt, base + 2 * step_rows)
 #else
-        FETCH(cur, base + step_rows)
+            FETCH(cur, base + step_rows)
 #endif
 #ifdef DIAG_NO_EPILOGUE  // the tools' attribution: every accumulator summed, no slopes, no reduction
-        const float score = (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
+            const float score = (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
 #else
-        // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
-        float part[4][2];
+            // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
+            float part[4][2];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+            for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float x = (float)acc[nt][c], y = (float)acc[nt][2 + c];
-                part[nt][c] = (x > 0.0f ? ua : da) * x + (y > 0.0f ? ub : db) * y;
+                for (int c = 0; c < 2; ++c) {
+                    const float x = (float)acc[nt][c], y = (float)acc[nt][2 + c];
+                    part[nt][c] = (x > 0.0f ? ua : da) * x + (y > 0.0f ? ub : db) * y;
+                }
+            }
+            // a reduce-scatter over the 8 lanes of a quad column (stage 2's): lane g ends with the sum of n-tile
+            // g & 3, column 2t + (g >> 2)
+            float r1[4], r2[2];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
+                r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
+            }
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
+                r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
+            }
+            const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+#endif
+            const int mine = base + own;
+            const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);
+            if (sampling) {
+                if (mine < stop) samples[(long long)b * n_samples + mine] = valid ? score : NEG_INF;
+                continue;
+            }
+            const bool keep = valid && score >= t_b;
+            const unsigned mask = __ballot_sync(FULL, keep);
+            if (mask) {
+                const int leader = __ffs(mask) - 1;
+                int slot0 = 0;
+                if (lane == leader) slot0 = atomicAdd(&st_n, __popc(mask));  // shared memory: no wait on L2
+                slot0 = __shfl_sync(FULL, slot0, leader);
+                if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
             }
         }
-        // a reduce-scatter over the 8 lanes of a quad column (stage 2's): lane g ends with the sum of n-tile
-        // g & 3, column 2t + (g >> 2)
-        float r1[4], r2[2];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
-            r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
-        }
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
-            r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
-        }
-        const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
-#endif
-        const int mine = base + own;
-        const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);
-        if (sampling) {
-            if (mine < stop) samples[(long long)b * n_samples + mine] = valid ? score : NEG_INF;
-            continue;
-        }
-        const bool keep = valid && score >= t_b;
-        const unsigned mask = __ballot_sync(FULL, keep);
-        if (mask) {
-            const int leader = __ffs(mask) - 1;
-            int slot0 = 0;
-            if (lane == leader) slot0 = atomicAdd(&st_n, __popc(mask));  // shared memory: no wait on L2
-            slot0 = __shfl_sync(FULL, slot0, leader);
-            if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
+        if (sampling) continue;
+        __syncthreads();
+        if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
+        __syncthreads();
+        const long long out = (long long)b * capacity;
+        for (int i = threadIdx.x; i < st_n; i += THREADS) {
+            const int slot = st_base + i;
+            if (slot < capacity) out_pos[out + slot] = (int)(first + staged[i]);
         }
     }
-    if (sampling) continue;
-    __syncthreads();
-    if (threadIdx.x == 0) st_base = st_n ? atomicAdd(count + b, st_n) : 0;
-    __syncthreads();
-    const long long out = (long long)b * capacity;
-    for (int i = threadIdx.x; i < st_n; i += THREADS) {
-        const int slot = st_base + i;
-        if (slot < capacity) out_pos[out + slot] = (int)(first + staged[i]);
-    }
-    }  // the tile
 }
 """
 
@@ -544,9 +543,8 @@ def _check(codes, lengths, q8, slopes, book8, page_table) -> None:
 
 
 def launch_rows(batch: int, n: int, sms: int) -> int:
-    """Rows a block of the scan takes: :data:`MAX_ROWS`, halved (down to 2,048: a block copies 128 KB of codebooks
-    before its rows) while the launch has fewer than three blocks a multiprocessor (shapes only: a CUDA graph
-    captures one launch)."""
+    """Rows a tile of the scan: :data:`MAX_ROWS`, halved (down to 2,048) while the launch has fewer than three
+    tiles a multiprocessor, so that its blocks end together (shapes only: a CUDA graph captures one launch)."""
     rows = MAX_ROWS
     while rows > 2048 and batch * -(-n // rows) < 3 * sms:
         rows //= 2
@@ -562,10 +560,12 @@ def _launch(codes, lengths, q8, slopes, book8, thr, out_pos, counts, samples, pa
         raise ValueError(f"block_rows: got {block_rows}, want a multiple of {THREADS} up to {MAX_ROWS}")
     kernel = nvrtc.compiled(source(), KERNEL, SHARED, nvrtc.device_index(codes.device), *_NAMES)
     table = page_table if paged else lengths
-    kernel(grid=(max(1, -(-indices // block_rows)), b, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(block_rows),
+    tiles_x = max(1, -(-indices // block_rows))
+    grid = launch_grid(b * tiles_x, nvrtc.multiprocessors(nvrtc.device_index(codes.device)))
+    kernel(grid=(grid, 1, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(block_rows),
            args=[codes, lengths, book8, q8, slopes, thr, out_pos, counts, samples, table,
                  int(table.shape[-1]) if paged else 0, int(n_rows), int(capacity), int(block_rows), int(paged),
-                 int(stride), int(n_samples), int(b)])
+                 int(stride), int(n_samples), int(b), int(tiles_x)])
 
 
 def pq_fold_samples(codes: torch.Tensor, lengths: torch.Tensor, q8: torch.Tensor, slopes: torch.Tensor,

@@ -198,7 +198,7 @@ _STAGE2_PARAMS = ("const unsigned char* codes, const int* rows, const int* count
 _FOLD_PARAMS = ("const unsigned char* codes, const int* lengths, const unsigned* codebook, const unsigned* queries, "
                 "const float* slopes, const float* thr, int* out_pos, int* count, float* samples, const int* table, "
                 "int table_width, int n_rows, int capacity, int rows_per_block, int paged, int sample_stride, "
-                "int n_samples, int batch")
+                "int n_samples, int batch, int tiles_x")
 
 
 def compiler() -> str | None:
@@ -330,8 +330,8 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
              blocks: int | None = None):
     """The launches of :mod:`dsaindex.kernels.pq_fold_cuda` on the CPU: with ``stride`` > 0 its sampling
     (returns samples [B, n_samples] float32, unset NaN), else its scan of the first ``n`` rows against ``thr``
-    (returns (rows [B, capacity] int32, counts [B] int32), unset -1). ``blocks``: a grid of that many blocks
-    (``#define PERSISTENT``: each takes tiles in turn), else one a tile."""
+    (returns (rows [B, capacity] int32, counts [B] int32), unset -1). ``blocks``: a grid of that many blocks,
+    each taking tiles in turn, else one a tile."""
     from dsaindex.kernels.pq_fold_cuda import launch_shape
 
     b = q8.shape[0]
@@ -347,8 +347,9 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
     table, width, n_rows = _pages(page_table, lengths, codes)
     indices = n_samples if stride > 0 else n
     threads = launch_shape(defines)[0]
-    grid = (blocks, 1) if blocks else (max(1, -(-indices // rows_per_block)), b)
-    emulated_fold(defines)(*grid, threads, _ptr(codes), _ptr(lengths), _ptr(book8),
+    tiles_x = max(1, -(-indices // rows_per_block))
+    emulated_fold(defines)(blocks or b * tiles_x, 1, threads, _ptr(codes), _ptr(lengths), _ptr(book8),
                            _ptr(q8), _ptr(slopes), _ptr(thr), _ptr(rows), _ptr(counts), _ptr(samples), _ptr(table),
-                           width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples, b)
+                           width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples, b,
+                           tiles_x)
     return samples if stride > 0 else (rows, counts)

@@ -49,17 +49,16 @@ def _np(table):
 
 
 @emulated
-@pytest.mark.parametrize("paged,defines", [(False, ""), (True, ""), (True, "#define SWIZZLED 1\n"),
-                                           (True, "#define PERSISTENT 1\n"), (True, "#define PLAIN 1\n"),
-                                           (False, "#define SPLIT 1\n")])
-def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines):
-    """``SWIZZLED``: the variant of one codebook, swizzled, in blocks of 256 threads; ``PERSISTENT``: two blocks
-    that take the launch's six tiles in turn; ``PLAIN`` and ``SPLIT``: the codebooks addressed by a byte-permute
-    (``SPLIT``: lanes g >= 4 look up a step's subspaces in the other order)."""
+@pytest.mark.parametrize("paged,defines,blocks", [(False, "", None), (True, "", None), (True, "", 2),
+                                                  (True, "#define SWIZZLED 1\n", None),
+                                                  (False, "#define SPLIT 1\n", 2), (True, "#define PREFETCH 3\n", None)])
+def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines, blocks):
+    """``blocks``: that many blocks take the launch's six tiles in turn (else one a tile); ``SWIZZLED``: the
+    variant of one codebook, swizzled, in blocks of 256 threads; ``SPLIT``: lanes g >= 4 look up a step's
+    subspaces in the other order; ``PREFETCH 3``: three steps' codes in flight."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
-                   stride=1, n_samples=N, rows_per_block=512, defines=defines,
-                   blocks=2 if "PERSISTENT" in defines else None)
+                   stride=1, n_samples=N, rows_per_block=512, defines=defines, blocks=blocks)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
     for b, n in enumerate(lengths.tolist()):
         np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * np.abs(want).max())
@@ -82,17 +81,17 @@ def test_strided_samples_are_the_rows_at_the_stride():
 
 
 @emulated
-@pytest.mark.parametrize("paged,persistent,layout", [(False, False, ""), (True, False, ""), (True, True, ""),
-                                                     (True, True, "#define SPLIT 1\n")])
-def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, persistent, layout):
-    """``persistent``: the PERSISTENT variant, two blocks taking the tiles in turn (staging reset between tiles);
-    ``layout``: a variant of the codebooks' layout."""
+@pytest.mark.parametrize("paged,blocks,layout", [(False, None, ""), (True, None, ""), (True, 2, ""),
+                                                 (True, 2, "#define SPLIT 1\n"), (True, 2, "#define PREFETCH 3\n")])
+def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, blocks, layout):
+    """``blocks``: two blocks taking the tiles in turn (their pages and staging reset between tiles), else one a
+    tile; ``layout``: a variant of the kernel."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
     args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
     scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512, defines=layout)  # the kernel's own scores
     thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
     capacity = 400
-    variant = dict(defines=layout + "#define PERSISTENT 1\n", blocks=2) if persistent else dict(defines=layout)
+    variant = dict(defines=layout, blocks=blocks)
     rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512, **variant)
     for b, n in enumerate(lengths.tolist()):
         want = set(np.flatnonzero(scores[b, :n] >= thr[b]).tolist())

@@ -8,7 +8,7 @@ the scan's compile-time variants (one swizzled codebook, persistent blocks, code
 taken out, the codebooks' layouts). CUDA-graph medians in us (a GPU; not part of the package).
 
 ``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32). ``DIAG=1``: the scan's
-variants and the operands only; ``QUICK=1``: the stages at one P each and the layouts (:data:`LAYOUTS`) at 8,192 rows a block."""
+variants and the operands only; ``QUICK=1``: the stages at one P each and the variants of :data:`QUICK_SET` at 8,192 rows a block."""
 
 import json
 import os
@@ -23,20 +23,19 @@ from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
-SW, PE, PL, SP = "#define SWIZZLED 1\n", "#define PERSISTENT 1\n", "#define PLAIN 1\n", "#define SPLIT 1\n"
-VARIANTS = {"four codebooks, 512 threads (default)": "", "prefetch 1": "#define PREFETCH 1\n",
-            "diag: no lookups": "#define DIAG_NO_LOOKUP 1\n", "diag: no mma": "#define DIAG_NO_MMA 1\n",
-            "diag: no epilogue": "#define DIAG_NO_EPILOGUE 1\n", "persistent blocks (one a multiprocessor)": PE,
-            "persistent blocks, prefetch 1": PE + "#define PREFETCH 1\n",
-            "byte-permute addresses (2 wavefronts a lookup)": PL,
-            "byte-permute addresses, split pairs (1 wavefront a lookup)": SP,
-            "byte-permute addresses, persistent": PL + PE, "split pairs, persistent": SP + PE,
-            "split pairs, diag: no epilogue": SP + "#define DIAG_NO_EPILOGUE 1\n",
-            "one swizzled codebook, 3 blocks of 256 threads": SW, "one swizzled codebook, prefetch 1": SW + "#define PREFETCH 1\n",
-            "one swizzled codebook, 2 blocks": SW + "#define MIN_BLOCKS 2\n"}
-LAYOUTS = ("", SW, PE, PL, SP, PL + PE, SP + PE)  # QUICK: these, and the stages
+SW, SP, P1, P3 = "#define SWIZZLED 1\n", "#define SPLIT 1\n", "#define PREFETCH 1\n", "#define PREFETCH 3\n"
+# name: (defines, one block a tile); the others' blocks as many as run at once (fold.launch_grid), tiles in turn
+VARIANTS = {"four codebooks, 512 threads (default)": ("", False), "one block a tile": ("", True),
+            "prefetch 1": (P1, False), "prefetch 3": (P3, False),
+            "split pairs (1 wavefront a lookup)": (SP, False), "split pairs, prefetch 3": (SP + P3, False),
+            "diag: no lookups": ("#define DIAG_NO_LOOKUP 1\n", False), "diag: no mma": ("#define DIAG_NO_MMA 1\n", False),
+            "diag: no epilogue": ("#define DIAG_NO_EPILOGUE 1\n", False),
+            "one swizzled codebook, 3 blocks of 256 threads": (SW, False),
+            "one swizzled codebook, one block a tile": (SW, True), "one swizzled codebook, 2 blocks": (SW + "#define MIN_BLOCKS 2\n", False)}
+QUICK_SET = ("four codebooks, 512 threads (default)", "one block a tile", "prefetch 3", "split pairs (1 wavefront a lookup)",
+             "split pairs, prefetch 3", "one swizzled codebook, 3 blocks of 256 threads")
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
-QUICK = os.environ.get("QUICK") == "1"  # the fold stage at P = 2 and the three layouts at 8,192 rows a block only
+QUICK = os.environ.get("QUICK") == "1"  # the stages at one P and QUICK_SET at 8,192 rows a block only
 
 
 def check(b: int, codes, table, lengths, q8, slopes, book8) -> dict:
@@ -111,24 +110,26 @@ def timed(b: int) -> list[dict]:
         lambda: select.sample_thresholds(samples, lengths, stride, 2 * C, cap, counts=counts, grow=grow))
     thr = select.sample_thresholds(samples, lengths, stride, 2 * C, cap, counts=counts, grow=grow)
     out = torch.empty(b, cap * MOST, dtype=torch.int32, device="cuda")
-    for name, defines in VARIANTS.items():
-        kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
-        threads, _ = fold.launch_shape(defines)
-        kernel.set_shared_memory_config(fold.shared_bytes(fold.MAX_ROWS, defines))
-        if QUICK and defines not in LAYOUTS:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (defines, one_a_tile) in VARIANTS.items():
+        if QUICK and name not in QUICK_SET:
             continue
-        spans = (2048, 4096, 8192) if defines in LAYOUTS and not QUICK else (8192,)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for rows_a_block in spans:
-            grid = (sms, 1, 1) if "PERSISTENT" in defines else (N // rows_a_block, b, 1)
+        kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
+        threads = fold.launch_shape(defines)[0]
+        kernel.set_shared_memory_config(fold.shared_bytes(fold.MAX_ROWS, defines))
+        for rows_a_block in (8192,) if QUICK or DIAG else (2048, 4096, 8192):
+            tiles_x = N // rows_a_block
+            grid = b * tiles_x if one_a_tile else fold.launch_grid(b * tiles_x, sms, defines)
 
-            def scan(kernel=kernel, rows_a_block=rows_a_block, defines=defines, threads=threads, grid=grid):
+            def scan(kernel=kernel, rows_a_block=rows_a_block, defines=defines, threads=threads, grid=grid,
+                     tiles_x=tiles_x):
                 counts.zero_()
-                kernel(grid=grid, block=(threads, 1, 1),
+                kernel(grid=(grid, 1, 1), block=(threads, 1, 1),
                        shared_mem=fold.shared_bytes(rows_a_block, defines),
                        args=[codes, lengths, book8, q8, slopes, thr, out, counts, thr, table, table.shape[1], N,
-                             out.shape[1], rows_a_block, 1, 0, 0, b])
-            add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, kept=int(counts.float().mean()))
+                             out.shape[1], rows_a_block, 1, 0, 0, b, tiles_x])
+            add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, blocks=grid)
+            res[-1]["kept"] = int(counts.float().mean())  # the last replay's: the same for every variant
     return res
 
 
