@@ -103,9 +103,6 @@ _SOURCE = r"""
 #define WARPS (THREADS / 32)
 #define FOLDS 16
 #define MAX_ROWS 8192
-#ifndef PREFETCH
-#define PREFETCH 2
-#endif
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 #ifdef SWIZZLED
@@ -248,17 +245,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                     } \
                 } \
             } }
+        // two steps' codes in flight: the even steps' in one buffer, the odd steps' in the other, each refilled
+        // with the codes of two steps on once its lookups are done (a copy from buffer to buffer would wait for
+        // the load it copies)
         int base = first + 32 * warp;
-        uint2 cur[4];
-        FETCH(cur, base)
-#if PREFETCH >= 2
-        uint2 nxt[4];
-        FETCH(nxt, base + step_rows)
-#endif
-#if PREFETCH >= 3
-        uint2 nxt2[4];
-        FETCH(nxt2, base + 2 * step_rows)
-#endif
+        uint2 even[4], odd[4];
+        FETCH(even, base)
+        FETCH(odd, base + step_rows)
         const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
         // the folds' A fragments, the same every step
         unsigned a_frag[4][4];
@@ -279,8 +272,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
         for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
 #endif
 #endif
-        // every warp loops as often (stop is the block's), so each ballot sees whole warps
-        for (int step0 = first; step0 < stop; step0 += step_rows, base += step_rows) {
+        // the step of 32 rows from row ``at`` (this warp's), on the codes in ``code``, which it then refills
+        auto step = [&](uint2 (&code)[4], const int at) {
             int acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
@@ -289,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     // byte i of the lane's load: the code of subspace 8t + i; step s reads i = 2s, 2s + 1
-                    const unsigned word = s < 2 ? cur[nt].x : cur[nt].y;
+                    const unsigned word = s < 2 ? code[nt].x : code[nt].y;
                     unsigned b0, b1;
 #if defined(DIAG_NO_LOOKUP)  // the tools' attribution of the scan's time (tools/fold_scan.py): codes as operands
                     b0 = word;
@@ -319,18 +312,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #endif
                 }
             }
-            // the next steps' codes in flight while this one's scores are reduced
-#if PREFETCH >= 3
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) { cur[nt] = nxt[nt]; nxt[nt] = nxt2[nt]; }
-            FETCH(nxt2, base + 3 * step_rows)
-#elif PREFETCH == 2
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) cur[nt] = nxt[nt];
-            FETCH(nxt, base + 2 * step_rows)
-#else
-            FETCH(cur, base + step_rows)
-#endif
+            // the codes of two steps on in flight while this one's scores are reduced
+            FETCH(code, at + 2 * step_rows)
 #ifdef DIAG_NO_EPILOGUE  // the tools' attribution: every accumulator summed, no slopes, no reduction
             const float score = (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
 #else
@@ -359,11 +342,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
             }
             const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
 #endif
-            const int mine = base + own;
+            const int mine = at + own;
             const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);
             if (sampling) {
                 if (mine < stop) samples[(long long)b * n_samples + mine] = valid ? score : NEG_INF;
-                continue;
+                return;
             }
             const bool keep = valid && score >= t_b;
             const unsigned mask = __ballot_sync(FULL, keep);
@@ -374,6 +357,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 slot0 = __shfl_sync(FULL, slot0, leader);
                 if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
             }
+        };
+        // every warp loops as often (stop is the block's), so each ballot sees whole warps
+        for (int step0 = first; step0 < stop; step0 += 2 * step_rows, base += 2 * step_rows) {
+            step(even, base);
+            if (step0 + step_rows >= stop) break;
+            step(odd, base + step_rows);
         }
         if (sampling) continue;
         __syncthreads();

@@ -51,11 +51,11 @@ def _np(table):
 @emulated
 @pytest.mark.parametrize("paged,defines,blocks", [(False, "", None), (True, "", None), (True, "", 2),
                                                   (True, "#define SWIZZLED 1\n", None),
-                                                  (False, "#define SPLIT 1\n", 2), (True, "#define PREFETCH 3\n", None)])
+                                                  (False, "#define SPLIT 1\n", 2)])
 def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines, blocks):
     """``blocks``: that many blocks take the launch's six tiles in turn (else one a tile); ``SWIZZLED``: the
     variant of one codebook, swizzled, in blocks of 256 threads; ``SPLIT``: lanes g >= 4 look up a step's
-    subspaces in the other order; ``PREFETCH 3``: three steps' codes in flight."""
+    subspaces in the other order."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
                    stride=1, n_samples=N, rows_per_block=512, defines=defines, blocks=blocks)
@@ -82,7 +82,7 @@ def test_strided_samples_are_the_rows_at_the_stride():
 
 @emulated
 @pytest.mark.parametrize("paged,blocks,layout", [(False, None, ""), (True, None, ""), (True, 2, ""),
-                                                 (True, 2, "#define SPLIT 1\n"), (True, 2, "#define PREFETCH 3\n")])
+                                                 (True, 2, "#define SPLIT 1\n")])
 def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, blocks, layout):
     """``blocks``: two blocks taking the tiles in turn (their pages and staging reset between tiles), else one a
     tile; ``layout``: a variant of the kernel."""

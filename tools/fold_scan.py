@@ -23,17 +23,16 @@ from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
-SW, SP, P1, P3 = "#define SWIZZLED 1\n", "#define SPLIT 1\n", "#define PREFETCH 1\n", "#define PREFETCH 3\n"
+SW, SP = "#define SWIZZLED 1\n", "#define SPLIT 1\n"
 # name: (defines, one block a tile); the others' blocks as many as run at once (fold.launch_grid), tiles in turn
 VARIANTS = {"four codebooks, 512 threads (default)": ("", False), "one block a tile": ("", True),
-            "prefetch 1": (P1, False), "prefetch 3": (P3, False),
-            "split pairs (1 wavefront a lookup)": (SP, False), "split pairs, prefetch 3": (SP + P3, False),
+            "split pairs (1 wavefront a lookup)": (SP, False),
             "diag: no lookups": ("#define DIAG_NO_LOOKUP 1\n", False), "diag: no mma": ("#define DIAG_NO_MMA 1\n", False),
             "diag: no epilogue": ("#define DIAG_NO_EPILOGUE 1\n", False),
             "one swizzled codebook, 3 blocks of 256 threads": (SW, False),
             "one swizzled codebook, one block a tile": (SW, True), "one swizzled codebook, 2 blocks": (SW + "#define MIN_BLOCKS 2\n", False)}
-QUICK_SET = ("four codebooks, 512 threads (default)", "one block a tile", "prefetch 3", "split pairs (1 wavefront a lookup)",
-             "split pairs, prefetch 3", "one swizzled codebook, 3 blocks of 256 threads")
+QUICK_SET = ("four codebooks, 512 threads (default)", "one block a tile", "split pairs (1 wavefront a lookup)",
+             "one swizzled codebook, 3 blocks of 256 threads")
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 QUICK = os.environ.get("QUICK") == "1"  # the stages at one P and QUICK_SET at 8,192 rows a block only
 
