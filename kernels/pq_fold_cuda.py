@@ -272,9 +272,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
         for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
 #endif
 #endif
-        // the step of 32 rows from row ``at`` (this warp's), on the codes in ``code``, which it then refills
-        auto step = [&](uint2 (&code)[4], const int at) {
-            int acc[4][4];
+        // a step's 16 MMAs into ``acc`` from the codes in ``code``, which it then refills with the codes of the
+        // step two on
+        auto lookups = [&](uint2 (&code)[4], int (&acc)[4][4], const int at) {
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 #pragma unroll
@@ -312,10 +312,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #endif
                 }
             }
-            // the codes of two steps on in flight while this one's scores are reduced
             FETCH(code, at + 2 * step_rows)
+        };
+        // the score of the row this lane ends with (row ``own`` of the step)
+        auto score_of = [&](const int (&acc)[4][4]) -> float {
 #ifdef DIAG_NO_EPILOGUE  // the tools' attribution: every accumulator summed, no slopes, no reduction
-            const float score = (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
+            return (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
 #else
             // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
             float part[4][2];
@@ -340,8 +342,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
                 r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
             }
-            const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+            return ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
 #endif
+        };
+        // the step's rows from row ``at`` (this warp's): sampled scores written, or the kept rows staged
+        auto finish = [&](const float score, const int at) {
             const int mine = at + own;
             const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);
             if (sampling) {
@@ -358,11 +363,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
             }
         };
-        // every warp loops as often (stop is the block's), so each ballot sees whole warps
+        // two steps at once, each phase of one independent of the other's (more work in flight a warp: a block
+        // of 16 warps is all a multiprocessor holds). Every warp loops as often (stop is the block's), so each
+        // ballot sees whole warps; an odd step past the stop scores zero codes and keeps none
         for (int step0 = first; step0 < stop; step0 += 2 * step_rows, base += 2 * step_rows) {
-            step(even, base);
-            if (step0 + step_rows >= stop) break;
-            step(odd, base + step_rows);
+            int acc_even[4][4], acc_odd[4][4];
+            lookups(even, acc_even, base);
+            lookups(odd, acc_odd, base + step_rows);
+            const float score_even = score_of(acc_even), score_odd = score_of(acc_odd);
+            finish(score_even, base);
+            finish(score_odd, base + step_rows);
         }
         if (sampling) continue;
         __syncthreads();
