@@ -65,62 +65,38 @@ BASE_SHARED = COPIES * SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's code
 SHARED = BASE_SHARED + MAX_ROWS * 4  # and its staged rows, 4 bytes a row it scans at most
 
 
-def shared_bytes(block_rows: int, defines: str = "") -> int:
-    """Dynamic shared memory of a launch of ``block_rows`` rows a block (its staging holds every one of them), of
-    the kernel built with ``defines`` (:func:`launch_shape`)."""
-    return launch_shape(defines)[1] + 4 * block_rows
+def shared_bytes(block_rows: int) -> int:
+    """Dynamic shared memory of a launch of ``block_rows`` rows a block (its staging holds every one of them)."""
+    return BASE_SHARED + 4 * block_rows
 
 
-def launch_shape(defines: str = "") -> tuple[int, int, int]:
-    """(threads a block, shared bytes before the staged rows, blocks a multiprocessor) of the kernel built with
-    ``defines`` prepended to :func:`source`: the compile-time variants the tools time. ``SWIZZLED`` keeps one
-    codebook in 3 blocks of 256 threads; the others, four copies in one block of :data:`THREADS`."""
-    if "#define SWIZZLED" in defines:
-        return 256, SUBSPACES * CENTROIDS * 4 + FOLDS * DIM, 3
-    return THREADS, BASE_SHARED, 1
-
-
-def launch_grid(tiles: int, sms: int, defines: str = "") -> int:
-    """Blocks of a launch of ``tiles`` tiles: as many as run at once (each fills its codebooks once and takes
-    tiles in turn), no more than the tiles."""
-    return max(1, min(tiles, sms * launch_shape(defines)[2]))
+def launch_grid(tiles: int, sms: int) -> int:
+    """Blocks of a launch of ``tiles`` tiles: one a multiprocessor, as many as run at once (each fills its
+    codebooks once and takes tiles in turn), no more than the tiles."""
+    return max(1, min(tiles, sms))
 
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
 #define SHARED_DYNAMIC extern __shared__ __align__(16) int smem[]
 #endif
-#ifdef SWIZZLED
-#define THREADS 256
-#ifndef MIN_BLOCKS
-#define MIN_BLOCKS 3
-#endif
-#else
 #define THREADS 512
-#ifndef MIN_BLOCKS
-#define MIN_BLOCKS 1
-#endif
-#endif
 #define WARPS (THREADS / 32)
 #define FOLDS 16
 #define MAX_ROWS 8192
+#ifndef DEPTH
+#define DEPTH 4  // steps whose codes are in flight at once
+#endif
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
-#ifdef SWIZZLED
-// (a variant: one codebook, 3 blocks of 256 threads a multiprocessor) codeword (s, c) in its code's row of 32 words,
-// swizzled by the code's low bits: the 8 lanes that read one subspace at once spread over its 8 banks at random
-#define BOOK_WORDS (32 * 256)
-#define BOOK_AT(s, c) ((c) * 32 + ((s) ^ ((c) & 7)))
-#else
 // four copies of the codebook, lane (g, t) reading copy g & 3. Copies 2m and 2m + 1 share block m of 64 KB, a row
 // of 64 words a code: copy k holds codeword (s, c) at (k >> 1) * 16384 + c * 64 + (k & 1) * 32 + (s ^ 2k). A
 // subspace's 4 copies sit in 4 banks, so only lanes g and g + 4 meet in a bank (2 wavefronts a lookup, against
-// about 3 for the swizzled variant's random banks), and a lookup's byte offset is one byte-permute: the code as
+// about 3 for one codebook swizzled by the code's low bits), and a lookup's byte offset is one byte-permute: the code as
 // byte 1, the lane's copy and subspace in bytes 0 and 2. (SPLIT, a variant: in a step's first lookup lanes g >= 4
 // read the second subspace, and in its second the first, so the 32 lanes read 32 banks, one wavefront; a select a
 // lookup puts the words back in the MMA's order)
 #define BOOK_WORDS (4 * 32 * 256)
 #define BOOK_AT_COPY(k, s, c) (((k) >> 1) * 16384 + (c) * 64 + ((k) & 1) * 32 + ((s) ^ (2 * (k))))
-#endif
 
 #ifndef EMULATED
 // c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
@@ -136,7 +112,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned* a, const void* row) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
+extern "C" __global__ void __launch_bounds__(THREADS, 1) pq_fold_scan(
     const unsigned char* __restrict__ codes,  // [B, n_rows, 32] or [P, 64, 32] (paged) uint8
     const int* __restrict__ lengths,          // [B] valid rows per request
     const unsigned* __restrict__ codebook,    // [32, 256] int8 codewords of 4 (subspace-major), one word each
@@ -175,14 +151,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
             const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5); \
             STORE_WORDS(s, c, four[k]) \
         } }
-#ifdef SWIZZLED
-#define STORE_WORDS(s, c, v4) { book_s[BOOK_AT(s, c)] = v4.x; book_s[BOOK_AT(s, c + 1)] = v4.y; \
-        book_s[BOOK_AT(s, c + 2)] = v4.z; book_s[BOOK_AT(s, c + 3)] = v4.w; }
-#else
 #define STORE_WORDS(s, c, v4) { _Pragma("unroll") for (int copy = 0; copy < 4; ++copy) { \
         book_s[BOOK_AT_COPY(copy, s, c)] = v4.x; book_s[BOOK_AT_COPY(copy, s, c + 1)] = v4.y; \
         book_s[BOOK_AT_COPY(copy, s, c + 2)] = v4.z; book_s[BOOK_AT_COPY(copy, s, c + 3)] = v4.w; } }
-#endif
     // a block fills its codebooks once and takes the launch's tiles of rows_per_block rows in turn: tile
     // blockIdx.x, then blockIdx.x + gridDim.x, ... (a grid of one block a tile takes one each)
     FILL_BOOK
@@ -245,19 +216,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                     } \
                 } \
             } }
-        // two steps' codes in flight: the even steps' in one buffer, the odd steps' in the other, each refilled
-        // with the codes of two steps on once its lookups are done (a copy from buffer to buffer would wait for
-        // the load it copies)
+        // DEPTH steps' codes in flight (a block of 16 warps is all a multiprocessor holds: the loads in flight
+        // are what keeps the memory busy): step i's in buffer i mod DEPTH, refilled with the codes of the step
+        // DEPTH on once its lookups are done (a copy from buffer to buffer would wait for the load it copies)
         int base = first + 32 * warp;
-        uint2 even[4], odd[4];
-        FETCH(even, base)
-        FETCH(odd, base + step_rows)
+        uint2 buf[DEPTH][4];
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) FETCH(buf[d], base + d * step_rows)
         const float ua = up_s[g], da = down_s[g], ub = up_s[g + 8], db = down_s[g + 8];
         // the folds' A fragments, the same every step
         unsigned a_frag[4][4];
 #pragma unroll
         for (int s = 0; s < 4; ++s) ldsm_x4(a_frag[s], q_s + fold * 32 + (((2 * s + (j >> 1)) ^ (fold & 7)) << 2));
-#ifndef SWIZZLED
         // the byte offset of subspace 8t + i, code 0, in the lane's copy
         const char* book_bytes = reinterpret_cast<const char*>(book_s);
         unsigned col[8];
@@ -271,10 +241,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #pragma unroll
         for (int i = 0; i < 8; ++i) col[i] = 4u * (unsigned)BOOK_AT_COPY(g & 3, 8 * t + i, 0);
 #endif
-#endif
-        // a step's 16 MMAs into ``acc`` from the codes in ``code``, which it then refills with the codes of the
-        // step two on
-        auto lookups = [&](uint2 (&code)[4], int (&acc)[4][4], const int at) {
+        // the step of 32 rows from row ``at`` (this warp's), on the codes in ``code``, which it then refills with
+        // the codes of the step DEPTH on
+        auto step = [&](uint2 (&code)[4], const int at) {
+            int acc[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 #pragma unroll
@@ -287,10 +257,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #if defined(DIAG_NO_LOOKUP)  // the tools' attribution of the scan's time (tools/fold_scan.py): codes as operands
                     b0 = word;
                     b1 = word >> 8;
-#elif defined(SWIZZLED)
-                    const unsigned c0 = (word >> (16 * (s & 1))) & 255u, c1 = (word >> (16 * (s & 1) + 8)) & 255u;
-                    b0 = book_s[BOOK_AT(8 * t + 2 * s, c0)];
-                    b1 = book_s[BOOK_AT(8 * t + 2 * s + 1, c1)];
 #elif defined(SPLIT)
                     const unsigned x = *reinterpret_cast<const unsigned*>(
                         book_bytes + __byte_perm(word, col[2 * s], first_sel + 32u * (s & 1)));
@@ -312,12 +278,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
 #endif
                 }
             }
-            FETCH(code, at + 2 * step_rows)
-        };
-        // the score of the row this lane ends with (row ``own`` of the step)
-        auto score_of = [&](const int (&acc)[4][4]) -> float {
+            // the codes of the step DEPTH on in flight while this one's scores are reduced
+            FETCH(code, at + DEPTH * step_rows)
 #ifdef DIAG_NO_EPILOGUE  // the tools' attribution: every accumulator summed, no slopes, no reduction
-            return (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
+            const float score = (float)(acc[0][0] + acc[1][1] + acc[2][2] + acc[3][3] + acc[0][3] + acc[1][2]);
 #else
             // rows g (folds 0..7: positive) and g + 8 (negative) of the accumulators, columns 2t, 2t + 1
             float part[4][2];
@@ -342,11 +306,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
                 r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
             }
-            return ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+            const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
 #endif
-        };
-        // the step's rows from row ``at`` (this warp's): sampled scores written, or the kept rows staged
-        auto finish = [&](const float score, const int at) {
             const int mine = at + own;
             const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);
             if (sampling) {
@@ -363,16 +324,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_fold_scan(
                 if (keep) staged[slot0 + __popc(mask & ((1u << lane) - 1u))] = (int)(mine - first);
             }
         };
-        // two steps at once, each phase of one independent of the other's (more work in flight a warp: a block
-        // of 16 warps is all a multiprocessor holds). Every warp loops as often (stop is the block's), so each
-        // ballot sees whole warps; an odd step past the stop scores zero codes and keeps none
-        for (int step0 = first; step0 < stop; step0 += 2 * step_rows, base += 2 * step_rows) {
-            int acc_even[4][4], acc_odd[4][4];
-            lookups(even, acc_even, base);
-            lookups(odd, acc_odd, base + step_rows);
-            const float score_even = score_of(acc_even), score_odd = score_of(acc_odd);
-            finish(score_even, base);
-            finish(score_odd, base + step_rows);
+        // every warp loops as often (stop is the block's), so each ballot sees whole warps; a step past the stop
+        // scores zero codes and keeps none
+        for (int step0 = first; step0 < stop; step0 += DEPTH * step_rows, base += DEPTH * step_rows) {
+#pragma unroll
+            for (int d = 0; d < DEPTH; ++d) step(buf[d], base + d * step_rows);
         }
         if (sampling) continue;
         __syncthreads();

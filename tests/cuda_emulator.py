@@ -332,7 +332,7 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
     (returns samples [B, n_samples] float32, unset NaN), else its scan of the first ``n`` rows against ``thr``
     (returns (rows [B, capacity] int32, counts [B] int32), unset -1). ``blocks``: a grid of that many blocks,
     each taking tiles in turn, else one a tile."""
-    from dsaindex.kernels.pq_fold_cuda import launch_shape
+    from dsaindex.kernels.pq_fold_cuda import THREADS
 
     b = q8.shape[0]
     codes = np.ascontiguousarray(codes, dtype=np.uint8)
@@ -346,9 +346,8 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
     counts = np.zeros(b, dtype=np.int32)
     table, width, n_rows = _pages(page_table, lengths, codes)
     indices = n_samples if stride > 0 else n
-    threads = launch_shape(defines)[0]
     tiles_x = max(1, -(-indices // rows_per_block))
-    emulated_fold(defines)(blocks or b * tiles_x, 1, threads, _ptr(codes), _ptr(lengths), _ptr(book8),
+    emulated_fold(defines)(blocks or b * tiles_x, 1, THREADS, _ptr(codes), _ptr(lengths), _ptr(book8),
                            _ptr(q8), _ptr(slopes), _ptr(thr), _ptr(rows), _ptr(counts), _ptr(samples), _ptr(table),
                            width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples, b,
                            tiles_x)

@@ -4,8 +4,8 @@ reference, then its time beside the shipped stage 1 over the same B x 1M paged k
 Per batch size: a plain read of the code bytes (the floor); the shipped stage 1 (``_stage1``: sampling pass and
 CUDA scan, int8 tables) at P = 4 of a C grown to 32,768 at 1M (band 131,072: the served point); the fold stage 1
 (:func:`pq_fold_topc`: operands, sampling launch, threshold, scan) at P = 1 and 2 of the same C; its parts; and
-the scan's compile-time variants (one swizzled codebook, persistent blocks, codes in flight, rows a block, parts
-taken out, the codebooks' layouts). CUDA-graph medians in us (a GPU; not part of the package).
+the scan's compile-time variants (one block a tile, steps in flight, rows a block, parts taken out, a
+conflict-free layout). CUDA-graph medians in us (a GPU; not part of the package).
 
 ``python3 tools/fold_scan.py [OUT.json] [BATCHES]``: BATCHES a comma list (default 8,32). ``DIAG=1``: the scan's
 variants and the operands only; ``QUICK=1``: the stages at one P each and the variants of :data:`QUICK_SET` at 8,192 rows a block."""
@@ -23,16 +23,15 @@ from dsaindex.kernels.pq_select import _stage1, paged_codes_reference
 from dsaindex.pipelines.bench.timing import graph_median_ms
 
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
-SW, SP = "#define SWIZZLED 1\n", "#define SPLIT 1\n"
-# name: (defines, one block a tile); the others' blocks as many as run at once (fold.launch_grid), tiles in turn
-VARIANTS = {"four codebooks, 512 threads (default)": ("", False), "one block a tile": ("", True),
+SP = "#define SPLIT 1\n"
+# name: (defines, one block a tile); the others' blocks one a multiprocessor (fold.launch_grid), tiles in turn
+VARIANTS = {"four codebooks, 4 steps in flight (default)": ("", False), "one block a tile": ("", True),
+            "2 steps in flight": ("#define DEPTH 2\n", False), "3 steps in flight": ("#define DEPTH 3\n", False),
             "split pairs (1 wavefront a lookup)": (SP, False),
             "diag: no lookups": ("#define DIAG_NO_LOOKUP 1\n", False), "diag: no mma": ("#define DIAG_NO_MMA 1\n", False),
-            "diag: no epilogue": ("#define DIAG_NO_EPILOGUE 1\n", False),
-            "one swizzled codebook, 3 blocks of 256 threads": (SW, False),
-            "one swizzled codebook, one block a tile": (SW, True), "one swizzled codebook, 2 blocks": (SW + "#define MIN_BLOCKS 2\n", False)}
-QUICK_SET = ("four codebooks, 512 threads (default)", "one block a tile", "split pairs (1 wavefront a lookup)",
-             "one swizzled codebook, 3 blocks of 256 threads")
+            "diag: no epilogue": ("#define DIAG_NO_EPILOGUE 1\n", False)}
+QUICK_SET = ("four codebooks, 4 steps in flight (default)", "one block a tile", "2 steps in flight", "3 steps in flight",
+             "split pairs (1 wavefront a lookup)")
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 QUICK = os.environ.get("QUICK") == "1"  # the stages at one P and QUICK_SET at 8,192 rows a block only
 
@@ -114,17 +113,14 @@ def timed(b: int) -> list[dict]:
         if QUICK and name not in QUICK_SET:
             continue
         kernel = torch.cuda._compile_kernel(defines + fold.source(), fold.KERNEL)
-        threads = fold.launch_shape(defines)[0]
-        kernel.set_shared_memory_config(fold.shared_bytes(fold.MAX_ROWS, defines))
+        kernel.set_shared_memory_config(fold.SHARED)
         for rows_a_block in (8192,) if QUICK or DIAG else (2048, 4096, 8192):
             tiles_x = N // rows_a_block
-            grid = b * tiles_x if one_a_tile else fold.launch_grid(b * tiles_x, sms, defines)
+            grid = b * tiles_x if one_a_tile else fold.launch_grid(b * tiles_x, sms)
 
-            def scan(kernel=kernel, rows_a_block=rows_a_block, defines=defines, threads=threads, grid=grid,
-                     tiles_x=tiles_x):
+            def scan(kernel=kernel, rows_a_block=rows_a_block, grid=grid, tiles_x=tiles_x):
                 counts.zero_()
-                kernel(grid=(grid, 1, 1), block=(threads, 1, 1),
-                       shared_mem=fold.shared_bytes(rows_a_block, defines),
+                kernel(grid=(grid, 1, 1), block=(fold.THREADS, 1, 1), shared_mem=fold.shared_bytes(rows_a_block),
                        args=[codes, lengths, book8, q8, slopes, thr, out, counts, thr, table, table.shape[1], N,
                              out.shape[1], rows_a_block, 1, 0, 0, b, tiles_x])
             add(f"fold scan alone, {name}", scan, rows_a_block=rows_a_block, blocks=grid)
