@@ -13,20 +13,24 @@ keys every fold scores below zero). 128K held-out captures (H100, top-512, refer
 99.46 / 99.29% (mean / 64K-128K) at a quarter of the shipped stage 1's width, 99.79 / 99.72% at half, against
 99.24 / 98.98% for the shipped step at its full width.
 
-**Measured** (H100, docs/results.md "The step on folds"): with one swizzled codebook the step at P = 2 was 1.24x
-DeepGEMM at 32 x 1M against the default's 2.27x, its scan at 2.2x a read of the codes (806 against 362 us) where
-the shipped scan runs at 1.3x, bound by shared-memory bank conflicts and ALU work at once ("Where the fold scan's
-time goes"). The four codebooks answer both; the codes stay the default.
+**Measured** (H100, docs/results.md "The fold scan at 1.7x its floor, and the folds at the recall target"):
+the scan takes 602 us at 32 x 1M paged keys against a 358 us read of the codes (1.68x; the shipped scan of the
+codes: 1.28x). Through the served group at 128K (kernels on the GPU) the folds at P = 1 serve 99.72 / 99.62%
+(mean / 64K-128K) of the exact top-512, where the default codes at P = 4 serve 99.26 / 99.00%; their step is
+1.41-1.43x DeepGEMM + the best top-k at 8 x 1M, 1.99-2.02x at 32 x 1M, 2.17-2.19x at 64 x 1M (the codes at P = 4:
+1.85 / 2.25 / 2.44x). The codes stay the default until bundles record the folds' recall for the chooser.
 
 The kernel (one launch for a step's stage 1, a second for its sampling pass):
 
-- **Codebook and queries.** Each block (512 threads, one a multiprocessor) copies the int8 codebook (32 x 256
-  codewords of 4 int8, 32 KB) four times into shared memory, each copy laid out for the lanes that read it
-  (``BOOK_AT_COPY``: a lookup's lanes share a bank two at most), and its request's 16 int8 folded queries.
+- **Blocks and tiles.** One block of 512 threads a multiprocessor (:func:`launch_grid`) copies the int8 codebook
+  (32 x 256 codewords of 4 int8, 32 KB) four times into shared memory once (``BOOK_AT_COPY``: a lookup's lanes
+  share a bank two at most, and its byte offset is one byte-permute of the code), then takes the launch's tiles
+  of rows in turn: for each, its request's 16 int8 folded queries and its slice of the page table.
 - **Keys straight into fragments.** A warp scores 32 consecutive rows a step, as stage 2's int8 kernel
   scores 32 candidates: lane ``(g, t)`` loads bytes ``8t .. 8t + 7`` of row ``8 nt + g`` of the step (four
-  256-byte loads a warp, whole sectors), looks each code up straight into the B fragment of ``mma.m16n8k32``
-  (s8 in, s32 out), the 16 folded queries the A side (one m-tile). No row list is read and no score written.
+  256-byte loads a warp, whole sectors; two steps' loads in flight), looks each code up straight into the B
+  fragment of ``mma.m16n8k32`` (s8 in, s32 out), the 16 folded queries the A side (one m-tile). No row list is
+  read and no score written.
 - **Epilogue.** The two slopes of each group on its accumulators, the groups summed over the quad's lanes by
   shuffles (a reduce-scatter: each lane then owns one row's score), the row kept where its score reaches the
   request's threshold, staged in shared memory and appended with one global atomic a block (the shipped
@@ -84,7 +88,7 @@ _SOURCE = r"""
 #define FOLDS 16
 #define MAX_ROWS 8192
 #ifndef DEPTH
-#define DEPTH 4  // steps whose codes are in flight at once
+#define DEPTH 2  // steps whose codes are in flight at once (3 and 4 were no faster on the H100)
 #endif
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)

@@ -50,10 +50,10 @@ def _np(table):
 
 @emulated
 @pytest.mark.parametrize("paged,defines,blocks", [(False, "", None), (True, "", None), (True, "", 2),
-                                                  (True, "#define DEPTH 3\n", None), (False, "#define SPLIT 1\n", 2)])
+                                                  (True, "#define DEPTH 4\n", None), (False, "#define SPLIT 1\n", 2)])
 def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines, blocks):
-    """``blocks``: that many blocks take the launch's six tiles in turn (else one a tile); ``DEPTH 3``: three
-    steps' codes in flight, not four (a step past a block's rows); ``SPLIT``: lanes g >= 4 look up a step's
+    """``blocks``: that many blocks take the launch's six tiles in turn (else one a tile); ``DEPTH 4``: four
+    steps' codes in flight, not two (steps past a block's rows); ``SPLIT``: lanes g >= 4 look up a step's
     subspaces in the other order."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),

@@ -25,12 +25,12 @@ from dsaindex.pipelines.bench.timing import graph_median_ms
 N, C, BAND, MOST = 1 << 20, 4096, 131072, 8
 SP = "#define SPLIT 1\n"
 # name: (defines, one block a tile); the others' blocks one a multiprocessor (fold.launch_grid), tiles in turn
-VARIANTS = {"four codebooks, 4 steps in flight (default)": ("", False), "one block a tile": ("", True),
-            "2 steps in flight": ("#define DEPTH 2\n", False), "3 steps in flight": ("#define DEPTH 3\n", False),
+VARIANTS = {"four codebooks, 2 steps in flight (default)": ("", False), "one block a tile": ("", True),
+            "3 steps in flight": ("#define DEPTH 3\n", False), "4 steps in flight": ("#define DEPTH 4\n", False),
             "split pairs (1 wavefront a lookup)": (SP, False),
             "diag: no lookups": ("#define DIAG_NO_LOOKUP 1\n", False), "diag: no mma": ("#define DIAG_NO_MMA 1\n", False),
             "diag: no epilogue": ("#define DIAG_NO_EPILOGUE 1\n", False)}
-QUICK_SET = ("four codebooks, 4 steps in flight (default)", "one block a tile", "2 steps in flight", "3 steps in flight",
+QUICK_SET = ("four codebooks, 2 steps in flight (default)", "one block a tile", "3 steps in flight", "4 steps in flight",
              "split pairs (1 wavefront a lookup)")
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 QUICK = os.environ.get("QUICK") == "1"  # the stages at one P and QUICK_SET at 8,192 rows a block only
