@@ -1011,16 +1011,19 @@ def test_the_cuda_stage2_compiles_for_hopper_on_tensor_cores_without_spills():
 
 def test_the_fold_scan_compiles_for_hopper_on_the_s8_tensor_cores():
     """The fold scan (``stage1="folds"``) for sm_90: one m-tile of 16 folds a step, ``mma.m16n8k32`` on s8 over 4
-    steps x 4 n-tiles, one ``ldmatrix`` a step, 4 n-tiles' 8-byte code loads a step (and the two steps in flight
-    before the loop), one global atomic a block (its flush) and one shared atomic a warp's kept rows; no local
-    memory."""
+    k-steps x 4 n-tiles, its DEPTH (2) steps in flight unrolled in the loop; the folds' ``ldmatrix`` once, before
+    the loop; 4 n-tiles' 8-byte code loads a fetch (DEPTH before the loop, one a step in it, each a scan's or a
+    sampling pass's); one global atomic a tile (its flush) and one shared atomic a step's kept rows; every lookup
+    addressed by a byte-permute; no local memory."""
     from dsaindex.kernels.pq_fold_cuda import source
 
+    depth = 2
     text = _hopper_ptx(source())
-    assert text.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == 4 * 4
+    assert text.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == depth * 4 * 4
     assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4
-    assert text.count("ld.global.nc.v2.u32") == 3 * 2 * 4  # 3 fetches: a scan step's 4 loads or a sampling step's 4
-    assert text.count("atom.global.add") == 1 and text.count("atom.shared.add") == 1
+    assert text.count("ld.global.nc.v2.u32") == 2 * depth * 2 * 4
+    assert text.count("atom.global.add") == 1 and text.count("atom.shared.add") == depth
+    assert text.count("prmt.b32") >= depth * 32  # a lookup's offset: one byte-permute of its code
     assert ".local" not in text
 
 
