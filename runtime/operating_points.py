@@ -4,7 +4,9 @@
 candidate count C: of the served step whose stage 1 keeps P x C keys (``layer{L}/k{topk}/prefilter{P}@{C}``)
 and of the top-C by coarse score after exact rerank (``.../rerank@{C}``, an upper bound of the served
 one, for bundles trained before the served recall was recorded), over every held-out query and per
-prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``).
+prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``). It also records
+the served step with the fold scan's stage 1 (``.../folds{P}@{C}``); the table does not read those yet, so no
+chooser picks the folds.
 :meth:`OperatingPoints.from_metrics` is the one reader of those names; the choosers in
 :mod:`dsaindex.runtime.loader` pick from the typed table (the pattern of faiss contrib's
 ``OperatingPoints``: parameters -> measured recall, the cheapest point above a target).

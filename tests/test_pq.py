@@ -124,6 +124,36 @@ def test_served_recall_counts_what_stage_1_drops():
     assert blind["k16@0-16K/prefilter4@64"] == blind["k16/prefilter4@64"]
     assert not any("prefilter" in name for name in evaluate_selection(data, data.keys, ks=(16,), candidates=(64,),
                                                                       prefilters=()))
+    # the fold scan's stage 1 groups q apart from -q, each through its ReLU: it ranks the keys by |q . k| as the
+    # indexer does here (2 relu(q . k) + 2 relu(-q . k)), so at 1 x 64 it keeps every key of the top-16
+    assert blind["k16/folds1@64"] == blind["k16/folds2@64"] == 1.0
+    assert blind["k16@0-16K/folds1@64"] == 1.0
+    # and where the keys it sees are noise it keeps no more than the linear fold's share of them
+    noisy = evaluate_selection(data, torch.randn_like(data.keys), ks=(16,), candidates=(64,), prefilters=(1,),
+                               fold_prefilters=(1,))
+    assert noisy["k16/folds1@64"] <= noisy["k16/rerank@64"] + 1e-9 < 0.5
+    assert not any("folds" in name for name in evaluate_selection(data, data.keys, ks=(16,), candidates=(64,),
+                                                                  fold_prefilters=()))
+
+
+def test_grouped_fold_scores_are_the_fold_scans_float_scores():
+    """The float score of (e) is what the scan computes before its int8 rounding: against the reference of
+    :mod:`dsaindex.kernels.pq_fold_cuda` on codes whose codebook holds the keys exactly (one key a code)."""
+    from dsaindex.kernels.pq_fold_cuda import fold_operands, fold_scores_reference
+    from dsaindex.train.recall import grouped_fold_scores
+
+    g = torch.Generator().manual_seed(7)
+    book = torch.randn(32, 256, 4, generator=g)
+    codes = torch.randint(0, 256, (1, 300, 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    keys = book[torch.arange(32)[None, :], codes[0].long()].reshape(300, 128)
+    queries, weights = torch.randn(3, 64, 128, generator=g), torch.randn(3, 64, generator=g)
+    want = grouped_fold_scores(queries, weights, keys)
+    q8, slopes, book8 = fold_operands(queries, weights, book)
+    got = torch.stack([fold_scores_reference(codes, q8[i : i + 1], slopes[i : i + 1], book8)[0] for i in range(3)])
+    for i in range(3):  # int8 rounding aside, the same ranking
+        top = set(want[i].topk(30).indices.tolist())
+        assert len(top & set(got[i].topk(30).indices.tolist())) >= 27
+        assert torch.corrcoef(torch.stack([want[i], got[i].float()]))[0, 1] > 0.99
 
 
 def test_recall_by_prefix_band():

@@ -15,6 +15,10 @@ For each held-out query whose causal prefix holds at least ``4 * k`` keys:
   the top C by coarse score are taken among those. The folded score ranks worst where heads disagree,
   so at long prefixes a small ``P`` can lose what (b) keeps; a server's ``--candidates auto`` reads this
   metric at its own prefilter.
+* (e) ``folds{P}@C``: (d) with the fold scan's stage 1 (``stage1="folds"``,
+  :mod:`dsaindex.kernels.pq_fold_cuda`): the heads grouped by sign and direction, each group's folded query
+  against the coded key through its own ReLU with a leak (:func:`grouped_fold_scores`, in float, keeping
+  exactly ``P * C`` keys where the kernel keeps up to 1.5 x that: a lower bound of what it serves).
 
 Each metric is also reported per prefix band (``k512@32K-64K/rerank@2048``: queries whose causal prefix
 holds 32K to 64K keys, see :func:`prefix_band`), since recall falls as prefixes grow and an average over
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
 
 CANDIDATES = (1024, 2048, 4096)
 PREFILTERS = (4, 8, 16)  # stage-1 factors whose served recall (d) is recorded beside rerank@C
+FOLD_PREFILTERS = (1, 2)  # stage-1 factors of the grouped folds (e)
 PAPER_K = 512
 BAND_EDGES = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # prefix lengths (keys) where bands meet
 
@@ -180,6 +185,7 @@ def evaluate_selection(
     device: str = "cpu",
     query_block: int = 64,
     prefilters: tuple[int, ...] = PREFILTERS,
+    fold_prefilters: tuple[int, ...] = FOLD_PREFILTERS,
 ) -> dict[str, float]:
     """Recall of coarse-to-fine selection for each k in ``ks``.
 
@@ -190,6 +196,7 @@ def evaluate_selection(
     query_block : queries of one sequence scored together (their [block, prefix] score rows are held
         at once, causal prefixes masked)
     prefilters : the stage-1 factors P of (d); where ``P * C`` covers a query's prefix, (d) is (b)
+    fold_prefilters : the stage-1 factors P of (e), likewise
 
     Returns
     -------
@@ -222,6 +229,10 @@ def evaluate_selection(
             if prefilters:  # stage 1's score: the head-weighted query against the coded key, no ReLU
                 fold = torch.einsum("bh,bhd->bd", w.float(), q.float())
                 folded = (fold @ coarse_all[start : start + width].float().T).masked_fill(outside, float("-inf"))
+            grouped = None
+            if fold_prefilters:  # the fold scan's score
+                grouped = grouped_fold_scores(q, w, coarse_all[start : start + width]).masked_fill(outside,
+                                                                                                   float("-inf"))
             for k in ks:
                 live = torch.nonzero(n_rows >= 4 * k).flatten()
                 if live.numel() == 0:
@@ -250,17 +261,34 @@ def evaluate_selection(
                     add(f"{tag}/rerank@{c}", rerank_hits, picked_bands)
                     add(f"{tag}/filter@{c}", _hits(hits, filtered, k), picked_bands)
                     add(f"{tag}/fetch@{c}", (kept.sum(1).float() / c).tolist(), picked_bands)
-                    if prefilters:
-                        fo, co_pick, ex_pick = folded[live.to(device)][pick], co[pick], ex[pick]
-                        prefixes = [n_live[i] for i in use]
-                    for p in prefilters:
-                        add(f"{tag}/prefilter{p}@{c}",
-                            _staged_hits(fo, co_pick, ex_pick, hits, prefixes, p * c, c, k, rerank_hits), picked_bands)
+                    prefixes = [n_live[i] for i in use]
+                    for name, stage1, factors in (("prefilter", folded, prefilters), ("folds", grouped, fold_prefilters)):
+                        scored = stage1[live.to(device)][pick] if factors else None
+                        for p in factors:  # (d) and (e)
+                            kept = _staged_hits(scored, co[pick], ex[pick], hits, prefixes, p * c, c, k, rerank_hits)
+                            add(f"{tag}/{name}{p}@{c}", kept, picked_bands)
     out = {name: sums[name] / counts[name] for name in sums}
     for name in [n for n in counts if n.endswith("/direct")]:
         out[name.replace("/direct", "/queries")] = float(counts[name])
     for k in ks:
         out.setdefault(f"k{k}/queries", 0.0)
+    return out
+
+
+def grouped_fold_scores(queries: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[Q, N] the fold scan's stage-1 score of ``keys`` [N, D] for ``queries`` [Q, H, D] with ``head_weights``
+    [Q, H], in float: the heads in the scan's groups (:func:`~dsaindex.kernels.pq_fold_cuda.head_groups`), group
+    ``g`` folded into ``Q_g = sum_{h in g} w_h q_h``, a key scored ``sum_g leak x_g + relu(x_g)`` over the positive
+    side's groups and ``leak x_g + min(x_g, 0)`` over the other's, ``x_g = Q_g . k`` (the kernel's slopes, before
+    its int8 rounding)."""
+    from dsaindex.kernels.pq_fold_cuda import FOLDS, LEAK, head_groups
+
+    groups = head_groups(queries, head_weights)  # [Q, H]
+    weighted = queries.float() * head_weights.float()[:, :, None]
+    out = torch.zeros(queries.shape[0], keys.shape[0], device=keys.device)
+    for g in range(FOLDS):
+        x = (weighted * (groups == g)[:, :, None]).sum(1) @ keys.float().T
+        out += LEAK * x + (x.clamp_min(0) if g < FOLDS // 2 else x.clamp_max(0))
     return out
 
 
