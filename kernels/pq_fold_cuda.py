@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dsaindex.kernels import nvrtc
+from dsaindex.kernels.pq_stage2_cuda import S8_HELPERS
 
 if TYPE_CHECKING:
     import torch
@@ -102,19 +103,7 @@ _SOURCE = r"""
 #define BOOK_WORDS (4 * 32 * 256)
 #define BOOK_AT_COPY(k, s, c) (((k) >> 1) * 16384 + (c) * 64 + ((k) & 1) * 32 + ((s) ^ (2 * (k))))
 
-#ifndef EMULATED
-// c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
-__device__ __forceinline__ void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldsm_x4(unsigned* a, const void* row) {
-    const unsigned at = (unsigned)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(at));
-}
-#endif
+""" + S8_HELPERS + r"""
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) pq_fold_scan(
     const unsigned char* __restrict__ codes,  // [B, n_rows, 32] or [P, 64, 32] (paged) uint8
@@ -297,20 +286,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) pq_fold_scan(
                     part[nt][c] = (x > 0.0f ? ua : da) * x + (y > 0.0f ? ub : db) * y;
                 }
             }
-            // a reduce-scatter over the 8 lanes of a quad column (stage 2's): lane g ends with the sum of n-tile
-            // g & 3, column 2t + (g >> 2)
-            float r1[4], r2[2];
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
-                r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
-            }
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
-                r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
-            }
-            const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+            // lane g ends with the sum over the 16 folds of n-tile g & 3, column 2t + (g >> 2): row ``own``
+            const float score = quad_column_sum(part, g);
 #endif
             const int mine = at + own;
             const bool valid = mine < stop && (!sampling || (long long)mine * stride < length);

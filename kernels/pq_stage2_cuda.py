@@ -58,6 +58,43 @@ PER_BLOCK = None  # candidates a block scores: None sizes it to the launch (:fun
 # tools/decode_suite.sh, part "operands"; docs/results/profile_operands_warps_h100.json)
 OPERANDS_WARPS = 16
 
+
+# the tensor-core steps and the quad-column reduction both CUDA kernels of s8 MMAs use (this one's int8 form and
+# kernels/pq_fold_cuda.py); FULL is defined before them
+S8_HELPERS = r"""
+#ifndef EMULATED
+// c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
+__device__ __forceinline__ void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// four 8 x 8 bf16 matrices from shared memory, lane 8 j + r giving row r of matrix j
+__device__ __forceinline__ void ldsm_x4(unsigned* a, const void* row) {
+    const unsigned at = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(at));
+}
+#endif
+// the 8 lanes of a quad column (g) each hold 8 partial sums, part[nt][c] (columns 2t + c of n-tile nt of an
+// m16n8 accumulator, summed over the lane's rows); a reduce-scatter in three exchanges leaves lane g the whole
+// sum of n-tile g & 3, column 2t + (g >> 2): each exchange halves what a lane holds, keeping its own column's half
+__device__ __forceinline__ float quad_column_sum(const float (&part)[4][2], const int g) {
+    float r1[4], r2[2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
+        r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
+        r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
+    }
+    return ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+}
+"""
+
 _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
 #define SHARED_DYNAMIC extern __shared__ __align__(16) int smem[]
@@ -87,20 +124,8 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// c[16 x 8] += a[16 x 32] b[32 x 8]: s8 in, s32 out (PTX ISA fragment layouts of m16n8k32 .s8)
-__device__ __forceinline__ void mma_s8(int* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// four 8 x 8 bf16 matrices from shared memory, lane 8 j + r giving row r of matrix j
-__device__ __forceinline__ void ldsm_x4(unsigned* a, const void* row) {
-    const unsigned at = (unsigned)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(at));
-}
 #endif
-
+""" + S8_HELPERS + r"""
 // the Triton stage 2's score_bin: a signed log scale relative to the request's score bound
 __device__ __forceinline__ int score_bin(float score, float bound) {
     const float ratio = fmaxf(fabsf(score) / bound, 1e-30f);
@@ -388,21 +413,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) pq_stage2(
                 part[nt][1] += wa * fmaxf(acc[nt][1], 0.0f) + wb * fmaxf(acc[nt][3], 0.0f);
             }
         }
-        // the 8 lanes of a quad column (g) each hold 8 partial sums, part[nt][c] over their rows of heads; a
-        // reduce-scatter in three exchanges leaves lane g the whole sum of n-tile g & 3, column 2t + (g >> 2):
-        // each exchange halves what a lane holds, keeping the half its own candidate is in
-        float r1[4], r2[2];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const float keep = (g & 4) ? part[nt][1] : part[nt][0], send = (g & 4) ? part[nt][0] : part[nt][1];
-            r1[nt] = keep + __shfl_xor_sync(FULL, send, 16);
-        }
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const float keep = (g & 2) ? r1[k + 2] : r1[k], send = (g & 2) ? r1[k] : r1[k + 2];
-            r2[k] = keep + __shfl_xor_sync(FULL, send, 8);
-        }
-        const float score = ((g & 1) ? r2[1] : r2[0]) + __shfl_xor_sync(FULL, (g & 1) ? r2[0] : r2[1], 4);
+        // part[nt][c]: the lane's partial sums over its rows of heads
+        const float score = quad_column_sum(part, g);
         if (mine < (int)end) {
             const bool valid = pos_own >= 0;
             if (want_scores) out_score[row0 + mine] = valid ? score : NEG_INF;
