@@ -67,6 +67,26 @@ PAGED_EXACT_OFFSET = 14
 # of 9 widths, like 14, leaves every step exact at a 128K band.
 PAGED_GROWN_OFFSET = 9
 PAGED_GROWN_EXTRA = -4.5
+# the fold scan's stage 1 (``stage1="folds"``) costs a step a fixed part the codes' does not: its operands (the
+# heads grouped and folded, one Triton program a request, ~50 us at any batch), a sampling launch and its
+# threshold. On the H100 at 1M keys (C = 4,096, P = 1, band 128K, docs/results/paged_grown_stage1_folds_p1_h100.json)
+# the folds' step is 0.149 + 0.0217 B ms against DeepGEMM's 0.05 + 0.052 B: even at 3.3 requests, 3.4M keys. A
+# folds step's exact-path bound is DSAINDEX_EXACT_BELOW plus this many keys (the fixed part in keys DeepGEMM reads
+# in its time); its offsets are the codes' (stage 2 is the same kernels).
+PAGED_FOLDS_EXTRA_BELOW = 7 << 18
+# what one decode query's served step costs at 1M keys with C grown past a 128K band, for ranking operating points
+# of different stage 1s against each other: stage 1's scan of every key by what it scores, plus stage 2's share
+# per key of its stage-1 width P x C. Read off the per-query medians of `bench paged --batches 32 --keys 1048576
+# --candidates 4096 --grow-band 131072 --exact-below 0` on the H100 (CUDA graphs): the codes at P = 1, 2, 4 take
+# 18.6, 20.4, 23.8 us, the folds at P = 1, 2 26.6, 28.6 us (docs/results/paged_grown_stage1_*_h100.json).
+STAGE1_SCAN_US = {"codes": 16.9, "folds": 24.9}
+STAGE2_US_PER_KEY = 4.2e-4
+
+
+def step_cost_us(stage1: str, width: int) -> float:
+    """The served step's expected device time a query at 1M keys (H100, :data:`STAGE1_SCAN_US`): ``stage1``'s
+    scan (``codes`` or ``folds``) and stage 2 over a stage-1 width of ``width`` keys (P x C)."""
+    return STAGE1_SCAN_US[stage1] + STAGE2_US_PER_KEY * width
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
 from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
-from dsaindex.coarse import PREFILTER, RECALL_TARGET
+from dsaindex.coarse import PREFILTER, RECALL_TARGET, step_cost_us
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
 from dsaindex.runtime.operating_points import OperatingPoints, band_start
-from dsaindex.runtime.settings import DecodeSettings, parse_candidates
+from dsaindex.runtime.settings import STAGE1_KINDS, STAGE1_SETTINGS, DecodeSettings, parse_candidates
 
 if TYPE_CHECKING:
     from dsaindex.artifacts.bundle import BundleManifest
@@ -134,7 +134,8 @@ def place_layers(manifest: BundleManifest, arrays: dict, device: str = "cpu") ->
 
 
 def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
-                          source: str = "the bundle", prefilter: int | None = None) -> dict[int, int]:
+                          source: str = "the bundle", prefilter: int | None = None,
+                          stage1: str = "codes") -> dict[int, int]:
     """Per layer, the smallest candidate count C whose held-out recall of the exact top-``topk`` reaches
     ``target``, from a ``pq`` bundle's recorded operating points
     (:class:`dsaindex.runtime.operating_points.OperatingPoints`): with ``prefilter`` P, the recall of the
@@ -143,11 +144,17 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
     after exact rerank (an upper bound of the served one). A point's recall is the lower of its overall
     and its longest prefix band's. Raises :class:`DsaIndexError` when the bundle has no such metrics for a
     layer or no measured C reaches ``target`` (naming the best one, and a larger recorded prefilter that
-    would reach it)."""
+    would reach it). ``stage1``: what the served stage 1 scores (``codes`` or ``folds``: the points recorded
+    as ``folds{P}@{C}``; a bundle that records none for it is refused, as there is no upper bound to read)."""
     table = OperatingPoints.from_metrics(metrics)
     out: dict[int, int] = {}
     for layer in layers:
-        recorded = table.prefilters(layer, topk)
+        recorded = table.prefilters(layer, topk, stage1)
+        if stage1 != "codes" and not recorded:
+            raise DsaIndexError(f"{source} records no served recall with stage 1 by {stage1} for layer {layer}, so "
+                                "C cannot be chosen for it.",
+                                "pass --stage1 codes, or train the bundle again with `dsaindex train pq` (which "
+                                "measures it).")
         factor = None  # bundles trained before the served recall was recorded: rerank, an upper bound of it
         if prefilter and recorded:
             below = [p for p in recorded if p <= prefilter]
@@ -157,7 +164,7 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
                                     "asked, so C cannot be chosen for it.",
                                     f"pass --prefilter {recorded[0]} or more, or a number to --candidates.")
             factor = max(below)  # a smaller stage 1 keeps less: a lower bound where P is not recorded
-        recall = table.recall(layer, topk, factor)
+        recall = table.recall(layer, topk, factor, stage1)
         if not recall:
             raise DsaIndexError(f"{source} records no held-out recall of the top-{topk} for layer {layer}, so C "
                                 "cannot be chosen from it.",
@@ -166,11 +173,11 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
         good = sorted(c for c, r in recall.items() if r >= target)
         if not good:
             best = max(recall, key=recall.get)
-            stage = f" with stage 1 keeping {factor} x C keys" if factor is not None else ""
+            stage = f" with stage 1 keeping {factor} x C keys by {stage1}" if factor is not None else ""
             fixes = ["pass a lower --recall-target or a number to --candidates",
                      "serve a code of more bytes per key (RQ32)"]
             for p in recorded:
-                reach = {c: r for c, r in table.recall(layer, topk, p).items() if r >= target}
+                reach = {c: r for c, r in table.recall(layer, topk, p, stage1).items() if r >= target}
                 if prefilter and p > prefilter and reach:
                     c = min(reach)
                     fixes.insert(0, f"pass --prefilter {p} (it reaches {_floor_pct(reach[c])} at C = {c}, at a "
@@ -184,28 +191,36 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
 
 
 def selection_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
-                         source: str = "the bundle") -> dict[int, tuple[int, int]]:
-    """Per layer, the stage-1 factor P and candidate count C of the cheapest served step whose recorded
-    recall reaches ``target`` (read as :func:`candidates_for_recall` reads it): the least stage-2 work
-    P x C, then the smaller C. A layer whose keys the folded stage 1 ranks well keeps a small P; one that
-    reaches far back gets the larger P it needs, and only it pays for it. Raises :class:`DsaIndexError`
-    for a bundle that records no served recall, or a layer no recorded pair serves."""
+                         source: str = "the bundle",
+                         stage1s: tuple[str, ...] = STAGE1_KINDS) -> dict[int, tuple[str, int, int]]:
+    """Per layer, (stage 1, factor P, candidate count C) of the cheapest served step whose recorded recall
+    reaches ``target`` (read as :func:`candidates_for_recall` reads it) among the points whose stage 1 is one
+    of ``stage1s`` (``codes``, ``folds``): the least expected step cost
+    (:attr:`~dsaindex.runtime.operating_points.OperatingPoint.cost_us`, stage 1's scan and stage 2's P x C
+    keys), then the smaller C. A layer whose keys the folded stage 1 ranks well keeps the codes at a small P;
+    one that reaches far back gets the folds or the larger P it needs, and only it pays for them. Raises
+    :class:`DsaIndexError` for a bundle that records no served recall, or a layer no recorded point serves."""
     table = OperatingPoints.from_metrics(metrics)
-    out: dict[int, tuple[int, int]] = {}
+    out: dict[int, tuple[str, int, int]] = {}
     for layer in layers:
-        points = table.of(layer, topk)
+        points = [p for p in table.of(layer, topk, stage1=None) if p.stage1 in stage1s]
         if not points:
             raise DsaIndexError(f"{source} records no served recall per stage-1 factor for layer {layer} (it was "
                                 "trained before `train pq` measured it), so the prefilter cannot be chosen from it.",
                                 "train the bundle again with `dsaindex train pq`, or pass a number to --prefilter.")
-        good = sorted((p for p in points if p.recall >= target), key=lambda p: (p.stage2_keys, p.candidates))
+        good = sorted((p for p in points if p.recall >= target), key=lambda p: (p.cost_us, p.candidates))
         if not good:
             best = max(points, key=lambda p: p.recall)
+            others = sorted({p.stage1 for p in table.of(layer, topk, stage1=None)} - set(stage1s))
+            fixes = ["pass a lower --recall-target, or serve a code of more bytes per key (RQ32)"]
+            if others:
+                fixes.insert(0, f"serve stage 1 by {' or '.join(others)}, as recorded (--stage1 auto, "
+                                "DSAINDEX_STAGE1=auto, where it runs)")
             raise DsaIndexError(f"Layer {layer} of {source} reaches at most {_floor_pct(best.recall)} held-out recall "
                                 f"of the top-{topk} (at C = {best.candidates} with stage 1 keeping {best.prefilter} x "
-                                f"C keys), short of the {100 * target:.2f}% asked.",
-                                "pass a lower --recall-target, or serve a code of more bytes per key (RQ32).")
-        out[layer] = (good[0].prefilter, good[0].candidates)
+                                f"C keys by {best.stage1}), short of the {100 * target:.2f}% asked.",
+                                "; or ".join(fixes) + ".")
+        out[layer] = (good[0].stage1, good[0].prefilter, good[0].candidates)
     return out
 
 
@@ -220,39 +235,68 @@ def _decode_layers(loaded: LoadedArtifacts, layers: list[int] | None) -> list[in
     return served if layers is None else [layer for layer in served if layer in set(layers)]
 
 
-def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int,
-                    layers: list[int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
-    """(C per layer, stage-1 factor P per layer) for each decode layer of ``loaded`` (or of ``layers`` among
-    them) under ``decode``. ``prefilter="auto"`` (with ``candidates="auto"``): each layer's cheapest
-    recorded pair that reaches ``decode.recall_target`` (:func:`selection_for_recall`; a layer whose bundle
-    records no served recall, trained before it was measured, gets C from its rerank recall at the default
-    stage 1, as ``candidates="auto"`` reads it); ``candidates="auto"``
-    alone: :func:`candidates_for_recall` at the given stage 1; a count or a layer -> count mapping as given.
+def folds_refusal(codec: Any, unavailable: str | None = None) -> str | None:
+    """Why a layer of ``codec`` cannot serve stage 1 by the fold scan (None: it can): ``unavailable`` (why the
+    scan does not run on this device, :func:`dsaindex.runtime.paged_select.fold_scan_unavailable`), or codes the
+    folds do not score (:func:`dsaindex.kernels.pq_fold_cuda.takes`)."""
+    from dsaindex.kernels.pq_fold_cuda import takes
+
+    if unavailable:
+        return unavailable
+    m, centroids, sub = codec.codebooks.shape
+    residual = bool(getattr(codec, "residual", False))
+    return takes(2, sub if residual else m * sub, m, centroids, residual)
+
+
+def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int, layers: list[int] | None = None,
+                    folds: str | None = None) -> tuple[dict[int, int], dict[int, int], dict[int, str]]:
+    """(C, stage-1 factor P, what stage 1 scores) per layer, for each decode layer of ``loaded`` (or of
+    ``layers`` among them) under ``decode``. ``prefilter="auto"`` (with ``candidates="auto"``): each layer's
+    cheapest recorded point that reaches ``decode.recall_target`` (:func:`selection_for_recall`), among those
+    whose stage 1 ``decode.stage1`` allows (``auto``: the codes' points and, where the layer's codes fit the
+    fold scan and it runs here, the folds'; a layer whose bundle records no served recall, trained before it
+    was measured, gets C from its rerank recall at the default stage 1, as ``candidates="auto"`` reads it);
+    ``candidates="auto"`` alone: :func:`candidates_for_recall` at the given stage 1 (``auto``: the codes); a
+    count or a layer -> count mapping as given. ``folds``: why the fold scan does not run here (None: it does).
     What ``dsaindex serve``, ``runtime check`` and the engine plugins choose with; raises
-    :class:`DsaIndexError` when no recorded point reaches the target, naming what would."""
+    :class:`DsaIndexError` when no recorded point reaches the target, naming what would, or where stage 1 by
+    folds is asked of a layer that cannot serve it."""
     served = _decode_layers(loaded, layers)
+    metrics, source = loaded.manifest.metrics, str(loaded.path)
+    asked = per_layer_text(decode.stage1, served, "stage 1", STAGE1_SETTINGS)
+    kinds: dict[int, tuple[str, ...]] = {}
+    for layer in served:
+        why = folds_refusal(loaded.layers[layer], folds)
+        if asked[layer] == "folds" and why:
+            raise DsaIndexError(f"Layer {layer} cannot serve stage 1 by folds: {why}.", "pass --stage1 codes "
+                                "(DSAINDEX_STAGE1=codes), or auto.")
+        kinds[layer] = ("codes", "folds") if asked[layer] == "auto" and not why else (
+            ("codes",) if asked[layer] == "auto" else (asked[layer],))
     if decode.prefilter == "auto":
-        metrics, source = loaded.manifest.metrics, str(loaded.path)
         table = OperatingPoints.from_metrics(metrics)
-        # bundles trained before the served recall was measured: C from the rerank recall at the default stage 1
-        older = [layer for layer in served if not table.of(layer, topk)]
-        pairs = selection_for_recall(metrics, [layer for layer in served if layer not in older], topk,
-                                     decode.recall_target, source)
-        chosen = {layer: c for layer, (_, c) in pairs.items()}
-        factors = {layer: p for layer, (p, _) in pairs.items()}
-        if older:
-            chosen |= candidates_for_recall(metrics, older, topk, decode.recall_target, source, PREFILTER)
-            factors |= dict.fromkeys(older, PREFILTER)
-        return dict(sorted(chosen.items())), dict(sorted(factors.items()))
-    factors = per_layer(decode.prefilter, served, "stage-1 prefilter")
-    if decode.candidates == "auto":
         chosen: dict[int, int] = {}
-        for factor in sorted(set(factors.values())):
-            group = [layer for layer in served if factors[layer] == factor]
-            chosen |= candidates_for_recall(loaded.manifest.metrics, group, topk, decode.recall_target,
-                                            str(loaded.path), factor)
-        return chosen, factors
-    return per_layer(decode.candidates, served, "candidate count C"), factors
+        factors: dict[int, int] = {}
+        stages: dict[int, str] = {}
+        # bundles trained before the served recall was measured: C from the rerank recall at the default stage 1
+        older = [layer for layer in served if not table.of(layer, topk, stage1=None)]
+        for layer in served:
+            if layer not in older:
+                stages[layer], factors[layer], chosen[layer] = selection_for_recall(
+                    metrics, [layer], topk, decode.recall_target, source, kinds[layer])[layer]
+        for layer in older:
+            stage = "folds" if kinds[layer] == ("folds",) else "codes"
+            chosen |= candidates_for_recall(metrics, [layer], topk, decode.recall_target, source, PREFILTER, stage)
+            factors[layer], stages[layer] = PREFILTER, stage
+        return dict(sorted(chosen.items())), dict(sorted(factors.items())), dict(sorted(stages.items()))
+    factors = per_layer(decode.prefilter, served, "stage-1 prefilter")
+    stages = {layer: kinds[layer][0] for layer in served}  # auto, where P is given: the codes
+    if decode.candidates == "auto":
+        chosen = {}
+        for factor, stage in sorted({(factors[layer], stages[layer]) for layer in served}):
+            group = [layer for layer in served if (factors[layer], stages[layer]) == (factor, stage)]
+            chosen |= candidates_for_recall(metrics, group, topk, decode.recall_target, source, factor, stage)
+        return dict(sorted(chosen.items())), factors, stages
+    return per_layer(decode.candidates, served, "candidate count C"), factors, stages
 
 
 COST_KEYS = (1 << 17, 1 << 20)  # the prefix lengths a startup line prices a decode step at
@@ -277,15 +321,16 @@ def code_bytes_of(codec: Any) -> tuple[int, int]:
 
 
 def growth_bands(metrics: Mapping[str, float], candidates: Mapping[int, int], prefilter: Mapping[int, int],
-                 topk: int) -> dict[int, int]:
+                 topk: int, stage1: Mapping[int, str] | None = None) -> dict[int, int]:
     """Layer -> the keys past which its C grows with the prefix (``grow_band`` of
     :class:`~dsaindex.runtime.paged_select.PagedCacheSelector`): the end of the longest prefix band the bundle
-    records its served recall in at the layer's (C, stage 1); 0 (a fixed C) where it records none, or where
-    that band is open-ended (its recall holds to any length)."""
+    records its served recall in at the layer's (C, stage 1 and what it scores, ``stage1``, default the codes);
+    0 (a fixed C) where it records none, or where that band is open-ended (its recall holds to any length)."""
     table = OperatingPoints.from_metrics(metrics)
     out = {}
     for layer in sorted(candidates):
-        found = [x for x in table.of(layer, topk, int(prefilter[layer])) if x.candidates == int(candidates[layer])]
+        found = [x for x in table.of(layer, topk, int(prefilter[layer]), stage1=(stage1 or {}).get(layer, "codes"))
+                 if x.candidates == int(candidates[layer])]
         band = found[0].band if found else None
         end = band.split("-", 1)[1] if band and "-" in band else ""
         out[layer] = band_start(end) if end and end[0].isdigit() else 0
@@ -295,7 +340,8 @@ def growth_bands(metrics: Mapping[str, float], candidates: Mapping[int, int], pr
 def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int], prefilter: Mapping[int, int],
                     topk: int, target: float = RECALL_TARGET,
                     code_bytes: Mapping[int, tuple[int, int]] | None = None,
-                    grow: Mapping[int, tuple[int, int]] | None = None) -> str:
+                    grow: Mapping[int, tuple[int, int]] | None = None,
+                    stage1: Mapping[int, str] | None = None) -> str:
     """What a server says at startup of its decode layers' operating points: per group of layers at the same
     (C, stage 1), the held-out recall of the exact top-``topk`` the bundle records there (the lower of all
     queries' and the longest prefix band's, whose end it names: recall past it was not measured, and a fixed
@@ -304,12 +350,15 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
     codes' and the exact key's bytes, :func:`code_bytes_of`), the step's cost too: the share of the exact
     scan's bytes a query reads at 128K and 1M keys (:func:`step_bytes`). With ``grow`` (layer -> (band, most):
     C grows past ``band`` keys by up to ``most``, as :func:`growth_bands` and ``DSAINDEX_LONG_PREFIX=grow``
-    set it), how C grows past the measured prefixes instead of "longer ones not measured"."""
+    set it), how C grows past the measured prefixes instead of "longer ones not measured". ``stage1``: what each
+    layer's stage 1 scores (default the codes), named with it, with the step's expected device time a query at
+    1M keys (:func:`dsaindex.coarse.step_cost_us`)."""
     table = OperatingPoints.from_metrics(metrics)
-    groups: dict[tuple[int, int, str], list[int]] = {}
+    groups: dict[tuple[int, int, str, str], list[int]] = {}
     for layer in sorted(candidates):
         c, p = int(candidates[layer]), int(prefilter[layer])
-        found = [x for x in table.of(layer, topk, p) if x.candidates == c]
+        kind = (stage1 or {}).get(layer, "codes")
+        found = [x for x in table.of(layer, topk, p, stage1=kind) if x.candidates == c]
         if not found:
             said = "held-out recall not recorded"
         else:
@@ -330,9 +379,12 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
             shares = [step_bytes(n, m, c, p, key_bytes) for n in COST_KEYS]
             said += (f", a query reads {shares[0]['codes'] / shares[0]['exact']:.2f}x the exact scan's bytes at 128K "
                      f"keys, {shares[1]['codes'] / shares[1]['exact']:.2f}x at 1M")
-        groups.setdefault((c, p, said), []).append(layer)
-    return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C, "
-                     f"{said}" for (c, p, said), layers in groups.items())
+        if stage1 is not None:
+            said += f", expected step {step_cost_us(kind, p * c):.1f} us a query at 1M keys (H100)"
+        groups.setdefault((c, p, kind, said), []).append(layer)
+    return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C"
+                     f"{f' by {kind}' if stage1 is not None else ''}, {said}"
+                     for (c, p, kind, said), layers in groups.items())
 
 
 def _keys(n: int) -> str:
@@ -356,6 +408,23 @@ def per_layer(value: int | Mapping[int, int], layers: Iterable[int], what: str) 
                                 f"give every layer with a pq artifact its {what}, or one for all.")
         return {layer: int(value[layer]) for layer in layers}
     return dict.fromkeys(layers, int(value))
+
+
+def per_layer_text(value: str | Mapping[int, str], layers: Iterable[int], what: str,
+                   allowed: tuple[str, ...]) -> dict[int, str]:
+    """:func:`per_layer` for a setting in words (one of ``allowed``): one for every layer, or a layer -> word
+    mapping that covers them all."""
+    layers = list(layers)
+    given = value if isinstance(value, Mapping) else dict.fromkeys(layers, value)
+    missing = sorted(set(layers) - set(given))
+    if missing:
+        raise DsaIndexError(f"No {what} for decode layers {missing}.",
+                            f"give every layer with a pq artifact its {what}, or one for all.")
+    bad = sorted({str(given[layer]) for layer in layers} - set(allowed))
+    if bad:
+        raise DsaIndexError(f"{what} {', '.join(bad)} is not one of {', '.join(allowed)}.",
+                            f"give {what} as one of {', '.join(allowed)}.")
+    return {layer: str(given[layer]) for layer in layers}
 
 
 def candidates_per_layer(setting: str | int | None, loaded: LoadedArtifacts, topk: int, default: int,

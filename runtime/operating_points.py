@@ -4,9 +4,10 @@
 candidate count C: of the served step whose stage 1 keeps P x C keys (``layer{L}/k{topk}/prefilter{P}@{C}``)
 and of the top-C by coarse score after exact rerank (``.../rerank@{C}``, an upper bound of the served
 one, for bundles trained before the served recall was recorded), over every held-out query and per
-prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``). It also records
-the served step with the fold scan's stage 1 (``.../folds{P}@{C}``); the table does not read those yet, so no
-chooser picks the folds.
+prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``), and of the served
+step whose stage 1 is the fold scan (``.../folds{P}@{C}``: the heads grouped by sign and direction, a ReLU per
+group). Points of the two stage 1s are ranked against each other by their expected cost
+(:func:`dsaindex.coarse.step_cost_us`).
 :meth:`OperatingPoints.from_metrics` is the one reader of those names; the choosers in
 :mod:`dsaindex.runtime.loader` pick from the typed table (the pattern of faiss contrib's
 ``OperatingPoints``: parameters -> measured recall, the cheapest point above a target).
@@ -21,17 +22,21 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dsaindex.coarse import step_cost_us
+
 MIN_BAND_QUERIES = 8  # a prefix band's recall counts with at least this many queries
 
-_POINT = re.compile(r"^layer(\d+)/k(\d+)(?:@([^/]+))?/(rerank|prefilter(\d+))@(\d+)$")
+_POINT = re.compile(r"^layer(\d+)/k(\d+)(?:@([^/]+))?/(rerank|prefilter(\d+)|folds(\d+))@(\d+)$")
 _QUERIES = re.compile(r"^layer(\d+)/k(\d+)@([^/]+)/queries$")
 
 
 @dataclass(frozen=True)
 class OperatingPoint:
     """One measured decode setting of one layer: ``prefilter`` P (None: rerank of every key's coarse
-    score), ``candidates`` C, and the held-out recall of the exact top-``topk`` it served: ``overall``
-    (every query), ``band_recall`` in the longest well-populated prefix ``band`` (None without one)."""
+    score), ``candidates`` C, what ``stage1`` scores (``codes``: the keys' codes by the head-weighted folded
+    query; ``folds``: by the fold scan's grouped folds), and the held-out recall of the exact top-``topk`` it
+    served: ``overall`` (every query), ``band_recall`` in the longest well-populated prefix ``band`` (None
+    without one)."""
 
     layer: int
     topk: int
@@ -40,6 +45,7 @@ class OperatingPoint:
     overall: float
     band: str | None = None
     band_recall: float | None = None
+    stage1: str = "codes"
 
     @property
     def recall(self) -> float:
@@ -50,6 +56,12 @@ class OperatingPoint:
     def stage2_keys(self) -> int:
         """Keys the full coarse score reads per query (P x C): the step's cost, for ranking points."""
         return (self.prefilter or 0) * self.candidates
+
+    @property
+    def cost_us(self) -> float:
+        """The served step's expected device time a query at 1M keys (:func:`dsaindex.coarse.step_cost_us`):
+        what choosers rank points of different stage 1s by."""
+        return step_cost_us(self.stage1, self.stage2_keys)
 
 
 def band_start(band: str) -> int:
@@ -76,37 +88,42 @@ class OperatingPoints:
                 key, band = (int(found.group(1)), int(found.group(2))), found.group(3)
                 if key not in longest or band_start(band) > band_start(longest[key]):
                     longest[key] = band
-        overall: dict[tuple[int, int, int | None, int], float] = {}
-        in_band: dict[tuple[int, int, int | None, int], float] = {}
+        overall: dict[tuple[int, int, str, int | None, int], float] = {}
+        in_band: dict[tuple[int, int, str, int | None, int], float] = {}
         for name, value in metrics.items():
             found = _POINT.match(name)
             if not found:
                 continue
             layer, topk, band = int(found.group(1)), int(found.group(2)), found.group(3)
-            key = (layer, topk, int(found.group(5)) if found.group(5) else None, int(found.group(6)))
+            factor = found.group(5) or found.group(6)
+            key = (layer, topk, "folds" if found.group(6) else "codes", int(factor) if factor else None,
+                   int(found.group(7)))
             if band is None:
                 overall[key] = float(value)
             elif band == longest.get((layer, topk)):
                 in_band[key] = float(value)
         points = []
-        for key in sorted(overall, key=lambda k: (k[0], k[1], k[2] or 0, k[3])):
-            layer, topk, prefilter, candidates = key
+        for key in sorted(overall, key=lambda k: (k[0], k[1], k[2], k[3] or 0, k[4])):
+            layer, topk, stage1, prefilter, candidates = key
             band = longest.get((layer, topk)) if key in in_band else None
-            points.append(OperatingPoint(layer, topk, prefilter, candidates, overall[key], band, in_band.get(key)))
+            points.append(OperatingPoint(layer, topk, prefilter, candidates, overall[key], band, in_band.get(key),
+                                         stage1))
         return cls(tuple(points))
 
-    def of(self, layer: int, topk: int, prefilter: int | None = None, served: bool = True) -> list[OperatingPoint]:
-        """The layer's points at ``topk``: with ``served`` those of the served step (``prefilter`` P only, or
-        every P when None), else the rerank points."""
+    def of(self, layer: int, topk: int, prefilter: int | None = None, served: bool = True,
+           stage1: str | None = "codes") -> list[OperatingPoint]:
+        """The layer's points at ``topk``: with ``served`` those of the served step whose stage 1 scores
+        ``stage1`` (None: either) at ``prefilter`` P (None: every P), else the rerank points."""
         return [p for p in self.points if p.layer == layer and p.topk == topk
-                and ((p.prefilter is not None and (prefilter is None or p.prefilter == prefilter)) if served
-                     else p.prefilter is None)]
+                and ((p.prefilter is not None and (prefilter is None or p.prefilter == prefilter)
+                      and (stage1 is None or p.stage1 == stage1)) if served else p.prefilter is None)]
 
-    def prefilters(self, layer: int, topk: int) -> list[int]:
-        """The stage-1 factors the layer's served recall was recorded at, ascending."""
-        return sorted({p.prefilter for p in self.of(layer, topk)})
+    def prefilters(self, layer: int, topk: int, stage1: str = "codes") -> list[int]:
+        """The stage-1 factors the layer's served recall was recorded at with ``stage1``, ascending."""
+        return sorted({p.prefilter for p in self.of(layer, topk, stage1=stage1)})
 
-    def recall(self, layer: int, topk: int, prefilter: int | None) -> dict[int, float]:
-        """{C: recall} of the layer's points at ``prefilter`` P (None: the rerank points)."""
-        points = self.of(layer, topk, prefilter) if prefilter is not None else self.of(layer, topk, served=False)
+    def recall(self, layer: int, topk: int, prefilter: int | None, stage1: str = "codes") -> dict[int, float]:
+        """{C: recall} of the layer's points at ``prefilter`` P with ``stage1`` (P None: the rerank points)."""
+        points = (self.of(layer, topk, prefilter, stage1=stage1) if prefilter is not None
+                  else self.of(layer, topk, served=False))
         return {p.candidates: p.recall for p in points}

@@ -66,6 +66,7 @@ import torch
 from dsaindex.coarse import (
     PAGED_EXACT_BELOW,
     PAGED_EXACT_OFFSET,
+    PAGED_FOLDS_EXTRA_BELOW,
     PAGED_GROWN_EXTRA,
     PAGED_GROWN_OFFSET,
     PREFILTER,
@@ -214,7 +215,9 @@ class PagedCacheSelector:
         cost 64 us of a 1.0 ms step at 32 x 1M keys on the H200. 1: every page, every step
     exact_below : a step of B requests whose longest has N keys, with B x (N - ``exact_offset``) at most
         this, is scored exactly, as the engine scores it without the plugin (the exact path; 0: never).
-        Ignored with ``keys_on_host`` (exact scoring would read every key over the host link).
+        Ignored with ``keys_on_host`` (exact scoring would read every key over the host link). With
+        ``stage1="folds"`` the bound is this plus :data:`dsaindex.coarse.PAGED_FOLDS_EXTRA_BELOW` (the fold
+        scan's fixed part of a step)
     exact_offset : keys a request's fixed share of the codes' step is worth (default
         :data:`dsaindex.coarse.PAGED_EXACT_OFFSET` x the stage-1 width, ``prefilter`` x C; where C grows by
         length, :data:`dsaindex.coarse.PAGED_GROWN_OFFSET` x that width); where C grows g x,
@@ -312,6 +315,8 @@ class PagedCacheSelector:
         self.catch_up = max(1, catch_up)
         self.keys_on_host = keys_on_host
         self.exact_below = 0 if keys_on_host else max(0, int(exact_below))
+        if self.exact_below and stage1 == "folds":  # the fold scan's fixed part: DeepGEMM's time for this many keys
+            self.exact_below += PAGED_FOLDS_EXTRA_BELOW
         offset, extra = exact_shares(self.c1, grows=self.grow_band > 0)
         self.exact_offset = offset if exact_offset is None else max(0, int(exact_offset))
         # negative: shares grow slower than g; the default no lower than an offset given by hand allows
@@ -755,6 +760,15 @@ class PagedCacheSelector:
 STAGE1S = ("codes", "groups", "folds")
 
 
+def fold_scan_unavailable(device: torch.device | str, use_triton: bool | None = None) -> str | None:
+    """Why stage 1 by the fold scan cannot run on ``device`` (None: it can): a CUDA device where the kernel does
+    not compile. Elsewhere (the CPU, or ``use_triton`` off) the torch path scores the folds."""
+    device = torch.device(device)
+    if device.type == "cuda" and use_triton is not False and not fold_compiles(device):
+        return "the fold scan did not compile on this GPU (NVRTC through torch.cuda._compile_kernel)"
+    return None
+
+
 def check_folds(dim: int, subspaces: int, centroids: int, residual: bool, device: torch.device,
                 use_triton: bool) -> None:
     """Refuse ``stage1="folds"`` at startup (:class:`DsaIndexError`, naming the way out) for codes the folds cannot
@@ -762,10 +776,9 @@ def check_folds(dim: int, subspaces: int, centroids: int, residual: bool, device
     why = fold_takes(2, dim, subspaces, centroids, residual)
     if why is not None:
         raise DsaIndexError(f"stage1 'folds': {why}.", "pass stage1='codes'.")
-    if device.type == "cuda" and use_triton and not fold_compiles(device):
-        raise DsaIndexError("stage1 'folds': the fold scan did not compile on this GPU (NVRTC through "
-                            "torch.cuda._compile_kernel).", "set CUDA_HOME to the CUDA toolkit, or pass "
-                            "stage1='codes'.")
+    why = fold_scan_unavailable(device, use_triton)
+    if why is not None:
+        raise DsaIndexError(f"stage1 'folds': {why}.", "set CUDA_HOME to the CUDA toolkit, or pass stage1='codes'.")
 
 
 def _exact_warm_up(args: tuple, width: int) -> tuple:
@@ -842,17 +855,19 @@ def stage1_scan(codecs, device: torch.device | None = None) -> str:
 
 
 def describe_step(exact_below: int, stage1: list[int] | set[int] | tuple[int, ...], scan: str = "",
-                  grows: bool = False) -> str:
+                  grows: bool = False, folds: bool = False) -> str:
     """The paged step's own choices, for a server's startup log: which steps take the exact path
     (``exact_below``, 0: none), how stage 2 keeps its candidates at each of the served layers' stage-1
     widths ``stage1`` (P x C keys, the default ``top_c="auto"``; ``grows``: C grows by length on some layer,
     whose steps over page tables wider than its band keep them by bins), and ``scan`` (:func:`stage1_scan`'s
-    words)."""
+    words); ``folds``: some layer's stage 1 is the fold scan, whose bound is higher."""
     if exact_below > 0:
         share = (f"{grown_offset_words()} x P x C, g the growth of its C"
                  if grows else f"{PAGED_EXACT_OFFSET} x P x C")
         exact = (f"a decode step of B requests whose longest has N keys is scored exactly (the engine's logits + "
-                 f"top-k) while B x (N - {share}) <= {exact_below:,} (DSAINDEX_EXACT_BELOW), by the codes above")
+                 f"top-k) while B x (N - {share}) <= {exact_below:,} (DSAINDEX_EXACT_BELOW"
+                 f"{f', plus {PAGED_FOLDS_EXTRA_BELOW:,} where stage 1 is the fold scan' if folds else ''}), "
+                 "by the codes above")
     else:
         exact = "every decode step is selected by the codes (no exact path)"
     rules = []

@@ -47,9 +47,11 @@ from dsaindex.runtime.loader import (
     growth_bands,
     ivf_budget_for_recall,
     per_layer,
+    per_layer_text,
 )
+from dsaindex.runtime.paged_select import fold_scan_unavailable
 from dsaindex.runtime.pq_batch import PQDecodeGroup
-from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSettings
+from dsaindex.runtime.settings import STAGE1_SETTINGS, DecodeSettings, PrefillSettings, ServeSettings
 
 __all__ = ["DecodeSettings", "LayerPaths", "PrefillSettings", "ServeSettings", "ServedIndex", "ServingLog",
            "candidates_for_recall", "serve_index"]
@@ -194,14 +196,19 @@ class ServedIndex(ModuleHooks):
         pages = slots * (-(-self.max_keys // 64) + 1)
         self.candidates = per_layer(decode.candidates, self.decode_layers, "candidate count C")
         self.prefilter = per_layer(decode.prefilter, self.decode_layers, "stage-1 prefilter")
+        # what each layer's stage 1 scores (``auto`` is chosen by serve_index; given here, it is the codes)
+        self.stage1 = {layer: "codes" if kind == "auto" else kind for layer, kind in
+                       per_layer_text(decode.stage1, self.decode_layers, "stage 1", STAGE1_SETTINGS).items()}
         # chosen per layer: describe() says which
         self._per_layer_c = isinstance(decode.candidates, Mapping)
         self._per_layer_p = isinstance(decode.prefilter, Mapping)
+        self._per_layer_s = isinstance(decode.stage1, Mapping)
         self.points = ""  # each decode layer's point and its recorded recall (serve_index says it at startup)
         self.bundles: dict[str, str] = {}  # where each served bundle came from -> its bundle id (serve_index)
         self.groups = {
             layer: PQDecodeGroup(codec, HostKeyStore(pages, self.geometry.head_dim), slots, self.max_keys,
                                  self.topk, candidates=self.candidates[layer], prefilter=self.prefilter[layer],
+                                 stage1=self.stage1[layer],
                                  cache_capacity=decode.cache_capacity or -(-2 * self.candidates[layer] // 4) * 4,
                                  device=self.device, use_triton=use_triton, exact_below=decode.exact_below,
                                  pq_from=decode.pq_from, filter_width=decode.filter_width,
@@ -268,6 +275,12 @@ class ServedIndex(ModuleHooks):
                 by_p.setdefault(p, []).append(layer)
             parts.append("decode stage 1: " + ", ".join(f"{p} x C (layers {_ranges(layers)})"
                                                         for p, layers in sorted(by_p.items())))
+        if self._per_layer_s and len(set(self.stage1.values())) > 1:  # one for all: the points say it
+            by_s: dict[str, list[int]] = {}
+            for layer, kind in self.stage1.items():
+                by_s.setdefault(kind, []).append(layer)
+            parts.append("decode stage 1 by: " + ", ".join(f"{kind} (layers {_ranges(layers)})"
+                                                           for kind, layers in sorted(by_s.items())))
         if self.prefill_layers:
             parts.append(f"prefill IVF budget: {self.ivf_budget:,} candidates a query")
         if self.points:
@@ -611,6 +624,9 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     reuse: dict[int, int] | None = None
     chosen: dict[int, int] = {}
     factors: dict[int, int] = {}
+    stages: dict[int, str] = {}
+    # stage 1 by the fold scan where the device runs it (the torch path elsewhere: CPU serving, tests)
+    folds = fold_scan_unavailable(dev, settings.use_triton) if settings.decode.stage1 != "codes" else None
     topk = geometry_from_config(model.config).topk
     for uri in [uris] if isinstance(uris, str | Path) else list(uris):
         loaded = load_bundle(uri, model.config, device=dev, basis=settings.basis, served=served,
@@ -639,9 +655,10 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
                                             "pass one bundle per kind.")
             target[layer] = obj
         if settings.decode.auto:  # the chooser `runtime check` and the engine plugins use too
-            c_layers, p_layers = decode_settings(settings.decode, loaded, topk)
+            c_layers, p_layers, s_layers = decode_settings(settings.decode, loaded, topk, folds=folds)
             chosen.update(c_layers)
             factors.update(p_layers)
+            stages.update(s_layers)
         if any(loaded.kind_of(layer).role == "decode" for layer in loaded.layers):
             metrics.update(loaded.manifest.metrics)
         if settings.prefill.ivf_budget is None and any(loaded.kind_of(layer).role == "prefill"
@@ -653,7 +670,8 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
         decode = settings.decode
         settings = replace(settings, decode=replace(
             decode, candidates=chosen if decode.candidates == "auto" else decode.candidates,
-            prefilter=factors if decode.prefilter == "auto" else decode.prefilter))
+            prefilter=factors if decode.prefilter == "auto" else decode.prefilter,
+            stage1=stages if stages else decode.stage1))
     if budgets:  # the largest, so that every prefill layer reaches the target
         settings = replace(settings, prefill=replace(settings.prefill, ivf_budget=max(budgets)))
     index = ServedIndex(model, by_role["decode"], by_role["prefill"], settings, reuse=reuse, device=dev)
@@ -661,11 +679,11 @@ def serve_index(uris: str | Path | list[str | Path], model: torch.nn.Module, set
     if index.candidates:
         grow = {}  # C grown past the band each layer's recall was measured in (every candidate rescored there)
         if settings.decode.long_prefix == "grow":
-            bands = growth_bands(metrics, index.candidates, index.prefilter, topk)
+            bands = growth_bands(metrics, index.candidates, index.prefilter, topk, index.stage1)
             grow = {layer: index.groups[layer].grow_past(band) for layer, band in bands.items() if layer in index.groups}
         index.points = describe_points(metrics, index.candidates, index.prefilter, topk, settings.decode.recall_target,
                                        code_bytes={layer: code_bytes_of(codec) for layer, codec in by_role["decode"].items()},
-                                       grow=grow)
+                                       grow=grow, stage1=index.stage1)
         grown = [layer for layer, (_, most) in grow.items() if most > 1]
         if grown and index.slots > settings.decode.direct_upto:
             rows = max(index.groups[layer].cache_capacity for layer in grown)

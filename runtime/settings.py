@@ -74,6 +74,22 @@ def parse_prefilter(value: Any, candidates: Any = None, where: str = "--prefilte
                         f"set {where} to a number (e.g. {PREFILTER}) or `auto`.")
 
 
+STAGE1_KINDS = ("codes", "folds")  # what a served stage 1 scores, as bundles record its recall
+STAGE1_SETTINGS = ("auto", *STAGE1_KINDS)
+
+
+def parse_stage1(value: Any, where: str = "--stage1") -> str:
+    """What stage 1 scores: ``auto`` (chosen with each layer's C and P where those are chosen, else the codes),
+    ``codes`` (the keys' codes by the head-weighted folded query) or ``folds`` (the fold scan: the heads grouped
+    by sign and direction, a ReLU per group); empty: ``auto``."""
+    text = "" if value is None else str(value).strip().lower()
+    if text == "":
+        return "auto"
+    if text not in STAGE1_SETTINGS:
+        raise DsaIndexError(f"{where} {value!r} is not a stage 1.", f"set {where} to {', '.join(STAGE1_SETTINGS)}.")
+    return text
+
+
 def parse_fraction(value: Any, where: str = "--recall-target") -> float:
     """A recall target in (0, 1]."""
     try:
@@ -161,6 +177,9 @@ class DecodeSettings:
     prefilter : stage 1 keeps ``prefilter`` x C keys by a folded score before the full coarse score: a
         factor, a layer -> factor mapping, or ``auto`` (with ``candidates="auto"``: chosen with each C);
         None (the default): ``auto`` where C is, else :data:`dsaindex.coarse.PREFILTER`
+    stage1 : what stage 1 scores (:data:`STAGE1_KINDS`): ``auto`` (the default: with ``prefilter="auto"``, each
+        layer's cheapest recorded point of either stage 1 that the layer and device serve; else the codes),
+        ``codes``, ``folds`` or a layer -> one of them mapping
     recall_target : what ``auto`` must reach, over all held-out queries and in the longest prefix band
     cache_capacity : exact keys cached on the device per request (None: 2 x C)
     exact_below : requests of at most this many keys are scored exactly (0: never)
@@ -174,6 +193,7 @@ class DecodeSettings:
 
     candidates: int | Auto | PerLayer = "auto"
     prefilter: int | Auto | PerLayer | None = None
+    stage1: str | Mapping[int, str] = "auto"
     recall_target: float = RECALL_TARGET
     cache_capacity: int | None = None
     exact_below: int = 0
@@ -193,6 +213,8 @@ class DecodeSettings:
         elif self.prefilter == "auto" and self.candidates != "auto":
             parse_prefilter("auto", self.candidates)
         parse_fraction(self.recall_target)
+        if not isinstance(self.stage1, Mapping):
+            object.__setattr__(self, "stage1", parse_stage1(self.stage1, "stage1"))
 
     @property
     def auto(self) -> bool:
@@ -300,6 +322,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("DSAINDEX_PREFILTER", "prefilter", lambda v, w: v, None,
            "Stage 1 keeps PREFILTER x C keys by a folded score; `auto` (with `DSAINDEX_CANDIDATES=auto`): "
            "each layer's stage 1 chosen with its C.", f"`auto` with `DSAINDEX_CANDIDATES=auto`, else {PREFILTER}"),
+    EnvVar("DSAINDEX_STAGE1", "stage1", parse_stage1, "auto",
+           "What stage 1 scores: `auto` (with `DSAINDEX_PREFILTER=auto`: each layer's cheapest recorded point, by "
+           "the codes or by the fold scan's grouped folds where the layer's codes fit it and it compiles here; "
+           "else the codes), `codes` or `folds`.", "`auto`"),
     EnvVar("DSAINDEX_RECALL_TARGET", "recall_target", parse_fraction, RECALL_TARGET,
            "The held-out recall of the exact top-k that `auto` must reach, per layer.", str(RECALL_TARGET)),
     EnvVar("DSAINDEX_EXACT_BELOW", "exact_below", parse_count, PAGED_EXACT_BELOW,
@@ -353,6 +379,7 @@ class EngineSettings:
     basis: str
     candidates: int | Auto | None
     prefilter: int | Auto
+    stage1: str
     recall_target: float
     exact_below: int
     allow_other_weights: bool
@@ -367,7 +394,7 @@ class EngineSettings:
     def decode(self, topk: int) -> DecodeSettings:
         """The decode settings these give a model whose top-k is ``topk`` (C ``auto`` unless set; none at all:
         2 x top-k)."""
-        return DecodeSettings(candidates=self.candidates or 2 * topk, prefilter=self.prefilter,
+        return DecodeSettings(candidates=self.candidates or 2 * topk, prefilter=self.prefilter, stage1=self.stage1,
                               recall_target=self.recall_target)
 
 

@@ -49,8 +49,8 @@ class RuntimeSelection(ModuleHooks):
     model : a transformers DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``)
     layers : layer id -> :class:`PQCodec` (``LoadedArtifacts.layers``), trained in ``basis``
     batch : rows of the generation batch; max_keys : longest sequence (prompt + new tokens)
-    candidates, prefilter, exact_below : as :class:`PQDecodeGroup`, C and stage 1 for every layer or a layer
-    -> value mapping (``exact_below``: the length policy, off by default here, where the point is to measure
+    candidates, prefilter, stage1, exact_below : as :class:`PQDecodeGroup`, C, stage 1 and what it scores for
+    every layer or a layer -> value mapping (``exact_below``: the length policy, off by default here, where the point is to measure
     PQ selection); cache_capacity : its cache rows (default twice the candidates, rounded up to its 4-row
     sets)
     """
@@ -58,6 +58,7 @@ class RuntimeSelection(ModuleHooks):
     def __init__(self, model: torch.nn.Module, layers: dict[int, PQCodec], batch: int, max_keys: int,
                  basis: str = "hadamard", candidates: int | Mapping[int, int] = 1024,
                  prefilter: int | Mapping[int, int] = PREFILTER,
+                 stage1: str | Mapping[int, str] = "codes",
                  cache_capacity: int | None = None, device: str | torch.device = "cpu",
                  use_triton: bool | None = None, exact_below: int = 0):
         super().__init__()
@@ -74,10 +75,11 @@ class RuntimeSelection(ModuleHooks):
         pages = batch * (-(-max_keys // 64) + 1)
         c_of = per_layer(candidates, self.indexers, "candidate count C")
         p_of = per_layer(prefilter, self.indexers, "stage-1 prefilter")
+        s_of = stage1 if isinstance(stage1, Mapping) else dict.fromkeys(self.indexers, stage1)
         self.groups = {
             layer: PQDecodeGroup(layers[layer], HostKeyStore(pages, self.geometry.head_dim), batch, max_keys,
                                  self.geometry.topk, candidates=c_of[layer], prefilter=p_of[layer],
-                                 cache_capacity=cache_capacity or -(-2 * c_of[layer] // 4) * 4, device=device,
+                                 stage1=s_of.get(layer, "codes"), cache_capacity=cache_capacity or -(-2 * c_of[layer] // 4) * 4, device=device,
                                  use_triton=use_triton, exact_below=exact_below)
             for layer in self.indexers
         }
@@ -166,7 +168,8 @@ def byte_text(ids: list[int]) -> str:
 
 
 def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt: torch.Tensor, new_tokens: int, basis: str = "hadamard",
-                     candidates: int = 1024, prefilter: int = PREFILTER, device: str = "cpu",
+                     candidates: int = 1024, prefilter: int = PREFILTER, stage1: str | Mapping[int, str] = "codes",
+                     device: str = "cpu",
                      use_triton: bool | None = None, continuation: torch.Tensor | None = None, exact_below: int = 0,
                      progress: Callable[[int, int, str], None] | None = None,
                      selection: Callable[[], Any] | None = None, prefill_chunk: int | None = None,
@@ -205,7 +208,8 @@ def greedy_agreement(model: torch.nn.Module, layers: dict[int, PQCodec], prompt:
         return (lambda done: progress(before[name] + done, total, name)) if progress else None
 
     reference = greedy_decode(model, prompt, new_tokens, on_token=tick("exhaustive"), prefill_chunk=prefill_chunk)
-    kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, device=device, use_triton=use_triton,
+    kwargs = dict(basis=basis, candidates=candidates, prefilter=prefilter, stage1=stage1, device=device,
+                  use_triton=use_triton,
                   exact_below=exact_below)
     max_keys = prompt.numel() + new_tokens + 1
     runtime = selection or (lambda: RuntimeSelection(model, layers, 1, max_keys, **kwargs))

@@ -639,6 +639,26 @@ def test_the_exact_path_bound_counts_each_requests_fixed_share_of_the_codes_step
         assert (int(step.stats.stage1.sum()) == 0) == (over == 0)
 
 
+def test_the_fold_scans_exact_path_bound_adds_its_fixed_part():
+    """Stage 1 by the fold scan costs a step a fixed part the codes' does not (its operands, sampling and
+    threshold): its exact-path bound is the codes' plus that part in keys. On the H100 at 1M keys (C = 4,096,
+    P = 1, band 128K) the folds' step took 0.171 / 0.201 ms at 1 / 2 requests against DeepGEMM's 0.105 / 0.156,
+    and 0.328 against 0.469 at 8; the codes' at P = 1 0.114 at 2 (docs/results/paged_grown_stage1_folds_p1_h100.json)."""
+    from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_FOLDS_EXTRA_BELOW
+
+    pq32 = PQCodec(codebooks=torch.randn(32, 256, 4, generator=torch.Generator().manual_seed(0)))
+    made = {kind: PagedCacheSelector(pq32, 8, topk=16, candidates=4096, prefilter=1, head_dim=128, device=DEV,
+                                     grow_band=1 << 17, stage1=kind) for kind in ("codes", "folds")}
+    assert made["folds"].exact_below == made["codes"].exact_below + PAGED_FOLDS_EXTRA_BELOW == (
+        PAGED_EXACT_BELOW + PAGED_FOLDS_EXTRA_BELOW)
+    assert made["folds"].takes_exact(2, 1 << 20) and not made["codes"].takes_exact(2, 1 << 20)
+    assert not made["folds"].takes_exact(8, 1 << 20) and not made["folds"].takes_exact(64, 1 << 20)
+    assert made["folds"].takes_exact(64, 1 << 16)  # a 64K prefix: the fixed part is more than the scan saves
+    off = PagedCacheSelector(pq32, 8, topk=16, candidates=4096, prefilter=1, head_dim=128, device=DEV,
+                             stage1="folds", exact_below=0)
+    assert off.exact_below == 0 and not off.takes_exact(1, 1 << 16)  # no exact path stays none
+
+
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_where_c_grows_the_exact_path_counts_the_longest_requests_grown_share(use_triton):
     """With C grown by length, a request's share of the codes' step grows with its stage-1 width, so the exact

@@ -268,13 +268,30 @@ def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
     from dsaindex.runtime.loader import selection_for_recall
 
     staged = dict(metrics, **{f"{head}/prefilter8@2048": 0.99, f"{head}/prefilter8@4096": 0.996})
-    assert selection_for_recall(staged, [0], 512, 0.99) == {0: (8, 2048)}  # 16K keys, as 4 x 4096
-    assert selection_for_recall(staged, [0], 512, 0.995) == {0: (16, 2048)}  # 32K keys, as 8 x 4096
-    assert selection_for_recall(staged, [0], 512, 0.9995) == {0: (16, 4096)}
-    with pytest.raises(DsaIndexError, match=r"at most 99\.95% .* C = 4096 with stage 1 keeping 16 x C keys"):
+    assert selection_for_recall(staged, [0], 512, 0.99) == {0: ("codes", 8, 2048)}  # 16K keys, as 4 x 4096
+    assert selection_for_recall(staged, [0], 512, 0.995) == {0: ("codes", 16, 2048)}  # 32K keys, as 8 x 4096
+    assert selection_for_recall(staged, [0], 512, 0.9995) == {0: ("codes", 16, 4096)}
+    with pytest.raises(DsaIndexError, match=r"at most 99\.95% .* C = 4096 with stage 1 keeping 16 x C keys by codes"):
         selection_for_recall(staged, [0], 512, 0.9999)
     with pytest.raises(DsaIndexError, match="records no served recall per stage-1 factor"):
         selection_for_recall({f"{head}/rerank@2048": 1.0}, [0], 512, 0.99)
+    # the fold scan's points beside the codes': ranked by expected step cost, stage 1's scan and P x C
+    from dsaindex.coarse import step_cost_us
+
+    folded = dict(staged, **{f"{head}/folds1@2048": 0.996, f"{head}/folds1@4096": 0.9993,
+                             f"{head}/folds2@2048": 0.9992})
+    assert step_cost_us("codes", 8 * 2048) < step_cost_us("folds", 2048) < step_cost_us("codes", 16 * 2048)
+    assert selection_for_recall(folded, [0], 512, 0.99) == {0: ("codes", 8, 2048)}  # the codes' scan is cheaper
+    assert selection_for_recall(folded, [0], 512, 0.995) == {0: ("folds", 1, 2048)}  # not 16 x 2048 by codes
+    assert selection_for_recall(folded, [0], 512, 0.9992) == {0: ("folds", 2, 2048)}  # 4K keys, as 1 x 4096
+    assert selection_for_recall(folded, [0], 512, 0.995, stage1s=("codes",)) == {0: ("codes", 16, 2048)}
+    with pytest.raises(DsaIndexError, match=r"at most 99\.93% .* by folds") as err:
+        selection_for_recall(folded, [0], 512, 0.9995, stage1s=("folds",))
+    assert "stage 1 by codes" in err.value.fix
+    assert candidates_for_recall(folded, [0], 512, 0.995, prefilter=1, stage1="folds") == {0: 2048}
+    assert candidates_for_recall(folded, [0], 512, 0.999, prefilter=3, stage1="folds") == {0: 2048}  # read at 2
+    with pytest.raises(DsaIndexError, match="records no served recall with stage 1 by folds"):
+        candidates_for_recall(staged, [0], 512, 0.995, prefilter=1, stage1="folds")
     # a bundle that records no served recall (trained before it was measured): the rerank figure
     old = {k: v for k, v in metrics.items() if "prefilter" not in k}
     assert candidates_for_recall(old, [0], 512, 0.995, prefilter=4) == {0: 2048}
@@ -433,3 +450,40 @@ def test_startup_prices_each_layers_step_in_bytes_against_the_exact_scan():
     assert said == ("layer 0: C = 4096, stage 1 8 x C, held-out recall 99.54%, a query reads 0.33x the exact scan's "
                     "bytes at 128K keys, 0.25x at 1M; layer 1: C = 4096, stage 1 4 x C, held-out recall not recorded, "
                     "a query reads 0.17x the exact scan's bytes at 128K keys, 0.13x at 1M")
+
+
+def test_decode_settings_choose_the_fold_scan_only_where_a_layer_serves_it():
+    """``stage1="auto"`` takes a layer's cheaper fold-scan point where its codes fit the scan and the scan runs;
+    codes of 16 subspaces, or a device where the scan does not build, keep the codes; asking for the folds
+    there is refused with the way out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.loader import decode_settings
+    from dsaindex.runtime.settings import DecodeSettings
+
+    metrics = {}
+    for layer in (0, 1):
+        head = f"layer{layer}/k512"
+        metrics |= {f"{head}/prefilter4@2048": 0.99, f"{head}/prefilter16@2048": 0.996, f"{head}/folds1@2048": 0.997}
+    codecs = {0: SimpleNamespace(codebooks=torch.zeros(32, 256, 4), residual=False),
+              1: SimpleNamespace(codebooks=torch.zeros(16, 256, 8), residual=False)}
+    loaded = SimpleNamespace(manifest=SimpleNamespace(metrics=metrics), path="bundle", layers=codecs,
+                             kind_of=lambda layer: SimpleNamespace(role="decode"))
+    auto = DecodeSettings()
+    assert decode_settings(auto, loaded, 512) == ({0: 2048, 1: 2048}, {0: 1, 1: 16}, {0: "folds", 1: "codes"})
+    # the scan does not build on this GPU: every layer keeps the codes
+    assert decode_settings(auto, loaded, 512, folds="no NVRTC")[2] == {0: "codes", 1: "codes"}
+    assert decode_settings(DecodeSettings(stage1="codes"), loaded, 512)[:2] == ({0: 2048, 1: 2048}, {0: 16, 1: 16})
+    # a count given: the codes unless the folds are asked for
+    assert decode_settings(DecodeSettings(candidates=1024), loaded, 512) == (
+        {0: 1024, 1: 1024}, {0: 4, 1: 4}, {0: "codes", 1: "codes"})
+    assert decode_settings(DecodeSettings(candidates="auto", prefilter=1, stage1="folds"), loaded, 512,
+                           layers=[0]) == ({0: 2048}, {0: 1}, {0: "folds"})
+    with pytest.raises(DsaIndexError, match="Layer 1 cannot serve stage 1 by folds: folds score") as err:
+        decode_settings(DecodeSettings(stage1="folds"), loaded, 512)
+    assert "--stage1 codes" in err.value.fix
+    with pytest.raises(DsaIndexError, match="cannot serve stage 1 by folds: no NVRTC"):
+        decode_settings(DecodeSettings(stage1={0: "folds", 1: "codes"}), loaded, 512, folds="no NVRTC")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsaindex.coarse import step_cost_us
 from dsaindex.pipelines.capture.models import REFERENCE_V1_DIR
 from dsaindex.runtime.settings import ServeSettings
 from helpers import reference_bytes, serve
@@ -102,8 +103,9 @@ def test_whole_requests_select_through_ivf_and_pq(served):
     assert index.paths() == {i: LayerPaths("ivf", "pq") for i in range(4)}
     assert index.describe() == ("prefill ivf: layers 0-3; decode pq: layers 0-3; prefill IVF budget: 512 candidates "
                                 "a query; decode points: layers 0, 1, 2, 3: "
-                                "C = 1024, stage 1 2 x C, held-out recall not recorded, a query reads 0.25x the "
-                                "exact scan's bytes at 128K keys, 0.24x at 1M")
+                                "C = 1024, stage 1 2 x C by codes, held-out recall not recorded, a query reads 0.25x "
+                                "the exact scan's bytes at 128K keys, 0.24x at 1M, expected step "
+                                f"{step_cost_us('codes', 2048):.1f} us a query at 1M keys (H100)")
     with index:
         got = _generate(net, prompt, 12)
         assert all(ix == [None] for ix in index.ivf.values())  # decoding dropped the prefill indexes
@@ -150,8 +152,9 @@ def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
                  measure_recall=True)
     assert index.paths()[0] == LayerPaths("exact", "pq")
     assert index.describe() == ("prefill exact: layers 0-3; decode pq: layers 0-3; decode points: layers 0, 1, 2, 3: "
-                                f"C = {2 * TOPK}, stage 1 2 x C, held-out recall not recorded, a query reads 0.24x "
-                                "the exact scan's bytes at 128K keys, 0.24x at 1M")
+                                f"C = {2 * TOPK}, stage 1 2 x C by codes, held-out recall not recorded, a query reads "
+                                "0.24x the exact scan's bytes at 128K keys, 0.24x at 1M, expected step "
+                                f"{step_cost_us('codes', 4 * TOPK):.1f} us a query at 1M keys (H100)")
     with index:
         _generate(net, _text(3000, 500), 10)
     assert index.log.queries["prefill"] == {}  # the model's own prefill selection
@@ -221,8 +224,8 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     assert index.candidates == {0: 256, 1: 64, 2: 128, 3: 64}
     assert {layer: group.candidates for layer, group in index.groups.items()} == index.candidates
     assert index.describe().startswith("prefill exact: layers 0-3; decode pq: layers 0-3; decode C: 64 (layers 1, 3), "
-                                       "128 (layers 2), 256 (layers 0); decode points: layer 0: C = 256, stage 1 2 x C, "
-                                       "held-out recall")
+                                       "128 (layers 2), 256 (layers 0); decode points: layer 0: C = 256, stage 1 2 x C "
+                                       "by codes, held-out recall")
     # the default is `auto`: the same choice with no setting given, and a bundle without recall is refused
     assert serve(paths, net, served=identity, prefilter=2, use_triton=False).candidates == index.candidates
     with index:  # the groups serve with their own C
@@ -248,6 +251,23 @@ def test_candidates_are_chosen_per_layer_from_the_bundles_recall(served, tmp_pat
     assert serve(paths, net, served=identity, use_triton=False).prefilter == index.prefilter  # the default: auto
     with index:
         _generate(net, _text(3000, 400), 3)
+    # the fold scan's points too: the layer only they serve gets them (the torch path scores them here)
+    folded = dict(staged)
+    folded.update({f"layer0/k{TOPK}/prefilter{p}@{c}": 0.9 for p in (2, 8) for c in (64, 128, 256)})
+    folded.update({f"layer{layer}/k{TOPK}/folds1@{c}": 0.999 for layer in range(4) for c in (64, 128, 256)})
+    folded_paths = _bundles(tmp_path / "folded", net, identity, ivf=False, pq_metrics=folded)
+    index = serve(folded_paths, net, served=identity, use_triton=False, measure_recall=True)
+    assert index.stage1 == {0: "folds", 1: "codes", 2: "codes", 3: "codes"}
+    assert index.prefilter == {0: 1, 1: 2, 2: 2, 3: 2} and index.candidates == dict.fromkeys(range(4), 64)
+    assert {layer: group.stage1 for layer, group in index.groups.items()} == index.stage1
+    assert "decode stage 1 by: codes (layers 1-3), folds (layers 0)" in index.describe()
+    assert "layer 0: C = 64, stage 1 1 x C by folds, held-out recall 99.90%" in index.describe()
+    with index:
+        _generate(net, _text(3000, 400), 3)
+    assert index.log.recall()["decode"][0] > 0.5  # the folds' step selected layer 0's decode queries
+    with pytest.raises(DsaIndexError, match=r"Layer 0 .* at most 90\.00%.* by codes") as err:
+        serve(folded_paths, net, served=identity, use_triton=False, stage1="codes")
+    assert "serve stage 1 by folds" in err.value.fix
     with pytest.raises(DsaIndexError, match="together with its C"):
         serve(paths, net, served=identity, candidates=64, prefilter="auto")
     with pytest.raises(DsaIndexError, match=r"No stage-1 prefilter for decode layers \[1, 2, 3\]"):

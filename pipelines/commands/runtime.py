@@ -85,7 +85,7 @@ def check_cmd(
     same = ("not compared (--allow-other-weights)" if allow_other_weights
             else "same weights and config" if served else "same config (weights not compared)")
     summary["model_identity"] = same
-    auto = _auto_candidates(loaded, config, recall_target, prefilter)
+    auto = _auto_candidates(loaded, config, recall_target, prefilter, device)
     if auto is not None:
         summary["candidates_auto"] = auto
     refused = auto is not None and "refused" in auto
@@ -115,6 +115,12 @@ def check_cmd(
                 for layer, p in auto["prefilter_per_layer"].items():
                     by_p.setdefault(p, []).append(layer)
                 line += "; stage 1 " + ", ".join(f"{p} x C (layers {', '.join(layers)})" for p, layers in sorted(by_p.items()))
+            if "stage1_per_layer" in auto:
+                by_s: dict[str, list[str]] = {}
+                for layer, kind in auto["stage1_per_layer"].items():
+                    by_s.setdefault(kind, []).append(layer)
+                line += "; stage 1 by " + ", ".join(f"{kind} (layers {', '.join(layers)})"
+                                                    for kind, layers in sorted(by_s.items()))
             by_band: dict[int, list[str]] = {}
             for layer, band in auto.get("grows_past", {}).items():
                 by_band.setdefault(band, []).append(layer)
@@ -124,10 +130,12 @@ def check_cmd(
             typer.echo(f"{head}: {line}")
 
 
-def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECODE.prefilter) -> dict | None:
+def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECODE.prefilter,
+                     device: str = "cpu") -> dict | None:
     # ``prefilter`` as ``parse_prefilter`` returns it: a factor, or "auto"
     """For a bundle with pq layers: {"target", "prefilter", "per_layer": {layer: C}} as ``serve --candidates
-    auto --prefilter P`` would choose (with ``auto``, also "prefilter_per_layer": {layer: P}), {"target",
+    auto --prefilter P`` would choose on ``device`` (with ``auto``, also "prefilter_per_layer": {layer: P} and
+    "stage1_per_layer": {layer: what stage 1 scores}), {"target",
     "prefilter", "refused": message} where its recorded recall reaches the target at no C, or {"target",
     "prefilter", "unmeasured": message} where it records none; None for other bundles."""
     from dsaindex.errors import DsaIndexError
@@ -143,8 +151,11 @@ def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECOD
                 "unmeasured": f"the bundle records no held-out recall of the top-{topk}, so `--candidates auto` "
                               "cannot choose C from it; a number of candidates serves it"}
     try:
-        chosen, factors = decode_settings(DecodeSettings(candidates="auto", prefilter=prefilter, recall_target=target),
-                                          loaded, topk)
+        from dsaindex.runtime.paged_select import fold_scan_unavailable
+
+        chosen, factors, stages = decode_settings(
+            DecodeSettings(candidates="auto", prefilter=prefilter, recall_target=target), loaded, topk,
+            folds=fold_scan_unavailable(device))
     except DsaIndexError as err:
         return {"target": target, "prefilter": prefilter, "refused": str(err)}
     if not chosen:
@@ -152,7 +163,8 @@ def _auto_candidates(loaded, config, target: float, prefilter: str | int = DECOD
     out = {"target": target, "prefilter": prefilter, "per_layer": {str(layer): c for layer, c in chosen.items()}}
     if prefilter == "auto":
         out["prefilter_per_layer"] = {str(layer): p for layer, p in factors.items()}
-    bands = growth_bands(loaded.manifest.metrics, chosen, factors, topk)
+        out["stage1_per_layer"] = {str(layer): kind for layer, kind in stages.items()}
+    bands = growth_bands(loaded.manifest.metrics, chosen, factors, topk, stages)
     if any(bands.values()):  # where C grows by default (the plugins' DSAINDEX_LONG_PREFIX, serve's --long-prefix)
         out["grows_past"] = {str(layer): band for layer, band in bands.items() if band}
     return out
@@ -193,6 +205,7 @@ def generate_cmd(
     new_tokens: int = typer.Option(300, callback=at_least(1), help="Tokens generated greedily."),
     candidates: str = serving_options.CANDIDATES,
     prefilter: str = serving_options.PREFILTER,
+    stage1: str = serving_options.STAGE1,
     recall_target: float = serving_options.RECALL_TARGET,
     exact_below: int = serving_options.EXACT_BELOW,
     long_prefix: str = serving_options.LONG_PREFIX,
@@ -223,11 +236,12 @@ def generate_cmd(
     from dsaindex.console import progress_bar
     from dsaindex.geometry import geometry_from_config
     from dsaindex.runtime.loader import decode_settings, describe_points, growth_bands, load_bundle
-    from dsaindex.runtime.paged_select import growth_limit
+    from dsaindex.runtime.paged_select import fold_scan_unavailable, growth_limit
     from dsaindex.runtime.transformers_adapter import greedy_agreement
 
     # refused before anything loads
-    asked = serving_options.parse_decode(candidates, prefilter, recall_target, long_prefix=long_prefix)
+    asked = serving_options.parse_decode(candidates, prefilter, recall_target, long_prefix=long_prefix,
+                                         stage1=stage1)
     loaded_model, dev = serving_options.load_served_model(model, device, topk)
     net, served = loaded_model.model, loaded_model.fingerprint
     heldout, bos, decode = _heldout_text(corpus, net.config, prompt_offset + prompt_tokens + new_tokens,
@@ -235,13 +249,16 @@ def generate_cmd(
     loaded = load_bundle(artifacts, net.config, device=dev, basis=basis, served=served,
                          allow_other_weights=allow_other_weights)
     topk_now = geometry_from_config(net.config).topk
-    candidates, prefilter = decode_settings(asked, loaded, topk_now)  # per layer; refused where none reaches
+    # per layer; refused where none reaches
+    candidates, prefilter, stage1 = decode_settings(asked, loaded, topk_now, folds=fold_scan_unavailable(dev))
     grow = {}  # whole requests (--ivf-artifacts) are served as `serve` serves them: C grown past the band
     if ivf_artifacts is not None and asked.long_prefix == "grow":
         grow = {layer: (band, growth_limit(max(candidates[layer], topk_now)))
-                for layer, band in growth_bands(loaded.manifest.metrics, candidates, prefilter, topk_now).items()}
-    typer.echo(f"decode points: {describe_points(loaded.manifest.metrics, candidates, prefilter, topk_now, recall_target, grow=grow)}",
-               err=True)
+                for layer, band in growth_bands(loaded.manifest.metrics, candidates, prefilter, topk_now,
+                                                stage1).items()}
+    said = describe_points(loaded.manifest.metrics, candidates, prefilter, topk_now, recall_target, grow=grow,
+                           stage1=stage1)
+    typer.echo(f"decode points: {said}", err=True)
     if len(heldout) < prompt_offset + prompt_tokens + new_tokens:
         from dsaindex.errors import DsaIndexError
 
@@ -256,7 +273,7 @@ def generate_cmd(
         from dsaindex.runtime.serving import serve_index
 
         settings = ServeSettings(
-            decode=DecodeSettings(candidates=candidates, prefilter=prefilter, exact_below=exact_below,
+            decode=DecodeSettings(candidates=candidates, prefilter=prefilter, stage1=stage1, exact_below=exact_below,
                                   long_prefix=asked.long_prefix),
             prefill=PrefillSettings(ivf_budget=ivf_budget, ivf_recall_target=ivf_recall_target), basis=basis,
             allow_other_weights=allow_other_weights, measure_recall=True, max_keys=prompt_tokens + new_tokens + 1)
@@ -266,7 +283,8 @@ def generate_cmd(
 
     with progress_bar("generate", enabled=progress) as update:
         result = greedy_agreement(net, loaded.layers, prompt, new_tokens, basis=basis, candidates=candidates,
-                                  prefilter=prefilter, device=dev, continuation=continuation, progress=update,
+                                  prefilter=prefilter, stage1=stage1, device=dev, continuation=continuation,
+                                  progress=update,
                                   exact_below=exact_below, selection=selection, prefill_chunk=prefill_chunk,
                                   decode=decode)
     if ivf_artifacts is not None:
@@ -357,6 +375,7 @@ def quality_cmd(
                                         "before the first are the prompt, prefilled as a server would."),
     candidates: str = serving_options.CANDIDATES,
     prefilter: str = serving_options.PREFILTER,
+    stage1: str = serving_options.STAGE1,
     recall_target: float = serving_options.RECALL_TARGET,
     exact_below: int = serving_options.EXACT_BELOW,
     long_prefix: str = serving_options.LONG_PREFIX,
@@ -396,7 +415,7 @@ def quality_cmd(
 
     # refused before anything loads: the settings, the model reference, lengths beyond its positions
     decode = serving_options.parse_decode(candidates, prefilter, recall_target, exact_below=exact_below,
-                                          long_prefix=long_prefix)
+                                          long_prefix=long_prefix, stage1=stage1)
     serving_options.check_locations(artifacts)
     if out is not None and not out.parent.is_dir():
         raise DsaIndexError(f"--out {out}: the folder {out.parent} does not exist.", "create it, or pass another path.")
@@ -428,6 +447,7 @@ def quality_cmd(
               "topk": int(geometry_from_config(net.config).topk), "min_prefix": first, "prefill_chunk": chunk,
               "runtime": index.describe(), "candidates": {str(layer): c for layer, c in index.candidates.items()},
               "prefilter": {str(layer): p for layer, p in index.prefilter.items()},
+              "stage1": {str(layer): kind for layer, kind in index.stage1.items()},
               **({"ivf_budget": index.ivf_budget} if index.prefill_layers else {}), **result}
     text = json.dumps(report, indent=2)
     if out:

@@ -32,6 +32,7 @@ def serve_cmd(
     candidates: str = serving_options.CANDIDATES,
     recall_target: float = serving_options.RECALL_TARGET,
     prefilter: str = serving_options.PREFILTER,
+    stage1: str = serving_options.STAGE1,
     ivf_budget: int = serving_options.IVF_BUDGET,
     ivf_recall_target: float = serving_options.IVF_RECALL_TARGET,
     exact_below: int = serving_options.EXACT_BELOW,
@@ -69,7 +70,7 @@ def serve_cmd(
     settings = ServeSettings(
         decode=serving_options.parse_decode(candidates, prefilter, recall_target, exact_below=exact_below,
                                             filter_width=filter_width, direct_upto=direct_upto,
-                                            long_prefix=long_prefix),
+                                            long_prefix=long_prefix, stage1=stage1),
         prefill=PrefillSettings(ivf_budget=ivf_budget, ivf_recall_target=ivf_recall_target, stream_prefix=stream_prefix,
                                 chunk=prefill_chunk),
         basis=basis, allow_other_weights=allow_other_weights, tracking_uri=tracking_uri, retention=retention, lag=lag)

@@ -49,6 +49,11 @@ PREFILTER = typer.Option(DecodeSettings.prefilter,
                          help="Decode: stage 1 keeps prefilter x C keys, or `auto` (with --candidates auto): per "
                               "layer, the cheapest stage 1 and C whose held-out recall reaches --recall-target "
                               f"(default: auto with --candidates auto, else {coarse.PREFILTER}).")
+STAGE1 = typer.Option(DECODE.stage1, "--stage1",
+                      help="Decode: what stage 1 scores: auto (the default: with --prefilter auto, per layer the "
+                           "cheapest recorded point by either, the fold scan where the layer's codes fit it and it "
+                           "runs here; else the codes), codes (the keys' codes by the head-weighted folded query) "
+                           "or folds (the fold scan: the heads grouped by sign and direction, a ReLU per group).")
 RECALL_TARGET = typer.Option(DECODE.recall_target, min=0.0, max=1.0,
                              help="With --candidates auto: the held-out recall of the exact top-k each decode "
                                   "layer must reach (at the bundle's longest prefixes too).")
@@ -91,8 +96,12 @@ def parse_prefilter(value: str, candidates: int | str) -> int | str:
 def parse_decode(candidates: str, prefilter: str | None, recall_target: float, **more: Any) -> DecodeSettings:
     """The decode settings the options ask for: ``--candidates`` and ``--prefilter`` parsed (a bad value is
     refused here, before anything loads; no ``--prefilter``: the settings' default for that C), the other
-    fields (``exact_below``, ``filter_width``, ...) as given in ``more``."""
+    fields (``stage1``, ``exact_below``, ``filter_width``, ...) as given in ``more``."""
     count = parse_candidates(candidates)
+    if "stage1" in more:
+        from dsaindex.runtime.settings import parse_stage1
+
+        more["stage1"] = parse_stage1(more["stage1"], "--stage1")
     if "long_prefix" in more:  # named as the option, not as the settings field
         from dsaindex.runtime.settings import parse_long_prefix
 

@@ -50,6 +50,7 @@ class PluginState:
             check_paged_codes,
             describe_step,
             device_bytes_per_key,
+            fold_scan_unavailable,
             growth_limit,
             stage1_scan,
         )
@@ -63,15 +64,21 @@ class PluginState:
         self.topk = topk
         # counts, or `auto`: each layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
         # held-out recall, refused here if none reaches the target
-        candidates, prefilter = decode_settings(s.decode(topk), loaded, topk)
+        # (and with DSAINDEX_STAGE1=auto what stage 1 scores: the fold scan where it runs on the serving GPU)
+        import torch
+
+        serving = "cuda" if torch.cuda.is_available() else "cpu"
+        candidates, prefilter, stage1 = decode_settings(s.decode(topk), loaded, topk,
+                                                        folds=fold_scan_unavailable(serving))
         # DSAINDEX_LONG_PREFIX=grow: C grows with a request's prefix past the band its recall was measured in
-        bands = growth_bands(loaded.manifest.metrics, candidates, prefilter, topk) if s.long_prefix == "grow" else {}
+        bands = growth_bands(loaded.manifest.metrics, candidates, prefilter, topk,
+                             stage1) if s.long_prefix == "grow" else {}
         self.selectors = {}
         for layer, codec in loaded.layers.items():
             if loaded.kind_of(layer).role != "decode":
                 continue  # other roles (ivf prefill, ...) are not the plugin's; SGLang keeps its own path there
             self.selectors[layer] = LayerSelection(codec, candidates=candidates[layer], prefilter=prefilter[layer],
-                                                   keys_on_host=s.keys == "host", exact_below=s.exact_below,
+                                                   stage1=stage1[layer], keys_on_host=s.keys == "host", exact_below=s.exact_below,
                                                    grow_band=bands.get(layer, 0))
         self.keys = s.keys
         self.code_bytes = max((device_bytes_per_key(sel.codec.codebooks.shape[0]) for sel in self.selectors.values()),
@@ -83,13 +90,14 @@ class PluginState:
                     describe_points(loaded.manifest.metrics, candidates, prefilter, topk, s.recall_target,
                                     code_bytes={layer: code_bytes_of(sel.codec) for layer, sel in self.selectors.items()},
                                     grow={layer: (sel.grow_band, growth_limit(max(sel.candidates, topk)))
-                                          for layer, sel in self.selectors.items()}),
+                                          for layer, sel in self.selectors.items()}, stage1=stage1),
                     "host, read in place" if self.keys == "host" else "GPU, as without the plugin", self.keys,
                     self.code_bytes,
                     describe_step(0 if self.keys == "host" else s.exact_below,
                                   [max(candidates[layer], topk) * prefilter[layer] for layer in self.selectors],
                                   stage1_scan([sel.codec for sel in self.selectors.values()]),
-                                  grows=any(sel.grow_band for sel in self.selectors.values())))
+                                  grows=any(sel.grow_band for sel in self.selectors.values()),
+                                  folds="folds" in stage1.values()))
 
     def note_fallback(self, why: str) -> None:
         if why not in self.fallbacks:

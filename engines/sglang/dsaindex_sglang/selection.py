@@ -26,8 +26,9 @@ class LayerSelection:
     """One layer's PQ artifact and its selector over SGLang's index-K buffer."""
 
     def __init__(self, codec: PQCodec, candidates: int, prefilter: int, keys_on_host: bool = False,
-                 exact_below: int = PAGED_EXACT_BELOW, grow_band: int = 0):
+                 exact_below: int = PAGED_EXACT_BELOW, grow_band: int = 0, stage1: str = "codes"):
         self.codec, self.candidates, self.prefilter = codec, candidates, prefilter
+        self.stage1 = stage1  # what stage 1 scores: the codes, or the fold scan's grouped folds
         self.grow_band = grow_band  # DSAINDEX_LONG_PREFIX=grow: C grows with the prefix past these keys (0: fixed)
         self.exact_below = exact_below  # DSAINDEX_EXACT_BELOW: small steps scored as SGLang scores them
         self.keys_on_host = keys_on_host  # DSAINDEX_KEYS=host: the buffer is host memory read in place
@@ -38,7 +39,7 @@ class LayerSelection:
         sel = self.selector
         if sel is None or sel.num_pages != cache.shape[0] or sel.device != cache.device or sel.topk != topk:
             sel = PagedCacheSelector(self.codec, cache.shape[0], topk, candidates=max(self.candidates, topk),
-                                     prefilter=self.prefilter, device=cache.device, keys_on_host=self.keys_on_host,
+                                     prefilter=self.prefilter, stage1=self.stage1, device=cache.device, keys_on_host=self.keys_on_host,
                                      exact_below=self.exact_below, grow_band=self.grow_band)
             self.selector = sel
         return sel

@@ -43,6 +43,7 @@ from dsaindex.runtime.paged_select import (
     PagedCacheSelector,
     check_paged_codes,
     describe_step,
+    fold_scan_unavailable,
     growth_limit,
     stage1_scan,
 )
@@ -225,6 +226,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
         self.selector: PagedCacheSelector | None = None
         self.candidates = 2 * topk_tokens  # the layer's own C once its artifact is known (below)
         self.prefilter = s.decode(topk_tokens).prefilter  # the layer's own once its artifact is known (below)
+        self.stage1 = "codes"  # what the layer's stage 1 scores (DSAINDEX_STAGE1; chosen with its artifact, below)
         self.exact_below = s.exact_below  # DSAINDEX_EXACT_BELOW: small steps scored as vLLM scores them
         self.grow_band = 0  # DSAINDEX_LONG_PREFIX=grow: the keys past which C grows (set with the artifact, below)
         self._engine_layer: bool | None = None
@@ -248,20 +250,24 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             self.codec = loaded.layers[self.layer_id]
             # a count, or `auto`: this layer's C (and with DSAINDEX_PREFILTER=auto its stage 1) from the bundle's
             # held-out recall, refused here if none reaches the target
-            per_layer, factors = decode_settings(s.decode(topk_tokens), loaded, topk_tokens, layers=[self.layer_id])
+            per_layer, factors, stages = decode_settings(s.decode(topk_tokens), loaded, topk_tokens,
+                                                         layers=[self.layer_id],
+                                                         folds=fold_scan_unavailable(topk_indices_buffer.device))
             self.candidates = max(per_layer[self.layer_id], topk_tokens)
             self.prefilter = factors[self.layer_id]
+            self.stage1 = stages[self.layer_id]
             # DSAINDEX_LONG_PREFIX=grow: C grows with a request's prefix past the band its recall was measured in
-            self.grow_band = growth_bands(loaded.manifest.metrics, per_layer, factors, topk_tokens)[self.layer_id] \
-                if s.long_prefix == "grow" else 0
+            self.grow_band = growth_bands(loaded.manifest.metrics, per_layer, factors, topk_tokens,
+                                          stages)[self.layer_id] if s.long_prefix == "grow" else 0
             logger.info("dsaindex: %s; %s", describe_points(loaded.manifest.metrics, per_layer, factors, topk_tokens,
                                                             s.recall_target,
                                                             code_bytes={self.layer_id: code_bytes_of(self.codec)},
                                                             grow={self.layer_id: (self.grow_band,
-                                                                                  growth_limit(self.candidates))}),
+                                                                                  growth_limit(self.candidates))},
+                                                            stage1=stages),
                         describe_step(0 if s.keys == "host" else self.exact_below,
                                       [self.candidates * self.prefilter], stage1_scan([self.codec]),
-                                      grows=self.grow_band > 0))
+                                      grows=self.grow_band > 0, folds=self.stage1 == "folds"))
 
         _LAYERS[self.k_cache.prefix] = self
         if s.capture:  # the store checked against this model (startup), the writer decided, once per process
@@ -362,7 +368,7 @@ class DsaIndexSparseAttnIndexer(SparseAttnIndexer):
             codes = getattr(self.k_cache, "_dsaindex_codes", None)  # DSAINDEX_KEYS=host: the pool holds them
             self.selector = PagedCacheSelector(self.codec, kv_cache.shape[0], self.topk_tokens,
                                                candidates=self.candidates, prefilter=self.prefilter,
-                                               head_dim=self.head_dim, device=kv_cache.device,
+                                               stage1=self.stage1, head_dim=self.head_dim, device=kv_cache.device,
                                                exact_below=self.exact_below, keys_on_host=codes is not None,
                                                codes=codes, grow_band=self.grow_band)
         return self.selector
