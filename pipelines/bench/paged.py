@@ -26,7 +26,7 @@ from pathlib import Path
 
 import typer
 
-from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PREFILTER
+from dsaindex.coarse import PAGED_EXACT_BELOW, PAGED_EXACT_OFFSET, PAGED_FOLDS_EXTRA_BELOW, PREFILTER
 from dsaindex.console import at_least
 
 KEY_BYTES = 132
@@ -90,8 +90,10 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
     flat_codes = codes.reshape(-1, 64, codes.shape[2])
     offset, extra = exact_shares(prefilter * candidates, grows=grow_band > 0)  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
-    path = "exact" if takes_exact_path(batch, keys, exact_below, offset, grow, extra) else "pq"
     first = (top_cs[0], scans[0], stage2s[0], stage1s[0])
+    # the fold scan's bound holds its fixed part too, as the selector's does
+    bound = exact_below + (PAGED_FOLDS_EXTRA_BELOW if exact_below and first[3] == "folds" else 0)
+    path = "exact" if takes_exact_path(batch, keys, bound, offset, grow, extra) else "pq"
     runs = [(p, p, exact_below, *first) for p in places]
     if path == "exact" and "device" in places:
         runs.append(("device_pq", "device", 0, *first))
