@@ -191,15 +191,16 @@ def candidates_for_recall(metrics: dict[str, float], layers: list[int], topk: in
 
 
 def selection_for_recall(metrics: dict[str, float], layers: list[int], topk: int, target: float = RECALL_TARGET,
-                         source: str = "the bundle",
-                         stage1s: tuple[str, ...] = STAGE1_KINDS) -> dict[int, tuple[str, int, int]]:
+                         source: str = "the bundle", stage1s: tuple[str, ...] = STAGE1_KINDS,
+                         suggest: tuple[str, ...] | None = None) -> dict[int, tuple[str, int, int]]:
     """Per layer, (stage 1, factor P, candidate count C) of the cheapest served step whose recorded recall
     reaches ``target`` (read as :func:`candidates_for_recall` reads it) among the points whose stage 1 is one
     of ``stage1s`` (``codes``, ``folds``): the least expected step cost
     (:attr:`~dsaindex.runtime.operating_points.OperatingPoint.cost_us`, stage 1's scan and stage 2's P x C
     keys), then the smaller C. A layer whose keys the folded stage 1 ranks well keeps the codes at a small P;
     one that reaches far back gets the folds or the larger P it needs, and only it pays for them. Raises
-    :class:`DsaIndexError` for a bundle that records no served recall, or a layer no recorded point serves."""
+    :class:`DsaIndexError` for a bundle that records no served recall, or a layer no recorded point serves (its
+    fix names the stage 1s of ``suggest`` the bundle records a point of, default every one not in ``stage1s``)."""
     table = OperatingPoints.from_metrics(metrics)
     out: dict[int, tuple[str, int, int]] = {}
     for layer in layers:
@@ -211,7 +212,8 @@ def selection_for_recall(metrics: dict[str, float], layers: list[int], topk: int
         good = sorted((p for p in points if p.recall >= target), key=lambda p: (p.cost_us, p.candidates))
         if not good:
             best = max(points, key=lambda p: p.recall)
-            others = sorted({p.stage1 for p in table.of(layer, topk, stage1=None)} - set(stage1s))
+            others = sorted({p.stage1 for p in table.of(layer, topk, stage1=None)} - set(stage1s)
+                            & set(STAGE1_KINDS if suggest is None else suggest))
             fixes = ["pass a lower --recall-target, or serve a code of more bytes per key (RQ32)"]
             if others:
                 fixes.insert(0, f"serve stage 1 by {' or '.join(others)}, as recorded (--stage1 auto, "
@@ -281,8 +283,10 @@ def decode_settings(decode: DecodeSettings, loaded: LoadedArtifacts, topk: int, 
         older = [layer for layer in served if not table.of(layer, topk, stage1=None)]
         for layer in served:
             if layer not in older:
+                # a stage 1 the layer serves but was not asked for is worth naming in a refusal
+                suggest = () if asked[layer] == "auto" or folds_refusal(loaded.layers[layer], folds) else None
                 stages[layer], factors[layer], chosen[layer] = selection_for_recall(
-                    metrics, [layer], topk, decode.recall_target, source, kinds[layer])[layer]
+                    metrics, [layer], topk, decode.recall_target, source, kinds[layer], suggest)[layer]
         for layer in older:
             stage = "folds" if kinds[layer] == ("folds",) else "codes"
             chosen |= candidates_for_recall(metrics, [layer], topk, decode.recall_target, source, PREFILTER, stage)

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import exact_fp8_topk, run_cli
 
-TOPK, CANDIDATES, PREFILTERS, TARGET = 32, (64, 128, 256), (1, 4), 0.9
+TOPK, CANDIDATES, PREFILTERS, TARGET = 32, (64, 128, 256), (1, 4), 0.85
 LAYERS = (0, 2)
 
 
@@ -254,3 +254,30 @@ def test_bad_input_is_refused_with_the_fix_before_any_work(routing_store, bundle
         assert first.startswith("error: ") and problem in first and " Fix: " in first, (args, first)
         assert "Traceback" not in proc.stderr and not proc.stdout
     assert not (tmp_path / "p.png").exists()
+
+
+def test_the_servers_defaults_are_measured_beside_the_grid(frontier, bundles):
+    """Each bundle's row of what a server takes with no decode flags (the loader's choice per layer at the
+    recall target) carries the recall that choice serves on the held-out queries, or the refusal a server
+    would stop with; the summary says it."""
+    from dsaindex.artifacts.bundle import read_bundle
+    from dsaindex.runtime.loader import LoadedArtifacts, decode_settings, place_layers
+    from dsaindex.runtime.settings import DecodeSettings
+
+    report, proc, _, _ = frontier
+    assert [d["bundle"] for d in report["defaults"]] == [str(b) for b in bundles]
+    for d, path in zip(report["defaults"], bundles, strict=True):
+        manifest, arrays = read_bundle(path)
+        loaded = LoadedArtifacts(manifest=manifest, path=path, layers=place_layers(manifest, arrays))
+        loaded.layers = {layer: codec for layer, codec in loaded.layers.items() if layer in LAYERS}
+        try:
+            c, p, kind = decode_settings(DecodeSettings(recall_target=TARGET), loaded, manifest.model.geometry.topk)
+        except Exception as err:  # noqa: BLE001 - the refusal a server stops with
+            assert d == {"bundle": str(path), "refused": str(err)}
+            continue
+        assert d["points"] == {str(layer): {"candidates": c[layer], "prefilter": p[layer], "stage1": kind[layer]}
+                               for layer in c}
+        assert set(d["recall"]) == set(report["steps"])
+        for recall in d["recall"].values():
+            assert 0.0 <= recall["mean"] <= 1.0 and recall["queries"] == report["queries"]
+        assert f"serve's defaults for {path}: " in proc.stderr

@@ -263,7 +263,17 @@ def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: 
     if isinstance(codec, PQCodec):
         codec = codec.to(opts.device)
     decoded = codec.decode(codec.encode(keys)).to(opts.device)
-    metrics = evaluate_selection(data, decoded, ks, opts.candidates, device=opts.device)
+    # the fold scan's stage 1 is recorded only for codes it serves (product codes of 32 x 256, 128 dims)
+    from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
+    from dsaindex.train.recall import FOLD_PREFILTERS
+
+    folds = ()  # additive (RQ) codes: none
+    if isinstance(codec, PQCodec):
+        m, centroids, sub = codec.codebooks.shape
+        dim = sub if codec.residual else m * sub
+        if fold_takes(int(data.queries.shape[1]), dim, m, centroids, codec.residual) is None:
+            folds = FOLD_PREFILTERS
+    metrics = evaluate_selection(data, decoded, ks, opts.candidates, device=opts.device, fold_prefilters=folds)
     keys = keys.float()
     error = ((decoded - keys) ** 2).sum(-1).mean() / (keys**2).sum(-1).mean().clamp_min(1e-30)
     metrics["relative_mse"] = float(error)  # plain (Euclidean) reconstruction error over the mean squared norm

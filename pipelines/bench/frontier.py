@@ -152,12 +152,15 @@ def check_points(bundles: list[Bundle], candidates: list[int], prefilters: list[
 def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int, candidates: list[int],
                    prefilters: list[int], steps: list[str], filter_width: float, min_prefix: int, max_queries: int,
                    device: str, use_triton: bool | None, progress=None, grow_band: int = 0,
-                   stage2: str = "auto", stage1: str = "codes") -> tuple[dict, int]:
+                   stage2: str = "auto", stage1: str = "codes",
+                   chosen: list[dict[int, tuple[int, int, str]] | None] | None = None) -> tuple[dict, int]:
     """Per (bundle index, C, P, step) the held-out queries' results: a list of (layer, prefix keys, share of
     the exact top-k selected, share of the candidates read from host). Returns it and the query count per
     layer measured (the same queries for every point). ``grow_band``: C grows with each query's prefix past
     this many keys (the default past a bundle's measured band); a step past it rescores every candidate (the
-    cached step without its miss filter, or the direct step), as servers run it."""
+    cached step without its miss filter, or the direct step), as servers run it. ``chosen``: per bundle, a
+    layer -> (C, P, stage 1) choice (a server's defaults, :func:`server_defaults`) measured too, under the key
+    (bundle index, "defaults", 0, step)."""
     import torch
 
     from dsaindex.pipelines.bench.decode import exact_topk_of_prefixes, served_step, shares_found
@@ -198,17 +201,20 @@ def measure_recall(store, bundles: list[Bundle], sequences: list[int], topk: int
             for bi, b in enumerate(bundles):
                 encoded = [(codes_of[bi][s0 : s0 + n // 64 * 64], fp8_all[s0 : s0 + n // 64 * 64],
                             scales_all[s0 : s0 + n // 64 * 64]) for s0, n in spans]
-                for c in candidates:
-                    for p in prefilters:
-                        for step in steps:
-                            picked, stats = served_step(b.codecs[layer], prefixes, q, w, topk, c, p, cache_for(c),
-                                                        step, device, use_triton, encoded=encoded, host=host,
-                                                        filter_width=filter_width, grow_band=grow_band,
-                                                        stage2=stage2, stage1=stage1)
-                            fetched = (stats.fetched.float() / stats.candidates.clamp_min(1).float()).tolist()
-                            results.setdefault((bi, c, p, step), []).extend(
-                                (layer, n, share, f)
-                                for (_, n), share, f in zip(spans, shares_found(picked, truth), fetched, strict=True))
+                points = [(c, p, stage1, (bi, c, p)) for c in candidates for p in prefilters]
+                if chosen and chosen[bi] and layer in chosen[bi]:
+                    c, p, kind = chosen[bi][layer]
+                    points.append((c, p, kind, (bi, "defaults", 0)))
+                for c, p, kind, key in points:
+                    for step in steps:
+                        picked, stats = served_step(b.codecs[layer], prefixes, q, w, topk, c, p, cache_for(c),
+                                                    step, device, use_triton, encoded=encoded, host=host,
+                                                    filter_width=filter_width, grow_band=grow_band,
+                                                    stage2=stage2, stage1=kind)
+                        fetched = (stats.fetched.float() / stats.candidates.clamp_min(1).float()).tolist()
+                        results.setdefault((*key, step), []).extend(
+                            (layer, n, share, f)
+                            for (_, n), share, f in zip(spans, shares_found(picked, truth), fetched, strict=True))
     if progress:
         progress(len(layers), len(layers), "done")
     return results, counts
@@ -241,14 +247,35 @@ def summarize(entries: list[tuple[int, int, float, float]], topk: int) -> dict:
             "fetch_share": round(sum(e[3] for e in entries) / len(entries), 4)}
 
 
-def recorded_recall(manifest, layers: list[int], topk: int, prefilter: int, candidates: int) -> float | None:
-    """The mean over ``layers`` of the served recall the bundle recorded at training for (C, P) (every held-out
-    query; the rerank of stage 1's keys without the miss filter), or None where it recorded none."""
+def recorded_recall(manifest, layers: list[int], topk: int, prefilter: int, candidates: int,
+                    stage1: str = "codes") -> float | None:
+    """The mean over ``layers`` of the served recall the bundle recorded at training for (C, P) with ``stage1``
+    (every held-out query; the rerank of stage 1's keys without the miss filter), or None where it recorded
+    none."""
     from dsaindex.runtime.operating_points import OperatingPoints
 
     table = OperatingPoints.from_metrics(manifest.metrics)
-    found = [p.overall for layer in layers for p in table.of(layer, topk, prefilter) if p.candidates == candidates]
+    found = [p.overall for layer in layers for p in table.of(layer, topk, prefilter, stage1=stage1)
+             if p.candidates == candidates]
     return round(sum(found) / len(found), 6) if found and len(found) == len(layers) else None
+
+
+def server_defaults(bundle: Bundle, topk: int, target: float, device: str) -> dict[int, tuple[int, int, str]] | str:
+    """What a server with no decode flags takes for ``bundle`` on ``device`` at ``target``: layer -> (C, P,
+    stage 1), as ``dsaindex serve`` and the plugins choose it from the bundle's recorded recall
+    (:func:`dsaindex.runtime.loader.decode_settings`, the model's top-k ``topk``), or the refusal a server
+    would stop with."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.loader import LoadedArtifacts, decode_settings
+    from dsaindex.runtime.paged_select import fold_scan_unavailable
+
+    loaded = LoadedArtifacts(manifest=bundle.manifest, path=bundle.ref, layers=dict(bundle.codecs))
+    try:
+        c, p, kind = decode_settings(DecodeSettings(recall_target=target), loaded, topk,
+                                     folds=fold_scan_unavailable(device))
+    except DsaIndexError as err:
+        return str(err)
+    return {layer: (c[layer], p[layer], kind[layer]) for layer in c}
 
 
 # ---- timing --------------------------------------------------------------------------------------------
@@ -394,9 +421,21 @@ def frontier_cases(rows: list[dict], cases: list[tuple[int, int]], timings: dict
 
 
 def summary_lines(report: dict) -> list[str]:
-    """One line per B x N: the point chosen for the recall target, or that none reaches it."""
+    """One line per B x N: the point chosen for the recall target, or that none reaches it; then one per bundle:
+    what a server takes with no decode flags and the recall it serves."""
     target = report["recall_target"]
     lines = []
+    for d in report.get("defaults", []):
+        if "refused" in d:
+            lines.append(f"serve's defaults for {d['bundle']}: a server refuses to start: {d['refused']}")
+            continue
+        kinds: dict[str, list[str]] = {}
+        for layer, x in d["points"].items():
+            kinds.setdefault(f"C={x['candidates']} P={x['prefilter']} {x['stage1']}", []).append(layer)
+        said = "; ".join(f"{p} (layers {', '.join(layers)})" for p, layers in kinds.items())
+        served = ", ".join(f"{s} step {100 * r['mean']:.2f}% ({r['band']}: {100 * r['band_mean']:.2f}%)"
+                           for s, r in d["recall"].items())
+        lines.append(f"serve's defaults for {d['bundle']}: {said}; served recall {served}")
     for case in report["cases"]:
         head = f"B={case['batch']} N={case['keys']:,} ({case['step']} step)"
         if case["chosen"] is None:
@@ -650,9 +689,12 @@ def bench_frontier(
                    "GPU kernels, not DeepGEMM).", err=True)
 
     use_triton = None if cuda else False  # on the CPU the kernels' torch references (a CPU server runs them)
+    # what a server takes with no decode flags, per bundle: measured beside the grid
+    chosen = [server_defaults(b, geometry.topk, target, device) for b in bundles]
     with progress_bar("served recall", enabled=show_progress, unit="layers") as update:
         results, counts = measure_recall(cstore, bundles, sequences, k, cs, ps, steps, width, min_prefix, queries,
-                                         device, use_triton, update, grow_band, stage2, stage1)
+                                         device, use_triton, update, grow_band, stage2, stage1,
+                                         [None if isinstance(x, str) else x for x in chosen])
     if not any(counts.values()):
         raise DsaIndexError(f"No held-out query of {display(store_ref)} (sequences {sequences}) has {min_prefix} keys "
                             "or more before it.",
@@ -671,7 +713,8 @@ def bench_frontier(
                 row = {"bundle": b.ref, "bundle_id": b.manifest.bundle_id, "code": b.label, "candidates": c,
                        "prefilter": p, "stage2_keys": p * c, "cache_capacity": cache_for(c),
                        "recall": {s: summarize(results[(bi, c, p, s)], k) for s in steps},
-                       "recorded_recall": recorded_recall(b.manifest, list(b.codecs), k, p, c)}
+                       "recorded_recall": recorded_recall(b.manifest, list(b.codecs), k, p, c,
+                                                          "folds" if stage1 == "folds" else "codes")}
                 if timings:
                     row["median_ms"] = {key: round(t["steps"][(bi, c, p)][0], 4) for key, t in timings.items()}
                     row["timing"] = {key: t["steps"][(bi, c, p)][1] for key, t in timings.items()}
@@ -696,6 +739,12 @@ def bench_frontier(
                      "trained_on": b.manifest.lineage.capture_store_id} for b in bundles],
         "rows": rows,
         "cases": frontier_cases(rows, cases, timings, direct_upto, target, grow_band),
+        "defaults": [{"bundle": b.ref, "refused": x} if isinstance(x, str) else
+                     {"bundle": b.ref, "points": {str(layer): {"candidates": c, "prefilter": p, "stage1": kind}
+                                                  for layer, (c, p, kind) in x.items()},
+                      "recall": {s: summarize(results[(bi, "defaults", 0, s)], k) for s in steps
+                                 if (bi, "defaults", 0, s) in results}}
+                     for bi, (b, x) in enumerate(zip(bundles, chosen, strict=True))],
     }
     if plot is not None:
         report["plot"] = str(frontier_plot(report, plot))
