@@ -71,7 +71,7 @@ def test_the_commands_show_each_shared_option_as_declared():
 def test_the_defaults_are_the_settings_fields():
     fields = {f.name: f.default for f in dataclasses.fields(DecodeSettings)}
     declared = _declarations()
-    for name in ("candidates", "prefilter", "recall_target", "exact_below", "long_prefix"):
+    for name in ("candidates", "prefilter", "stage1", "recall_target", "exact_below", "long_prefix"):
         assert declared[name].default == fields[name], name
 
 
@@ -84,6 +84,7 @@ def test_the_defaults_are_the_settings_fields():
     (["--ivf-budget", "0"], "--ivf-budget"),
     (["--recall-target", "1.5"], "--recall-target"),
     (["--long-prefix", "double"], "--long-prefix 'double' is not a rule for C past the measured prefixes"),
+    (["--stage1", "bits"], "--stage1 'bits' is not a stage 1"),
 ])
 def test_the_commands_refuse_a_bad_serving_option_alike_before_loading(tmp_path, bad, needle):
     missing = str(tmp_path / "no-bundle")  # nothing is read: the option is refused first
@@ -102,3 +103,4 @@ def test_parse_decode_takes_the_text_forms():
     got = serving_options.parse_decode(" 64", "8", 0.99, exact_below=512, direct_upto=0)
     assert got == DecodeSettings(candidates=64, prefilter=8, recall_target=0.99, exact_below=512, direct_upto=0)
     assert serving_options.parse_decode("AUTO", "auto", 0.99).prefilter == "auto"
+    assert serving_options.parse_decode("auto", None, 0.99, stage1=" Folds").stage1 == "folds"

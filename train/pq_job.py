@@ -271,7 +271,8 @@ def evaluate_layer(store: CaptureStore, layer: int, eval_seq: list[int], codec: 
     if isinstance(codec, PQCodec):
         m, centroids, sub = codec.codebooks.shape
         dim = sub if codec.residual else m * sub
-        if fold_takes(int(data.queries.shape[1]), dim, m, centroids, codec.residual) is None:
+        heads = int(data.queries.shape[1]) if data.queries.dim() == 3 else 2  # no held-out query: nothing scored
+        if fold_takes(heads, dim, m, centroids, codec.residual) is None:
             folds = FOLD_PREFILTERS
     metrics = evaluate_selection(data, decoded, ks, opts.candidates, device=opts.device, fold_prefilters=folds)
     keys = keys.float()
