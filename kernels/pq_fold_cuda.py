@@ -64,6 +64,12 @@ SUBSPACES, CENTROIDS, DIM = 32, 256, 128
 # 327.5 us at 4 warps (Triton's ptxas spills 18,760 bytes of stack a thread: the 64 x 128 float32 queries, held
 # three times over), 49.8 us at 8, 122.9 us at 16; the torch ops take 250.0 us
 OPERANDS_WARPS = 8
+# the k-means products' precision in that program. On the H100 (one request or 32, 64 heads): 47.4 / 49.5 us in
+# full float32 ("ieee", Triton's FMA loop), 12.1 / 12.6 us with every product in tf32 on the tensor cores, which put
+# every head of one request and 2,047 of 32 x 64 in the same fold as float32 (docs/results.md, fourth session).
+# "tf32" here (the folded queries still in float32) has run only under the interpreter: float32 stays the default
+# until its GPU tests and the step's timing have run
+OPERANDS_PRECISION = "ieee"
 MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
 COPIES = 4  # of the codebook in a block's shared memory (the kernel's BOOK_AT_COPY)
 BASE_SHARED = COPIES * SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's codebooks and queries
@@ -422,7 +428,8 @@ def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
     return q8, torch.stack([up, down], dim=2).float().contiguous(), book8
 
 
-def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_warps: int = OPERANDS_WARPS):
+def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_warps: int = OPERANDS_WARPS,
+                         precision: str = OPERANDS_PRECISION):
     """(q8, slopes, groups [B, H] int32) in one Triton launch (:func:`fold_operands`)."""
     import torch
     import triton
@@ -438,7 +445,7 @@ def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_
     if b:
         fold_operands_kernel[(b,)](q, w, scale.float().contiguous(), q8, slopes, groups, h, float(leak),
                                    HP=max(16, triton.next_power_of_2(h)), D=d, DSUB=d // SUBSPACES, G=folds,
-                                   ROUNDS=rounds, num_warps=num_warps)
+                                   ROUNDS=rounds, KMEANS=precision, num_warps=num_warps)
     return q8, slopes, groups
 
 

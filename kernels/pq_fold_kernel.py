@@ -23,9 +23,11 @@ def fold_operands_kernel(
     DSUB: tl.constexpr,
     G: tl.constexpr,
     ROUNDS: tl.constexpr,
+    KMEANS: tl.constexpr = "ieee",  # the k-means products' precision; the folds themselves in full float32
 ):
-    # the arithmetic of pq_fold_cuda.head_groups and fold_operands, in their order; the products of the k-means
-    # on the tensor cores in full float32 ("ieee")
+    # the arithmetic of pq_fold_cuda.head_groups and fold_operands, in their order; the k-means products on the
+    # tensor cores in ``KMEANS`` (pq_fold_cuda.OPERANDS_PRECISION; tf32: a head's fold may differ from the float32
+    # grouping at a near tie), the folded queries in full float32 ("ieee")
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HP)
     dims = tl.arange(0, D)
@@ -46,15 +48,15 @@ def fold_operands_kernel(
     want = i * tl.maximum(tl.where(on_positive, n_pos, n_neg) - 1, 0) // tl.maximum(HALF - 1, 1)  # [G]
     same_side = (on_positive[:, None] == positive[None, :]) & live[None, :]  # [G, HP]
     start = (same_side & (rank[None, :] == want[:, None])).to(tl.float32)
-    centers = tl.dot(start, x, input_precision="ieee")  # [G, D]
+    centers = tl.dot(start, x, input_precision=KMEANS)  # [G, D]
     allowed = positive[:, None] == on_positive[None, :]  # [HP, G]
     member = tl.zeros((HP, G), dtype=tl.float32)
     assign = tl.zeros((HP,), dtype=tl.int32)
     for _ in tl.static_range(ROUNDS):
-        sim = tl.where(allowed, tl.dot(x, tl.trans(centers), input_precision="ieee"), float("-inf"))
+        sim = tl.where(allowed, tl.dot(x, tl.trans(centers), input_precision=KMEANS), float("-inf"))
         assign = tl.argmax(sim, axis=1).to(tl.int32)
         member = ((assign[:, None] == folds[None, :]) & live[:, None]).to(tl.float32)
-        sums = tl.dot(tl.trans(member), x, input_precision="ieee")  # [G, D]
+        sums = tl.dot(tl.trans(member), x, input_precision=KMEANS)  # [G, D]
         norm = tl.sqrt(tl.sum(sums * sums, axis=1))
         centers = tl.where(norm[:, None] > 0, sums / tl.maximum(norm, 1e-30)[:, None], centers)
     tl.store(group_ptr + b * H + heads, assign, mask=live)

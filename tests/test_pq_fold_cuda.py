@@ -235,10 +235,12 @@ def test_fold_stage1_keeps_about_its_grown_target_on_the_gpu_as_in_torch():
 
 @pytest.mark.skipif(not CUDA and __import__("os").environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("heads", [64, 8])
-def test_the_fused_operands_are_the_torch_operands(heads):
-    """One Triton launch (a program a request) against the torch ops: the same folds for every head, int8 queries
-    within 1, slopes within float32 rounding; 8 heads (a tensor-core side padded to 16) too."""
+@pytest.mark.parametrize("heads, precision", [(64, "ieee"), (8, "ieee"), (64, "tf32")])
+def test_the_fused_operands_are_the_torch_operands(heads, precision):
+    """One Triton launch (a program a request) against the torch ops: the same folds for every head (on a GPU,
+    whose k-means products are tf32, all but a near tie's few), int8 queries within 1, slopes within float32
+    rounding; 8 heads (a tensor-core side padded to 16) too; the k-means products in tf32 as well (the
+    interpreter computes them in float32)."""
     from dsaindex.kernels.pq_fold_cuda import _fold_operands_fused
     from dsaindex.kernels.pq_stage2_cuda import int8_codebook
 
@@ -249,11 +251,21 @@ def test_the_fused_operands_are_the_torch_operands(heads):
     weights[1] = weights[1].abs()  # no negative head
     codebook = (torch.randn(M, K, D // M, generator=g) * 0.4).to(torch.bfloat16).to(dev)
     q8, slopes, book8 = fold_operands(queries, weights, codebook, fused=False)
-    fq8, fslopes, groups = _fold_operands_fused(queries, weights, int8_codebook(codebook)[1], FOLDS, 3, LEAK)
+    fq8, fslopes, groups = _fold_operands_fused(queries, weights, int8_codebook(codebook)[1], FOLDS, 3, LEAK,
+                                                precision=precision)
     want = head_groups(queries, weights)
 
     def parts(of):  # the heads' partition into folds (a fold's label is free among folds that start alike)
         return sorted(tuple(torch.nonzero(of == f).flatten().tolist()) for f in range(FOLDS) if bool((of == f).any()))
+    def mates(of):  # each head's fold-mates (a label-free view of the partition)
+        return [frozenset(torch.nonzero(of == of[h]).flatten().tolist()) for h in range(of.shape[0])]
+    # the k-means products in tf32 on a GPU: a head at a near tie may take another fold than float32 gives it
+    moved = sum(a != b for r in range(queries.shape[0])
+                for a, b in zip(mates(groups[r].long()), mates(want[r]), strict=True))
+    tf32 = CUDA and precision == "tf32"
+    assert moved <= (max(2, queries.numel() // queries.shape[-1] // 50) if tf32 else 0), moved
+    if moved:
+        return
     for b in range(queries.shape[0]):
         assert parts(groups[b].long()) == parts(want[b]), b
     same = torch.equal(groups.long(), want)  # then the folds line up one for one
