@@ -14,6 +14,7 @@ width without loading it.)
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -68,19 +69,45 @@ PAGED_EXACT_OFFSET = 14
 PAGED_GROWN_OFFSET = 9
 PAGED_GROWN_EXTRA = -4.5
 # the fold scan's stage 1 (``stage1="folds"``) costs a step a fixed part the codes' does not: its operands (the
-# heads grouped and folded, one Triton program a request, ~50 us at any batch), a sampling launch and its
-# threshold. On the H100 at 1M keys (C = 4,096, P = 1, band 128K, docs/results/paged_grown_stage1_folds_p1_h100.json)
-# the folds' step is 0.149 + 0.0217 B ms against DeepGEMM's 0.05 + 0.052 B: even at 3.3 requests, 3.4M keys. A
-# folds step's exact-path bound is DSAINDEX_EXACT_BELOW plus this many keys (the fixed part in keys DeepGEMM reads
-# in its time); its offsets are the codes' (stage 2 is the same kernels).
-PAGED_FOLDS_EXTRA_BELOW = 7 << 18
+# heads grouped and folded, one Triton program a request, ~12 us at any batch with tf32 k-means), a sampling launch
+# and its threshold. On the H100 at C = 4,096, P = 1, band 128K (docs/results/paged_folds_p1_tf32_h100.json) the
+# folds' step is 0.110 + 0.0216 B ms at 1M keys against DeepGEMM's 0.058 + 0.0525 B (even at 1.7 requests, 1.65M
+# keys), and 0.105 + 0.0069 B ms at 256K against 0.057 + 0.0133 B (even at 7.5 requests, 1.53M keys). A folds
+# step's exact-path bound is DSAINDEX_EXACT_BELOW plus this many keys (the fixed part in keys DeepGEMM reads in its
+# time); its offsets are the codes' (stage 2 is the same kernels).
+PAGED_FOLDS_EXTRA_BELOW = 2 << 18
 # what one decode query's served step costs at 1M keys with C grown past a 128K band, for ranking operating points
 # of different stage 1s against each other: stage 1's scan of every key by what it scores, plus stage 2's share
 # per key of its stage-1 width P x C. Read off the per-query medians of `bench paged --batches 32 --keys 1048576
 # --candidates 4096 --grow-band 131072 --exact-below 0` on the H100 (CUDA graphs): the codes at P = 1, 2, 4 take
-# 18.6, 20.4, 23.8 us, the folds at P = 1, 2 26.6, 28.6 us (docs/results/paged_grown_stage1_*_h100.json).
-STAGE1_SCAN_US = {"codes": 16.9, "folds": 24.9}
+# 18.6, 20.4, 23.8 us, the folds at P = 1, 2 26.6, 28.6 us (docs/results/paged_grown_stage1_*_h100.json); with the
+# operands' k-means in tf32 the folds at P = 1 took 24.7 us (docs/results/paged_folds_p1_tf32_h100.json).
+STAGE1_SCAN_US = {"codes": 16.9, "folds": 23.0}
 STAGE2_US_PER_KEY = 4.2e-4
+
+
+# how many keys a decode step's stage 1 passes to stage 2. The kernels keep every key whose stage-1 score reaches a
+# threshold read off strided samples at the rank of STAGE1_OVERSAMPLE x the target P x C
+# (:func:`dsaindex.kernels.select.thresholds_from_samples`): 1.5 P x C keys in expectation, a request's count
+# spread by about 1 / sqrt(rank), the rank 1.5 P x C x 8,192 / N (14% at P x C = 4,096 of 1M keys); a request of
+# at most twice the target keeps every key (its buffer). The torch paths, and the served recall a bundle records
+# at training, keep that expected count, the top ``stage1_kept`` keys by the same score, so the recall a server
+# is chosen by is the recall its GPU step serves on average.
+STAGE1_OVERSAMPLE = 1.5
+
+
+def stage1_kept(target: int, keys: int) -> int:
+    """Keys stage 1 keeps of a request's ``keys`` when it aims at ``target`` (P x C): all of them up to twice the
+    target, else ``ceil(STAGE1_OVERSAMPLE x target)``."""
+    return keys if keys <= 2 * target else math.ceil(STAGE1_OVERSAMPLE * target)
+
+
+def stage1_kept_counts(targets: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """:func:`stage1_kept` per request: ``targets`` and ``keys`` [B] integer tensors; int64 [B]."""
+    import torch
+
+    targets, keys = targets.long(), keys.long()
+    return torch.where(keys <= 2 * targets, keys, torch.ceil(STAGE1_OVERSAMPLE * targets.double()).long())
 
 
 def step_cost_us(stage1: str, width: int) -> float:

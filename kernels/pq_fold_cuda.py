@@ -64,12 +64,13 @@ SUBSPACES, CENTROIDS, DIM = 32, 256, 128
 # 327.5 us at 4 warps (Triton's ptxas spills 18,760 bytes of stack a thread: the 64 x 128 float32 queries, held
 # three times over), 49.8 us at 8, 122.9 us at 16; the torch ops take 250.0 us
 OPERANDS_WARPS = 8
-# the k-means products' precision in that program. On the H100 (one request or 32, 64 heads): 47.4 / 49.5 us in
-# full float32 ("ieee", Triton's FMA loop), 12.1 / 12.6 us with every product in tf32 on the tensor cores, which put
-# every head of one request and 2,047 of 32 x 64 in the same fold as float32 (docs/results.md, fourth session).
-# "tf32" here (the folded queries still in float32) has run only under the interpreter: float32 stays the default
-# until its GPU tests and the step's timing have run
-OPERANDS_PRECISION = "ieee"
+# the k-means products' precision in that program: "tf32" (the tensor cores; the folded queries stay float32) or
+# "ieee" (float32, Triton's FMA loop). On the H100 the operands took 47.4 / 49.5 us (one request / 32, 64 heads) in
+# float32 and 12.1 / 12.6 us with the products in tf32, which put every head of one request and 2,047 of 32 x 64 in
+# the same fold as float32. The whole fold step at P = 1, C = 4,096 (`bench paged --stage1 folds --prefilter 1
+# --exact-below 0 --grow-band 131072`, one run each): 0.143 -> 0.098 ms at 1 x 256K, 0.175 -> 0.128 ms at 1 x 1M,
+# 0.853 -> 0.791 ms at 32 x 1M (docs/results/paged_folds_p1_{ieee,tf32}_h100.json); its GPU tests pass in both
+OPERANDS_PRECISION = "tf32"
 MAX_ROWS = 8192  # rows a block scans at most (its kept rows are staged in shared memory: 4 bytes each)
 COPIES = 4  # of the codebook in a block's shared memory (the kernel's BOOK_AT_COPY)
 BASE_SHARED = COPIES * SUBSPACES * CENTROIDS * 4 + FOLDS * DIM  # a block's codebooks and queries
@@ -429,8 +430,9 @@ def fold_operands(queries: torch.Tensor, head_weights: torch.Tensor, codebook: t
 
 
 def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_warps: int = OPERANDS_WARPS,
-                         precision: str = OPERANDS_PRECISION):
-    """(q8, slopes, groups [B, H] int32) in one Triton launch (:func:`fold_operands`)."""
+                         precision: str | None = None):
+    """(q8, slopes, groups [B, H] int32) in one Triton launch (:func:`fold_operands`); ``precision`` of the
+    k-means products, None: :data:`OPERANDS_PRECISION` as it is at the call."""
     import torch
     import triton
 
@@ -445,7 +447,7 @@ def _fold_operands_fused(queries, head_weights, scale, folds, rounds, leak, num_
     if b:
         fold_operands_kernel[(b,)](q, w, scale.float().contiguous(), q8, slopes, groups, h, float(leak),
                                    HP=max(16, triton.next_power_of_2(h)), D=d, DSUB=d // SUBSPACES, G=folds,
-                                   ROUNDS=rounds, KMEANS=precision, num_warps=num_warps)
+                                   ROUNDS=rounds, KMEANS=precision or OPERANDS_PRECISION, num_warps=num_warps)
     return q8, slopes, groups
 
 

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from dsaindex.coarse import STAGE1_OVERSAMPLE
 from dsaindex.kernels import checks
 
 SAMPLES = 8192
@@ -35,7 +36,7 @@ def sample_stride(max_len: int, samples: int = SAMPLES) -> int:
 
 
 def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
-                            capacity: int, oversample: float = 1.5, grow: tuple[int, int] = (0, 1)) -> torch.Tensor:
+                            capacity: int, oversample: float = STAGE1_OVERSAMPLE, grow: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Per-request score thresholds [B] float32.
 
     Parameters
@@ -61,7 +62,7 @@ def thresholds_from_samples(sample_scores: torch.Tensor, lengths: torch.Tensor, 
 
 
 def sample_thresholds(sample_scores: torch.Tensor, lengths: torch.Tensor, stride: int, target: int,
-                      capacity: int, oversample: float = 1.5, counts: torch.Tensor | None = None,
+                      capacity: int, oversample: float = STAGE1_OVERSAMPLE, counts: torch.Tensor | None = None,
                       grow: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """:func:`thresholds_from_samples` in one Triton launch (one program per request, the samples in
     registers, the rank-th largest by bisection): a decode step's threshold without a sort.

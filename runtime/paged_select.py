@@ -71,6 +71,7 @@ from dsaindex.coarse import (
     PAGED_GROWN_OFFSET,
     PREFILTER,
     grown_offset_words,
+    stage1_kept_counts,
 )
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm
@@ -726,13 +727,14 @@ class PagedCacheSelector:
                 page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2, stage1=self.stage1_input)
             return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
-        c1 = grown_counts(self.c1, n_coded, band, most)  # each request's stage-1 width, C alike
+        # each request's stage-1 target (C alike grown) and the keys the kernels keep for it in expectation
+        c1 = stage1_kept_counts(grown_counts(self.c1, n_coded, band, most), n_coded)
         if self.stage1 == "folds":
-            _, rows1 = fold_topc_reference(codes, n_coded, q, w, self.codebooks_bf16, self.c1 * most)
+            _, rows1 = fold_topc_reference(codes, n_coded, q, w, self.codebooks_bf16, 2 * self.c1 * most)
         else:
             codes1, books1 = (codes, self.codebooks) if self.groups is None else (
                 paged_codes_reference(self.groups[0], table), self.groups[1])
-            _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, self.c1 * most)
+            _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, 2 * self.c1 * most)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
         coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks_bf16, self.stage2)  # int8: its own
         counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)

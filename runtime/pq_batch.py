@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import FILTER_WIDTH, PREFILTER, check_filter_width
+from dsaindex.coarse import FILTER_WIDTH, PREFILTER, check_filter_width, stage1_kept_counts
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm, select
 from dsaindex.kernels.checks import KernelInputError
@@ -501,13 +501,15 @@ class PQDecodeGroup:
         ``grow`` (band, most): each request's C1 grown by its length (:func:`grown_counts`)."""
         codes = self.codes[:, :longest]
         band, most = grow
-        c1 = grown_counts(self.c1, self.n_encoded, band, most)
+        # each request's stage-1 target (C1 grown alike) and the keys the kernels keep for it in expectation
+        c1 = stage1_kept_counts(grown_counts(self.c1, self.n_encoded, band, most), self.n_encoded)
+        width = 2 * self.c1 * most
         if self.stage1 == "folds":
-            _, rows1 = fold_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks_bf16, self.c1 * most)
+            _, rows1 = fold_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks_bf16, width)
         else:
             codes1, books1 = (codes, self.codebooks) if self.groups is None else (self.groups[0][:, :longest],
                                                                                    self.groups[1])
-            _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, self.c1 * most)
+            _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, width)
         rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
         counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
         # "int8": the int8 kernel's own arithmetic, so a CPU run measures what it selects

@@ -3,6 +3,7 @@
 On the CPU through TRITON_INTERPRET=1 at small sizes; the ``gpu`` tests repeat them at full size.
 """
 
+import math
 import os
 
 import pytest
@@ -1160,3 +1161,29 @@ def test_the_fused_int8_operands_are_the_torch_ones(seed, warps, monkeypatch):
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
     assert got[2] is want[2]  # the codebook's int8 form, made once
+
+
+def test_the_torch_paths_keep_what_the_sampled_threshold_keeps_in_expectation():
+    """Stage 1's kernels keep every key at or above a threshold read off strided samples at the rank of
+    1.5 x the target; the torch paths and the recall recorded at training keep ``stage1_kept`` keys instead.
+    Over random scores the threshold keeps that count on average (each request within the sampling's spread,
+    1 / sqrt(rank)), and every key of a request up to twice the target; the count and its tensor form agree."""
+    from dsaindex.coarse import STAGE1_OVERSAMPLE, stage1_kept, stage1_kept_counts
+    from dsaindex.kernels.select import sample_stride, thresholds_from_samples
+
+    g = torch.Generator().manual_seed(3)
+    target, capacity, n = 2048, 4096, 1 << 18
+    lengths = torch.tensor([n] * 32 + [4096, 3000])
+    scores = torch.randn(lengths.numel(), n, generator=g)
+    at = torch.arange(n)[None, :]
+    scores = scores.masked_fill(at >= lengths[:, None], float("-inf"))
+    stride = sample_stride(n)
+    thr = thresholds_from_samples(scores[:, ::stride], lengths, stride, target, capacity)
+    kept = ((scores >= thr[:, None]) & (at < lengths[:, None])).sum(1)
+    want = [stage1_kept(target, int(x)) for x in lengths]
+    assert want == [math.ceil(STAGE1_OVERSAMPLE * target)] * 32 + [4096, 3000]
+    assert stage1_kept_counts(torch.full_like(lengths, target), lengths).tolist() == want
+    assert kept[32:].tolist() == want[32:]  # a request of at most twice the target: every key
+    mean = float(kept[:32].float().mean())
+    assert abs(mean - want[0]) <= 0.03 * want[0], mean
+    assert ((kept[:32] - want[0]).abs() <= 0.35 * want[0]).all()

@@ -10,15 +10,15 @@ For each held-out query whose causal prefix holds at least ``4 * k`` keys:
   score is below (the k-th largest candidate coarse score - one sample std of the candidates' coarse
   scores) are dropped before the exact rescore; ``fetch@C`` is the share of candidates kept (what a
   cold cache would read from host);
-* (d) ``prefilter{P}@C``: (b) as the served decode step selects: its stage 1 keeps the ``P * C`` keys of
-  the highest folded score (the head-weighted sum of the queries against the coded key, no ReLU), and
-  the top C by coarse score are taken among those. The folded score ranks worst where heads disagree,
-  so at long prefixes a small ``P`` can lose what (b) keeps; a server's ``--candidates auto`` reads this
-  metric at its own prefilter.
+* (d) ``prefilter{P}@C``: (b) as the served decode step selects: its stage 1, aiming at ``P * C`` keys,
+  keeps what the kernels keep in expectation (:func:`~dsaindex.coarse.stage1_kept`: 1.5 x ``P * C``, every key
+  of a prefix up to twice that) by the folded score (the head-weighted sum of the queries against the coded
+  key, no ReLU), and the top C by coarse score are taken among those. The folded score ranks worst where heads
+  disagree, so at long prefixes a small ``P`` can lose what (b) keeps; a server's ``--candidates auto`` reads
+  this metric at its own prefilter.
 * (e) ``folds{P}@C``: (d) with the fold scan's stage 1 (``stage1="folds"``,
   :mod:`dsaindex.kernels.pq_fold_cuda`): the heads grouped by sign and direction, each group's folded query
-  against the coded key through its own ReLU with a leak (:func:`grouped_fold_scores`, in float, keeping
-  exactly ``P * C`` keys where the kernel keeps up to 1.5 x that: a lower bound of what it serves).
+  against the coded key through its own ReLU with a leak (:func:`grouped_fold_scores`, in float).
 
 Each metric is also reported per prefix band (``k512@32K-64K/rerank@2048``: queries whose causal prefix
 holds 32K to 64K keys, see :func:`prefix_band`), since recall falls as prefixes grow and an average over
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsaindex.coarse import miss_filter_keep
+from dsaindex.coarse import miss_filter_keep, stage1_kept
 from dsaindex.geometry import visible_key_count
 from dsaindex.score import indexer_scores
 
@@ -293,14 +293,16 @@ def grouped_fold_scores(queries: torch.Tensor, head_weights: torch.Tensor, keys:
 
 
 def _staged_hits(folded: torch.Tensor, coarse: torch.Tensor, exact: torch.Tensor, truth: torch.Tensor,
-                 prefixes: list[int], kept: int, c: int, k: int, unstaged: list[float]) -> list[float]:
-    """Per row, recall of the exact top-``k`` when stage 1 keeps the ``kept`` keys of the highest ``folded``
-    score, the top ``c`` of those by ``coarse`` score are rescored exactly and the top ``k`` taken. Rows
-    whose prefix is at most ``kept`` keys pass every key to stage 2: their ``unstaged`` value (rerank@c)."""
+                 prefixes: list[int], target: int, c: int, k: int, unstaged: list[float]) -> list[float]:
+    """Per row, recall of the exact top-``k`` when stage 1, aiming at ``target`` (P x C) keys, keeps the
+    :func:`~dsaindex.coarse.stage1_kept` keys of the highest ``folded`` score (what the kernels keep in
+    expectation), the top ``c`` of those by ``coarse`` score are rescored exactly and the top ``k`` taken. Rows
+    whose prefix stage 1 keeps whole pass every key to stage 2: their ``unstaged`` value (rerank@c)."""
     out = list(unstaged)
-    rows = [i for i, n in enumerate(prefixes) if n > kept]
+    rows = [i for i, n in enumerate(prefixes) if stage1_kept(target, n) < n]
     if not rows:
         return out
+    kept = stage1_kept(target, max(prefixes[i] for i in rows))  # the same for every row stage 1 thins
     r = torch.tensor(rows, device=folded.device)
     stage1 = folded[r].topk(kept).indices
     cand = stage1.gather(1, coarse[r].gather(1, stage1).topk(c).indices)
