@@ -280,4 +280,13 @@ def test_the_servers_defaults_are_measured_beside_the_grid(frontier, bundles):
         assert set(d["recall"]) == set(report["steps"])
         for recall in d["recall"].values():
             assert 0.0 <= recall["mean"] <= 1.0 and recall["queries"] == report["queries"]
-        assert f"serve's defaults for {path}: " in proc.stderr
+        # timed as a server runs it: each layer at its own point, a layer's share the mean of theirs
+        bases = {f"{c['batch']}x{c['keys']}": c["baseline"]["median_ms"] for c in report["cases"]}
+        assert set(d["median_ms"]) == set(d["speedup"]) == set(d["point_ms"]) == set(bases)
+        for case, base in bases.items():
+            ms = d["point_ms"][case]
+            assert set(ms) == {f"C={c[layer]} P={p[layer]} {kind[layer]}" for layer in c}
+            mean = sum(ms[f"C={c[layer]} P={p[layer]} {kind[layer]}"] for layer in c) / len(c)
+            assert d["median_ms"][case] == pytest.approx(mean, abs=1e-4)
+            assert d["speedup"][case] == pytest.approx(base / d["median_ms"][case], rel=2e-3)
+        assert f"serve's defaults for {path}: " in proc.stderr and "a layer's step 1 x 2048: " in proc.stderr

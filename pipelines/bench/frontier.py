@@ -281,10 +281,13 @@ def server_defaults(bundle: Bundle, topk: int, target: float, device: str) -> di
 # ---- timing --------------------------------------------------------------------------------------------
 def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: list[int], prefilters: list[int],
                heads: int, topk: int, direct_upto: int, filter_width: float, graphs: bool, device: str,
-               progress=None, grow_band: int = 0, stage2: str = "auto", stage1: str = "codes") -> dict[str, dict]:
+               progress=None, grow_band: int = 0, stage2: str = "auto", stage1: str = "codes",
+               chosen: list[dict[int, tuple[int, int, str]] | None] | None = None) -> dict[str, dict]:
     """Per B x N (:func:`case_key`): {"baseline": the exact step's timing, "steps": {(bundle index, C, P):
     (median ms, timing mode)}}, every step over the same synthetic keys and queries as its baseline.
-    ``grow_band``: C grown past it as the server grows it (a step past it rescores every candidate)."""
+    ``grow_band``: C grown past it as the server grows it (a step past it rescores every candidate).
+    ``chosen``: per bundle, a server's defaults (layer -> (C, P, stage 1)); each distinct point of them is timed
+    too, under (bundle index, "defaults", C, P, stage 1)."""
     import torch
 
     from dsaindex.pipelines.bench.decode import pq_group_over, pq_step_ms, synthetic_state
@@ -292,7 +295,8 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
 
     cuda = device.startswith("cuda")
     use_triton = None if cuda else False  # on the CPU the kernels' torch references, as a CPU server runs
-    total = len(cases) * len(bundles) * len(candidates) * len(prefilters)
+    extra = [sorted(set(x.values())) if x else [] for x in (chosen or [None] * len(bundles))]
+    total = len(cases) * (len(bundles) * len(candidates) * len(prefilters) + sum(map(len, extra)))
     done = 0
     out = {}
     for batch, keys in cases:
@@ -308,19 +312,20 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
             codec = next(iter(b.codecs.values()))
             m, k = codec.codebooks.shape[:2]
             codes = torch.randint(0, k, (batch, keys, m), device=device, generator=g, dtype=torch.int32).to(torch.uint8)
-            for c in candidates:
-                for p in prefilters:
-                    if progress:
-                        progress(done, total, f"B={batch} N={keys:,}: {b.label} C={c} P={p}")
-                    group = pq_group_over(fp8, scales, codes, codec.codebooks, topk, c, p, cache_for(c), codec=codec,
-                                          device=device, host=host, direct_upto=direct_upto,
-                                          filter_width=filter_width, use_triton=use_triton, grow_band=grow_band,
-                                          stage2=stage2, stage1=stage1)
-                    ms, _, mode = pq_step_ms(group, q, w, graphs, device)
-                    steps[(bi, c, p)] = (ms, mode)
-                    group.free_all()
-                    group = None
-                    done += 1
+            points = [(c, p, stage1, (bi, c, p)) for c in candidates for p in prefilters]
+            points += [(c, p, kind, (bi, "defaults", c, p, kind)) for c, p, kind in extra[bi]]
+            for c, p, kind, key in points:
+                if progress:
+                    progress(done, total, f"B={batch} N={keys:,}: {b.label} C={c} P={p} {kind}")
+                group = pq_group_over(fp8, scales, codes, codec.codebooks, topk, c, p, cache_for(c), codec=codec,
+                                      device=device, host=host, direct_upto=direct_upto,
+                                      filter_width=filter_width, use_triton=use_triton, grow_band=grow_band,
+                                      stage2=stage2, stage1=kind)
+                ms, _, mode = pq_step_ms(group, q, w, graphs, device)
+                steps[key] = (ms, mode)
+                group.free_all()
+                group = None
+                done += 1
             codes = None
         out[case_key(batch, keys)] = {"baseline": baseline, "steps": steps}
         fp8 = scales = q = w = host = None
@@ -328,6 +333,20 @@ def time_cases(cases: list[tuple[int, int]], bundles: list[Bundle], candidates: 
             torch.cuda.empty_cache()
     if progress:
         progress(total, total, "done")
+    return out
+
+
+def defaults_timing(bundle_index: int, points: dict[int, tuple[int, int, str]], timings: dict) -> dict:
+    """The defaults' step per B x N as a server runs it, each layer at its own point: {"median_ms": the mean over
+    layers of their points' medians (a layer's share of a decode step), "speedup": the baseline's median over
+    that, "point_ms": each distinct point's median ("C=4096 P=2 folds")}."""
+    out: dict[str, dict] = {"median_ms": {}, "speedup": {}, "point_ms": {}}
+    for key, t in timings.items():
+        ms = {point: t["steps"][(bundle_index, "defaults", *point)][0] for point in set(points.values())}
+        mean = sum(ms[point] for point in points.values()) / len(points)
+        out["median_ms"][key] = round(mean, 4)
+        out["speedup"][key] = round(t["baseline"]["median_ms"] / max(mean, 1e-9), 3)
+        out["point_ms"][key] = {f"C={c} P={p} {kind}": round(v, 4) for (c, p, kind), v in sorted(ms.items())}
     return out
 
 
@@ -435,7 +454,11 @@ def summary_lines(report: dict) -> list[str]:
         said = "; ".join(f"{p} (layers {', '.join(layers)})" for p, layers in kinds.items())
         served = ", ".join(f"{s} step {100 * r['mean']:.2f}% ({r['band']}: {100 * r['band_mean']:.2f}%)"
                            for s, r in d["recall"].items())
-        lines.append(f"serve's defaults for {d['bundle']}: {said}; served recall {served}")
+        line = f"serve's defaults for {d['bundle']}: {said}; served recall {served}"
+        if d.get("speedup"):
+            line += "; a layer's step " + ", ".join(
+                f"{case.replace('x', ' x ', 1)}: {d['median_ms'][case]:.4f} ms ({x:.2f}x)" for case, x in d["speedup"].items())
+        lines.append(line)
     for case in report["cases"]:
         head = f"B={case['batch']} N={case['keys']:,} ({case['step']} step)"
         if case["chosen"] is None:
@@ -705,7 +728,8 @@ def bench_frontier(
     if timed_run:
         with progress_bar("decode steps", enabled=show_progress, unit="steps") as update:
             timings = time_cases(cases, bundles, cs, ps, geometry.n_heads, k, direct_upto, width, graphs, device,
-                                 update, grow_band, stage2, stage1)
+                                 update, grow_band, stage2, stage1,
+                                 [None if isinstance(x, str) else x for x in chosen])
     rows = []
     for bi, b in enumerate(bundles):
         for c in cs:
@@ -743,7 +767,8 @@ def bench_frontier(
                      {"bundle": b.ref, "points": {str(layer): {"candidates": c, "prefilter": p, "stage1": kind}
                                                   for layer, (c, p, kind) in x.items()},
                       "recall": {s: summarize(results[(bi, "defaults", 0, s)], k) for s in steps
-                                 if (bi, "defaults", 0, s) in results}}
+                                 if (bi, "defaults", 0, s) in results},
+                      **(defaults_timing(bi, x, timings) if timings else {})}
                      for bi, (b, x) in enumerate(zip(bundles, chosen, strict=True))],
     }
     if plot is not None:
