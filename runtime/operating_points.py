@@ -7,7 +7,9 @@ one, for bundles trained before the served recall was recorded), over every held
 prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``), and of the served
 step whose stage 1 is the fold scan (``.../folds{P}@{C}``: the heads grouped by sign and direction, a ReLU per
 group). Points of the two stage 1s are ranked against each other by their expected cost
-(:func:`dsaindex.coarse.step_cost_us`).
+(:func:`dsaindex.coarse.step_cost_us`). A stage 1 aiming at P x C keeps 1.5 P x C on average
+(:func:`dsaindex.coarse.stage1_kept`); bundles trained since 2026-12-07 record the recall at that width, the
+kernels' own, and older ones at exactly P x C, a lower bound of what the kernels serve.
 :meth:`OperatingPoints.from_metrics` is the one reader of those names; the choosers in
 :mod:`dsaindex.runtime.loader` pick from the typed table (the pattern of faiss contrib's
 ``OperatingPoints``: parameters -> measured recall, the cheapest point above a target).
