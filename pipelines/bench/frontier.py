@@ -22,7 +22,10 @@ A decode operating point is a code (a bundle), C (candidates rescored exactly), 
   exact step.
 
 Per B x N it reports the Pareto front of (recall, speedup), a point's recall being the lower of its mean
-and its longest band's, and the fastest point whose mean and band both reach ``--recall-target``.
+and its longest band's, and the fastest point whose mean and band both reach ``--recall-target``. Beside the
+grid it measures what a server takes with no decode flags (each layer's point chosen from the bundle's
+recorded recall): its served recall, and its step per B x N, each layer at its own point. The timed step is
+the host-store group ``serve`` runs; the engine plugins' paged step is ``bench paged``'s.
 """
 
 from __future__ import annotations
