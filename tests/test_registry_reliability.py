@@ -522,3 +522,61 @@ def test_an_alias_write_that_loses_a_race_on_its_row_is_written_again():
     with pytest.raises(RuntimeError, match="UniqueViolation"):
         _set_alias(lost, "m", "candidate", 3, attempts=3)
     assert lost.failures == 7 and not lost.written
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["answer-lost", "not-applied"])
+@pytest.mark.parametrize("method", ["create_run", "create_logged_model", "create_model_version"])
+def test_a_create_whose_outcome_is_unknown_is_looked_up_before_it_is_sent_again(store, tmp_path, monkeypatch,
+                                                                                  method, applied):
+    """MLflow does not send a create again after a timeout or a 5xx (it may have been applied): the registration
+    looks for what that try made, by a tag or id only it uses, and sends the create again only when nothing is
+    there. Either way the bundle is registered once: one run, one logged model, one version."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    real, calls = getattr(MlflowClient, method), []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(method)
+        if len(calls) > 1:
+            return real(self, *args, **kwargs)
+        if applied:  # the store wrote it; its answer never came
+            real(self, *args, **kwargs)
+            raise MlflowException(f"API request to http://store/{method} failed with timeout exception Read timed out")
+        raise MlflowException(f"API request to endpoint /{method} failed with error code 503 != 200. "
+                              "Response body: 'upstream unavailable'")
+
+    monkeypatch.setattr(MlflowClient, method, flaky)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    model = f"hand/unknown-{method.replace('_', '-')}-{applied}"
+    bundle = make_bundle(tmp_path / "b", model)
+    out = registry.register_bundle(bundle, {}, {}, [], tracking_uri=store["uri"])
+    assert len(calls) == (1 if applied else 2)
+    assert (out["version"], out["alias"], out["existing"]) == (1, "candidate", False)
+    db = store["db"]
+    runs = sql(db, "SELECT r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                   "WHERE t.key = 'dsaindex.registered_name' AND t.value = ?", out["name"])
+    assert runs == [("FINISHED",)]
+    assert sql(db, "SELECT count(*) FROM logged_models WHERE source_run_id = ?", out["run_id"]) == [(1,)]
+    assert sql(db, "SELECT version FROM model_versions WHERE name = ?", out["name"]) == [(1,)]
+
+
+def test_a_create_refused_outright_is_not_sent_again(store, tmp_path, monkeypatch):
+    """An answer that says the store refused the write (a 4xx) is not a lost answer: no lookup, no second try,
+    nothing registered."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    calls = []
+
+    def refused(self, *args, **kwargs):
+        calls.append(1)
+        raise MlflowException("API request to endpoint /runs/create failed with error code 400 != 200.")
+
+    monkeypatch.setattr(MlflowClient, "create_run", refused)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    with pytest.raises(DsaIndexError, match="Cannot start a run .* nothing was registered"):
+        registry.register_bundle(make_bundle(tmp_path / "b", "hand/refused-create"), {}, {}, [],
+                                 tracking_uri=store["uri"])
+    assert calls == [1]

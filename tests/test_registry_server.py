@@ -330,8 +330,9 @@ def faulty_proxy(server: TrackingServer, fault):
 
 def test_transient_503s_and_a_timeout_are_retried(server, tmp_path, monkeypatch):
     """Every 4th request gets a 503 from the proxy, and the first try of the run's creation no answer: with
-    MLflow's retries that dsaindex sets the registration and the listing go through, once each (the retried
-    requests were never forwarded: no second run, no second version)."""
+    MLflow's retries that dsaindex sets, and dsaindex's own for the creates MLflow does not send again (a lookup
+    first), the registration and the listing go through, once each (the retried requests were never
+    forwarded: no second run, no second version)."""
     model = "team/transient"
     bundle = make_bundle(tmp_path / "b", model, 3)
     stalled: list[int] = []

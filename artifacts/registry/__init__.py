@@ -25,7 +25,9 @@ Tracking servers (``http(s)://``) are first asked one cheap question with a shor
 unreachable server fails in seconds with its URI in the message; MLflow's own HTTP settings
 (``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``..._BACKOFF_FACTOR``,
 ``..._BACKOFF_JITTER``) get short defaults unless the user set them; a 5xx of a proxy in front of the
-server and a request that times out are retried once. A server that refuses the credentials (HTTP 401) or
+server and a request that times out are retried once. MLflow does not send a create (a run, a logged model,
+a version) again when its outcome is unknown: the registration looks for what that try made, by a tag or id
+only it uses, and sends it again only when nothing is there. A server that refuses the credentials (HTTP 401) or
 the permission (403) is one line naming ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (basic
 auth) and ``MLFLOW_TRACKING_TOKEN``.
 

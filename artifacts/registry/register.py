@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from dsaindex.artifacts.registry.tracking import (
     REGISTERING,
     TAG,
     _call,
+    _create_once,
     _credentials_error,
     _error_code,
     _interrupts_between_calls,
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
 # (a tracking server let one request and its retry time out) a shorter try: the next command finishes it.
 ROLLBACK_S = 6.0
 NO_ANSWER_ROLLBACK_S = 3.0
+# a tag only this registration's run and logged model carry: a create whose answer was lost is looked up by it
+ATTEMPT = TAG + "attempt"
 
 
 def _left_note(uri: str) -> str:
@@ -67,6 +71,11 @@ def _left_note(uri: str) -> str:
             f"{STALE_VERSION_S / 60:.0f} minutes old.")
 
 
+def _first(found: Any) -> Any:
+    """The first of a search's results, or None."""
+    return found[0] if len(found) else None
+
+
 def _experiment_id(client, experiment: str, tracking_uri: str) -> str:
     exp = _call(client.get_experiment_by_name, experiment)
     if exp is not None:
@@ -74,7 +83,8 @@ def _experiment_id(client, experiment: str, tracking_uri: str) -> str:
     root = artifact_root(tracking_uri)
     location = (root / experiment).as_uri() if root is not None else None
     try:
-        return _call(client.create_experiment, experiment, artifact_location=location)
+        return _create_once(lambda: client.create_experiment(experiment, artifact_location=location),
+                            lambda: getattr(client.get_experiment_by_name(experiment), "experiment_id", None))
     except Exception as err:  # noqa: BLE001 - a racing process may have created it
         if "ALREADY_EXISTS" not in _error_code(err):
             raise
@@ -133,6 +143,7 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
     all_metrics = {**manifest.metrics, **{k: float(v) for k, v in metrics.items()}}
     command = f"dsaindex registry register {shown} --tracking-uri {uri}"
     again = f"check that the tracking store is reachable and writable, then register again: {command}"
+    attempt = uuid.uuid4().hex
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_interrupts_between_calls())  # Ctrl-C never cuts an MLflow write in two
@@ -147,9 +158,11 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
             return existing
         try:
             exp_id = _experiment_id(client, experiment, uri)
-            run = _call(client.create_run, exp_id, run_name=f"train-{manifest.bundle_id}",
-                        tags={TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name,
-                              PROCESS: json.dumps({"pid": os.getpid(), "host": socket.gethostname()})})
+            run = _create_once(
+                lambda: client.create_run(exp_id, run_name=f"train-{manifest.bundle_id}", tags={
+                    TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name, ATTEMPT: attempt,
+                    PROCESS: json.dumps({"pid": os.getpid(), "host": socket.gethostname()})}),
+                lambda: _first(client.search_runs([exp_id], f"tags.`{ATTEMPT}` = '{attempt}'", max_results=1)))
         except Exception as err:  # noqa: BLE001 - nothing exists yet, nothing to roll back
             refused = _credentials_error(err, uri)
             if refused is not None:
@@ -163,13 +176,15 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
         version: str | None = None
         previous_candidate: str | None = None
         try:
-            model = _call(
-                client.create_logged_model, exp_id, name=f"bundle-{manifest.bundle_id}", source_run_id=run_id,
-                tags={TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name},
-                params={"basis": manifest.basis, "key_format": manifest.key_format,
-                        "schema": f"{manifest.schema_id}/{manifest.schema_version}"},
-                model_type="dsaindex-bundle",
-            )
+            model = _create_once(
+                lambda: client.create_logged_model(
+                    exp_id, name=f"bundle-{manifest.bundle_id}", source_run_id=run_id,
+                    tags={TAG + "bundle_id": manifest.bundle_id, TAG + "registered_name": name, ATTEMPT: attempt},
+                    params={"basis": manifest.basis, "key_format": manifest.key_format,
+                            "schema": f"{manifest.schema_id}/{manifest.schema_version}"},
+                    model_type="dsaindex-bundle"),
+                lambda: _first(client.search_logged_models([exp_id], f"tags.`{ATTEMPT}` = '{attempt}'",
+                                                           max_results=1)))
             model_id = model.model_id
             _call(client.log_model_artifacts, model_id, str(bundle_path))
             now = int(time.time() * 1000)
@@ -187,11 +202,11 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
                 _call(client.log_artifact, run_id, str(plot), "plots")
             _call(client.finalize_logged_model, model_id, LoggedModelStatus.READY)
 
-            try:
-                _call(client.create_registered_model, name,
-                      tags={TAG + "model_name": manifest.model.name, TAG + "family": manifest.model.family},
-                      description=f"dsaindex artifact bundles for {manifest.model.name} "
-                                  f"(weights {manifest.model.weights_digest}).")
+            try:  # a try whose outcome is unknown is sent again: a second one meets ALREADY_EXISTS
+                _create_once(lambda: client.create_registered_model(
+                    name, tags={TAG + "model_name": manifest.model.name, TAG + "family": manifest.model.family},
+                    description=f"dsaindex artifact bundles for {manifest.model.name} "
+                                f"(weights {manifest.model.weights_digest})."), lambda: None)
             except Exception as err:  # noqa: BLE001
                 if "ALREADY_EXISTS" not in _error_code(err):
                     raise
@@ -199,8 +214,11 @@ def _register_folder(bundle_path: Path, shown: str, params: dict[str, Any], metr
             # Unfinished until the last step: readers skip it, the next command undoes it if this dies.
             record = {"started": int(time.time() * 1000), "previous_candidate": previous_candidate,
                       "pid": os.getpid(), "host": socket.gethostname()}
-            mv = _call(client.create_model_version, name, source=f"models:/{model_id}", run_id=run_id,
-                       model_id=model_id, tags={**_version_tags(manifest, model_id), REGISTERING: json.dumps(record)})
+            mv = _create_once(
+                lambda: client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id,
+                                                    model_id=model_id, tags={**_version_tags(manifest, model_id),
+                                                                             REGISTERING: json.dumps(record)}),
+                lambda: _first(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")))
             version = str(mv.version)
             # the newest version of the name, this one unless another registration made a newer one meanwhile
             candidate = _point_candidate(client, name)

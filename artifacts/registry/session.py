@@ -37,7 +37,8 @@ from dsaindex.errors import DsaIndexError
 
 # MLflow's defaults (120 s per request, 7 retries with backoff 2) wait minutes on a dead server; these give
 # up on a server that stops answering mid-registration within ~15 s (a request and its retry, 6 s each, then a
-# rollback of at most NO_ANSWER_ROLLBACK_S). A transient 5xx (a proxy in front of the server) is retried once.
+# rollback of at most NO_ANSWER_ROLLBACK_S). A transient 5xx (a proxy in front of the server) is retried once
+# (a create, by tracking._create_once: MLflow leaves it to the caller).
 HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "6", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5"}
 HTTP_PROBE_SETTINGS = {**HTTP_SETTINGS, "MLFLOW_HTTP_REQUEST_TIMEOUT": "4", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}

@@ -1,5 +1,6 @@
 """Where a registry store is, and touching it safely: tracking URIs, store location checks, the
-registration lock of a sqlite store, retries of calls that meet a locked database, artifact downloads.
+registration lock of a sqlite store, retries of calls that meet a locked database or leave a create's outcome
+unknown, artifact downloads.
 
 Where things live: ``--tracking-uri`` > ``MLFLOW_TRACKING_URI`` > ``sqlite:///<cwd>/runs/mlflow/mlflow.db``.
 For a sqlite store, artifacts are kept beside the database (``<db folder>/artifacts``); a team points
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -192,6 +194,37 @@ def _call(fn: Callable[..., Any], *args: Any, attempts: int = 8, **kwargs: Any) 
             continue
         _take_interrupt()
         return result
+    raise AssertionError("unreachable")
+
+
+def _outcome_unknown(err: BaseException) -> bool:
+    """Whether a failed write may still have been applied: no answer in time, a connection that broke, or a
+    5xx (a proxy's, or the server's after it committed). MLflow (3.18 on) does not send such a create again."""
+    text = str(err).lower()
+    return (any(s in text for s in ("timed out", "timeout", "failed with exception"))
+            or re.search(r"error code 5\d\d", text) is not None)
+
+
+def _create_once(create: Callable[[], Any], find: Callable[[], Any]) -> Any:
+    """``create()`` (through :func:`_call`), sent again after a failure that leaves its outcome unknown only
+    when ``find()``, which looks for what the failed try would have made by a tag or id no other write uses,
+    finds nothing (then its result is returned). As many tries as ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` allows,
+    after MLflow's backoff; a failing lookup raises the write's own error."""
+    retries = int(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES") or 0)
+    backoff = float(os.environ.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR") or 0)
+    for attempt in range(retries + 1):
+        try:
+            return _call(create)
+        except Exception as err:  # noqa: BLE001 - MlflowException and the transport's errors
+            if attempt == retries or not _outcome_unknown(err):
+                raise
+            try:
+                found = _call(find)
+            except Exception:  # noqa: BLE001 - the store is not answering: the write's error says so
+                raise err from None
+            if found is not None:
+                return found
+            time.sleep(min(4.0, backoff * 2**attempt))
     raise AssertionError("unreachable")
 
 
