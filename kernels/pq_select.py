@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import torch
 
+from dsaindex.coarse import STAGE1_OVERSAMPLE, stage1_kept_counts
 from dsaindex.kernels import checks, select
-from dsaindex.kernels.pq_fold_cuda import pq_fold_topc
+from dsaindex.kernels.pq_fold_cuda import fold_topc_reference, pq_fold_topc
 from dsaindex.kernels.pq_scan_cuda import pq_scan_select, resolve_scan
 from dsaindex.kernels.pq_stage2_cuda import int8_scores_reference, resolve_stage2
 from dsaindex.kernels.pq_stage2_cuda import score_bound as score_bound  # the bins' scale, beside score_bins
@@ -149,6 +150,29 @@ def pq_linear_topc_reference(codes: torch.Tensor, lengths: torch.Tensor, queries
     """Top ``c`` rows per request by the stage-1 score: (scores [B, c] float32, rows [B, c] int64; -inf / -1
     past a short request's end). The spec of :func:`pq_linear_topc`."""
     return select.topk_of_prefixes(pq_linear_scores_reference(codes, queries, head_weights, codebooks), lengths, c)
+
+
+def coarse_stages_reference(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
+                            head_weights: torch.Tensor, codebooks: torch.Tensor, codebooks_bf16: torch.Tensor,
+                            c1: int, grow: tuple[int, int], stage1: str = "codes", groups: tuple | None = None,
+                            stage2: str = "bf16") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both coarse stages in torch, keeping what the kernels keep: each request's stage-1 target ``c1`` grown
+    with its length (``grow``: (band, most), :func:`grown_counts`), of which :func:`stage1_kept_counts` rows
+    (the kernels' threshold keeps that many on average), by the fold scan (``stage1="folds"``) or the codes'
+    linear scores (``groups``: the group codes and codebooks, else ``codes`` and ``codebooks``). Returns
+    (stage-1 rows [S, 2 c1 most] int64, -1 past a request's kept rows; their count [S] int32; the stage-2
+    scores of those rows, ``stage2`` "int8" being the int8 kernel's own arithmetic)."""
+    band, most = grow
+    kept = stage1_kept_counts(grown_counts(c1, lengths, band, most), lengths)
+    width = 2 * c1 * most
+    if stage1 == "folds":
+        _, rows1 = fold_topc_reference(codes, lengths, queries, head_weights, codebooks_bf16, width)
+    else:
+        codes1, books1 = (codes, codebooks) if groups is None else groups
+        _, rows1 = pq_linear_topc_reference(codes1, lengths, queries, head_weights, books1, width)
+    rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < kept[:, None], rows1, -1)
+    counts1 = torch.minimum(lengths.long(), kept).to(torch.int32)
+    return rows1, counts1, pq_candidate_scores_reference(codes, rows1, queries, head_weights, codebooks_bf16, stage2)
 
 
 def growth_of(keys: int, band: int, most: int) -> int:
@@ -368,7 +392,7 @@ def pq_linear_topc(codes: torch.Tensor, lengths: torch.Tensor, queries: torch.Te
         codes, lengths, lut, thr, dummy_f if int_table else samples, dummy_i, counts, table, table.shape[-1],
         n_rows, n_samples, stride, M=m, K=k, BLOCK_N=block_n, ITERS=1, CAPACITY=1, SAMPLE=True,
         INT_TABLE=int_table, num_warps=num_warps, hist_ptr=hist, target=c, capacity=capacity,
-        HIST=int_table, NBINS=n_bins, band=band, most=most, **paged)
+        oversample=STAGE1_OVERSAMPLE, HIST=int_table, NBINS=n_bins, band=band, most=most, **paged)
     if not int_table:
         thr = select.sample_thresholds(samples, lengths, stride, c, capacity)
     if scan == "cuda":

@@ -79,7 +79,7 @@ def pq_linear_kernel(
     hist_ptr=None,  # [B, NBINS + M] int32 (HIST): the samples' histogram by integer score, then a done counter
     target=0,  # (HIST) keys the threshold aims at, before ``oversample``
     capacity=0,  # (HIST) buffer slots: a request of at most this many keys takes every key (-inf)
-    oversample=1.5,
+    oversample=1.5,  # (HIST) the launch passes coarse.STAGE1_OVERSAMPLE
     HIST: tl.constexpr = False,
     NBINS: tl.constexpr = 1,
     CHUNK: tl.constexpr = 0,  # code bytes per load of a row (0: all M)

@@ -71,7 +71,6 @@ from dsaindex.coarse import (
     PAGED_GROWN_OFFSET,
     PREFILTER,
     grown_offset_words,
-    stage1_kept_counts,
 )
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm
@@ -95,12 +94,12 @@ from dsaindex.kernels.paged_codes import (
     with_tail_reference,
 )
 from dsaindex.kernels.pq_fold_cuda import compiles as fold_compiles
-from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
 from dsaindex.kernels.pq_fold_cuda import takes as fold_takes
 from dsaindex.kernels.pq_scan_cuda import available, resolve_scan
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
+    coarse_stages_reference,
     decoded_key_bound,
     grown_counts,
     grown_exact_rule,
@@ -108,10 +107,8 @@ from dsaindex.kernels.pq_select import (
     keep_binned,
     keep_binned_reference,
     paged_codes_reference,
-    pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
-    pq_linear_topc_reference,
     score_bins,
     score_bound,
     step_growth,
@@ -727,17 +724,9 @@ class PagedCacheSelector:
                 page_table=table, scan=self.scan, grow=(band, most), stage2=self.stage2, stage1=self.stage1_input)
             return keep_binned(rows1, bins, counts1, sel, scratch, capacity), counts1
         codes = paged_codes_reference(self.codes, table)
-        # each request's stage-1 target (C alike grown) and the keys the kernels keep for it in expectation
-        c1 = stage1_kept_counts(grown_counts(self.c1, n_coded, band, most), n_coded)
-        if self.stage1 == "folds":
-            _, rows1 = fold_topc_reference(codes, n_coded, q, w, self.codebooks_bf16, 2 * self.c1 * most)
-        else:
-            codes1, books1 = (codes, self.codebooks) if self.groups is None else (
-                paged_codes_reference(self.groups[0], table), self.groups[1])
-            _, rows1 = pq_linear_topc_reference(codes1, n_coded, q, w, books1, 2 * self.c1 * most)
-        rows1 = torch.where(torch.arange(rows1.shape[1], device=rows1.device)[None, :] < c1[:, None], rows1, -1)
-        coarse = pq_candidate_scores_reference(codes, rows1, q, w, self.codebooks_bf16, self.stage2)  # int8: its own
-        counts1 = torch.minimum(n_coded.long(), c1).to(torch.int32)
+        groups = None if self.groups is None else (paged_codes_reference(self.groups[0], table), self.groups[1])
+        rows1, counts1, coarse = coarse_stages_reference(codes, n_coded, q, w, self.codebooks, self.codebooks_bf16,
+                                                         self.c1, (band, most), self.stage1, groups, self.stage2)
         if top_c == "topk":
             return small_topk_reference(coarse, self.candidates, rows1)[1], counts1
         bins = score_bins(coarse, score_bound(q, w, self.key_bound))

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaindex.coarse import FILTER_WIDTH, PREFILTER, check_filter_width, stage1_kept_counts
+from dsaindex.coarse import FILTER_WIDTH, PREFILTER, check_filter_width
 from dsaindex.errors import DsaIndexError
 from dsaindex.kernels import deepgemm, select
 from dsaindex.kernels.checks import KernelInputError
@@ -62,20 +62,18 @@ from dsaindex.kernels.fp8_score import (
     fp8_topk_reference,
     paged_keys_reference,
 )
-from dsaindex.kernels.pq_fold_cuda import fold_topc_reference
 from dsaindex.kernels.pq_select import (
     BIN_COUNT,
     boundary_of_bins,
+    coarse_stages_reference,
     decoded_key_bound,
     grown_counts,
     growth_of,
     keep_binned,
     keep_binned_reference,
-    pq_candidate_scores_reference,
     pq_coarse_bins,
     pq_coarse_topc,
     pq_encode,
-    pq_linear_topc_reference,
     rq_encode,
     rq_whitened,
     score_bins,
@@ -500,20 +498,9 @@ class PQDecodeGroup:
         """Both coarse stages in torch: (stage-1 rows [S, C1] int64, their count [S] int32, stage-2 scores);
         ``grow`` (band, most): each request's C1 grown by its length (:func:`grown_counts`)."""
         codes = self.codes[:, :longest]
-        band, most = grow
-        # each request's stage-1 target (C1 grown alike) and the keys the kernels keep for it in expectation
-        c1 = stage1_kept_counts(grown_counts(self.c1, self.n_encoded, band, most), self.n_encoded)
-        width = 2 * self.c1 * most
-        if self.stage1 == "folds":
-            _, rows1 = fold_topc_reference(codes, self.n_encoded, q_code, w, self.codebooks_bf16, width)
-        else:
-            codes1, books1 = (codes, self.codebooks) if self.groups is None else (self.groups[0][:, :longest],
-                                                                                   self.groups[1])
-            _, rows1 = pq_linear_topc_reference(codes1, self.n_encoded, q_code, w, books1, width)
-        rows1 = torch.where(torch.arange(rows1.shape[1], device=self.device)[None, :] < c1[:, None], rows1, -1)
-        counts1 = torch.minimum(self.n_encoded.long(), c1).to(torch.int32)
-        # "int8": the int8 kernel's own arithmetic, so a CPU run measures what it selects
-        return rows1, counts1, pq_candidate_scores_reference(codes, rows1, q_code, w, self.codebooks_bf16, self.stage2)
+        groups = None if self.groups is None else (self.groups[0][:, :longest], self.groups[1])
+        return coarse_stages_reference(codes, self.n_encoded, q_code, w, self.codebooks, self.codebooks_bf16, self.c1,
+                                       grow, self.stage1, groups, self.stage2)
 
     def grow_past(self, band: int, most: int | None = None) -> tuple[int, int]:
         """Let C grow with each request's prefix past ``band`` keys (0: fixed), doubling with each doubling of
