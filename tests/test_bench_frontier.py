@@ -288,5 +288,6 @@ def test_the_servers_defaults_are_measured_beside_the_grid(frontier, bundles):
             assert set(ms) == {f"C={c[layer]} P={p[layer]} {kind[layer]}" for layer in c}
             mean = sum(ms[f"C={c[layer]} P={p[layer]} {kind[layer]}"] for layer in c) / len(c)
             assert d["median_ms"][case] == pytest.approx(mean, abs=1e-4)
-            assert d["speedup"][case] == pytest.approx(base / d["median_ms"][case], rel=2e-3)
+            # the JSON rounds a speedup to 3 decimals: on a CPU one may be 0.02
+            assert d["speedup"][case] == pytest.approx(base / d["median_ms"][case], rel=2e-3, abs=6e-4)
         assert f"serve's defaults for {path}: " in proc.stderr and "a layer's step 1 x 2048: " in proc.stderr
