@@ -78,12 +78,16 @@ PAGED_GROWN_EXTRA = -4.5
 PAGED_FOLDS_EXTRA_BELOW = 2 << 18
 # what one decode query's served step costs at 1M keys with C grown past a 128K band, for ranking operating points
 # of different stage 1s against each other: stage 1's scan of every key by what it scores, plus stage 2's share
-# per key of its stage-1 width P x C. Read off the per-query medians of `bench paged --batches 32 --keys 1048576
-# --candidates 4096 --grow-band 131072 --exact-below 0` on the H100 (CUDA graphs): the codes at P = 1, 2, 4 take
-# 18.6, 20.4, 23.8 us, the folds at P = 1, 2 26.6, 28.6 us (docs/results/paged_grown_stage1_*_h100.json); with the
-# operands' k-means in tf32 the folds at P = 1 took 24.7 us (docs/results/paged_folds_p1_tf32_h100.json).
+# per key of its stage-1 width P x C, C as grown at 1M (COST_GROWTH x, up to what the final top-k's one program
+# holds: runtime.paged_select.growth_limit, 16,384 keys for a C that is a power of two). Read off the per-query
+# medians of `bench paged --batches 32 --keys 1048576 --candidates 4096 --grow-band 131072 --exact-below 0` on the
+# H100 (CUDA graphs): the codes at P = 1, 2, 4 take 18.6, 20.4, 23.8 us, the folds at P = 1, 2 26.6, 28.6 us
+# (docs/results/paged_grown_stage1_*_h100.json); with the operands' k-means in tf32 the folds at P = 1 took 24.7 us
+# (docs/results/paged_folds_p1_tf32_h100.json). C = 2,048 at P = 4 took 24.1 us
+# (docs/results/paged_codes_p4_c2048_rule_h100.json), as C = 4,096 at P = 4: at 1M both grow to 16,384.
 STAGE1_SCAN_US = {"codes": 16.9, "folds": 23.0}
-STAGE2_US_PER_KEY = 4.2e-4
+STAGE2_US_PER_KEY = 1.06e-4
+COST_GROWTH = 8  # C's growth at 1M keys past a 128K band
 
 
 # how many keys a decode step's stage 1 passes to stage 2. The kernels keep every key whose stage-1 score reaches a
@@ -112,8 +116,11 @@ def stage1_kept_counts(targets: torch.Tensor, keys: torch.Tensor) -> torch.Tenso
 
 def step_cost_us(stage1: str, width: int) -> float:
     """The served step's expected device time a query at 1M keys (H100, :data:`STAGE1_SCAN_US`): ``stage1``'s
-    scan (``codes`` or ``folds``) and stage 2 over a stage-1 width of ``width`` keys (P x C)."""
+    scan (``codes`` or ``folds``) and stage 2 over a stage-1 width of ``width`` keys (P x C, C as grown at 1M:
+    :func:`dsaindex.runtime.operating_points.expected_step_us` grows it)."""
     return STAGE1_SCAN_US[stage1] + STAGE2_US_PER_KEY * width
+
+
 # the held-out recall of the exact top-k a prefill layer's IVF budget must reach when the budget is chosen from
 # its bundle's recorded recall (``dsaindex serve`` without --ivf-budget)
 PREFILL_RECALL_TARGET = 0.95

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from dsaindex.artifacts.compat import check_bundle_for_model
 from dsaindex.artifacts.kinds import ArtifactKind, IVFLayer, get_kind
-from dsaindex.coarse import PREFILTER, RECALL_TARGET, step_cost_us
+from dsaindex.coarse import PREFILTER, RECALL_TARGET
 from dsaindex.errors import ArtifactMismatchError, DsaIndexError
 from dsaindex.pq import PQCodec
-from dsaindex.runtime.operating_points import OperatingPoints, band_start
+from dsaindex.runtime.operating_points import OperatingPoints, band_start, expected_step_us
 from dsaindex.runtime.settings import STAGE1_KINDS, STAGE1_SETTINGS, DecodeSettings, parse_candidates
 
 if TYPE_CHECKING:
@@ -356,7 +356,7 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
     C grows past ``band`` keys by up to ``most``, as :func:`growth_bands` and ``DSAINDEX_LONG_PREFIX=grow``
     set it), how C grows past the measured prefixes instead of "longer ones not measured". ``stage1``: what each
     layer's stage 1 scores (default the codes), named with it, with the step's expected device time a query at
-    1M keys (:func:`dsaindex.coarse.step_cost_us`)."""
+    1M keys (:func:`~dsaindex.runtime.operating_points.expected_step_us`)."""
     table = OperatingPoints.from_metrics(metrics)
     groups: dict[tuple[int, int, str, str], list[int]] = {}
     for layer in sorted(candidates):
@@ -384,7 +384,7 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
             said += (f", a query reads {shares[0]['codes'] / shares[0]['exact']:.2f}x the exact scan's bytes at 128K "
                      f"keys, {shares[1]['codes'] / shares[1]['exact']:.2f}x at 1M")
         if stage1 is not None:
-            said += f", expected step {step_cost_us(kind, p * c):.1f} us a query at 1M keys (H100)"
+            said += f", expected step {expected_step_us(kind, p, c):.1f} us a query at 1M keys (H100)"
         groups.setdefault((c, p, kind, said), []).append(layer)
     return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C"
                      f"{f' by {kind}' if stage1 is not None else ''}, {said}"

@@ -7,7 +7,7 @@ one, for bundles trained before the served recall was recorded), over every held
 prefix band (``layer{L}/k{topk}@{band}/...``, with the band's query count in ``.../queries``), and of the served
 step whose stage 1 is the fold scan (``.../folds{P}@{C}``: the heads grouped by sign and direction, a ReLU per
 group). Points of the two stage 1s are ranked against each other by their expected cost
-(:func:`dsaindex.coarse.step_cost_us`). A stage 1 aiming at P x C keeps 1.5 P x C on average
+(:func:`expected_step_us`). A stage 1 aiming at P x C keeps 1.5 P x C on average
 (:func:`dsaindex.coarse.stage1_kept`); bundles trained since 2026-12-07 record the recall at that width, the
 kernels' own, and older ones at exactly P x C, a lower bound of what the kernels serve.
 :meth:`OperatingPoints.from_metrics` is the one reader of those names; the choosers in
@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dsaindex.coarse import step_cost_us
+from dsaindex.coarse import COST_GROWTH, step_cost_us
 
 MIN_BAND_QUERIES = 8  # a prefix band's recall counts with at least this many queries
 
@@ -61,9 +61,19 @@ class OperatingPoint:
 
     @property
     def cost_us(self) -> float:
-        """The served step's expected device time a query at 1M keys (:func:`dsaindex.coarse.step_cost_us`):
-        what choosers rank points of different stage 1s by."""
-        return step_cost_us(self.stage1, self.stage2_keys)
+        """The served step's expected device time a query at 1M keys (:func:`expected_step_us`): what choosers
+        rank points of different stage 1s by."""
+        return expected_step_us(self.stage1, self.prefilter or 0, self.candidates)
+
+
+def expected_step_us(stage1: str, prefilter: int, candidates: int) -> float:
+    """The served step's expected device time a query at 1M keys (H100, :func:`dsaindex.coarse.step_cost_us`)
+    at stage 1 ``stage1`` and ``prefilter`` x ``candidates``, C grown past 128K as the step grows it: by
+    :data:`dsaindex.coarse.COST_GROWTH` at 1M, up to what the final top-k holds. So C = 2,048 and 4,096 at one P
+    cost alike there: both reach 16,384."""
+    from dsaindex.runtime.paged_select import growth_limit
+
+    return step_cost_us(stage1, prefilter * candidates * min(COST_GROWTH, growth_limit(candidates)))
 
 
 def band_start(band: str) -> int:

@@ -264,27 +264,29 @@ def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
     assert "--prefilter 4 or more" in err.value.fix
     with pytest.raises(DsaIndexError, match=r"at most 99\.82% .* short of the 99\.83% asked"):  # rounded down
         candidates_for_recall({f"{head}/rerank@2048": 0.998299}, [0], 512, 0.9983)
-    # the prefilter chosen with C: the least stage-2 work P x C, on a tie the smaller C (less to rescore)
+    # the prefilter chosen with C: the least stage-2 work P x C at 1M keys, C grown there as the step grows it
+    # (8 x past 128K, to at most 16,384: 2,048 and 4,096 both reach it), on a tie the smaller C (less to rescore)
     from dsaindex.runtime.loader import selection_for_recall
 
     staged = dict(metrics, **{f"{head}/prefilter8@2048": 0.99, f"{head}/prefilter8@4096": 0.996})
-    assert selection_for_recall(staged, [0], 512, 0.99) == {0: ("codes", 8, 2048)}  # 16K keys, as 4 x 4096
-    assert selection_for_recall(staged, [0], 512, 0.995) == {0: ("codes", 16, 2048)}  # 32K keys, as 8 x 4096
+    assert selection_for_recall(staged, [0], 512, 0.99) == {0: ("codes", 4, 4096)}  # 64K keys at 1M, 8 x 2048 128K
+    assert selection_for_recall(staged, [0], 512, 0.995) == {0: ("codes", 8, 4096)}  # 128K keys, as 8 x 2048
     assert selection_for_recall(staged, [0], 512, 0.9995) == {0: ("codes", 16, 4096)}
     with pytest.raises(DsaIndexError, match=r"at most 99\.95% .* C = 4096 with stage 1 keeping 16 x C keys by codes"):
         selection_for_recall(staged, [0], 512, 0.9999)
     with pytest.raises(DsaIndexError, match="records no served recall per stage-1 factor"):
         selection_for_recall({f"{head}/rerank@2048": 1.0}, [0], 512, 0.99)
-    # the fold scan's points beside the codes': ranked by expected step cost, stage 1's scan and P x C
-    from dsaindex.coarse import step_cost_us
+    # the fold scan's points beside the codes': ranked by expected step cost, stage 1's scan and P x C grown
+    from dsaindex.runtime.operating_points import expected_step_us
 
     folded = dict(staged, **{f"{head}/folds1@2048": 0.996, f"{head}/folds1@4096": 0.9993,
                              f"{head}/folds2@2048": 0.9992})
-    assert step_cost_us("codes", 8 * 2048) < step_cost_us("folds", 2048) < step_cost_us("codes", 16 * 2048)
-    assert selection_for_recall(folded, [0], 512, 0.99) == {0: ("codes", 8, 2048)}  # the codes' scan is cheaper
-    assert selection_for_recall(folded, [0], 512, 0.995) == {0: ("folds", 1, 2048)}  # not 16 x 2048 by codes
-    assert selection_for_recall(folded, [0], 512, 0.9992) == {0: ("folds", 2, 2048)}  # 4K keys, as 1 x 4096
-    assert selection_for_recall(folded, [0], 512, 0.995, stage1s=("codes",)) == {0: ("codes", 16, 2048)}
+    assert expected_step_us("codes", 4, 4096) < expected_step_us("folds", 1, 2048) < expected_step_us("codes", 8, 4096)
+    assert expected_step_us("folds", 1, 2048) == expected_step_us("folds", 1, 4096) < expected_step_us("folds", 2, 2048)
+    assert selection_for_recall(folded, [0], 512, 0.99) == {0: ("codes", 4, 4096)}  # the codes' scan is cheaper
+    assert selection_for_recall(folded, [0], 512, 0.995) == {0: ("folds", 1, 2048)}  # not 8 x 4096 by codes
+    assert selection_for_recall(folded, [0], 512, 0.9992) == {0: ("folds", 1, 4096)}  # half the keys of 2 x 2048
+    assert selection_for_recall(folded, [0], 512, 0.995, stage1s=("codes",)) == {0: ("codes", 8, 4096)}
     with pytest.raises(DsaIndexError, match=r"at most 99\.93% .* by folds") as err:
         selection_for_recall(folded, [0], 512, 0.9995, stage1s=("folds",))
     assert "stage 1 by codes" in err.value.fix

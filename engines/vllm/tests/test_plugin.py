@@ -504,10 +504,12 @@ def test_by_default_each_layer_serves_its_cheapest_recorded_point_at_the_target(
     monkeypatch.delenv("DSAINDEX_CANDIDATES")
     with caplog.at_level(logging.INFO, logger="dsaindex_vllm"):
         op = build_layer(vllm_config(CFG))[0]
-    assert (op.candidates, op.prefilter) == (4096, 8)  # 32K keys in stage 2, the same as 4 x 8192: the smaller C
+    # 32K keys in stage 2 either way up to 128K; at 1M C = 4,096 grows 4 x and 8,192 2 x (both to 16,384, what
+    # the final top-k holds), so 4 x 8192 reads half the stage-2 keys of 8 x 4096 there
+    assert (op.candidates, op.prefilter) == (8192, 4)
     assert op.stage1 == "codes"  # the bundle records no fold-scan point
-    assert "C = 4096, stage 1 8 x C by codes, held-out recall 99.61%" in caplog.text
-    assert "expected step 30.7 us a query at 1M keys (H100)" in caplog.text
+    assert "C = 8192, stage 1 4 x C by codes, held-out recall 99.70%" in caplog.text
+    assert "expected step 23.8 us a query at 1M keys (H100)" in caplog.text
     # and what the step itself chooses: bins for up to 8 requests at a 32K stage 1 (256K keys in all)
     assert "by score bins for up to 8 requests at a stage 1 of 32,768 keys" in caplog.text
     # and which stage-1 kernel runs: on this CPU machine, Triton's, with the reason
