@@ -78,7 +78,7 @@ PAGED_GROWN_EXTRA = -4.5
 PAGED_FOLDS_EXTRA_BELOW = 2 << 18
 # what one decode query's served step costs at 1M keys with C grown past a 128K band, for ranking operating points
 # of different stage 1s against each other: stage 1's scan of every key by what it scores, plus stage 2's share
-# per key of its stage-1 width P x C, C as grown at 1M (COST_GROWTH x, up to what the final top-k's one program
+# per key of its stage-1 width P x C, C as grown at 1M (8 x past COST_BAND, up to what the final top-k's one program
 # holds: runtime.paged_select.growth_limit, 16,384 keys for a C that is a power of two). Read off the per-query
 # medians of `bench paged --batches 32 --keys 1048576 --candidates 4096 --grow-band 131072 --exact-below 0` on the
 # H100 (CUDA graphs): the codes at P = 1, 2, 4 take 18.6, 20.4, 23.8 us, the folds at P = 1, 2 26.6, 28.6 us
@@ -87,7 +87,7 @@ PAGED_FOLDS_EXTRA_BELOW = 2 << 18
 # (docs/results/paged_codes_p4_c2048_rule_h100.json), as C = 4,096 at P = 4: at 1M both grow to 16,384.
 STAGE1_SCAN_US = {"codes": 16.9, "folds": 23.0}
 STAGE2_US_PER_KEY = 1.06e-4
-COST_GROWTH = 8  # C's growth at 1M keys past a 128K band
+COST_BAND = 1 << 17  # the band past which C grew in those runs: 8 x at 1M keys
 
 
 # how many keys a decode step's stage 1 passes to stage 2. The kernels keep every key whose stage-1 score reaches a

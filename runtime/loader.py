@@ -356,12 +356,14 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
     C grows past ``band`` keys by up to ``most``, as :func:`growth_bands` and ``DSAINDEX_LONG_PREFIX=grow``
     set it), how C grows past the measured prefixes instead of "longer ones not measured". ``stage1``: what each
     layer's stage 1 scores (default the codes), named with it, with the step's expected device time a query at
-    1M keys (:func:`~dsaindex.runtime.operating_points.expected_step_us`)."""
+    1M keys (:func:`~dsaindex.runtime.operating_points.expected_step_us`; C grown there as ``grow`` grows it,
+    fixed where it gives the layer no band, as choosers rank points without ``grow``)."""
     table = OperatingPoints.from_metrics(metrics)
     groups: dict[tuple[int, int, str, str], list[int]] = {}
     for layer in sorted(candidates):
         c, p = int(candidates[layer]), int(prefilter[layer])
         kind = (stage1 or {}).get(layer, "codes")
+        grown = None if grow is None else grow.get(layer, (0, 1))  # C at 1M keys: as this server grows it
         found = [x for x in table.of(layer, topk, p, stage1=kind) if x.candidates == c]
         if not found:
             said = "held-out recall not recorded"
@@ -384,7 +386,7 @@ def describe_points(metrics: Mapping[str, float], candidates: Mapping[int, int],
             said += (f", a query reads {shares[0]['codes'] / shares[0]['exact']:.2f}x the exact scan's bytes at 128K "
                      f"keys, {shares[1]['codes'] / shares[1]['exact']:.2f}x at 1M")
         if stage1 is not None:
-            said += f", expected step {expected_step_us(kind, p, c):.1f} us a query at 1M keys (H100)"
+            said += f", expected step {expected_step_us(kind, p, c, grown):.1f} us a query at 1M keys (H100)"
         groups.setdefault((c, p, kind, said), []).append(layer)
     return "; ".join(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: C = {c}, stage 1 {p} x C"
                      f"{f' by {kind}' if stage1 is not None else ''}, {said}"

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dsaindex.coarse import COST_GROWTH, step_cost_us
+from dsaindex.coarse import COST_BAND, step_cost_us
 
 MIN_BAND_QUERIES = 8  # a prefix band's recall counts with at least this many queries
 
@@ -66,14 +66,17 @@ class OperatingPoint:
         return expected_step_us(self.stage1, self.prefilter or 0, self.candidates)
 
 
-def expected_step_us(stage1: str, prefilter: int, candidates: int) -> float:
+def expected_step_us(stage1: str, prefilter: int, candidates: int, grow: tuple[int, int] | None = None) -> float:
     """The served step's expected device time a query at 1M keys (H100, :func:`dsaindex.coarse.step_cost_us`)
-    at stage 1 ``stage1`` and ``prefilter`` x ``candidates``, C grown past 128K as the step grows it: by
-    :data:`dsaindex.coarse.COST_GROWTH` at 1M, up to what the final top-k holds. So C = 2,048 and 4,096 at one P
-    cost alike there: both reach 16,384."""
+    at stage 1 ``stage1`` and ``prefilter`` x ``candidates``, C (and stage 1's target) grown at 1M as the step
+    grows it past ``grow`` = (band, most) (band 0: C stays fixed). None: the band the cost was measured at,
+    :data:`dsaindex.coarse.COST_BAND`, up to what the final top-k holds, which is how choosers rank points: so
+    C = 2,048 and 4,096 at one P cost alike, both grown to 16,384 at 1M."""
+    from dsaindex.kernels.pq_select import growth_of
     from dsaindex.runtime.paged_select import growth_limit
 
-    return step_cost_us(stage1, prefilter * candidates * min(COST_GROWTH, growth_limit(candidates)))
+    band, most = (COST_BAND, growth_limit(candidates)) if grow is None else grow
+    return step_cost_us(stage1, prefilter * candidates * growth_of(1 << 20, band, most))
 
 
 def band_start(band: str) -> int:

@@ -283,6 +283,11 @@ def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
                              f"{head}/folds2@2048": 0.9992})
     assert expected_step_us("codes", 4, 4096) < expected_step_us("folds", 1, 2048) < expected_step_us("codes", 8, 4096)
     assert expected_step_us("folds", 1, 2048) == expected_step_us("folds", 1, 4096) < expected_step_us("folds", 2, 2048)
+    # C as this server grows it: as ranked past 128K (8 x at 1M, 4,096 capped at 4 x), fixed, or past a shorter band
+    assert expected_step_us("codes", 4, 2048) == expected_step_us("codes", 4, 2048, (131072, 8))
+    assert expected_step_us("codes", 4, 4096, (0, 1)) < expected_step_us("codes", 4, 4096) == expected_step_us(
+        "codes", 4, 4096, (131072, 4))
+    assert expected_step_us("codes", 4, 1024, (16384, 16)) > expected_step_us("codes", 4, 1024)
     assert selection_for_recall(folded, [0], 512, 0.99) == {0: ("codes", 4, 4096)}  # the codes' scan is cheaper
     assert selection_for_recall(folded, [0], 512, 0.995) == {0: ("folds", 1, 2048)}  # not 8 x 4096 by codes
     assert selection_for_recall(folded, [0], 512, 0.9992) == {0: ("folds", 1, 4096)}  # half the keys of 2 x 2048

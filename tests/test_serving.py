@@ -105,7 +105,7 @@ def test_whole_requests_select_through_ivf_and_pq(served):
                                 "a query; decode points: layers 0, 1, 2, 3: "
                                 "C = 1024, stage 1 2 x C by codes, held-out recall not recorded, a query reads 0.25x "
                                 "the exact scan's bytes at 128K keys, 0.24x at 1M, expected step "
-                                f"{expected_step_us('codes', 2, 1024):.1f} us a query at 1M keys (H100)")
+                                f"{expected_step_us('codes', 2, 1024, (0, 1)):.1f} us a query at 1M keys (H100)")  # no band: C fixed
     with index:
         got = _generate(net, prompt, 12)
         assert all(ix == [None] for ix in index.ivf.values())  # decoding dropped the prefill indexes
@@ -154,7 +154,7 @@ def test_tight_budgets_select_and_layers_without_artifacts_stay_exact(served):
     assert index.describe() == ("prefill exact: layers 0-3; decode pq: layers 0-3; decode points: layers 0, 1, 2, 3: "
                                 f"C = {2 * TOPK}, stage 1 2 x C by codes, held-out recall not recorded, a query reads "
                                 "0.24x the exact scan's bytes at 128K keys, 0.24x at 1M, expected step "
-                                f"{expected_step_us('codes', 2, 2 * TOPK):.1f} us a query at 1M keys (H100)")
+                                f"{expected_step_us('codes', 2, 2 * TOPK, (0, 1)):.1f} us a query at 1M keys (H100)")
     with index:
         _generate(net, _text(3000, 500), 10)
     assert index.log.queries["prefill"] == {}  # the model's own prefill selection
