@@ -18,6 +18,12 @@ CUDA graphs, as the engines run decode):
 
 GPU bytes per key and layer: the exact keys' 132 B; with the plugin, the codes, signatures and flags
 (:func:`dsaindex.runtime.paged_select.device_bytes_per_key`) beside the keys (device) or alone (host).
+
+With ``--artifacts BUNDLE``: the step the plugins serve that bundle with when no ``DSAINDEX_*`` variable is
+set (:func:`plugin_points`: each decode layer's C, stage 1 and its factor from the bundle's recorded recall
+at the default target, C grown past the layer's measured band, the exact-path rule on, keys on the device),
+each distinct point timed over the same cache beside one DeepGEMM baseline; a decode step's time a layer is
+the mean over the bundle's decode layers (``plugin_defaults``).
 """
 
 from __future__ import annotations
@@ -42,32 +48,32 @@ def _options(value: str, flag: str, what: str, allowed: tuple[str, ...]) -> tupl
     return names
 
 
-def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
-                    subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
-                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
-                    scans: tuple[str, ...] = ("triton",), grow_band: int = 0,
-                    stage2s: tuple[str, ...] = ("auto",), stage1s: tuple[str, ...] = ("codes",)) -> dict:
+def _paged_state(batch: int, keys: int, heads: int, subspaces: int) -> tuple:
+    """(the engines' paged FP8 cache, its page table, the lengths, random codes, codebooks, queries, weights)
+    for ``batch`` requests of ``keys`` synthetic keys each, on the GPU."""
     import torch
 
     from dsaindex.kernels import deepgemm
-    from dsaindex.kernels.topk import rows_topk
-    from dsaindex.pipelines.bench.decode import synthetic_state, timed
-    from dsaindex.pipelines.bench.timing import kernel_profile
-    from dsaindex.pq import PQCodec
-    from dsaindex.runtime.mapped import host_mapped_zeros
-    from dsaindex.runtime.paged_select import (
-        PagedCacheSelector,
-        device_bytes_per_key,
-        exact_shares,
-        growth_limit,
-        takes_exact_path,
-    )
+    from dsaindex.pipelines.bench.decode import synthetic_state
 
     fp8, scales, codes, codebooks, q, w = synthetic_state(batch, keys, heads, subspaces)
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
     cache, table = deepgemm.paged_cache(fp8, scales)
     fp8 = scales = None
     torch.cuda.empty_cache()
+    return cache, table, lengths, codes, codebooks, q, w
+
+
+def _time_deepgemm(state: tuple, keys: int, topk: int, graphs: bool, profile: bool = False) -> tuple:
+    """DeepGEMM's paged logits + ``torch.topk`` and + the runtime's threshold top-k over ``state``
+    (:func:`_paged_state`): (median ms by name, with ``deepgemm_best`` the faster, timing modes, profiles,
+    DeepGEMM's schedule to share, None or why DeepGEMM did not run)."""
+    from dsaindex.kernels import deepgemm
+    from dsaindex.kernels.topk import rows_topk
+    from dsaindex.pipelines.bench.decode import timed
+    from dsaindex.pipelines.bench.timing import kernel_profile
+
+    cache, table, lengths, _, _, q, w = state
     ms: dict[str, float] = {}
     modes: dict[str, str] = {}
     profiles: dict[str, dict] = {}
@@ -86,8 +92,55 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
         ms["deepgemm_best"] = min(ms["deepgemm_topk"], ms["deepgemm_fast_topk"])
         if profile:
             profiles["deepgemm_fast_topk"] = kernel_profile(lambda: rows_topk(logits(), lengths, topk))
+    return ms, modes, profiles, schedule, note
+
+
+def _time_selector(state: tuple, rows, codec, schedule, graphs: bool, profile: bool, topk: int,
+                   **settings) -> tuple[float, str, dict | None]:
+    """(median ms, timing mode, kernel profile or None) of the plugins' step: a
+    :class:`~dsaindex.runtime.paged_select.PagedCacheSelector` of ``codec`` and ``settings`` over ``rows``
+    (the cache of ``state``, or a host copy of it) with ``state``'s codes adopted, sharing DeepGEMM's
+    ``schedule`` as an engine computes it once a step for every layer."""
+    import torch
+
+    from dsaindex.pipelines.bench.decode import timed
+    from dsaindex.pipelines.bench.timing import kernel_profile
+    from dsaindex.runtime.paged_select import PagedCacheSelector
+
+    _, table, lengths, codes, _, q, w = state
+    selector = PagedCacheSelector(codec, rows.shape[0], topk, device="cuda", **settings)
+    selector.adopt(rows, table.reshape(-1), codes.reshape(-1, 64, codes.shape[2]))
+    step = lambda: selector.select(rows, table, lengths, q, w, eager_refresh=False, schedule=schedule)  # noqa: E731
+    step()
+    ms, mode = timed(step, graphs)
+    if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):
+        raise RuntimeError("the paged selector found stale pages in the benchmark's adopted codes")
+    kernels = kernel_profile(step) if profile else None
+    selector = step = None
+    torch.cuda.empty_cache()
+    return ms, mode, kernels
+
+
+def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
+                    subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
+                    exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
+                    scans: tuple[str, ...] = ("triton",), grow_band: int = 0,
+                    stage2s: tuple[str, ...] = ("auto",), stage1s: tuple[str, ...] = ("codes",)) -> dict:
+    import torch
+
+    from dsaindex.pq import PQCodec
+    from dsaindex.runtime.mapped import host_mapped_zeros
+    from dsaindex.runtime.paged_select import (
+        device_bytes_per_key,
+        exact_shares,
+        growth_limit,
+        takes_exact_path,
+    )
+
+    state = _paged_state(batch, keys, heads, subspaces)
+    cache, codebooks = state[0], state[4]
+    ms, modes, profiles, schedule, note = _time_deepgemm(state, keys, topk, graphs, profile)
     codec = PQCodec(codebooks.float().cpu())
-    flat_codes = codes.reshape(-1, 64, codes.shape[2])
     offset, extra = exact_shares(prefilter * candidates, grows=grow_band > 0)  # the selectors' default
     grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
     first = (top_cs[0], scans[0], stage2s[0], stage1s[0])
@@ -109,20 +162,13 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
         if place == "host":
             rows = host_mapped_zeros(tuple(cache.shape), torch.uint8, "cuda")
             rows.copy_(cache)
-        selector = PagedCacheSelector(codec, rows.shape[0], topk, candidates=candidates, prefilter=prefilter,
-                                      device="cuda", keys_on_host=place == "host", exact_below=bound,
-                                      top_c=top_c, scan=scan, grow_band=grow_band, stage2=stage2, stage1=stage1)
-        selector.adopt(rows, table.reshape(-1), flat_codes)
-        # DeepGEMM's schedule shared as by the baseline (an engine computes it once per step for all layers)
-        step = lambda sel=selector, r=rows: sel.select(r, table, lengths, q, w, eager_refresh=False,  # noqa: E731
-                                                       schedule=schedule)
-        step()
-        ms[f"plugin_{name}"], modes[f"plugin_{name}"] = timed(step, graphs)
-        if int(selector.stats.stale.sum()) or int(selector.stats.encoded.sum()):
-            raise RuntimeError("the paged selector found stale pages in the benchmark's adopted codes")
+        got = _time_selector(state, rows, codec, schedule, graphs, profile, topk, candidates=candidates,
+                             prefilter=prefilter, keys_on_host=place == "host", exact_below=bound, top_c=top_c,
+                             scan=scan, grow_band=grow_band, stage2=stage2, stage1=stage1)
+        ms[f"plugin_{name}"], modes[f"plugin_{name}"] = got[:2]
         if profile:
-            profiles[f"plugin_{name}"] = kernel_profile(step)
-        selector = rows = step = None
+            profiles[f"plugin_{name}"] = got[2]
+        rows = None
         torch.cuda.empty_cache()
     code_bytes = device_bytes_per_key(subspaces)
     gpu_bytes = {"exact": KEY_BYTES, "plugin_device": KEY_BYTES + code_bytes, "plugin_host": code_bytes}
@@ -136,6 +182,112 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
         "deepgemm": note or "sgl-deep-gemm fp8_paged_mqa_logits + the faster of torch.topk and the threshold top-k",
         "gpu_bytes_per_key_and_layer": {k: round(v, 3) for k, v in gpu_bytes.items()
                                         if k == "exact" or k.removeprefix("plugin_") in places},
+        "profile": profiles or None,
+    }
+
+
+def plugin_points(artifacts: str, model: str, tracking_uri: str | None = None,
+                  environ: dict[str, str] | None = None, device: str = "cuda") -> dict:
+    """What the engine plugins serve ``artifacts`` with for ``model`` on ``device`` under ``environ`` (default:
+    no ``DSAINDEX_*`` variable set, their defaults): {"bundle", "topk" (the model's, which the points' recall
+    is of), "recall_target", "exact_below", "points": {layer: (C, P, stage 1, grow band)}, "codecs": {layer:
+    codec}, "recall": {layer: the recall the bundle records there}}, chosen by
+    :func:`dsaindex.runtime.loader.decode_settings` and :func:`~dsaindex.runtime.loader.growth_bands` as the
+    plugins choose; raises :class:`DsaIndexError` where a plugin would refuse to start (no point reaches the
+    target, codes the paged step does not serve)."""
+    import json
+
+    from dsaindex.artifacts.bundle import read_manifest
+    from dsaindex.artifacts.registry import load_uri
+    from dsaindex.geometry import geometry_from_config
+    from dsaindex.pipelines.capture.models import preset_config, resolve_model_dir
+    from dsaindex.runtime.loader import decode_settings, growth_bands, load_bundle
+    from dsaindex.runtime.operating_points import OperatingPoints
+    from dsaindex.runtime.paged_select import check_paged_codes, fold_scan_unavailable
+    from dsaindex.runtime.settings import engine_settings
+
+    settings = engine_settings("vllm", environ or {})
+    config = (preset_config(model.split(":", 1)[1]) if model.startswith("preset:")
+              else json.loads((Path(resolve_model_dir(model)) / "config.json").read_text()))
+    # the bundle's own key basis: the step's cost does not depend on it (a plugin serves the one it is set to)
+    basis = read_manifest(load_uri(artifacts, tracking_uri=tracking_uri)).basis
+    loaded = load_bundle(artifacts, config, device="cpu", basis=basis, tracking_uri=tracking_uri,
+                         allow_other_weights=True)
+    topk = geometry_from_config(config).topk
+    decode = {layer: codec for layer, codec in loaded.layers.items() if loaded.kind_of(layer).role == "decode"}
+    check_paged_codes(decode)
+    candidates, factors, stages = decode_settings(settings.decode(topk), loaded, topk,
+                                                  folds=fold_scan_unavailable(device))
+    bands = (growth_bands(loaded.manifest.metrics, candidates, factors, topk, stages)
+             if settings.long_prefix == "grow" else {})
+    table = OperatingPoints.from_metrics(loaded.manifest.metrics)
+    recall = {}
+    for layer in candidates:
+        found = [x for x in table.of(layer, topk, factors[layer], stage1=stages[layer])
+                 if x.candidates == candidates[layer]]
+        recall[layer] = found[0].recall if found else None
+    return {"bundle": loaded.manifest.bundle_id, "topk": topk, "recall_target": settings.recall_target,
+            "exact_below": settings.exact_below,
+            "points": {layer: (candidates[layer], factors[layer], stages[layer], bands.get(layer, 0))
+                       for layer in sorted(candidates)},
+            "codecs": {layer: decode[layer] for layer in candidates}, "recall": recall}
+
+
+def point_label(point: tuple[int, int, str, int]) -> str:
+    """``C=4096 P=2 folds grow>131072`` (C grows past that many keys) or ``... fixed`` (a fixed C)."""
+    c, p, kind, band = point
+    return f"C={c} P={p} {kind} " + (f"grow>{band}" if band else "fixed")
+
+
+def time_defaults_case(batch: int, keys: int, heads: int, topk: int, chosen: dict, graphs: bool,
+                       profile: bool = False) -> dict:
+    """The plugins' default step for ``chosen`` (:func:`plugin_points`) at ``batch`` x ``keys``: each distinct
+    layer point timed over one synthetic cache (keys on the device, that layer's codec) beside one DeepGEMM
+    baseline; a step's time a layer is the mean over the layers."""
+    from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.paged_select import (
+        device_bytes_per_key,
+        exact_shares,
+        growth_limit,
+        takes_exact_path,
+    )
+
+    points, codecs = chosen["points"], chosen["codecs"]
+    widths = {int(codecs[layer].codebooks.shape[0]) for layer in points}
+    if len(widths) != 1:
+        raise DsaIndexError(f"the bundle's decode layers hold codes of {sorted(widths)} bytes a key; the benchmark "
+                            "times one cache of codes.", "pass a bundle whose decode layers share one code.")
+    subspaces = widths.pop()
+    state = _paged_state(batch, keys, heads, subspaces)
+    ms, modes, profiles, schedule, note = _time_deepgemm(state, keys, topk, graphs, profile)
+    by_point: dict[tuple, dict] = {}
+    for layer, point in points.items():
+        if point in by_point:
+            by_point[point]["layers"].append(layer)
+            continue
+        c, p, kind, band = point
+        c = max(c, topk)  # as the plugins build it: C is at least the top-k they return
+        offset, extra = exact_shares(p * c, grows=band > 0)
+        bound = chosen["exact_below"] + (PAGED_FOLDS_EXTRA_BELOW if chosen["exact_below"] and kind == "folds" else 0)
+        path = "exact" if takes_exact_path(batch, keys, bound, offset, (band, growth_limit(c)) if band else (0, 1),
+                                           extra) else "pq"
+        t, mode, kernels = _time_selector(state, state[0], codecs[layer], schedule, graphs, profile, topk,
+                                          candidates=c, prefilter=p, stage1=kind, grow_band=band,
+                                          exact_below=chosen["exact_below"])
+        by_point[point] = {"point": point_label(point), "layers": [layer], "path": path, "median_ms": round(t, 4),
+                           "timing": mode, **({"profile": kernels} if kernels else {})}
+    layer_ms = {layer: by_point[point]["median_ms"] for layer, point in points.items()}
+    mean = sum(layer_ms.values()) / len(layer_ms)
+    return {
+        "batch": batch, "keys": keys,
+        "points": list(by_point.values()),
+        "layer_ms": {str(layer): t for layer, t in layer_ms.items()},
+        "median_ms": {**{k: round(v, 4) for k, v in ms.items()}, "plugin_defaults": round(mean, 4)},
+        "timing": modes,
+        "speedup_vs_deepgemm": None if note else {"plugin_defaults": round(ms["deepgemm_best"] / mean, 3)},
+        "deepgemm": note or "sgl-deep-gemm fp8_paged_mqa_logits + the faster of torch.topk and the threshold top-k",
+        "gpu_bytes_per_key_and_layer": {"exact": KEY_BYTES,
+                                        "plugin_device": round(KEY_BYTES + device_bytes_per_key(subspaces), 3)},
         "profile": profiles or None,
     }
 
@@ -197,11 +349,21 @@ def bench_paged(
     graphs: bool = typer.Option(True, "--graphs/--eager", help="Time steps replayed from CUDA graphs."),
     profile: bool = typer.Option(False, "--profile", help="Add each step's per-kernel device time (torch.profiler, "
                                                            "eager) to the JSON."),
+    artifacts: str = typer.Option(None, "--artifacts", "-a",
+                                  help="Time the step the plugins serve this PQ bundle with by default (folder, "
+                                       "s3://bucket/prefix or models:/<name>@<alias>): each decode layer at the "
+                                       "point chosen from its recorded recall, C grown past its measured band, "
+                                       "keys on the device; --candidates, --prefilter, --stage1, --grow-band and "
+                                       "--keys-on are then the bundle's, not flags."),
+    model: str = typer.Option("reference", "--model", "-m",
+                              help="With --artifacts: the served model whose top-k the points are chosen for."),
+    tracking_uri: str = typer.Option(None, help="With --artifacts models:/...: the MLflow tracking URI."),
     out: Path = typer.Option(None, help="Also write the JSON result to this file."),
     markdown: Path = typer.Option(None, help="Also write the table as markdown to this file."),
 ) -> None:
     """The engine plugins' decode step (keys in HBM, or in host memory read in place) against DeepGEMM's
-    paged logits + the best top-k, per batch size and length, with GPU bytes per key. Needs a CUDA device."""
+    paged logits + the best top-k, per batch size and length, with GPU bytes per key. With --artifacts, the
+    step the plugins serve a bundle with by default, each layer at its own point. Needs a CUDA device."""
     import json
 
     import torch
@@ -233,6 +395,10 @@ def bench_paged(
                             "run it on a GPU machine.")
     if deepgemm.unavailable():
         typer.echo(f"note: no DeepGEMM baseline in this run: {deepgemm.unavailable()}", err=True)
+    if artifacts is not None:
+        _bench_defaults(artifacts, model, tracking_uri, key_counts, batch_sizes, heads, topk, graphs, profile, out,
+                        markdown)
+        return
     rows = []
     for n in key_counts:
         for b in batch_sizes:
@@ -248,3 +414,53 @@ def bench_paged(
               "grow_band": grow_band,
               "rows": rows}
     emit_report(report, out, markdown, markdown_table(report))
+
+
+def defaults_markdown(report: dict) -> str:
+    from dsaindex.console import markdown_rows
+
+    layers = list(report["points"])
+    head = ["B", "N", "DeepGEMM + best top-k (ms)", "defaults, mean a layer (ms)", "vs DeepGEMM",
+            *[f"layer {layer} (ms, path)" for layer in layers]]
+    cells_of = []
+    for r in report["rows"]:
+        m, s = r["median_ms"], r["speedup_vs_deepgemm"]
+        paths = {str(layer): x["path"] for x in r["points"] for layer in x["layers"]}
+        cells_of.append([str(r["batch"]), f"{r['keys']:,}", f"{m.get('deepgemm_best', float('nan')):.3f}",
+                         f"{m['plugin_defaults']:.3f}", f"{s['plugin_defaults']:.2f}x" if s else "n/a",
+                         *[f"{r['layer_ms'][layer]:.3f} {paths[layer]}" for layer in layers]])
+    return markdown_rows(head, cells_of)
+
+
+def _bench_defaults(artifacts: str, model: str, tracking_uri: str | None, key_counts: list[int],
+                    batch_sizes: list[int], heads: int, topk: int, graphs: bool, profile: bool, out: Path | None,
+                    markdown: Path | None) -> None:
+    """``bench paged --artifacts``: the plugins' default step for a bundle, per B x N."""
+    import json
+
+    import torch
+
+    from dsaindex.console import emit_report
+
+    chosen = plugin_points(artifacts, model, tracking_uri)
+    points = chosen["points"]
+    typer.echo("the plugins' defaults for " + chosen["bundle"] + ": " + "; ".join(
+        f"layer {layer}: {point_label(point)}" + (f" (recorded recall {100 * chosen['recall'][layer]:.2f}%)"
+                                                  if chosen["recall"][layer] is not None else "")
+        for layer, point in points.items()), err=True)
+    rows = []
+    for n in key_counts:
+        for b in batch_sizes:
+            row = time_defaults_case(b, n, heads, topk, chosen, graphs, profile)
+            rows.append(row)
+            typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "layer_ms", "median_ms",
+                                                       "speedup_vs_deepgemm")}), err=True)
+            torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name(), "artifacts": artifacts, "bundle": chosen["bundle"],
+              "model": model, "model_topk": chosen["topk"], "recall_target": chosen["recall_target"],
+              "heads": heads, "topk": topk, "exact_below": chosen["exact_below"], "keys_on": "device",
+              "points": {str(layer): {"point": point_label(point), "recorded_recall": chosen["recall"][layer]}
+                         for layer, point in points.items()},
+              "rows": rows}
+    emit_report(report, out, markdown, defaults_markdown(report))
+
