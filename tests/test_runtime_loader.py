@@ -269,8 +269,10 @@ def test_auto_candidates_read_the_served_recall_at_the_servers_prefilter():
     from dsaindex.runtime.loader import selection_for_recall
 
     staged = dict(metrics, **{f"{head}/prefilter8@2048": 0.99, f"{head}/prefilter8@4096": 0.996})
-    assert selection_for_recall(staged, [0], 512, 0.99) == {0: ("codes", 4, 4096)}  # 64K keys at 1M, 8 x 2048 128K
-    assert selection_for_recall(staged, [0], 512, 0.995) == {0: ("codes", 8, 4096)}  # 128K keys, as 8 x 2048
+    # stage 2's keys at 1M (C grown to 16,384 either way): 4 x 4,096 -> 64K, cheaper than 8 x 2,048 -> 128K
+    assert selection_for_recall(staged, [0], 512, 0.99) == {0: ("codes", 4, 4096)}
+    # 8 x 2,048 falls short of 99.5%; 8 x 4,096 (128K keys at 1M) costs half of 16 x 2,048 (256K)
+    assert selection_for_recall(staged, [0], 512, 0.995) == {0: ("codes", 8, 4096)}
     assert selection_for_recall(staged, [0], 512, 0.9995) == {0: ("codes", 16, 4096)}
     with pytest.raises(DsaIndexError, match=r"at most 99\.95% .* C = 4096 with stage 1 keeping 16 x C keys by codes"):
         selection_for_recall(staged, [0], 512, 0.9999)
