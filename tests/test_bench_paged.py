@@ -64,12 +64,14 @@ def test_each_distinct_point_is_timed_once_and_a_layer_is_the_mean(tmp_path, mon
     monkeypatch.setattr(paged, "_time_deepgemm", lambda *a, **k: ({"deepgemm_best": 1.0}, {}, {}, None, None))
 
     def clock(state, rows, codec, schedule, graphs, profile, topk, **settings):
-        timed.append((settings["candidates"], settings["prefilter"], settings["stage1"], settings["grow_band"]))
+        timed.append((settings["candidates"], settings["prefilter"], settings["stage1"], settings["grow_band"],
+                      settings["exact_below"], settings["keys_on_host"]))
         return settings["prefilter"] * settings["candidates"] / 1024, "cuda-graph", None
 
     monkeypatch.setattr(paged, "_time_selector", clock)
+    monkeypatch.setattr("dsaindex.runtime.mapped.host_mapped_zeros", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
     row = paged.time_defaults_case(8, 1 << 20, 64, TOPK, chosen, graphs=True)
-    assert timed == [(256, 1, "folds", 131072), (128, 4, "codes", 0)]
+    assert [t[:4] for t in timed] == [(256, 1, "folds", 131072), (128, 4, "codes", 0)]
     assert row["layer_ms"] == {"0": 0.25, "1": 0.5, "2": 0.5, "3": 0.5}
     assert row["median_ms"]["plugin_defaults"] == pytest.approx(0.4375, abs=1e-4)
     assert row["speedup_vs_deepgemm"]["plugin_defaults"] == pytest.approx(1 / 0.4375, abs=1e-3)
@@ -77,3 +79,14 @@ def test_each_distinct_point_is_timed_once_and_a_layer_is_the_mean(tmp_path, mon
     assert {p["path"] for p in row["points"]} == {"pq"}  # 8 x 1M is past the exact path's bound
     table = paged.defaults_markdown({"points": {str(k): {} for k in range(4)}, "rows": [row]})
     assert "| 8 | 1,048,576 | 1.000 | 0.438 | 2.29x | 0.250 pq | 0.500 pq | 0.500 pq | 0.500 pq |" in table
+    # the keys in host memory too: each point again, as the plugins build it there (never the exact path)
+    timed.clear()
+    row = paged.time_defaults_case(1, 1 << 16, 64, TOPK, chosen, graphs=True, places=("device", "host"))
+    assert [t[4:] for t in timed] == [(chosen["exact_below"], False)] * 2 + [(0, True)] * 2
+    assert {p["path"] for p in row["points"]} == {"exact"} and {p["path_host"] for p in row["points"]} == {"pq"}
+    assert row["layer_ms_host"] == row["layer_ms"] and set(row["speedup_vs_deepgemm"]) == {"plugin_defaults",
+                                                                                         "plugin_defaults_host"}
+    assert row["gpu_bytes_per_key_and_layer"]["plugin_defaults_host"] < row["gpu_bytes_per_key_and_layer"]["exact"] / 4
+    table = paged.defaults_markdown({"points": {str(k): {} for k in range(4)}, "keys_on": ["device", "host"],
+                                     "rows": [row]})
+    assert "| 1 | 65,536 | 1.000 | 0.438 | 2.29x | 0.250 exact | 0.500 exact | 0.500 exact | 0.500 exact | 0.438 | 2.29x |" in table

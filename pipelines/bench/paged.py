@@ -240,11 +240,16 @@ def point_label(point: tuple[int, int, str, int]) -> str:
 
 
 def time_defaults_case(batch: int, keys: int, heads: int, topk: int, chosen: dict, graphs: bool,
-                       profile: bool = False) -> dict:
+                       profile: bool = False, places: tuple[str, ...] = ("device",)) -> dict:
     """The plugins' default step for ``chosen`` (:func:`plugin_points`) at ``batch`` x ``keys``: each distinct
-    layer point timed over one synthetic cache (keys on the device, that layer's codec) beside one DeepGEMM
-    baseline; a step's time a layer is the mean over the layers."""
+    layer point timed over one synthetic cache (that layer's codec) beside one DeepGEMM baseline, with the keys
+    in each of ``places`` (``device``: HBM, the default; ``host``: pinned host memory read in place,
+    ``DSAINDEX_KEYS=host``, where the exact path is off); a step's time a layer is the mean over the layers
+    (``plugin_defaults``, and ``plugin_defaults_host``)."""
+    import torch
+
     from dsaindex.errors import DsaIndexError
+    from dsaindex.runtime.mapped import host_mapped_zeros
     from dsaindex.runtime.paged_select import (
         device_bytes_per_key,
         exact_shares,
@@ -261,33 +266,51 @@ def time_defaults_case(batch: int, keys: int, heads: int, topk: int, chosen: dic
     state = _paged_state(batch, keys, heads, subspaces)
     ms, modes, profiles, schedule, note = _time_deepgemm(state, keys, topk, graphs, profile)
     by_point: dict[tuple, dict] = {}
-    for layer, point in points.items():
-        if point in by_point:
-            by_point[point]["layers"].append(layer)
-            continue
-        c, p, kind, band = point
-        c = max(c, topk)  # as the plugins build it: C is at least the top-k they return
-        offset, extra = exact_shares(p * c, grows=band > 0)
-        bound = chosen["exact_below"] + (PAGED_FOLDS_EXTRA_BELOW if chosen["exact_below"] and kind == "folds" else 0)
-        path = "exact" if takes_exact_path(batch, keys, bound, offset, (band, growth_limit(c)) if band else (0, 1),
-                                           extra) else "pq"
-        t, mode, kernels = _time_selector(state, state[0], codecs[layer], schedule, graphs, profile, topk,
-                                          candidates=c, prefilter=p, stage1=kind, grow_band=band,
-                                          exact_below=chosen["exact_below"])
-        by_point[point] = {"point": point_label(point), "layers": [layer], "path": path, "median_ms": round(t, 4),
-                           "timing": mode, **({"profile": kernels} if kernels else {})}
-    layer_ms = {layer: by_point[point]["median_ms"] for layer, point in points.items()}
-    mean = sum(layer_ms.values()) / len(layer_ms)
+    for place in places:
+        rows = state[0]
+        if place == "host":
+            rows = host_mapped_zeros(tuple(rows.shape), torch.uint8, "cuda")
+            rows.copy_(state[0])
+        suffix = "" if place == "device" else f"_{place}"
+        for layer, point in points.items():
+            entry = by_point.get(point)
+            if entry is not None and f"median_ms{suffix}" in entry:
+                if place == places[0]:
+                    entry["layers"].append(layer)
+                continue
+            c, p, kind, band = point
+            c = max(c, topk)  # as the plugins build it: C is at least the top-k they return
+            offset, extra = exact_shares(p * c, grows=band > 0)
+            below = chosen["exact_below"] if place == "device" else 0  # host keys: never exact
+            bound = below + (PAGED_FOLDS_EXTRA_BELOW if below and kind == "folds" else 0)
+            path = "exact" if takes_exact_path(batch, keys, bound, offset,
+                                               (band, growth_limit(c)) if band else (0, 1), extra) else "pq"
+            t, mode, kernels = _time_selector(state, rows, codecs[layer], schedule, graphs, profile, topk,
+                                              candidates=c, prefilter=p, stage1=kind, grow_band=band,
+                                              exact_below=below, keys_on_host=place == "host")
+            entry = by_point.setdefault(point, {"point": point_label(point), "layers": [layer]})
+            entry.update({f"path{suffix}": path, f"median_ms{suffix}": round(t, 4), f"timing{suffix}": mode,
+                          **({f"profile{suffix}": kernels} if kernels else {})})
+        rows = None
+        torch.cuda.empty_cache()
+    means, layer_ms = {}, {}
+    for place in places:
+        suffix = "" if place == "device" else f"_{place}"
+        per_layer = {layer: by_point[point][f"median_ms{suffix}"] for layer, point in points.items()}
+        layer_ms[f"layer_ms{suffix}"] = {str(layer): t for layer, t in per_layer.items()}
+        means[f"plugin_defaults{suffix}"] = sum(per_layer.values()) / len(per_layer)
+    code_bytes = device_bytes_per_key(subspaces)
+    gpu_bytes = {"plugin_defaults": KEY_BYTES + code_bytes, "plugin_defaults_host": code_bytes}
     return {
         "batch": batch, "keys": keys,
         "points": list(by_point.values()),
-        "layer_ms": {str(layer): t for layer, t in layer_ms.items()},
-        "median_ms": {**{k: round(v, 4) for k, v in ms.items()}, "plugin_defaults": round(mean, 4)},
+        **layer_ms,
+        "median_ms": {**{k: round(v, 4) for k, v in ms.items()}, **{k: round(v, 4) for k, v in means.items()}},
         "timing": modes,
-        "speedup_vs_deepgemm": None if note else {"plugin_defaults": round(ms["deepgemm_best"] / mean, 3)},
+        "speedup_vs_deepgemm": None if note else {k: round(ms["deepgemm_best"] / v, 3) for k, v in means.items()},
         "deepgemm": note or "sgl-deep-gemm fp8_paged_mqa_logits + the faster of torch.topk and the threshold top-k",
         "gpu_bytes_per_key_and_layer": {"exact": KEY_BYTES,
-                                        "plugin_device": round(KEY_BYTES + device_bytes_per_key(subspaces), 3)},
+                                        **{k: round(gpu_bytes[k], 3) for k in means}},
         "profile": profiles or None,
     }
 
@@ -353,8 +376,9 @@ def bench_paged(
                                   help="Time the step the plugins serve this PQ bundle with by default (folder, "
                                        "s3://bucket/prefix or models:/<name>@<alias>): each decode layer at the "
                                        "point chosen from its recorded recall, C grown past its measured band, "
-                                       "keys on the device; --candidates, --prefilter, --stage1, --grow-band and "
-                                       "--keys-on are then the bundle's, not flags."),
+                                       "keys on the device (and with --keys-on device,host, the default, in host "
+                                       "memory too: DSAINDEX_KEYS=host); --candidates, --prefilter, --stage1 and "
+                                       "--grow-band are then the bundle's, not flags."),
     model: str = typer.Option("reference", "--model", "-m",
                               help="With --artifacts: the served model whose top-k the points are chosen for."),
     tracking_uri: str = typer.Option(None, help="With --artifacts models:/...: the MLflow tracking URI."),
@@ -396,8 +420,11 @@ def bench_paged(
     if deepgemm.unavailable():
         typer.echo(f"note: no DeepGEMM baseline in this run: {deepgemm.unavailable()}", err=True)
     if artifacts is not None:
+        if "device" not in chosen:
+            raise DsaIndexError("--artifacts times the plugins' default step, with the keys on the device.",
+                                "pass --keys-on device, or device,host to time DSAINDEX_KEYS=host beside it.")
         _bench_defaults(artifacts, model, tracking_uri, key_counts, batch_sizes, heads, topk, graphs, profile, out,
-                        markdown)
+                        markdown, chosen)
         return
     rows = []
     for n in key_counts:
@@ -420,21 +447,25 @@ def defaults_markdown(report: dict) -> str:
     from dsaindex.console import markdown_rows
 
     layers = list(report["points"])
+    host = "host" in report.get("keys_on", ["device"])
     head = ["B", "N", "DeepGEMM + best top-k (ms)", "defaults, mean a layer (ms)", "vs DeepGEMM",
-            *[f"layer {layer} (ms, path)" for layer in layers]]
+            *[f"layer {layer} (ms, path)" for layer in layers],
+            *(["keys on the host (ms)", "vs DeepGEMM (host)"] if host else [])]
     cells_of = []
     for r in report["rows"]:
         m, s = r["median_ms"], r["speedup_vs_deepgemm"]
         paths = {str(layer): x["path"] for x in r["points"] for layer in x["layers"]}
         cells_of.append([str(r["batch"]), f"{r['keys']:,}", f"{m.get('deepgemm_best', float('nan')):.3f}",
                          f"{m['plugin_defaults']:.3f}", f"{s['plugin_defaults']:.2f}x" if s else "n/a",
-                         *[f"{r['layer_ms'][layer]:.3f} {paths[layer]}" for layer in layers]])
+                         *[f"{r['layer_ms'][layer]:.3f} {paths[layer]}" for layer in layers],
+                         *([f"{m['plugin_defaults_host']:.3f}", f"{s['plugin_defaults_host']:.2f}x" if s else "n/a"]
+                           if host else [])])
     return markdown_rows(head, cells_of)
 
 
 def _bench_defaults(artifacts: str, model: str, tracking_uri: str | None, key_counts: list[int],
                     batch_sizes: list[int], heads: int, topk: int, graphs: bool, profile: bool, out: Path | None,
-                    markdown: Path | None) -> None:
+                    markdown: Path | None, places: tuple[str, ...] = ("device",)) -> None:
     """``bench paged --artifacts``: the plugins' default step for a bundle, per B x N."""
     import json
 
@@ -451,14 +482,14 @@ def _bench_defaults(artifacts: str, model: str, tracking_uri: str | None, key_co
     rows = []
     for n in key_counts:
         for b in batch_sizes:
-            row = time_defaults_case(b, n, heads, topk, chosen, graphs, profile)
+            row = time_defaults_case(b, n, heads, topk, chosen, graphs, profile, places)
             rows.append(row)
             typer.echo(json.dumps({k: row[k] for k in ("batch", "keys", "layer_ms", "median_ms",
                                                        "speedup_vs_deepgemm")}), err=True)
             torch.cuda.empty_cache()
     report = {"device": torch.cuda.get_device_name(), "artifacts": artifacts, "bundle": chosen["bundle"],
               "model": model, "model_topk": chosen["topk"], "recall_target": chosen["recall_target"],
-              "heads": heads, "topk": topk, "exact_below": chosen["exact_below"], "keys_on": "device",
+              "heads": heads, "topk": topk, "exact_below": chosen["exact_below"], "keys_on": list(places),
               "points": {str(layer): {"point": point_label(point), "recorded_recall": chosen["recall"][layer]}
                          for layer, point in points.items()},
               "rows": rows}
