@@ -162,9 +162,10 @@ def test_recall_tables_fit_80_columns_and_say_what_the_columns_mean(trained):
     assert "@32 " not in proc.stdout  # C = top-k: the top-C is the direct top-k, left out
     assert "fetch@C:" in proc.stdout and "-:" in proc.stdout  # the caption
     assert "fetch_" not in proc.stdout
-    # the served step's recall (stage 1 keeping 4, 8, 16 x C) in one line under the table
+    # the served step's recall (stage 1 keeping 1, 2, 4, 8, 16 x C) in one line under the table
     flat = " ".join(proc.stdout.split())
-    assert "served step at C = 128 (stage 1 keeps 4 / 8 / 16 x C): mean" in flat and "weakest at 4 x C: layer" in flat
+    assert "served step at C = 128 (stage 1 keeps 1 / 2 / 4 / 8 / 16 x C): mean" in flat
+    assert "weakest at 1 x C: layer" in flat
 
 
 def test_the_served_recall_line_reads_each_recorded_stage_1():

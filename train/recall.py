@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from dsaindex.artifacts.capture_store import CaptureStore
 
 CANDIDATES = (1024, 2048, 4096)
-PREFILTERS = (4, 8, 16)  # stage-1 factors whose served recall (d) is recorded beside rerank@C
+PREFILTERS = (1, 2, 4, 8, 16)  # stage-1 factors whose served recall (d) is recorded beside rerank@C
 FOLD_PREFILTERS = (1, 2)  # stage-1 factors of the grouped folds (e)
 PAPER_K = 512
 BAND_EDGES = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # prefix lengths (keys) where bands meet
