@@ -23,7 +23,8 @@ With ``--artifacts BUNDLE``: the step the plugins serve that bundle with when no
 set (:func:`plugin_points`: each decode layer's C, stage 1 and its factor from the bundle's recorded recall
 at the default target, C grown past the layer's measured band, the exact-path rule on, keys on the device),
 each distinct point timed over the same cache beside one DeepGEMM baseline; a decode step's time a layer is
-the mean over the bundle's decode layers (``plugin_defaults``).
+the mean over the bundle's decode layers (``plugin_defaults``; with the keys in host memory too,
+``plugin_defaults_host``).
 """
 
 from __future__ import annotations
