@@ -122,6 +122,19 @@ def _time_selector(state: tuple, rows, codec, schedule, graphs: bool, profile: b
     return ms, mode, kernels
 
 
+def _expected_path(batch: int, keys: int, candidates: int, prefilter: int, stage1: str, grow_band: int,
+                   exact_below: int) -> str:
+    """``exact`` or ``pq``: the path the plugins' rule sends a step of ``batch`` requests of ``keys`` keys down
+    (:func:`~dsaindex.runtime.paged_select.takes_exact_path` with the selector's default offsets, the fold
+    scan's bound holding its fixed part too, as the selector's does)."""
+    from dsaindex.runtime.paged_select import exact_shares, growth_limit, takes_exact_path
+
+    offset, extra = exact_shares(prefilter * candidates, grows=grow_band > 0)
+    grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
+    bound = exact_below + (PAGED_FOLDS_EXTRA_BELOW if exact_below and stage1 == "folds" else 0)
+    return "exact" if takes_exact_path(batch, keys, bound, offset, grow, extra) else "pq"
+
+
 def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: int, prefilter: int,
                     subspaces: int, places: tuple[str, ...], graphs: bool, profile: bool = False,
                     exact_below: int = PAGED_EXACT_BELOW, top_cs: tuple[str, ...] = ("auto",),
@@ -131,23 +144,14 @@ def time_paged_case(batch: int, keys: int, heads: int, topk: int, candidates: in
 
     from dsaindex.pq import PQCodec
     from dsaindex.runtime.mapped import host_mapped_zeros
-    from dsaindex.runtime.paged_select import (
-        device_bytes_per_key,
-        exact_shares,
-        growth_limit,
-        takes_exact_path,
-    )
+    from dsaindex.runtime.paged_select import device_bytes_per_key
 
     state = _paged_state(batch, keys, heads, subspaces)
     cache, codebooks = state[0], state[4]
     ms, modes, profiles, schedule, note = _time_deepgemm(state, keys, topk, graphs, profile)
     codec = PQCodec(codebooks.float().cpu())
-    offset, extra = exact_shares(prefilter * candidates, grows=grow_band > 0)  # the selectors' default
-    grow = (grow_band, growth_limit(candidates)) if grow_band else (0, 1)  # the offset grows with C
     first = (top_cs[0], scans[0], stage2s[0], stage1s[0])
-    # the fold scan's bound holds its fixed part too, as the selector's does
-    bound = exact_below + (PAGED_FOLDS_EXTRA_BELOW if exact_below and first[3] == "folds" else 0)
-    path = "exact" if takes_exact_path(batch, keys, bound, offset, grow, extra) else "pq"
+    path = _expected_path(batch, keys, candidates, prefilter, first[3], grow_band, exact_below)
     runs = [(p, p, exact_below, *first) for p in places]
     if path == "exact" and "device" in places:
         runs.append(("device_pq", "device", 0, *first))
@@ -196,20 +200,17 @@ def plugin_points(artifacts: str, model: str, tracking_uri: str | None = None,
     :func:`dsaindex.runtime.loader.decode_settings` and :func:`~dsaindex.runtime.loader.growth_bands` as the
     plugins choose; raises :class:`DsaIndexError` where a plugin would refuse to start (no point reaches the
     target, codes the paged step does not serve)."""
-    import json
-
     from dsaindex.artifacts.bundle import read_manifest
     from dsaindex.artifacts.registry import load_uri
     from dsaindex.geometry import geometry_from_config
-    from dsaindex.pipelines.capture.models import preset_config, resolve_model_dir
+    from dsaindex.pipelines.capture.models import model_config
     from dsaindex.runtime.loader import decode_settings, growth_bands, load_bundle
     from dsaindex.runtime.operating_points import OperatingPoints
     from dsaindex.runtime.paged_select import check_paged_codes, fold_scan_unavailable
     from dsaindex.runtime.settings import engine_settings
 
     settings = engine_settings("vllm", environ or {})
-    config = (preset_config(model.split(":", 1)[1]) if model.startswith("preset:")
-              else json.loads((Path(resolve_model_dir(model)) / "config.json").read_text()))
+    config = model_config(model)
     # the bundle's own key basis: the step's cost does not depend on it (a plugin serves the one it is set to)
     basis = read_manifest(load_uri(artifacts, tracking_uri=tracking_uri)).basis
     loaded = load_bundle(artifacts, config, device="cpu", basis=basis, tracking_uri=tracking_uri,
@@ -222,11 +223,8 @@ def plugin_points(artifacts: str, model: str, tracking_uri: str | None = None,
     bands = (growth_bands(loaded.manifest.metrics, candidates, factors, topk, stages)
              if settings.long_prefix == "grow" else {})
     table = OperatingPoints.from_metrics(loaded.manifest.metrics)
-    recall = {}
-    for layer in candidates:
-        found = [x for x in table.of(layer, topk, factors[layer], stage1=stages[layer])
-                 if x.candidates == candidates[layer]]
-        recall[layer] = found[0].recall if found else None
+    recall = {layer: table.recall(layer, topk, factors[layer], stages[layer]).get(candidates[layer])
+              for layer in candidates}
     return {"bundle": loaded.manifest.bundle_id, "topk": topk, "recall_target": settings.recall_target,
             "exact_below": settings.exact_below,
             "points": {layer: (candidates[layer], factors[layer], stages[layer], bands.get(layer, 0))
@@ -251,12 +249,7 @@ def time_defaults_case(batch: int, keys: int, heads: int, topk: int, chosen: dic
 
     from dsaindex.errors import DsaIndexError
     from dsaindex.runtime.mapped import host_mapped_zeros
-    from dsaindex.runtime.paged_select import (
-        device_bytes_per_key,
-        exact_shares,
-        growth_limit,
-        takes_exact_path,
-    )
+    from dsaindex.runtime.paged_select import device_bytes_per_key
 
     points, codecs = chosen["points"], chosen["codecs"]
     widths = {int(codecs[layer].codebooks.shape[0]) for layer in points}
@@ -281,11 +274,8 @@ def time_defaults_case(batch: int, keys: int, heads: int, topk: int, chosen: dic
                 continue
             c, p, kind, band = point
             c = max(c, topk)  # as the plugins build it: C is at least the top-k they return
-            offset, extra = exact_shares(p * c, grows=band > 0)
             below = chosen["exact_below"] if place == "device" else 0  # host keys: never exact
-            bound = below + (PAGED_FOLDS_EXTRA_BELOW if below and kind == "folds" else 0)
-            path = "exact" if takes_exact_path(batch, keys, bound, offset,
-                                               (band, growth_limit(c)) if band else (0, 1), extra) else "pq"
+            path = _expected_path(batch, keys, c, p, kind, band, below)
             t, mode, kernels = _time_selector(state, rows, codecs[layer], schedule, graphs, profile, topk,
                                               candidates=c, prefilter=p, stage1=kind, grow_band=band,
                                               exact_below=below, keys_on_host=place == "host")

@@ -150,6 +150,13 @@ def resolve_model_dir(ref: str) -> Path:
     raise ModelNotFoundError(f"No local checkpoint at {ref!r}.", hint + ".")
 
 
+def model_config(ref: str) -> Any:
+    """The transformers config (object or ``config.json`` dict) of a model reference, without weights."""
+    if ref.startswith("preset:"):
+        return preset_config(ref.split(":", 1)[1])
+    return json.loads((resolve_model_dir(ref) / "config.json").read_text())
+
+
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Silence what transformers prints while our own models load: its weight-loading progress bars,

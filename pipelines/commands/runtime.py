@@ -21,17 +21,6 @@ from dsaindex.runtime.settings import DecodeSettings, PrefillSettings, ServeSett
 runtime_app = typer.Typer(no_args_is_help=True)
 
 
-def _model_config(model: str) -> object:
-    """The transformers config (object or ``config.json`` dict) of a model reference, without weights."""
-    import json
-
-    from dsaindex.pipelines.capture.models import preset_config, resolve_model_dir
-
-    if model.startswith("preset:"):
-        return preset_config(model.split(":", 1)[1])
-    return json.loads((Path(resolve_model_dir(model)) / "config.json").read_text())
-
-
 @runtime_app.command("check")
 def check_cmd(
     model: str = typer.Option(..., "--model", "-m", help="Served model: checkpoint directory, `reference` or a preset."),
@@ -63,12 +52,13 @@ def check_cmd(
 
     from dsaindex.artifacts.bundle import read_manifest
     from dsaindex.artifacts.registry import load_uri
+    from dsaindex.pipelines.capture.models import model_config
     from dsaindex.pipelines.commands.serving_options import parse_prefilter
     from dsaindex.runtime.loader import load_bundle
 
     prefilter = "auto" if prefilter is None else parse_prefilter(prefilter, "auto")  # refused before anything loads
 
-    config = _model_config(model)
+    config = model_config(model)
     served = None
     if weights and not allow_other_weights:
         from dsaindex.artifacts.compat import check_bundle_for_model
@@ -404,6 +394,7 @@ def quality_cmd(
     from dsaindex.console import progress_bar
     from dsaindex.errors import DsaIndexError
     from dsaindex.geometry import geometry_from_config
+    from dsaindex.pipelines.capture.models import model_config
     from dsaindex.pipelines.reference.quality import (
         heldout_stream,
         heldout_titles,
@@ -419,7 +410,7 @@ def quality_cmd(
     serving_options.check_locations(artifacts)
     if out is not None and not out.parent.is_dir():
         raise DsaIndexError(f"--out {out}: the folder {out.parent} does not exist.", "create it, or pass another path.")
-    config = _model_config(model)
+    config = model_config(model)
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     limit = int(get("max_position_embeddings", 0) or 0) or 1 << 17
     wanted = _parse_lengths(lengths, limit)
