@@ -91,7 +91,9 @@ _SOURCE = r"""
 #ifndef SHARED_DYNAMIC
 #define SHARED_DYNAMIC extern __shared__ __align__(16) int smem[]
 #endif
+#ifndef THREADS
 #define THREADS 512
+#endif
 #define WARPS (THREADS / 32)
 #define FOLDS 16
 #define MAX_ROWS 8192
@@ -139,17 +141,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) pq_fold_scan(
     // the codebook turned code-major: a thread reads 16 bytes, codewords (s, 4 c4 .. 4 c4 + 3)
 #define FILL_BOOK { \
         const uint4* src = reinterpret_cast<const uint4*>(codebook); \
-        constexpr int PER_THREAD = 32 * 64 / THREADS; \
+        constexpr int PER_THREAD = (32 * 64 + THREADS - 1) / THREADS; \
         uint4 four[PER_THREAD]; \
         _Pragma("unroll") \
         for (int k = 0; k < PER_THREAD; ++k) { \
             const int i = threadIdx.x + k * THREADS; \
-            four[k] = src[(i & 31) * 64 + (i >> 5)]; \
+            if (32 * 64 % THREADS == 0 || i < 32 * 64) four[k] = src[(i & 31) * 64 + (i >> 5)]; \
         } \
         _Pragma("unroll") \
         for (int k = 0; k < PER_THREAD; ++k) { \
             const int i = threadIdx.x + k * THREADS, s = i & 31, c = 4 * (i >> 5); \
-            STORE_WORDS(s, c, four[k]) \
+            if (32 * 64 % THREADS == 0 || i < 32 * 64) STORE_WORDS(s, c, four[k]) \
         } }
 #define STORE_WORDS(s, c, v4) { _Pragma("unroll") for (int copy = 0; copy < 4; ++copy) { \
         book_s[BOOK_AT_COPY(copy, s, c)] = v4.x; book_s[BOOK_AT_COPY(copy, s, c + 1)] = v4.y; \
@@ -173,8 +175,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) pq_fold_scan(
         // subspace 8t + c
         const unsigned* qb = queries + (long long)b * FOLDS * 32;
 #pragma unroll
-        for (int k = 0; k < FOLDS * 32 / THREADS; ++k) {
+        for (int k = 0; k < (FOLDS * 32 + THREADS - 1) / THREADS; ++k) {
             const int i = threadIdx.x + k * THREADS;
+            if (FOLDS * 32 % THREADS && i >= FOLDS * 32) break;
             const int f = i >> 5, sub = i & 31;
             q_s[f * 32 + (((sub & 7) ^ (f & 7)) << 2) + (sub >> 3)] = qb[i];
         }

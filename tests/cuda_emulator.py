@@ -327,11 +327,12 @@ def run_stage2(codes: np.ndarray, rows: np.ndarray, counts: np.ndarray, queries:
 def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.ndarray, book8: np.ndarray,
              page_table: np.ndarray | None = None, thr: np.ndarray | None = None, capacity: int = 0, n: int = 0,
              stride: int = 0, n_samples: int = 0, rows_per_block: int = 512, defines: str = "",
-             blocks: int | None = None):
+             blocks: int | None = None, threads: int | None = None):
     """The launches of :mod:`dsaindex.kernels.pq_fold_cuda` on the CPU: with ``stride`` > 0 its sampling
     (returns samples [B, n_samples] float32, unset NaN), else its scan of the first ``n`` rows against ``thr``
     (returns (rows [B, capacity] int32, counts [B] int32), unset -1). ``blocks``: a grid of that many blocks,
-    each taking tiles in turn, else one a tile."""
+    each taking tiles in turn, else one a tile; ``threads``: a block's (``defines`` setting THREADS to the same),
+    else the kernel's default."""
     from dsaindex.kernels.pq_fold_cuda import THREADS
 
     b = q8.shape[0]
@@ -347,7 +348,7 @@ def run_fold(codes: np.ndarray, lengths: np.ndarray, q8: np.ndarray, slopes: np.
     table, width, n_rows = _pages(page_table, lengths, codes)
     indices = n_samples if stride > 0 else n
     tiles_x = max(1, -(-indices // rows_per_block))
-    emulated_fold(defines)(blocks or b * tiles_x, 1, THREADS, _ptr(codes), _ptr(lengths), _ptr(book8),
+    emulated_fold(defines)(blocks or b * tiles_x, 1, threads or THREADS, _ptr(codes), _ptr(lengths), _ptr(book8),
                            _ptr(q8), _ptr(slopes), _ptr(thr), _ptr(rows), _ptr(counts), _ptr(samples), _ptr(table),
                            width, n_rows, capacity, rows_per_block, int(page_table is not None), stride, n_samples, b,
                            tiles_x)

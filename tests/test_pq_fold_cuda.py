@@ -50,14 +50,16 @@ def _np(table):
 
 @emulated
 @pytest.mark.parametrize("paged,defines,blocks", [(False, "", None), (True, "", None), (True, "", 2),
-                                                  (True, "#define DEPTH 4\n", None), (False, "#define SPLIT 1\n", 2)])
+                                                  (True, "#define DEPTH 4\n", None), (False, "#define SPLIT 1\n", 2),
+                                                  (True, "#define THREADS 768\n#define DEPTH 1\n", 2)])
 def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines, blocks):
     """``blocks``: that many blocks take the launch's six tiles in turn (else one a tile); ``DEPTH 4``: four
     steps' codes in flight, not two (steps past a block's rows); ``SPLIT``: lanes g >= 4 look up a step's
-    subspaces in the other order."""
+    subspaces in the other order; ``THREADS 768``: blocks of 24 warps (a step of 768 rows, past a tile's 512)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
+    threads = int(defines.split("THREADS ")[1].split()[0]) if "THREADS" in defines else None
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
-                   stride=1, n_samples=N, rows_per_block=512, defines=defines, blocks=blocks)
+                   stride=1, n_samples=N, rows_per_block=512, defines=defines, blocks=blocks, threads=threads)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
     for b, n in enumerate(lengths.tolist()):
         np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-6 * np.abs(want).max())
@@ -81,16 +83,20 @@ def test_strided_samples_are_the_rows_at_the_stride():
 
 @emulated
 @pytest.mark.parametrize("paged,blocks,layout", [(False, None, ""), (True, None, ""), (True, 2, ""),
-                                                 (True, 2, "#define SPLIT 1\n")])
+                                                 (True, 2, "#define SPLIT 1\n"),
+                                                 (True, 2, "#define THREADS 768\n#define DEPTH 1\n"),
+                                                 (False, None, "#define THREADS 1024\n#define DEPTH 1\n")])
 def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, blocks, layout):
     """``blocks``: two blocks taking the tiles in turn (their pages and staging reset between tiles), else one a
-    tile; ``layout``: a variant of the kernel."""
+    tile; ``layout``: a variant of the kernel (blocks of 768 or 1,024 threads: warps whose first step starts past a
+    512-row tile's end score nothing and keep nothing)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
     args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
-    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512, defines=layout)  # the kernel's own scores
+    threads = int(layout.split("THREADS ")[1].split()[0]) if "THREADS" in layout else None
+    scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512, defines=layout, threads=threads)  # its own
     thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
     capacity = 400
-    variant = dict(defines=layout, blocks=blocks)
+    variant = dict(defines=layout, blocks=blocks, threads=threads)
     rows, counts = run_fold(*args, thr=thr, capacity=capacity, n=N, rows_per_block=512, **variant)
     for b, n in enumerate(lengths.tolist()):
         want = set(np.flatnonzero(scores[b, :n] >= thr[b]).tolist())
