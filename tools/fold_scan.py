@@ -31,13 +31,15 @@ VARIANTS = {"four codebooks, 2 steps in flight (default)": ("", False, 512), "on
             "3 steps in flight": ("#define DEPTH 3\n", False, 512), "4 steps in flight": ("#define DEPTH 4\n", False, 512),
             "split pairs (1 wavefront a lookup)": (SP, False, 512),
             "768 threads, 1 step in flight": ("#define THREADS 768\n#define DEPTH 1\n", False, 768),
+            "768 threads, 2 steps in flight (12 bytes spilled)": ("#define THREADS 768\n", False, 768),
             "768 threads, split pairs, 1 step in flight": ("#define THREADS 768\n#define DEPTH 1\n" + SP, False, 768),
             "1024 threads, 1 step in flight": ("#define THREADS 1024\n#define DEPTH 1\n", False, 1024),
             "diag: no lookups": ("#define DIAG_NO_LOOKUP 1\n", False, 512),
             "diag: no mma": ("#define DIAG_NO_MMA 1\n", False, 512),
             "diag: no epilogue": ("#define DIAG_NO_EPILOGUE 1\n", False, 512)}
 QUICK_SET = ("four codebooks, 2 steps in flight (default)", "split pairs (1 wavefront a lookup)",
-             "768 threads, 1 step in flight", "768 threads, split pairs, 1 step in flight",
+             "768 threads, 1 step in flight", "768 threads, 2 steps in flight (12 bytes spilled)",
+             "768 threads, split pairs, 1 step in flight",
              "1024 threads, 1 step in flight")
 DIAG = os.environ.get("DIAG") == "1"  # the scan's variants and the operands' launches only
 QUICK = os.environ.get("QUICK") == "1"  # the stages at one P and QUICK_SET at 8,192 rows a block only
