@@ -44,6 +44,11 @@ def _inputs(seed: int, paged: bool):
     return stored, table, codes, lengths, q8, slopes, book8, queries, weights, codebook
 
 
+def _threads(defines: str) -> int | None:
+    """A block's threads where a variant's ``defines`` set them, else None (the kernel's own)."""
+    return int(defines.split("THREADS ")[1].split()[0]) if "THREADS" in defines else None
+
+
 def _np(table):
     return None if table is None else table.numpy()
 
@@ -57,7 +62,7 @@ def test_the_sampling_launch_scores_every_row_as_the_reference(paged, defines, b
     steps' codes in flight, not two (steps past a block's rows); ``SPLIT``: lanes g >= 4 look up a step's
     subspaces in the other order; ``THREADS 768``: blocks of 24 warps (a step of 768 rows, past a tile's 512)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(0, paged)
-    threads = int(defines.split("THREADS ")[1].split()[0]) if "THREADS" in defines else None
+    threads = _threads(defines)
     got = run_fold(stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table),
                    stride=1, n_samples=N, rows_per_block=512, defines=defines, blocks=blocks, threads=threads)
     want = fold_scores_reference(codes, q8, slopes, book8).numpy()
@@ -92,7 +97,7 @@ def test_the_scan_keeps_exactly_the_rows_at_or_above_the_threshold(paged, blocks
     512-row tile's end score nothing and keep nothing)."""
     stored, table, codes, lengths, q8, slopes, book8, *_ = _inputs(2, paged)
     args = (stored.numpy(), lengths.numpy(), q8.numpy(), slopes.numpy(), book8.numpy(), _np(table))
-    threads = int(layout.split("THREADS ")[1].split()[0]) if "THREADS" in layout else None
+    threads = _threads(layout)
     scores = run_fold(*args, stride=1, n_samples=N, rows_per_block=512, defines=layout, threads=threads)  # its own
     thr = np.array([np.quantile(scores[0, :N], 0.8), np.quantile(scores[1, :333], 0.5), 0.0], dtype=np.float32)
     capacity = 400
